@@ -1,0 +1,149 @@
+// d9d::rms_norm on CPU: the custom op against an eager ATen composition differentiated by autograd.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <string>
+#include <tuple>
+
+#include <d9d/kernels/rms_norm.hpp>
+
+namespace {
+
+// The textbook definition, computed in the accumulation dtype and rounded once.
+at::Tensor reference(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto xf = x.to(acc);
+  const auto rstd = (xf.pow(2).mean({-1}, /*keepdim=*/true) + eps).rsqrt();
+  return (xf * rstd * w.to(acc)).to(x.scalar_type());
+}
+
+struct Case {
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  double rtol;
+  double atol;
+};
+
+class Kernels_RmsNorm_Cpu : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Kernels_RmsNorm_Cpu, ForwardMatchesComposition) {
+  const auto& c = GetParam();
+  at::manual_seed(0);
+  const auto x = at::randn(c.shape, at::kDouble).to(c.dtype);
+  const auto w = (1.0 + 0.1 * at::randn({c.shape.back()}, at::kDouble)).to(c.dtype);
+  const auto got = d9d::kernels::rms_norm(x, w, 1e-6);
+  EXPECT_EQ(got.sizes(), x.sizes());
+  EXPECT_EQ(got.scalar_type(), c.dtype);
+  const auto want = reference(x, w, 1e-6);
+  EXPECT_TRUE(at::allclose(got.to(at::kDouble), want.to(at::kDouble), c.rtol, c.atol))
+      << "max abs diff " << (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>();
+}
+
+TEST_P(Kernels_RmsNorm_Cpu, BackwardMatchesAutogradOfComposition) {
+  const auto& c = GetParam();
+  at::manual_seed(1);
+  const auto x0 = at::randn(c.shape, at::kDouble).to(c.dtype);
+  const auto w0 = (1.0 + 0.1 * at::randn({c.shape.back()}, at::kDouble)).to(c.dtype);
+  const auto dy = at::randn(c.shape, at::kDouble).to(c.dtype);
+
+  // The reference: autograd through the composition, in double, rounded to the dtype at the end.
+  auto xr = x0.to(at::kDouble).detach().requires_grad_(true);
+  auto wr = w0.to(at::kDouble).detach().requires_grad_(true);
+  const auto yr = reference(xr, wr, 1e-6);
+  const auto ref_grads = torch::autograd::grad({yr}, {xr, wr}, {dy.to(at::kDouble)});
+
+  auto x = x0.detach().requires_grad_(true);
+  auto w = w0.detach().requires_grad_(true);
+  const auto y = d9d::kernels::rms_norm(x, w, 1e-6);
+  const auto grads = torch::autograd::grad({y}, {x, w}, {dy});
+
+  ASSERT_EQ(grads[0].scalar_type(), c.dtype);
+  ASSERT_EQ(grads[1].scalar_type(), c.dtype);
+  // grad_weight sums over every row, so its error grows with the row count.
+  const double rows = static_cast<double>(x0.numel() / c.shape.back());
+  EXPECT_TRUE(at::allclose(grads[0].to(at::kDouble), ref_grads[0], c.rtol, c.atol))
+      << "grad_input max abs diff "
+      << (grads[0].to(at::kDouble) - ref_grads[0]).abs().max().item<double>();
+  EXPECT_TRUE(at::allclose(grads[1].to(at::kDouble), ref_grads[1], c.rtol, c.atol * rows))
+      << "grad_weight max abs diff "
+      << (grads[1].to(at::kDouble) - ref_grads[1]).abs().max().item<double>();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, Kernels_RmsNorm_Cpu,
+    ::testing::Values(Case{at::kDouble, {4, 7, 64}, 1e-10, 1e-12},
+                      Case{at::kDouble, {3, 33}, 1e-10, 1e-12},
+                      Case{at::kFloat, {4, 7, 64}, 1e-5, 1e-6},
+                      Case{at::kFloat, {5, 1}, 1e-5, 1e-6},
+                      Case{at::kFloat, {2, 3, 4, 4096}, 1e-4, 1e-5},
+                      Case{at::kBFloat16, {8, 256}, 2e-2, 2e-2},
+                      Case{at::kHalf, {8, 100}, 5e-3, 5e-3}),
+    [](const auto& info) {
+      std::string name = std::string(c10::toString(info.param.dtype));
+      for (const auto d : info.param.shape) {
+        name += "_" + std::to_string(d);
+      }
+      return name;
+    });
+
+TEST(Kernels_RmsNorm_Cpu_Api, DispatcherOpWithoutGradMatchesFunction) {
+  const auto x = at::randn({6, 32});
+  const auto w = at::rand({32}) + 0.5;
+  const auto op = c10::Dispatcher::singleton()
+                      .findSchemaOrThrow("d9d::rms_norm", "")
+                      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  const at::NoGradGuard no_grad;
+  EXPECT_TRUE(at::equal(op.call(x, w, 1e-5), d9d::kernels::rms_norm(x, w, 1e-5)));
+}
+
+TEST(Kernels_RmsNorm_Cpu_Api, ForwardReturnsRstdPerRow) {
+  const auto x = at::randn({2, 3, 16});
+  const auto w = at::ones({16});
+  const auto [y, rstd] = d9d::kernels::rms_norm_forward(x, w, 1e-6);
+  EXPECT_EQ(rstd.sizes(), (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(rstd.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::allclose(rstd, (x.pow(2).mean({-1}) + 1e-6).rsqrt()));
+}
+
+TEST(Kernels_RmsNorm_Cpu_Api, EmptyInputGivesEmptyOutput) {
+  const auto x = at::randn({0, 8});
+  const auto y = d9d::kernels::rms_norm(x, at::ones({8}), 1e-6);
+  EXPECT_EQ(y.sizes(), x.sizes());
+}
+
+TEST(Kernels_RmsNorm_Cpu_Api, NonContiguousInputIsHandled) {
+  const auto base = at::randn({16, 8});
+  const auto x = base.t();  // [8, 16], not contiguous
+  const auto w = at::rand({16}) + 0.5;
+  EXPECT_TRUE(at::allclose(d9d::kernels::rms_norm(x, w, 1e-6), reference(x, w, 1e-6), 1e-5, 1e-6));
+}
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "<no error>";
+}
+
+TEST(Kernels_RmsNorm_Cpu_Api, BadArgumentsNameTheProblem) {
+  const auto x = at::randn({4, 8});
+  EXPECT_NE(error_of([&] { (void)d9d::kernels::rms_norm(x, at::ones({7}), 1e-6); })
+                .find("weight must have shape [8]"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { (void)d9d::kernels::rms_norm(x, at::ones({8}, at::kDouble), 1e-6); })
+                .find("weight dtype Double differs from input dtype Float"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              (void)d9d::kernels::rms_norm(at::ones({4, 8}, at::kLong), at::ones({8}, at::kLong),
+                                           1e-6);
+            }).find("input must be floating point"),
+            std::string::npos);
+}
+
+}  // namespace
