@@ -5,6 +5,9 @@
 // of 16 bytes), so x and dy are read from memory once; sums are in float (double for double).
 // The backward pass accumulates each block's share of grad_weight in registers and writes one
 // partial row per row-group; a sum over those partials gives grad_weight.
+#include <algorithm>
+#include <cstdint>
+
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
@@ -12,11 +15,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/sum.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
-
-#include <algorithm>
-#include <cstdint>
 
 #include <d9d/kernels/detail/rms_norm.hpp>
 
@@ -105,8 +106,8 @@ __global__ void rms_norm_forward_kernel(const T* __restrict__ x, const T* __rest
         V out;
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
-          out.val[e] = static_cast<T>(static_cast<A>(cache[k].val[e]) * rs *
-                                      static_cast<A>(wk.val[e]));
+          out.val[e] =
+              static_cast<T>(static_cast<A>(cache[k].val[e]) * rs * static_cast<A>(wk.val[e]));
         }
         yv[i] = out;
       }
@@ -311,8 +312,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
         const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
         const std::int64_t needed = (shape.rows + g.rpb - 1) / g.rpb;
         const int blocks = static_cast<int>(std::min<std::int64_t>(needed, 2LL * sms));
-        at::Tensor partial = at::empty({std::int64_t(blocks) * g.rpb, shape.cols},
-                                       rstd.options());
+        at::Tensor partial = at::empty({std::int64_t(blocks) * g.rpb, shape.cols}, rstd.options());
         constexpr int kVec = 16 / sizeof(scalar_t);
         if (g.vec == kVec) {
           launch_backward<scalar_t, kVec>(g, shape.rows, shape.cols, grad, input, weight, rstd,

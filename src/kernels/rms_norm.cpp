@@ -1,5 +1,7 @@
 // d9d/kernels/rms_norm.cpp — schemas of the d9d::rms_norm ops, the CPU reference kernels, and
 // the autograd wrapper shared by every device.
+#include <cmath>
+
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -8,8 +10,6 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
-
-#include <cmath>
 
 #include <d9d/kernels/detail/rms_norm.hpp>
 #include <d9d/kernels/rms_norm.hpp>
@@ -22,8 +22,10 @@ at::ScalarType accumulate_dtype(at::ScalarType input) {
 }
 
 RowShape check_rms_norm_forward(const at::Tensor& input, const at::Tensor& weight) {
-  TORCH_CHECK(input.defined() && weight.defined(), "d9d::rms_norm: input and weight must be defined");
-  TORCH_CHECK(input.dim() >= 1, "d9d::rms_norm: input must have at least one dimension, got a scalar");
+  TORCH_CHECK(input.defined() && weight.defined(),
+              "d9d::rms_norm: input and weight must be defined");
+  TORCH_CHECK(input.dim() >= 1,
+              "d9d::rms_norm: input must have at least one dimension, got a scalar");
   TORCH_CHECK(at::isFloatingType(input.scalar_type()),
               "d9d::rms_norm: input must be floating point, got ", input.scalar_type());
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == input.size(-1),
@@ -84,8 +86,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cpu(const at::Tensor& input_
         const std::int64_t n = shape.cols;
         at::parallel_for(0, shape.rows, 1, [&](std::int64_t begin, std::int64_t end) {
           for (std::int64_t row = begin; row < end; ++row) {
-            const scalar_t* xr = x + row * n;  // NOLINT(cppcoreguidelines-pro-bounds-pointer-arithmetic)
-            scalar_t* yr = y + row * n;        // NOLINT(cppcoreguidelines-pro-bounds-pointer-arithmetic)
+            const scalar_t* xr =
+                x + row * n;             // NOLINT(cppcoreguidelines-pro-bounds-pointer-arithmetic)
+            scalar_t* yr = y + row * n;  // NOLINT(cppcoreguidelines-pro-bounds-pointer-arithmetic)
             acc_t sum_sq = 0;
             for (std::int64_t j = 0; j < n; ++j) {
               const auto v = static_cast<acc_t>(xr[j]);
@@ -95,8 +98,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cpu(const at::Tensor& input_
                 acc_t(1) / std::sqrt(sum_sq / static_cast<acc_t>(n) + static_cast<acc_t>(eps));
             r[row] = rs;
             for (std::int64_t j = 0; j < n; ++j) {
-              yr[j] = static_cast<scalar_t>(static_cast<acc_t>(xr[j]) * rs *
-                                            static_cast<acc_t>(w[j]));
+              yr[j] =
+                  static_cast<scalar_t>(static_cast<acc_t>(xr[j]) * rs * static_cast<acc_t>(w[j]));
             }
           }
         });
@@ -148,8 +151,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
           for (std::int64_t j = begin; j < end; ++j) {
             acc_t sum = 0;
             for (std::int64_t row = 0; row < rows; ++row) {
-              sum += static_cast<acc_t>(dy[row * n + j]) * static_cast<acc_t>(x[row * n + j]) *
-                     r[row];
+              sum +=
+                  static_cast<acc_t>(dy[row * n + j]) * static_cast<acc_t>(x[row * n + j]) * r[row];
             }
             dw[j] = static_cast<scalar_t>(sum);
           }
@@ -206,15 +209,14 @@ at::Tensor rms_norm_plain(const at::Tensor& input, const at::Tensor& weight, dou
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
-  static const auto handle =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("d9d::rms_norm", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("d9d::rms_norm", "")
+                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
   return handle.call(input, weight, eps);
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& input, const at::Tensor& weight,
-                                                    double eps) {
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& input,
+                                                    const at::Tensor& weight, double eps) {
   return forward_op().call(input, weight, eps);
 }
 

@@ -1,10 +1,4 @@
 // d9d/testing/multiprocess.cpp — the multi-process test harness (see the header for the contract).
-#include <fcntl.h>
-#include <sys/prctl.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <cerrno>
@@ -12,13 +6,18 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fcntl.h>
 #include <filesystem>
 #include <fstream>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string_view>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <thread>
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -32,7 +31,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
-extern char** environ;  // NOLINT(readability-redundant-declaration): POSIX, not declared by <unistd.h>
+extern char**
+    environ;  // NOLINT(readability-redundant-declaration): POSIX, not declared by <unistd.h>
 
 namespace d9d::testing {
 namespace {
@@ -74,9 +74,10 @@ std::chrono::milliseconds effective_timeout(const LaunchOptions& options) {
 // another shard or filter, or pretend it finished the parent's test run.
 bool is_private_to_parent(std::string_view entry) {
   constexpr std::array<std::string_view, 11> kDropped = {
-      "XML_OUTPUT_FILE",     "GTEST_OUTPUT",     "TESTBRIDGE_TEST_ONLY", "TEST_SHARD_INDEX",
-      "TEST_TOTAL_SHARDS",   "TEST_SHARD_STATUS_FILE", "GTEST_SHARD_INDEX", "GTEST_TOTAL_SHARDS",
-      "GTEST_SHARD_STATUS_FILE", "TEST_PREMATURE_EXIT_FILE", "GTEST_FILTER"};
+      "XML_OUTPUT_FILE",          "GTEST_OUTPUT",       "TESTBRIDGE_TEST_ONLY",
+      "TEST_SHARD_INDEX",         "TEST_TOTAL_SHARDS",  "TEST_SHARD_STATUS_FILE",
+      "GTEST_SHARD_INDEX",        "GTEST_TOTAL_SHARDS", "GTEST_SHARD_STATUS_FILE",
+      "TEST_PREMATURE_EXIT_FILE", "GTEST_FILTER"};
   const auto name = entry.substr(0, entry.find('='));
   return std::find(kDropped.begin(), kDropped.end(), name) != kDropped.end();
 }
@@ -94,7 +95,8 @@ std::string make_scratch_dir() {
   std::vector<char> buffer(pattern.begin(), pattern.end());
   buffer.push_back('\0');
   if (mkdtemp(buffer.data()) == nullptr) {
-    throw std::runtime_error("d9d::testing: mkdtemp(" + pattern + ") failed: " + std::strerror(errno));
+    throw std::runtime_error("d9d::testing: mkdtemp(" + pattern +
+                             ") failed: " + std::strerror(errno));
   }
   return {buffer.data()};
 }
@@ -138,20 +140,23 @@ class RankProcesses {
     std::vector<char*> argv;
     argv.reserve(args.size() + 1);
     for (const auto& arg : args) {
-      argv.push_back(const_cast<char*>(arg.c_str()));  // NOLINT(cppcoreguidelines-pro-type-const-cast)
+      argv.push_back(
+          const_cast<char*>(arg.c_str()));  // NOLINT(cppcoreguidelines-pro-type-const-cast)
     }
     argv.push_back(nullptr);
     std::vector<char*> envp;
     envp.reserve(env.size() + 1);
     for (const auto& entry : env) {
-      envp.push_back(const_cast<char*>(entry.c_str()));  // NOLINT(cppcoreguidelines-pro-type-const-cast)
+      envp.push_back(
+          const_cast<char*>(entry.c_str()));  // NOLINT(cppcoreguidelines-pro-type-const-cast)
     }
     envp.push_back(nullptr);
 
     // NOLINTNEXTLINE(cppcoreguidelines-pro-type-vararg)
     const int log_fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (log_fd < 0) {
-      throw std::runtime_error("d9d::testing: cannot open " + log_path + ": " + std::strerror(errno));
+      throw std::runtime_error("d9d::testing: cannot open " + log_path + ": " +
+                               std::strerror(errno));
     }
     const pid_t parent = ::getpid();
     const pid_t pid = ::fork();
@@ -166,7 +171,8 @@ class RankProcesses {
       if (::getppid() != parent) {
         ::_exit(127);
       }
-      const int null_fd = ::open("/dev/null", O_RDONLY);  // NOLINT(cppcoreguidelines-pro-type-vararg)
+      const int null_fd =
+          ::open("/dev/null", O_RDONLY);  // NOLINT(cppcoreguidelines-pro-type-vararg)
       ::dup2(null_fd, STDIN_FILENO);
       ::dup2(log_fd, STDOUT_FILENO);
       ::dup2(log_fd, STDERR_FILENO);
@@ -390,8 +396,8 @@ LaunchResult launch(const LaunchOptions& options, const RankBody& body) {
   const auto timeout = effective_timeout(options);
   const std::string scratch = make_scratch_dir();
   LaunchResult result;
-  result.scratch_dir = std::shared_ptr<const std::string>(
-      new std::string(scratch), [](const std::string* path) {
+  result.scratch_dir =
+      std::shared_ptr<const std::string>(new std::string(scratch), [](const std::string* path) {
         std::error_code ignored;
         std::filesystem::remove_all(*path, ignored);
         delete path;  // NOLINT(cppcoreguidelines-owning-memory)
@@ -434,7 +440,7 @@ LaunchResult launch(const LaunchOptions& options, const RankBody& body) {
     env.push_back("WORLD_SIZE=" + std::to_string(options.world_size));
     env.push_back("LOCAL_RANK=" + std::to_string(rank));
     env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(options.world_size));
-    env.push_back("MASTER_ADDR=127.0.0.1");
+    env.emplace_back("MASTER_ADDR=127.0.0.1");
     env.push_back("MASTER_PORT=" + std::to_string(port));
     processes.start(exe, args, env, scratch + "/rank" + std::to_string(rank) + ".log");
   }

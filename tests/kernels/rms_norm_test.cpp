@@ -1,12 +1,12 @@
 // d9d::rms_norm on CPU: the custom op against an eager ATen composition differentiated by autograd.
+#include <string>
+#include <tuple>
+
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
-
-#include <string>
-#include <tuple>
 
 #include <d9d/kernels/rms_norm.hpp>
 
@@ -63,7 +63,7 @@ TEST_P(Kernels_RmsNorm_Cpu, BackwardMatchesAutogradOfComposition) {
   ASSERT_EQ(grads[0].scalar_type(), c.dtype);
   ASSERT_EQ(grads[1].scalar_type(), c.dtype);
   // grad_weight sums over every row, so its error grows with the row count.
-  const double rows = static_cast<double>(x0.numel() / c.shape.back());
+  const double rows = static_cast<double>(x0.numel()) / static_cast<double>(c.shape.back());
   EXPECT_TRUE(at::allclose(grads[0].to(at::kDouble), ref_grads[0], c.rtol, c.atol))
       << "grad_input max abs diff "
       << (grads[0].to(at::kDouble) - ref_grads[0]).abs().max().item<double>();
@@ -72,22 +72,21 @@ TEST_P(Kernels_RmsNorm_Cpu, BackwardMatchesAutogradOfComposition) {
       << (grads[1].to(at::kDouble) - ref_grads[1]).abs().max().item<double>();
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, Kernels_RmsNorm_Cpu,
-    ::testing::Values(Case{at::kDouble, {4, 7, 64}, 1e-10, 1e-12},
-                      Case{at::kDouble, {3, 33}, 1e-10, 1e-12},
-                      Case{at::kFloat, {4, 7, 64}, 1e-5, 1e-6},
-                      Case{at::kFloat, {5, 1}, 1e-5, 1e-6},
-                      Case{at::kFloat, {2, 3, 4, 4096}, 1e-4, 1e-5},
-                      Case{at::kBFloat16, {8, 256}, 2e-2, 2e-2},
-                      Case{at::kHalf, {8, 100}, 5e-3, 5e-3}),
-    [](const auto& info) {
-      std::string name = std::string(c10::toString(info.param.dtype));
-      for (const auto d : info.param.shape) {
-        name += "_" + std::to_string(d);
-      }
-      return name;
-    });
+INSTANTIATE_TEST_SUITE_P(Shapes, Kernels_RmsNorm_Cpu,
+                         ::testing::Values(Case{at::kDouble, {4, 7, 64}, 1e-10, 1e-12},
+                                           Case{at::kDouble, {3, 33}, 1e-10, 1e-12},
+                                           Case{at::kFloat, {4, 7, 64}, 1e-5, 1e-6},
+                                           Case{at::kFloat, {5, 1}, 1e-5, 1e-6},
+                                           Case{at::kFloat, {2, 3, 4, 4096}, 1e-4, 1e-5},
+                                           Case{at::kBFloat16, {8, 256}, 2e-2, 2e-2},
+                                           Case{at::kHalf, {8, 100}, 5e-3, 5e-3}),
+                         [](const auto& info) {
+                           std::string name = std::string(c10::toString(info.param.dtype));
+                           for (const auto d : info.param.shape) {
+                             name += "_" + std::to_string(d);
+                           }
+                           return name;
+                         });
 
 TEST(Kernels_RmsNorm_Cpu_Api, DispatcherOpWithoutGradMatchesFunction) {
   const auto x = at::randn({6, 32});
@@ -133,17 +132,19 @@ std::string error_of(F&& f) {
 
 TEST(Kernels_RmsNorm_Cpu_Api, BadArgumentsNameTheProblem) {
   const auto x = at::randn({4, 8});
-  EXPECT_NE(error_of([&] { (void)d9d::kernels::rms_norm(x, at::ones({7}), 1e-6); })
-                .find("weight must have shape [8]"),
-            std::string::npos);
-  EXPECT_NE(error_of([&] { (void)d9d::kernels::rms_norm(x, at::ones({8}, at::kDouble), 1e-6); })
-                .find("weight dtype Double differs from input dtype Float"),
+  EXPECT_NE(error_of([&] {
+              (void)d9d::kernels::rms_norm(x, at::ones({7}), 1e-6);
+            }).find("weight must have shape [8]"),
             std::string::npos);
   EXPECT_NE(error_of([&] {
-              (void)d9d::kernels::rms_norm(at::ones({4, 8}, at::kLong), at::ones({8}, at::kLong),
-                                           1e-6);
-            }).find("input must be floating point"),
+              (void)d9d::kernels::rms_norm(x, at::ones({8}, at::kDouble), 1e-6);
+            }).find("weight dtype Double differs from input dtype Float"),
             std::string::npos);
+  EXPECT_NE(
+      error_of([&] {
+        (void)d9d::kernels::rms_norm(at::ones({4, 8}, at::kLong), at::ones({8}, at::kLong), 1e-6);
+      }).find("input must be floating point"),
+      std::string::npos);
 }
 
 }  // namespace

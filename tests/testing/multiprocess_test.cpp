@@ -1,14 +1,13 @@
 // Tests of the multi-process harness itself: correct collectives on 2 and 4 ranks, and every
 // failure mode (failing, throwing, crashing, hanging ranks; peers blocked by a failed rank;
 // processes a rank started) is caught and cleaned up.
-#include <signal.h>
-#include <unistd.h>
-
 #include <cerrno>
 #include <chrono>
 #include <fstream>
+#include <signal.h>
 #include <thread>
 #include <tuple>
+#include <unistd.h>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -18,7 +17,6 @@
 
 namespace {
 
-using d9d::testing::LaunchOptions;
 using d9d::testing::RankEnv;
 using d9d::testing::Rendezvous;
 using namespace std::chrono_literals;
@@ -77,22 +75,23 @@ TEST_P(Harness_Gloo, AllReduceSumsAcrossRanks) {
       });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Stores, Harness_Gloo,
-    ::testing::Values(std::make_tuple(1, Rendezvous::tcp), std::make_tuple(2, Rendezvous::tcp),
-                      std::make_tuple(4, Rendezvous::tcp), std::make_tuple(2, Rendezvous::file),
-                      std::make_tuple(4, Rendezvous::file)),
-    [](const auto& info) {
-      return "ws" + std::to_string(std::get<0>(info.param)) +
-             (std::get<1>(info.param) == Rendezvous::tcp ? "_tcp" : "_file");
-    });
+INSTANTIATE_TEST_SUITE_P(Stores, Harness_Gloo,
+                         ::testing::Values(std::make_tuple(1, Rendezvous::tcp),
+                                           std::make_tuple(2, Rendezvous::tcp),
+                                           std::make_tuple(4, Rendezvous::tcp),
+                                           std::make_tuple(2, Rendezvous::file),
+                                           std::make_tuple(4, Rendezvous::file)),
+                         [](const auto& info) {
+                           return "ws" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) == Rendezvous::tcp ? "_tcp" : "_file");
+                         });
 
 TEST(Harness_Env, RanksSeeTorchrunVariables) {
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
     EXPECT_EQ(std::getenv("RANK"), std::to_string(env.rank()));  // NOLINT(concurrency-mt-unsafe)
-    EXPECT_STREQ(std::getenv("WORLD_SIZE"), "2");                 // NOLINT(concurrency-mt-unsafe)
-    EXPECT_STREQ(std::getenv("MASTER_ADDR"), "127.0.0.1");        // NOLINT(concurrency-mt-unsafe)
-    EXPECT_NE(std::getenv("MASTER_PORT"), nullptr);               // NOLINT(concurrency-mt-unsafe)
+    EXPECT_STREQ(std::getenv("WORLD_SIZE"), "2");                // NOLINT(concurrency-mt-unsafe)
+    EXPECT_STREQ(std::getenv("MASTER_ADDR"), "127.0.0.1");       // NOLINT(concurrency-mt-unsafe)
+    EXPECT_NE(std::getenv("MASTER_PORT"), nullptr);              // NOLINT(concurrency-mt-unsafe)
     // The ranks meet in the store: each writes its key, then reads the other's.
     env.store().set("key" + std::to_string(env.rank()),
                     std::vector<uint8_t>{static_cast<uint8_t>(env.rank())});
@@ -190,7 +189,8 @@ TEST(Harness_FailureModes, NoProcessOutlivesTheLaunch) {
   EXPECT_TRUE(result.ranks[1].timed_out) << result.report();
   expect_all_gone(result);
   for (int rank = 0; rank < 2; ++rank) {
-    const pid_t sleeper = read_pid(*result.scratch_dir + "/sleeper" + std::to_string(rank) + ".pid");
+    const pid_t sleeper =
+        read_pid(*result.scratch_dir + "/sleeper" + std::to_string(rank) + ".pid");
     ASSERT_GT(sleeper, 0) << "rank " << rank << " did not record its child";
     EXPECT_TRUE(process_gone(sleeper)) << "rank " << rank << "'s child " << sleeper << " survived";
   }

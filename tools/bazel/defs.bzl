@@ -12,6 +12,9 @@ D9D_COPTS = [
     "-Werror",
 ]
 
+# The library itself (src/) is always optimised: its CPU kernels are what CPU runs execute.
+D9D_LIB_COPTS = D9D_COPTS + ["-O2"]
+
 def d9d_cc_test(name, srcs, deps = [], size = "small", tags = [], **kwargs):
     """A GoogleTest binary of the project (gtest_main, -Werror, LibTorch)."""
     native.cc_test(

@@ -9,14 +9,15 @@
 //   rms_norm(Tensor input, Tensor weight, float eps=1e-6) -> Tensor              (autograd)
 //   rms_norm_forward(Tensor input, Tensor weight, float eps) -> (Tensor, Tensor)   (output, rstd)
 //   rms_norm_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor rstd)
-//       -> (Tensor, Tensor)                                                       (grad_input, grad_weight)
+//       -> (Tensor, Tensor)                                                       (grad_input,
+//       grad_weight)
 // Kernels: CPU (src/kernels/rms_norm.cpp, the reference) and CUDA (kernels/rms_norm.cu).
 // rstd has the input's shape without its last dim, in float (double for double inputs).
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <tuple>
+
+#include <ATen/core/Tensor.h>
 
 namespace d9d::kernels {
 
@@ -24,8 +25,8 @@ namespace d9d::kernels {
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps = 1e-6);
 
 /// The forward kernel alone: (output, rstd). No autograd.
-std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& input, const at::Tensor& weight,
-                                                    double eps);
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& input,
+                                                    const at::Tensor& weight, double eps);
 
 /// The backward kernel alone: (grad_input, grad_weight). No autograd.
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_output,

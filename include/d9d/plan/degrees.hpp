@@ -1,7 +1,7 @@
 // d9d/plan/degrees.hpp — parallelism degrees of a device mesh, static or d9d::dynamic.
 //
-//   using Mesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::tp<2>>;  // (mesh<> comes with the plan)
-//   static_assert(d9d::tp<2>::value == 2 && !d9d::tp<2>::is_dynamic);
+//   using Mesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::tp<2>>;  // (mesh<> comes with the
+//   plan) static_assert(d9d::tp<2>::value == 2 && !d9d::tp<2>::is_dynamic);
 //   static_assert(d9d::dp_shard<d9d::dynamic>::is_dynamic);
 //
 // A degree written as a number is checked by the compiler; d9d::dynamic defers it to start-up,
@@ -62,9 +62,10 @@ struct cp_replicate : detail::degree<N> {
 /// Context-parallel sharding degree.
 template <int N>
 struct cp_shard : detail::degree<N> {
-  static_assert(N == dynamic || N >= 1,
-                "d9d::cp_shard<N>: a mesh degree must be >= 1 or d9d::dynamic. Fix: "
-                "d9d::cp_shard<1> for none, d9d::cp_shard<d9d::dynamic> to take it from the config");
+  static_assert(
+      N == dynamic || N >= 1,
+      "d9d::cp_shard<N>: a mesh degree must be >= 1 or d9d::dynamic. Fix: "
+      "d9d::cp_shard<1> for none, d9d::cp_shard<d9d::dynamic> to take it from the config");
 };
 
 /// Tensor-parallel degree.

@@ -80,11 +80,11 @@ class RankEnv {
 /// How one rank ended.
 struct RankOutcome {
   int rank = 0;
-  int exit_code = -1;            ///< exit status when the rank exited, else -1
-  int term_signal = 0;           ///< the signal that ended it, else 0
-  bool timed_out = false;        ///< still running at the launch timeout, killed
+  int exit_code = -1;                 ///< exit status when the rank exited, else -1
+  int term_signal = 0;                ///< the signal that ended it, else 0
+  bool timed_out = false;             ///< still running at the launch timeout, killed
   bool killed_after_failure = false;  ///< killed because another rank failed first
-  std::string output;            ///< the rank's stdout and stderr, interleaved
+  std::string output;                 ///< the rank's stdout and stderr, interleaved
   [[nodiscard]] bool ok() const { return exit_code == 0 && term_signal == 0 && !timed_out; }
   [[nodiscard]] std::string describe() const;
 };

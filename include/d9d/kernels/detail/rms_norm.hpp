@@ -1,9 +1,9 @@
 // d9d/kernels/detail/rms_norm.hpp — argument checks shared by the CPU and CUDA RMSNorm kernels.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <cstdint>
+
+#include <ATen/core/Tensor.h>
 
 namespace d9d::kernels::detail {
 

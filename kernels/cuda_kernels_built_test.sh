@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The CUDA kernels were compiled for Hopper (sm_90) and carry their TORCH_LIBRARY_IMPL entry points.
+# Runs without a GPU (and without cuobjdump): it inspects the shared library with binutils.
+set -euo pipefail
+lib=$1  # the shared library with the CUDA kernels
+fail() { echo "FAIL: $*"; exit 1; }
+readelf -S "$lib" | grep -q '\.nv_fatbin' || fail "$lib has no .nv_fatbin section (no device code)"
+fatbin=$(mktemp)
+trap 'rm -f "$fatbin"' EXIT
+objcopy -O binary --only-section=.nv_fatbin "$lib" "$fatbin"
+grep -q -- '-arch sm_90' <<<"$(strings "$fatbin")" || fail "no sm_90 device code in the fat binary"
+symbols=$(nm -C "$lib")
+for kernel in rms_norm_forward_kernel rms_norm_backward_kernel; do
+  for dtype in float double c10::BFloat16 c10::Half; do
+    grep -q "${kernel}<${dtype}," <<<"$symbols" || fail "$kernel<$dtype> missing"
+  done
+done
+grep -q 'rms_norm_forward_cuda' <<<"$symbols" || fail "host entry point rms_norm_forward_cuda missing"
+grep -q 'rms_norm_backward_cuda' <<<"$symbols" || fail "host entry point rms_norm_backward_cuda missing"
+echo "ok: sm_90 device code and the forward/backward RMSNorm kernels for 4 dtypes are in $lib"

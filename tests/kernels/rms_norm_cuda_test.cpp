@@ -1,0 +1,128 @@
+// d9d::rms_norm on CUDA (GPU machines only; ctest label "gpu"): the CUDA kernels against the CPU
+// reference kernels on the same inputs, forward and backward, fp32 / bf16 / fp16 / fp64.
+#include <string>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/cuda.h>
+
+#include <d9d/kernels/rms_norm.hpp>
+
+namespace {
+
+struct Case {
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  double rtol;
+  double atol;
+};
+
+std::string describe(const at::Tensor& got, const at::Tensor& want) {
+  const auto diff = (got.to(at::kDouble) - want.to(at::kDouble)).abs();
+  return "max abs diff " + std::to_string(diff.max().item<double>()) + " (max |want| " +
+         std::to_string(want.to(at::kDouble).abs().max().item<double>()) + ")";
+}
+
+bool close(const at::Tensor& got, const at::Tensor& want, double rtol, double atol) {
+  return at::allclose(got.cpu().to(at::kDouble), want.cpu().to(at::kDouble), rtol, atol);
+}
+
+class Kernels_RmsNorm_Cuda : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (!torch::cuda::is_available()) {
+      GTEST_SKIP() << "no CUDA device";
+    }
+  }
+};
+
+TEST_P(Kernels_RmsNorm_Cuda, ForwardAndBackwardMatchCpuReference) {
+  const auto& c = GetParam();
+  at::manual_seed(0);
+  const auto x = at::randn(c.shape, at::kDouble).to(c.dtype);
+  const auto w = (1.0 + 0.1 * at::randn({c.shape.back()}, at::kDouble)).to(c.dtype);
+  const auto dy = at::randn(c.shape, at::kDouble).to(c.dtype);
+
+  const auto [y_cpu, rstd_cpu] = d9d::kernels::rms_norm_forward(x, w, 1e-6);
+  const auto [y_gpu, rstd_gpu] = d9d::kernels::rms_norm_forward(x.cuda(), w.cuda(), 1e-6);
+  ASSERT_TRUE(y_gpu.is_cuda());
+  EXPECT_EQ(y_gpu.scalar_type(), c.dtype);
+  EXPECT_TRUE(close(y_gpu, y_cpu, c.rtol, c.atol)) << "output " << describe(y_gpu.cpu(), y_cpu);
+  EXPECT_TRUE(close(rstd_gpu, rstd_cpu, 1e-5, 1e-6))
+      << "rstd " << describe(rstd_gpu.cpu(), rstd_cpu);
+
+  const auto [dx_cpu, dw_cpu] = d9d::kernels::rms_norm_backward(dy, x, w, rstd_cpu);
+  const auto [dx_gpu, dw_gpu] =
+      d9d::kernels::rms_norm_backward(dy.cuda(), x.cuda(), w.cuda(), rstd_gpu);
+  const double rows = static_cast<double>(x.numel()) / static_cast<double>(c.shape.back());
+  EXPECT_TRUE(close(dx_gpu, dx_cpu, c.rtol, c.atol))
+      << "grad_input " << describe(dx_gpu.cpu(), dx_cpu);
+  EXPECT_TRUE(close(dw_gpu, dw_cpu, c.rtol, c.atol * std::sqrt(rows)))
+      << "grad_weight " << describe(dw_gpu.cpu(), dw_cpu);
+}
+
+TEST_P(Kernels_RmsNorm_Cuda, AutogradThroughTheOpOnCuda) {
+  const auto& c = GetParam();
+  at::manual_seed(1);
+  const auto x = at::randn(c.shape, at::kDouble).to(c.dtype);
+  const auto w = (1.0 + 0.1 * at::randn({c.shape.back()}, at::kDouble)).to(c.dtype);
+  auto xg = x.cuda().requires_grad_(true);
+  auto wg = w.cuda().requires_grad_(true);
+  auto xc = x.clone().requires_grad_(true);
+  auto wc = w.clone().requires_grad_(true);
+  const auto gpu = torch::autograd::grad({d9d::kernels::rms_norm(xg, wg, 1e-5).sum()}, {xg, wg});
+  const auto cpu = torch::autograd::grad({d9d::kernels::rms_norm(xc, wc, 1e-5).sum()}, {xc, wc});
+  const double rows = static_cast<double>(x.numel()) / static_cast<double>(c.shape.back());
+  EXPECT_TRUE(close(gpu[0], cpu[0], c.rtol, c.atol)) << describe(gpu[0].cpu(), cpu[0]);
+  EXPECT_TRUE(close(gpu[1], cpu[1], c.rtol, c.atol * std::sqrt(rows)))
+      << describe(gpu[1].cpu(), cpu[1]);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, Kernels_RmsNorm_Cuda,
+    ::testing::Values(
+        Case{at::kFloat, {4096, 4096}, 1e-5, 1e-5}, Case{at::kFloat, {3, 7, 1024}, 1e-5, 1e-5},
+        Case{at::kFloat, {1000, 4097}, 1e-5, 1e-5},  // unaligned: scalar path
+        Case{at::kFloat, {5, 1}, 1e-5, 1e-5}, Case{at::kDouble, {64, 2048}, 1e-10, 1e-10},
+        Case{at::kBFloat16, {4096, 4096}, 1e-2, 1.6e-2},
+        Case{at::kBFloat16, {65536, 128}, 1e-2, 1.6e-2},
+        Case{at::kBFloat16, {2, 8192}, 1e-2, 1.6e-2},
+        Case{at::kBFloat16, {1000, 1000}, 1e-2, 1.6e-2}, Case{at::kHalf, {512, 2048}, 2e-3, 2e-3}),
+    [](const auto& info) {
+      std::string name = std::string(c10::toString(info.param.dtype));
+      for (const auto d : info.param.shape) {
+        name += "_" + std::to_string(d);
+      }
+      return name;
+    });
+
+TEST(Kernels_RmsNorm_Cuda_Api, TooLongRowsAreRejectedWithAClearError) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const auto x = at::randn({2, 9 * 1024 * 8 + 1}, at::TensorOptions().device(at::kCUDA));
+  const auto w = at::ones({x.size(1)}, x.options());
+  try {
+    (void)d9d::kernels::rms_norm(x, w, 1e-6);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("longer than this kernel supports"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
+TEST(Kernels_RmsNorm_Cuda_Api, EmptyAndNonContiguousInputs) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const auto w = at::rand({64}, at::TensorOptions().device(at::kCUDA)) + 0.5;
+  EXPECT_EQ(d9d::kernels::rms_norm(at::randn({0, 64}, w.options()), w, 1e-6).size(0), 0);
+  const auto base = at::randn({64, 32}, w.options());
+  const auto x = base.t();  // [32, 64], not contiguous
+  EXPECT_TRUE(close(d9d::kernels::rms_norm(x, w, 1e-6),
+                    d9d::kernels::rms_norm(x.cpu(), w.cpu(), 1e-6), 1e-5, 1e-5));
+}
+
+}  // namespace
