@@ -1,12 +1,14 @@
 // d9d/kernels/rms_norm.cu — CUDA kernels of d9d::rms_norm_forward / d9d::rms_norm_backward.
 //
-// One row (the normalised last dimension) per group of `tpr` threads, `rpb` rows per block, rows
-// visited grid-stride. Each thread keeps its slice of the row in registers (up to kMaxVecs vectors
-// of 16 bytes), so x and dy are read from memory once; sums are in float (double for double).
-// The backward pass accumulates each block's share of grad_weight in registers and writes one
-// partial row per row-group; a sum over those partials gives grad_weight.
+// One row (the normalised last dimension) per group of `tpr` threads, `rpb` rows per 256-thread
+// block, rows visited grid-stride, 16-byte vector loads when the row is aligned. Rows of up to
+// 1024 vectors are kept in registers (kCachedVecs per thread) so x and dy are read from memory
+// once; longer rows are streamed twice. Sums are in float (double for double inputs). The backward
+// pass accumulates grad_weight per row group and writes one partial row each; a sum over those
+// partials gives grad_weight.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -15,6 +17,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -24,8 +27,8 @@
 namespace d9d::kernels {
 namespace {
 
-constexpr int kMaxVecs = 8;        // vectors per thread kept in registers
-constexpr int kMaxThreads = 1024;  // threads per row at most
+constexpr int kThreadsPerBlock = 256;
+constexpr int kCachedVecs = 4;  // vectors per thread kept in registers on the cached path
 constexpr int kWarp = 32;
 
 template <typename T, int N>
@@ -42,8 +45,8 @@ __device__ __forceinline__ A warp_sum(A v) {
   return v;
 }
 
-// Sum over the `tpr` threads of one row group (threadIdx.y selects the group). All threads of the
-// block must call it. `scratch` holds blockDim.y * 32 values.
+// Sum over the blockDim.x threads of one row group (threadIdx.y selects the group). All threads of
+// the block must call it. `scratch` holds blockDim.y * 32 values.
 template <typename A>
 __device__ __forceinline__ A row_sum(A v, A* scratch) {
   const int lane = threadIdx.x % kWarp;
@@ -57,35 +60,57 @@ __device__ __forceinline__ A row_sum(A v, A* scratch) {
   __syncthreads();
   A total = lane < warps ? mine[lane] : A(0);
   total = warp_sum(total);
-  __syncthreads();  // scratch may be reused right after
+  __syncthreads();  // scratch is reused by the next row
   return total;
 }
 
-template <typename T, int VEC>
-__global__ void rms_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
-                                        T* __restrict__ y, at::opmath_type<T>* __restrict__ rstd,
-                                        std::int64_t rows, std::int64_t n, float eps) {
+// kCached: the row fits in registers (nvec <= blockDim.x * kCachedVecs) and is read once;
+// otherwise the row is streamed twice from memory (any length).
+template <typename T, int VEC, bool kCached>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    rms_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+                            at::opmath_type<T>* __restrict__ rstd, std::int64_t rows,
+                            std::int64_t n, float eps) {
   using A = at::opmath_type<T>;
   using V = Vec<T, VEC>;
-  __shared__ A scratch[kMaxThreads];
+  constexpr int kSlots = kCached ? kCachedVecs : 1;
+  __shared__ A scratch[kThreadsPerBlock];
   const std::int64_t nvec = n / VEC;
+  const std::int64_t tpr = blockDim.x;
   const V* wv = reinterpret_cast<const V*>(w);
   for (std::int64_t base = std::int64_t(blockIdx.x) * blockDim.y; base < rows;
        base += std::int64_t(gridDim.x) * blockDim.y) {
     const std::int64_t row = base + threadIdx.y;
     const bool valid = row < rows;
     const V* xv = reinterpret_cast<const V*>(x + (valid ? row : 0) * n);
-    V cache[kMaxVecs];
+    V cache[kSlots];
     A sum_sq = 0;
+    if constexpr (kCached) {
 #pragma unroll
-    for (int k = 0; k < kMaxVecs; ++k) {
-      const std::int64_t i = threadIdx.x + std::int64_t(k) * blockDim.x;
-      if (valid && i < nvec) {
-        cache[k] = xv[i];
+      for (int k = 0; k < kSlots; ++k) {
+        const std::int64_t i = threadIdx.x + k * tpr;
+        if (valid && i < nvec) {
+          cache[k] = xv[i];
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        const std::int64_t i = threadIdx.x + k * tpr;
+        if (valid && i < nvec) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            const A v = static_cast<A>(cache[k].val[e]);
+            sum_sq += v * v;
+          }
+        }
+      }
+    } else {
+      for (std::int64_t i = threadIdx.x; valid && i < nvec; i += tpr) {
+        const V v = xv[i];
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
-          const A v = static_cast<A>(cache[k].val[e]);
-          sum_sq += v * v;
+          const A f = static_cast<A>(v.val[e]);
+          sum_sq += f * f;
         }
       }
     }
@@ -98,38 +123,50 @@ __global__ void rms_norm_forward_kernel(const T* __restrict__ x, const T* __rest
       rstd[row] = rs;
     }
     V* yv = reinterpret_cast<V*>(y + row * n);
+    const auto write = [&](std::int64_t i, const V& xk) {
+      const V wk = wv[i];
+      V out;
 #pragma unroll
-    for (int k = 0; k < kMaxVecs; ++k) {
-      const std::int64_t i = threadIdx.x + std::int64_t(k) * blockDim.x;
-      if (i < nvec) {
-        const V wk = wv[i];
-        V out;
+      for (int e = 0; e < VEC; ++e) {
+        out.val[e] = static_cast<T>(static_cast<A>(xk.val[e]) * rs * static_cast<A>(wk.val[e]));
+      }
+      yv[i] = out;
+    };
+    if constexpr (kCached) {
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          out.val[e] =
-              static_cast<T>(static_cast<A>(cache[k].val[e]) * rs * static_cast<A>(wk.val[e]));
+      for (int k = 0; k < kSlots; ++k) {
+        const std::int64_t i = threadIdx.x + k * tpr;
+        if (i < nvec) {
+          write(i, cache[k]);
         }
-        yv[i] = out;
+      }
+    } else {
+      for (std::int64_t i = threadIdx.x; i < nvec; i += tpr) {
+        write(i, xv[i]);
       }
     }
   }
 }
 
-template <typename T, int VEC>
-__global__ void rms_norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                         const T* __restrict__ w,
-                                         const at::opmath_type<T>* __restrict__ rstd,
-                                         T* __restrict__ dx,
-                                         at::opmath_type<T>* __restrict__ dw_partial,
-                                         std::int64_t rows, std::int64_t n) {
+// dx = rstd * (dy*w - xhat * mean(dy*w*xhat)); each row group accumulates dy*xhat for its columns
+// into its own row of `dw_partial` (registers on the cached path, memory otherwise; zero-filled).
+template <typename T, int VEC, bool kCached>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    rms_norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                             const T* __restrict__ w, const at::opmath_type<T>* __restrict__ rstd,
+                             T* __restrict__ dx, at::opmath_type<T>* __restrict__ dw_partial,
+                             std::int64_t rows, std::int64_t n) {
   using A = at::opmath_type<T>;
   using V = Vec<T, VEC>;
-  __shared__ A scratch[kMaxThreads];
+  constexpr int kSlots = kCached ? kCachedVecs : 1;
+  __shared__ A scratch[kThreadsPerBlock];
   const std::int64_t nvec = n / VEC;
+  const std::int64_t tpr = blockDim.x;
   const V* wv = reinterpret_cast<const V*>(w);
-  A dw_acc[kMaxVecs][VEC];
+  A* partial = dw_partial + (std::int64_t(blockIdx.x) * blockDim.y + threadIdx.y) * n;
+  A dw_acc[kSlots][VEC];
 #pragma unroll
-  for (int k = 0; k < kMaxVecs; ++k) {
+  for (int k = 0; k < kSlots; ++k) {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
       dw_acc[k][e] = 0;
@@ -143,22 +180,46 @@ __global__ void rms_norm_backward_kernel(const T* __restrict__ dy, const T* __re
     const V* xv = reinterpret_cast<const V*>(x + off);
     const V* dyv = reinterpret_cast<const V*>(dy + off);
     const A rs = valid ? rstd[row] : A(0);
-    V xc[kMaxVecs];
-    V gc[kMaxVecs];
+    V xc[kSlots];
+    V gc[kSlots];
     A dot = 0;
+    // Adds this element pair's share to the row's dot product and to grad_weight.
+    const auto accumulate = [&](const V& xk, const V& gk, const V& wk, A* dw) {
 #pragma unroll
-    for (int k = 0; k < kMaxVecs; ++k) {
-      const std::int64_t i = threadIdx.x + std::int64_t(k) * blockDim.x;
-      if (valid && i < nvec) {
-        xc[k] = xv[i];
-        gc[k] = dyv[i];
-        const V wk = wv[i];
+      for (int e = 0; e < VEC; ++e) {
+        const A xe = static_cast<A>(xk.val[e]);
+        const A ge = static_cast<A>(gk.val[e]);
+        dot += ge * static_cast<A>(wk.val[e]) * xe;
+        dw[e] += ge * xe * rs;
+      }
+    };
+    if constexpr (kCached) {
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        const std::int64_t i = threadIdx.x + k * tpr;
+        if (valid && i < nvec) {
+          xc[k] = xv[i];
+          gc[k] = dyv[i];
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        const std::int64_t i = threadIdx.x + k * tpr;
+        if (valid && i < nvec) {
+          accumulate(xc[k], gc[k], wv[i], dw_acc[k]);
+        }
+      }
+    } else {
+      for (std::int64_t i = threadIdx.x; valid && i < nvec; i += tpr) {
+        A dw[VEC];
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
-          const A xe = static_cast<A>(xc[k].val[e]);
-          const A ge = static_cast<A>(gc[k].val[e]);
-          dot += ge * static_cast<A>(wk.val[e]) * xe;
-          dw_acc[k][e] += ge * xe * rs;
+          dw[e] = 0;
+        }
+        accumulate(xv[i], dyv[i], wv[i], dw);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          partial[i * VEC + e] += dw[e];
         }
       }
     }
@@ -168,40 +229,50 @@ __global__ void rms_norm_backward_kernel(const T* __restrict__ dy, const T* __re
     }
     const A c = total * rs * rs / static_cast<A>(n);
     V* dxv = reinterpret_cast<V*>(dx + off);
+    const auto write = [&](std::int64_t i, const V& xk, const V& gk) {
+      const V wk = wv[i];
+      V out;
 #pragma unroll
-    for (int k = 0; k < kMaxVecs; ++k) {
-      const std::int64_t i = threadIdx.x + std::int64_t(k) * blockDim.x;
-      if (i < nvec) {
-        const V wk = wv[i];
-        V out;
+      for (int e = 0; e < VEC; ++e) {
+        const A g = static_cast<A>(gk.val[e]) * static_cast<A>(wk.val[e]);
+        out.val[e] = static_cast<T>(rs * (g - static_cast<A>(xk.val[e]) * c));
+      }
+      dxv[i] = out;
+    };
+    if constexpr (kCached) {
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          const A g = static_cast<A>(gc[k].val[e]) * static_cast<A>(wk.val[e]);
-          out.val[e] = static_cast<T>(rs * (g - static_cast<A>(xc[k].val[e]) * c));
+      for (int k = 0; k < kSlots; ++k) {
+        const std::int64_t i = threadIdx.x + k * tpr;
+        if (i < nvec) {
+          write(i, xc[k], gc[k]);
         }
-        dxv[i] = out;
+      }
+    } else {
+      for (std::int64_t i = threadIdx.x; i < nvec; i += tpr) {
+        write(i, xv[i], dyv[i]);
       }
     }
   }
-  // One partial grad_weight row per row group of this block.
-  A* partial = dw_partial + (std::int64_t(blockIdx.x) * blockDim.y + threadIdx.y) * n;
+  if constexpr (kCached) {
 #pragma unroll
-  for (int k = 0; k < kMaxVecs; ++k) {
-    const std::int64_t i = threadIdx.x + std::int64_t(k) * blockDim.x;
-    if (i < nvec) {
+    for (int k = 0; k < kSlots; ++k) {
+      const std::int64_t i = threadIdx.x + k * tpr;
+      if (i < nvec) {
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        partial[i * VEC + e] = dw_acc[k][e];
+        for (int e = 0; e < VEC; ++e) {
+          partial[i * VEC + e] = dw_acc[k][e];
+        }
       }
     }
   }
 }
 
-// Launch geometry for a row of `n` elements.
+// Launch geometry for rows of `n` elements.
 struct Geometry {
-  int vec = 1;
-  int tpr = kWarp;  // threads per row, a multiple of 32
-  int rpb = 1;      // rows per block
+  int vec = 1;         // elements per 16-byte vector (1 when unaligned)
+  bool cached = true;  // the row fits in registers
+  int tpr = kWarp;     // threads per row, a power of two >= 32
+  int rpb = 1;         // rows per block
 };
 
 Geometry pick_geometry(std::int64_t n, std::size_t elem_size, const void* const* ptrs, int count) {
@@ -213,45 +284,29 @@ Geometry pick_geometry(std::int64_t n, std::size_t elem_size, const void* const*
   }
   g.vec = aligned ? max_vec : 1;
   const std::int64_t nvec = n / g.vec;
-  const std::int64_t per_thread = (nvec + kMaxThreads - 1) / kMaxThreads;
-  TORCH_CHECK(per_thread <= kMaxVecs, "d9d::rms_norm (CUDA): rows of ", n, " elements are longer ",
-              "than this kernel supports (", std::int64_t(kMaxThreads) * kMaxVecs * g.vec,
-              " for this dtype and alignment)");
-  // Fewest threads that cover the row with at most kMaxVecs vectors each, at least 2 per thread
-  // when the row is long (keeps blocks small enough for several per SM).
-  std::int64_t tpr = kWarp;
-  while (tpr < kMaxThreads && tpr * kMaxVecs / 4 < nvec) {
-    tpr *= 2;
+  g.cached = nvec <= std::int64_t(kThreadsPerBlock) * kCachedVecs;
+  if (g.cached) {
+    while (std::int64_t(g.tpr) * kCachedVecs < nvec) {
+      g.tpr *= 2;
+    }
+  } else {
+    g.tpr = kThreadsPerBlock;
   }
-  g.tpr = static_cast<int>(tpr);
-  g.rpb = std::max(1, 256 / g.tpr);
+  g.rpb = kThreadsPerBlock / g.tpr;
   return g;
 }
 
-template <typename T, int VEC>
-void launch_forward(const Geometry& g, std::int64_t rows, std::int64_t n, const at::Tensor& input,
-                    const at::Tensor& weight, at::Tensor& output, at::Tensor& rstd, double eps) {
-  using A = at::opmath_type<T>;
-  const dim3 block(g.tpr, g.rpb);
-  const std::int64_t blocks = (rows + g.rpb - 1) / g.rpb;
-  const dim3 grid(static_cast<unsigned>(std::min<std::int64_t>(blocks, 1 << 30)));
-  rms_norm_forward_kernel<T, VEC><<<grid, block, 0, at::cuda::getCurrentCUDAStream()>>>(
-      input.const_data_ptr<T>(), weight.const_data_ptr<T>(), output.mutable_data_ptr<T>(),
-      rstd.mutable_data_ptr<A>(), rows, n, static_cast<float>(eps));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename T, int VEC>
-void launch_backward(const Geometry& g, std::int64_t rows, std::int64_t n, const at::Tensor& grad,
-                     const at::Tensor& input, const at::Tensor& weight, const at::Tensor& rstd,
-                     at::Tensor& grad_input, at::Tensor& partial, int blocks) {
-  using A = at::opmath_type<T>;
-  const dim3 block(g.tpr, g.rpb);
-  rms_norm_backward_kernel<T, VEC><<<blocks, block, 0, at::cuda::getCurrentCUDAStream()>>>(
-      grad.const_data_ptr<T>(), input.const_data_ptr<T>(), weight.const_data_ptr<T>(),
-      rstd.const_data_ptr<A>(), grad_input.mutable_data_ptr<T>(), partial.mutable_data_ptr<A>(),
-      rows, n);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+// Calls `fn` with the kernel variant's compile-time (VEC, cached) for geometry `g`.
+template <typename T, typename Fn>
+void with_variant(const Geometry& g, Fn&& fn) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (g.vec == kVec) {
+    g.cached ? fn(std::integral_constant<int, kVec>{}, std::true_type{})
+             : fn(std::integral_constant<int, kVec>{}, std::false_type{});
+  } else {
+    g.cached ? fn(std::integral_constant<int, 1>{}, std::true_type{})
+             : fn(std::integral_constant<int, 1>{}, std::false_type{});
+  }
 }
 
 std::vector<std::int64_t> row_shape(const at::Tensor& input) {
@@ -278,13 +333,18 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& input
         const void* ptrs[] = {input.const_data_ptr(), weight.const_data_ptr(),
                               output.const_data_ptr()};
         const Geometry g = pick_geometry(shape.cols, sizeof(scalar_t), ptrs, 3);
-        constexpr int kVec = 16 / sizeof(scalar_t);
-        if (g.vec == kVec) {
-          launch_forward<scalar_t, kVec>(g, shape.rows, shape.cols, input, weight, output, rstd,
-                                         eps);
-        } else {
-          launch_forward<scalar_t, 1>(g, shape.rows, shape.cols, input, weight, output, rstd, eps);
-        }
+        using A = at::opmath_type<scalar_t>;
+        const dim3 block(g.tpr, g.rpb);
+        const auto blocks = (shape.rows + g.rpb - 1) / g.rpb;
+        const dim3 grid(static_cast<unsigned>(std::min<std::int64_t>(blocks, 1 << 30)));
+        with_variant<scalar_t>(g, [&](auto vec, auto cached) {
+          rms_norm_forward_kernel<scalar_t, decltype(vec)::value, decltype(cached)::value>
+              <<<grid, block, 0, at::cuda::getCurrentCUDAStream()>>>(
+                  input.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(),
+                  output.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<A>(), shape.rows,
+                  shape.cols, static_cast<float>(eps));
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
       });
   return {output, rstd};
 }
@@ -309,18 +369,21 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
         const void* ptrs[] = {grad.const_data_ptr(), input.const_data_ptr(),
                               weight.const_data_ptr(), grad_input.const_data_ptr()};
         const Geometry g = pick_geometry(shape.cols, sizeof(scalar_t), ptrs, 4);
+        using A = at::opmath_type<scalar_t>;
         const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
         const std::int64_t needed = (shape.rows + g.rpb - 1) / g.rpb;
         const int blocks = static_cast<int>(std::min<std::int64_t>(needed, 2LL * sms));
-        at::Tensor partial = at::empty({std::int64_t(blocks) * g.rpb, shape.cols}, rstd.options());
-        constexpr int kVec = 16 / sizeof(scalar_t);
-        if (g.vec == kVec) {
-          launch_backward<scalar_t, kVec>(g, shape.rows, shape.cols, grad, input, weight, rstd,
-                                          grad_input, partial, blocks);
-        } else {
-          launch_backward<scalar_t, 1>(g, shape.rows, shape.cols, grad, input, weight, rstd,
-                                       grad_input, partial, blocks);
-        }
+        at::Tensor partial = at::zeros({std::int64_t(blocks) * g.rpb, shape.cols}, rstd.options());
+        const dim3 block(g.tpr, g.rpb);
+        with_variant<scalar_t>(g, [&](auto vec, auto cached) {
+          rms_norm_backward_kernel<scalar_t, decltype(vec)::value, decltype(cached)::value>
+              <<<blocks, block, 0, at::cuda::getCurrentCUDAStream()>>>(
+                  grad.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
+                  weight.const_data_ptr<scalar_t>(), rstd.const_data_ptr<A>(),
+                  grad_input.mutable_data_ptr<scalar_t>(), partial.mutable_data_ptr<A>(),
+                  shape.rows, shape.cols);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
         grad_weight = partial.sum(0).to(weight.scalar_type());
       });
   return {grad_input, grad_weight};

@@ -7,8 +7,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
-#include <filesystem>
 #include <fstream>
+#include <ftw.h>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -216,13 +216,25 @@ std::string current_test_filter() {
   return std::string(info->test_suite_name()) + "." + info->name();
 }
 
+// POSIX rather than std::filesystem: libtorch.so exports its own copies of std::filesystem
+// symbols, and calls from our code can bind to those (seen crashing on the GPU machine).
 std::string self_exe() {
-  std::error_code error;
-  auto path = std::filesystem::read_symlink("/proc/self/exe", error);
-  if (error) {
-    throw std::runtime_error("d9d::testing: cannot resolve /proc/self/exe: " + error.message());
+  std::array<char, 4096> buffer{};
+  const ssize_t length = ::readlink("/proc/self/exe", buffer.data(), buffer.size() - 1);
+  if (length <= 0) {
+    throw std::runtime_error(std::string("d9d::testing: cannot resolve /proc/self/exe: ") +
+                             std::strerror(errno));
   }
-  return path.string();
+  return {buffer.data(), static_cast<std::size_t>(length)};
+}
+
+int remove_entry(const char* path, const struct stat* /*info*/, int /*flag*/, struct FTW* /*ftw*/) {
+  return ::remove(path);
+}
+
+void remove_tree(const std::string& path) {
+  ::nftw(path.c_str(), remove_entry, 16,
+         FTW_DEPTH | FTW_PHYS);  // NOLINT(bugprone-unused-return-value)
 }
 
 [[noreturn]] void run_as_rank(const LaunchOptions& options, const RankBody& body) {
@@ -398,8 +410,7 @@ LaunchResult launch(const LaunchOptions& options, const RankBody& body) {
   LaunchResult result;
   result.scratch_dir =
       std::shared_ptr<const std::string>(new std::string(scratch), [](const std::string* path) {
-        std::error_code ignored;
-        std::filesystem::remove_all(*path, ignored);
+        remove_tree(*path);
         delete path;  // NOLINT(cppcoreguidelines-owning-memory)
       });
 

@@ -18,6 +18,11 @@ struct Case {
   double atol;
 };
 
+void PrintTo(const Case& c,
+             std::ostream* out) {  // NOLINT(readability-identifier-naming): gtest hook
+  *out << c10::toString(c.dtype) << " " << c10::IntArrayRef(c.shape);
+}
+
 std::string describe(const at::Tensor& got, const at::Tensor& want) {
   const auto diff = (got.to(at::kDouble) - want.to(at::kDouble)).abs();
   return "max abs diff " + std::to_string(diff.max().item<double>()) + " (max |want| " +
@@ -96,22 +101,6 @@ INSTANTIATE_TEST_SUITE_P(
       }
       return name;
     });
-
-TEST(Kernels_RmsNorm_Cuda_Api, TooLongRowsAreRejectedWithAClearError) {
-  if (!torch::cuda::is_available()) {
-    GTEST_SKIP() << "no CUDA device";
-  }
-  const auto x = at::randn({2, 9 * 1024 * 8 + 1}, at::TensorOptions().device(at::kCUDA));
-  const auto w = at::ones({x.size(1)}, x.options());
-  try {
-    (void)d9d::kernels::rms_norm(x, w, 1e-6);
-    FAIL() << "expected an error";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find("longer than this kernel supports"),
-              std::string::npos)
-        << e.what_without_backtrace();
-  }
-}
 
 TEST(Kernels_RmsNorm_Cuda_Api, EmptyAndNonContiguousInputs) {
   if (!torch::cuda::is_available()) {

@@ -27,6 +27,11 @@ struct Case {
   double atol;
 };
 
+void PrintTo(const Case& c,
+             std::ostream* out) {  // NOLINT(readability-identifier-naming): gtest hook
+  *out << c10::toString(c.dtype) << " " << c10::IntArrayRef(c.shape);
+}
+
 class Kernels_RmsNorm_Cpu : public ::testing::TestWithParam<Case> {};
 
 TEST_P(Kernels_RmsNorm_Cpu, ForwardMatchesComposition) {
