@@ -18,8 +18,7 @@ struct Case {
   double atol;
 };
 
-void PrintTo(const Case& c,
-             std::ostream* out) {  // NOLINT(readability-identifier-naming): gtest hook
+void PrintTo(const Case& c, std::ostream* out) {  // GoogleTest prints parameters with it
   *out << c10::toString(c.dtype) << " " << c10::IntArrayRef(c.shape);
 }
 
