@@ -4,7 +4,9 @@
 set -euo pipefail
 lib=$1  # the shared library with the CUDA kernels
 fail() { echo "FAIL: $*"; exit 1; }
-readelf -S "$lib" | grep -q '\.nv_fatbin' || fail "$lib has no .nv_fatbin section (no device code)"
+# (Outputs are captured before grep -q: with pipefail, grep -q closing a pipe early fails it.)
+sections=$(readelf -S "$lib")
+grep -q '\.nv_fatbin' <<<"$sections" || fail "$lib has no .nv_fatbin section (no device code)"
 fatbin=$(mktemp)
 trap 'rm -f "$fatbin"' EXIT
 objcopy -O binary --only-section=.nv_fatbin "$lib" "$fatbin"
