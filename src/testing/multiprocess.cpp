@@ -73,11 +73,11 @@ std::chrono::milliseconds effective_timeout(const LaunchOptions& options) {
 // Variables a rank must not inherit: they would make it write the parent's test report, run
 // another shard or filter, or pretend it finished the parent's test run.
 bool is_private_to_parent(std::string_view entry) {
-  constexpr std::array<std::string_view, 11> kDropped = {
+  constexpr std::array<std::string_view, 12> kDropped = {
       "XML_OUTPUT_FILE",          "GTEST_OUTPUT",       "TESTBRIDGE_TEST_ONLY",
       "TEST_SHARD_INDEX",         "TEST_TOTAL_SHARDS",  "TEST_SHARD_STATUS_FILE",
       "GTEST_SHARD_INDEX",        "GTEST_TOTAL_SHARDS", "GTEST_SHARD_STATUS_FILE",
-      "TEST_PREMATURE_EXIT_FILE", "GTEST_FILTER"};
+      "TEST_PREMATURE_EXIT_FILE", "GTEST_FILTER",       "TORCHELASTIC_USE_AGENT_STORE"};
   const auto name = entry.substr(0, entry.find('='));
   return std::find(kDropped.begin(), kDropped.end(), name) != kDropped.end();
 }
@@ -386,6 +386,10 @@ std::string LaunchResult::report() const {
 
 bool is_rank_process() { return get_env(kRankVar).has_value(); }
 
+Backend default_backend() {
+  return get_env("D9D_TEST_BACKEND").value_or("gloo") == "nccl" ? Backend::nccl : Backend::gloo;
+}
+
 LaunchResult launch(const LaunchOptions& options, const RankBody& body) {
   if (is_rank_process()) {
     run_as_rank(options, body);
@@ -452,6 +456,8 @@ LaunchResult launch(const LaunchOptions& options, const RankBody& body) {
     env.push_back("LOCAL_RANK=" + std::to_string(rank));
     env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(options.world_size));
     env.emplace_back("MASTER_ADDR=127.0.0.1");
+    // The parent serves the store, as torchrun's agent does: every rank connects as a client.
+    env.emplace_back("TORCHELASTIC_USE_AGENT_STORE=True");
     env.push_back("MASTER_PORT=" + std::to_string(port));
     processes.start(exe, args, env, scratch + "/rank" + std::to_string(rank) + ".log");
   }

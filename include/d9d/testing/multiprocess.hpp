@@ -6,11 +6,13 @@
 //
 // The parent process re-executes the test binary once per rank, filtered to the current test, with
 // the torchrun variables set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-// MASTER_PORT). Each child runs the same TEST body; `launch` sees it is a rank and runs `body`
-// there, with a c10d store (TCP on loopback, hosted by the parent on a free port, or a file store)
-// and a lazily created process group (Gloo on CPU, NCCL on GPU). The parent collects every rank's
-// exit status and output; a failing, crashing or hanging rank fails the test, shows that rank's
-// output, and no rank (nor anything a rank started in its process group) outlives the launch.
+// MASTER_PORT, and TORCHELASTIC_USE_AGENT_STORE=True since the parent serves the store), so
+// d9d::DistributedContext::from_env() works inside a rank. Each child runs the same TEST body;
+// `launch` sees it is a rank and runs `body` there, with a c10d store (TCP on loopback, hosted by
+// the parent on a free port, or a file store) and a lazily created process group (Gloo on CPU, NCCL
+// on GPU). The parent collects every rank's exit status and output; a failing, crashing or hanging
+// rank fails the test, shows that rank's output, and no rank (nor anything a rank started in its
+// process group) outlives the launch.
 //
 // Rule: one launch per TEST body (a second one is reported as a failure); vary the world size with
 // parameterised tests. Code before the launch runs in every rank too, so it must be deterministic.
@@ -35,10 +37,14 @@ enum class Backend { gloo, nccl };
 /// How the ranks meet: a TCP store on 127.0.0.1 (hosted by the parent) or a file store.
 enum class Rendezvous { tcp, file };
 
+/// Backend::nccl when the environment says D9D_TEST_BACKEND=nccl (GPU runs), else Backend::gloo:
+/// the same tests run on CPU in CI and with NCCL on a GPU machine.
+[[nodiscard]] Backend default_backend();
+
 /// Options of one multi-process launch; fill with designated initialisers.
 struct LaunchOptions {
   int world_size = 2;
-  Backend backend = Backend::gloo;
+  Backend backend = default_backend();
   Rendezvous rendezvous = Rendezvous::tcp;
   /// Wall-clock limit for the whole launch; ranks still running then are killed. Overridden by
   /// the environment variable D9D_TEST_TIMEOUT_S when that is larger (slow machines).

@@ -1,0 +1,21 @@
+// d9d/pipeline/policies.hpp — pipeline policies: the schedule that runs the pp stages.
+//
+//   using MyPlan = d9d::Plan<d9d::mesh<d9d::dp_shard<4>>, d9d::pipeline::NoPipeline>;
+//   static_assert(std::is_same_v<MyPlan::pipeline, d9d::pipeline::NoPipeline>);
+//   static_assert(std::is_same_v<d9d::Plan<>::pipeline, MyPlan::pipeline>);  // the default
+//
+// Each models d9d::plan_policy for d9d::slot::pipeline. The schedules (1F1B, ZeroBubble, ...) come
+// with the pipeline executor; NoPipeline is the default until then.
+#pragma once
+
+#include <d9d/plan/slots.hpp>
+
+namespace d9d::pipeline {
+
+/// The whole model runs as one stage on each rank (use with pp = 1). The default of the pipeline
+/// slot.
+struct NoPipeline {
+  using d9d_slot = slot::pipeline;
+};
+
+}  // namespace d9d::pipeline

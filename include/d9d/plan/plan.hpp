@@ -1,0 +1,40 @@
+// d9d/plan/plan.hpp — d9d::Plan<Ps...>: the policies of a training run, one per slot, any order.
+//
+//   using MyPlan = d9d::Plan<d9d::precision::Bf16Mixed, d9d::mesh<d9d::dp_shard<4>, d9d::tp<2>>>;
+//   static_assert(std::is_same_v<MyPlan::pipeline, d9d::pipeline::NoPipeline>);  // a default
+//   using Sharded = d9d::plan_with_t<MyPlan, d9d::parallel::Fsdp>;                 // swap one slot
+//
+// Each policy (d9d::plan_policy) names the slot it fills; empty slots get their defaults. Members
+// re-export the policy of each slot: mesh, data_parallel, pipeline, peft, precision (the slots
+// of d9d/plan/slots.hpp). A wrong argument fails to compile with a message that says the fix.
+#pragma once
+
+#include <d9d/parallel/policies.hpp>
+#include <d9d/peft/policies.hpp>
+#include <d9d/pipeline/policies.hpp>
+#include <d9d/plan/detail/plan.hpp>
+#include <d9d/plan/mesh.hpp>
+#include <d9d/plan/slots.hpp>
+#include <d9d/precision/policies.hpp>
+
+namespace d9d {
+
+/// The policies of a training run, one per slot, in any order; missing slots get defaults.
+///
+/// Members, one per slot (each a policy type): `mesh` (default d9d::mesh<>), `data_parallel`
+/// (d9d::parallel::Replicate), `pipeline` (d9d::pipeline::NoPipeline), `peft`
+/// (d9d::peft::FullTune), `precision` (d9d::precision::Fp32). `canonical` is the same plan with
+/// every slot written out in that order, so two plans that resolve alike have the same canonical.
+template <class... Ps>
+struct Plan : detail::plan_members<detail::plan_slots, Ps...> {
+  static_assert((detail::check_plan_argument<Ps>() && ...));
+  static_assert(detail::check_plan_slots(detail::plan_slots{}, detail::plan_type_list<Ps...>{}));
+
+  using canonical = typename detail::canonical_plan<detail::plan_slots, Ps...>::type;
+};
+
+/// Plan P with the slot that policy X fills replaced by X (in canonical form).
+template <class P, class X>
+using plan_with_t = typename detail::plan_with<P, X>::type;
+
+}  // namespace d9d
