@@ -31,6 +31,21 @@ struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Backend> backend;
   c10::Device device = c10::Device(c10::kCPU);
   std::string name;
+
+  Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  Impl(Impl&&) = delete;
+  Impl& operator=(Impl&&) = delete;
+  // The last handle closes the backend in order (NCCL otherwise warns about leaked communicators).
+  ~Impl() {
+    if (backend) {
+      try {
+        backend->shutdown();
+      } catch (...) {  // NOLINT(bugprone-empty-catch): closing is best effort at teardown
+      }
+    }
+  }
 };
 
 const ProcessGroup::Impl& ProcessGroup::impl() const {

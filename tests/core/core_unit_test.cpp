@@ -11,6 +11,7 @@
 #include <boost/hana/adapt_struct.hpp>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <d9d/core/batch_tree.hpp>
 #include <d9d/core/collectives.hpp>
@@ -321,7 +322,13 @@ TEST(Core_Context_Local, WorksWithoutEnvironmentOrCommunication) {
   EXPECT_EQ(ctx.world_size(), 1);
   EXPECT_EQ(ctx.backend_name(), "none");
   EXPECT_TRUE(ctx.is_main_process());
-  EXPECT_EQ(ctx.device(), c10::Device(c10::kCPU));
+#ifdef D9D_WITH_CUDA
+  const bool cuda = torch::cuda::is_available();
+#else
+  const bool cuda = false;
+#endif
+  // The default device: cuda:LOCAL_RANK when this build has CUDA and sees a GPU, else cpu.
+  EXPECT_EQ(ctx.device(), cuda ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU));
   ctx.barrier();
   int calls = 0;
   ctx.main_process_first([&] { ++calls; });
