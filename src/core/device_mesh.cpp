@@ -136,6 +136,7 @@ DeviceMesh::DeviceMesh(DistributedContext context, MeshShape shape)
     }
   }
   context_.logger().set_coordinates(describe_coordinates());
+  context_.barrier();  // all groups are connected everywhere before any rank moves on
 }
 
 int DeviceMesh::size(MeshDomain domain, std::string_view dim) const {

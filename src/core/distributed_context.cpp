@@ -355,6 +355,9 @@ DistributedContext DistributedContext::from_launch(const LaunchInfo& launch,
   }
   impl->world = make_group(*impl, all, "world");
   impl->groups.emplace(all, impl->world);
+  // Every rank leaves only after all finished connecting: a rank that fails right after start-up
+  // (a bad mesh, say) must not close connections others are still setting up.
+  impl->world.barrier();
   return DistributedContext(std::move(impl));
 }
 

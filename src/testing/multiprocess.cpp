@@ -8,7 +8,6 @@
 #include <cstring>
 #include <fcntl.h>
 #include <fstream>
-#include <ftw.h>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -25,6 +24,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <d9d/testing/multiprocess.hpp>
+#include <d9d/util/files.hpp>
 
 #ifdef D9D_WITH_NCCL
 #include <c10/cuda/CUDAFunctions.h>
@@ -216,8 +216,7 @@ std::string current_test_filter() {
   return std::string(info->test_suite_name()) + "." + info->name();
 }
 
-// POSIX rather than std::filesystem: libtorch.so exports its own copies of std::filesystem
-// symbols, and calls from our code can bind to those (seen crashing on the GPU machine).
+// readlink rather than std::filesystem (see d9d/util/files.hpp).
 std::string self_exe() {
   std::array<char, 4096> buffer{};
   const ssize_t length = ::readlink("/proc/self/exe", buffer.data(), buffer.size() - 1);
@@ -226,15 +225,6 @@ std::string self_exe() {
                              std::strerror(errno));
   }
   return {buffer.data(), static_cast<std::size_t>(length)};
-}
-
-int remove_entry(const char* path, const struct stat* /*info*/, int /*flag*/, struct FTW* /*ftw*/) {
-  return ::remove(path);
-}
-
-void remove_tree(const std::string& path) {
-  ::nftw(path.c_str(), remove_entry, 16,
-         FTW_DEPTH | FTW_PHYS);  // NOLINT(bugprone-unused-return-value)
 }
 
 [[noreturn]] void run_as_rank(const LaunchOptions& options, const RankBody& body) {
@@ -414,7 +404,7 @@ LaunchResult launch(const LaunchOptions& options, const RankBody& body) {
   LaunchResult result;
   result.scratch_dir =
       std::shared_ptr<const std::string>(new std::string(scratch), [](const std::string* path) {
-        remove_tree(*path);
+        d9d::files::remove_tree(*path);
         delete path;  // NOLINT(cppcoreguidelines-owning-memory)
       });
 

@@ -1,0 +1,86 @@
+// d9d/model/layers.hpp — white-box transformer layers as LibTorch modules.
+//
+//   d9d::model::RmsNorm norm(1024, 1e-6);                 // d9d::rms_norm custom op inside
+//   d9d::model::Attention attn(AttentionOptions{.hidden_size = 1024, .num_heads = 16, ...});
+//   auto y = attn(x, rope.cos_sin(seq_len, x.device()));   // causal GQA through SDPA
+//
+// Plain `XxxImpl` + TORCH_MODULE holders, so models built from them stay ordinary torch::nn code:
+// parameters, named_parameters(), to(), train()/eval() work as usual. Parameter names follow the
+// Hugging Face layout (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, gate_proj, up_proj,
+// down_proj, weight), so checkpoints map by name.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+namespace d9d::model {
+
+/// RMSNorm over the last dimension (the d9d::rms_norm custom op; CPU and CUDA kernels).
+class RmsNormImpl : public torch::nn::Module {
+ public:
+  RmsNormImpl(int64_t dim, double eps);
+  /// The weight is cast to x's dtype (mixed precision keeps fp32 weights).
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(RmsNorm);
+
+/// Rotary position embedding tables (the half-split "rotate_half" layout).
+class RotaryEmbedding {
+ public:
+  RotaryEmbedding(int64_t head_dim, double theta);
+  /// cos and sin, each [seq_len, head_dim], float32 on `device`.
+  [[nodiscard]] std::pair<at::Tensor, at::Tensor> cos_sin(int64_t seq_len,
+                                                          c10::Device device) const;
+  /// Rotates x [B, heads, T, head_dim] by the tables.
+  [[nodiscard]] static at::Tensor apply(const at::Tensor& x, const at::Tensor& cos,
+                                        const at::Tensor& sin);
+
+ private:
+  int64_t head_dim_;
+  double theta_;
+};
+
+struct AttentionOptions {
+  int64_t hidden_size = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  double rms_norm_eps = 1e-6;
+  bool qk_norm = true;
+};
+
+/// Causal grouped-query attention with per-head QK RMSNorm and rotary embeddings, computed by
+/// at::scaled_dot_product_attention (flash / cuDNN kernels on GPU).
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const AttentionOptions& options);
+  /// x: [B, T, hidden]; cos_sin from RotaryEmbedding::cos_sin(T, ...).
+  at::Tensor forward(const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& cos_sin);
+
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  RmsNorm q_norm{nullptr}, k_norm{nullptr};
+
+ private:
+  AttentionOptions options_;
+};
+TORCH_MODULE(Attention);
+
+/// SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
+class SwiGluImpl : public torch::nn::Module {
+ public:
+  SwiGluImpl(int64_t hidden_size, int64_t intermediate_size);
+  at::Tensor forward(const at::Tensor& x);
+
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(SwiGlu);
+
+}  // namespace d9d::model

@@ -1,0 +1,56 @@
+// d9d/parallel/replicate.hpp — data-parallel replication: bucketed gradient all-reduce that
+// starts during backward (the behaviour of d9d::parallel::Replicate).
+//
+//   d9d::parallel::GradientReducer reducer(mesh.group(MeshDomain::batch, "dp"), params,
+//                                          {.bucket_bytes = 25 << 20});
+//   reducer.arm();              // before the last microbatch's backward
+//   loss.backward();            // buckets are all-reduced as their gradients become ready
+//   reducer.finish();           // waits; every parameter's .grad is now the sum over the group
+//
+// Parameters are packed into buckets in reverse registration order (about the order backward
+// produces their gradients). A post-accumulate-grad hook on each parameter counts ready gradients;
+// a full bucket is flattened and its all-reduce launched asynchronously, in bucket order on every
+// rank, overlapping the rest of the backward pass (NCCL runs it on its own stream). finish()
+// launches buckets whose parameters got no gradient (zeros), waits, and writes the sums back.
+// With a group of one rank nothing is registered and every call is a no-op.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include <d9d/core/process_group.hpp>
+
+namespace d9d::parallel {
+
+struct GradientReducerOptions {
+  int64_t bucket_bytes = int64_t{25} << 20;
+};
+
+class GradientReducer {
+ public:
+  GradientReducer(ProcessGroup group, std::vector<at::Tensor> parameters,
+                  GradientReducerOptions options = {});
+  ~GradientReducer();
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
+  GradientReducer(GradientReducer&&) = delete;
+  GradientReducer& operator=(GradientReducer&&) = delete;
+
+  /// The next backward pass reduces gradients as they become ready.
+  void arm();
+  /// Completes the reduction armed by arm(): afterwards each .grad holds the group's sum.
+  void finish();
+  /// Number of buckets, and how many were launched from hooks (during backward) last time.
+  [[nodiscard]] std::size_t bucket_count() const;
+  [[nodiscard]] std::size_t launched_during_backward() const;
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace d9d::parallel

@@ -1,0 +1,72 @@
+// d9d/train/causal_lm.hpp — ready-made providers and task for causal language-model training.
+//
+//   d9d::Trainer<MyPlan> trainer{ctx, d9d::Qwen3Provider{}, d9d::TokenFilesProvider{},
+//                                d9d::CausalLmTask{}, cfg};
+//
+// Qwen3Provider (a d9d::model_provider) builds Qwen3ForCausalLM from the config's "model" section
+// (Hugging Face config.json keys). TokenFilesProvider (a d9d::dataset_provider) reads the "data"
+// section {"paths": [...], "token_width": "u16" | "u32"} as a d9d::data::TokenDataset whose
+// samples are sequence_length + 1 tokens. CausalLmTask (a d9d::train_task) feeds tokens[:, :-1]
+// and predicts tokens[:, 1:], returning the summed cross-entropy and the number of target tokens.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <boost/hana/define_struct.hpp>
+
+#include <d9d/model/qwen3.hpp>
+#include <d9d/train/concepts.hpp>
+
+namespace d9d {
+
+/// A batch of token windows: int64 [B, sequence_length + 1].
+struct CausalLmBatch {
+  BOOST_HANA_DEFINE_STRUCT(CausalLmBatch, (at::Tensor, tokens));
+};
+
+/// Builds Qwen3ForCausalLM from the "model" section.
+class Qwen3Provider {
+ public:
+  using model_provider_concept = model_provider_tag;
+  model::Qwen3ForCausalLM build(const ModelBuildContext& context);
+  /// The exported config.json (after build()).
+  [[nodiscard]] std::string hf_config_json() const;
+  [[nodiscard]] const model::Qwen3Config& config() const { return config_; }
+
+ private:
+  model::Qwen3Config config_;
+};
+
+/// Token windows from files (d9d::data::TokenDataset), as CausalLmBatch.
+class TokenWindows {
+ public:
+  TokenWindows(std::vector<std::string> paths, const std::string& token_width,
+               int64_t sequence_length);
+  [[nodiscard]] int64_t size() const;
+  [[nodiscard]] CausalLmBatch get(const std::vector<int64_t>& indices) const;
+  /// Largest token id + 1 (reads every file once, then cached).
+  [[nodiscard]] int64_t vocab_bound() const;
+
+ private:
+  struct State;
+  std::shared_ptr<const State> state_;
+};
+
+/// Reads the "data" section: {"paths": [...], "token_width": "u16" | "u32"}.
+class TokenFilesProvider {
+ public:
+  using dataset_provider_concept = dataset_provider_tag;
+  TokenWindows build(const DataBuildContext& context);
+};
+
+/// Next-token prediction with the summed loss and the number of target tokens as its weight.
+class CausalLmTask {
+ public:
+  using train_task_concept = train_task_tag;
+  LossOutput compute_loss(model::Qwen3ForCausalLM& model, const CausalLmBatch& batch);
+};
+
+}  // namespace d9d

@@ -1,0 +1,136 @@
+// d9d/train/concepts.hpp — what users implement: a model provider, a dataset provider, a task.
+//
+//   struct MyModel {
+//     using model_provider_concept = d9d::model_provider_tag;           // the opt-in
+//     d9d::model::Qwen3ForCausalLM build(const d9d::ModelBuildContext& ctx);
+//   };
+//   struct MyData { using dataset_provider_concept = d9d::dataset_provider_tag;
+//                   MyDataset build(const d9d::DataBuildContext& ctx); };
+//   struct MyTask { using train_task_concept = d9d::train_task_tag;
+//                   d9d::LossOutput compute_loss(d9d::model::Qwen3ForCausalLM& m, const Batch& b);
+//                   };
+//
+// Each concept needs an explicit opt-in tag plus its operations (nothing satisfies one by
+// accident), and its parts are named so a compiler error names the part that is missing.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <d9d/core/device_mesh.hpp>
+
+namespace d9d {
+
+struct TrainerConfig;
+
+/// Opt-in tags: a type declares `using model_provider_concept = d9d::model_provider_tag;` etc.
+struct model_provider_tag {};
+struct dataset_provider_tag {};
+struct train_task_tag {};
+
+/// What a model provider gets: where to build, the mesh, and its config section.
+struct ModelBuildContext {
+  c10::Device device = c10::Device(c10::kCPU);
+  const DeviceMesh* mesh = nullptr;
+  std::string config_json = "{}";  ///< the "model" section of the trainer config
+};
+
+/// What a dataset provider gets: its config section and the run's sample shape and seed.
+struct DataBuildContext {
+  int64_t sequence_length = 0;
+  uint64_t seed = 0;
+  int dp_rank = 0;
+  int dp_size = 1;
+  std::string config_json = "{}";  ///< the "data" section of the trainer config
+};
+
+/// A microbatch's loss as a sum, and its weight (e.g. its number of target tokens): the reported
+/// loss is sum(loss_sum) / sum(weight) over every microbatch of every data-parallel rank.
+struct LossOutput {
+  at::Tensor loss_sum;
+  at::Tensor weight;
+};
+
+/// A LibTorch module holder (what TORCH_MODULE defines): ptr() gives the module.
+template <class M>
+concept torch_module_holder = requires(M& m) {
+  { m.ptr() } -> std::convertible_to<std::shared_ptr<torch::nn::Module>>;
+};
+
+// ---- model provider --------------------------------------------------------------------------
+
+template <class P>
+concept model_provider_opts_in = requires {
+  typename P::model_provider_concept;
+}
+&&std::derived_from<typename P::model_provider_concept, model_provider_tag>;
+
+template <class P>
+concept model_provider_builds_a_module = requires(P& p, const ModelBuildContext& ctx) {
+  { p.build(ctx) } -> torch_module_holder;
+};
+
+/// Builds the model (on ctx.device) for this rank: opts in and has `build(ModelBuildContext)`
+/// returning a module holder. Optionally `std::string hf_config_json()` for exports.
+template <class P>
+concept model_provider = model_provider_opts_in<P> && model_provider_builds_a_module<P>;
+
+template <model_provider P>
+using model_of_t = decltype(std::declval<P&>().build(std::declval<const ModelBuildContext&>()));
+
+// ---- dataset provider ------------------------------------------------------------------------
+
+template <class D>
+concept sized_indexed_dataset = requires(D& d, const std::vector<int64_t>& indices) {
+  { d.size() } -> std::convertible_to<int64_t>;
+  d.get(indices);
+};
+
+template <class P>
+concept dataset_provider_opts_in = requires {
+  typename P::dataset_provider_concept;
+}
+&&std::derived_from<typename P::dataset_provider_concept, dataset_provider_tag>;
+
+template <class P>
+concept dataset_provider_builds_a_dataset = requires(P& p, const DataBuildContext& ctx) {
+  { p.build(ctx) } -> sized_indexed_dataset;
+};
+
+/// Builds the dataset: opts in and has `build(DataBuildContext)` returning a dataset with
+/// `size()` and `get(indices)`, the latter giving a batch tree (d9d/core/batch_tree.hpp).
+template <class P>
+concept dataset_provider = dataset_provider_opts_in<P> && dataset_provider_builds_a_dataset<P>;
+
+template <dataset_provider P>
+using dataset_of_t = decltype(std::declval<P&>().build(std::declval<const DataBuildContext&>()));
+
+template <dataset_provider P>
+using batch_of_t = std::remove_cvref_t<decltype(std::declval<dataset_of_t<P>&>().get(
+    std::declval<const std::vector<int64_t>&>()))>;
+
+// ---- train task ------------------------------------------------------------------------------
+
+template <class T>
+concept train_task_opts_in = requires {
+  typename T::train_task_concept;
+}
+&&std::derived_from<typename T::train_task_concept, train_task_tag>;
+
+template <class T, class Model, class Batch>
+concept train_task_computes_loss = requires(T& t, Model& model, const Batch& batch) {
+  { t.compute_loss(model, batch) } -> std::same_as<LossOutput>;
+};
+
+/// Turns a microbatch into a loss: opts in and has `compute_loss(Model&, const Batch&)`
+/// returning d9d::LossOutput.
+template <class T, class Model, class Batch>
+concept train_task = train_task_opts_in<T> && train_task_computes_loss<T, Model, Batch>;
+
+}  // namespace d9d

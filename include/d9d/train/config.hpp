@@ -1,0 +1,96 @@
+// d9d/train/config.hpp — the run-time knobs of a training run, from one JSON file, validated.
+//
+//   auto cfg = d9d::TrainerConfig::from_file("quickstart.json");   // d9d::ConfigError on any
+//   problem cfg.batch.global_batch_size;  cfg.optimizer.lr;  cfg.section("model");  // raw provider
+//   section
+//
+// Validation happens before anything is allocated: every error names the key (as a dotted path),
+// the value and what would be valid; unknown keys are errors (with the closest valid key).
+// Sections "model" and "data" belong to the model and dataset providers and are kept as JSON
+// text for them. The schema is documented in docs/train.md.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <d9d/optim/lr_schedule.hpp>
+#include <d9d/plan/mesh.hpp>
+
+namespace d9d {
+
+/// A configuration problem; the message names the key, the value and the fix.
+class ConfigError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+struct RunConfig {
+  std::string output_dir;   ///< logs, metrics and the exported model go here
+  int64_t total_steps = 0;  ///< optimizer steps
+  uint64_t seed = 0;        ///< model init (same on every rank) and data order
+  int64_t log_every = 10;   ///< steps between metric records
+};
+
+struct BatchConfig {
+  int64_t global_batch_size = 0;  ///< samples per optimizer step over all data-parallel ranks
+  int64_t microbatch_size = 0;    ///< samples per forward/backward on one rank
+  int64_t sequence_length = 0;    ///< tokens per sample
+};
+
+struct OptimizerConfig {
+  double lr = 3e-4;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;  ///< applied to matrices, not to norms or biases
+};
+
+struct ClippingConfig {
+  std::optional<double> max_norm = 1.0;  ///< global gradient norm limit; null: no clipping
+};
+
+struct DataParallelConfig {
+  double bucket_size_mb = 25.0;  ///< gradient all-reduce bucket size
+};
+
+struct LoggingConfig {
+  bool progress = true;     ///< console progress bar on the main rank
+  bool jsonl = true;        ///< <output_dir>/metrics.jsonl
+  bool tensorboard = true;  ///< <output_dir>/tensorboard/events.out.tfevents.*
+};
+
+struct ExportConfig {
+  bool enabled = true;            ///< write <output_dir>/model after training
+  std::string dtype = "float32";  ///< "float32" or "bfloat16"
+};
+
+/// Every knob of a run.
+struct TrainerConfig {
+  RunConfig run;
+  BatchConfig batch;
+  OptimizerConfig optimizer;
+  std::vector<optim::Phase> lr_schedule;  ///< empty: constant learning rate
+  ClippingConfig gradient_clipping;
+  DataParallelConfig data_parallel;
+  DynamicDegrees mesh;  ///< values for the plan's d9d::dynamic degrees
+  LoggingConfig logging;
+  ExportConfig export_model;
+  std::map<std::string, std::string> sections;  ///< "model", "data": raw JSON for the providers
+
+  /// Parses and validates; ConfigError on any problem.
+  static TrainerConfig from_json_text(const std::string& text);
+  /// Reads a file and parses it (ConfigError names the file when it cannot be read).
+  static TrainerConfig from_file(const std::string& path);
+  /// The raw JSON of a provider section ("{}" when absent).
+  [[nodiscard]] std::string section(const std::string& name) const;
+  /// Checks the rules that need the data-parallel degree (batch divisibility); ConfigError.
+  void check_against_data_parallel(int dp_size) const;
+  /// Gradient-accumulation steps per optimizer step for `dp_size` data-parallel ranks.
+  [[nodiscard]] int64_t microbatches_per_step(int dp_size) const;
+};
+
+}  // namespace d9d

@@ -1,0 +1,34 @@
+// d9d/util/files.hpp — the few file-system operations the library needs, on POSIX calls.
+//
+//   d9d::files::create_directories(run_dir + "/tensorboard");   // mkdir -p; throws with the reason
+//   d9d::files::rename(tmp, final_path);
+//   if (d9d::files::exists(path)) { ... }
+//
+// Not std::filesystem: libtorch_cpu.so and libtorch.so export their own copies of
+// std::filesystem's functions, and calls from code built by another compiler can bind to them
+// (a crash seen on the GPU machine). These wrappers avoid the ambiguity.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace d9d::files {
+
+/// Creates `path` and its missing parents; std::runtime_error naming the path and the reason.
+void create_directories(const std::string& path);
+/// True when `path` exists (file, directory or other).
+[[nodiscard]] bool exists(const std::string& path);
+/// True when `path` is a directory.
+[[nodiscard]] bool is_directory(const std::string& path);
+/// Removes `path` and everything under it (no error when it does not exist).
+void remove_tree(const std::string& path);
+/// Renames atomically within one file system; std::runtime_error naming both paths.
+void rename(const std::string& from, const std::string& to);
+/// `dir` + "/" + `name` (no doubled slash).
+[[nodiscard]] std::string join(std::string_view dir, std::string_view name);
+/// The directory part of `path` ("." when it has none).
+[[nodiscard]] std::string parent(std::string_view path);
+/// This machine's host name ("localhost" when it cannot be read).
+[[nodiscard]] std::string hostname();
+
+}  // namespace d9d::files

@@ -1,0 +1,119 @@
+// d9d/model/layers.cpp — RMSNorm, rotary embeddings, attention and SwiGLU modules.
+#include <cmath>
+#include <stdexcept>
+
+#include <ATen/ATen.h>
+
+#include <d9d/kernels/rms_norm.hpp>
+#include <d9d/model/layers.hpp>
+
+namespace d9d::model {
+
+RmsNormImpl::RmsNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", at::ones({dim}));
+}
+
+at::Tensor RmsNormImpl::forward(const at::Tensor& x) {
+  return d9d::kernels::rms_norm(x, weight.to(x.scalar_type()), eps_);
+}
+
+RotaryEmbedding::RotaryEmbedding(int64_t head_dim, double theta)
+    : head_dim_(head_dim), theta_(theta) {
+  if (head_dim % 2 != 0) {
+    throw std::invalid_argument("d9d::model::RotaryEmbedding: head_dim must be even, got " +
+                                std::to_string(head_dim));
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> RotaryEmbedding::cos_sin(int64_t seq_len,
+                                                           c10::Device device) const {
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(device);
+  // inv_freq[i] = theta^(-2i/d), computed in double for an exact table, used in float.
+  const auto exponents = at::arange(0, head_dim_, 2, at::TensorOptions().dtype(at::kDouble)) /
+                         static_cast<double>(head_dim_);
+  const auto inv_freq = at::pow(theta_, -exponents).to(options);
+  const auto positions = at::arange(seq_len, options);
+  const auto freqs = at::outer(positions, inv_freq);  // [T, d/2]
+  const auto angles = at::cat({freqs, freqs}, -1);    // [T, d]
+  return {angles.cos(), angles.sin()};
+}
+
+at::Tensor RotaryEmbedding::apply(const at::Tensor& x, const at::Tensor& cos,
+                                  const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  const auto x1 = x.narrow(-1, 0, half);
+  const auto x2 = x.narrow(-1, half, half);
+  const auto rotated = at::cat({-x2, x1}, -1);
+  const auto c = cos.to(x.scalar_type());
+  const auto s = sin.to(x.scalar_type());
+  return x * c + rotated * s;
+}
+
+AttentionImpl::AttentionImpl(const AttentionOptions& options) : options_(options) {
+  if (options.num_heads % options.num_kv_heads != 0) {
+    throw std::invalid_argument(
+        "d9d::model::Attention: num_heads (" + std::to_string(options.num_heads) +
+        ") must be a multiple of num_kv_heads (" + std::to_string(options.num_kv_heads) + ")");
+  }
+  const auto linear = [](int64_t in, int64_t out) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+  };
+  q_proj =
+      register_module("q_proj", linear(options.hidden_size, options.num_heads * options.head_dim));
+  k_proj = register_module("k_proj",
+                           linear(options.hidden_size, options.num_kv_heads * options.head_dim));
+  v_proj = register_module("v_proj",
+                           linear(options.hidden_size, options.num_kv_heads * options.head_dim));
+  o_proj =
+      register_module("o_proj", linear(options.num_heads * options.head_dim, options.hidden_size));
+  if (options.qk_norm) {
+    q_norm = register_module("q_norm", RmsNorm(options.head_dim, options.rms_norm_eps));
+    k_norm = register_module("k_norm", RmsNorm(options.head_dim, options.rms_norm_eps));
+  }
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x,
+                                  const std::pair<at::Tensor, at::Tensor>& cos_sin) {
+  const int64_t batch = x.size(0);
+  const int64_t seq = x.size(1);
+  const int64_t heads = options_.num_heads;
+  const int64_t kv_heads = options_.num_kv_heads;
+  const int64_t dim = options_.head_dim;
+  auto q = q_proj(x).view({batch, seq, heads, dim});
+  auto k = k_proj(x).view({batch, seq, kv_heads, dim});
+  auto v = v_proj(x).view({batch, seq, kv_heads, dim}).transpose(1, 2);
+  if (options_.qk_norm) {
+    q = q_norm(q);
+    k = k_norm(k);
+  }
+  q = RotaryEmbedding::apply(q.transpose(1, 2), cos_sin.first, cos_sin.second);
+  k = RotaryEmbedding::apply(k.transpose(1, 2), cos_sin.first, cos_sin.second);
+  if (kv_heads != heads) {
+    // Repeat each KV head for its group of query heads: the fused attention kernels then apply.
+    const int64_t groups = heads / kv_heads;
+    k = k.unsqueeze(2)
+            .expand({batch, kv_heads, groups, seq, dim})
+            .reshape({batch, heads, seq, dim});
+    v = v.unsqueeze(2)
+            .expand({batch, kv_heads, groups, seq, dim})
+            .reshape({batch, heads, seq, dim});
+  }
+  const auto attended = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{},
+                                                         /*dropout_p=*/0.0, /*is_causal=*/true);
+  return o_proj(attended.transpose(1, 2).reshape({batch, seq, heads * dim}));
+}
+
+SwiGluImpl::SwiGluImpl(int64_t hidden_size, int64_t intermediate_size) {
+  const auto linear = [](int64_t in, int64_t out) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+  };
+  gate_proj = register_module("gate_proj", linear(hidden_size, intermediate_size));
+  up_proj = register_module("up_proj", linear(hidden_size, intermediate_size));
+  down_proj = register_module("down_proj", linear(intermediate_size, hidden_size));
+}
+
+at::Tensor SwiGluImpl::forward(const at::Tensor& x) {
+  return down_proj(at::silu(gate_proj(x)) * up_proj(x));
+}
+
+}  // namespace d9d::model

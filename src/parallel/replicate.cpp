@@ -1,0 +1,193 @@
+// d9d/parallel/replicate.cpp — bucketed, overlapped gradient all-reduce for replicated parameters.
+#include <mutex>
+#include <stdexcept>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <d9d/parallel/replicate.hpp>
+
+namespace d9d::parallel {
+
+struct GradientReducer::State {
+  struct Bucket {
+    std::vector<std::size_t> members;  // parameter indices
+    int64_t numel = 0;
+    std::size_t pending = 0;
+    bool launched = false;
+    at::Tensor buffer;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+
+  ProcessGroup group;
+  std::vector<at::Tensor> parameters;
+  std::vector<std::size_t> bucket_of;  // parameter index -> bucket index
+  std::vector<Bucket> buckets;
+  std::mutex mutex;
+  bool armed = false;
+  std::size_t next_launch = 0;
+  std::size_t launched_in_backward = 0;
+
+  // Flattens the bucket's gradients (zeros where a parameter got none) and starts its all-reduce.
+  void launch(Bucket& bucket) {
+    std::vector<at::Tensor> flat;
+    flat.reserve(bucket.members.size());
+    for (const auto index : bucket.members) {
+      const auto& param = parameters[index];
+      const auto& grad = param.grad();
+      flat.push_back(grad.defined() ? grad.reshape({-1})
+                                    : at::zeros({param.numel()}, param.options()));
+    }
+    bucket.buffer = at::cat(flat).to(group.device());
+    std::vector<at::Tensor> tensors = {bucket.buffer};
+    bucket.work = group.backend()->allreduce(tensors);
+    bucket.launched = true;
+  }
+
+  // Launches ready buckets in bucket order (the same order on every rank).
+  void launch_ready(bool from_hook) {
+    while (next_launch < buckets.size() && buckets[next_launch].pending == 0 &&
+           !buckets[next_launch].launched) {
+      launch(buckets[next_launch]);
+      if (from_hook) {
+        ++launched_in_backward;
+      }
+      ++next_launch;
+    }
+  }
+
+  void mark_ready(std::size_t index) {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (!armed) {
+      return;
+    }
+    auto& bucket = buckets[bucket_of[index]];
+    if (bucket.pending > 0) {
+      --bucket.pending;
+    }
+    launch_ready(/*from_hook=*/true);
+  }
+};
+
+namespace {
+
+class ReadyHook : public torch::autograd::PostAccumulateGradHook {
+ public:
+  ReadyHook(std::weak_ptr<GradientReducer::State> state, std::size_t index)
+      : state_(std::move(state)), index_(index) {}
+  void operator()(const torch::autograd::Variable& /*tensor*/) override {
+    if (auto state = state_.lock()) {
+      state->mark_ready(index_);
+    }
+  }
+
+ private:
+  std::weak_ptr<GradientReducer::State> state_;
+  std::size_t index_;
+};
+
+}  // namespace
+
+GradientReducer::GradientReducer(ProcessGroup group, std::vector<at::Tensor> parameters,
+                                 GradientReducerOptions options)
+    : state_(std::make_shared<State>()) {
+  if (options.bucket_bytes < 1) {
+    throw std::invalid_argument("d9d::parallel::GradientReducer: bucket_bytes must be >= 1");
+  }
+  state_->group = std::move(group);
+  state_->parameters = std::move(parameters);
+  auto& s = *state_;
+  if (s.group.size() <= 1) {
+    return;
+  }
+  s.bucket_of.resize(s.parameters.size());
+  // Reverse registration order: the last layers' gradients arrive first in backward.
+  int64_t bytes = 0;
+  for (std::size_t k = s.parameters.size(); k-- > 0;) {
+    const auto& param = s.parameters[k];
+    if (!param.requires_grad()) {
+      continue;
+    }
+    const int64_t size = param.numel() * static_cast<int64_t>(param.element_size());
+    const bool full = !s.buckets.empty() && bytes + size > options.bucket_bytes;
+    const bool other_dtype =
+        !s.buckets.empty() &&
+        param.scalar_type() != s.parameters[s.buckets.back().members.front()].scalar_type();
+    if (s.buckets.empty() || full || other_dtype) {
+      s.buckets.emplace_back();
+      bytes = 0;
+    }
+    s.buckets.back().members.push_back(k);
+    s.buckets.back().numel += param.numel();
+    s.bucket_of[k] = s.buckets.size() - 1;
+    bytes += size;
+    torch::autograd::impl::set_post_acc_grad_hooks(param, std::make_unique<ReadyHook>(state_, k));
+  }
+}
+
+GradientReducer::~GradientReducer() {
+  if (!state_ || state_->group.size() <= 1) {
+    return;
+  }
+  for (const auto& bucket : state_->buckets) {
+    for (const auto index : bucket.members) {
+      torch::autograd::impl::set_post_acc_grad_hooks(state_->parameters[index], nullptr);
+    }
+  }
+}
+
+void GradientReducer::arm() {
+  const std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->armed = true;
+  state_->next_launch = 0;
+  state_->launched_in_backward = 0;
+  for (auto& bucket : state_->buckets) {
+    bucket.pending = bucket.members.size();
+    bucket.launched = false;
+    bucket.work.reset();
+    bucket.buffer = at::Tensor();
+  }
+}
+
+void GradientReducer::finish() {
+  auto& s = *state_;
+  const std::lock_guard<std::mutex> lock(s.mutex);
+  if (!s.armed) {
+    return;
+  }
+  s.armed = false;
+  if (s.group.size() <= 1) {
+    return;
+  }
+  // Buckets still waiting (parameters without a gradient this step) go now, in order.
+  for (auto& bucket : s.buckets) {
+    bucket.pending = 0;
+  }
+  s.launch_ready(/*from_hook=*/false);
+  for (auto& bucket : s.buckets) {
+    bucket.work->wait();
+    int64_t offset = 0;
+    for (const auto index : bucket.members) {
+      auto& param = s.parameters[index];
+      const int64_t numel = param.numel();
+      auto summed = bucket.buffer.narrow(0, offset, numel).view(param.sizes()).to(param.device());
+      if (param.grad().defined()) {
+        param.mutable_grad().copy_(summed);
+      } else {
+        param.mutable_grad() = summed.clone();
+      }
+      offset += numel;
+    }
+    bucket.buffer = at::Tensor();
+    bucket.work.reset();
+  }
+}
+
+std::size_t GradientReducer::bucket_count() const { return state_->buckets.size(); }
+std::size_t GradientReducer::launched_during_backward() const {
+  return state_->launched_in_backward;
+}
+
+}  // namespace d9d::parallel

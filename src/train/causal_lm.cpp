@@ -1,0 +1,93 @@
+// d9d/train/causal_lm.cpp — Qwen3 provider, token-file dataset provider, causal-LM task.
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <d9d/data/token_dataset.hpp>
+#include <d9d/train/causal_lm.hpp>
+#include <d9d/train/config.hpp>
+
+namespace d9d {
+
+model::Qwen3ForCausalLM Qwen3Provider::build(const ModelBuildContext& context) {
+  try {
+    config_ = model::Qwen3Config::from_json_text(context.config_json);
+  } catch (const std::invalid_argument& error) {
+    throw ConfigError(std::string(error.what()) + " (in the \"model\" section)");
+  }
+  model::Qwen3ForCausalLM model(config_);
+  model->to(context.device);
+  return model;
+}
+
+std::string Qwen3Provider::hf_config_json() const { return config_.to_hf_json("float32"); }
+
+struct TokenWindows::State {
+  data::TokenDataset dataset;
+};
+
+TokenWindows::TokenWindows(std::vector<std::string> paths, const std::string& token_width,
+                           int64_t sequence_length) {
+  const auto width = token_width == "u32" ? data::TokenWidth::u32 : data::TokenWidth::u16;
+  state_ = std::make_shared<const State>(
+      State{data::TokenDataset::open(std::move(paths), width, sequence_length)});
+}
+
+int64_t TokenWindows::size() const { return state_->dataset.size(); }
+
+CausalLmBatch TokenWindows::get(const std::vector<int64_t>& indices) const {
+  return {.tokens = state_->dataset.batch(indices)};
+}
+
+int64_t TokenWindows::vocab_bound() const { return state_->dataset.vocab_bound(); }
+
+TokenWindows TokenFilesProvider::build(const DataBuildContext& context) {
+  nlohmann::json json = nlohmann::json::parse(context.config_json);
+  const auto fail = [](const std::string& key, const std::string& value, const std::string& what) {
+    throw ConfigError("d9d config: \"data." + key + "\" = " + value + " is invalid: " + what);
+  };
+  for (const auto& item : json.items()) {
+    if (item.key() != "paths" && item.key() != "token_width") {
+      throw ConfigError("d9d config: unknown key \"data." + item.key() +
+                        "\"; valid keys in \"data\": paths, token_width");
+    }
+  }
+  if (!json.contains("paths")) {
+    throw ConfigError("d9d config: \"data.paths\" is required (a list of token files)");
+  }
+  const auto& paths_json = json.at("paths");
+  if (!paths_json.is_array() || paths_json.empty()) {
+    fail("paths", paths_json.dump(), "expected a non-empty list of file paths");
+  }
+  std::vector<std::string> paths;
+  for (const auto& path : paths_json) {
+    if (!path.is_string()) {
+      fail("paths", paths_json.dump(), "expected a list of strings");
+    }
+    paths.push_back(path.get<std::string>());
+  }
+  std::string width = "u16";
+  if (json.contains("token_width")) {
+    const auto& value = json.at("token_width");
+    if (!value.is_string() || (value != "u16" && value != "u32")) {
+      fail("token_width", value.dump(), "expected \"u16\" or \"u32\"");
+    }
+    width = value.get<std::string>();
+  }
+  try {
+    return {std::move(paths), width, context.sequence_length};
+  } catch (const std::exception& error) {
+    throw ConfigError(std::string("d9d config: \"data.paths\": ") + error.what());
+  }
+}
+
+LossOutput CausalLmTask::compute_loss(model::Qwen3ForCausalLM& model, const CausalLmBatch& batch) {
+  const auto& device = model->model->embed_tokens->weight.device();
+  const auto tokens = batch.tokens.to(device);
+  const int64_t length = tokens.size(1) - 1;
+  const auto inputs = tokens.narrow(1, 0, length);
+  const auto labels = tokens.narrow(1, 1, length);
+  const auto loss = model::causal_lm_loss(model(inputs), labels);
+  return {.loss_sum = loss.loss_sum, .weight = loss.tokens};
+}
+
+}  // namespace d9d

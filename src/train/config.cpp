@@ -1,0 +1,341 @@
+// d9d/train/config.cpp — parsing and validation of the trainer's JSON configuration.
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include <d9d/train/config.hpp>
+
+namespace d9d {
+namespace {
+
+using Json = nlohmann::json;
+
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) {
+    row[j] = j;
+  }
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// One JSON object of the config, read key by key; finish() rejects keys nobody asked for.
+class Section {
+ public:
+  Section(const Json& json, std::string path) : json_(json), path_(std::move(path)) {
+    if (!json_.is_object()) {
+      fail_at(path_.empty() ? "the configuration" : path_, json_.dump(), "expected a JSON object");
+    }
+  }
+
+  [[nodiscard]] std::string key_path(const std::string& key) const {
+    return path_.empty() ? key : path_ + "." + key;
+  }
+
+  [[noreturn]] static void fail_at(const std::string& key, const std::string& value,
+                                   const std::string& what) {
+    throw ConfigError("d9d config: \"" + key + "\" = " + value + " is invalid: " + what);
+  }
+
+  const Json* find(const std::string& key) {
+    known_.insert(key);
+    const auto found = json_.find(key);
+    return found == json_.end() || found->is_null() ? nullptr : &*found;
+  }
+
+  [[noreturn]] void missing(const std::string& key, const std::string& what) const {
+    // A required key is often missing because it is misspelled: name the likely culprit.
+    for (const auto& item : json_.items()) {
+      if (known_.count(item.key()) == 0 && edit_distance(item.key(), key) < 4) {
+        throw ConfigError("d9d config: unknown key \"" + key_path(item.key()) +
+                          "\" (did you mean \"" + key_path(key) + "\"?); \"" + key_path(key) +
+                          "\" is required (" + what + ")");
+      }
+    }
+    throw ConfigError("d9d config: \"" + key_path(key) + "\" is required (" + what + ")");
+  }
+
+  template <class Int>
+  void integer(const std::string& key, Int& out, int64_t minimum, bool required) {
+    const Json* value = find(key);
+    const std::string what = "an integer >= " + std::to_string(minimum);
+    if (value == nullptr) {
+      if (required) {
+        missing(key, what);
+      }
+      return;
+    }
+    if (!value->is_number_integer() || value->get<int64_t>() < minimum) {
+      fail_at(key_path(key), value->dump(), "expected " + what);
+    }
+    out = static_cast<Int>(value->get<int64_t>());
+  }
+
+  void number(const std::string& key, double& out, double minimum, bool inclusive, double maximum,
+              bool required = false) {
+    const Json* value = find(key);
+    const std::string what = std::string("a number ") + (inclusive ? ">= " : "> ") +
+                             std::to_string(minimum) +
+                             (std::isinf(maximum) ? "" : " and < " + std::to_string(maximum));
+    if (value == nullptr) {
+      if (required) {
+        missing(key, what);
+      }
+      return;
+    }
+    if (!value->is_number()) {
+      fail_at(key_path(key), value->dump(), "expected " + what);
+    }
+    const double v = value->get<double>();
+    const bool low_ok = inclusive ? v >= minimum : v > minimum;
+    if (!low_ok || !(v < maximum) || std::isnan(v)) {
+      fail_at(key_path(key), value->dump(), "expected " + what);
+    }
+    out = v;
+  }
+
+  void boolean(const std::string& key, bool& out) {
+    const Json* value = find(key);
+    if (value == nullptr) {
+      return;
+    }
+    if (!value->is_boolean()) {
+      fail_at(key_path(key), value->dump(), "expected true or false");
+    }
+    out = value->get<bool>();
+  }
+
+  void string(const std::string& key, std::string& out, const std::vector<std::string>& choices,
+              bool required = false) {
+    const Json* value = find(key);
+    std::string listing;
+    for (const auto& choice : choices) {
+      listing += (listing.empty() ? "" : ", ") + ("\"" + choice + "\"");
+    }
+    if (value == nullptr) {
+      if (required) {
+        missing(key, choices.empty() ? "a string" : "one of " + listing);
+      }
+      return;
+    }
+    if (!value->is_string() || value->get<std::string>().empty()) {
+      fail_at(key_path(key), value->dump(), "expected a non-empty string");
+    }
+    const auto text = value->get<std::string>();
+    if (!choices.empty() && std::find(choices.begin(), choices.end(), text) == choices.end()) {
+      fail_at(key_path(key), value->dump(), "expected one of " + listing);
+    }
+    out = text;
+  }
+
+  // Rejects keys that were never looked up, suggesting the closest known key.
+  void finish() const {
+    for (const auto& item : json_.items()) {
+      if (known_.count(item.key()) != 0) {
+        continue;
+      }
+      std::string best;
+      std::size_t best_distance = 4;
+      std::string listing;
+      for (const auto& known : known_) {
+        listing += (listing.empty() ? "" : ", ") + known;
+        const auto distance = edit_distance(item.key(), known);
+        if (distance < best_distance) {
+          best_distance = distance;
+          best = known;
+        }
+      }
+      throw ConfigError("d9d config: unknown key \"" + key_path(item.key()) + "\"" +
+                        (best.empty() ? "" : " (did you mean \"" + key_path(best) + "\"?)") +
+                        "; valid keys" + (path_.empty() ? "" : " in \"" + path_ + "\"") + ": " +
+                        listing);
+    }
+  }
+
+  Section child(const std::string& key) {
+    const Json* value = find(key);
+    static const Json kEmpty = Json::object();
+    return {value == nullptr ? kEmpty : *value, key_path(key)};
+  }
+
+ private:
+  const Json& json_;
+  std::string path_;
+  std::set<std::string> known_;
+};
+
+std::vector<optim::Phase> read_phases(const Json* json, const std::string& path) {
+  std::vector<optim::Phase> phases;
+  if (json == nullptr) {
+    return phases;
+  }
+  if (!json->is_array()) {
+    Section::fail_at(path, json->dump(), "expected a list of phases");
+  }
+  for (std::size_t i = 0; i < json->size(); ++i) {
+    Section phase((*json)[i], path + "[" + std::to_string(i) + "]");
+    optim::Phase p;
+    phase.integer("steps", p.length.steps, 1, false);
+    phase.number("percent", p.length.percent, 0.0, false, 100.0 + 1e-9);
+    phase.boolean("rest", p.length.rest);
+    std::string curve = "constant";
+    phase.string("curve", curve, {"constant", "linear", "cosine", "polynomial", "exponential"});
+    p.curve = optim::parse_curve(curve);
+    phase.number("start", p.start, 0.0, true, INFINITY);
+    p.end = p.start;
+    phase.number("end", p.end, 0.0, true, INFINITY);
+    phase.number("power", p.power, 0.0, false, INFINITY);
+    phase.finish();
+    phases.push_back(p);
+  }
+  return phases;
+}
+
+}  // namespace
+
+TrainerConfig TrainerConfig::from_json_text(const std::string& text) {
+  Json json;
+  try {
+    json = Json::parse(text);
+  } catch (const Json::parse_error& error) {
+    throw ConfigError(std::string("d9d config: not valid JSON: ") + error.what());
+  }
+  TrainerConfig cfg;
+  Section root(json, "");
+
+  Section run = root.child("run");
+  run.string("output_dir", cfg.run.output_dir, {}, /*required=*/true);
+  run.integer("total_steps", cfg.run.total_steps, 1, /*required=*/true);
+  run.integer("seed", cfg.run.seed, 0, false);
+  run.integer("log_every", cfg.run.log_every, 1, false);
+  run.finish();
+
+  Section batch = root.child("batch");
+  batch.integer("global_batch_size", cfg.batch.global_batch_size, 1, true);
+  batch.integer("microbatch_size", cfg.batch.microbatch_size, 1, true);
+  batch.integer("sequence_length", cfg.batch.sequence_length, 1, true);
+  batch.finish();
+
+  Section optimizer = root.child("optimizer");
+  optimizer.number("lr", cfg.optimizer.lr, 0.0, false, INFINITY);
+  optimizer.number("beta1", cfg.optimizer.beta1, 0.0, true, 1.0);
+  optimizer.number("beta2", cfg.optimizer.beta2, 0.0, true, 1.0);
+  optimizer.number("eps", cfg.optimizer.eps, 0.0, false, INFINITY);
+  optimizer.number("weight_decay", cfg.optimizer.weight_decay, 0.0, true, INFINITY);
+  optimizer.finish();
+
+  cfg.lr_schedule = read_phases(root.find("lr_schedule"), "lr_schedule");
+  try {
+    (void)optim::PiecewiseSchedule::build(cfg.lr_schedule, cfg.run.total_steps);
+  } catch (const std::invalid_argument& error) {
+    throw ConfigError(std::string("d9d config: \"lr_schedule\" is invalid: ") + error.what());
+  }
+
+  Section clipping = root.child("gradient_clipping");
+  if (const Json* max_norm = clipping.find("max_norm")) {
+    if (!max_norm->is_number() || !(max_norm->get<double>() > 0)) {
+      Section::fail_at("gradient_clipping.max_norm", max_norm->dump(),
+                       "expected a number > 0, or null for no clipping");
+    }
+    cfg.gradient_clipping.max_norm = max_norm->get<double>();
+  } else if (root.find("gradient_clipping") != nullptr &&
+             json["gradient_clipping"].contains("max_norm")) {
+    cfg.gradient_clipping.max_norm = std::nullopt;  // explicit null
+  }
+  clipping.finish();
+
+  Section dp = root.child("data_parallel");
+  dp.number("bucket_size_mb", cfg.data_parallel.bucket_size_mb, 0.0, false, INFINITY);
+  dp.finish();
+
+  Section mesh = root.child("mesh");
+  const auto degree = [&](const char* key, std::optional<int>& out) {
+    int value = 0;
+    bool present = mesh.find(key) != nullptr;
+    mesh.integer(key, value, 1, false);
+    if (present) {
+      out = value;
+    }
+  };
+  degree("pp", cfg.mesh.pp);
+  degree("dp_replicate", cfg.mesh.dp_replicate);
+  degree("dp_shard", cfg.mesh.dp_shard);
+  degree("cp_replicate", cfg.mesh.cp_replicate);
+  degree("cp_shard", cfg.mesh.cp_shard);
+  degree("tp", cfg.mesh.tp);
+  degree("ep", cfg.mesh.ep);
+  mesh.finish();
+
+  Section logging = root.child("logging");
+  logging.boolean("progress", cfg.logging.progress);
+  logging.boolean("jsonl", cfg.logging.jsonl);
+  logging.boolean("tensorboard", cfg.logging.tensorboard);
+  logging.finish();
+
+  Section exporting = root.child("export");
+  exporting.boolean("enabled", cfg.export_model.enabled);
+  exporting.string("dtype", cfg.export_model.dtype, {"float32", "bfloat16"});
+  exporting.finish();
+
+  for (const char* name : {"model", "data"}) {
+    if (const Json* section = root.find(name)) {
+      if (!section->is_object()) {
+        Section::fail_at(name, section->dump(), "expected a JSON object");
+      }
+      cfg.sections[name] = section->dump();
+    }
+  }
+  root.finish();
+  return cfg;
+}
+
+TrainerConfig TrainerConfig::from_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    throw ConfigError("d9d config: cannot read \"" + path + "\"");
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  try {
+    return from_json_text(text.str());
+  } catch (const ConfigError& error) {
+    throw ConfigError(std::string(error.what()) + " (in " + path + ")");
+  }
+}
+
+std::string TrainerConfig::section(const std::string& name) const {
+  const auto found = sections.find(name);
+  return found == sections.end() ? "{}" : found->second;
+}
+
+void TrainerConfig::check_against_data_parallel(int dp_size) const {
+  const int64_t step = static_cast<int64_t>(dp_size) * batch.microbatch_size;
+  if (batch.global_batch_size % step != 0) {
+    const int64_t lower = std::max<int64_t>(step, batch.global_batch_size / step * step);
+    throw ConfigError(
+        "d9d config: \"batch.global_batch_size\" = " + std::to_string(batch.global_batch_size) +
+        " is not divisible by data-parallel ranks (" + std::to_string(dp_size) +
+        ") x \"batch.microbatch_size\" (" + std::to_string(batch.microbatch_size) +
+        ") = " + std::to_string(step) + ". Fix: use a multiple of " + std::to_string(step) +
+        ", e.g. " + std::to_string(lower) + " or " + std::to_string(lower + step));
+  }
+}
+
+int64_t TrainerConfig::microbatches_per_step(int dp_size) const {
+  check_against_data_parallel(dp_size);
+  return batch.global_batch_size / (static_cast<int64_t>(dp_size) * batch.microbatch_size);
+}
+
+}  // namespace d9d

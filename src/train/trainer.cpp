@@ -1,0 +1,218 @@
+// d9d/train/trainer.cpp — the training loop: sampling, steps, events, logging, export.
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <optional>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <d9d/data/sampler.hpp>
+#include <d9d/state/safetensors.hpp>
+#include <d9d/track/jsonl.hpp>
+#include <d9d/track/progress.hpp>
+#include <d9d/track/tensorboard.hpp>
+#include <d9d/train/trainer.hpp>
+#include <d9d/util/files.hpp>
+
+namespace d9d::detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string format_number(double value, const char* format) {
+  std::array<char, 32> buffer{};
+  std::snprintf(buffer.data(), buffer.size(), format,
+                value);  // NOLINT(cppcoreguidelines-pro-type-vararg)
+  return {buffer.data()};
+}
+
+}  // namespace
+
+struct TrainerCore::Impl {
+  Impl(DistributedContext context_in, std::shared_ptr<const DeviceMesh> mesh_in,
+       TrainerConfig config_in, ErasedRun run_in)
+      : context(std::move(context_in)),
+        mesh(std::move(mesh_in)),
+        config(std::move(config_in)),
+        run(std::move(run_in)) {}
+  DistributedContext context;
+  std::shared_ptr<const DeviceMesh> mesh;
+  TrainerConfig config;
+  ErasedRun run;
+  EventBus events;
+  std::unique_ptr<TrainStepCore> step;
+  std::optional<data::DistributedSampler> sampler;
+  int dp_size = 1;
+  int64_t per_rank_batch = 0;
+  int64_t microbatches = 0;
+};
+
+TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const DeviceMesh> mesh,
+                         TrainerConfig config, bool bf16_autocast, ErasedRun run)
+    : impl_(std::make_unique<Impl>(std::move(context), std::move(mesh), std::move(config),
+                                   std::move(run))) {
+  auto& s = *impl_;
+  s.dp_size = s.mesh->size(MeshDomain::batch, "dp");
+  s.microbatches = s.config.microbatches_per_step(s.dp_size);
+  s.per_rank_batch = s.config.batch.global_batch_size / s.dp_size;
+  s.sampler.emplace(data::SamplerOptions{.num_samples = s.run.dataset_size,
+                                         .dp_rank = s.mesh->coordinate(MeshDomain::batch, "dp"),
+                                         .dp_size = s.dp_size,
+                                         .seed = s.config.run.seed});
+  (void)s.sampler->steps_per_epoch(
+      s.per_rank_batch);  // enough data for one step, else a clear error
+  s.step = std::make_unique<TrainStepCore>(
+      *s.mesh, s.run.model, s.run.loss,
+      TrainStepOptions{.optimizer = s.config.optimizer,
+                       .lr_schedule = s.config.lr_schedule,
+                       .total_steps = s.config.run.total_steps,
+                       .max_grad_norm = s.config.gradient_clipping.max_norm,
+                       .bucket_bytes = static_cast<int64_t>(s.config.data_parallel.bucket_size_mb *
+                                                            1024.0 * 1024.0),
+                       .bf16_autocast = bf16_autocast,
+                       .events = &s.events});
+  // Randomness after initialisation differs per rank (dropout and the like).
+  torch::manual_seed(s.config.run.seed + 1 + static_cast<uint64_t>(s.context.rank()));
+}
+
+TrainerCore::~TrainerCore() = default;
+
+EventBus& TrainerCore::events() { return impl_->events; }
+const DeviceMesh& TrainerCore::mesh() const { return *impl_->mesh; }
+const std::shared_ptr<torch::nn::Module>& TrainerCore::model() const { return impl_->run.model; }
+
+StepResult TrainerCore::step(int64_t step) {
+  auto& s = *impl_;
+  s.events.emit(events::StepStart{.step = step});
+  const auto indices = s.sampler->batch(step, s.per_rank_batch);
+  const auto batch = s.run.load(indices);
+  return s.step->run(s.run.split(batch, s.microbatches), step);
+}
+
+TrainResult TrainerCore::train() {
+  auto& s = *impl_;
+  const bool main = s.context.is_main_process();
+  const auto& cfg = s.config;
+  TrainResult result;
+  std::unique_ptr<track::ProgressBar> progress;
+  std::unique_ptr<track::JsonlWriter> jsonl;
+  std::unique_ptr<track::TensorBoardWriter> tensorboard;
+  if (main) {
+    files::create_directories(cfg.run.output_dir);
+    if (cfg.logging.progress) {
+      progress = std::make_unique<track::ProgressBar>(cfg.run.total_steps, "train");
+    }
+    if (cfg.logging.jsonl) {
+      result.metrics_path = files::join(cfg.run.output_dir, "metrics.jsonl");
+      jsonl = std::make_unique<track::JsonlWriter>(result.metrics_path);
+    }
+    if (cfg.logging.tensorboard) {
+      result.tensorboard_dir = files::join(cfg.run.output_dir, "tensorboard");
+      tensorboard = std::make_unique<track::TensorBoardWriter>(result.tensorboard_dir);
+    }
+    s.context.logger().info("training " + std::to_string(cfg.run.total_steps) + " steps on " +
+                            std::to_string(s.context.world_size()) + " rank(s), mesh " +
+                            s.mesh->shape().describe() + ", " + std::to_string(s.microbatches) +
+                            " microbatch(es) of " + std::to_string(cfg.batch.microbatch_size) +
+                            " per rank and step");
+  }
+
+  const int64_t tokens_per_step = cfg.batch.global_batch_size * cfg.batch.sequence_length;
+  const auto start = Clock::now();
+  auto after_first = start;
+  for (int64_t step = 0; step < cfg.run.total_steps; ++step) {
+    const auto step_start = Clock::now();
+    const StepResult r = this->step(step);
+    const double seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
+    if (step == 0) {
+      after_first = Clock::now();
+    }
+    result.losses.push_back(r.loss);
+    result.grad_norms.push_back(r.grad_norm);
+    s.events.emit(events::StepEnd{.step = step,
+                                  .loss = r.loss,
+                                  .lr = r.lr,
+                                  .grad_norm = r.grad_norm,
+                                  .tokens = tokens_per_step,
+                                  .seconds = seconds});
+    if (main) {
+      const double tokens_per_second = static_cast<double>(tokens_per_step) / seconds;
+      if (progress) {
+        progress->update(step + 1, {{"loss", format_number(r.loss, "%.4f")},
+                                    {"lr", format_number(r.lr, "%.2e")},
+                                    {"tok/s", track::format_si(tokens_per_second)}});
+      }
+      if (step % cfg.run.log_every == 0 || step + 1 == cfg.run.total_steps) {
+        const std::vector<std::pair<std::string, double>> scalars = {
+            {"train/loss", r.loss},
+            {"train/lr", r.lr},
+            {"train/grad_norm", r.grad_norm},
+            {"train/tokens_per_second", tokens_per_second}};
+        if (jsonl) {
+          jsonl->write(step, scalars);
+        }
+        if (tensorboard) {
+          tensorboard->add_scalars(step, scalars);
+        }
+      }
+    }
+  }
+  const auto end = Clock::now();
+  result.steps = cfg.run.total_steps;
+  result.seconds = std::chrono::duration<double>(end - start).count();
+  const double timed = std::chrono::duration<double>(end - after_first).count();
+  if (cfg.run.total_steps > 1 && timed > 0) {
+    result.tokens_per_second =
+        static_cast<double>(tokens_per_step * (cfg.run.total_steps - 1)) / timed;
+  }
+  s.events.emit(events::TrainEnd{.steps = result.steps, .seconds = result.seconds});
+  if (progress) {
+    progress->finish();
+  }
+  if (tensorboard) {
+    tensorboard->flush();
+  }
+
+  if (cfg.export_model.enabled) {
+    if (main) {
+      result.export_dir = files::join(cfg.run.output_dir, "model");
+      files::create_directories(result.export_dir);
+      const auto dtype = cfg.export_model.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+      state::NamedTensors tensors;
+      for (const auto& item : s.run.model->named_parameters()) {
+        tensors.emplace_back(item.key(), item.value().detach().to(at::kCPU, dtype));
+      }
+      state::save_safetensors(files::join(result.export_dir, "model.safetensors"), tensors,
+                              {{"format", "pt"}});
+      if (!s.run.hf_config_json.empty()) {
+        std::FILE* out = std::fopen(files::join(result.export_dir, "config.json").c_str(), "w");
+        if (out == nullptr) {
+          throw std::runtime_error("d9d::Trainer: cannot write " +
+                                   files::join(result.export_dir, "config.json"));
+        }
+        std::fputs(s.run.hf_config_json.c_str(), out);
+        std::fclose(out);
+      }
+    }
+    s.context.barrier();
+  }
+  if (main) {
+    s.context.logger().info("done: " + std::to_string(result.steps) + " steps in " +
+                            format_number(result.seconds, "%.1f") + " s, loss " +
+                            format_number(result.losses.front(), "%.4f") + " -> " +
+                            format_number(result.losses.back(), "%.4f"));
+    if (!result.metrics_path.empty()) {
+      s.context.logger().info("metrics: " + result.metrics_path);
+    }
+    if (!result.tensorboard_dir.empty()) {
+      s.context.logger().info("tensorboard: " + result.tensorboard_dir);
+    }
+    if (!result.export_dir.empty()) {
+      s.context.logger().info("model: " + result.export_dir + " (model.safetensors, config.json)");
+    }
+  }
+  return result;
+}
+
+}  // namespace d9d::detail

@@ -1,0 +1,15 @@
+// Build-failure test: a task that does not opt in.
+// expect-error: d9d::Trainer: the task does not opt in. Fix: declare `using train_task_concept =
+// d9d::train_task_tag;` in it
+#include <d9d/train/causal_lm.hpp>
+#include <d9d/train/trainer.hpp>
+
+struct Untagged {
+  d9d::LossOutput compute_loss(d9d::model::Qwen3ForCausalLM& model,
+                               const d9d::CausalLmBatch& batch);
+};
+
+void make(d9d::DistributedContext ctx, d9d::TrainerConfig cfg) {
+  d9d::Trainer<d9d::Plan<>> trainer(ctx, d9d::Qwen3Provider{}, d9d::TokenFilesProvider{},
+                                    Untagged{}, cfg);
+}

@@ -1,0 +1,70 @@
+// Helpers of the training tests: a tiny Qwen3, an in-memory random-token dataset, configs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include <d9d/train/causal_lm.hpp>
+#include <d9d/train/config.hpp>
+
+namespace d9d::testing {
+
+/// A Qwen3 small enough to train in milliseconds (GQA: 4 heads over 2 KV heads, untied head).
+inline std::string tiny_qwen3_json(bool tied = false) {
+  return std::string(R"({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": )") +
+         (tied ? "true" : "false") + "}";
+}
+
+/// Random token windows, the same on every rank (seeded), as CausalLmBatch.
+class RandomWindows {
+ public:
+  RandomWindows(int64_t samples, int64_t sequence_length, int64_t vocab, uint64_t seed) {
+    auto generator = at::detail::createCPUGenerator(seed);
+    tokens_ = at::randint(vocab, {samples, sequence_length + 1}, generator, at::kLong);
+  }
+  [[nodiscard]] int64_t size() const { return tokens_.size(0); }
+  [[nodiscard]] CausalLmBatch get(const std::vector<int64_t>& indices) const {
+    return {.tokens = tokens_.index_select(0, at::tensor(indices, at::kLong))};
+  }
+
+ private:
+  at::Tensor tokens_;
+};
+
+struct RandomWindowsProvider {
+  using dataset_provider_concept = dataset_provider_tag;
+  int64_t samples = 64;
+  RandomWindows build(const DataBuildContext& context) const {
+    return {samples, context.sequence_length, 64, context.seed + 99};
+  }
+};
+
+/// A run of `steps` steps with logging and export off unless asked for.
+inline TrainerConfig tiny_run(const std::string& output_dir, int64_t steps, int64_t global_batch,
+                              int64_t microbatch, bool outputs = false) {
+  return TrainerConfig::from_json_text(R"({
+    "run": {"output_dir": ")" + output_dir +
+                                       R"(", "total_steps": )" + std::to_string(steps) +
+                                       R"(, "seed": 5, "log_every": 2},
+    "batch": {"global_batch_size": )" + std::to_string(global_batch) +
+                                       R"(, "microbatch_size": )" + std::to_string(microbatch) +
+                                       R"(, "sequence_length": 16},
+    "optimizer": {"lr": 0.01, "weight_decay": 0.1},
+    "lr_schedule": [{"steps": 2, "curve": "linear", "start": 0.1, "end": 1.0},
+                    {"rest": true, "curve": "cosine", "start": 1.0, "end": 0.1}],
+    "gradient_clipping": {"max_norm": 0.5},
+    "data_parallel": {"bucket_size_mb": 0.01},
+    "logging": {"progress": )" + (outputs ? "true" : "false") +
+                                       R"(, "jsonl": )" + (outputs ? "true" : "false") +
+                                       R"(, "tensorboard": )" + (outputs ? "true" : "false") + R"(},
+    "export": {"enabled": )" + (outputs ? "true" : "false") +
+                                       R"(},
+    "model": )" + tiny_qwen3_json() + "}");
+}
+
+}  // namespace d9d::testing

@@ -1,0 +1,313 @@
+// Single-process tests of the training pieces: LR schedules, config validation (a matrix of bad
+// configs), the Qwen3 model, and the trainer itself (gradient accumulation, outputs on disk).
+#include <cmath>
+#include <fstream>
+#include <numbers>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <d9d/optim/lr_schedule.hpp>
+#include <d9d/state/safetensors.hpp>
+#include <d9d/train/trainer.hpp>
+#include <d9d/util/files.hpp>
+
+#include "tests/train/train_test_util.hpp"
+
+namespace {
+
+using d9d::optim::Curve;
+using d9d::optim::Phase;
+using d9d::optim::PiecewiseSchedule;
+using ::testing::HasSubstr;
+
+// ------------------------------------------------------------------------------------------------
+// LR schedule
+
+TEST(Optim_PiecewiseSchedule, WarmupThenCosine) {
+  const auto s = PiecewiseSchedule::build(
+      {Phase{.length = {.steps = 10}, .curve = Curve::linear, .start = 0.0, .end = 1.0},
+       Phase{.length = {.rest = true}, .curve = Curve::cosine, .start = 1.0, .end = 0.1}},
+      110);
+  EXPECT_EQ(s.lengths(), (std::vector<int64_t>{10, 100}));
+  EXPECT_DOUBLE_EQ(s.multiplier(0), 0.0);
+  EXPECT_DOUBLE_EQ(s.multiplier(5), 0.5);
+  EXPECT_DOUBLE_EQ(s.multiplier(10), 1.0);
+  EXPECT_NEAR(s.multiplier(60), 0.55, 1e-12);  // halfway down the cosine
+  EXPECT_NEAR(s.multiplier(109), 0.1 + 0.9 * 0.5 * (1 + std::cos(std::numbers::pi * 0.99)), 1e-12);
+  EXPECT_DOUBLE_EQ(s.multiplier(500), 0.1);  // after the last phase: its end
+}
+
+TEST(Optim_PiecewiseSchedule, PercentPolynomialExponentialConstant) {
+  const auto s = PiecewiseSchedule::build(
+      {Phase{.length = {.percent = 10}, .curve = Curve::constant, .start = 0.5},
+       Phase{.length = {.percent = 40},
+             .curve = Curve::polynomial,
+             .start = 1.0,
+             .end = 0.0,
+             .power = 2.0},
+       Phase{.length = {.rest = true}, .curve = Curve::exponential, .start = 1.0, .end = 0.01}},
+      200);
+  EXPECT_EQ(s.lengths(), (std::vector<int64_t>{20, 80, 100}));
+  EXPECT_DOUBLE_EQ(s.multiplier(7), 0.5);
+  EXPECT_DOUBLE_EQ(s.multiplier(60), 0.25);    // (1 - 0.5)^2
+  EXPECT_NEAR(s.multiplier(150), 0.1, 1e-12);  // geometric midpoint of 1 and 0.01
+}
+
+TEST(Optim_PiecewiseSchedule, BadPhasesAreRejected) {
+  EXPECT_THROW((void)PiecewiseSchedule::build({Phase{.length = {.steps = 5, .rest = true}}}, 10),
+               std::invalid_argument);
+  EXPECT_THROW((void)PiecewiseSchedule::build({Phase{.length = {.steps = 11}}}, 10),
+               std::invalid_argument);
+  EXPECT_THROW((void)PiecewiseSchedule::build(
+                   {Phase{.length = {.steps = 5}, .curve = Curve::exponential, .start = 0.0}}, 10),
+               std::invalid_argument);
+  EXPECT_DOUBLE_EQ(PiecewiseSchedule::build({}, 10).multiplier(3), 1.0);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Config: every bad config is rejected with a message naming its key
+
+struct BadConfig {
+  std::string name;
+  std::string json;
+  std::string message;
+};
+
+std::string base_config(const std::string& run, const std::string& batch, const std::string& rest) {
+  return R"({"run": )" + run + R"(, "batch": )" + batch + rest + "}";
+}
+
+const std::string kRun = R"({"output_dir": "out", "total_steps": 10})";
+const std::string kBatch =
+    R"({"global_batch_size": 8, "microbatch_size": 2, "sequence_length": 16})";
+
+class Train_Config_Bad : public ::testing::TestWithParam<BadConfig> {};
+
+TEST_P(Train_Config_Bad, IsRejectedNamingTheKey) {
+  try {
+    (void)d9d::TrainerConfig::from_json_text(GetParam().json);
+    FAIL() << "accepted: " << GetParam().json;
+  } catch (const d9d::ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr(GetParam().message));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, Train_Config_Bad,
+    ::testing::Values(
+        BadConfig{"NotJson", "{run: 1", "not valid JSON"},
+        BadConfig{"MissingOutputDir", base_config(R"({"total_steps": 10})", kBatch, ""),
+                  "\"run.output_dir\" is required"},
+        BadConfig{"ZeroSteps", base_config(R"({"output_dir": "o", "total_steps": 0})", kBatch, ""),
+                  "\"run.total_steps\" = 0 is invalid: expected an integer >= 1"},
+        BadConfig{
+            "NegativeMicrobatch",
+            base_config(kRun,
+                        R"({"global_batch_size": 8, "microbatch_size": -1, "sequence_length": 16})",
+                        ""),
+            "\"batch.microbatch_size\" = -1 is invalid"},
+        BadConfig{
+            "MisspelledKey",
+            base_config(kRun,
+                        R"({"global_batch_size": 8, "micro_batch_size": 2, "sequence_length": 16})",
+                        ""),
+            "unknown key \"batch.micro_batch_size\" (did you mean \"batch.microbatch_size\"?)"},
+        BadConfig{"UnknownSection", base_config(kRun, kBatch, R"(, "optimiser": {})"),
+                  "unknown key \"optimiser\" (did you mean \"optimizer\"?)"},
+        BadConfig{"ZeroLearningRate", base_config(kRun, kBatch, R"(, "optimizer": {"lr": 0})"),
+                  "\"optimizer.lr\" = 0 is invalid: expected a number > 0"},
+        BadConfig{"BetaOfOne", base_config(kRun, kBatch, R"(, "optimizer": {"beta2": 1.0})"),
+                  "\"optimizer.beta2\" = 1.0 is invalid"},
+        BadConfig{"PhaseWithTwoLengths",
+                  base_config(kRun, kBatch, R"(, "lr_schedule": [{"steps": 2, "rest": true}])"),
+                  "\"lr_schedule\" is invalid: phase 0: give exactly one of steps"},
+        BadConfig{"UnknownCurve",
+                  base_config(kRun, kBatch, R"(, "lr_schedule": [{"steps": 2, "curve": "cosin"}])"),
+                  "\"lr_schedule[0].curve\" = \"cosin\" is invalid: expected one of"},
+        BadConfig{"PhasesLongerThanRun",
+                  base_config(kRun, kBatch, R"(, "lr_schedule": [{"steps": 20}])"),
+                  "more than the run's 10"},
+        BadConfig{"NegativeClipping",
+                  base_config(kRun, kBatch, R"(, "gradient_clipping": {"max_norm": -1})"),
+                  "\"gradient_clipping.max_norm\" = -1 is invalid"},
+        BadConfig{"ZeroDegree", base_config(kRun, kBatch, R"(, "mesh": {"tp": 0})"),
+                  "\"mesh.tp\" = 0 is invalid: expected an integer >= 1"},
+        BadConfig{
+            "ExportDtype", base_config(kRun, kBatch, R"(, "export": {"dtype": "fp16"})"),
+            "\"export.dtype\" = \"fp16\" is invalid: expected one of \"float32\", \"bfloat16\""},
+        BadConfig{"LoggingNotBool",
+                  base_config(kRun, kBatch, R"(, "logging": {"progress": "yes"})"),
+                  "\"logging.progress\" = \"yes\" is invalid: expected true or false"},
+        BadConfig{"ModelNotObject", base_config(kRun, kBatch, R"(, "model": [1])"),
+                  "\"model\" = [1] is invalid: expected a JSON object"}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(Train_Config, GlobalBatchMustDivideByDataParallelTimesMicrobatch) {
+  const auto cfg = d9d::TrainerConfig::from_json_text(base_config(kRun, kBatch, ""));
+  EXPECT_EQ(cfg.microbatches_per_step(2), 2);
+  try {
+    cfg.check_against_data_parallel(3);
+    FAIL();
+  } catch (const d9d::ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("\"batch.global_batch_size\" = 8 is not divisible by "
+                                    "data-parallel ranks (3) x \"batch.microbatch_size\" (2) = 6. "
+                                    "Fix: use a multiple of 6, e.g. 6 or 12"));
+  }
+}
+
+TEST(Train_Config, DefaultsAndSections) {
+  const auto cfg = d9d::TrainerConfig::from_json_text(base_config(
+      kRun, kBatch,
+      R"(, "gradient_clipping": {"max_norm": null}, "mesh": {"dp_shard": 2}, "model": {"hidden_size": 8})"));
+  EXPECT_FALSE(cfg.gradient_clipping.max_norm.has_value());
+  EXPECT_EQ(cfg.mesh.dp_shard, 2);
+  EXPECT_FALSE(cfg.mesh.tp.has_value());
+  EXPECT_EQ(cfg.section("model"), R"({"hidden_size":8})");
+  EXPECT_EQ(cfg.section("data"), "{}");
+  EXPECT_DOUBLE_EQ(cfg.optimizer.lr, 3e-4);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Qwen3
+
+TEST(Model_Qwen3, ParametersAreNamedAndCountedLikeHuggingFace) {
+  for (const bool tied : {false, true}) {
+    const auto config =
+        d9d::model::Qwen3Config::from_json_text(d9d::testing::tiny_qwen3_json(tied));
+    d9d::model::Qwen3ForCausalLM model(config);
+    int64_t count = 0;
+    std::vector<std::string> names;
+    for (const auto& item : model->named_parameters()) {
+      count += item.value().numel();
+      names.push_back(item.key());
+    }
+    EXPECT_EQ(count, config.parameter_count()) << "tied " << tied;
+    EXPECT_THAT(names, ::testing::Contains("model.layers.1.self_attn.q_norm.weight"));
+    EXPECT_THAT(names, ::testing::Contains("model.layers.0.mlp.gate_proj.weight"));
+    EXPECT_THAT(names, ::testing::Contains("model.norm.weight"));
+    EXPECT_EQ(std::count(names.begin(), names.end(), "lm_head.weight"), tied ? 0 : 1);
+  }
+}
+
+TEST(Model_Qwen3, LogitsAreCausal) {
+  torch::manual_seed(1);
+  d9d::model::Qwen3ForCausalLM model(
+      d9d::model::Qwen3Config::from_json_text(d9d::testing::tiny_qwen3_json()));
+  const at::NoGradGuard no_grad;
+  auto tokens = at::randint(64, {2, 12}, at::kLong);
+  const auto logits = model(tokens);
+  EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, 12, 64}));
+  auto changed = tokens.clone();
+  changed.narrow(1, 8, 4).fill_(3);  // only positions 8.. differ
+  const auto other = model(changed);
+  EXPECT_TRUE(at::allclose(logits.narrow(1, 0, 8), other.narrow(1, 0, 8), 1e-5, 1e-6));
+  EXPECT_FALSE(at::allclose(logits.narrow(1, 8, 4), other.narrow(1, 8, 4)));
+}
+
+TEST(Model_Qwen3, LossIsTheSummedCrossEntropyOverKeptTokens) {
+  const auto logits = at::randn({2, 3, 5});
+  auto labels = at::randint(5, {2, 3}, at::kLong);
+  labels[0][1] = -100;
+  const auto loss = d9d::model::causal_lm_loss(logits, labels);
+  EXPECT_EQ(loss.tokens.item<int64_t>(), 5);
+  const auto log_probs = logits.log_softmax(-1);
+  double expected = 0;
+  for (int b = 0; b < 2; ++b) {
+    for (int t = 0; t < 3; ++t) {
+      if (labels[b][t].item<int64_t>() != -100) {
+        expected -= log_probs[b][t][labels[b][t].item<int64_t>()].item<double>();
+      }
+    }
+  }
+  EXPECT_NEAR(loss.loss_sum.item<double>(), expected, 1e-4);
+}
+
+TEST(Model_Qwen3, ConfigErrorsNameTheKey) {
+  try {
+    (void)d9d::model::Qwen3Config::from_json_text(
+        R"({"num_attention_heads": 6, "num_key_value_heads": 4})");
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("\"num_key_value_heads\" = 4 is invalid; it must divide "
+                                    "num_attention_heads = 6"));
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Trainer, one process
+
+using LocalPlan = d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>>>;
+
+std::vector<at::Tensor> parameters_of(const d9d::detail::TrainerCore& core) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : core.model()->parameters()) {
+    out.push_back(p.detach().clone());
+  }
+  return out;
+}
+
+TEST(Train_Trainer_Local, GradientAccumulationMatchesOneBigBatch) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  const std::string dir =
+      std::string(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp");  // NOLINT
+  d9d::Trainer<LocalPlan> whole(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                d9d::CausalLmTask{},
+                                d9d::testing::tiny_run(dir + "/whole", 5, 8, 8));
+  d9d::Trainer<LocalPlan> split(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                d9d::CausalLmTask{},
+                                d9d::testing::tiny_run(dir + "/split", 5, 8, 2));
+  const auto a = whole.train();
+  const auto b = split.train();
+  ASSERT_EQ(a.losses.size(), 5U);
+  for (std::size_t i = 0; i < a.losses.size(); ++i) {
+    EXPECT_NEAR(a.losses[i], b.losses[i], 1e-5 * std::abs(a.losses[i])) << "step " << i;
+    EXPECT_NEAR(a.grad_norms[i], b.grad_norms[i], 1e-4 * a.grad_norms[i]) << "step " << i;
+  }
+  const auto pa = parameters_of(whole.core());
+  const auto pb = parameters_of(split.core());
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_TRUE(at::allclose(pa[i], pb[i], 1e-5, 1e-6)) << "parameter " << i;
+  }
+}
+
+TEST(Train_Trainer_Local, WritesMetricsTensorBoardAndTheModel) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  const std::string dir =
+      std::string(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp") +
+      "/outputs";  // NOLINT
+  d9d::Trainer<LocalPlan> trainer(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                  d9d::CausalLmTask{},
+                                  d9d::testing::tiny_run(dir, 5, 8, 4, /*outputs=*/true));
+  std::vector<int64_t> seen;
+  trainer.on<d9d::events::StepEnd>([&](const d9d::events::StepEnd& e) { seen.push_back(e.step); });
+  const auto result = trainer.train();
+  EXPECT_EQ(seen, (std::vector<int64_t>{0, 1, 2, 3, 4}));
+  // metrics.jsonl: steps 0, 2, 4 (log_every 2, and the last step)
+  std::ifstream metrics(result.metrics_path);
+  int lines = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    EXPECT_THAT(line, HasSubstr("\"train/loss\""));
+    ++lines;
+  }
+  EXPECT_EQ(lines, 3);
+  EXPECT_TRUE(d9d::files::is_directory(result.tensorboard_dir));
+  // The exported weights are the model's, by Hugging Face names, with a config.json.
+  const auto exported = d9d::state::load_safetensors(result.export_dir + "/model.safetensors");
+  const auto params = trainer.core().model()->named_parameters();
+  ASSERT_EQ(exported.size(), params.size());
+  for (const auto& [name, tensor] : exported) {
+    ASSERT_TRUE(params.contains(name)) << name;
+    EXPECT_TRUE(at::equal(tensor, params[name].detach())) << name;
+  }
+  std::ifstream config(result.export_dir + "/config.json");
+  std::string text((std::istreambuf_iterator<char>(config)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(text, HasSubstr("\"model_type\": \"qwen3\""));
+  EXPECT_THAT(text, HasSubstr("\"num_key_value_heads\": 2"));
+}
+
+}  // namespace
