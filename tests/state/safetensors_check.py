@@ -47,12 +47,25 @@ SERIALIZE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16":
 
 
 def write(path):
+    metadata = {"format": "pt", "step": "12"}
     tensors = {
         name: {"dtype": SERIALIZE_NAMES[dtype], "shape": list(array.shape),
                "data": array.tobytes()}
         for name, (dtype, array) in reference().items()
     }
-    safetensors.serialize_file(tensors, path, metadata={"format": "pt", "step": "12"})
+    try:
+        safetensors.serialize_file(tensors, path, metadata=metadata)  # safetensors < 0.8
+    except TypeError:
+        # safetensors >= 0.8 takes TensorSpec(dtype, shape, data_ptr, data_len); the buffers
+        # must stay alive during the call.
+        buffers = {name: np.ascontiguousarray(array) for name, (_, array) in reference().items()}
+        specs = {
+            name: safetensors.TensorSpec(dtype=SERIALIZE_NAMES[dtype], shape=list(array.shape),
+                                         data_ptr=buffers[name].ctypes.data,
+                                         data_len=buffers[name].nbytes)
+            for name, (dtype, array) in reference().items()
+        }
+        safetensors.serialize_file(specs, path, metadata=metadata)
 
 
 def read(path):
