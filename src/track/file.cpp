@@ -6,7 +6,6 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <sys/stat.h>
 
 #include <d9d/track/detail/file.hpp>
 
@@ -20,15 +19,6 @@ namespace {
                            "': " + reason + ". Fix: pass a path on a writable file system");
 }
 
-/// 0 when `path` is a directory, else the errno of stat (or ENOTDIR when it is something else).
-int directory_status(const std::string& path) {
-  struct stat info {};
-  if (::stat(path.c_str(), &info) != 0) {
-    return errno;
-  }
-  return S_ISDIR(info.st_mode) ? 0 : ENOTDIR;
-}
-
 }  // namespace
 
 void FileCloser::operator()(std::FILE* file) const noexcept {
@@ -36,57 +26,6 @@ void FileCloser::operator()(std::FILE* file) const noexcept {
     const int error = errno;
     std::fprintf(stderr, "d9d::track: closing a file failed: %s\n", std::strerror(error));
   }
-}
-
-void create_directories(const std::string& dir, std::string_view who) {
-  if (dir.empty() || directory_status(dir) == 0) {
-    return;
-  }
-  // mkdir each prefix ending before a '/' (then `dir` itself), like `mkdir -p`. A prefix that
-  // exists is fine (EEXIST); if it is a file, the next mkdir fails with ENOTDIR.
-  for (std::size_t end = dir.find('/', 1);; end = dir.find('/', end + 1)) {
-    const std::string prefix = dir.substr(0, end);
-    if (!prefix.empty() && prefix.back() != '/' && ::mkdir(prefix.c_str(), 0777) != 0) {
-      const int error = errno;
-      if (error != EEXIST && directory_status(prefix) != 0) {
-        fail(who, "create directory", dir, std::strerror(error));
-      }
-    }
-    if (end == std::string::npos) {
-      break;
-    }
-  }
-  const int status = directory_status(dir);
-  if (status == ENOTDIR) {
-    fail(who, "create directory", dir, "it exists and is not a directory");
-  }
-  if (status != 0) {
-    fail(who, "create directory", dir, std::strerror(status));
-  }
-}
-
-std::string join(std::string_view dir, std::string_view name) {
-  if (dir.empty()) {
-    return std::string(name);
-  }
-  std::string out(dir);
-  if (out.back() != '/') {
-    out += '/';
-  }
-  out += name;
-  return out;
-}
-
-std::string parent(std::string_view path) {
-  const std::size_t slash = path.rfind('/');
-  if (slash == std::string_view::npos) {
-    return "";
-  }
-  std::string_view dir = path.substr(0, slash);
-  while (!dir.empty() && dir.back() == '/') {
-    dir.remove_suffix(1);
-  }
-  return dir.empty() ? std::string("/") : std::string(dir);
 }
 
 FilePtr open_file(const std::string& path, const char* mode, std::string_view who) {

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <d9d/track/jsonl.hpp>
+#include <d9d/util/files.hpp>
 
 namespace d9d::track {
 
@@ -15,7 +16,7 @@ constexpr std::string_view kWho = "d9d::track::JsonlWriter";
 }  // namespace
 
 JsonlWriter::JsonlWriter(const std::string& path) : path_(path) {
-  detail::create_directories(detail::parent(path_), kWho);
+  d9d::files::create_directories(d9d::files::parent(path_), kWho);
   file_ = detail::open_file(path_, "ab", kWho);
 }
 

@@ -13,10 +13,10 @@
 #include <cstdio>
 #include <limits>
 #include <stdexcept>
-#include <unistd.h>
 
 #include <d9d/track/tensorboard.hpp>
 #include <d9d/track/tfrecord.hpp>
+#include <d9d/util/files.hpp>
 
 namespace d9d::track {
 
@@ -80,14 +80,6 @@ double monotonic_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-std::string host_name() {
-  std::array<char, 256> name{};
-  if (gethostname(name.data(), name.size() - 1) != 0 || name[0] == '\0') {
-    return "localhost";
-  }
-  return name.data();
-}
-
 }  // namespace
 
 namespace detail {
@@ -134,21 +126,22 @@ std::string encode_scalars_event(double wall_time, std::int64_t step,
 
 TensorBoardWriter::TensorBoardWriter(const std::string& log_dir, const TensorBoardOptions& options)
     : flush_interval_s_(options.flush_interval_s) {
-  detail::create_directories(log_dir, kWho);
+  d9d::files::create_directories(log_dir, kWho);
   const double created = detail::unix_time_now();
   std::string name = "events.out.tfevents." +
                      std::to_string(static_cast<std::int64_t>(std::floor(created))) + "." +
-                     host_name();
+                     d9d::files::hostname();
   if (!options.filename_suffix.empty()) {
     name += "." + options.filename_suffix;
   }
   constexpr int kMaxAttempts = 1000;
   for (int attempt = 0; attempt < kMaxAttempts && !file_; ++attempt) {
-    path_ = detail::join(log_dir, attempt == 0 ? name : name + "." + std::to_string(attempt));
+    path_ = d9d::files::join(log_dir, attempt == 0 ? name : name + "." + std::to_string(attempt));
     file_ = detail::create_new_file(path_, kWho);
   }
   if (!file_) {
-    throw std::runtime_error(std::string(kWho) + ": cannot create '" + detail::join(log_dir, name) +
+    throw std::runtime_error(std::string(kWho) + ": cannot create '" +
+                             d9d::files::join(log_dir, name) +
                              "': " + std::to_string(kMaxAttempts) +
                              " files of that name exist. Fix: pass a filename_suffix");
   }

@@ -1,6 +1,7 @@
 // d9d/util/files.cpp — POSIX implementations of d9d::files.
 #include <array>
 #include <cerrno>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <ftw.h>
@@ -17,26 +18,51 @@ namespace {
   throw std::runtime_error("d9d: cannot " + what + " \"" + path + "\": " + std::strerror(errno));
 }
 
+[[noreturn]] void fail_creating(std::string_view who, const std::string& path,
+                                const std::string& reason) {
+  throw std::runtime_error(std::string(who) + ": cannot create directory '" + path +
+                           "': " + reason + ". Fix: pass a path on a writable file system");
+}
+
+/// 0 when `path` is a directory, else the errno of stat (or ENOTDIR when it is something else).
+int directory_status(const std::string& path) {
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) {
+    return errno;
+  }
+  return S_ISDIR(info.st_mode) ? 0 : ENOTDIR;
+}
+
 int remove_entry(const char* path, const struct stat* /*info*/, int /*flag*/, struct FTW* /*ftw*/) {
   return ::remove(path);
 }
 
 }  // namespace
 
-void create_directories(const std::string& path) {
-  if (path.empty() || is_directory(path)) {
+void create_directories(const std::string& path, std::string_view who) {
+  if (path.empty() || directory_status(path) == 0) {
     return;
   }
-  const auto up = parent(path);
-  if (up != path && up != "." && up != "/") {
-    create_directories(up);
+  // mkdir each prefix ending before a '/' (then `path` itself). A prefix that exists is fine
+  // (EEXIST); if it is a file, the next mkdir fails with ENOTDIR.
+  for (std::size_t end = path.find('/', 1);; end = path.find('/', end + 1)) {
+    const std::string prefix = path.substr(0, end);
+    if (!prefix.empty() && prefix.back() != '/' && ::mkdir(prefix.c_str(), 0777) != 0) {
+      const int error = errno;
+      if (error != EEXIST && directory_status(prefix) != 0) {
+        fail_creating(who, path, std::strerror(error));
+      }
+    }
+    if (end == std::string::npos) {
+      break;
+    }
   }
-  if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) {
-    fail("create directory", path);
+  const int status = directory_status(path);
+  if (status == ENOTDIR) {
+    fail_creating(who, path, "it exists and is not a directory");
   }
-  if (!is_directory(path)) {
-    errno = ENOTDIR;
-    fail("create directory", path);
+  if (status != 0) {
+    fail_creating(who, path, std::strerror(status));
   }
 }
 
@@ -76,14 +102,15 @@ std::string join(std::string_view dir, std::string_view name) {
 }
 
 std::string parent(std::string_view path) {
-  while (path.size() > 1 && path.back() == '/') {
-    path.remove_suffix(1);
-  }
-  const auto slash = path.rfind('/');
+  const std::size_t slash = path.rfind('/');
   if (slash == std::string_view::npos) {
-    return ".";
+    return "";
   }
-  return slash == 0 ? "/" : std::string(path.substr(0, slash));
+  std::string_view dir = path.substr(0, slash);
+  while (!dir.empty() && dir.back() == '/') {
+    dir.remove_suffix(1);
+  }
+  return dir.empty() ? std::string("/") : std::string(dir);
 }
 
 std::string hostname() {

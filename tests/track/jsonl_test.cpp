@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include <d9d/track/jsonl.hpp>
+#include <d9d/util/files.hpp>
 
 #include "tests/track/track_test_util.hpp"
 
@@ -131,8 +132,8 @@ TEST(Track_Jsonl, UnwritablePathThrowsNamingPath) {
 }
 
 TEST(Track_File, JoinAndParent) {
-  using d9d::track::detail::join;
-  using d9d::track::detail::parent;
+  using d9d::files::join;
+  using d9d::files::parent;
   EXPECT_EQ(join("a/b", "c"), "a/b/c");
   EXPECT_EQ(join("a/b/", "c"), "a/b/c");
   EXPECT_EQ(join("", "c"), "c");
@@ -147,9 +148,9 @@ TEST(Track_File, JoinAndParent) {
 TEST(Track_File, CreateDirectoriesMakesParentsAndAcceptsExisting) {
   const std::string root = track_test::scratch_dir("file_create");
   const std::string dir = root + "/x//y/z/";
-  d9d::track::detail::create_directories(dir, "who");
-  d9d::track::detail::create_directories(dir, "who");  // exists: fine
-  d9d::track::detail::create_directories("", "who");   // nothing to do
+  d9d::files::create_directories(dir, "who");
+  d9d::files::create_directories(dir, "who");  // exists: fine
+  d9d::files::create_directories("", "who");   // nothing to do
   struct stat info {};
   ASSERT_EQ(::stat((root + "/x/y/z").c_str(), &info), 0);
   EXPECT_TRUE(S_ISDIR(info.st_mode));
@@ -159,7 +160,7 @@ TEST(Track_File, CreateDirectoriesOverAFileThrowsNamingPathAndReason) {
   const std::string file = track_test::scratch_dir("file_blocked") + "/plain";
   { std::ofstream(file) << "x"; }
   try {
-    d9d::track::detail::create_directories(file, "who");
+    d9d::files::create_directories(file, "who");
     FAIL() << "expected std::runtime_error";
   } catch (const std::runtime_error& e) {
     EXPECT_EQ(std::string(e.what()), "who: cannot create directory '" + file +
@@ -167,7 +168,7 @@ TEST(Track_File, CreateDirectoriesOverAFileThrowsNamingPathAndReason) {
                                          "on a writable file system");
   }
   try {
-    d9d::track::detail::create_directories(file + "/below/deeper", "who");
+    d9d::files::create_directories(file + "/below/deeper", "who");
     FAIL() << "expected std::runtime_error";
   } catch (const std::runtime_error& e) {
     EXPECT_THAT(e.what(), HasSubstr("who: cannot create directory '" + file +

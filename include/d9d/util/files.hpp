@@ -14,8 +14,10 @@
 
 namespace d9d::files {
 
-/// Creates `path` and its missing parents; std::runtime_error naming the path and the reason.
-void create_directories(const std::string& path);
+/// Creates `path` and its missing parents (mode 0777 less the umask), like `mkdir -p`; an existing
+/// directory is fine, "" does nothing. Failure: std::runtime_error
+/// "<who>: cannot create directory '<path>': <reason>. Fix: pass a path on a writable file system".
+void create_directories(const std::string& path, std::string_view who = "d9d");
 /// True when `path` exists (file, directory or other).
 [[nodiscard]] bool exists(const std::string& path);
 /// True when `path` is a directory.
@@ -26,7 +28,7 @@ void remove_tree(const std::string& path);
 void rename(const std::string& from, const std::string& to);
 /// `dir` + "/" + `name` (no doubled slash).
 [[nodiscard]] std::string join(std::string_view dir, std::string_view name);
-/// The directory part of `path` ("." when it has none).
+/// The directory part of `path`: "a/b" for "a/b/c", "/" for "/c", "" for a bare name.
 [[nodiscard]] std::string parent(std::string_view path);
 /// This machine's host name ("localhost" when it cannot be read).
 [[nodiscard]] std::string hostname();

@@ -1,14 +1,13 @@
 // d9d/track/detail/file.hpp — file plumbing shared by the track writers (not public API).
 //
-//   detail::create_directories(dir, "d9d::track::JsonlWriter");    // throws naming dir + reason
 //   detail::FilePtr file = detail::open_file(path, "ab", who);     // closed on destruction
 //   detail::write_all(file.get(), line, path, who);                // throws on a short write
 //
 // Every failure is a std::runtime_error "<who>: cannot <verb> '<path>': <strerror>. Fix: ...".
 // Paths are std::string and the work is done with POSIX calls, not the C++17 file-system library:
 // libtorch_cpu.so and libtorch.so export their own copies of its functions, and calls from code
-// built by another compiler can bind to them (a crash seen on the GPU machine). d9d::files
-// (d9d/util/files.hpp) has the same helpers, but lives in //:d9d, which depends on //src/track.
+// built by another compiler can bind to them (a crash seen on the GPU machine). Directories and
+// paths come from d9d::files (d9d/util/files.hpp).
 #pragma once
 
 #include <cstdio>
@@ -23,16 +22,6 @@ struct FileCloser {
   void operator()(std::FILE* file) const noexcept;
 };
 using FilePtr = std::unique_ptr<std::FILE, FileCloser>;
-
-/// Creates `dir` and its missing parents (mode 0777 less the umask); an existing directory is fine,
-/// an empty `dir` does nothing.
-void create_directories(const std::string& dir, std::string_view who);
-
-/// `dir` + "/" + `name` (no doubled slash); `name` alone when `dir` is empty.
-[[nodiscard]] std::string join(std::string_view dir, std::string_view name);
-
-/// The directory part of `path`: "a/b" for "a/b/c", "/" for "/c", "" for "c" (nothing to create).
-[[nodiscard]] std::string parent(std::string_view path);
 
 /// std::fopen(path, mode); throws when it fails.
 [[nodiscard]] FilePtr open_file(const std::string& path, const char* mode, std::string_view who);
