@@ -13,8 +13,11 @@
 #include <d9d/data/token_dataset.hpp>
 
 #include "tests/data/data_test_util.hpp"
+#include "tests/support/error_of.hpp"
 
 namespace {
+
+using d9d::testing::error_of;
 
 using d9d::data::TokenDataset;
 using d9d::data::TokenWidth;
@@ -114,16 +117,6 @@ TEST(Data_TokenDataset_u16, CopiesShareTheMappingAndOutliveTheOriginal) {
 
 // ------------------------------------------------------------------------------------------------
 // Errors name the file and the problem
-
-template <class Error, class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 TEST(Data_TokenDataset_Errors, MissingFile) {
   const std::string dir = scratch_dir();

@@ -9,18 +9,11 @@
 
 #include <d9d/kernels/rms_norm.hpp>
 
+#include "tests/kernels/rms_norm_cases.hpp"
+
 namespace {
 
-struct Case {
-  at::ScalarType dtype;
-  std::vector<int64_t> shape;
-  double rtol;
-  double atol;
-};
-
-void PrintTo(const Case& c, std::ostream* out) {  // GoogleTest prints parameters with it
-  *out << c10::toString(c.dtype) << " " << c10::IntArrayRef(c.shape);
-}
+using Case = d9d::testing::RmsNormCase;
 
 std::string describe(const at::Tensor& got, const at::Tensor& want) {
   const auto diff = (got.to(at::kDouble) - want.to(at::kDouble)).abs();
@@ -93,13 +86,7 @@ INSTANTIATE_TEST_SUITE_P(
         Case{at::kBFloat16, {65536, 128}, 1e-2, 1.6e-2},
         Case{at::kBFloat16, {2, 8192}, 1e-2, 1.6e-2},
         Case{at::kBFloat16, {1000, 1000}, 1e-2, 1.6e-2}, Case{at::kHalf, {512, 2048}, 2e-3, 2e-3}),
-    [](const auto& info) {
-      std::string name = std::string(c10::toString(info.param.dtype));
-      for (const auto d : info.param.shape) {
-        name += "_" + std::to_string(d);
-      }
-      return name;
-    });
+    d9d::testing::RmsNormCaseName());
 
 TEST(Kernels_RmsNorm_Cuda_Api, EmptyAndNonContiguousInputs) {
   if (!torch::cuda::is_available()) {

@@ -10,7 +10,12 @@
 
 #include <d9d/kernels/rms_norm.hpp>
 
+#include "tests/kernels/rms_norm_cases.hpp"
+#include "tests/support/error_of.hpp"
+
 namespace {
+
+using d9d::testing::error_of;
 
 // The textbook definition, computed in the accumulation dtype and rounded once.
 at::Tensor reference(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -20,16 +25,7 @@ at::Tensor reference(const at::Tensor& x, const at::Tensor& w, double eps) {
   return (xf * rstd * w.to(acc)).to(x.scalar_type());
 }
 
-struct Case {
-  at::ScalarType dtype;
-  std::vector<int64_t> shape;
-  double rtol;
-  double atol;
-};
-
-void PrintTo(const Case& c, std::ostream* out) {  // GoogleTest prints parameters with it
-  *out << c10::toString(c.dtype) << " " << c10::IntArrayRef(c.shape);
-}
+using Case = d9d::testing::RmsNormCase;
 
 class Kernels_RmsNorm_Cpu : public ::testing::TestWithParam<Case> {};
 
@@ -84,13 +80,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Kernels_RmsNorm_Cpu,
                                            Case{at::kFloat, {2, 3, 4, 4096}, 1e-4, 1e-5},
                                            Case{at::kBFloat16, {8, 256}, 2e-2, 2e-2},
                                            Case{at::kHalf, {8, 100}, 5e-3, 5e-3}),
-                         [](const auto& info) {
-                           std::string name = std::string(c10::toString(info.param.dtype));
-                           for (const auto d : info.param.shape) {
-                             name += "_" + std::to_string(d);
-                           }
-                           return name;
-                         });
+                         d9d::testing::RmsNormCaseName());
 
 TEST(Kernels_RmsNorm_Cpu_Api, DispatcherOpWithoutGradMatchesFunction) {
   const auto x = at::randn({6, 32});
@@ -122,16 +112,6 @@ TEST(Kernels_RmsNorm_Cpu_Api, NonContiguousInputIsHandled) {
   const auto x = base.t();  // [8, 16], not contiguous
   const auto w = at::rand({16}) + 0.5;
   EXPECT_TRUE(at::allclose(d9d::kernels::rms_norm(x, w, 1e-6), reference(x, w, 1e-6), 1e-5, 1e-6));
-}
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "<no error>";
 }
 
 TEST(Kernels_RmsNorm_Cpu_Api, BadArgumentsNameTheProblem) {

@@ -18,7 +18,11 @@
 
 #include <d9d/state/safetensors.hpp>
 
+#include "tests/support/error_of.hpp"
+
 namespace {
+
+using d9d::testing::error_of;
 
 using d9d::state::load_safetensors;
 using d9d::state::NamedTensors;
@@ -152,16 +156,6 @@ TEST(State_Safetensors_Layout, HeaderIsPaddedJsonAndDataFollowsInTheOrderGiven) 
 
 // ------------------------------------------------------------------------------------------------
 // Writer errors: checked before the file is touched
-
-template <class Error, class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 TEST(State_Safetensors_WriteErrors, BadInputsLeaveTheOldFile) {
   const std::string dir = scratch_dir();
