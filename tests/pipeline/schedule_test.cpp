@@ -1,6 +1,7 @@
 // Pipeline schedules as programs: every builder verifies (at compile time for a few sizes, at run
-// time for the grid), bubble fractions match the known formulas, memory matches 1F1B where the
-// schedule promises it, and verify() catches each rule on deliberately broken programs.
+// time for the grid, under the executor's rendezvous model of batched sends and receives), bubble
+// fractions match the known formulas, memory matches 1F1B where the schedule promises it, and
+// verify() catches each rule on deliberately broken programs.
 #include <algorithm>
 #include <string>
 #include <tuple>
@@ -26,6 +27,7 @@ static_assert(pl::verify(pl::with_communication(pl::one_f_one_b(4, 8))).ok());
 static_assert(pl::verify(pl::with_communication(pl::interleaved_1f1b(4, 2, 8))).ok());
 static_assert(pl::verify(pl::with_communication(pl::zero_bubble_h1(4, 8))).ok());
 static_assert(pl::verify(pl::with_communication(pl::zero_bubble_v(4, 8))).ok());
+static_assert(pl::verify(pl::with_communication(pl::dual_pipe_v(4, 8))).ok());
 static_assert(pl::verify(pl::with_communication(pl::looped_bfs(2, 3, 4))).ok());
 static_assert(pl::verify(pl::with_communication(pl::inference(4, 4))).ok());
 static_assert(pl::pipeline_schedule<pl::ZeroBubbleH1<pl::microbatches<8>>>);
@@ -52,7 +54,15 @@ Program build(const std::string& name, int pp, int m) {
   if (name == "ZeroBubbleV") {
     return pl::zero_bubble_v(pp, m);
   }
+  if (name == "DualPipeV") {
+    return pl::dual_pipe_v(pp, m);
+  }
   return pl::inference(pp, m);
+}
+
+std::string describe(const pl::Verdict& verdict) {
+  return std::string(pl::to_string(verdict.rule)) + " rank " + std::to_string(verdict.rank) + " " +
+         pl::to_string(verdict.action);
 }
 
 class Pipeline_Schedule : public ::testing::TestWithParam<std::tuple<std::string, int, int>> {};
@@ -61,6 +71,9 @@ TEST_P(Pipeline_Schedule, VerifiesWithAndWithoutCommunication) {
   const auto& [name, pp, m] = GetParam();
   if (name == "Interleaved1F1B_v2" && m % pp != 0) {
     GTEST_SKIP() << "interleaved 1F1B needs m % pp == 0";
+  }
+  if (name == "DualPipeV" && m < 2 * pp) {
+    GTEST_SKIP() << "DualPipeV needs m >= 2 pp";
   }
   const auto program = build(name, pp, m);
   const auto plain = pl::verify(program);
@@ -78,12 +91,67 @@ TEST_P(Pipeline_Schedule, VerifiesWithAndWithoutCommunication) {
 INSTANTIATE_TEST_SUITE_P(
     Grid, Pipeline_Schedule,
     ::testing::Combine(::testing::Values("GPipe", "OneFOneB", "Interleaved1F1B_v2", "LoopedBfs_v2",
-                                         "ZeroBubbleH1", "ZeroBubbleV", "Inference"),
+                                         "ZeroBubbleH1", "ZeroBubbleV", "DualPipeV", "Inference"),
                        ::testing::Values(2, 4, 8), ::testing::Values(1, 2, 4, 8, 16)),
     [](const auto& info) {
       return std::get<0>(info.param) + "_pp" + std::to_string(std::get<1>(info.param)) + "_mb" +
              std::to_string(std::get<2>(info.param));
     });
+
+// Every built-in schedule, pp 1..8 and every valid microbatch count up to 4 pp, passes verify()
+// with communication: FIFO order between each pair of ranks, no deadlock with each run of sends
+// and receives posted as one batch that completes only when the peers post the matching operations.
+TEST(Pipeline_AllSchedules_pp1to8_mbTo4pp, VerifyUnderRendezvous) {
+  const std::vector<std::string> names = {"Inference",    "GPipe",       "LoopedBfs_v2",
+                                          "LoopedBfs_v3", "OneFOneB",    "Interleaved1F1B_v2",
+                                          "ZeroBubbleH1", "ZeroBubbleV", "DualPipeV"};
+  int checked = 0;
+  for (const auto& name : names) {
+    for (int pp = 1; pp <= 8; ++pp) {
+      for (int m = 1; m <= 4 * pp; ++m) {
+        if ((name == "OneFOneB" && m < pp) || (name == "Interleaved1F1B_v2" && m % pp != 0) ||
+            (name == "DualPipeV" && m < 2 * pp)) {
+          continue;
+        }
+        const auto program = name == "LoopedBfs_v3" ? pl::looped_bfs(pp, 3, m) : build(name, pp, m);
+        const auto verdict = pl::verify(pl::with_communication(program));
+        EXPECT_TRUE(verdict.ok()) << name << " pp " << pp << " mb " << m << ": "
+                                  << describe(verdict);
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 700);
+}
+
+// DualPipeV: F, I and W of every (stage, microbatch) on its V rank, in an order that verifies, for
+// the sizes around its minimum of 2 pp microbatches; 2 pp + 1 half-stage activations on every rank.
+TEST(Pipeline_DualPipeV_pp1to8, VerifiesWithCommunication) {
+  for (int pp = 1; pp <= 8; ++pp) {
+    for (const int m : {2 * pp, 2 * pp + 1, 3 * pp, 4 * pp}) {
+      const auto program = pl::dual_pipe_v(pp, m);
+      EXPECT_EQ(program.stages_per_rank, 2);
+      EXPECT_EQ(program.placement, pl::Placement::v);
+      EXPECT_TRUE(program.split_backward);
+      const auto verdict = pl::verify(pl::with_communication(program));
+      ASSERT_TRUE(verdict.ok()) << "pp " << pp << " mb " << m << ": " << describe(verdict);
+      for (const int peak : verdict.peak_activations) {
+        EXPECT_EQ(peak, 2 * pp + 1) << "pp " << pp << " mb " << m;
+      }
+    }
+  }
+  // Rank 0 of pp 2: 2 (pp - 1) forwards of chunk 0, F0 F1 once, B1 W F1 with the W deferred, ...
+  const auto small = pl::dual_pipe_v(2, 4);
+  std::string rank0;
+  for (const auto& a : small.ranks[0]) {
+    rank0 += pl::to_string(a) + " ";
+  }
+  EXPECT_EQ(
+      rank0,
+      "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3I1 3W1 3F2 0I0 0W0 3I2 3W2 3F3 0I1 0W1 3I3 3W3 0I2 0W2 "
+      "0I3 0W3 ");
+  EXPECT_THROW((void)pl::dual_pipe_v(4, 7), std::invalid_argument);
+}
 
 // ---- bubbles for equal F, I, W costs ---------------------------------------------------------
 
@@ -111,6 +179,10 @@ TEST_P(Pipeline_Bubble, MatchTheFormulas) {
     EXPECT_NEAR(v, (p - 1) / (6 * mb + p - 1), 1e-12);
   }
   EXPECT_LT(v, h1);
+  // DualPipeV (all sizes here have m >= 2 p): ZBV's bubble, half of ZB-H1's or less.
+  const double dual = bubble(pl::dual_pipe_v(pp, m));
+  EXPECT_NEAR(dual, (p - 1) / (6 * mb + p - 1), 1e-12);
+  EXPECT_LT(dual, h1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, Pipeline_Bubble,
@@ -121,6 +193,24 @@ INSTANTIATE_TEST_SUITE_P(Sizes, Pipeline_Bubble,
                            return "pp" + std::to_string(std::get<0>(info.param)) + "_mb" +
                                   std::to_string(std::get<1>(info.param));
                          });
+
+// DualPipeV against ZB-H1 at the same sizes, pp 1..8, every m from 2 pp to 4 pp: with F = I = W its
+// only idle time is the last rank's start-up wait, (p - 1) units of 6 m + p - 1, which is at most
+// ZB-H1's (p - 1) / (3 m + p - 1) (equal only for pp = 1, where both are 0).
+TEST(Pipeline_DualPipeV_pp1to8_mb2ppTo4pp, BubbleNoWorseThanZeroBubbleH1) {
+  for (int pp = 1; pp <= 8; ++pp) {
+    for (int m = 2 * pp; m <= 4 * pp; ++m) {
+      const double p = pp;
+      const double mb = m;
+      const auto dual = pl::simulate(pl::with_communication(pl::dual_pipe_v(pp, m)), kUnit);
+      const auto h1 = pl::simulate(pl::with_communication(pl::zero_bubble_h1(pp, m)), kUnit);
+      EXPECT_NEAR(dual.makespan, 6 * mb + p - 1, 1e-12) << "pp " << pp << " mb " << m;
+      EXPECT_NEAR(dual.bubble_fraction(), (p - 1) / (6 * mb + p - 1), 1e-12)
+          << "pp " << pp << " mb " << m;
+      EXPECT_LE(dual.bubble_fraction(), h1.bubble_fraction() + 1e-12) << "pp " << pp << " mb " << m;
+    }
+  }
+}
 
 TEST(Pipeline_Memory, OneFOneBAndZeroBubbleKeepItsActivationBound) {
   for (const int pp : {2, 4, 8}) {
@@ -194,24 +284,88 @@ TEST(Pipeline_Verify, CatchesEveryRule) {
     EXPECT_EQ(pl::verify(p).rule, Rule::unmatched);
   }
   {
-    // Rank 1 runs its backwards before its forwards' inputs can arrive: rank 0 waits for the
-    // gradient while rank 1 waits for the activation.
+    // Rank 0 runs its backwards before its forwards: order rule first.
     auto p = pl::gpipe(2, 2);
     auto& rank0 = p.ranks[0];
-    std::rotate(rank0.begin(), rank0.begin() + 2, rank0.end());  // B0 B1 F0 F1: order rule first
+    std::rotate(rank0.begin(), rank0.begin() + 2, rank0.end());  // B0 B1 F0 F1
     EXPECT_EQ(pl::verify(p).rule, Rule::order);
+    // Rank 0 waits for the first gradient before sending the first activation: a cycle of waits.
     auto q = pl::with_communication(pl::gpipe(2, 2));
     auto& r0 = q.ranks[0];
-    // Move rank 0's first send behind its receives of gradients: a cycle of waits.
-    const auto send = std::find_if(r0.begin(), r0.end(),
-                                   [](const Action& a) { return a.op == Op::send_activation; });
-    const Action moved = *send;
-    r0.erase(send);
-    r0.push_back(moved);
+    const auto recv = std::find_if(r0.begin(), r0.end(),
+                                   [](const Action& a) { return a.op == Op::recv_gradient; });
+    const Action moved = *recv;
+    r0.erase(recv);
+    r0.insert(r0.begin(), moved);
     const auto verdict = pl::verify(q);
     EXPECT_EQ(verdict.rule, Rule::deadlock);
     EXPECT_EQ(verdict.rank, 0);
+    EXPECT_EQ(pl::to_string(verdict.action), "0RG0<1");
   }
+}
+
+Action act(Op op, int stage, int microbatch, int peer = -1) {
+  return Action{.op = op, .stage = stage, .microbatch = microbatch, .peer = peer};
+}
+
+// NCCL matches the messages between two ranks by posting order: rank 1 receiving rank 0's second
+// activation before its first is reported at that receive, even though each receive has its send.
+TEST(Pipeline_Verify, ReceivesOutOfSendOrderBreakFifo) {
+  auto p = pl::with_communication(pl::one_f_one_b(2, 4));
+  auto& rank1 = p.ranks[1];
+  const auto first = std::find(rank1.begin(), rank1.end(), act(Op::recv_activation, 1, 0, 0));
+  const auto second = std::find(rank1.begin(), rank1.end(), act(Op::recv_activation, 1, 1, 0));
+  ASSERT_NE(first, rank1.end());
+  ASSERT_NE(second, rank1.end());
+  EXPECT_TRUE(pl::verify(p).ok());
+  std::iter_swap(first, second);
+  const auto verdict = pl::verify(p);
+  EXPECT_EQ(verdict.rule, Rule::fifo) << describe(verdict);
+  EXPECT_EQ(verdict.rank, 1);
+  EXPECT_EQ(pl::to_string(verdict.action), "1RA1<0");
+}
+
+// Sends block until the peer posts the receive. Rank 0 sends three activations, each in its own
+// batch, before receiving a gradient; rank 1 sends gradient 0 (a batch of its own, W follows)
+// before receiving activation 1. With non-blocking sends this runs; under rendezvous rank 0 waits
+// in 0SA1 for rank 1, which waits in 1SG0 for rank 0. with_communication() places the same compute
+// order's receives where the data is produced, and that verifies.
+TEST(Pipeline_Verify, SendsWaitForTheirReceives) {
+  Program p{.pp = 2,
+            .stages_per_rank = 1,
+            .microbatches = 3,
+            .placement = pl::Placement::loop,
+            .split_backward = true,
+            .forward_only = false,
+            .ranks = {}};
+  p.ranks.resize(2);
+  for (int mb = 0; mb < 3; ++mb) {
+    p.ranks[0].push_back(act(Op::forward, 0, mb));
+    p.ranks[0].push_back(act(Op::send_activation, 0, mb, 1));
+  }
+  for (int mb = 0; mb < 3; ++mb) {
+    p.ranks[0].push_back(act(Op::recv_gradient, 0, mb, 1));
+    p.ranks[0].push_back(act(Op::backward_input, 0, mb));
+    p.ranks[0].push_back(act(Op::backward_weight, 0, mb));
+    p.ranks[1].push_back(act(Op::recv_activation, 1, mb, 0));
+    p.ranks[1].push_back(act(Op::forward, 1, mb));
+    p.ranks[1].push_back(act(Op::backward_input, 1, mb));
+    p.ranks[1].push_back(act(Op::send_gradient, 1, mb, 0));
+    p.ranks[1].push_back(act(Op::backward_weight, 1, mb));
+  }
+  const auto verdict = pl::verify(p);
+  EXPECT_EQ(verdict.rule, Rule::deadlock) << describe(verdict);
+  EXPECT_EQ(verdict.rank, 0);
+  EXPECT_EQ(pl::to_string(verdict.action), "0SA1>1");
+
+  Program compute_only = p;
+  for (auto& rank : compute_only.ranks) {
+    rank.erase(
+        std::remove_if(rank.begin(), rank.end(), [](const Action& a) { return !a.is_compute(); }),
+        rank.end());
+  }
+  const auto fixed = pl::verify(pl::with_communication(compute_only));
+  EXPECT_TRUE(fixed.ok()) << describe(fixed);
 }
 
 TEST(Pipeline_BuildProgram, RunTimeSizesAreCheckedLikeStaticOnes) {
@@ -225,7 +379,15 @@ TEST(Pipeline_BuildProgram, RunTimeSizesAreCheckedLikeStaticOnes) {
   EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>(
                   [] { (void)pl::build_program<pl::GPipe<pl::microbatches<8>>>(4, 6); }),
               ::testing::HasSubstr("fixes 8 microbatches, the run asks 6"));
+  EXPECT_THAT(
+      d9d::testing::error_of<std::invalid_argument>(
+          [] { (void)pl::build_program<pl::DualPipeV<>>(4, 6); }),
+      ::testing::HasSubstr("needs microbatches >= 2 x the pipeline degree (got 6 < 2 x 4)"));
   EXPECT_EQ(pl::build_program<pl::ZeroBubbleV<>>(2, 4).ranks.size(), 2U);
+  EXPECT_EQ(pl::build_program<pl::DualPipeV<>>(2, 4).ranks.size(), 2U);
+  static_assert(pl::DualPipeV<>::stages_per_rank == 2 && pl::DualPipeV<>::split_backward &&
+                pl::DualPipeV<>::placement == pl::Placement::v);
+  EXPECT_EQ((pl::static_program<pl::DualPipeV<pl::microbatches<8>>, 4>().ranks.size()), 4U);
   using Zb = pl::ZeroBubbleH1<pl::microbatches<8>>;
   EXPECT_EQ((pl::static_program<Zb, 4>().ranks.size()), 4U);
 }

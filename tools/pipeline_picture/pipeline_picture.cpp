@@ -2,6 +2,7 @@
 //
 //   pipeline_picture --schedule zb_h1 --pp 4 --microbatches 8 --svg zbh1.svg
 //   pipeline_picture --schedule 1f1b --pp 4 --microbatches 8 --costs 1,2,0   # B = 2 F, no split
+//   pipeline_picture --schedule dual_pipe_v --pp 4 --microbatches 8 --svg dualpipev.svg
 //
 // One row per rank; F, B, I and W are coloured, idle time is left blank. The timing comes from
 // d9d::pipeline::simulate (each rank runs its program in order; a step starts when the rank is free
@@ -40,6 +41,9 @@ pl::Program build(const std::string& name, int pp, int v, int m) {
   }
   if (name == "zbv") {
     return pl::zero_bubble_v(pp, m);
+  }
+  if (name == "dual_pipe_v") {
+    return pl::dual_pipe_v(pp, m);
   }
   if (name == "inference") {
     return pl::inference(pp, m, v);
@@ -115,7 +119,7 @@ int main(int argc, char** argv) {
   std::string costs = "1,1,1";
   std::string svg_path;
   app.add_option("--schedule", schedule,
-                 "gpipe, looped_bfs, 1f1b, interleaved_1f1b, zb_h1, zbv, inference");
+                 "gpipe, looped_bfs, 1f1b, interleaved_1f1b, zb_h1, zbv, dual_pipe_v, inference");
   app.add_option("--pp", pp, "pipeline degree");
   app.add_option("--microbatches", microbatches, "microbatches per step");
   app.add_option("--stages-per-rank", stages_per_rank, "for looped_bfs / interleaved_1f1b");

@@ -15,6 +15,8 @@
 //   zero_bubble_h1   1F1B with the backward split into input (I) and weight (W) gradients; W is
 //                    delayed into the bubbles; the activation memory of 1F1B (ZB1P / ZB-H1)
 //   zero_bubble_v    split backward on V-placed stages (two per rank), W filling the bubbles (ZBV)
+//   dual_pipe_v      DeepSeek's DualPipeV: V-placed stages, the forward of one chunk paired with
+//                    the backward of the other, W deferred where it fills the start and the end
 //
 // The zero-bubble builders place actions by list scheduling under unit costs (F = I = W = 1):
 // each rank, when free, runs the ready action with the highest priority — the input-gradient
@@ -23,7 +25,9 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -264,6 +268,101 @@ constexpr Program zero_bubble_h1(int pp, int microbatches) {
 constexpr Program zero_bubble_v(int pp, int microbatches) {
   auto program = detail::empty_program(pp, 2, microbatches, Placement::v, true, false);
   return detail::list_schedule(program, std::vector<int>(static_cast<std::size_t>(pp), 2 * pp));
+}
+
+/// DualPipeV (DeepSeek's DualPipe "cut in half"): two V-placed stages per rank — chunk 0 of rank r
+/// is stage r, chunk 1 is stage 2 pp - 1 - r — and split backward. Rank r runs DeepSeek's eight
+/// phases: 2 (pp - r - 1) forwards of chunk 0; r + 1 pairs F0 F1; pp - r - 1 times B1 W F1 with the
+/// weight part of B1 deferred; the steady m - 2 pp + r + 1 groups F0 B1 F1 B0; pp - r - 1 times
+/// B1 F1 B0; r + 1 pairs B1 B0 whose second half defers W; pp - r - 1 times W B0 (deferred); and
+/// the last r + 1 W's. A full backward B is written as I immediately followed by W; a deferred one
+/// as I, its W queued (FIFO) until a W phase. Needs microbatches >= 2 pp.
+constexpr Program dual_pipe_v(int pp, int microbatches) {
+  auto program = detail::empty_program(pp, 2, microbatches, Placement::v, true, false);
+  if (microbatches < 2 * pp) {
+    throw std::invalid_argument(
+        "d9d::pipeline::dual_pipe_v: needs microbatches >= 2 x the pipeline degree (got " +
+        std::to_string(microbatches) + " < 2 x " + std::to_string(pp) +
+        "). Fix: raise the microbatches to at least " + std::to_string(2 * pp) +
+        ", or use zero_bubble_v");
+  }
+  const int p = pp;
+  const int m = microbatches;
+  for (int r = 0; r < p; ++r) {
+    auto& actions = program.ranks[static_cast<std::size_t>(r)];
+    const std::array<int, 2> stage{r, 2 * p - 1 - r};
+    std::array<int, 2> next_forward{0, 0};
+    std::array<int, 2> next_backward{0, 0};
+    std::vector<std::pair<int, int>> weights;  // deferred W's: (stage, microbatch), FIFO
+    std::size_t weights_front = 0;
+    const auto forward = [&](int chunk) {
+      const auto c = static_cast<std::size_t>(chunk);
+      actions.push_back(detail::compute(Op::forward, stage[c], next_forward[c]++));
+    };
+    const auto backward = [&](int chunk, bool defer_weight) {
+      const auto c = static_cast<std::size_t>(chunk);
+      const int mb = next_backward[c]++;
+      actions.push_back(detail::compute(Op::backward_input, stage[c], mb));
+      if (defer_weight) {
+        weights.emplace_back(stage[c], mb);
+      } else {
+        actions.push_back(detail::compute(Op::backward_weight, stage[c], mb));
+      }
+    };
+    const auto weight = [&] {
+      if (weights_front == weights.size()) {
+        throw std::logic_error("d9d::pipeline::dual_pipe_v: no deferred weight gradient to run");
+      }
+      const auto [s, mb] = weights[weights_front++];
+      actions.push_back(detail::compute(Op::backward_weight, s, mb));
+    };
+    for (int i = 0; i < 2 * (p - r - 1); ++i) {  // 1: nF0
+      forward(0);
+    }
+    for (int i = 0; i < r + 1; ++i) {  // 2: nF0F1
+      forward(0);
+      forward(1);
+    }
+    for (int i = 0; i < p - r - 1; ++i) {  // 3: nB1W1F1, zero bubble
+      backward(1, true);
+      weight();
+      forward(1);
+    }
+    for (int i = 0; i < m - 2 * p + r + 1; ++i) {  // 4: nF0B1F1B0, the steady state
+      forward(0);
+      backward(1, false);
+      forward(1);
+      backward(0, false);
+    }
+    for (int i = 0; i < p - r - 1; ++i) {  // 5: nB1F1B0
+      backward(1, false);
+      forward(1);
+      backward(0, false);
+    }
+    bool defer = false;  // 6: nB1B0, the second half defers W
+    const int step6 = r + 1;
+    for (int i = 0; i < step6; ++i) {
+      if (i == step6 / 2 && r % 2 == 1) {
+        defer = true;
+      }
+      backward(1, defer);
+      if (i == step6 / 2 && r % 2 == 0) {
+        defer = true;
+      }
+      backward(0, defer);
+    }
+    for (int i = 0; i < p - r - 1; ++i) {  // 7: nWB0, zero bubble
+      weight();
+      backward(0, true);
+    }
+    for (int i = 0; i < r + 1; ++i) {  // 8: nW
+      weight();
+    }
+    if (weights_front != weights.size()) {
+      throw std::logic_error("d9d::pipeline::dual_pipe_v: weight gradients left in the queue");
+    }
+  }
+  return program;
 }
 
 }  // namespace d9d::pipeline

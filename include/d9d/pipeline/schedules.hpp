@@ -139,6 +139,35 @@ struct ZeroBubbleV {
   static constexpr Program build(int pp, int m) { return zero_bubble_v(pp, m); }
 };
 
+/// DualPipeV: DeepSeek's DualPipe on two V-placed stages per rank, split backward, forward and
+/// backward of the two chunks paired in the steady state. Needs microbatches >= 2 x pp.
+template <class M = microbatches<dynamic>>
+struct DualPipeV {
+  using d9d_slot = slot::pipeline;
+  static constexpr int stages_per_rank = 2;
+  static constexpr int microbatches = M::value;
+  static constexpr Placement placement = Placement::v;
+  static constexpr bool split_backward = true;
+  static constexpr Program build(int pp, int m) {
+    if (m < 2 * pp) {
+      throw std::invalid_argument(
+          "d9d::pipeline::DualPipeV: needs microbatches >= 2 x the pipeline degree (got " +
+          std::to_string(m) + " < 2 x " + std::to_string(pp) + "). Fix: at least " +
+          std::to_string(2 * pp) + " microbatches, or ZeroBubbleV");
+    }
+    return dual_pipe_v(pp, m);
+  }
+  template <int PP>
+  static constexpr bool check() {
+    static_assert(M::value == dynamic || M::value >= 2 * PP,
+                  "d9d::pipeline::DualPipeV: needs microbatches >= 2 x the pipeline degree (both "
+                  "are the arguments shown with this error). Fix: raise "
+                  "d9d::pipeline::microbatches<N> to at least 2 * pp, or use "
+                  "d9d::pipeline::ZeroBubbleV");
+    return true;
+  }
+};
+
 /// The first violation of a verified program, without the vectors (usable as a constant).
 struct Violation {
   Rule rule = Rule::none;
@@ -163,8 +192,11 @@ struct Violation {
       return "order (a stage's I/B before its F, or W before its I)";
     case Rule::unmatched:
       return "unmatched (a send without its receive or a receive without its send)";
+    case Rule::fifo:
+      return "fifo (a receive posted out of the order its peer sends in; NCCL matches by order)";
     case Rule::deadlock:
-      return "deadlock (the ranks wait for each other)";
+      return "deadlock (the ranks wait for each other; each run of sends and receives is one batch "
+             "that completes only when every peer has posted the matching operations)";
   }
   return "unknown";
 }
