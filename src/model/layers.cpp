@@ -55,9 +55,7 @@ AttentionImpl::AttentionImpl(const AttentionOptions& options) : options_(options
         "d9d::model::Attention: num_heads (" + std::to_string(options.num_heads) +
         ") must be a multiple of num_kv_heads (" + std::to_string(options.num_kv_heads) + ")");
   }
-  const auto linear = [](int64_t in, int64_t out) {
-    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
-  };
+  const auto linear = [](int64_t in, int64_t out) { return Linear(in, out); };
   q_proj =
       register_module("q_proj", linear(options.hidden_size, options.num_heads * options.head_dim));
   k_proj = register_module("k_proj",
@@ -104,9 +102,7 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x,
 }
 
 SwiGluImpl::SwiGluImpl(int64_t hidden_size, int64_t intermediate_size) {
-  const auto linear = [](int64_t in, int64_t out) {
-    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
-  };
+  const auto linear = [](int64_t in, int64_t out) { return Linear(in, out); };
   gate_proj = register_module("gate_proj", linear(hidden_size, intermediate_size));
   up_proj = register_module("up_proj", linear(hidden_size, intermediate_size));
   down_proj = register_module("down_proj", linear(intermediate_size, hidden_size));

@@ -181,10 +181,7 @@ Qwen3ForCausalLMImpl::Qwen3ForCausalLMImpl(Qwen3Config config) : config_(config)
   config_.validate();
   model = register_module("model", Qwen3Model(config_));
   if (!config_.tie_word_embeddings) {
-    lm_head = register_module(
-        "lm_head",
-        torch::nn::Linear(
-            torch::nn::LinearOptions(config_.hidden_size, config_.vocab_size).bias(false)));
+    lm_head = register_module("lm_head", Linear(config_.hidden_size, config_.vocab_size));
   }
   // Hugging Face's initialisation: normal(0, initializer_range) for linear and embedding weights,
   // ones for the norms.

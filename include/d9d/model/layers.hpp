@@ -4,6 +4,10 @@
 //   d9d::model::Attention attn(AttentionOptions{.hidden_size = 1024, .num_heads = 16, ...});
 //   auto y = attn(x, rope.cos_sin(seq_len, x.device()));   // causal GQA through SDPA
 //
+// Linear layers are d9d::model::Linear: at::linear normally, split backward (input gradient now,
+// weight gradient queued) when a d9d::model::WeightGradQueue records them
+// (d9d/model/weight_grad.hpp).
+//
 // Plain `XxxImpl` + TORCH_MODULE holders, so models built from them stay ordinary torch::nn code:
 // parameters, named_parameters(), to(), train()/eval() work as usual. Parameter names follow the
 // Hugging Face layout (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, gate_proj, up_proj,
@@ -14,7 +18,6 @@
 #include <utility>
 
 #include <torch/nn/module.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
 namespace d9d::model {
@@ -31,6 +34,18 @@ class RmsNormImpl : public torch::nn::Module {
   double eps_;
 };
 TORCH_MODULE(RmsNorm);
+
+/// y = x W^T (+ b), with split backward under a recording d9d::model::WeightGradQueue. The same
+/// parameter names ("weight", "bias") and initialisation as torch::nn::Linear.
+class LinearImpl : public torch::nn::Module {
+ public:
+  LinearImpl(int64_t in_features, int64_t out_features, bool bias = false);
+  /// x [..., in] -> [..., out]; under autocast computes in the autocast dtype like at::linear.
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight;  ///< [out, in]
+  at::Tensor bias;    ///< [out], or undefined
+};
+TORCH_MODULE(Linear);
 
 /// Rotary position embedding tables (the half-split "rotate_half" layout).
 class RotaryEmbedding {
@@ -65,7 +80,7 @@ class AttentionImpl : public torch::nn::Module {
   /// x: [B, T, hidden]; cos_sin from RotaryEmbedding::cos_sin(T, ...).
   at::Tensor forward(const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& cos_sin);
 
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RmsNorm q_norm{nullptr}, k_norm{nullptr};
 
  private:
@@ -79,7 +94,7 @@ class SwiGluImpl : public torch::nn::Module {
   SwiGluImpl(int64_t hidden_size, int64_t intermediate_size);
   at::Tensor forward(const at::Tensor& x);
 
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TORCH_MODULE(SwiGlu);
 

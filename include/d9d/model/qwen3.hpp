@@ -85,7 +85,7 @@ class Qwen3ForCausalLMImpl : public torch::nn::Module {
   [[nodiscard]] const Qwen3Config& config() const { return config_; }
 
   Qwen3Model model{nullptr};
-  torch::nn::Linear lm_head{nullptr};  ///< null when tied
+  Linear lm_head{nullptr};  ///< null when tied
 
  private:
   Qwen3Config config_;

@@ -4,8 +4,9 @@
 //   static_assert(std::is_same_v<MyPlan::pipeline, d9d::pipeline::NoPipeline>);
 //   static_assert(std::is_same_v<d9d::Plan<>::pipeline, MyPlan::pipeline>);  // the default
 //
-// Each models d9d::plan_policy for d9d::slot::pipeline. The schedules (1F1B, ZeroBubble, ...) come
-// with the pipeline executor; NoPipeline is the default until then.
+// Each models d9d::plan_policy for d9d::slot::pipeline. NoPipeline is the default; the schedules
+// (GPipe, 1F1B, ZeroBubbleH1, ZeroBubbleV, DualPipeV, ...) are in d9d/pipeline/schedules.hpp and
+// run through d9d/pipeline/executor.hpp.
 #pragma once
 
 #include <d9d/plan/slots.hpp>

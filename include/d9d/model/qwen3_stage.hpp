@@ -1,0 +1,62 @@
+// d9d/model/qwen3_stage.hpp — one pipeline stage of Qwen3: only that stage's layers.
+//
+//   const auto ranges = d9d::pipeline::distribute_layers(config.num_hidden_layers, stages);
+//   d9d::model::Qwen3Stage stage(config, /*stage=*/s, /*stages=*/stages, ranges[s]);
+//   at::Tensor out = stage(in);   // ids [B, T] on stage 0; hidden [B, T, H] between; logits last
+//   stage->output_sizes(B, T);    // known without running the model
+//
+// Stage 0 holds the embedding, the last stage the final norm and the LM head, every stage its
+// range of decoder layers. Parameter names are those of the whole Qwen3ForCausalLM
+// ("model.layers.5.mlp.up_proj.weight", "lm_head.weight"), so checkpoints and a full model's
+// parameters map onto stages by name (copy_parameters). A tied LM head needs the embedding on the
+// last stage, so several stages require tie_word_embeddings = false.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <torch/nn/modules/embedding.h>
+
+#include <d9d/model/layers.hpp>
+#include <d9d/model/qwen3.hpp>
+#include <d9d/pipeline/stages.hpp>
+
+namespace d9d::model {
+
+/// A contiguous slice of Qwen3ForCausalLM for pipeline stage `stage` of `stages`.
+class Qwen3StageImpl : public torch::nn::Module {
+ public:
+  Qwen3StageImpl(const Qwen3Config& config, int stage, int stages, pipeline::LayerRange layers);
+  /// Stage 0: input_ids [B, T] (int64); others: hidden [B, T, hidden]. Returns hidden states, or
+  /// logits [B, T, vocab] on the last stage.
+  at::Tensor forward(const at::Tensor& input);
+
+  [[nodiscard]] bool is_first() const { return stage_ == 0; }
+  [[nodiscard]] bool is_last() const { return stage_ == stages_ - 1; }
+  [[nodiscard]] int stage() const { return stage_; }
+  [[nodiscard]] pipeline::LayerRange layer_range() const { return range_; }
+  [[nodiscard]] const Qwen3Config& config() const { return config_; }
+  /// Sizes of this stage's input and output for a microbatch of `batch` sequences of `seq` tokens.
+  [[nodiscard]] std::vector<int64_t> input_sizes(int64_t batch, int64_t seq) const;
+  [[nodiscard]] std::vector<int64_t> output_sizes(int64_t batch, int64_t seq) const;
+
+  torch::nn::Embedding embed_tokens{nullptr};  ///< stage 0 only ("model.embed_tokens")
+  std::vector<Qwen3DecoderLayer> layers;       ///< "model.layers.<global index>"
+  RmsNorm norm{nullptr};                       ///< last stage only ("model.norm")
+  Linear lm_head{nullptr};                     ///< last stage only ("lm_head")
+
+ private:
+  Qwen3Config config_;
+  int stage_;
+  int stages_;
+  pipeline::LayerRange range_;
+  RotaryEmbedding rope_;
+};
+TORCH_MODULE(Qwen3Stage);
+
+/// Copies every parameter of `to` from the parameter of the same name in `from` (e.g. a full
+/// model into a stage); std::invalid_argument names a parameter missing in `from` or of another
+/// shape.
+void copy_parameters(const torch::nn::Module& from, torch::nn::Module& to);
+
+}  // namespace d9d::model

@@ -1,0 +1,177 @@
+// d9d/model/weight_grad.cpp — the weight-gradient queue and the split-capable linear layer.
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/init.h>
+
+#include <d9d/model/layers.hpp>
+#include <d9d/model/weight_grad.hpp>
+
+namespace d9d::model {
+namespace {
+
+thread_local WeightGradQueue* recording = nullptr;
+
+// The weight (and bias) gradient of y = x W^T + b, accumulated into the parameters' .grad in their
+// own dtype, as the autograd engine would.
+void accumulate(at::Tensor& parameter, const at::Tensor& gradient) {
+  auto& grad = parameter.mutable_grad();
+  const auto converted = gradient.to(parameter.scalar_type());
+  if (grad.defined()) {
+    grad.add_(converted);
+  } else {
+    grad = converted.contiguous();
+  }
+}
+
+struct WeightGrad {
+  at::Tensor grad_out;  // [rows, out]
+  at::Tensor input;     // [rows, in]
+  at::Tensor weight;    // the parameter (for .grad), when it needs a gradient
+  at::Tensor bias;      // the parameter, when it needs a gradient
+
+  [[nodiscard]] std::pair<at::Tensor, at::Tensor> compute() const {
+    at::Tensor gw;
+    at::Tensor gb;
+    if (weight.defined()) {
+      gw = grad_out.t().mm(input);
+    }
+    if (bias.defined()) {
+      gb = grad_out.sum(0);
+    }
+    return {gw, gb};
+  }
+  void run() {
+    auto [gw, gb] = compute();
+    if (weight.defined()) {
+      accumulate(weight, gw);
+    }
+    if (bias.defined()) {
+      accumulate(bias, gb);
+    }
+  }
+};
+
+// y = x W^T (+ b) whose backward can queue the weight-gradient GEMM (see weight_grad.hpp). Two
+// variants, because every tensor argument of an autograd function must be defined.
+template <bool HasBias>
+struct SplitLinear : torch::autograd::Function<SplitLinear<HasBias>> {
+  static at::Tensor run_forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                const at::Tensor& weight, const at::Tensor& bias,
+                                int64_t queue_address) {
+    // Autocast casts at::linear's inputs to its dtype; do the same so backward sees those tensors.
+    at::Tensor xc = x;
+    at::Tensor wc = weight;
+    at::Tensor bc = bias;
+    const auto device_type = x.device().type();
+    if (at::autocast::is_autocast_enabled(device_type) && x.is_floating_point()) {
+      const auto dtype = at::autocast::get_autocast_dtype(device_type);
+      xc = x.to(dtype);
+      wc = weight.to(dtype);
+      bc = bias.defined() ? bias.to(dtype) : bias;
+    }
+    ctx->save_for_backward({xc, wc});
+    ctx->saved_data["queue"] = queue_address;
+    ctx->saved_data["weight"] = weight;
+    if (bias.defined()) {
+      ctx->saved_data["bias"] = bias;
+    }
+    return at::linear(xc, wc, bc);
+  }
+
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, const at::Tensor& bias,
+                            int64_t queue_address) requires HasBias {
+    return run_forward(ctx, x, weight, bias, queue_address);
+  }
+
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, int64_t queue_address) requires(!HasBias) {
+    return run_forward(ctx, x, weight, at::Tensor(), queue_address);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& xc = saved[0];
+    const auto& wc = saved[1];
+    const auto& grad_out = grads[0];
+    // One entry per forward argument: x, weight, (bias,) queue address.
+    torch::autograd::variable_list out(HasBias ? 4 : 3);
+    if (ctx->needs_input_grad(0)) {
+      out[0] = at::matmul(grad_out, wc);
+    }
+    const bool need_w = ctx->needs_input_grad(1);
+    const bool need_b = HasBias && ctx->needs_input_grad(2);
+    if (!need_w && !need_b) {
+      return out;
+    }
+    const int64_t out_features = wc.size(0);
+    const int64_t in_features = wc.size(1);
+    WeightGrad job{.grad_out = grad_out.reshape({-1, out_features}),
+                   .input = xc.reshape({-1, in_features}),
+                   .weight = need_w ? ctx->saved_data["weight"].toTensor() : at::Tensor(),
+                   .bias = need_b ? ctx->saved_data["bias"].toTensor() : at::Tensor()};
+    // NOLINTNEXTLINE(performance-no-int-to-ptr): the queue's address, stored by forward()
+    auto* queue = reinterpret_cast<WeightGradQueue*>(ctx->saved_data["queue"].toInt());
+    if (queue != nullptr && queue->deferring()) {
+      queue->push([job = std::move(job)]() mutable { job.run(); });
+      return out;
+    }
+    auto [gw, gb] = job.compute();
+    out[1] = gw;
+    if (HasBias) {
+      out[2] = gb;
+    }
+    return out;
+  }
+};
+
+}  // namespace
+
+void WeightGradQueue::drain() {
+  // Take the jobs first: a job that throws leaves the queue empty rather than half-run twice.
+  auto jobs = std::move(jobs_);
+  jobs_.clear();
+  for (auto& job : jobs) {
+    job();
+  }
+}
+
+RecordWeightGrads::RecordWeightGrads(WeightGradQueue& queue) : previous_(recording) {
+  recording = &queue;
+}
+
+RecordWeightGrads::~RecordWeightGrads() { recording = previous_; }
+
+WeightGradQueue* recording_weight_grads() { return recording; }
+
+LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool bias) {
+  weight = register_parameter("weight", at::empty({out_features, in_features}));
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+  if (bias) {
+    const double bound = in_features > 0 ? 1.0 / std::sqrt(static_cast<double>(in_features)) : 0.0;
+    this->bias = register_parameter("bias", at::empty({out_features}));
+    const at::NoGradGuard no_grad;
+    this->bias.uniform_(-bound, bound);
+  }
+}
+
+at::Tensor LinearImpl::forward(const at::Tensor& x) {
+  auto* queue = recording_weight_grads();
+  if (queue == nullptr) {
+    return at::linear(x, weight, bias);
+  }
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
+  const auto address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(queue));
+  if (bias.defined()) {
+    return SplitLinear<true>::apply(x, weight, bias, address);
+  }
+  return SplitLinear<false>::apply(x, weight, address);
+}
+
+}  // namespace d9d::model

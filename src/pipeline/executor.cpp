@@ -1,0 +1,384 @@
+// d9d/pipeline/executor.cpp — the pipeline "VM": one rank's actions over LibTorch stages.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <d9d/core/collectives.hpp>
+#include <d9d/model/weight_grad.hpp>
+#include <d9d/pipeline/executor.hpp>
+
+namespace d9d::pipeline {
+namespace {
+
+using Key = std::pair<int, int>;  // (stage, microbatch)
+
+std::string where(const Action& action) { return " (action " + to_string(action) + ")"; }
+
+std::string describe(const at::Tensor& t) {
+  std::string out = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    out += (d > 0 ? ", " : "") + std::to_string(t.size(d));
+  }
+  return out + "] " + std::string(c10::toString(t.scalar_type()));
+}
+
+}  // namespace
+
+struct Executor::Impl {
+  Program program;
+  ProcessGroup group;
+  std::map<int, Stage> stages;
+  std::function<TensorSpec(int)> activation;
+  std::function<void(const Action&, bool)> hook;
+  bool trace = std::getenv("D9D_PIPELINE_TRACE") != nullptr;  // each action on stderr
+  int rank = 0;
+
+  // Per step.
+  std::map<Key, at::Tensor> inputs;       // the stage's input (a leaf when it needs a gradient)
+  std::map<Key, at::Tensor> outputs;      // the stage's output; the loss on the last stage
+  std::map<Key, at::Tensor> received;     // activations received for (stage, mb)
+  std::map<Key, at::Tensor> grad_output;  // gradients received for the output of (stage, mb)
+  std::map<Key, at::Tensor> grad_input;   // the gradient of (stage, mb)'s input, after B / I
+  std::map<Key, std::unique_ptr<model::WeightGradQueue>> queues;
+  std::vector<P2POp> batch;
+  StepResult result;
+
+  [[nodiscard]] int last_stage() const { return program.stages() - 1; }
+  [[nodiscard]] bool local(int stage) const {
+    return stage_rank(program.placement, program.pp, stage) == rank;
+  }
+  // Gloo matches by tag; NCCL in order (verify() checks the order).
+  [[nodiscard]] int tag(bool gradient, int receiving_stage, int mb) const {
+    return 2 * (receiving_stage * program.microbatches + mb) + (gradient ? 1 : 0);
+  }
+
+  void flush() {
+    if (batch.empty()) {
+      return;
+    }
+    batch_isend_irecv(group, batch).wait();
+    batch.clear();
+  }
+
+  void clear_step() {
+    inputs.clear();
+    outputs.clear();
+    received.clear();
+    grad_output.clear();
+    grad_input.clear();
+    queues.clear();
+    batch.clear();
+  }
+
+  at::Tensor take(std::map<Key, at::Tensor>& from, const Key& key, const Action& action,
+                  const char* what) {
+    const auto it = from.find(key);
+    if (it == from.end()) {
+      throw std::logic_error("d9d::pipeline::Executor: rank " + std::to_string(rank) + " has no " +
+                             what + where(action));
+    }
+    auto out = std::move(it->second);
+    from.erase(it);
+    return out;
+  }
+
+  void forward(const Action& a, const std::vector<at::Tensor>& step_inputs, const LossFn& loss) {
+    const Key key{a.stage, a.microbatch};
+    at::Tensor x;
+    if (a.stage == 0) {
+      if (a.microbatch >= static_cast<int>(step_inputs.size())) {
+        throw std::invalid_argument(
+            "d9d::pipeline::Executor: run() got " + std::to_string(step_inputs.size()) +
+            " inputs; the program has " + std::to_string(program.microbatches) + " microbatches");
+      }
+      x = step_inputs[static_cast<std::size_t>(a.microbatch)];
+    } else if (local(a.stage - 1)) {
+      x = outputs.at({a.stage - 1, a.microbatch}).detach();
+      if (program.forward_only) {
+        outputs.erase({a.stage - 1, a.microbatch});
+      }
+    } else {
+      x = take(received, key, a, "received activation");
+    }
+    const bool training = !program.forward_only;
+    if (training && a.stage > 0 && x.is_floating_point()) {
+      x = x.detach().requires_grad_(true);
+    }
+    at::Tensor out;
+    {
+      std::unique_ptr<model::RecordWeightGrads> record;
+      if (program.split_backward) {
+        auto& queue = queues[key];
+        queue = std::make_unique<model::WeightGradQueue>();
+        record = std::make_unique<model::RecordWeightGrads>(*queue);
+      }
+      out = stages.at(a.stage).forward(x);
+    }
+    if (a.stage == last_stage()) {
+      if (!training) {
+        result.outputs[static_cast<std::size_t>(a.microbatch)] = out;
+        return;
+      }
+      if (!loss) {
+        throw std::invalid_argument("d9d::pipeline::Executor: training needs a loss function");
+      }
+      auto value = loss(out, a.microbatch);
+      if (value.numel() != 1) {
+        throw std::invalid_argument("d9d::pipeline::Executor: the loss of microbatch " +
+                                    std::to_string(a.microbatch) + " is not a scalar but " +
+                                    describe(value));
+      }
+      result.losses[static_cast<std::size_t>(a.microbatch)] = value.detach();
+      out = value;
+    }
+    if (training) {
+      inputs[key] = x;
+    }
+    outputs[key] = out;
+  }
+
+  void backward(const Action& a, bool defer) {
+    const Key key{a.stage, a.microbatch};
+    auto out = take(outputs, key, a, "forward output");
+    auto x = take(inputs, key, a, "forward input");
+    at::Tensor grad;
+    if (a.stage < last_stage()) {
+      grad = local(a.stage + 1) ? take(grad_input, {a.stage + 1, a.microbatch}, a,
+                                       "input gradient of the next stage")
+                                : take(grad_output, key, a, "received gradient");
+    }
+    if (out.requires_grad()) {
+      std::unique_ptr<model::DeferWeightGrads> deferred;
+      if (defer) {
+        deferred = std::make_unique<model::DeferWeightGrads>(*queues.at(key));
+      }
+      if (grad.defined()) {
+        torch::autograd::backward({out}, {grad});
+      } else {
+        torch::autograd::backward({out});
+      }
+    }
+    if (a.stage > 0) {
+      const auto& g = x.grad();
+      grad_input[key] = g.defined() ? g : at::zeros_like(x);
+    }
+  }
+
+  void weight(const Action& a) {
+    const auto it = queues.find({a.stage, a.microbatch});
+    if (it == queues.end()) {
+      throw std::logic_error("d9d::pipeline::Executor: W without its F" + where(a));
+    }
+    it->second->drain();
+    queues.erase(it);
+  }
+
+  void send(const Action& a) {
+    const Key key{a.stage, a.microbatch};
+    const bool gradient = a.op == Op::send_gradient;
+    at::Tensor t;
+    if (gradient) {
+      t = take(grad_input, key, a, "input gradient to send");
+    } else {
+      t = outputs.at(key).detach();
+      if (program.forward_only) {
+        outputs.erase(key);
+      }
+      const auto spec = activation(a.stage + 1);
+      if (t.sizes() != at::IntArrayRef(spec.sizes) || t.scalar_type() != spec.dtype) {
+        throw std::invalid_argument("d9d::pipeline::Executor: stage " + std::to_string(a.stage) +
+                                    " produced " + describe(t) + " but stage " +
+                                    std::to_string(a.stage + 1) +
+                                    " expects the activation spec's sizes and dtype" + where(a));
+      }
+    }
+    batch.push_back({.kind = P2POp::Kind::send,
+                     .tensor = t.contiguous(),
+                     .peer = a.peer,
+                     .tag = tag(gradient, gradient ? a.stage - 1 : a.stage + 1, a.microbatch)});
+  }
+
+  void receive(const Action& a) {
+    const Key key{a.stage, a.microbatch};
+    const bool gradient = a.op == Op::recv_gradient;
+    at::Tensor buffer;
+    if (gradient) {
+      const auto& out = outputs.at(key);
+      buffer = at::empty(out.sizes(), out.options().device(group.device()));
+      grad_output[key] = buffer;
+    } else {
+      const auto spec = activation(a.stage);
+      buffer = at::empty(spec.sizes, at::TensorOptions().dtype(spec.dtype).device(group.device()));
+      received[key] = buffer;
+    }
+    batch.push_back({.kind = P2POp::Kind::recv,
+                     .tensor = buffer,
+                     .peer = a.peer,
+                     .tag = tag(gradient, a.stage, a.microbatch)});
+  }
+
+  StepResult run(const std::vector<at::Tensor>& step_inputs, const LossFn& loss) {
+    clear_step();
+    result = {};
+    const auto m = static_cast<std::size_t>(program.microbatches);
+    if (local(last_stage())) {
+      (program.forward_only ? result.outputs : result.losses).resize(m);
+    }
+    std::unique_ptr<at::NoGradGuard> no_grad;
+    if (program.forward_only) {
+      no_grad = std::make_unique<at::NoGradGuard>();
+    }
+    try {
+      for (const auto& a : program.ranks[static_cast<std::size_t>(rank)]) {
+        if (trace) {
+          std::fprintf(stderr, "[d9d pipeline rank %d] %s\n", rank, to_string(a).c_str());
+        }
+        switch (a.op) {
+          case Op::send_activation:
+          case Op::send_gradient:
+            send(a);
+            continue;
+          case Op::recv_activation:
+          case Op::recv_gradient:
+            receive(a);
+            continue;
+          default:
+            break;
+        }
+        flush();
+        if (hook) {
+          hook(a, false);
+        }
+        switch (a.op) {
+          case Op::forward:
+            forward(a, step_inputs, loss);
+            break;
+          case Op::backward:
+            backward(a, false);
+            break;
+          case Op::backward_input:
+            backward(a, true);
+            break;
+          case Op::backward_weight:
+            weight(a);
+            break;
+          default:
+            break;
+        }
+        if (hook) {
+          hook(a, true);
+        }
+      }
+      flush();
+    } catch (...) {
+      clear_step();
+      throw;
+    }
+    clear_step();
+    return std::move(result);
+  }
+};
+
+Executor::Executor(Program program, ProcessGroup group, std::vector<Stage> stages,
+                   std::function<TensorSpec(int stage)> activation)
+    : impl_(std::make_unique<Impl>()) {
+  auto& impl = *impl_;
+  impl.rank = group.valid() ? group.rank() : 0;
+  if (group.valid() && group.size() != program.pp) {
+    throw std::invalid_argument("d9d::pipeline::Executor: the program is for " +
+                                std::to_string(program.pp) + " ranks, the group has " +
+                                std::to_string(group.size()));
+  }
+  if (!group.valid() && program.pp != 1) {
+    throw std::invalid_argument(
+        "d9d::pipeline::Executor: a program for several ranks needs the pipeline process group");
+  }
+  const auto expected =
+      rank_stages(program.placement, program.pp, program.stages_per_rank, impl.rank);
+  for (auto& stage : stages) {
+    if (!stage.forward) {
+      throw std::invalid_argument("d9d::pipeline::Executor: stage " + std::to_string(stage.index) +
+                                  " has no forward");
+    }
+    const int index = stage.index;
+    if (!impl.stages.emplace(index, std::move(stage)).second) {
+      throw std::invalid_argument("d9d::pipeline::Executor: stage " + std::to_string(index) +
+                                  " given twice");
+    }
+  }
+  std::vector<int> given;
+  for (const auto& [index, stage] : impl.stages) {
+    given.push_back(index);
+  }
+  if (given != expected) {
+    std::string want;
+    for (const int s : expected) {
+      want += (want.empty() ? "" : ", ") + std::to_string(s);
+    }
+    throw std::invalid_argument("d9d::pipeline::Executor: rank " + std::to_string(impl.rank) +
+                                " must get exactly its stages {" + want + "} of the program");
+  }
+  if (!activation && program.pp > 1) {
+    throw std::invalid_argument(
+        "d9d::pipeline::Executor: several ranks need the activation spec of each stage");
+  }
+  impl.program = std::move(program);
+  impl.group = std::move(group);
+  // NCCL creates a group's communicator, and the connections between two ranks, on first use,
+  // and both sides must set them up with the same calls: a barrier opens the communicator, then
+  // one symmetric batch (a send to and a receive from every peer of this rank's program) opens
+  // the connections in both directions before the program's first, asymmetric, batch.
+  if (impl.group.valid() && impl.group.size() > 1) {
+    impl.group.barrier();
+    std::vector<int> peers;
+    for (const auto& a : impl.program.ranks[static_cast<std::size_t>(impl.rank)]) {
+      if (!a.is_compute() && std::find(peers.begin(), peers.end(), a.peer) == peers.end()) {
+        peers.push_back(a.peer);
+      }
+    }
+    std::sort(peers.begin(), peers.end());
+    std::vector<P2POp> hello;
+    const int hello_tag = 2 * impl.program.stages() * impl.program.microbatches;  // unused by steps
+    const auto options = at::TensorOptions().dtype(at::kFloat).device(impl.group.device());
+    for (const int peer : peers) {
+      hello.push_back({.kind = P2POp::Kind::send,
+                       .tensor = at::zeros({1}, options),
+                       .peer = peer,
+                       .tag = hello_tag});
+      hello.push_back({.kind = P2POp::Kind::recv,
+                       .tensor = at::empty({1}, options),
+                       .peer = peer,
+                       .tag = hello_tag});
+    }
+    if (!hello.empty()) {
+      batch_isend_irecv(impl.group, hello).wait();
+    }
+  }
+  impl.activation = std::move(activation);
+}
+
+Executor::Executor(Executor&&) noexcept = default;
+Executor& Executor::operator=(Executor&&) noexcept = default;
+Executor::~Executor() = default;
+
+StepResult Executor::run(const std::vector<at::Tensor>& inputs, const LossFn& loss) {
+  return impl_->run(inputs, loss);
+}
+
+void Executor::on_compute(std::function<void(const Action&, bool)> hook) {
+  impl_->hook = std::move(hook);
+}
+
+const Program& Executor::program() const { return impl_->program; }
+
+int Executor::rank() const { return impl_->rank; }
+
+}  // namespace d9d::pipeline

@@ -1,0 +1,138 @@
+// The executor and stage models in one process: layer distribution, stages that compose to the
+// whole model, every schedule with all its stages on one rank (local hand-over), and the errors.
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "tests/pipeline_run/pipeline_fixture.hpp"
+#include "tests/support/error_of.hpp"
+
+namespace {
+
+using d9d::pipeline::distribute_layers;
+using d9d::pipeline::LayerRange;
+using ::testing::HasSubstr;
+
+TEST(Pipeline_Layers, EvenSplitsAndVirtualLayers) {
+  EXPECT_EQ(distribute_layers(8, 4), (std::vector<LayerRange>{{0, 2}, {2, 4}, {4, 6}, {6, 8}}));
+  // 8 layers + embedding 1 + head 1 = 10 units, 2.5 per stage.
+  EXPECT_EQ(distribute_layers(8, 4, {.embedding = 1, .head = 1}),
+            (std::vector<LayerRange>{{0, 2}, {2, 4}, {4, 7}, {7, 8}}));
+  // Fewer layers than stages: some stages hold only their virtual layers.
+  const auto sparse = distribute_layers(2, 4);
+  int total = 0;
+  for (std::size_t s = 0; s < sparse.size(); ++s) {
+    EXPECT_GE(sparse[s].size(), 0);
+    if (s > 0) {
+      EXPECT_EQ(sparse[s].begin, sparse[s - 1].end);
+    }
+    total += sparse[s].size();
+  }
+  EXPECT_EQ(total, 2);
+  static_assert(distribute_layers(28, 4, {.embedding = 1.0, .head = 2.0}).back().end == 28);
+  EXPECT_THROW((void)distribute_layers(4, 0), std::invalid_argument);
+}
+
+TEST(Pipeline_Qwen3Stage, StagesComposeToTheWholeModel) {
+  const auto config = d9d::testing::pipeline_config();
+  auto full = d9d::testing::reference_model();
+  const auto ranges = distribute_layers(8, 3, {.embedding = 1, .head = 1});
+  std::vector<d9d::model::Qwen3Stage> stages;
+  std::size_t parameters = 0;
+  for (int s = 0; s < 3; ++s) {
+    stages.emplace_back(config, s, 3, ranges[static_cast<std::size_t>(s)]);
+    d9d::model::copy_parameters(*full, *stages.back());
+    parameters += stages.back()->parameters().size();
+  }
+  EXPECT_EQ(parameters, full->parameters().size());
+  const auto ids = at::randint(config.vocab_size, {2, 5}, at::kLong);
+  at::Tensor h = ids;
+  for (auto& stage : stages) {
+    EXPECT_EQ(stage->input_sizes(2, 5), h.sizes().vec());
+    h = stage(h);
+    EXPECT_EQ(stage->output_sizes(2, 5), h.sizes().vec());
+  }
+  EXPECT_TRUE(at::allclose(h, full(ids), 1e-6, 1e-6));
+  EXPECT_TRUE(stages.back()->named_parameters().contains("lm_head.weight"));
+  EXPECT_TRUE(stages.front()->named_parameters().contains("model.embed_tokens.weight"));
+}
+
+TEST(Pipeline_Qwen3Stage, ErrorsNameTheFix) {
+  auto config = d9d::testing::pipeline_config();
+  config.tie_word_embeddings = true;
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                d9d::model::Qwen3Stage(config, 0, 2, LayerRange{0, 4});
+              }),
+              HasSubstr("\"tie_word_embeddings\": false"));
+  config.tie_word_embeddings = false;
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                d9d::model::Qwen3Stage(config, 2, 2, LayerRange{0, 4});
+              }),
+              HasSubstr("is not one of 2 stages"));
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                d9d::model::Qwen3Stage(config, 0, 2, LayerRange{4, 9});
+              }),
+              HasSubstr("not within the 8 decoder layers"));
+  d9d::model::Qwen3Stage small(config, 0, 1, LayerRange{0, 2});
+  auto other = config;
+  other.hidden_size = 8;
+  other.head_dim = 2;
+  d9d::model::Qwen3Stage wrong(other, 0, 1, LayerRange{0, 2});
+  EXPECT_THAT(d9d::testing::error_of([&] { d9d::model::copy_parameters(*wrong, *small); }),
+              HasSubstr("another shape"));
+}
+
+// pp = 1: all stages on one rank, handed over locally; every schedule, trainable and frozen.
+TEST(Pipeline_Executor, EveryScheduleOnOneRankEqualsTheReference) {
+  for (const bool frozen : {false, true}) {
+    const int ran = d9d::testing::for_each_program(
+        1, {1, 3, 4}, [&](const std::string& what, const d9d::pipeline::Program& program) {
+          const auto reference = d9d::testing::reference_step(program.microbatches, frozen);
+          const auto run = d9d::testing::pipeline_step(program, d9d::ProcessGroup(), 0, frozen);
+          d9d::testing::expect_matches(run, reference, what + (frozen ? " frozen" : ""));
+          ASSERT_EQ(run.result.losses.size(), static_cast<std::size_t>(program.microbatches));
+        });
+    EXPECT_GE(ran, 15);
+  }
+}
+
+TEST(Pipeline_Executor, ErrorsAreClear) {
+  const auto program = d9d::pipeline::build_program<d9d::pipeline::GPipe<>>(2, 2);
+  const auto forward = [](const at::Tensor& x) { return x; };
+  // Without the group, a two-rank program cannot run.
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                d9d::pipeline::Executor(program, d9d::ProcessGroup(),
+                                        {{.index = 0, .forward = forward}}, nullptr);
+              }),
+              HasSubstr("needs the pipeline process group"));
+  // A one-rank program with the wrong stages.
+  const auto looped =
+      d9d::pipeline::build_program<d9d::pipeline::LoopedBfs<d9d::pipeline::stages_per_rank<2>>>(1,
+                                                                                                2);
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                d9d::pipeline::Executor(looped, d9d::ProcessGroup(),
+                                        {{.index = 0, .forward = forward}}, nullptr);
+              }),
+              HasSubstr("must get exactly its stages {0, 1}"));
+  // Too few inputs, and a loss that is not a scalar.
+  d9d::pipeline::Executor one(d9d::pipeline::build_program<d9d::pipeline::GPipe<>>(1, 2),
+                              d9d::ProcessGroup(), {{.index = 0, .forward = forward}}, nullptr);
+  const auto x = at::ones({2, 3}, at::kFloat).requires_grad_(true);
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                (void)one.run({x}, [](const at::Tensor& out, int) { return out.sum(); });
+              }),
+              HasSubstr("got 1 inputs; the program has 2 microbatches"));
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                (void)one.run({x, x}, [](const at::Tensor& out, int) { return out * 2; });
+              }),
+              HasSubstr("is not a scalar but [2, 3]"));
+  // The executor stays usable after a failed step.
+  const auto result = one.run({x, x}, [](const at::Tensor& out, int) { return out.sum(); });
+  ASSERT_EQ(result.losses.size(), 2U);
+  EXPECT_DOUBLE_EQ(result.losses[1].item<double>(), 6.0);
+}
+
+}  // namespace
