@@ -8,7 +8,7 @@
 #include <torch/nn/module.h>
 
 #include <d9d/data/sampler.hpp>
-#include <d9d/state/safetensors.hpp>
+#include <d9d/model/hf.hpp>
 #include <d9d/track/jsonl.hpp>
 #include <d9d/track/progress.hpp>
 #include <d9d/track/tensorboard.hpp>
@@ -179,21 +179,7 @@ TrainResult TrainerCore::train() {
       result.export_dir = files::join(cfg.run.output_dir, "model");
       files::create_directories(result.export_dir);
       const auto dtype = cfg.export_model.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
-      state::NamedTensors tensors;
-      for (const auto& item : s.run.model->named_parameters()) {
-        tensors.emplace_back(item.key(), item.value().detach().to(at::kCPU, dtype));
-      }
-      state::save_safetensors(files::join(result.export_dir, "model.safetensors"), tensors,
-                              {{"format", "pt"}});
-      if (!s.run.hf_config_json.empty()) {
-        std::FILE* out = std::fopen(files::join(result.export_dir, "config.json").c_str(), "w");
-        if (out == nullptr) {
-          throw std::runtime_error("d9d::Trainer: cannot write " +
-                                   files::join(result.export_dir, "config.json"));
-        }
-        std::fputs(s.run.hf_config_json.c_str(), out);
-        std::fclose(out);
-      }
+      model::save_hf_checkpoint(*s.run.model, result.export_dir, s.run.hf_config_json, dtype);
     }
     s.context.barrier();
   }
