@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <d9d/core/collectives.hpp>
 #include <d9d/core/device_mesh.hpp>
 
 #include "tests/core/core_test_util.hpp"
@@ -73,6 +74,42 @@ TEST_P(Pipeline_Gloo, InferenceOutputsEqualTheReference) {
       }
       for (const auto& [name, grad] : run.grads) {
         EXPECT_FALSE(grad.defined()) << name << " got a gradient in inference";
+      }
+    }
+  });
+}
+
+// Data parallel 2 x pipeline 2 on 4 ranks: each data-parallel replica pipelines half of the global
+// batch; gradients summed over the replicas equal the single-process step over the whole batch.
+TEST(Pipeline_Gloo_dp2_pp2, GradientsReducedOverReplicasEqualTheReference) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{.pp = 2, .dp_replicate = 2});
+    const auto pp = mesh.group(d9d::MeshDomain::regular, "pp");
+    const auto dp = mesh.group(d9d::MeshDomain::batch, "dp");
+    ASSERT_EQ(pp.size(), 2);
+    ASSERT_EQ(dp.size(), 2);
+    const bool gpu = ctx.device().is_cuda();
+    for (const auto& schedule : {std::string("1F1B"), std::string("ZeroBubbleH1")}) {
+      for (const int m : {2, 4}) {
+        const auto program =
+            schedule == "1F1B" ? d9d::pipeline::build_program<d9d::pipeline::OneFOneB<>>(2, m)
+                               : d9d::pipeline::build_program<d9d::pipeline::ZeroBubbleH1<>>(2, m);
+        // The global batch: 2 m microbatches; replica d takes rows of microbatches [d m, d m + m).
+        const auto all = d9d::testing::step_tokens(2 * m);
+        const int64_t rows = m * d9d::testing::kMicrobatchSize;
+        const d9d::testing::StepData data{
+            .tokens = all.narrow(0, dp.rank() * rows, rows).contiguous(),
+            .total_tokens = static_cast<double>(2 * rows * d9d::testing::kSeq)};
+        auto run = d9d::testing::pipeline_step(program, pp, pp.rank(), false, ctx.device(), data);
+        for (auto& [name, grad] : run.grads) {
+          grad = d9d::all_reduce(dp, grad.to(ctx.device())).cpu();
+        }
+        run.result.losses.clear();  // each replica's losses cover half of the batch
+        const auto reference = d9d::testing::reference_step(2 * m, false, ctx.device());
+        d9d::testing::expect_matches(run, reference, schedule + " dp=2 pp=2 m=" + std::to_string(m),
+                                     gpu ? 1e-4 : 1e-5, gpu ? 1e-6 : 1e-7);
       }
     }
   });

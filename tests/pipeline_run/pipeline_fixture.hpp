@@ -126,9 +126,18 @@ struct PipelineRun {
   std::map<std::string, at::Tensor> grads;  // of this rank's stages
 };
 
+/// The data of one pipelined step: token rows (m * kMicrobatchSize of them) and the token count
+/// the loss is divided by (more than this step's when data-parallel ranks share the batch).
+struct StepData {
+  at::Tensor tokens;
+  double total_tokens = 0;
+};
+
 /// One step of `program` on this rank (group may be invalid when pp == 1); results on the CPU.
+/// Without `data`, step_tokens(m) normalised by its own token count.
 inline PipelineRun pipeline_step(const pipeline::Program& program, const ProcessGroup& group,
-                                 int rank, bool frozen, c10::Device device = at::kCPU) {
+                                 int rank, bool frozen, c10::Device device = at::kCPU,
+                                 const StepData& data = {}) {
   auto stages = build_stages(program, rank, frozen, device);
   std::vector<pipeline::Stage> handles;
   handles.reserve(stages.size());
@@ -141,8 +150,11 @@ inline PipelineRun pipeline_step(const pipeline::Program& program, const Process
     return pipeline::TensorSpec{.sizes = {kMicrobatchSize, kSeq, config.hidden_size},
                                 .dtype = at::kFloat};
   });
-  const auto tokens = step_tokens(program.microbatches).to(device);
-  const double total = static_cast<double>(program.microbatches * kMicrobatchSize * kSeq);
+  const auto tokens =
+      (data.tokens.defined() ? data.tokens : step_tokens(program.microbatches)).to(device);
+  const double total = data.total_tokens > 0
+                           ? data.total_tokens
+                           : static_cast<double>(program.microbatches * kMicrobatchSize * kSeq);
   std::vector<at::Tensor> inputs;
   std::vector<at::Tensor> labels;
   for (int mb = 0; mb < program.microbatches; ++mb) {
