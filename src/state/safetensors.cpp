@@ -1,4 +1,4 @@
-// d9d/state/safetensors.cpp — the safetensors writer and its checking reader.
+// d9d/state/safetensors.cpp — the safetensors writer and its checking, mapping reader.
 #include <algorithm>
 #include <array>
 #include <bit>
@@ -6,16 +6,22 @@
 #include <cstdint>
 #include <cstring>
 #include <fcntl.h>
-#include <set>
+#include <functional>
+#include <limits>
+#include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string_view>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <utility>
 
 #include <ATen/ops/empty.h>
-#include <nlohmann/json.hpp>
+#include <ATen/ops/from_blob.h>
+#include <c10/util/Exception.h>
 
+#include <d9d/state/detail/io.hpp>
 #include <d9d/state/safetensors.hpp>
 
 namespace d9d::state {
@@ -24,9 +30,9 @@ static_assert(std::endian::native == std::endian::little,
               "d9d::state safetensors I/O copies tensor bytes as they are in memory; the format is "
               "little-endian, so a big-endian host needs a byte swap here");
 
-namespace {
+using detail::Json;
 
-using Json = nlohmann::ordered_json;
+namespace {
 
 constexpr std::string_view kMetadataKey = "__metadata__";
 
@@ -34,7 +40,7 @@ struct DtypeName {
   at::ScalarType dtype;
   std::string_view name;
 };
-constexpr std::array<DtypeName, 10> kDtypes = {{
+constexpr std::array<DtypeName, 17> kDtypes = {{
     {at::kDouble, "F64"},
     {at::kFloat, "F32"},
     {at::kHalf, "F16"},
@@ -45,7 +51,16 @@ constexpr std::array<DtypeName, 10> kDtypes = {{
     {at::kChar, "I8"},
     {at::kByte, "U8"},
     {at::kBool, "BOOL"},
+    {at::kFloat8_e4m3fn, "F8_E4M3"},
+    {at::kFloat8_e5m2, "F8_E5M2"},
+    {at::kFloat8_e8m0fnu, "F8_E8M0"},
+    {at::kUInt16, "U16"},
+    {at::kUInt32, "U32"},
+    {at::kUInt64, "U64"},
+    {at::kComplexFloat, "C64"},
 }};
+// Dtypes of the format that pack several elements in a byte; LibTorch has no such element type.
+constexpr std::array<std::string_view, 3> kSubByteDtypes = {"F4", "F6_E2M3", "F6_E3M2"};
 
 std::string supported_names() {
   std::string names;
@@ -70,273 +85,510 @@ std::string no_name(at::ScalarType dtype) {
          " has no safetensors name here (supported: " + supported_names() + ")";
 }
 
-// A file descriptor closed on scope exit.
-class Fd {
+std::string in_quotes(std::string_view name) { return "\"" + detail::printable(name) + "\""; }
+
+// A read-only view of a file, mapped private and copy-on-write (so zero-copy tensors over it may
+// be written to without touching the file). Unmapped on destruction.
+class Mapping {
  public:
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(Fd&&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() { close(); }
-  [[nodiscard]] int get() const { return fd_; }
-  int close() {
-    const int rc = fd_ >= 0 ? ::close(fd_) : 0;
-    fd_ = -1;
-    return rc;
+  Mapping() = default;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  Mapping(Mapping&&) = delete;
+  Mapping& operator=(Mapping&&) = delete;
+  ~Mapping() {
+    if (data_ != nullptr) {
+      ::munmap(data_, size_);
+    }
   }
 
+  // Maps `path`; returns the reason on failure (the object stays empty).
+  std::optional<std::string> map(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      return "cannot open (" + std::string(std::strerror(errno)) + ")";
+    }
+    std::optional<std::string> problem;
+    struct stat info {};
+    if (::fstat(fd, &info) != 0) {
+      problem = "cannot stat (" + std::string(std::strerror(errno)) + ")";
+    } else if (!S_ISREG(info.st_mode)) {
+      problem = "not a regular file";
+    } else if (info.st_size < 8) {
+      problem = "only " + std::to_string(info.st_size) +
+                " bytes, shorter than the 8-byte header length; not a safetensors file";
+    } else {
+      size_ = static_cast<std::size_t>(info.st_size);
+      void* data = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+      if (data == MAP_FAILED) {
+        problem = "cannot map (" + std::string(std::strerror(errno)) + ")";
+        size_ = 0;
+      } else {
+        data_ = data;
+      }
+    }
+    ::close(fd);  // the mapping keeps the file
+    return problem;
+  }
+
+  [[nodiscard]] unsigned char* data() const { return static_cast<unsigned char*>(data_); }
+  [[nodiscard]] std::size_t size() const { return size_; }
+
  private:
-  int fd_;
+  void* data_ = nullptr;
+  std::size_t size_ = 0;
 };
+
+}  // namespace
+
+namespace detail {
+
+// Everything an open file holds; shared by copies of SafetensorsFile and by zero-copy views.
+struct SafetensorsState {
+  std::string path;
+  std::string who;
+  Mapping mapping;
+  std::string owned;  // the image of from_bytes
+  unsigned char* bytes = nullptr;
+  uint64_t size = 0;
+  uint64_t data_offset = 0;
+  std::vector<SafetensorsEntry> entries;  // in data order
+  std::map<std::string, std::size_t, std::less<>> index;
+  std::map<std::string, std::string> metadata;
+  // Pages of a tensor that has been viewed may hold private writes: never dropped.
+  std::mutex mutex;
+  std::vector<bool> viewed;
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw std::runtime_error(who + ": " + path + ": " + what);
+  }
+  [[noreturn]] void fail(std::string_view tensor, const std::string& what) const {
+    fail("tensor " + in_quotes(tensor) + ": " + what);
+  }
+  [[nodiscard]] const SafetensorsEntry& find(std::string_view name) const;
+  [[nodiscard]] at::Tensor copy(std::size_t i);
+  void check_bool(const SafetensorsEntry& entry, const unsigned char* data) const;
+  [[nodiscard]] at::Tensor empty(const SafetensorsEntry& entry) const;
+  void parse_header();
+
+ private:
+  [[nodiscard]] std::map<std::string, std::string> parse_metadata(const Json& value) const;
+  [[nodiscard]] SafetensorsEntry parse_entry(const std::string& name, const Json& value,
+                                             uint64_t data_size) const;
+  void check_layout(uint64_t data_size);
+};
+
+void SafetensorsState::parse_header() {
+  uint64_t length = 0;
+  for (std::size_t i = 0; i < 8; ++i) {
+    length |= static_cast<uint64_t>(bytes[i]) << (8U * i);
+  }
+  if (length > size - 8) {
+    fail("header length " + std::to_string(length) + " runs past the end of the file (" +
+         std::to_string(size) + " bytes); truncated or not a safetensors file");
+  }
+  if (length > kSafetensorsMaxHeaderBytes) {
+    fail("header length " + std::to_string(length) + " is over the limit of " +
+         std::to_string(kSafetensorsMaxHeaderBytes) + " bytes; not a safetensors file");
+  }
+  data_offset = 8 + length;
+  const std::string_view text(reinterpret_cast<const char*>(bytes + 8),
+                              static_cast<std::size_t>(length));
+  Json json;
+  try {
+    // The deepest the format goes: {name: {"shape": [...]}}.
+    json = detail::parse_strict_json(text, 3);
+  } catch (const detail::JsonError& error) {
+    const std::string where = error.top_key().empty() ? "header: "
+                              : error.top_key() == kMetadataKey
+                                  ? "\"__metadata__\": "
+                                  : "tensor " + in_quotes(error.top_key()) + ": ";
+    fail(where + error.what());
+  }
+  if (!json.is_object()) {
+    fail("the JSON header is not an object");
+  }
+  const uint64_t data_size = size - data_offset;
+  for (const auto& [name, value] : json.items()) {
+    if (name == kMetadataKey) {
+      metadata = parse_metadata(value);
+    } else {
+      entries.push_back(parse_entry(name, value, data_size));
+    }
+  }
+  check_layout(data_size);
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    index.emplace(entries[i].name, i);
+  }
+  viewed.assign(entries.size(), false);
+}
+
+std::map<std::string, std::string> SafetensorsState::parse_metadata(const Json& value) const {
+  if (!value.is_object()) {
+    fail("\"__metadata__\" is not an object");
+  }
+  std::map<std::string, std::string> result;
+  for (const auto& [key, item] : value.items()) {
+    if (!item.is_string()) {
+      fail("\"__metadata__\" value of " + in_quotes(key) + " is not a string but " +
+           detail::short_dump(item));
+    }
+    result.emplace(key, item.get<std::string>());
+  }
+  return result;
+}
+
+SafetensorsEntry SafetensorsState::parse_entry(const std::string& name, const Json& value,
+                                               uint64_t data_size) const {
+  if (!value.is_object()) {
+    fail(name, "its header entry is not an object");
+  }
+  for (const char* key : {"dtype", "shape", "data_offsets"}) {
+    if (!value.contains(key)) {
+      fail(name, std::string("its header entry has no \"") + key + "\"");
+    }
+  }
+  SafetensorsEntry entry;
+  entry.name = name;
+  const Json& dtype = value.at("dtype");
+  const std::string dtype_name = dtype.is_string() ? dtype.get<std::string>() : "";
+  const auto known = std::find_if(kDtypes.begin(), kDtypes.end(),
+                                  [&](const DtypeName& d) { return d.name == dtype_name; });
+  if (known == kDtypes.end()) {
+    const bool sub_byte =
+        std::find(kSubByteDtypes.begin(), kSubByteDtypes.end(), dtype_name) != kSubByteDtypes.end();
+    fail(name, (sub_byte ? "dtype " + detail::short_dump(dtype) +
+                               " packs several elements per byte; LibTorch has no such type"
+                         : "unknown dtype " + detail::short_dump(dtype)) +
+                   " (supported: " + supported_names() + ")");
+  }
+  entry.dtype = known->dtype;
+
+  const Json& shape = value.at("shape");
+  if (!shape.is_array()) {
+    fail(name, "\"shape\" " + detail::short_dump(shape) + " is not an array");
+  }
+  // Elements (0 when a dimension is 0) and the product of the non-zero dimensions, which bounds
+  // every stride LibTorch computes: it must fit in int64.
+  uint64_t extent = 1;
+  bool zero = false;
+  entry.shape.reserve(shape.size());
+  for (const Json& dim : shape) {
+    if (!dim.is_number_unsigned() ||
+        dim.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      fail(name, "\"shape\" " + detail::short_dump(shape) +
+                     " has an entry that is not an integer in [0, 2^63)");
+    }
+    const auto size_of_dim = dim.get<uint64_t>();
+    entry.shape.push_back(static_cast<int64_t>(size_of_dim));
+    zero = zero || size_of_dim == 0;
+    if (__builtin_mul_overflow(extent, std::max<uint64_t>(size_of_dim, 1), &extent) ||
+        extent > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      fail(name, "\"shape\" " + detail::short_dump(shape) +
+                     " is too large: the product of its dimensions passes 2^63");
+    }
+  }
+  const uint64_t numel = zero ? 0 : extent;
+  uint64_t bytes = 0;
+  const bool overflow =
+      __builtin_mul_overflow(numel, static_cast<uint64_t>(c10::elementSize(entry.dtype)), &bytes);
+
+  const Json& offsets = value.at("data_offsets");
+  if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+      !offsets[1].is_number_unsigned()) {
+    fail(name, "\"data_offsets\" " + detail::short_dump(offsets) +
+                   " is not [begin, end] of integers >= 0");
+  }
+  entry.begin = offsets[0].get<uint64_t>();
+  entry.end = offsets[1].get<uint64_t>();
+  if (entry.begin > entry.end || entry.end > data_size) {
+    fail(name, "\"data_offsets\" " + offsets.dump() + " are out of range: the data has " +
+                   std::to_string(data_size) + " bytes");
+  }
+  if (overflow || bytes != entry.end - entry.begin) {
+    fail(name, "shape " + detail::short_dump(shape) + " of " + std::string(known->name) +
+                   " needs " + (overflow ? std::string("more than 2^64") : std::to_string(bytes)) +
+                   " bytes, but \"data_offsets\" " + offsets.dump() + " hold " +
+                   std::to_string(entry.end - entry.begin));
+  }
+  return entry;
+}
+
+// Orders the entries by offset and checks that they tile the data exactly, as the format asks.
+void SafetensorsState::check_layout(uint64_t data_size) {
+  std::stable_sort(entries.begin(), entries.end(),
+                   [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
+                     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+                   });
+  uint64_t covered = 0;
+  const SafetensorsEntry* previous = nullptr;
+  for (const auto& entry : entries) {
+    if (entry.begin < covered) {
+      fail(entry.name, "its bytes [" + std::to_string(entry.begin) + ", " +
+                           std::to_string(entry.end) + ") overlap tensor " +
+                           in_quotes(previous->name) + " (ends at " + std::to_string(covered) +
+                           ")");
+    }
+    if (entry.begin > covered) {
+      fail(entry.name, "the data bytes [" + std::to_string(covered) + ", " +
+                           std::to_string(entry.begin) +
+                           ") before it belong to no tensor (the format allows no holes)");
+    }
+    covered = entry.end;
+    previous = &entry;
+  }
+  if (covered != data_size) {
+    fail("the data has " + std::to_string(data_size) + " bytes but the tensors cover only " +
+         std::to_string(covered) + " (the format allows no trailing bytes)");
+  }
+}
+
+const SafetensorsEntry& SafetensorsState::find(std::string_view name) const {
+  const auto found = index.find(name);
+  if (found == index.end()) {
+    std::string names;
+    for (std::size_t i = 0; i < entries.size() && i < 8; ++i) {
+      names += (i == 0 ? "" : ", ") + in_quotes(entries[i].name);
+    }
+    throw std::out_of_range(who + ": " + path + ": no tensor " + in_quotes(name) +
+                            " (the file has " + std::to_string(entries.size()) +
+                            (entries.empty() ? "" : ": ") + names +
+                            (entries.size() > 8 ? ", ..." : "") + ")");
+  }
+  return entries[found->second];
+}
+
+void SafetensorsState::check_bool(const SafetensorsEntry& entry, const unsigned char* data) const {
+  if (entry.dtype == at::kBool &&
+      std::any_of(data, data + entry.nbytes(), [](unsigned char v) { return v > 1; })) {
+    fail(entry.name, "a BOOL byte is neither 0 nor 1");
+  }
+}
+
+at::Tensor SafetensorsState::empty(const SafetensorsEntry& entry) const {
+  try {
+    return at::empty(entry.shape, at::TensorOptions().dtype(entry.dtype));
+  } catch (const c10::Error& error) {  // out of memory, mostly
+    fail(entry.name, std::string("cannot allocate it (") + error.what_without_backtrace() + ")");
+  }
+}
+
+at::Tensor SafetensorsState::copy(std::size_t i) {
+  const SafetensorsEntry& entry = entries[i];
+  at::Tensor tensor = empty(entry);
+  auto* out = static_cast<unsigned char*>(tensor.mutable_data_ptr());
+  const unsigned char* in = bytes + data_offset + entry.begin;
+  const std::size_t total = entry.nbytes();
+  if (total == 0) {
+    return tensor;  // no data: `out` may be null
+  }
+  if (mapping.data() == nullptr) {
+    std::memcpy(out, in, total);  // an in-memory image
+  } else {
+    // Copy in chunks. Before each, when its source pages are all in the page cache, fault the
+    // destination pages in with one call: a fault per page on first write is slower (by a third,
+    // docs/state.md), but when the source must come from disk the faults overlap the reads and
+    // faulting first only delays them. After each chunk, drop the source pages copied so far, so
+    // a large file costs its copy in memory, not the copy plus the mapped file. Only pages wholly
+    // inside this tensor are dropped, and only when it has never been viewed (a view may have
+    // written to them). mincore and madvise are hints here: their errors are ignored.
+    constexpr std::size_t kChunk = std::size_t{64} << 20;
+    const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+    const auto page_up = [page](std::uintptr_t a) { return (a + page - 1) / page * page; };
+    const auto page_down = [page](std::uintptr_t a) { return a / page * page; };
+    const auto address = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+    // NOLINTNEXTLINE(performance-no-int-to-ptr): page addresses inside our own buffers
+    const auto pointer = [](std::uintptr_t a) { return reinterpret_cast<void*>(a); };
+#ifdef MADV_POPULATE_WRITE
+    std::vector<unsigned char> resident;  // one byte per page, of mincore
+#endif
+    std::uintptr_t dropped = page_up(address(in));
+    for (std::size_t done = 0; done < total;) {
+      const std::size_t n = std::min(kChunk, total - done);
+#ifdef MADV_POPULATE_WRITE
+      const std::uintptr_t source = page_down(address(in + done));
+      const std::size_t source_bytes = address(in + done + n) - source;
+      resident.assign((source_bytes + page - 1) / page, 0);
+      const bool cached = ::mincore(pointer(source), source_bytes, resident.data()) == 0 &&
+                          std::all_of(resident.begin(), resident.end(),
+                                      [](unsigned char r) { return (r & 1U) != 0; });
+      const std::uintptr_t first = page_up(address(out + done));
+      const std::uintptr_t last = page_down(address(out + done + n));
+      if (cached && last > first) {
+        (void)::madvise(pointer(first), last - first, MADV_POPULATE_WRITE);
+      }
+#endif
+      std::memcpy(out + done, in + done, n);
+      done += n;
+      const std::uintptr_t upto = page_down(address(in + done));
+      if (upto > dropped) {
+        const std::lock_guard<std::mutex> lock(mutex);
+        if (!viewed[i]) {
+          (void)::madvise(pointer(dropped), upto - dropped, MADV_DONTNEED);
+        }
+        dropped = upto;
+      }
+    }
+  }
+  check_bool(entry, out);
+  return tensor;
+}
+
+}  // namespace detail
+
+// ---- SafetensorsFile ----------------------------------------------------------------------------
+
+SafetensorsFile::SafetensorsFile(std::shared_ptr<detail::SafetensorsState> state)
+    : state_(std::move(state)) {}
+
+SafetensorsFile::SafetensorsFile(const std::string& path)
+    : SafetensorsFile(open_safetensors_as(path, "d9d::state::SafetensorsFile")) {}
+
+SafetensorsFile open_safetensors_as(const std::string& path, std::string_view who) {
+  auto state = std::make_shared<detail::SafetensorsState>();
+  state->path = path;
+  state->who = std::string(who);
+  if (auto problem = state->mapping.map(path)) {
+    state->fail(*problem);
+  }
+  state->bytes = state->mapping.data();
+  state->size = state->mapping.size();
+  state->parse_header();
+  return SafetensorsFile(std::move(state));
+}
+
+SafetensorsFile SafetensorsFile::from_bytes(std::string bytes, std::string name) {
+  auto state = std::make_shared<detail::SafetensorsState>();
+  state->path = std::move(name);
+  state->who = "d9d::state::SafetensorsFile";
+  state->owned = std::move(bytes);
+  state->bytes = reinterpret_cast<unsigned char*>(state->owned.data());
+  state->size = state->owned.size();
+  if (state->size < 8) {
+    state->fail("only " + std::to_string(state->size) +
+                " bytes, shorter than the 8-byte header length; not a safetensors file");
+  }
+  state->parse_header();
+  return SafetensorsFile(std::move(state));
+}
+
+const std::string& SafetensorsFile::path() const { return state_->path; }
+const std::map<std::string, std::string>& SafetensorsFile::metadata() const {
+  return state_->metadata;
+}
+const std::vector<SafetensorsEntry>& SafetensorsFile::entries() const { return state_->entries; }
+uint64_t SafetensorsFile::data_offset() const { return state_->data_offset; }
+uint64_t SafetensorsFile::size() const { return state_->size; }
+
+bool SafetensorsFile::contains(std::string_view name) const {
+  return state_->index.find(name) != state_->index.end();
+}
+
+const SafetensorsEntry& SafetensorsFile::entry(std::string_view name) const {
+  return state_->find(name);
+}
+
+at::Tensor SafetensorsFile::tensor(std::string_view name) const {
+  const SafetensorsEntry& found = state_->find(name);
+  return state_->copy(static_cast<std::size_t>(&found - state_->entries.data()));
+}
+
+at::Tensor SafetensorsFile::view(std::string_view name) const {
+  const SafetensorsEntry& found = state_->find(name);
+  const auto i = static_cast<std::size_t>(&found - state_->entries.data());
+  unsigned char* data = state_->bytes + state_->data_offset + found.begin;
+  const auto element = static_cast<std::uintptr_t>(c10::elementSize(found.dtype));
+  if (found.nbytes() == 0 || reinterpret_cast<std::uintptr_t>(data) % element != 0) {
+    return state_->copy(i);
+  }
+  state_->check_bool(found, data);
+  {
+    const std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->viewed[i] = true;
+  }
+  // The deleter owns a reference to the state, so the mapping lives as long as the tensor.
+  return at::from_blob(
+      data, found.shape, [keep = state_](void* /*data*/) mutable { keep.reset(); },
+      at::TensorOptions().dtype(found.dtype));
+}
+
+NamedTensors SafetensorsFile::tensors() const {
+  NamedTensors result;
+  result.reserve(state_->entries.size());
+  for (std::size_t i = 0; i < state_->entries.size(); ++i) {
+    result.emplace_back(state_->entries[i].name, state_->copy(i));
+  }
+  return result;
+}
 
 // ---- writing ------------------------------------------------------------------------------------
 
-[[noreturn]] void write_failed(const std::string& path, const std::string& what) {
-  const int error = errno;
-  throw std::runtime_error("d9d::state::save_safetensors: " + path + ": " + what + " (" +
-                           std::strerror(error) + ")");
-}
+namespace {
 
-void write_all(int fd, const void* data, std::size_t size, const std::string& path) {
-  const auto* bytes = static_cast<const char*>(data);
-  while (size > 0) {
-    const ssize_t written = ::write(fd, bytes, size);
-    if (written < 0) {
-      if (errno == EINTR) {
-        continue;
-      }
-      write_failed(path, "write failed");
-    }
-    bytes += written;
-    size -= static_cast<std::size_t>(written);
-  }
-}
-
-// ---- reading ------------------------------------------------------------------------------------
-
-// One tensor's entry of the header, checked.
-struct Entry {
-  std::string name;
-  at::ScalarType dtype = at::kFloat;
-  std::vector<int64_t> shape;
-  uint64_t begin = 0;
-  uint64_t end = 0;
+// The checked header and the contiguous CPU data of a file to write.
+struct Plan {
+  std::string prefix;  // the 8-byte length and the padded JSON header
+  std::vector<at::Tensor> data;
 };
 
-// The checked header of an open file.
-struct Header {
-  std::vector<Entry> entries;  // in data order
-  std::map<std::string, std::string> metadata;
-  uint64_t data_start = 0;
-};
-
-class Reader {
- public:
-  Reader(std::string path, std::string who) : path_(std::move(path)), who_(std::move(who)) {}
-
-  [[noreturn]] void fail(const std::string& what) const {
-    throw std::runtime_error(who_ + ": " + path_ + ": " + what);
+Plan plan_file(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata,
+               const std::string& who) {
+  Json header = Json::object();
+  if (!metadata.empty()) {
+    header[std::string(kMetadataKey)] = Json(metadata);
   }
-  [[noreturn]] void fail(const std::string& tensor, const std::string& what) const {
-    fail("tensor \"" + tensor + "\": " + what);
-  }
-
-  [[nodiscard]] const std::string& path() const { return path_; }
-
-  // Reads `size` bytes at `offset`, all of them or an error.
-  void read_at(int fd, void* data, std::size_t size, uint64_t offset) const {
-    auto* bytes = static_cast<char*>(data);
-    while (size > 0) {
-      const ssize_t got = ::pread(fd, bytes, size, static_cast<off_t>(offset));
-      if (got < 0 && errno == EINTR) {
-        continue;
-      }
-      if (got <= 0) {
-        fail(got == 0 ? std::string("unexpected end of file")
-                      : "read failed (" + std::string(std::strerror(errno)) + ")");
-      }
-      bytes += got;
-      offset += static_cast<uint64_t>(got);
-      size -= static_cast<std::size_t>(got);
+  Plan plan;
+  plan.data.reserve(tensors.size());
+  uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    if (name == kMetadataKey) {
+      throw std::invalid_argument(who + "\"__metadata__\" is reserved and cannot name a tensor");
     }
-  }
-
-  [[nodiscard]] Header read_header(int fd) const {
-    struct stat info {};
-    if (::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode)) {
-      fail("not a regular file");
+    if (header.contains(name)) {
+      throw std::invalid_argument(who + "tensor name " + in_quotes(name) + " is given twice");
     }
-    const auto file_size = static_cast<uint64_t>(info.st_size);
-    if (file_size < 8) {
-      fail("only " + std::to_string(file_size) +
-           " bytes, shorter than the 8-byte header length; not a safetensors file");
+    if (!tensor.defined()) {
+      throw std::invalid_argument(who + "tensor " + in_quotes(name) + " is undefined");
     }
-    std::array<unsigned char, 8> length_bytes{};
-    read_at(fd, length_bytes.data(), length_bytes.size(), 0);
-    uint64_t length = 0;
-    for (std::size_t i = 0; i < length_bytes.size(); ++i) {
-      length |= static_cast<uint64_t>(length_bytes[i]) << (8U * i);
+    if (tensor.layout() != at::kStrided) {
+      throw std::invalid_argument(who + "tensor " + in_quotes(name) + " is not strided (layout " +
+                                  c10::str(tensor.layout()) + "); convert it with to_dense()");
     }
-    if (length > file_size - 8) {
-      fail("header length " + std::to_string(length) + " runs past the end of the file (" +
-           std::to_string(file_size) + " bytes); truncated or not a safetensors file");
+    const std::string_view dtype = name_of(tensor.scalar_type());
+    if (dtype.empty()) {
+      throw std::invalid_argument(who + "tensor " + in_quotes(name) + ": " +
+                                  no_name(tensor.scalar_type()));
     }
-    std::string text(static_cast<std::size_t>(length), '\0');
-    read_at(fd, text.data(), text.size(), 8);
-
-    Header header;
-    header.data_start = 8 + length;
-    const Json json = parse(text);
-    const uint64_t data_size = file_size - header.data_start;
-    for (const auto& [name, value] : json.items()) {
-      if (name == kMetadataKey) {
-        header.metadata = parse_metadata(value);
-      } else {
-        header.entries.push_back(parse_entry(name, value, data_size));
-      }
-    }
-    check_layout(header.entries, data_size);
-    return header;
+    // Conjugate and negative views are lazy bits on the tensor: make them real values first.
+    at::Tensor cpu = tensor.resolve_conj().resolve_neg().cpu().contiguous();
+    const auto bytes = static_cast<uint64_t>(cpu.nbytes());
+    header[name] = {{"dtype", std::string(dtype)},
+                    {"shape", cpu.sizes().vec()},
+                    {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+    plan.data.push_back(std::move(cpu));
   }
 
- private:
-  [[nodiscard]] Json parse(const std::string& text) const {
-    // The callback sees every key; a name given twice would otherwise silently keep the last.
-    std::set<std::string> names;
-    std::string duplicate;
-    const Json::parser_callback_t on_event = [&](int depth, Json::parse_event_t event,
-                                                 Json& parsed) {
-      if (event == Json::parse_event_t::key && depth == 1 && duplicate.empty() &&
-          !names.insert(parsed.get<std::string>()).second) {
-        duplicate = parsed.get<std::string>();
-      }
-      return true;
-    };
-    Json json;
-    try {
-      json = Json::parse(text, on_event);
-    } catch (const Json::exception& error) {
-      fail("bad JSON header (" + std::string(error.what()) + ")");
-    }
-    if (!duplicate.empty()) {
-      fail(duplicate, "appears twice in the header");
-    }
-    if (!json.is_object()) {
-      fail("the JSON header is not an object");
-    }
-    return json;
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const Json::type_error& error) {
+    throw std::invalid_argument(who + "a tensor name or metadata string is not valid UTF-8 (" +
+                                error.what() + ")");
   }
-
-  [[nodiscard]] std::map<std::string, std::string> parse_metadata(const Json& value) const {
-    if (!value.is_object()) {
-      fail("\"__metadata__\" is not an object");
-    }
-    std::map<std::string, std::string> metadata;
-    for (const auto& [key, item] : value.items()) {
-      if (!item.is_string()) {
-        fail("\"__metadata__\" value of \"" + key + "\" is not a string");
-      }
-      metadata.emplace(key, item.get<std::string>());
-    }
-    return metadata;
+  text.append((8 - text.size() % 8) % 8, ' ');
+  if (text.size() > kSafetensorsMaxHeaderBytes) {
+    throw std::invalid_argument(who + "the header would take " + std::to_string(text.size()) +
+                                " bytes, over the " + std::to_string(kSafetensorsMaxHeaderBytes) +
+                                " readers accept; split the tensors over several files");
   }
-
-  [[nodiscard]] Entry parse_entry(const std::string& name, const Json& value,
-                                  uint64_t data_size) const {
-    if (!value.is_object()) {
-      fail(name, "its header entry is not an object");
-    }
-    for (const char* key : {"dtype", "shape", "data_offsets"}) {
-      if (!value.contains(key)) {
-        fail(name, std::string("its header entry has no \"") + key + "\"");
-      }
-    }
-    Entry entry;
-    entry.name = name;
-    const Json& dtype = value.at("dtype");
-    const auto known = std::find_if(kDtypes.begin(), kDtypes.end(), [&](const DtypeName& d) {
-      return dtype.is_string() && d.name == dtype.get<std::string>();
-    });
-    if (known == kDtypes.end()) {
-      fail(name, "unknown dtype " + dtype.dump() + " (supported: " + supported_names() + ")");
-    }
-    entry.dtype = known->dtype;
-
-    const Json& shape = value.at("shape");
-    if (!shape.is_array()) {
-      fail(name, "\"shape\" is not an array");
-    }
-    uint64_t numel = 1;
-    bool overflow = false;
-    for (const Json& dim : shape) {
-      if (!dim.is_number_integer() || dim.get<int64_t>() < 0) {
-        fail(name, "\"shape\" " + shape.dump() + " has an entry that is not an integer >= 0");
-      }
-      entry.shape.push_back(dim.get<int64_t>());
-      overflow = overflow || __builtin_mul_overflow(numel, dim.get<uint64_t>(), &numel);
-    }
-    uint64_t bytes = 0;
-    overflow = overflow || __builtin_mul_overflow(
-                               numel, static_cast<uint64_t>(c10::elementSize(entry.dtype)), &bytes);
-
-    const Json& offsets = value.at("data_offsets");
-    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
-        !offsets[1].is_number_unsigned()) {
-      fail(name, "\"data_offsets\" " + offsets.dump() + " is not [begin, end] of integers >= 0");
-    }
-    entry.begin = offsets[0].get<uint64_t>();
-    entry.end = offsets[1].get<uint64_t>();
-    if (entry.begin > entry.end || entry.end > data_size) {
-      fail(name, "\"data_offsets\" " + offsets.dump() + " are out of range: the data has " +
-                     std::to_string(data_size) + " bytes");
-    }
-    if (overflow || bytes != entry.end - entry.begin) {
-      fail(name, "shape " + shape.dump() + " of " + std::string(known->name) + " needs " +
-                     (overflow ? std::string("more than 2^64") : std::to_string(bytes)) +
-                     " bytes, but \"data_offsets\" " + offsets.dump() + " hold " +
-                     std::to_string(entry.end - entry.begin));
-    }
-    return entry;
+  plan.prefix.reserve(8 + text.size());
+  for (std::size_t i = 0; i < 8; ++i) {
+    plan.prefix.push_back(
+        static_cast<char>((static_cast<uint64_t>(text.size()) >> (8U * i)) & 0xFFU));
   }
-
-  // Orders the entries by offset and checks that they tile the data exactly, as the format asks.
-  void check_layout(std::vector<Entry>& entries, uint64_t data_size) const {
-    std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
-      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-    });
-    uint64_t covered = 0;
-    const Entry* previous = nullptr;
-    for (const auto& entry : entries) {
-      if (entry.begin < covered) {
-        fail(entry.name, "its bytes [" + std::to_string(entry.begin) + ", " +
-                             std::to_string(entry.end) + ") overlap tensor \"" + previous->name +
-                             "\" (ends at " + std::to_string(covered) + ")");
-      }
-      if (entry.begin > covered) {
-        fail(entry.name, "the data bytes [" + std::to_string(covered) + ", " +
-                             std::to_string(entry.begin) +
-                             ") before it belong to no tensor (the format allows no holes)");
-      }
-      covered = entry.end;
-      previous = &entry;
-    }
-    if (covered != data_size) {
-      fail("the data has " + std::to_string(data_size) + " bytes but the tensors cover only " +
-           std::to_string(covered) + " (the format allows no trailing bytes)");
-    }
-  }
-
-  std::string path_;
-  std::string who_;
-};
-
-Fd open_for_reading(const Reader& reader) {
-  Fd fd(::open(reader.path().c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) {
-    reader.fail("cannot open (" + std::string(std::strerror(errno)) + ")");
-  }
-  return fd;
+  plan.prefix += text;
+  return plan;
 }
 
 }  // namespace
@@ -351,107 +603,35 @@ std::string safetensors_dtype_name(at::ScalarType dtype) {
 
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata) {
-  const std::string who = "d9d::state::save_safetensors: " + path + ": ";
-  Json header = Json::object();
-  if (!metadata.empty()) {
-    header[std::string(kMetadataKey)] = Json(metadata);
+  const Plan plan = plan_file(tensors, metadata, "d9d::state::save_safetensors: " + path + ": ");
+  detail::AtomicFile file(path, "d9d::state::save_safetensors");
+  file.write(plan.prefix.data(), plan.prefix.size());
+  for (const auto& tensor : plan.data) {
+    if (tensor.nbytes() > 0) {
+      file.write(tensor.const_data_ptr(), tensor.nbytes());
+    }
   }
-  std::vector<at::Tensor> data;
-  data.reserve(tensors.size());
-  uint64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
-    if (name == kMetadataKey) {
-      throw std::invalid_argument(who + "\"__metadata__\" is reserved and cannot name a tensor");
-    }
-    if (header.contains(name)) {
-      throw std::invalid_argument(who + "tensor name \"" + name + "\" is given twice");
-    }
-    if (!tensor.defined()) {
-      throw std::invalid_argument(who + "tensor \"" + name + "\" is undefined");
-    }
-    const std::string_view dtype = name_of(tensor.scalar_type());
-    if (dtype.empty()) {
-      throw std::invalid_argument(who + "tensor \"" + name +
-                                  "\": " + no_name(tensor.scalar_type()));
-    }
-    at::Tensor cpu = tensor.cpu().contiguous();
-    const auto bytes = static_cast<uint64_t>(cpu.nbytes());
-    header[name] = {{"dtype", std::string(dtype)},
-                    {"shape", cpu.sizes().vec()},
-                    {"data_offsets", {offset, offset + bytes}}};
-    offset += bytes;
-    data.push_back(std::move(cpu));
-  }
+  file.commit();
+}
 
-  std::string text;
-  try {
-    text = header.dump();
-  } catch (const Json::type_error& error) {
-    throw std::invalid_argument(who + "a tensor name or metadata string is not valid UTF-8 (" +
-                                error.what() + ")");
-  }
-  text.append((8 - text.size() % 8) % 8, ' ');
-  std::array<unsigned char, 8> length{};
-  for (std::size_t i = 0; i < length.size(); ++i) {
-    length[i] = static_cast<unsigned char>(static_cast<uint64_t>(text.size()) >> (8U * i));
-  }
-
-  const std::string tmp = path + ".tmp";
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.get() < 0) {
-    write_failed(tmp, "cannot create");
-  }
-  try {
-    write_all(fd.get(), length.data(), length.size(), tmp);
-    write_all(fd.get(), text.data(), text.size(), tmp);
-    for (const auto& tensor : data) {
-      if (tensor.nbytes() > 0) {
-        write_all(fd.get(), tensor.const_data_ptr(), tensor.nbytes(), tmp);
-      }
+std::string serialize_safetensors(const NamedTensors& tensors,
+                                  const std::map<std::string, std::string>& metadata) {
+  const Plan plan = plan_file(tensors, metadata, "d9d::state::serialize_safetensors: ");
+  std::string bytes = plan.prefix;
+  for (const auto& tensor : plan.data) {
+    if (tensor.nbytes() > 0) {
+      bytes.append(static_cast<const char*>(tensor.const_data_ptr()), tensor.nbytes());
     }
-    if (::fsync(fd.get()) != 0) {
-      write_failed(tmp, "fsync failed");
-    }
-    if (fd.close() != 0) {
-      write_failed(tmp, "close failed");
-    }
-    if (::rename(tmp.c_str(), path.c_str()) != 0) {
-      write_failed(tmp, "rename to " + path + " failed");
-    }
-  } catch (...) {
-    fd.close();
-    ::unlink(tmp.c_str());
-    throw;
   }
+  return bytes;
 }
 
 NamedTensors load_safetensors(const std::string& path) {
-  const Reader reader(path, "d9d::state::load_safetensors");
-  const Fd fd = open_for_reading(reader);
-  const Header header = reader.read_header(fd.get());
-  NamedTensors tensors;
-  tensors.reserve(header.entries.size());
-  for (const auto& entry : header.entries) {
-    at::Tensor tensor = at::empty(entry.shape, entry.dtype);
-    const auto bytes = static_cast<std::size_t>(entry.end - entry.begin);
-    if (bytes > 0) {
-      reader.read_at(fd.get(), tensor.mutable_data_ptr(), bytes, header.data_start + entry.begin);
-    }
-    if (entry.dtype == at::kBool) {
-      const auto* values = static_cast<const unsigned char*>(tensor.const_data_ptr());
-      if (std::any_of(values, values + bytes, [](unsigned char v) { return v > 1; })) {
-        reader.fail(entry.name, "a BOOL byte is neither 0 nor 1");
-      }
-    }
-    tensors.emplace_back(entry.name, std::move(tensor));
-  }
-  return tensors;
+  return open_safetensors_as(path, "d9d::state::load_safetensors").tensors();
 }
 
 std::map<std::string, std::string> read_safetensors_metadata(const std::string& path) {
-  const Reader reader(path, "d9d::state::read_safetensors_metadata");
-  const Fd fd = open_for_reading(reader);
-  return reader.read_header(fd.get()).metadata;
+  return open_safetensors_as(path, "d9d::state::read_safetensors_metadata").metadata();
 }
 
 }  // namespace d9d::state

@@ -1,13 +1,14 @@
-// Tests of d9d/state/safetensors.hpp: round trips of every dtype, the byte layout, malformed files
-// and their errors, and the Python `safetensors` package as an independent reader and writer.
+// Tests of d9d/state/safetensors.hpp: round trips of every dtype, the byte layout, the mapped
+// reader (entries, copies, zero-copy views), malformed files and their errors, and the Python
+// `safetensors` package as an independent reader and writer.
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <fstream>
-#include <iterator>
+#include <fcntl.h>
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <utility>
 #include <vector>
 
@@ -18,69 +19,28 @@
 
 #include <d9d/state/safetensors.hpp>
 
+#include "tests/state/state_test_support.hpp"
 #include "tests/support/error_of.hpp"
 
 namespace {
 
 using d9d::testing::error_of;
+using d9d::testing::state::expect_python_saw;
+using d9d::testing::state::expect_same;
+using d9d::testing::state::file_exists;
+using d9d::testing::state::read_file;
+using d9d::testing::state::reference_tensors;
+using d9d::testing::state::run_check;
+using d9d::testing::state::scratch_dir;
+using d9d::testing::state::strided_copy;
+using d9d::testing::state::write_file;
 
 using d9d::state::load_safetensors;
 using d9d::state::NamedTensors;
 using d9d::state::read_safetensors_metadata;
+using d9d::state::SafetensorsFile;
 using d9d::state::save_safetensors;
 using ::testing::HasSubstr;
-
-std::string scratch_dir() {
-  const char* base = std::getenv("TEST_TMPDIR");
-  std::string pattern = std::string(base != nullptr ? base : "/tmp") + "/d9d_state_XXXXXX";
-  if (::mkdtemp(pattern.data()) == nullptr) {
-    throw std::runtime_error("mkdtemp failed under " + pattern);
-  }
-  return pattern;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void write_file(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
-
-bool file_exists(const std::string& path) { return std::ifstream(path).good(); }
-
-// One tensor of every supported dtype, plus a scalar and an empty tensor; the same values as
-// reference() in safetensors_check.py.
-NamedTensors reference_tensors(bool with_bf16 = true) {
-  NamedTensors t;
-  t.emplace_back("f32", at::arange(6, at::kFloat).reshape({2, 3}) - 2.5);
-  t.emplace_back("f64", at::arange(4, at::kDouble) * 0.125);
-  t.emplace_back("f16", (at::arange(6, at::kFloat) * 0.25).to(at::kHalf).reshape({3, 2}));
-  if (with_bf16) {
-    t.emplace_back("bf16", at::tensor({1.0F, -2.0F, 0.5F, 3.0F}).to(at::kBFloat16).reshape({2, 2}));
-  }
-  t.emplace_back("i64", at::tensor({int64_t{-3}, int64_t{1} << 40, int64_t{7}}, at::kLong));
-  t.emplace_back("i32", at::tensor({-1, 2, 3, -4}, at::kInt).reshape({2, 2}));
-  t.emplace_back("i16", at::tensor({-300, 300}, at::kShort));
-  t.emplace_back("i8", at::tensor({-128, 127, 0}, at::kChar));
-  t.emplace_back("u8", at::tensor({0, 255, 17}, at::kByte));
-  t.emplace_back("bool", at::tensor({1, 0, 1}, at::kByte).to(at::kBool));
-  t.emplace_back("scalar", at::scalar_tensor(42.0, at::kFloat));
-  t.emplace_back("empty", at::zeros({0, 3}, at::kFloat));
-  return t;
-}
-
-// The same values, laid out with every other element skipped (not contiguous).
-at::Tensor strided_copy(const at::Tensor& t) { return at::stack({t, t}, -1).select(-1, 0); }
-
-void expect_same(const at::Tensor& got, const at::Tensor& want, const std::string& name) {
-  EXPECT_EQ(got.scalar_type(), want.scalar_type()) << name;
-  EXPECT_EQ(got.sizes(), want.sizes()) << name;
-  EXPECT_TRUE(got.is_contiguous()) << name;
-  EXPECT_TRUE(at::equal(got, want)) << name << ": got " << got << " want " << want;
-}
 
 // ------------------------------------------------------------------------------------------------
 // Round trips and layout
@@ -100,7 +60,35 @@ TEST(State_Safetensors_AllDtypes, RoundTripKeepsNamesOrderDtypesShapesValues) {
   EXPECT_FALSE(file_exists(path + ".tmp"));
 }
 
-TEST(State_Safetensors_NonContiguous, StridedAndTransposedInputsAreWrittenByValue) {
+TEST(State_Safetensors_AllDtypes, NamesOfTheFormat) {
+  const std::vector<std::pair<at::ScalarType, std::string>> names = {
+      {at::kDouble, "F64"},
+      {at::kFloat, "F32"},
+      {at::kHalf, "F16"},
+      {at::kBFloat16, "BF16"},
+      {at::kLong, "I64"},
+      {at::kInt, "I32"},
+      {at::kShort, "I16"},
+      {at::kChar, "I8"},
+      {at::kByte, "U8"},
+      {at::kBool, "BOOL"},
+      {at::kFloat8_e4m3fn, "F8_E4M3"},
+      {at::kFloat8_e5m2, "F8_E5M2"},
+      {at::kFloat8_e8m0fnu, "F8_E8M0"},
+      {at::kUInt16, "U16"},
+      {at::kUInt32, "U32"},
+      {at::kUInt64, "U64"},
+      {at::kComplexFloat, "C64"},
+  };
+  for (const auto& [dtype, name] : names) {
+    EXPECT_EQ(d9d::state::safetensors_dtype_name(dtype), name);
+  }
+  EXPECT_THAT(error_of<std::invalid_argument>(
+                  [] { (void)d9d::state::safetensors_dtype_name(at::kComplexDouble); }),
+              HasSubstr("dtype ComplexDouble has no safetensors name here (supported: F64 F32"));
+}
+
+TEST(State_Safetensors_NonContiguous, StridedTransposedAndConjugatedInputsAreWrittenByValue) {
   const std::string path = scratch_dir() + "/strided.safetensors";
   NamedTensors strided;
   for (const auto& [name, tensor] : reference_tensors()) {
@@ -112,23 +100,28 @@ TEST(State_Safetensors_NonContiguous, StridedAndTransposedInputsAreWrittenByValu
   const at::Tensor base = at::arange(12, at::kFloat).reshape({3, 4});
   strided.emplace_back("transposed", base.t());
   strided.emplace_back("expanded", at::arange(3, at::kLong).expand({2, 3}));
+  const at::Tensor complex =
+      at::view_as_complex(at::tensor({1.0F, 2.0F, 3.0F, -4.0F}).view({2, 2}));
+  strided.emplace_back("conj", complex.conj());  // a lazy conjugate bit, not conjugated values
   save_safetensors(path, strided);
   const auto loaded = load_safetensors(path);
   ASSERT_EQ(loaded.size(), strided.size());
-  for (std::size_t i = 0; i < strided.size(); ++i) {
+  for (std::size_t i = 0; i + 1 < strided.size(); ++i) {
     expect_same(loaded[i].second, strided[i].second.contiguous(), strided[i].first);
   }
+  EXPECT_TRUE(at::equal(at::view_as_real(loaded.back().second),
+                        at::tensor({1.0F, -2.0F, 3.0F, 4.0F}).view({2, 2})));
   EXPECT_TRUE(read_safetensors_metadata(path).empty());
 }
 
 TEST(State_Safetensors_Layout, HeaderIsPaddedJsonAndDataFollowsInTheOrderGiven) {
   const std::string path = scratch_dir() + "/layout.safetensors";
-  save_safetensors(path,
-                   {{"z", at::tensor({1.0F, 2.0F})},
-                    {"a", at::tensor({3}, at::kByte)},
-                    {"m", at::tensor({int64_t{4}})}},
-                   {{"note", "hi"}});
+  const NamedTensors tensors = {{"z", at::tensor({1.0F, 2.0F})},
+                                {"a", at::tensor({3}, at::kByte)},
+                                {"m", at::tensor({int64_t{4}})}};
+  save_safetensors(path, tensors, {{"note", "hi"}});
   const std::string bytes = read_file(path);
+  EXPECT_EQ(d9d::state::serialize_safetensors(tensors, {{"note", "hi"}}), bytes);
   uint64_t length = 0;
   for (int i = 0; i < 8; ++i) {
     length |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[static_cast<std::size_t>(i)]))
@@ -155,6 +148,118 @@ TEST(State_Safetensors_Layout, HeaderIsPaddedJsonAndDataFollowsInTheOrderGiven) 
 }
 
 // ------------------------------------------------------------------------------------------------
+// The mapped reader: entries, lazy copies, zero-copy views
+
+TEST(State_SafetensorsFile_Mapped, ListsEntriesAndCopiesOnlyWhatIsAsked) {
+  const std::string path = scratch_dir() + "/lazy.safetensors";
+  save_safetensors(path,
+                   {{"w", at::arange(6, at::kFloat).reshape({2, 3})},
+                    {"flags", at::tensor({1, 0}, at::kByte).to(at::kBool)},
+                    {"b", at::tensor({int64_t{7}})}},
+                   {{"k", "v"}});
+  // Corrupt one BOOL byte: the header stays valid, so only materialising "flags" fails.
+  std::string bytes = read_file(path);
+  bytes[bytes.size() - 9] = '\x05';
+  write_file(path, bytes);
+
+  const SafetensorsFile file(path);
+  EXPECT_EQ(file.path(), path);
+  EXPECT_EQ(file.size(), bytes.size());
+  EXPECT_EQ(file.metadata(), (std::map<std::string, std::string>{{"k", "v"}}));
+  ASSERT_EQ(file.entries().size(), 3U);
+  EXPECT_EQ(file.entries()[1].name, "flags");
+  EXPECT_EQ(file.entries()[1].dtype, at::kBool);
+  EXPECT_EQ(file.entries()[1].shape, (std::vector<int64_t>{2}));
+  EXPECT_EQ(file.entries()[1].begin, 24U);
+  EXPECT_EQ(file.entries()[1].end, 26U);
+  EXPECT_EQ(file.entries()[1].nbytes(), 2U);
+  EXPECT_EQ(file.data_offset() + 34, file.size());
+  EXPECT_TRUE(file.contains("b"));
+  EXPECT_FALSE(file.contains("x"));
+  EXPECT_EQ(file.entry("b").end, 34U);
+
+  expect_same(file.tensor("w"), at::arange(6, at::kFloat).reshape({2, 3}), "w");
+  expect_same(file.tensor("b"), at::tensor({int64_t{7}}), "b");
+  EXPECT_THAT(error_of<std::runtime_error>([&] { (void)file.tensor("flags"); }),
+              HasSubstr("d9d::state::SafetensorsFile: " + path +
+                        ": tensor \"flags\": a BOOL byte is neither 0 nor 1"));
+  EXPECT_THAT(error_of<std::runtime_error>([&] { (void)file.view("flags"); }),
+              HasSubstr("tensor \"flags\": a BOOL byte is neither 0 nor 1"));
+  EXPECT_THAT(error_of<std::out_of_range>([&] { (void)file.tensor("x"); }),
+              HasSubstr(path + ": no tensor \"x\" (the file has 3: \"w\", \"flags\", \"b\")"));
+  EXPECT_THAT(error_of<std::out_of_range>([&] { (void)file.entry("x"); }),
+              HasSubstr("no tensor \"x\""));
+  // Copies are owned: changing one changes nothing else.
+  at::Tensor w = file.tensor("w");
+  w.fill_(-1);
+  expect_same(file.tensor("w"), at::arange(6, at::kFloat).reshape({2, 3}), "w again");
+}
+
+TEST(State_SafetensorsFile_View, SharesTheMappingOutlivesTheFileAndNeverWritesIt) {
+  const std::string path = scratch_dir() + "/view.safetensors";
+  const at::Tensor want = at::arange(1024, at::kFloat).reshape({32, 32});
+  save_safetensors(path, {{"w", want}, {"v", at::arange(5, at::kDouble)}});
+  const std::string before = read_file(path);
+  at::Tensor view;
+  at::Tensor copy;
+  {
+    const SafetensorsFile file(path);
+    view = file.view("w");
+    EXPECT_EQ(view.const_data_ptr(), file.view("w").const_data_ptr()) << "zero-copy";
+    copy = file.tensor("w");
+  }  // the file object is gone; the view keeps the mapping
+  expect_same(view, want, "view");
+  view.mul_(2);  // private copy-on-write pages
+  expect_same(view, want * 2, "written view");
+  expect_same(copy, want, "copy");
+  EXPECT_EQ(read_file(path), before) << "a view must never write to the file";
+  expect_same(SafetensorsFile(path).tensor("w"), want, "reopened");
+}
+
+TEST(State_SafetensorsFile_View, WritesToAViewSurviveLaterCopiesOfOtherTensors) {
+  // Copies drop the pages they read; pages of a viewed tensor must be kept.
+  const std::string path = scratch_dir() + "/view_pages.safetensors";
+  const at::Tensor big = at::arange(1 << 20, at::kFloat);  // 4 MiB: whole pages
+  save_safetensors(path, {{"a", big}, {"b", big + 1}});
+  const SafetensorsFile file(path);
+  at::Tensor view = file.view("a");
+  view.fill_(3);
+  (void)file.tensor("a");  // copies "a" (sees the private writes) and must not drop its pages
+  (void)file.tensor("b");
+  EXPECT_TRUE(at::equal(view, at::full_like(big, 3)));
+  EXPECT_TRUE(at::equal(file.tensor("a"), at::full_like(big, 3)));
+}
+
+TEST(State_SafetensorsFile_View, MisalignedDataFallsBackToACopy) {
+  const std::string path = scratch_dir() + "/misaligned.safetensors";
+  save_safetensors(path, {{"u", at::tensor({1}, at::kByte)}, {"w", at::tensor({1.5F, 2.5F})}});
+  const SafetensorsFile file(path);
+  EXPECT_EQ(file.entry("w").begin, 1U);  // not a multiple of 4
+  const at::Tensor a = file.view("w");
+  const at::Tensor b = file.view("w");
+  EXPECT_NE(a.const_data_ptr(), b.const_data_ptr()) << "two copies";
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(a.const_data_ptr()) % 4, 0U);
+  expect_same(a, at::tensor({1.5F, 2.5F}), "w");
+  expect_same(file.view("u"), at::tensor({1}, at::kByte), "u");
+}
+
+TEST(State_SafetensorsFile_Memory, FromBytesReadsTheSameAsTheFile) {
+  const std::string path = scratch_dir() + "/memory.safetensors";
+  save_safetensors(path, reference_tensors(), {{"a", "b"}});
+  const auto file = SafetensorsFile(path);
+  const auto memory = SafetensorsFile::from_bytes(read_file(path), "image");
+  EXPECT_EQ(memory.path(), "image");
+  EXPECT_EQ(memory.metadata(), file.metadata());
+  ASSERT_EQ(memory.entries().size(), file.entries().size());
+  for (const auto& entry : file.entries()) {
+    expect_same(memory.tensor(entry.name), file.tensor(entry.name), entry.name);
+    expect_same(memory.view(entry.name), file.tensor(entry.name), entry.name + " view");
+  }
+  EXPECT_THAT(error_of<std::runtime_error>([] { (void)SafetensorsFile::from_bytes("abc", "x"); }),
+              HasSubstr("d9d::state::SafetensorsFile: x: only 3 bytes"));
+}
+
+// ------------------------------------------------------------------------------------------------
 // Writer errors: checked before the file is touched
 
 TEST(State_Safetensors_WriteErrors, BadInputsLeaveTheOldFile) {
@@ -167,13 +272,17 @@ TEST(State_Safetensors_WriteErrors, BadInputsLeaveTheOldFile) {
               }),
               HasSubstr("keep.safetensors: tensor name \"w\" is given twice"));
   EXPECT_THAT(error_of<std::invalid_argument>([&] {
-                save_safetensors(path, {{"c", at::ones({2}, at::kComplexFloat)}});
+                save_safetensors(path, {{"c", at::ones({2}, at::kComplexDouble)}});
               }),
-              HasSubstr("tensor \"c\": dtype ComplexFloat has no safetensors name"));
+              HasSubstr("tensor \"c\": dtype ComplexDouble has no safetensors name"));
   EXPECT_THAT(error_of<std::invalid_argument>([&] {
-                save_safetensors(path, {{"u", at::ones({2}, at::kUInt32)}});
+                save_safetensors(path, {{"q", at::ones({2}).to(at::kFloat8_e4m3fnuz)}});
               }),
-              HasSubstr("tensor \"u\": dtype UInt32 has no safetensors name"));
+              HasSubstr("tensor \"q\": dtype Float8_e4m3fnuz has no safetensors name"));
+  EXPECT_THAT(error_of<std::invalid_argument>([&] {
+                save_safetensors(path, {{"s", at::ones({2}).to_sparse()}});
+              }),
+              HasSubstr("tensor \"s\" is not strided (layout Sparse)"));
   EXPECT_THAT(error_of<std::invalid_argument>([&] {
                 save_safetensors(path, {{"__metadata__", x}});
               }),
@@ -216,168 +325,175 @@ std::string make_file(const std::string& dir, const std::string& name, std::stri
 
 std::string load_error(const std::string& path) {
   const std::string error = error_of<std::runtime_error>([&] { (void)load_safetensors(path); });
-  EXPECT_THAT(error, HasSubstr(path)) << "the error must name the file";
+  EXPECT_THAT(error, HasSubstr("d9d::state::load_safetensors: " + path + ": "))
+      << "the error must name the reader and the file";
   return error;
+}
+
+std::string entry_json(const std::string& dtype, const std::string& shape,
+                       const std::string& offsets) {
+  return R"({"dtype":")" + dtype + R"(","shape":)" + shape + R"(,"data_offsets":)" + offsets + "}";
 }
 
 TEST(State_Safetensors_Malformed, EachProblemHasItsError) {
   const std::string dir = scratch_dir();
-  const std::string f32x2 = R"({"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  const std::string f32x2 = entry_json("F32", "[2]", "[0,8]");
   const std::string eight(8, '\0');
+  const auto one = [&](const std::string& name, const std::string& tensor_entry,
+                       const std::string& data) {
+    return load_error(make_file(dir, name, R"({"w":)" + tensor_entry + "}", data));
+  };
 
   write_file(dir + "/short.safetensors", "abc");
   EXPECT_THAT(load_error(dir + "/short.safetensors"),
               HasSubstr("only 3 bytes, shorter than the 8-byte header length"));
   EXPECT_THAT(load_error(make_file(dir, "past_end", "{}", eight, 1000)),
               HasSubstr("header length 1000 runs past the end of the file (24 bytes)"));
+  EXPECT_THAT(load_error(make_file(dir, "past_end_huge", "{}", eight, INT64_MAX)),
+              HasSubstr("header length 9223372036854775807 runs past the end of the file"));
   EXPECT_THAT(load_error(make_file(dir, "bad_json", R"({"w": {"dtype": )", "")),
-              HasSubstr("bad JSON header"));
+              HasSubstr("header: bad JSON ("));
+  EXPECT_THAT(load_error(make_file(dir, "trailing_json", R"({} {})", "")),
+              HasSubstr("header: bad JSON ("));
   EXPECT_THAT(load_error(make_file(dir, "not_object", "[1, 2]", "")),
               HasSubstr("the JSON header is not an object"));
   EXPECT_THAT(
       load_error(make_file(dir, "duplicate", R"({"w":)" + f32x2 + R"(,"w":)" + f32x2 + "}", eight)),
-      HasSubstr("tensor \"w\": appears twice in the header"));
+      HasSubstr(": tensor \"w\": appears twice in the JSON object"));
+  EXPECT_THAT(one("duplicate_field",
+                  R"({"dtype":"F32","dtype":"F64","shape":[2],"data_offsets":[0,8]})", eight),
+              HasSubstr(": tensor \"w\": key \"dtype\" appears twice in its JSON object"));
   EXPECT_THAT(
-      load_error(make_file(dir, "dtype",
-                           R"({"w":{"dtype":"F8_E4M3","shape":[8],"data_offsets":[0,8]}})", eight)),
-      HasSubstr("tensor \"w\": unknown dtype \"F8_E4M3\" (supported: F64 F32 F16 BF16 I64 I32 I16 "
-                "I8 U8 BOOL)"));
-  EXPECT_THAT(load_error(make_file(dir, "no_shape", R"({"w":{"dtype":"F32","data_offsets":[0,8]}})",
-                                   eight)),
+      load_error(make_file(dir, "duplicate_meta", R"({"__metadata__":{"a":"1","a":"2"}})", "")),
+      HasSubstr(": \"__metadata__\": key \"a\" appears twice"));
+  EXPECT_THAT(one("deep", entry_json("F32", "[[2]]", "[0,8]"), eight),
+              HasSubstr(": tensor \"w\": nested deeper than the 3 levels this format has"));
+  EXPECT_THAT(load_error(make_file(dir, "utf8", "{\"w\xff\":" + f32x2 + "}", eight)),
+              HasSubstr("header: not valid UTF-8: byte 0xff at offset 3, after \"{\"w\""));
+  EXPECT_THAT(load_error(make_file(dir, "surrogate", "{\"w\xed\xa0\x80\":" + f32x2 + "}", eight)),
+              HasSubstr("not valid UTF-8: byte 0xed at offset 3"));
+  EXPECT_THAT(load_error(make_file(dir, "overlong", "{\"w\xc0\xaf\":" + f32x2 + "}", eight)),
+              HasSubstr("not valid UTF-8: byte 0xc0 at offset 3"));
+  EXPECT_THAT(one("dtype", entry_json("F128", "[8]", "[0,8]"), eight),
+              HasSubstr("tensor \"w\": unknown dtype \"F128\" (supported: F64 F32 F16 BF16 I64 I32 "
+                        "I16 I8 U8 BOOL F8_E4M3 F8_E5M2 F8_E8M0 U16 U32 U64 C64)"));
+  EXPECT_THAT(one("dtype_number", R"({"dtype":7,"shape":[8],"data_offsets":[0,8]})", eight),
+              HasSubstr("tensor \"w\": unknown dtype 7 ("));
+  EXPECT_THAT(one("sub_byte", entry_json("F4", "[16]", "[0,8]"), eight),
+              HasSubstr("tensor \"w\": dtype \"F4\" packs several elements per byte; LibTorch has "
+                        "no such type"));
+  EXPECT_THAT(one("no_shape", R"({"dtype":"F32","data_offsets":[0,8]})", eight),
               HasSubstr("tensor \"w\": its header entry has no \"shape\""));
-  EXPECT_THAT(
-      load_error(make_file(dir, "neg_shape",
-                           R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", eight)),
-      HasSubstr("tensor \"w\": \"shape\" [-2] has an entry that is not an integer >= 0"));
-  EXPECT_THAT(
-      load_error(make_file(
-          dir, "huge_shape",
-          R"({"w":{"dtype":"F32","shape":[4611686018427387904,8],"data_offsets":[0,8]}})", eight)),
-      HasSubstr("needs more than 2^64 bytes"));
-  EXPECT_THAT(
-      load_error(make_file(dir, "range",
-                           R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,100]}})", eight)),
-      HasSubstr("tensor \"w\": \"data_offsets\" [0,100] are out of range: the data has 8 bytes"));
-  EXPECT_THAT(
-      load_error(make_file(dir, "neg_offset",
-                           R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}})", eight)),
-      HasSubstr("tensor \"w\": \"data_offsets\" [-8,0] is not [begin, end] of integers >= 0"));
-  EXPECT_THAT(
-      load_error(make_file(dir, "size", R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})",
-                           eight)),
-      HasSubstr(
-          "tensor \"w\": shape [3] of F32 needs 12 bytes, but \"data_offsets\" [0,8] hold 8"));
+  EXPECT_THAT(one("entry_type", "[1]", eight),
+              HasSubstr("tensor \"w\": its header entry is not an object"));
+  EXPECT_THAT(one("shape_type", entry_json("F32", "2", "[0,8]"), eight),
+              HasSubstr("tensor \"w\": \"shape\" 2 is not an array"));
+  EXPECT_THAT(one("neg_shape", entry_json("F32", "[-2]", "[0,8]"), eight),
+              HasSubstr("tensor \"w\": \"shape\" [-2] has an entry that is not an integer in "
+                        "[0, 2^63)"));
+  EXPECT_THAT(one("float_shape", entry_json("F32", "[2.0]", "[0,8]"), eight),
+              HasSubstr("\"shape\" [2.0] has an entry that is not an integer"));
+  EXPECT_THAT(one("big_dim", entry_json("U8", "[9223372036854775808]", "[0,8]"), eight),
+              HasSubstr("has an entry that is not an integer in [0, 2^63)"));
+  EXPECT_THAT(one("huge_shape", entry_json("F32", "[4611686018427387904,8]", "[0,8]"), eight),
+              HasSubstr("\"shape\" [4611686018427387904,8] is too large: the product of its "
+                        "dimensions passes 2^63"));
+  // Zero elements, but LibTorch's strides would overflow: refused too.
+  EXPECT_THAT(one("zero_huge", entry_json("U8", "[0,4294967296,4294967296]", "[0,0]"), ""),
+              HasSubstr("is too large: the product of its dimensions passes 2^63"));
+  EXPECT_THAT(one("bytes_overflow", entry_json("F64", "[2305843009213693952,2]", "[0,8]"), eight),
+              HasSubstr("needs more than 2^64 bytes"));
+  EXPECT_THAT(one("range", entry_json("F32", "[2]", "[0,100]"), eight),
+              HasSubstr("tensor \"w\": \"data_offsets\" [0,100] are out of range: the data has 8 "
+                        "bytes"));
+  EXPECT_THAT(one("reversed", entry_json("F32", "[2]", "[8,0]"), eight),
+              HasSubstr("tensor \"w\": \"data_offsets\" [8,0] are out of range"));
+  EXPECT_THAT(one("neg_offset", entry_json("F32", "[2]", "[-8,0]"), eight),
+              HasSubstr("tensor \"w\": \"data_offsets\" [-8,0] is not [begin, end] of integers "
+                        ">= 0"));
+  EXPECT_THAT(one("three_offsets", entry_json("F32", "[2]", "[0,4,8]"), eight),
+              HasSubstr("\"data_offsets\" [0,4,8] is not [begin, end]"));
+  EXPECT_THAT(one("size", entry_json("F32", "[3]", "[0,8]"), eight),
+              HasSubstr("tensor \"w\": shape [3] of F32 needs 12 bytes, but \"data_offsets\" "
+                        "[0,8] hold 8"));
   EXPECT_THAT(load_error(make_file(dir, "overlap",
-                                   R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-                                   R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                                   R"({"a":)" + entry_json("F32", "[2]", "[0,8]") + R"(,"b":)" +
+                                       entry_json("F32", "[2]", "[4,12]") + "}",
                                    std::string(12, '\0'))),
               HasSubstr("tensor \"b\": its bytes [4, 12) overlap tensor \"a\" (ends at 8)"));
   EXPECT_THAT(load_error(make_file(dir, "hole",
-                                   R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
-                                   R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+                                   R"({"a":)" + entry_json("F32", "[1]", "[0,4]") + R"(,"b":)" +
+                                       entry_json("F32", "[1]", "[8,12]") + "}",
                                    std::string(12, '\0'))),
               HasSubstr("tensor \"b\": the data bytes [4, 8) before it belong to no tensor"));
   EXPECT_THAT(load_error(make_file(dir, "trailing", R"({"w":)" + f32x2 + "}", eight + "xx")),
               HasSubstr("the data has 10 bytes but the tensors cover only 8"));
-  EXPECT_THAT(load_error(make_file(dir, "bool",
-                                   R"({"w":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})",
-                                   std::string("\x01\x02", 2))),
+  EXPECT_THAT(one("bool", entry_json("BOOL", "[2]", "[0,2]"), std::string("\x01\x02", 2)),
               HasSubstr("tensor \"w\": a BOOL byte is neither 0 nor 1"));
   EXPECT_THAT(load_error(make_file(dir, "meta", R"({"__metadata__":{"step":12}})", "")),
-              HasSubstr("\"__metadata__\" value of \"step\" is not a string"));
+              HasSubstr("\"__metadata__\" value of \"step\" is not a string but 12"));
+  EXPECT_THAT(load_error(make_file(dir, "meta_type", R"({"__metadata__":["a"]})", "")),
+              HasSubstr("\"__metadata__\" is not an object"));
   EXPECT_THAT(load_error(dir + "/missing.safetensors"),
               HasSubstr("cannot open (No such file or directory)"));
+  EXPECT_THAT(load_error(dir), HasSubstr("not a regular file"));
 
   // The metadata reader checks the whole header too.
-  const std::string bad = make_file(dir, "meta_range",
-                                    R"({"__metadata__":{"a":"b"},)"
-                                    R"("w":{"dtype":"F32","shape":[2],"data_offsets":[0,100]}})",
-                                    eight);
+  const std::string bad = make_file(
+      dir, "meta_range",
+      R"({"__metadata__":{"a":"b"},"w":)" + entry_json("F32", "[2]", "[0,100]") + "}", eight);
   EXPECT_THAT(error_of<std::runtime_error>([&] { (void)read_safetensors_metadata(bad); }),
               HasSubstr("d9d::state::read_safetensors_metadata: " + bad + ": tensor \"w\""));
-  // An empty file of tensors is valid.
+  // Names are printed safely: control bytes are escaped.
+  EXPECT_THAT(load_error(make_file(dir, "escaped",
+                                   R"({"a\nb":)" + entry_json("F9", "[2]", "[0,8]") + "}", eight)),
+              HasSubstr("tensor \"a\\x0ab\": unknown dtype"));
+  // An empty file of tensors is valid, as are zero-size tensors anywhere.
   EXPECT_TRUE(load_safetensors(make_file(dir, "no_tensors", "{}", "")).empty());
+  EXPECT_EQ(
+      load_safetensors(make_file(dir, "zero_sizes",
+                                 R"({"e":)" + entry_json("F32", "[0,4]", "[8,8]") + R"(,"w":)" +
+                                     f32x2 + R"(,"s":)" + entry_json("U8", "[0]", "[0,0]") + "}",
+                                 eight))
+          .size(),
+      3U);
+}
+
+TEST(State_Safetensors_Malformed, HeaderLengthOverTheLimitIsRefusedBeforeReadingIt) {
+  // A sparse file: a header length of 100,000,001 inside a file that long, of zeros.
+  const std::string path = scratch_dir() + "/huge_header.safetensors";
+  const uint64_t length = d9d::state::kSafetensorsMaxHeaderBytes + 1;
+  std::string bytes;
+  for (int i = 0; i < 8; ++i) {
+    bytes.push_back(static_cast<char>((length >> (8U * static_cast<unsigned>(i))) & 0xFFU));
+  }
+  write_file(path, bytes);
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(8 + length)), 0);
+  EXPECT_THAT(load_error(path),
+              HasSubstr("header length 100000001 is over the limit of 100000000 bytes"));
 }
 
 // ------------------------------------------------------------------------------------------------
 // The Python `safetensors` package as an independent reader and writer
 
-struct PythonRun {
-  int status = -1;
-  std::string out;
-  std::string err;
-};
-
-// Runs tests/state/safetensors_check.py with D9D_PYTHON; fails the test when that is not set.
-PythonRun run_check(const std::string& mode, const std::string& file) {
-  const char* python = std::getenv("D9D_PYTHON");
-  const char* script = std::getenv("D9D_SAFETENSORS_CHECK");
-  if (python == nullptr || *python == '\0') {
-    ADD_FAILURE() << "D9D_PYTHON is not set: this test needs a Python with the safetensors and "
-                     "numpy packages. Run `source ~/.cache/d9d/env` and pass "
-                     "--test_env=D9D_PYTHON=$D9D_PYTHON to bazel (tools/test does)";
-    return {};
-  }
-  if (script == nullptr) {
-    ADD_FAILURE() << "D9D_SAFETENSORS_CHECK is not set; run this test through Bazel";
-    return {};
-  }
-  const std::string out = file + ".out";
-  const std::string err = file + ".err";
-  PythonRun run;
-  run.status = std::system(("'" + std::string(python) + "' '" + script + "' " + mode + " '" + file +
-                            "' >'" + out + "' 2>'" + err + "'")
-                               .c_str());
-  run.out = read_file(out);
-  run.err = read_file(err);
-  return run;
-}
-
-// Checks what safetensors_check.py read against `want`.
-void expect_python_saw(const std::string& json_text, const NamedTensors& want) {
-  const auto json = nlohmann::json::parse(json_text);
-  const auto& tensors = json.at("tensors");
-  ASSERT_EQ(tensors.size(), want.size()) << json_text;
-  for (const auto& [name, tensor] : want) {
-    SCOPED_TRACE(name);
-    ASSERT_TRUE(tensors.contains(name));
-    const auto& seen = tensors.at(name);
-    EXPECT_EQ(seen.at("dtype"), d9d::state::safetensors_dtype_name(tensor.scalar_type()));
-    EXPECT_EQ(seen.at("shape").get<std::vector<int64_t>>(), tensor.sizes().vec());
-    const at::Tensor flat = tensor.to(at::kDouble).contiguous().view(-1);
-    const auto& values = seen.at("values");
-    ASSERT_EQ(static_cast<int64_t>(values.size()), flat.numel());
-    for (int64_t i = 0; i < flat.numel(); ++i) {
-      const auto& v = values[static_cast<std::size_t>(i)];
-      const double got = v.is_boolean() ? (v.get<bool>() ? 1.0 : 0.0) : v.get<double>();
-      EXPECT_EQ(got, flat[i].item<double>()) << "element " << i;
-    }
-  }
-}
-
-TEST(State_Safetensors_Python, LoadFileReadsWhatWeWrite) {
-  // No BF16 here, so the script reads with safetensors.numpy.load_file.
+TEST(State_Safetensors_Python, PackageReadsWhatWeWrite) {
   const std::string path = scratch_dir() + "/ours.safetensors";
   NamedTensors tensors;
-  for (const auto& [name, tensor] : reference_tensors(/*with_bf16=*/false)) {
+  for (const auto& [name, tensor] : reference_tensors()) {
     tensors.emplace_back(name, strided_copy(tensor));
   }
   save_safetensors(path, tensors, {{"step", "7"}});
   const auto run = run_check("read", path);
   ASSERT_EQ(run.status, 0) << run.err;
-  expect_python_saw(run.out, tensors);
-  EXPECT_EQ(nlohmann::json::parse(run.out).at("metadata"), nlohmann::json({{"step", "7"}}));
-}
-
-TEST(State_Safetensors_Python, Bf16BitsReadBackThroughDeserialize) {
-  // numpy has no bfloat16: the script takes the raw bytes from safetensors.deserialize.
-  const std::string path = scratch_dir() + "/bf16.safetensors";
-  const NamedTensors tensors = reference_tensors(/*with_bf16=*/true);
-  save_safetensors(path, tensors);
-  const auto run = run_check("read", path);
-  ASSERT_EQ(run.status, 0) << run.err;
-  expect_python_saw(run.out, tensors);
-  EXPECT_EQ(nlohmann::json::parse(run.out).at("tensors").at("bf16").at("values"),
+  const auto json = nlohmann::json::parse(run.out);
+  expect_python_saw(json.at("tensors"), tensors);
+  EXPECT_EQ(json.at("metadata"), nlohmann::json({{"step", "7"}}));
+  std::vector<std::string> order;
+  for (const auto& [name, tensor] : tensors) {
+    order.push_back(name);
+  }
+  EXPECT_EQ(json.at("order").get<std::vector<std::string>>(), order);
+  EXPECT_EQ(json.at("tensors").at("bf16").at("values"),
             nlohmann::json::array({1.0, -2.0, 0.5, 3.0}));
 }
 
