@@ -11,6 +11,13 @@
 //   measured bubble = 1 - mean over ranks of (busy time / step time)
 // and printed next to the bubble the schedule's program has under the measured F, I and W costs
 // and under equal costs. Results also go to --json.
+//
+// Stages start with the values of the whole model built after the same seed (d9d::model::
+// init_qwen3_parameters initialises by name). With --check every rank then builds that whole model,
+// runs the same microbatches through it without a pipeline (one device, the same precision) and
+// compares its stages' gradients and the step's loss with it: the relative error
+// |g - g_ref| / |g_ref| per parameter, its maximum over all ranks is printed, and the run fails
+// when it exceeds --check-tolerance.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -36,6 +43,7 @@
 #include <d9d/pipeline/executor.hpp>
 #include <d9d/pipeline/schedules.hpp>
 #include <d9d/pipeline/stages.hpp>
+#include <d9d/train/detail/autocast_scope.hpp>
 
 namespace {
 
@@ -144,6 +152,27 @@ class ActionTimer {
   std::vector<Action> actions_;
 };
 
+constexpr uint64_t kModelSeed = 1234;
+
+// The step without a pipeline on this rank: the whole model (same seed, so the same values), every
+// microbatch forward and backward with the same loss weighting. Returns the loss; gradients stay
+// in `model`.
+double reference_step(d9d::model::Qwen3ForCausalLM& model, const std::vector<at::Tensor>& inputs,
+                      const std::vector<at::Tensor>& labels, double tokens, bool bf16,
+                      c10::Device device) {
+  double loss = 0;
+  for (std::size_t mb = 0; mb < inputs.size(); ++mb) {
+    at::Tensor value;
+    {
+      const d9d::detail::AutocastScope autocast(bf16, device.type());
+      value = d9d::model::causal_lm_loss(model->forward(inputs[mb]), labels[mb]).loss_sum / tokens;
+    }
+    value.backward();
+    loss += value.item<double>();
+  }
+  return loss;
+}
+
 void synchronize(c10::Device device) {
   if (device.is_cuda()) {
     const c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
@@ -164,6 +193,8 @@ int main(int argc, char** argv) {
   int steps = 5;
   int warmup = 2;
   bool bf16 = false;
+  bool check = false;
+  double check_tolerance = 0;
   app.add_option("--schedule", schedule, "gpipe, 1f1b, interleaved, zbh1, zbv, dualpipev");
   app.add_option("--preset", preset_name, "model shape: 0.6b or tiny");
   app.add_option("--microbatches", microbatches, "microbatches per step");
@@ -173,6 +204,11 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed steps first");
   app.add_flag("--bf16", bf16, "bf16 autocast in the stages' forward (fp32 weights)");
   app.add_option("--json", json_path, "also write the figures here (rank 0)");
+  app.add_flag("--check", check,
+               "compare gradients and loss with the whole model run without a pipeline");
+  app.add_option("--check-tolerance", check_tolerance,
+                 "largest relative gradient error --check accepts (default 2e-2 with --bf16, "
+                 "1e-4 without)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -187,29 +223,18 @@ int main(int argc, char** argv) {
     const auto ranges = d9d::pipeline::distribute_layers(
         static_cast<int>(config.num_hidden_layers), program.stages(), {.embedding = 1, .head = 2});
 
-    at::manual_seed(1000 + rank);
     std::vector<d9d::model::Qwen3Stage> stages;
     std::vector<d9d::pipeline::Stage> handles;
     for (const int s :
          d9d::pipeline::rank_stages(program.placement, pp, program.stages_per_rank, rank)) {
+      at::manual_seed(kModelSeed);  // each stage holds the whole model's values
       stages.emplace_back(config, s, program.stages(), ranges[static_cast<std::size_t>(s)]);
       stages.back()->to(device);
       handles.push_back(
           {.index = s,
            .forward = [stage = stages.back(), bf16, device](const at::Tensor& x) mutable {
-             if (!bf16) {
-               return stage(x);
-             }
-             const auto type = device.type();
-             const bool was = at::autocast::is_autocast_enabled(type);
-             at::autocast::set_autocast_dtype(type, at::kBFloat16);
-             at::autocast::set_autocast_enabled(type, true);
-             auto out = stage(x);
-             at::autocast::set_autocast_enabled(type, was);
-             if (!was) {
-               at::autocast::clear_cache();
-             }
-             return out;
+             const d9d::detail::AutocastScope autocast(bf16, device.type());
+             return stage(x);
            }});
     }
     d9d::pipeline::Executor executor(program, group, std::move(handles), [&](int) {
@@ -219,11 +244,14 @@ int main(int argc, char** argv) {
     ActionTimer timer(device);
     executor.on_compute([&](const Action& a, bool done) { timer.mark(a, done); });
 
+    // The same tokens on every rank (the first stage reads the inputs, the last the labels).
+    auto token_generator = at::detail::createCPUGenerator(kModelSeed + 1);
     std::vector<at::Tensor> inputs;
     std::vector<at::Tensor> labels;
     for (int mb = 0; mb < microbatches; ++mb) {
-      const auto tokens = at::randint(config.vocab_size, {microbatch_size, seq + 1},
-                                      at::TensorOptions().dtype(at::kLong).device(device));
+      const auto tokens =
+          at::randint(config.vocab_size, {microbatch_size, seq + 1}, token_generator, at::kLong)
+              .to(device);
       inputs.push_back(tokens.narrow(1, 0, seq).contiguous());
       labels.push_back(tokens.narrow(1, 1, seq).contiguous());
     }
@@ -233,6 +261,7 @@ int main(int argc, char** argv) {
              tokens;
     };
 
+    double last_loss = 0;  // this rank's share of the last step's loss (the last stage's rank)
     std::vector<double> step_ms;
     std::vector<double> busy_ms;
     std::map<Op, std::vector<double>> costs;
@@ -244,7 +273,11 @@ int main(int argc, char** argv) {
       synchronize(device);
       group.barrier();
       const auto start = std::chrono::steady_clock::now();
-      (void)executor.run(inputs, loss);
+      const auto result = executor.run(inputs, loss);
+      last_loss = 0;
+      for (const auto& value : result.losses) {
+        last_loss += value.defined() ? value.item<double>() : 0.0;
+      }
       synchronize(device);
       group.barrier();
       const double ms =
@@ -270,13 +303,34 @@ int main(int argc, char** argv) {
       return v.empty() ? 0.0
                        : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
     };
-    // Every rank's busy share and compute costs, gathered on rank 0.
+    // --check: this rank's stages against the whole model run without a pipeline.
+    double worst_error = 0;
+    double reference_loss = 0;
+    if (check) {
+      at::manual_seed(kModelSeed);
+      d9d::model::Qwen3ForCausalLM reference(config);
+      reference->to(device);
+      reference_loss = reference_step(reference, inputs, labels, tokens, bf16, device);
+      const auto want = reference->named_parameters();
+      for (auto& stage : stages) {
+        for (const auto& item : stage->named_parameters()) {
+          const auto& got = item.value().grad();
+          const auto& expected = want[item.key()].grad();
+          const double error =
+              (got - expected).norm().item<double>() / expected.norm().item<double>();
+          worst_error = std::max(worst_error, error);
+        }
+      }
+    }
+    // Every rank's busy share, compute costs and check figures, gathered on rank 0.
     const auto per_rank = d9d::all_gather_cat(
         group, at::tensor({median_step, mean_busy, mean(Op::forward), mean(Op::backward),
-                           mean(Op::backward_input), mean(Op::backward_weight)},
+                           mean(Op::backward_input), mean(Op::backward_weight), worst_error,
+                           last_loss, reference_loss},
                           at::kDouble)
                    .unsqueeze(0)
                    .to(group.device()));
+    bool check_failed = false;
     if (rank == 0) {
       double busy_share = 0;
       double f = 0;
@@ -284,6 +338,9 @@ int main(int argc, char** argv) {
       double i = 0;
       double w = 0;
       double step = 0;
+      double max_error = 0;
+      double pipeline_loss = 0;
+      double whole_loss = 0;
       for (int r = 0; r < pp; ++r) {
         const auto row = per_rank.narrow(0, r, 1).squeeze(0).cpu();
         const auto* v = row.const_data_ptr<double>();
@@ -293,6 +350,9 @@ int main(int argc, char** argv) {
         b += v[3] / pp;
         i += v[4] / pp;
         w += v[5] / pp;
+        max_error = std::max(max_error, v[6]);
+        pipeline_loss += v[7];  // only the last stage's rank holds losses
+        whole_loss = v[8];
       }
       const auto unit = d9d::pipeline::simulate(
           program, {.forward = 1, .backward_input = 1, .backward_weight = 1});
@@ -311,24 +371,39 @@ int main(int argc, char** argv) {
           static_cast<long>(microbatch_size), static_cast<long>(seq), bf16 ? "bf16" : "fp32",
           device.str().c_str(), step, steps, 100 * bubble, f, b, i, w,
           100 * modelled.bubble_fraction(), 100 * unit.bubble_fraction());
+      const double tolerance = check_tolerance > 0 ? check_tolerance : (bf16 ? 2e-2 : 1e-4);
+      if (check) {
+        check_failed = !(max_error <= tolerance);
+        std::printf(
+            "  check against the whole model without a pipeline: loss %.6f vs %.6f, largest "
+            "relative gradient error %.3e (tolerance %.1e): %s\n",
+            pipeline_loss, whole_loss, max_error, tolerance, check_failed ? "FAILED" : "ok");
+      }
       if (!json_path.empty()) {
-        const nlohmann::json out = {{"schedule", schedule},
-                                    {"pp", pp},
-                                    {"microbatches", microbatches},
-                                    {"preset", preset_name},
-                                    {"microbatch_size", microbatch_size},
-                                    {"seq", seq},
-                                    {"bf16", bf16},
-                                    {"step_ms", step},
-                                    {"measured_bubble", bubble},
-                                    {"cost_ms", {{"F", f}, {"B", b}, {"I", i}, {"W", w}}},
-                                    {"program_bubble_measured_costs", modelled.bubble_fraction()},
-                                    {"program_bubble_equal_costs", unit.bubble_fraction()}};
+        nlohmann::json out = {{"schedule", schedule},
+                              {"pp", pp},
+                              {"microbatches", microbatches},
+                              {"preset", preset_name},
+                              {"microbatch_size", microbatch_size},
+                              {"seq", seq},
+                              {"bf16", bf16},
+                              {"step_ms", step},
+                              {"measured_bubble", bubble},
+                              {"cost_ms", {{"F", f}, {"B", b}, {"I", i}, {"W", w}}},
+                              {"program_bubble_measured_costs", modelled.bubble_fraction()},
+                              {"program_bubble_equal_costs", unit.bubble_fraction()}};
+        if (check) {
+          out["check"] = {{"loss", pipeline_loss},
+                          {"reference_loss", whole_loss},
+                          {"max_relative_gradient_error", max_error},
+                          {"tolerance", tolerance},
+                          {"ok", !check_failed}};
+        }
         std::ofstream(json_path) << out.dump(2) << "\n";
       }
     }
     group.barrier();
-    return 0;
+    return check_failed ? 3 : 0;
   } catch (const std::exception& error) {
     std::fprintf(stderr, "pipeline_bench: %s\n", error.what());
     return 1;

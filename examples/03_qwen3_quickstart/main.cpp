@@ -3,10 +3,13 @@
 //   tools/demo                      # tokenizes the repository's docs, trains on CPU, one process
 //   tools/demo --ranks 2            # the same with two data-parallel Gloo ranks (tools/d9drun)
 //   03_qwen3_quickstart quickstart.json --data corpus.bin --output runs/quickstart [--bf16]
+//   tools/d9drun -n 4 03_qwen3_quickstart cfg.json --pipeline zbh1 --pp 2   # dp 2 x pp 2
 //
 // The configuration block below is the plan: the mesh's data-parallel degree comes from the world
 // size (d9d::dynamic), gradients are all-reduced in buckets during backward (Replicate), and the
-// precision is chosen by --bf16 between two compiled plans. Everything else is in the JSON file.
+// precision is chosen by --bf16 between compiled plans. --pipeline picks a plan with a pipeline
+// schedule; its pp degree comes from --pp or the config's "mesh" section (the model needs
+// "tie_word_embeddings": false then). Everything else is in the JSON file.
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -23,6 +26,10 @@ using Mesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>>;  // or d9d::mesh<d9d::d
 using DataParallel = d9d::parallel::Replicate;            // the only one so far
 using Fp32Plan = d9d::Plan<Mesh, DataParallel, d9d::precision::Fp32>;
 using Bf16Plan = d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Mixed>;  // --bf16 (GPU)
+// --pipeline: pp from the config, data parallel over the rest of the world.
+using PipelineMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_replicate<d9d::dynamic>>;
+template <class Schedule, class Precision>
+using PipelinePlan = d9d::Plan<PipelineMesh, DataParallel, Schedule, Precision>;
 // -----------------------------------------------------------------------------------------------
 
 namespace {
@@ -60,6 +67,22 @@ int run(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, doubl
   return 0;
 }
 
+template <class Precision>
+int run_pipelined(const std::string& schedule, const d9d::DistributedContext& ctx,
+                  const d9d::TrainerConfig& cfg, double peak_tflops) {
+  namespace pipe = d9d::pipeline;
+  if (schedule == "gpipe") {
+    return run<PipelinePlan<pipe::GPipe<>, Precision>>(ctx, cfg, peak_tflops);
+  }
+  if (schedule == "1f1b") {
+    return run<PipelinePlan<pipe::OneFOneB<>, Precision>>(ctx, cfg, peak_tflops);
+  }
+  if (schedule == "zbh1") {
+    return run<PipelinePlan<pipe::ZeroBubbleH1<>, Precision>>(ctx, cfg, peak_tflops);
+  }
+  return run<PipelinePlan<pipe::ZeroBubbleV<>, Precision>>(ctx, cfg, peak_tflops);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -70,6 +93,8 @@ int main(int argc, char** argv) {
   int64_t steps = 0;
   bool bf16 = false;
   double peak_tflops = 0;
+  std::string pipeline = "none";
+  int pp = 0;
   app.add_option("config", config_path, "trainer configuration (JSON)")->required();
   app.add_option("--data", data, "token file (u16), replacing data.paths");
   app.add_option("--output", output, "output directory, replacing run.output_dir");
@@ -77,6 +102,9 @@ int main(int argc, char** argv) {
   app.add_flag("--bf16", bf16, "bf16 mixed precision (d9d::precision::Bf16Mixed)");
   app.add_option("--peak-tflops", peak_tflops,
                  "per-device peak for the MFU line (e.g. 989 for H100/H200 bf16)");
+  app.add_option("--pipeline", pipeline, "pipeline schedule: none, gpipe, 1f1b, zbh1 or zbv")
+      ->check(CLI::IsMember({"none", "gpipe", "1f1b", "zbh1", "zbv"}));
+  app.add_option("--pp", pp, "pipeline degree, replacing mesh.pp (with --pipeline)");
   CLI11_PARSE(app, argc, argv);
 
   const auto ctx = d9d::DistributedContext::from_env();
@@ -100,8 +128,15 @@ int main(int argc, char** argv) {
     if (steps > 0) {
       json["run"]["total_steps"] = steps;
     }
+    if (pp > 0) {
+      json["mesh"]["pp"] = pp;
+    }
     const auto cfg = d9d::TrainerConfig::from_json_text(json.dump());
-    return bf16 ? run<Bf16Plan>(ctx, cfg, peak_tflops) : run<Fp32Plan>(ctx, cfg, peak_tflops);
+    if (pipeline == "none") {
+      return bf16 ? run<Bf16Plan>(ctx, cfg, peak_tflops) : run<Fp32Plan>(ctx, cfg, peak_tflops);
+    }
+    return bf16 ? run_pipelined<d9d::precision::Bf16Mixed>(pipeline, ctx, cfg, peak_tflops)
+                : run_pipelined<d9d::precision::Fp32>(pipeline, ctx, cfg, peak_tflops);
   } catch (const d9d::ConfigError& error) {
     ctx.logger().error(error.what());
     return 2;

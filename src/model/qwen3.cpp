@@ -1,7 +1,10 @@
 // d9d/model/qwen3.cpp — the Qwen3 dense model, its config and the causal-LM loss.
+#include <cstdint>
+#include <mutex>
 #include <stdexcept>
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
 
 #include <d9d/model/qwen3.hpp>
@@ -177,23 +180,41 @@ at::Tensor Qwen3ModelImpl::forward(const at::Tensor& input_ids) {
   return norm(h);
 }
 
+uint64_t draw_init_seed() {
+  auto generator = at::detail::getDefaultCPUGenerator();
+  const std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get<at::CPUGeneratorImpl>()->random64();
+}
+
+void init_qwen3_parameters(torch::nn::Module& module, const Qwen3Config& config, uint64_t seed) {
+  const at::NoGradGuard no_grad;
+  for (auto& item : module.named_parameters()) {
+    const auto& name = item.key();
+    auto& param = item.value();
+    if (name.size() >= 11 && name.compare(name.size() - 11, 11, "norm.weight") == 0) {
+      param.fill_(1.0);
+      continue;
+    }
+    // FNV-1a of the name, mixed with the base draw: a stable seed per parameter.
+    uint64_t hash = 14695981039346656037ULL ^ seed;
+    for (const char c : name) {
+      hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ULL;
+    }
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(hash);
+    const auto values = at::empty(param.sizes(), at::TensorOptions().dtype(at::kFloat))
+                            .normal_(0.0, config.initializer_range, generator);
+    param.copy_(values);
+  }
+}
+
 Qwen3ForCausalLMImpl::Qwen3ForCausalLMImpl(Qwen3Config config) : config_(config) {
+  const uint64_t seed = draw_init_seed();
   config_.validate();
   model = register_module("model", Qwen3Model(config_));
   if (!config_.tie_word_embeddings) {
     lm_head = register_module("lm_head", Linear(config_.hidden_size, config_.vocab_size));
   }
-  // Hugging Face's initialisation: normal(0, initializer_range) for linear and embedding weights,
-  // ones for the norms.
-  const at::NoGradGuard no_grad;
-  for (auto& item : named_parameters()) {
-    const auto& name = item.key();
-    if (name.size() >= 11 && name.compare(name.size() - 11, 11, "norm.weight") == 0) {
-      item.value().fill_(1.0);
-    } else {
-      item.value().normal_(0.0, config_.initializer_range);
-    }
-  }
+  init_qwen3_parameters(*this, config_, seed);
 }
 
 at::Tensor Qwen3ForCausalLMImpl::forward(const at::Tensor& input_ids) {

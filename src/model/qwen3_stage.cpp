@@ -16,6 +16,7 @@ Qwen3StageImpl::Qwen3StageImpl(const Qwen3Config& config, int stage, int stages,
       stages_(stages),
       range_(layers),
       rope_(config_.head_dim, config_.rope_theta) {
+  const uint64_t seed = draw_init_seed();
   config_.validate();
   if (stages < 1 || stage < 0 || stage >= stages) {
     throw std::invalid_argument("d9d::model::Qwen3Stage: stage " + std::to_string(stage) +
@@ -52,16 +53,7 @@ Qwen3StageImpl::Qwen3StageImpl(const Qwen3Config& config, int stage, int stages,
   if (is_last() && !config_.tie_word_embeddings) {
     lm_head = register_module("lm_head", Linear(config_.hidden_size, config_.vocab_size));
   }
-  // The initialisation of Qwen3ForCausalLM.
-  const at::NoGradGuard no_grad;
-  for (auto& item : named_parameters()) {
-    const auto& name = item.key();
-    if (name.size() >= 11 && name.compare(name.size() - 11, 11, "norm.weight") == 0) {
-      item.value().fill_(1.0);
-    } else {
-      item.value().normal_(0.0, config_.initializer_range);
-    }
-  }
+  init_qwen3_parameters(*this, config_, seed);  // the values of the whole model's parameters
 }
 
 at::Tensor Qwen3StageImpl::forward(const at::Tensor& input) {

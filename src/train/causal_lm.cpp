@@ -8,15 +8,39 @@
 
 namespace d9d {
 
-model::Qwen3ForCausalLM Qwen3Provider::build(const ModelBuildContext& context) {
+namespace {
+
+model::Qwen3Config read_model_config(const std::string& json) {
   try {
-    config_ = model::Qwen3Config::from_json_text(context.config_json);
+    return model::Qwen3Config::from_json_text(json);
   } catch (const std::invalid_argument& error) {
     throw ConfigError(std::string(error.what()) + " (in the \"model\" section)");
   }
+}
+
+}  // namespace
+
+model::Qwen3ForCausalLM Qwen3Provider::build(const ModelBuildContext& context) {
+  config_ = read_model_config(context.config_json);
   model::Qwen3ForCausalLM model(config_);
   model->to(context.device);
   return model;
+}
+
+model::Qwen3Stage Qwen3Provider::build_stage(const StageBuildContext& context) {
+  config_ = read_model_config(context.config_json);
+  if (context.stages > 1 && config_.tie_word_embeddings) {
+    throw ConfigError(
+        "d9d config: \"model.tie_word_embeddings\" = true needs the embedding on the last "
+        "pipeline stage; with " +
+        std::to_string(context.stages) + " stages set it to false (an untied LM head)");
+  }
+  const auto ranges = pipeline::distribute_layers(static_cast<int>(config_.num_hidden_layers),
+                                                  context.stages, {.embedding = 1, .head = 2});
+  model::Qwen3Stage stage(config_, context.stage, context.stages,
+                          ranges[static_cast<std::size_t>(context.stage)]);
+  stage->to(context.device);
+  return stage;
 }
 
 std::string Qwen3Provider::hf_config_json() const { return config_.to_hf_json("float32"); }
@@ -87,6 +111,16 @@ LossOutput CausalLmTask::compute_loss(model::Qwen3ForCausalLM& model, const Caus
   const auto inputs = tokens.narrow(1, 0, length);
   const auto labels = tokens.narrow(1, 1, length);
   const auto loss = model::causal_lm_loss(model(inputs), labels);
+  return {.loss_sum = loss.loss_sum, .weight = loss.tokens};
+}
+
+at::Tensor CausalLmTask::stage_input(const CausalLmBatch& batch) {
+  return batch.tokens.narrow(1, 0, batch.tokens.size(1) - 1);
+}
+
+LossOutput CausalLmTask::output_loss(const at::Tensor& logits, const CausalLmBatch& batch) {
+  const auto labels = batch.tokens.narrow(1, 1, batch.tokens.size(1) - 1).to(logits.device());
+  const auto loss = model::causal_lm_loss(logits, labels);
   return {.loss_sum = loss.loss_sum, .weight = loss.tokens};
 }
 

@@ -3,51 +3,133 @@
 #include <stdexcept>
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <torch/optim/adamw.h>
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/parallel/replicate.hpp>
+#include <d9d/train/detail/autocast_scope.hpp>
+#include <d9d/train/detail/step_parts.hpp>
 #include <d9d/train/train_step.hpp>
 
 namespace d9d {
 namespace detail {
-namespace {
 
-// Enables bf16 autocast for one device type while alive.
-class AutocastScope {
- public:
-  AutocastScope(bool enabled, c10::DeviceType device) : enabled_(enabled), device_(device) {
-    if (enabled_) {
-      previous_ = at::autocast::is_autocast_enabled(device_);
-      previous_dtype_ = at::autocast::get_autocast_dtype(device_);
-      at::autocast::set_autocast_dtype(device_, at::kBFloat16);
-      at::autocast::set_autocast_enabled(device_, true);
-      at::autocast::increment_nesting();
+std::unique_ptr<torch::optim::Optimizer> make_adamw(const std::vector<at::Tensor>& params,
+                                                    const OptimizerConfig& config) {
+  std::vector<at::Tensor> decay;
+  std::vector<at::Tensor> no_decay;
+  for (const auto& param : params) {
+    (param.dim() >= 2 ? decay : no_decay).push_back(param);
+  }
+  auto adamw =
+      torch::optim::AdamWOptions(config.lr).betas({config.beta1, config.beta2}).eps(config.eps);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  if (!decay.empty()) {
+    groups.emplace_back(decay,
+                        std::make_unique<torch::optim::AdamWOptions>(
+                            torch::optim::AdamWOptions(adamw).weight_decay(config.weight_decay)));
+  }
+  if (!no_decay.empty()) {
+    groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                      torch::optim::AdamWOptions(adamw).weight_decay(0.0)));
+  }
+  return std::make_unique<torch::optim::AdamW>(std::move(groups), adamw);
+}
+
+void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
+  for (auto& group : optimizer.param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  }
+}
+
+void broadcast_parameters(const ProcessGroup& group, const std::vector<at::Tensor>& params) {
+  const at::NoGradGuard no_grad;
+  for (const auto& param : params) {
+    at::Tensor(param).copy_(broadcast(group, param.detach(), 0));
+  }
+}
+
+void accumulate_loss(const LossOutput& out, at::Tensor& loss_sum, at::Tensor& weight_sum,
+                     const char* who) {
+  if (!out.loss_sum.defined() || out.loss_sum.numel() != 1 || !out.weight.defined()) {
+    throw std::invalid_argument(std::string("d9d::TrainStep: the task's ") + who +
+                                " must return a scalar loss_sum and a weight");
+  }
+  const auto loss_value = out.loss_sum.detach().to(at::kDouble).reshape({});
+  const auto weight_value = out.weight.detach().to(loss_value.device(), at::kDouble).sum();
+  loss_sum = loss_sum.defined() ? loss_sum + loss_value : loss_value;
+  weight_sum = weight_sum.defined() ? weight_sum + weight_value : weight_value;
+}
+
+std::pair<double, double> global_totals(const at::Tensor& loss_sum, const at::Tensor& weight_sum,
+                                        const std::vector<const ProcessGroup*>& groups,
+                                        c10::Device device, int64_t step) {
+  const auto zero = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
+  auto totals = at::stack({loss_sum.defined() ? loss_sum.to(device) : zero,
+                           weight_sum.defined() ? weight_sum.to(device) : zero});
+  for (const auto* group : groups) {
+    totals = all_reduce(*group, totals);
+  }
+  totals = totals.cpu();
+  const double total_loss = totals[0].item<double>();
+  const double total_weight = totals[1].item<double>();
+  if (!(total_weight > 0)) {
+    throw std::runtime_error("d9d::TrainStep: step " + std::to_string(step) +
+                             " has a total loss weight of " + std::to_string(total_weight) +
+                             " (no target tokens on any rank?)");
+  }
+  return {total_loss, total_weight};
+}
+
+double normalize_and_clip(const std::vector<at::Tensor>& params, double total_weight,
+                          std::optional<double> max_norm, const ProcessGroup* norm_group) {
+  std::vector<at::Tensor> grads;
+  grads.reserve(params.size());
+  for (const auto& param : params) {
+    if (param.grad().defined()) {
+      grads.push_back(at::Tensor(param).mutable_grad());
     }
   }
-  ~AutocastScope() {
-    if (enabled_) {
-      if (at::autocast::decrement_nesting() == 0) {
-        at::autocast::clear_cache();
-      }
-      at::autocast::set_autocast_enabled(device_, previous_);
-      at::autocast::set_autocast_dtype(device_, previous_dtype_);
+  const at::NoGradGuard no_grad;
+  at::Tensor squares;
+  if (!grads.empty()) {
+    at::_foreach_div_(grads, at::Scalar(total_weight));
+    std::vector<at::Tensor> norms;
+    norms.reserve(grads.size());
+    for (const auto& grad : grads) {
+      norms.push_back(at::linalg_vector_norm(grad, 2, std::nullopt, false, at::kFloat));
     }
+    squares = at::stack(norms).to(at::kDouble).pow(2).sum();
   }
-  AutocastScope(const AutocastScope&) = delete;
-  AutocastScope& operator=(const AutocastScope&) = delete;
-  AutocastScope(AutocastScope&&) = delete;
-  AutocastScope& operator=(AutocastScope&&) = delete;
+  if (norm_group != nullptr) {
+    const auto device = norm_group->device();
+    squares = all_reduce(
+        *norm_group, squares.defined()
+                         ? squares.to(device)
+                         : at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device)));
+  }
+  const double grad_norm = squares.defined() ? std::sqrt(squares.item<double>()) : 0.0;
+  if (!grads.empty() && max_norm && grad_norm > *max_norm) {
+    at::_foreach_mul_(grads, at::Scalar(*max_norm / (grad_norm + 1e-6)));
+  }
+  return grad_norm;
+}
 
- private:
-  bool enabled_;
-  c10::DeviceType device_;
-  bool previous_ = false;
-  at::ScalarType previous_dtype_ = at::kBFloat16;
-};
-
-}  // namespace
+StepResult finish_step(torch::optim::Optimizer& optimizer, const TrainStepOptions& options,
+                       int64_t step, double lr, std::pair<double, double> totals,
+                       double grad_norm) {
+  if (options.events != nullptr) {
+    options.events->emit(events::BeforeOptimizer{.step = step, .grad_norm = grad_norm});
+  }
+  optimizer.step();
+  if (options.events != nullptr) {
+    options.events->emit(events::AfterOptimizer{.step = step, .lr = lr});
+  }
+  return {.loss = totals.first / totals.second,
+          .weight = totals.second,
+          .grad_norm = grad_norm,
+          .lr = lr};
+}
 
 void check_replicate_mesh(const MeshShape& shape) {
   if (shape.pp != 1 || shape.tp != 1 || shape.cp_replicate != 1 || shape.cp_shard != 1 ||
@@ -66,7 +148,7 @@ struct TrainStepCore::Impl {
   ProcessGroup dp;
   std::vector<at::Tensor> parameters;
   std::unique_ptr<parallel::GradientReducer> reducer;
-  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
   optim::PiecewiseSchedule schedule;
   c10::DeviceType device_type = c10::kCPU;
 };
@@ -83,37 +165,16 @@ TrainStepCore::TrainStepCore(const DeviceMesh& mesh, std::shared_ptr<torch::nn::
   s.device_type = mesh.context().device().type();
   s.model->train();
 
-  std::vector<at::Tensor> decay;
-  std::vector<at::Tensor> no_decay;
   for (const auto& param : s.model->parameters()) {
-    if (!param.requires_grad()) {
-      continue;
+    if (param.requires_grad()) {
+      s.parameters.push_back(param);
     }
-    s.parameters.push_back(param);
-    (param.dim() >= 2 ? decay : no_decay).push_back(param);
   }
   // Replicas start from rank 0's parameters, whatever each rank's initialisation did.
-  {
-    const at::NoGradGuard no_grad;
-    for (auto& param : s.parameters) {
-      param.copy_(broadcast(s.dp, param.detach(), 0));
-    }
-  }
+  broadcast_parameters(s.dp, s.parameters);
   s.reducer = std::make_unique<parallel::GradientReducer>(
       s.dp, s.parameters, parallel::GradientReducerOptions{.bucket_bytes = s.options.bucket_bytes});
-
-  const auto& o = s.options.optimizer;
-  auto adamw = torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps);
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  if (!decay.empty()) {
-    groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
-                                   torch::optim::AdamWOptions(adamw).weight_decay(o.weight_decay)));
-  }
-  if (!no_decay.empty()) {
-    groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
-                                      torch::optim::AdamWOptions(adamw).weight_decay(0.0)));
-  }
-  s.optimizer = std::make_unique<torch::optim::AdamW>(std::move(groups), adamw);
+  s.optimizer = make_adamw(s.parameters, s.options.optimizer);
 }
 
 TrainStepCore::~TrainStepCore() = default;
@@ -127,9 +188,7 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
     throw std::invalid_argument("d9d::TrainStep::run: no microbatches");
   }
   const double lr = s.options.optimizer.lr * s.schedule.multiplier(step);
-  for (auto& group : s.optimizer->param_groups()) {
-    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-  }
+  set_learning_rate(*s.optimizer, lr);
   s.optimizer->zero_grad(/*set_to_none=*/true);
 
   // Sums stay on the loss's device (no synchronisation per microbatch).
@@ -144,59 +203,16 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
       const AutocastScope autocast(s.options.bf16_autocast, s.device_type);
       out = s.loss(microbatches[i]);
     }
-    if (!out.loss_sum.defined() || out.loss_sum.numel() != 1 || !out.weight.defined()) {
-      throw std::invalid_argument(
-          "d9d::TrainStep: the task's compute_loss must return a scalar loss_sum and a weight");
-    }
+    accumulate_loss(out, loss_sum, weight_sum, "compute_loss");
     out.loss_sum.backward();
-    const auto loss_value = out.loss_sum.detach().to(at::kDouble).reshape({});
-    const auto weight_value = out.weight.detach().to(loss_value.device(), at::kDouble).sum();
-    loss_sum = loss_sum.defined() ? loss_sum + loss_value : loss_value;
-    weight_sum = weight_sum.defined() ? weight_sum + weight_value : weight_value;
   }
   s.reducer->finish();
 
-  const auto totals = all_reduce(s.dp, at::stack({loss_sum, weight_sum})).cpu();
-  const double total_loss = totals[0].item<double>();
-  const double total_weight = totals[1].item<double>();
-  if (!(total_weight > 0)) {
-    throw std::runtime_error("d9d::TrainStep: step " + std::to_string(step) +
-                             " has a total loss weight of " + std::to_string(total_weight) +
-                             " (no target tokens on any rank?)");
-  }
-
+  const auto totals = global_totals(loss_sum, weight_sum, {&s.dp}, loss_sum.device(), step);
   // Token-mean gradients, their global norm (replicas hold identical gradients), clipping.
-  std::vector<at::Tensor> grads;
-  grads.reserve(s.parameters.size());
-  for (auto& param : s.parameters) {
-    if (param.grad().defined()) {
-      grads.push_back(param.mutable_grad());
-    }
-  }
-  double grad_norm = 0.0;
-  if (!grads.empty()) {
-    const at::NoGradGuard no_grad;
-    at::_foreach_div_(grads, at::Scalar(total_weight));
-    std::vector<at::Tensor> norms;
-    norms.reserve(grads.size());
-    for (const auto& grad : grads) {
-      norms.push_back(at::linalg_vector_norm(grad, 2, std::nullopt, false, at::kFloat));
-    }
-    grad_norm = at::stack(norms).pow(2).sum().sqrt().item<double>();
-    if (s.options.max_grad_norm && grad_norm > *s.options.max_grad_norm) {
-      at::_foreach_mul_(grads, at::Scalar(*s.options.max_grad_norm / (grad_norm + 1e-6)));
-    }
-  }
-
-  if (s.options.events != nullptr) {
-    s.options.events->emit(events::BeforeOptimizer{.step = step, .grad_norm = grad_norm});
-  }
-  s.optimizer->step();
-  if (s.options.events != nullptr) {
-    s.options.events->emit(events::AfterOptimizer{.step = step, .lr = lr});
-  }
-  return {
-      .loss = total_loss / total_weight, .weight = total_weight, .grad_norm = grad_norm, .lr = lr};
+  const double grad_norm =
+      normalize_and_clip(s.parameters, totals.second, s.options.max_grad_norm, nullptr);
+  return finish_step(*s.optimizer, s.options, step, lr, totals, grad_norm);
 }
 
 }  // namespace detail

@@ -27,6 +27,13 @@ std::string format_number(double value, const char* format) {
   return {buffer.data()};
 }
 
+// "2 stage(s) per rank, split backward" etc. for the start-up line.
+std::string describe(const pipeline::Program& program) {
+  return std::to_string(program.stages()) + " stages (" + std::to_string(program.stages_per_rank) +
+         " per rank, " + (program.placement == pipeline::Placement::v ? "V" : "loop") +
+         " placement" + (program.split_backward ? ", split backward" : "") + ")";
+}
+
 }  // namespace
 
 struct TrainerCore::Impl {
@@ -42,6 +49,7 @@ struct TrainerCore::Impl {
   ErasedRun run;
   EventBus events;
   std::unique_ptr<TrainStepCore> step;
+  std::unique_ptr<PipelineStepCore> pipeline_step;  // pipeline plans (instead of step)
   std::optional<data::DistributedSampler> sampler;
   int dp_size = 1;
   int64_t per_rank_batch = 0;
@@ -62,16 +70,21 @@ TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const Devic
                                          .seed = s.config.run.seed});
   (void)s.sampler->steps_per_epoch(
       s.per_rank_batch);  // enough data for one step, else a clear error
-  s.step = std::make_unique<TrainStepCore>(
-      *s.mesh, s.run.model, s.run.loss,
-      TrainStepOptions{.optimizer = s.config.optimizer,
-                       .lr_schedule = s.config.lr_schedule,
-                       .total_steps = s.config.run.total_steps,
-                       .max_grad_norm = s.config.gradient_clipping.max_norm,
-                       .bucket_bytes = static_cast<int64_t>(s.config.data_parallel.bucket_size_mb *
-                                                            1024.0 * 1024.0),
-                       .bf16_autocast = bf16_autocast,
-                       .events = &s.events});
+  TrainStepOptions options{
+      .optimizer = s.config.optimizer,
+      .lr_schedule = s.config.lr_schedule,
+      .total_steps = s.config.run.total_steps,
+      .max_grad_norm = s.config.gradient_clipping.max_norm,
+      .bucket_bytes = static_cast<int64_t>(s.config.data_parallel.bucket_size_mb * 1024.0 * 1024.0),
+      .bf16_autocast = bf16_autocast,
+      .events = &s.events};
+  if (s.run.pipeline) {
+    s.pipeline_step =
+        std::make_unique<PipelineStepCore>(*s.mesh, std::move(*s.run.pipeline), std::move(options));
+    s.run.pipeline.reset();
+  } else {
+    s.step = std::make_unique<TrainStepCore>(*s.mesh, s.run.model, s.run.loss, std::move(options));
+  }
   // Randomness after initialisation differs per rank (dropout and the like).
   torch::manual_seed(s.config.run.seed + 1 + static_cast<uint64_t>(s.context.rank()));
 }
@@ -81,13 +94,21 @@ TrainerCore::~TrainerCore() = default;
 EventBus& TrainerCore::events() { return impl_->events; }
 const DeviceMesh& TrainerCore::mesh() const { return *impl_->mesh; }
 const std::shared_ptr<torch::nn::Module>& TrainerCore::model() const { return impl_->run.model; }
+std::vector<std::shared_ptr<torch::nn::Module>> TrainerCore::modules() const {
+  if (impl_->pipeline_step) {
+    return impl_->pipeline_step->stages();
+  }
+  return {impl_->run.model};
+}
 
 StepResult TrainerCore::step(int64_t step) {
   auto& s = *impl_;
   s.events.emit(events::StepStart{.step = step});
   const auto indices = s.sampler->batch(step, s.per_rank_batch);
   const auto batch = s.run.load(indices);
-  return s.step->run(s.run.split(batch, s.microbatches), step);
+  const auto microbatches = s.run.split(batch, s.microbatches);
+  return s.pipeline_step ? s.pipeline_step->run(microbatches, step)
+                         : s.step->run(microbatches, step);
 }
 
 TrainResult TrainerCore::train() {
@@ -111,11 +132,13 @@ TrainResult TrainerCore::train() {
       result.tensorboard_dir = files::join(cfg.run.output_dir, "tensorboard");
       tensorboard = std::make_unique<track::TensorBoardWriter>(result.tensorboard_dir);
     }
-    s.context.logger().info("training " + std::to_string(cfg.run.total_steps) + " steps on " +
-                            std::to_string(s.context.world_size()) + " rank(s), mesh " +
-                            s.mesh->shape().describe() + ", " + std::to_string(s.microbatches) +
-                            " microbatch(es) of " + std::to_string(cfg.batch.microbatch_size) +
-                            " per rank and step");
+    s.context.logger().info(
+        "training " + std::to_string(cfg.run.total_steps) + " steps on " +
+        std::to_string(s.context.world_size()) + " rank(s), mesh " + s.mesh->shape().describe() +
+        (s.pipeline_step ? ", pipeline of " + describe(s.pipeline_step->program())
+                         : std::string()) +
+        ", " + std::to_string(s.microbatches) + " microbatch(es) of " +
+        std::to_string(cfg.batch.microbatch_size) + " per rank and step");
   }
 
   const int64_t tokens_per_step = cfg.batch.global_batch_size * cfg.batch.sequence_length;

@@ -60,6 +60,36 @@ TEST(Pipeline_Qwen3Stage, StagesComposeToTheWholeModel) {
   EXPECT_TRUE(stages.front()->named_parameters().contains("model.embed_tokens.weight"));
 }
 
+TEST(Pipeline_Qwen3Stage, StagesStartWithTheWholeModelsValues) {
+  // Initialisation by name: after the same seed, each stage holds exactly the whole model's values
+  // (no copy), whatever the split; another seed gives other values.
+  const auto config = d9d::testing::pipeline_config();
+  at::manual_seed(11);
+  const d9d::model::Qwen3ForCausalLM full(config);
+  const auto want = full->named_parameters();
+  for (const int stages : {2, 3, 8}) {
+    const auto ranges = distribute_layers(8, stages, {.embedding = 1, .head = 2});
+    std::size_t seen = 0;
+    for (int s = 0; s < stages; ++s) {
+      at::manual_seed(11);
+      const d9d::model::Qwen3Stage stage(config, s, stages, ranges[static_cast<std::size_t>(s)]);
+      for (const auto& item : stage->named_parameters()) {
+        ASSERT_NE(want.find(item.key()), nullptr) << item.key();
+        EXPECT_TRUE(at::equal(item.value(), want[item.key()])) << stages << " " << item.key();
+        ++seen;
+      }
+    }
+    EXPECT_EQ(seen, want.size()) << stages;
+  }
+  at::manual_seed(12);
+  const d9d::model::Qwen3ForCausalLM other(config);
+  EXPECT_FALSE(at::equal(other->named_parameters()["model.layers.3.mlp.up_proj.weight"],
+                         want["model.layers.3.mlp.up_proj.weight"]));
+  // Different parameters of one model differ (each has its own stream).
+  EXPECT_FALSE(at::equal(want["model.layers.3.mlp.up_proj.weight"],
+                         want["model.layers.3.mlp.gate_proj.weight"]));
+}
+
 TEST(Pipeline_Qwen3Stage, ErrorsNameTheFix) {
   auto config = d9d::testing::pipeline_config();
   config.tie_word_embeddings = true;

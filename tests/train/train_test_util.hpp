@@ -13,10 +13,12 @@
 namespace d9d::testing {
 
 /// A Qwen3 small enough to train in milliseconds (GQA: 4 heads over 2 KV heads, untied head).
-inline std::string tiny_qwen3_json(bool tied = false) {
+inline std::string tiny_qwen3_json(bool tied = false, int layers = 2) {
   return std::string(R"({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": )") +
+    "num_hidden_layers": )") +
+         std::to_string(layers) +
+         R"(, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": )" +
          (tied ? "true" : "false") + "}";
 }
 
@@ -44,10 +46,14 @@ struct RandomWindowsProvider {
   }
 };
 
-/// A run of `steps` steps with logging and export off unless asked for.
+/// A run of `steps` steps with logging and export off unless asked for; `layers` decoder layers
+/// and, when given, a "mesh" section (e.g. {"pp": 2}).
 inline TrainerConfig tiny_run(const std::string& output_dir, int64_t steps, int64_t global_batch,
-                              int64_t microbatch, bool outputs = false) {
+                              int64_t microbatch, bool outputs = false, int layers = 2,
+                              const std::string& mesh_json = "") {
   return TrainerConfig::from_json_text(R"({
+    )" + (mesh_json.empty() ? std::string() : "\"mesh\": " + mesh_json + ",") +
+                                       R"(
     "run": {"output_dir": ")" + output_dir +
                                        R"(", "total_steps": )" + std::to_string(steps) +
                                        R"(, "seed": 5, "log_every": 2},
@@ -64,7 +70,8 @@ inline TrainerConfig tiny_run(const std::string& output_dir, int64_t steps, int6
                                        R"(, "tensorboard": )" + (outputs ? "true" : "false") + R"(},
     "export": {"enabled": )" + (outputs ? "true" : "false") +
                                        R"(},
-    "model": )" + tiny_qwen3_json() + "}");
+    "model": )" + tiny_qwen3_json(false, layers) +
+                                       "}");
 }
 
 }  // namespace d9d::testing

@@ -92,6 +92,17 @@ class Qwen3ForCausalLMImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Qwen3ForCausalLM);
 
+/// One 64-bit draw of the default CPU generator: the seed of init_qwen3_parameters. The model and
+/// stage constructors draw it first, before their submodules draw anything.
+[[nodiscard]] uint64_t draw_init_seed();
+
+/// Hugging Face's initialisation of a Qwen3 module (the whole model or a pipeline stage): ones
+/// for the norm weights, normal(0, initializer_range) for the rest. Each parameter is drawn from
+/// its own generator, seeded from `seed` and the parameter's name, so a stage gets exactly the
+/// values its parameters have in the whole model built after the same torch::manual_seed,
+/// whatever the split.
+void init_qwen3_parameters(torch::nn::Module& module, const Qwen3Config& config, uint64_t seed);
+
 /// Sum of token cross-entropies over labels != ignore_index, and the number of such tokens, so
 /// the loss can be averaged over every token of every microbatch and rank.
 struct CausalLmLoss {

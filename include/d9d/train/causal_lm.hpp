@@ -18,6 +18,7 @@
 #include <boost/hana/define_struct.hpp>
 
 #include <d9d/model/qwen3.hpp>
+#include <d9d/model/qwen3_stage.hpp>
 #include <d9d/train/concepts.hpp>
 
 namespace d9d {
@@ -27,11 +28,15 @@ struct CausalLmBatch {
   BOOST_HANA_DEFINE_STRUCT(CausalLmBatch, (at::Tensor, tokens));
 };
 
-/// Builds Qwen3ForCausalLM from the "model" section.
+/// Builds Qwen3ForCausalLM from the "model" section, or under a pipeline plan one stage of it
+/// (d9d::model::Qwen3Stage; decoder layers spread by d9d::pipeline::distribute_layers with the
+/// embedding and the LM head counted as 1 and 2 layers). Both initialise parameters by name, so a
+/// stage starts with the whole model's values.
 class Qwen3Provider {
  public:
   using model_provider_concept = model_provider_tag;
   model::Qwen3ForCausalLM build(const ModelBuildContext& context);
+  model::Qwen3Stage build_stage(const StageBuildContext& context);
   /// The exported config.json (after build()).
   [[nodiscard]] std::string hf_config_json() const;
   [[nodiscard]] const model::Qwen3Config& config() const { return config_; }
@@ -63,10 +68,14 @@ class TokenFilesProvider {
 };
 
 /// Next-token prediction with the summed loss and the number of target tokens as its weight.
+/// Under a pipeline plan the first stage reads stage_input (tokens[:, :-1]) and the last stage's
+/// logits go to output_loss (against tokens[:, 1:]).
 class CausalLmTask {
  public:
   using train_task_concept = train_task_tag;
   LossOutput compute_loss(model::Qwen3ForCausalLM& model, const CausalLmBatch& batch);
+  at::Tensor stage_input(const CausalLmBatch& batch);
+  LossOutput output_loss(const at::Tensor& logits, const CausalLmBatch& batch);
 };
 
 }  // namespace d9d

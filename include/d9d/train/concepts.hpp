@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -39,6 +40,16 @@ struct ModelBuildContext {
   c10::Device device = c10::Device(c10::kCPU);
   const DeviceMesh* mesh = nullptr;
   std::string config_json = "{}";  ///< the "model" section of the trainer config
+};
+
+/// What a model provider's build_stage gets under a pipeline plan: which stage of how many, and
+/// the decoder layers it holds (d9d::pipeline::distribute_layers over the stages).
+struct StageBuildContext {
+  c10::Device device = c10::Device(c10::kCPU);
+  const DeviceMesh* mesh = nullptr;
+  std::string config_json = "{}";  ///< the "model" section of the trainer config
+  int stage = 0;                   ///< 0 .. stages - 1
+  int stages = 1;                  ///< pp x stages per rank
 };
 
 /// What a dataset provider gets: its config section and the run's sample shape and seed.
@@ -80,6 +91,28 @@ concept model_provider_builds_a_module = requires(P& p, const ModelBuildContext&
 /// returning a module holder. Optionally `std::string hf_config_json()` for exports.
 template <class P>
 concept model_provider = model_provider_opts_in<P> && model_provider_builds_a_module<P>;
+
+/// For pipeline plans: `build_stage(const StageBuildContext&)` returns a module holder whose
+/// forward maps the stage's input tensor to its output (token ids to hidden states on the first
+/// stage, hidden states to logits on the last), and whose module tells the sizes of both for a
+/// microbatch without running (`input_sizes(batch, seq)`, `output_sizes(batch, seq)`; tensors
+/// between stages are float32). Parameters keep the whole model's names.
+template <class P>
+concept model_provider_builds_stages = requires(P& p, const StageBuildContext& ctx) {
+  { p.build_stage(ctx) } -> torch_module_holder;
+  { p.build_stage(ctx)->forward(std::declval<const at::Tensor&>()) } -> std::same_as<at::Tensor>;
+  {
+    p.build_stage(ctx)->input_sizes(int64_t{1}, int64_t{1})
+    } -> std::convertible_to<std::vector<int64_t>>;
+  {
+    p.build_stage(ctx)->output_sizes(int64_t{1}, int64_t{1})
+    } -> std::convertible_to<std::vector<int64_t>>;
+};
+
+template <class P>
+requires model_provider_builds_stages<P>
+using stage_of_t =
+    decltype(std::declval<P&>().build_stage(std::declval<const StageBuildContext&>()));
 
 template <model_provider P>
 using model_of_t = decltype(std::declval<P&>().build(std::declval<const ModelBuildContext&>()));
@@ -132,5 +165,14 @@ concept train_task_computes_loss = requires(T& t, Model& model, const Batch& bat
 /// returning d9d::LossOutput.
 template <class T, class Model, class Batch>
 concept train_task = train_task_opts_in<T> && train_task_computes_loss<T, Model, Batch>;
+
+/// For pipeline plans the model runs in stages, so the task splits its work in two: the first
+/// stage's input of a microbatch (`stage_input(batch)`) and the loss of the last stage's output
+/// (`output_loss(output, batch)`, a d9d::LossOutput as compute_loss returns).
+template <class T, class Batch>
+concept pipeline_train_task = requires(T& t, const Batch& batch, const at::Tensor& output) {
+  { t.stage_input(batch) } -> std::same_as<at::Tensor>;
+  { t.output_loss(output, batch) } -> std::same_as<LossOutput>;
+};
 
 }  // namespace d9d

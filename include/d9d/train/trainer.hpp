@@ -17,17 +17,21 @@
 
 #include <any>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include <d9d/core/batch_tree.hpp>
 #include <d9d/core/device_mesh.hpp>
+#include <d9d/pipeline/schedules.hpp>
 #include <d9d/plan/plan.hpp>
 #include <d9d/train/concepts.hpp>
 #include <d9d/train/config.hpp>
 #include <d9d/train/events.hpp>
+#include <d9d/train/pipeline_step.hpp>
 #include <d9d/train/train_step.hpp>
 
 namespace d9d {
@@ -54,8 +58,46 @@ struct ErasedRun {
   int64_t dataset_size = 0;
   std::function<std::any(const std::vector<int64_t>&)> load;
   std::function<std::vector<std::any>(const std::any&, int64_t)> split;
-  std::string hf_config_json;  ///< from the provider's hf_config_json(), if it has one
+  std::string hf_config_json;             ///< from the provider's hf_config_json(), if it has one
+  std::optional<PipelineParts> pipeline;  ///< pipeline plans: the stages instead of `model`
 };
+
+template <class S>
+inline constexpr bool is_inference_schedule = false;
+template <class M>
+inline constexpr bool is_inference_schedule<pipeline::Inference<M>> = true;
+
+/// The plan checks of Trainer<Plan>: TrainStep's, except that the pipeline slot may hold a
+/// training schedule (and the mesh a pp degree) next to d9d::parallel::Replicate.
+template <class Plan>
+constexpr void check_trainer_plan() {
+  using S = typename Plan::pipeline;
+  if constexpr (std::is_same_v<S, pipeline::NoPipeline>) {
+    check_trainable_plan<Plan>();
+  } else {
+    static_assert(pipeline::pipeline_schedule<S>,
+                  "d9d::Trainer: the plan's pipeline slot holds no schedule. Fix: use one of "
+                  "d9d/pipeline/schedules.hpp (e.g. d9d::pipeline::OneFOneB<>)");
+    static_assert(!is_inference_schedule<S>,
+                  "d9d::Trainer: d9d::pipeline::Inference runs forward only and cannot train. "
+                  "Fix: choose a training schedule (GPipe, OneFOneB, ZeroBubbleH1, ...)");
+    static_assert(std::is_same_v<typename Plan::data_parallel, parallel::Replicate>,
+                  "d9d::Trainer: pipeline plans support d9d::parallel::Replicate data "
+                  "parallelism so far. Fix: use d9d::parallel::Replicate (the default)");
+    static_assert(std::is_same_v<typename Plan::peft, peft::FullTune>,
+                  "d9d::Trainer: only d9d::peft::FullTune is supported so far. Fix: use "
+                  "d9d::peft::FullTune (the default) in the plan");
+    using Mesh = typename Plan::mesh;
+    static_assert((Mesh::tp::is_dynamic || Mesh::tp::value == 1) &&
+                      (Mesh::cp_replicate::is_dynamic || Mesh::cp_replicate::value == 1) &&
+                      (Mesh::cp_shard::is_dynamic || Mesh::cp_shard::value == 1) &&
+                      (Mesh::ep::is_dynamic || Mesh::ep::value == 1),
+                  "d9d::Trainer: a pipeline plan with d9d::parallel::Replicate runs pp and "
+                  "data-parallel degrees only (tp, cp_replicate, cp_shard and ep must be 1). Fix: "
+                  "drop those degrees from the mesh");
+    (void)uses_bf16_autocast<Plan>();
+  }
+}
 
 class TrainerCore {
  public:
@@ -72,7 +114,10 @@ class TrainerCore {
   StepResult step(int64_t step);
   EventBus& events();
   [[nodiscard]] const DeviceMesh& mesh() const;
+  /// The whole model (null under a pipeline plan).
   [[nodiscard]] const std::shared_ptr<torch::nn::Module>& model() const;
+  /// What this rank trains: the whole model, or its pipeline stages in stage order.
+  [[nodiscard]] std::vector<std::shared_ptr<torch::nn::Module>> modules() const;
 
  private:
   struct Impl;
@@ -88,7 +133,7 @@ class Trainer {
   template <class ModelProvider, class DatasetProvider, class Task>
   Trainer(DistributedContext context, ModelProvider models, DatasetProvider datasets, Task task,
           TrainerConfig config) {
-    detail::check_trainable_plan<Plan>();
+    detail::check_trainer_plan<Plan>();
     static_assert(model_provider_opts_in<ModelProvider>,
                   "d9d::Trainer: the model provider does not opt in. Fix: declare "
                   "`using model_provider_concept = d9d::model_provider_tag;` in it");
@@ -102,9 +147,22 @@ class Trainer {
                   "d9d::Trainer: the dataset provider needs `build(const d9d::DataBuildContext&)` "
                   "returning a dataset with `int64_t size()` and `get(const "
                   "std::vector<int64_t>& indices)` giving a batch");
-    if constexpr (model_provider<ModelProvider> && dataset_provider<DatasetProvider>) {
-      build(std::move(context), std::move(models), std::move(datasets), std::move(task),
-            std::move(config));
+    if constexpr (!kPipelined) {
+      if constexpr (model_provider<ModelProvider> && dataset_provider<DatasetProvider>) {
+        build(std::move(context), std::move(models), std::move(datasets), std::move(task),
+              std::move(config));
+      }
+    } else {
+      static_assert(model_provider_builds_stages<ModelProvider>,
+                    "d9d::Trainer: a pipeline plan needs the model provider's `build_stage(const "
+                    "d9d::StageBuildContext&)` returning a module holder with forward(at::Tensor), "
+                    "input_sizes(batch, seq) and output_sizes(batch, seq) (d9d::Qwen3Provider has "
+                    "it)");
+      if constexpr (model_provider<ModelProvider> && dataset_provider<DatasetProvider> &&
+                    model_provider_builds_stages<ModelProvider>) {
+        build_pipelined(std::move(context), std::move(models), std::move(datasets), std::move(task),
+                        std::move(config));
+      }
     }
   }
 
@@ -119,11 +177,145 @@ class Trainer {
   [[nodiscard]] detail::TrainerCore& core() { return *core_; }
 
  private:
+  static constexpr bool kPipelined = !std::is_same_v<typename Plan::pipeline, pipeline::NoPipeline>;
+
+  // The mesh against the world, the batch against the mesh: checked before anything is allocated.
+  static std::shared_ptr<const DeviceMesh> make_mesh(const DistributedContext& context,
+                                                     const TrainerConfig& config) {
+    const MeshShape shape = resolve_mesh<typename Plan::mesh>(context.world_size(), config.mesh);
+    if constexpr (kPipelined) {
+      detail::check_pipeline_mesh(shape);
+    } else {
+      detail::check_replicate_mesh(shape);
+    }
+    auto mesh = std::make_shared<const DeviceMesh>(context, shape);
+    config.check_against_data_parallel(mesh->size(MeshDomain::batch, "dp"));
+    return mesh;
+  }
+
+  // The dataset and its loading, type-erased into `run`.
+  template <class DatasetProvider, class Batch>
+  static void add_data(DatasetProvider& datasets, const DeviceMesh& mesh,
+                       const TrainerConfig& config, detail::ErasedRun& run) {
+    using Dataset = dataset_of_t<DatasetProvider>;
+    auto dataset = std::make_shared<Dataset>(
+        datasets.build(DataBuildContext{.sequence_length = config.batch.sequence_length,
+                                        .seed = config.run.seed,
+                                        .dp_rank = mesh.coordinate(MeshDomain::batch, "dp"),
+                                        .dp_size = mesh.size(MeshDomain::batch, "dp"),
+                                        .config_json = config.section("data")}));
+    run.dataset_size = static_cast<int64_t>(dataset->size());
+    run.load = [dataset](const std::vector<int64_t>& indices) -> std::any {
+      return std::any(Batch(dataset->get(indices)));
+    };
+    run.split = [](const std::any& batch, int64_t parts) {
+      std::vector<std::any> out;
+      for (auto& part : split_batch(std::any_cast<const Batch&>(batch), static_cast<int>(parts))) {
+        out.emplace_back(std::move(part));
+      }
+      return out;
+    };
+  }
+
+  // The verified program: at compile time when pp and the microbatch count are static.
+  static pipeline::Program make_program(const MeshShape& shape, int microbatches) {
+    using S = typename Plan::pipeline;
+    using Mesh = typename Plan::mesh;
+    if constexpr (S::microbatches != dynamic) {
+      if (microbatches != S::microbatches) {
+        throw ConfigError(
+            "d9d config: the plan's schedule runs " + std::to_string(S::microbatches) +
+            " microbatches per step, the batch section gives " + std::to_string(microbatches) +
+            " (global_batch_size / (data-parallel size x microbatch_size)). Fix: "
+            "change the batch sizes or d9d::pipeline::microbatches<N>");
+      }
+      if constexpr (!Mesh::pp::is_dynamic) {
+        return pipeline::static_program<S, Mesh::pp::value>();  // its checks run when compiled
+      }
+    }
+    try {
+      return pipeline::build_program<S>(shape.pp, microbatches);
+    } catch (const std::invalid_argument& error) {
+      throw ConfigError(std::string("d9d config: ") + error.what());
+    }
+  }
+
+  template <class ModelProvider, class DatasetProvider, class Task>
+  void build_pipelined(DistributedContext context, ModelProvider models, DatasetProvider datasets,
+                       Task task, TrainerConfig config) {
+    using Batch = batch_of_t<DatasetProvider>;
+    using StageModule = stage_of_t<ModelProvider>;
+    static_assert(train_task_opts_in<Task>,
+                  "d9d::Trainer: the task does not opt in. Fix: declare "
+                  "`using train_task_concept = d9d::train_task_tag;` in it");
+    static_assert(pipeline_train_task<Task, Batch>,
+                  "d9d::Trainer: a pipeline plan needs the task's `at::Tensor stage_input(const "
+                  "Batch&)` (the first stage's input) and `d9d::LossOutput output_loss(const "
+                  "at::Tensor& output, const Batch&)` (the loss of the last stage's output)");
+    if constexpr (pipeline_train_task<Task, Batch>) {
+      if (config.export_model.enabled) {
+        throw ConfigError(
+            "d9d config: \"export.enabled\" is not supported with a pipeline plan yet (each rank "
+            "holds only its stages). Fix: set \"export\": {\"enabled\": false}");
+      }
+      auto mesh = make_mesh(context, config);
+      const int dp = mesh->size(MeshDomain::batch, "dp");
+      const auto program =
+          make_program(mesh->shape(), static_cast<int>(config.microbatches_per_step(dp)));
+
+      detail::ErasedRun run;
+      detail::PipelineParts parts;
+      parts.program = program;
+      const int rank = mesh->coordinate(MeshDomain::regular, "pp");
+      std::map<int, pipeline::TensorSpec> specs;
+      const int64_t b = config.batch.microbatch_size;
+      const int64_t t = config.batch.sequence_length;
+      for (const int s :
+           pipeline::rank_stages(program.placement, program.pp, program.stages_per_rank, rank)) {
+        // Each stage starts from the run's seed, as the whole model does: with a provider whose
+        // initialisation depends on that and the names only (d9d::model::init_qwen3_parameters),
+        // each stage starts with the whole model's values.
+        torch::manual_seed(config.run.seed);
+        StageModule stage =
+            models.build_stage(StageBuildContext{.device = context.device(),
+                                                 .mesh = mesh.get(),
+                                                 .config_json = config.section("model"),
+                                                 .stage = s,
+                                                 .stages = program.stages()});
+        specs[s] = {.sizes = stage->input_sizes(b, t)};
+        specs[s + 1] = {.sizes = stage->output_sizes(b, t)};
+        parts.stages.emplace_back(
+            stage.ptr(),
+            pipeline::Stage{.index = s, .forward = [stage](const at::Tensor& x) mutable {
+                              return stage->forward(x);
+                            }});
+      }
+      parts.activation = [specs](int s) {
+        const auto it = specs.find(s);
+        if (it == specs.end()) {
+          throw std::logic_error("d9d::Trainer: no activation spec for stage " + std::to_string(s));
+        }
+        return it->second;
+      };
+      auto shared_task = std::make_shared<Task>(std::move(task));
+      parts.input = [shared_task](const std::any& microbatch) {
+        return shared_task->stage_input(std::any_cast<const Batch&>(microbatch));
+      };
+      parts.loss = [shared_task](const at::Tensor& output, const std::any& microbatch) {
+        return shared_task->output_loss(output, std::any_cast<const Batch&>(microbatch));
+      };
+      run.pipeline = std::move(parts);
+      add_data<DatasetProvider, Batch>(datasets, *mesh, config, run);
+      core_ = std::make_unique<detail::TrainerCore>(
+          std::move(context), std::move(mesh), std::move(config),
+          detail::uses_bf16_autocast<Plan>(), std::move(run));
+    }
+  }
+
   template <class ModelProvider, class DatasetProvider, class Task>
   void build(DistributedContext context, ModelProvider models, DatasetProvider datasets, Task task,
              TrainerConfig config) {
     using Model = model_of_t<ModelProvider>;
-    using Dataset = dataset_of_t<DatasetProvider>;
     using Batch = batch_of_t<DatasetProvider>;
     static_assert(train_task_opts_in<Task>,
                   "d9d::Trainer: the task does not opt in. Fix: declare "
@@ -132,41 +324,17 @@ class Trainer {
                   "d9d::Trainer: the task needs `d9d::LossOutput compute_loss(Model&, const "
                   "Batch&)` for the provider's model and the dataset's batch type");
     if constexpr (train_task<Task, Model, Batch>) {
-      // Checked before anything is allocated: the mesh against the world, the batch against it.
-      const MeshShape shape = resolve_mesh<typename Plan::mesh>(context.world_size(), config.mesh);
-      detail::check_replicate_mesh(shape);
-      auto mesh = std::make_shared<const DeviceMesh>(context, shape);
-      const int dp = mesh->size(MeshDomain::batch, "dp");
-      config.check_against_data_parallel(dp);
-
+      auto mesh = make_mesh(context, config);
       torch::manual_seed(config.run.seed);  // the same initialisation on every rank
       Model model = models.build(ModelBuildContext{
           .device = context.device(), .mesh = mesh.get(), .config_json = config.section("model")});
-      auto dataset = std::make_shared<Dataset>(
-          datasets.build(DataBuildContext{.sequence_length = config.batch.sequence_length,
-                                          .seed = config.run.seed,
-                                          .dp_rank = mesh->coordinate(MeshDomain::batch, "dp"),
-                                          .dp_size = dp,
-                                          .config_json = config.section("data")}));
-
       detail::ErasedRun run;
       run.model = model.ptr();
       run.loss = [model, task = std::make_shared<Task>(std::move(task))](
                      const std::any& microbatch) mutable {
         return task->compute_loss(model, std::any_cast<const Batch&>(microbatch));
       };
-      run.dataset_size = static_cast<int64_t>(dataset->size());
-      run.load = [dataset](const std::vector<int64_t>& indices) -> std::any {
-        return std::any(Batch(dataset->get(indices)));
-      };
-      run.split = [](const std::any& batch, int64_t parts) {
-        std::vector<std::any> out;
-        for (auto& part :
-             split_batch(std::any_cast<const Batch&>(batch), static_cast<int>(parts))) {
-          out.emplace_back(std::move(part));
-        }
-        return out;
-      };
+      add_data<DatasetProvider, Batch>(datasets, *mesh, config, run);
       if constexpr (requires { models.hf_config_json(); }) {
         run.hf_config_json = models.hf_config_json();
       }

@@ -1,0 +1,170 @@
+// d9d/train/pipeline_step.cpp — the pipelined optimizer step: program, dp reduction, clipping.
+#include <stdexcept>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <torch/optim/optimizer.h>
+
+#include <d9d/core/collectives.hpp>
+#include <d9d/optim/lr_schedule.hpp>
+#include <d9d/train/detail/autocast_scope.hpp>
+#include <d9d/train/detail/step_parts.hpp>
+#include <d9d/train/pipeline_step.hpp>
+
+namespace d9d::detail {
+namespace {
+
+// Sums every gradient over `group`, packed into flat buckets of about `bucket_bytes` per dtype.
+void all_reduce_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& params,
+                          int64_t bucket_bytes) {
+  if (group.size() <= 1) {
+    return;
+  }
+  const at::NoGradGuard no_grad;
+  std::vector<at::Tensor> bucket;
+  int64_t bytes = 0;
+  const auto flush = [&] {
+    if (bucket.empty()) {
+      return;
+    }
+    std::vector<at::Tensor> flat;
+    flat.reserve(bucket.size());
+    for (const auto& grad : bucket) {
+      flat.push_back(grad.reshape({-1}));
+    }
+    const auto reduced = all_reduce(group, at::cat(flat));
+    int64_t offset = 0;
+    for (const auto& grad : bucket) {
+      at::Tensor(grad).copy_(reduced.narrow(0, offset, grad.numel()).view(grad.sizes()));
+      offset += grad.numel();
+    }
+    bucket.clear();
+    bytes = 0;
+  };
+  for (const auto& param : params) {
+    const auto& grad = param.grad();
+    if (!grad.defined()) {
+      continue;
+    }
+    if (!bucket.empty() && (bucket.front().scalar_type() != grad.scalar_type() ||
+                            bytes + static_cast<int64_t>(grad.nbytes()) > bucket_bytes)) {
+      flush();
+    }
+    bucket.push_back(grad);
+    bytes += static_cast<int64_t>(grad.nbytes());
+  }
+  flush();
+}
+
+}  // namespace
+
+void check_pipeline_mesh(const MeshShape& shape) {
+  if (shape.tp != 1 || shape.cp_replicate != 1 || shape.cp_shard != 1 || shape.ep != 1) {
+    throw std::invalid_argument(
+        "d9d::Trainer: a pipeline plan with d9d::parallel::Replicate runs pp and data-parallel "
+        "degrees only; the mesh is " +
+        shape.describe() + ". Fix: set tp, cp_replicate, cp_shard and ep to 1");
+  }
+}
+
+struct PipelineStepCore::Impl {
+  PipelineParts parts;
+  TrainStepOptions options;
+  ProcessGroup pp;
+  ProcessGroup dp;
+  std::vector<at::Tensor> parameters;
+  std::unique_ptr<pipeline::Executor> executor;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  optim::PiecewiseSchedule schedule;
+  c10::Device device = c10::Device(c10::kCPU);
+  bool holds_first = false;
+};
+
+PipelineStepCore::PipelineStepCore(const DeviceMesh& mesh, PipelineParts parts,
+                                   TrainStepOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  auto& s = *impl_;
+  s.parts = std::move(parts);
+  s.options = std::move(options);
+  s.pp = mesh.group(MeshDomain::regular, "pp");
+  s.dp = mesh.group(MeshDomain::batch, "dp");
+  s.device = mesh.context().device();
+  s.schedule = optim::PiecewiseSchedule::build(s.options.lr_schedule, s.options.total_steps);
+
+  std::vector<pipeline::Stage> handles;
+  for (auto& [module, stage] : s.parts.stages) {
+    module->train();
+    for (const auto& param : module->parameters()) {
+      if (param.requires_grad()) {
+        s.parameters.push_back(param);
+      }
+    }
+    s.holds_first = s.holds_first || stage.index == 0;
+    // The stage's forward under the plan's precision (its backward follows autograd's record).
+    handles.push_back({.index = stage.index,
+                       .forward = [forward = stage.forward, bf16 = s.options.bf16_autocast,
+                                   type = s.device.type()](const at::Tensor& x) {
+                         const AutocastScope autocast(bf16, type);
+                         return forward(x);
+                       }});
+  }
+  // Replicas start from their dp rank 0's parameters, whatever each rank's initialisation did.
+  broadcast_parameters(s.dp, s.parameters);
+  s.executor = std::make_unique<pipeline::Executor>(s.parts.program, s.pp, std::move(handles),
+                                                    s.parts.activation);
+  s.optimizer = make_adamw(s.parameters, s.options.optimizer);
+}
+
+PipelineStepCore::~PipelineStepCore() = default;
+
+std::vector<std::shared_ptr<torch::nn::Module>> PipelineStepCore::stages() const {
+  std::vector<std::shared_ptr<torch::nn::Module>> out;
+  for (const auto& item : impl_->parts.stages) {
+    out.push_back(item.first);
+  }
+  return out;
+}
+
+const pipeline::Program& PipelineStepCore::program() const { return impl_->parts.program; }
+
+StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int64_t step) {
+  auto& s = *impl_;
+  const auto m = static_cast<std::size_t>(s.parts.program.microbatches);
+  if (microbatches.size() != m) {
+    throw std::invalid_argument("d9d::Trainer: the pipeline program runs " + std::to_string(m) +
+                                " microbatches per step, the step has " +
+                                std::to_string(microbatches.size()));
+  }
+  const double lr = s.options.optimizer.lr * s.schedule.multiplier(step);
+  set_learning_rate(*s.optimizer, lr);
+  s.optimizer->zero_grad(/*set_to_none=*/true);
+
+  std::vector<at::Tensor> inputs;
+  if (s.holds_first) {
+    inputs.reserve(m);
+    for (const auto& microbatch : microbatches) {
+      inputs.push_back(s.parts.input(microbatch).to(s.device));
+    }
+  }
+  at::Tensor loss_sum;
+  at::Tensor weight_sum;
+  (void)s.executor->run(inputs, [&](const at::Tensor& output, int mb) {
+    LossOutput out;
+    {
+      const AutocastScope autocast(s.options.bf16_autocast, s.device.type());
+      out = s.parts.loss(output, microbatches[static_cast<std::size_t>(mb)]);
+    }
+    accumulate_loss(out, loss_sum, weight_sum, "output_loss");
+    return out.loss_sum;
+  });
+  all_reduce_gradients(s.dp, s.parameters, s.options.bucket_bytes);
+
+  // Only the last stage's ranks hold loss sums: sum over the pipeline, then over the replicas.
+  const auto totals = global_totals(loss_sum, weight_sum, {&s.pp, &s.dp}, s.device, step);
+  // Each pipeline rank holds its stages' gradients: the norm's squares are summed over pp.
+  const double grad_norm =
+      normalize_and_clip(s.parameters, totals.second, s.options.max_grad_norm, &s.pp);
+  return finish_step(*s.optimizer, s.options, step, lr, totals, grad_norm);
+}
+
+}  // namespace d9d::detail
