@@ -17,6 +17,13 @@
 namespace {
 
 using d9d::testing::RankEnv;
+
+// Parameters after several AdamW steps: on CUDA, GEMMs of other batch shapes and reduction orders
+// differ in the last bits, and AdamW's normalised update turns that into ~1e-6 absolute (seen up
+// to 3.8e-6 on H200 over 4 steps); on CPU the runs agree to 1e-6.
+double parameter_atol(const d9d::DistributedContext& ctx) {
+  return ctx.device().is_cuda() ? 2e-5 : 1e-6;
+}
 using DpPlan = d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>>>;
 
 class Train_Replicate : public ::testing::TestWithParam<int> {
@@ -49,7 +56,7 @@ TEST_P(Train_Replicate, MatchesOneRankWithTheSameGlobalBatch) {
     const auto got = distributed.core().model()->named_parameters();
     const auto want = single.core().model()->named_parameters();
     for (const auto& item : want) {
-      EXPECT_TRUE(at::allclose(got[item.key()], item.value(), 1e-5, 1e-6))
+      EXPECT_TRUE(at::allclose(got[item.key()], item.value(), 1e-5, parameter_atol(ctx)))
           << item.key() << " max diff "
           << (got[item.key()] - item.value()).abs().max().item<double>();
     }
@@ -136,7 +143,7 @@ void expect_pipeline_matches_one_process(RankEnv& env, const d9d::DistributedCon
     for (const auto& item : stage->named_parameters()) {
       const auto* expected = want.find(item.key());
       ASSERT_NE(expected, nullptr) << name << ": " << item.key();
-      EXPECT_TRUE(at::allclose(item.value(), *expected, 1e-5, 1e-6))
+      EXPECT_TRUE(at::allclose(item.value(), *expected, 1e-5, parameter_atol(ctx)))
           << name << ": " << item.key() << " max diff " << max_difference(item.value(), *expected);
       ++compared;
     }
