@@ -208,6 +208,13 @@ StreamStats stream_state(const StateSource& source, const Mapper& mapper,
       held += tensor.nbytes();
     }
     input_handles.clear();  // the inputs go before the outputs are handed on
+    for (const auto& key : group.inputs) {
+      // Their mapped pages too (when no view of them is left), or a long stream through one
+      // large file would keep every page it has read resident.
+      if (open.at(source.file_of(key)).release(key)) {
+        ++stats.tensors_released;
+      }
+    }
     for (auto it = open.begin(); it != open.end();) {
       it = last_use.at(it->first) <= step ? open.erase(it) : std::next(it);
     }

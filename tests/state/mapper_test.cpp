@@ -2,6 +2,7 @@
 // round trips of inverse leaves), composition (parallel, sequential with merging, scope, shard),
 // each validation error's message, and streaming reads: the outputs equal a whole-file load
 // transformed by hand, byte for byte, while the stream holds about one group, not the file.
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <ostream>
@@ -36,6 +37,7 @@ namespace {
 namespace st = d9d::state;
 using d9d::testing::error_of;
 using d9d::testing::state::expect_same;
+using d9d::testing::state::resident_bytes;
 using d9d::testing::state::scratch_dir;
 using st::Mapper;
 using st::MapperGroup;
@@ -476,6 +478,38 @@ TEST(State_Stream_Sharded, EachFileOpensOnceAndGroupsSpanningFilesWork) {
   EXPECT_EQ(stats.files_opened, 4U);
   EXPECT_EQ(stats.groups, kLayers + 1U);
   EXPECT_EQ(stats.peak_bytes, 4U * 8192);
+}
+
+TEST(State_Stream_Memory, ResidentMemoryStaysAboutOneGroupNotTheFile) {
+  // 16 tensors of 4 MiB in one 64 MiB file, each through its own group. Reading maps the pages in;
+  // the stream drops them after each group, so the process's resident memory (mapped pages
+  // included) grows by about one group, not by the file.
+  const std::string path = scratch_dir() + "/big.safetensors";
+  constexpr int kTensors = 16;
+  constexpr int64_t kFloats = 1 << 20;
+  const at::Tensor one = at::arange(kFloats, at::kFloat);
+  st::NamedTensors tensors;
+  std::vector<std::string> keys;
+  for (int i = 0; i < kTensors; ++i) {
+    keys.push_back("t" + std::to_string(i));
+    tensors.emplace_back(keys.back(), one);  // one buffer, written 16 times
+  }
+  st::save_safetensors(path, tensors);
+  tensors.clear();
+  const auto source = st::StateSource::open(path);
+  const int64_t before = resident_bytes();
+  int64_t most = 0;
+  int checked = 0;
+  const auto stats = st::stream_state(source, st::identity(keys),
+                                      [&](const std::string& name, const at::Tensor& t) {
+                                        most = std::max(most, resident_bytes() - before);
+                                        checked += at::equal(t, one) ? 1 : 0;
+                                        EXPECT_EQ(t.nbytes(), 4U << 20) << name;
+                                      });
+  EXPECT_EQ(checked, kTensors);
+  EXPECT_EQ(stats.tensors_released, static_cast<std::size_t>(kTensors));
+  EXPECT_EQ(stats.peak_bytes, 8U << 20);  // one view in, one copy out
+  EXPECT_LT(most, int64_t{24} << 20) << "the file is 64 MiB";
 }
 
 TEST(State_Stream_Errors, ValidationHappensBeforeAnyRead) {

@@ -12,9 +12,10 @@
 // is opened once and closed after the last group needing it. Then, group by group: the inputs are
 // mapped from the file without copying (SafetensorsFile::view), the group is applied, the outputs
 // that still share memory with the file or with a larger tensor are copied into tensors of their
-// own, the inputs are dropped, and the callback gets every output of the group. So the stream
-// holds about one group's tensors at a time, never the whole checkpoint, and a leaf that keeps a
-// slice (d9d::state::distribute) copies only that slice. StreamStats reports what it did.
+// own, the inputs and their mapped pages are dropped (SafetensorsFile::release), and the callback
+// gets every output of the group. So the stream holds about one group's tensors at a time, never
+// the whole checkpoint, and a leaf that keeps a slice (d9d::state::distribute) copies only that
+// slice. StreamStats reports what it did.
 //
 // The plan is a pure function of the source and the mapper, so ranks that stream the same
 // checkpoint through the same mapper apply the same groups in the same order, which groups with
@@ -82,6 +83,9 @@ struct StreamStats {
   /// Input tensors read, and their bytes.
   std::size_t tensors_read = 0;
   uint64_t bytes_read = 0;
+  /// Inputs whose mapped pages were dropped after their group (SafetensorsFile::release); fewer
+  /// than tensors_read when something still holds a view (a from_file source's owner, say).
+  std::size_t tensors_released = 0;
   /// Outputs handed to the callback, and their bytes.
   std::size_t outputs = 0;
   uint64_t output_bytes = 0;
