@@ -23,6 +23,7 @@ namespace detail {
 struct MapperData {
   std::vector<MapperGroup> groups;
   std::vector<GroupFunction> functions;
+  std::vector<bool> runs_on_meta;      // per group: its function works on meta tensors
   std::vector<std::string> elsewhere;  // sorted, each once
 };
 
@@ -34,6 +35,7 @@ struct Part {
   MapperGroup group;
   GroupFunction function;
   std::size_t source = 0;
+  bool runs_on_meta = false;
 };
 
 }  // namespace
@@ -59,6 +61,7 @@ struct MapperAccess {
       used.insert(part.group.inputs.begin(), part.group.inputs.end());
       data->groups.push_back(std::move(part.group));
       data->functions.push_back(std::move(part.function));
+      data->runs_on_meta.push_back(part.runs_on_meta);
     }
     std::sort(elsewhere.begin(), elsewhere.end());
     elsewhere.erase(std::unique(elsewhere.begin(), elsewhere.end()), elsewhere.end());
@@ -71,7 +74,10 @@ struct MapperAccess {
     std::vector<Part> parts;
     parts.reserve(mapper.data_->groups.size());
     for (std::size_t i = 0; i < mapper.data_->groups.size(); ++i) {
-      parts.push_back({mapper.data_->groups[i], mapper.data_->functions[i], source});
+      parts.push_back({.group = mapper.data_->groups[i],
+                       .function = mapper.data_->functions[i],
+                       .source = source,
+                       .runs_on_meta = mapper.data_->runs_on_meta[i]});
     }
     return parts;
   }
@@ -225,6 +231,8 @@ Mapper combine(std::vector<Part> parts, std::vector<std::string> elsewhere, cons
       outputs.insert(outputs.end(), parts[i].group.outputs.begin(), parts[i].group.outputs.end());
     }
     std::string op = join_ops(views, " + ");
+    const bool meta = std::all_of(views.begin(), views.end(),
+                                  [](const Part* part) { return part->runs_on_meta; });
     for (const auto i : members) {
       sub->push_back(std::move(parts[i]));
     }
@@ -232,7 +240,8 @@ Mapper combine(std::vector<Part> parts, std::vector<std::string> elsewhere, cons
                                 .outputs = sorted_unique(std::move(outputs)),
                                 .op = std::move(op)},
                       .function = [sub](const TensorMap& in) { return run_parts(*sub, in); },
-                      .source = 0});
+                      .source = 0,
+                      .runs_on_meta = meta});
   }
   return MapperAccess::make(std::move(merged), std::move(elsewhere));
 }
@@ -252,7 +261,7 @@ void check_unique(const std::vector<std::string>& keys, const std::string& who,
 // A one-group part whose function checks what comes back and turns LibTorch errors into
 // std::invalid_argument naming the operation and the inputs.
 Part leaf_part(std::string op, std::vector<std::string> inputs, std::vector<std::string> outputs,
-               GroupFunction function) {
+               GroupFunction function, bool runs_on_meta = true) {
   const std::string who = "d9d::state::" + op;
   if (!function) {
     throw std::invalid_argument(who + ": the group function is empty");
@@ -294,7 +303,8 @@ Part leaf_part(std::string op, std::vector<std::string> inputs, std::vector<std:
   return {
       .group = {.inputs = std::move(inputs), .outputs = std::move(outputs), .op = std::move(op)},
       .function = std::move(checked),
-      .source = 0};
+      .source = 0,
+      .runs_on_meta = runs_on_meta};
 }
 
 // Leaves over many keys: the union of one-key leaves (outputs produced twice are an error).
@@ -413,6 +423,9 @@ Mapper chain(const Mapper& a, const Mapper& b, std::size_t a_number) {
     }
     std::string op = as.empty() ? join_ops(b_views, " + ")
                                 : join_ops(a_views, " + ") + " -> " + join_ops(b_views, " + ");
+    const auto on_meta = [](const Part* part) { return part->runs_on_meta; };
+    const bool meta = std::all_of(a_views.begin(), a_views.end(), on_meta) &&
+                      std::all_of(b_views.begin(), b_views.end(), on_meta);
     for (const auto i : as) {
       first->push_back(std::move(a_parts[i]));
     }
@@ -428,7 +441,8 @@ Mapper chain(const Mapper& a, const Mapper& b, std::size_t a_number) {
                             in.clear();  // the stage-1 inputs are no longer needed
                             return run_parts(*second, middle);
                           },
-                      .source = 0});
+                      .source = 0,
+                      .runs_on_meta = meta});
   }
   return MapperAccess::make(std::move(merged), std::move(elsewhere));
 }
@@ -466,6 +480,15 @@ std::vector<std::string> Mapper::outputs() const {
 }
 
 const std::vector<std::string>& Mapper::elsewhere() const { return data_->elsewhere; }
+
+bool Mapper::runs_on_meta(std::size_t group) const {
+  if (group >= data_->groups.size()) {
+    throw std::invalid_argument("d9d::state::Mapper::runs_on_meta: group " + std::to_string(group) +
+                                " of a mapper with " + std::to_string(data_->groups.size()) +
+                                " groups");
+  }
+  return data_->runs_on_meta[group];
+}
 
 TensorMap Mapper::apply(std::size_t group, TensorMap inputs) const {
   const std::string who = "d9d::state::Mapper::apply";
@@ -540,10 +563,10 @@ TensorMap Mapper::apply_all(const TensorMap& inputs) const {
 // ------------------------------------------------------------------------------------- leaves
 
 Mapper leaf(std::string op, std::vector<std::string> inputs, std::vector<std::string> outputs,
-            GroupFunction function) {
+            GroupFunction function, bool runs_on_meta) {
   std::vector<Part> parts;
-  parts.push_back(
-      leaf_part(std::move(op), std::move(inputs), std::move(outputs), std::move(function)));
+  parts.push_back(leaf_part(std::move(op), std::move(inputs), std::move(outputs),
+                            std::move(function), runs_on_meta));
   return MapperAccess::make(std::move(parts), {});
 }
 
@@ -629,18 +652,20 @@ Mapper stack(const std::vector<std::string>& inputs, const std::string& output, 
   if (inputs.empty()) {
     throw std::invalid_argument("d9d::state::stack: no inputs for " + in_quotes(output));
   }
-  return leaf("stack(dim " + std::to_string(dim) + ")", inputs, {output},
-              [inputs, output, dim](TensorMap in) {
-                std::vector<at::Tensor> tensors;
-                tensors.reserve(inputs.size());
-                for (const auto& key : inputs) {
-                  tensors.push_back(in.at(key));
-                }
-                in.clear();
-                TensorMap out;
-                out.emplace(output, at::stack(tensors, dim));
-                return out;
-              });
+  return leaf(
+      "stack(dim " + std::to_string(dim) + ")", inputs, {output},
+      [inputs, output, dim](TensorMap in) {
+        std::vector<at::Tensor> tensors;
+        tensors.reserve(inputs.size());
+        for (const auto& key : inputs) {
+          tensors.push_back(in.at(key));
+        }
+        in.clear();
+        TensorMap out;
+        out.emplace(output, at::stack(tensors, dim));
+        return out;
+      },
+      /*runs_on_meta=*/true);
 }
 
 Mapper unstack(const std::string& input, const std::vector<std::string>& outputs, int64_t dim) {
@@ -648,58 +673,65 @@ Mapper unstack(const std::string& input, const std::vector<std::string>& outputs
   if (outputs.empty()) {
     throw std::invalid_argument("d9d::state::unstack: no outputs for " + in_quotes(input));
   }
-  return leaf(op, {input}, outputs, [op, input, outputs, dim](TensorMap in) {
-    const at::Tensor t = in.at(input);
-    if (t.size(dim) != static_cast<int64_t>(outputs.size())) {
-      throw std::invalid_argument("d9d::state::" + op + ": " + in_quotes(input) + " " +
-                                  shape_of(t) + " has " + std::to_string(t.size(dim)) +
-                                  " slices at dim " + std::to_string(dim) + ", but " +
-                                  std::to_string(outputs.size()) + " outputs are declared");
-    }
-    TensorMap out;
-    for (std::size_t i = 0; i < outputs.size(); ++i) {
-      out.emplace(outputs[i], t.select(dim, static_cast<int64_t>(i)));
-    }
-    return out;
-  });
+  return leaf(
+      op, {input}, outputs,
+      [op, input, outputs, dim](TensorMap in) {
+        const at::Tensor t = in.at(input);
+        if (t.size(dim) != static_cast<int64_t>(outputs.size())) {
+          throw std::invalid_argument("d9d::state::" + op + ": " + in_quotes(input) + " " +
+                                      shape_of(t) + " has " + std::to_string(t.size(dim)) +
+                                      " slices at dim " + std::to_string(dim) + ", but " +
+                                      std::to_string(outputs.size()) + " outputs are declared");
+        }
+        TensorMap out;
+        for (std::size_t i = 0; i < outputs.size(); ++i) {
+          out.emplace(outputs[i], t.select(dim, static_cast<int64_t>(i)));
+        }
+        return out;
+      },
+      /*runs_on_meta=*/true);
 }
 
 Mapper concatenate(const std::vector<std::string>& inputs, const std::string& output, int64_t dim) {
   if (inputs.empty()) {
     throw std::invalid_argument("d9d::state::concatenate: no inputs for " + in_quotes(output));
   }
-  return leaf("concatenate(dim " + std::to_string(dim) + ")", inputs, {output},
-              [inputs, output, dim](TensorMap in) {
-                std::vector<at::Tensor> tensors;
-                tensors.reserve(inputs.size());
-                for (const auto& key : inputs) {
-                  tensors.push_back(in.at(key));
-                }
-                in.clear();
-                TensorMap out;
-                out.emplace(output, at::cat(tensors, dim));
-                return out;
-              });
+  return leaf(
+      "concatenate(dim " + std::to_string(dim) + ")", inputs, {output},
+      [inputs, output, dim](TensorMap in) {
+        std::vector<at::Tensor> tensors;
+        tensors.reserve(inputs.size());
+        for (const auto& key : inputs) {
+          tensors.push_back(in.at(key));
+        }
+        in.clear();
+        TensorMap out;
+        out.emplace(output, at::cat(tensors, dim));
+        return out;
+      },
+      /*runs_on_meta=*/true);
 }
 
 Mapper chunk(const std::string& input, const std::vector<std::string>& outputs, int64_t dim) {
   if (outputs.empty()) {
     throw std::invalid_argument("d9d::state::chunk: no outputs for " + in_quotes(input));
   }
-  return leaf("chunk(dim " + std::to_string(dim) + ")", {input}, outputs,
-              [input, outputs, dim](TensorMap in) {
-                const at::Tensor t = in.at(input);
-                const int64_t size = t.size(dim);
-                const auto k = static_cast<int64_t>(outputs.size());
-                const int64_t part = (size + k - 1) / k;
-                TensorMap out;
-                for (int64_t i = 0; i < k; ++i) {
-                  const int64_t offset = std::min(size, part * i);
-                  out.emplace(outputs[static_cast<std::size_t>(i)],
-                              t.narrow(dim, offset, std::min(part, size - offset)));
-                }
-                return out;
-              });
+  return leaf(
+      "chunk(dim " + std::to_string(dim) + ")", {input}, outputs,
+      [input, outputs, dim](TensorMap in) {
+        const at::Tensor t = in.at(input);
+        const int64_t size = t.size(dim);
+        const auto k = static_cast<int64_t>(outputs.size());
+        const int64_t part = (size + k - 1) / k;
+        TensorMap out;
+        for (int64_t i = 0; i < k; ++i) {
+          const int64_t offset = std::min(size, part * i);
+          out.emplace(outputs[static_cast<std::size_t>(i)],
+                      t.narrow(dim, offset, std::min(part, size - offset)));
+        }
+        return out;
+      },
+      /*runs_on_meta=*/true);
 }
 
 // -------------------------------------------------------------------------------- composition

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 
@@ -133,6 +134,40 @@ uint64_t StateSource::offset_hint(std::string_view key) const {
   return 0;
 }
 
+// -------------------------------------------------------------------------------- infer_shapes
+
+std::map<std::string, TensorSpec> infer_shapes(const StateSource& source, const Mapper& mapper) {
+  validate(mapper, source.keys(), {.allow_unused_inputs = true});
+  std::map<std::size_t, SafetensorsFile> open;
+  std::map<std::string, TensorSpec> specs;
+  const auto& groups = mapper.groups();
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    if (groups[g].outputs.empty() || !mapper.runs_on_meta(g)) {
+      continue;
+    }
+    TensorMap inputs;
+    for (const auto& key : groups[g].inputs) {
+      const std::size_t f = source.file_of(key);
+      auto it = open.find(f);
+      if (it == open.end()) {
+        it = open.emplace(f, source.open_file(f)).first;
+      }
+      if (!it->second.contains(key)) {
+        throw std::runtime_error("d9d::state::infer_shapes: " + it->second.path() +
+                                 ": the checkpoint index maps tensor " + in_quotes(key) +
+                                 " to this file, which does not hold it");
+      }
+      const SafetensorsEntry& entry = it->second.entry(key);
+      inputs.emplace(
+          key, at::empty(entry.shape, at::TensorOptions().dtype(entry.dtype).device(at::kMeta)));
+    }
+    for (const auto& [name, tensor] : mapper.apply(g, std::move(inputs))) {
+      specs.emplace(name, TensorSpec{.dtype = tensor.scalar_type(), .shape = tensor.sizes().vec()});
+    }
+  }
+  return specs;
+}
+
 // -------------------------------------------------------------------------------- stream_state
 
 StreamStats stream_state(const StateSource& source, const Mapper& mapper,
@@ -142,6 +177,9 @@ StreamStats stream_state(const StateSource& source, const Mapper& mapper,
     throw std::invalid_argument(who + ": the callback is empty");
   }
   validate(mapper, source.keys(), {.allow_unused_inputs = options.allow_unused_inputs});
+  if (options.check_shapes) {
+    (void)infer_shapes(source, mapper);
+  }
 
   // The plan: groups with outputs, ordered by (first file, first data offset, group number).
   const auto& groups = mapper.groups();
@@ -269,19 +307,27 @@ StreamStats load_into(torch::nn::Module& module, const StateSource& source, cons
                                   ". Fix: map them, or set allow_missing to keep their values");
     }
   }
+  validate(mapper, source.keys(), {.allow_unused_inputs = options.allow_unused_inputs});
+  const auto shape_error = [&](const std::string& name, at::IntArrayRef got, at::IntArrayRef want) {
+    return std::invalid_argument(who + ": " + in_quotes(name) + ": the mapped tensor has shape " +
+                                 shape_of(got) + ", the module's has " + shape_of(want));
+  };
+  for (const auto& [name, spec] : infer_shapes(source, mapper)) {
+    const at::Tensor& target = targets.at(name);
+    if (target.sizes() != at::IntArrayRef(spec.shape)) {
+      throw shape_error(name, spec.shape, target.sizes());
+    }
+  }
   const c10::NoGradGuard no_grad;
-  return stream_state(
-      source, mapper,
-      [&](const std::string& name, const at::Tensor& tensor) {
-        at::Tensor& target = targets.at(name);
-        if (target.sizes() != tensor.sizes()) {
-          throw std::invalid_argument(who + ": " + in_quotes(name) +
-                                      ": the mapped tensor has shape " + shape_of(tensor.sizes()) +
-                                      ", the module's has " + shape_of(target.sizes()));
-        }
-        target.copy_(tensor);
-      },
-      {.allow_unused_inputs = options.allow_unused_inputs});
+  return stream_state(source, mapper,
+                      [&](const std::string& name, const at::Tensor& tensor) {
+                        at::Tensor& target = targets.at(name);
+                        if (target.sizes() != tensor.sizes()) {
+                          throw shape_error(name, tensor.sizes(), target.sizes());
+                        }
+                        target.copy_(tensor);
+                      },
+                      {.allow_unused_inputs = options.allow_unused_inputs, .check_shapes = false});
 }
 
 }  // namespace d9d::state

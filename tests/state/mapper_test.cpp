@@ -480,6 +480,37 @@ TEST(State_Stream_Sharded, EachFileOpensOnceAndGroupsSpanningFilesWork) {
   EXPECT_EQ(stats.peak_bytes, 4U * 8192);
 }
 
+TEST(State_Stream_Shapes, InferredFromHeadersAndCheckedBeforeAnyRead) {
+  const std::string path = scratch_dir() + "/shapes.safetensors";
+  st::save_safetensors(path, {{"q", values({4, 2})},
+                              {"k", values({4, 2})},
+                              {"v", values({3, 2})},
+                              {"h", values({2}).to(at::kHalf)}});
+  const auto source = st::StateSource::open(path);
+  const Mapper custom = st::leaf("halve", {"h"}, {"h"}, [](TensorMap in) { return in; });
+  EXPECT_FALSE(custom.runs_on_meta(0));  // custom leaves: not unless declared
+  const Mapper mapper =
+      st::parallel({st::sequential({st::stack({"q", "k"}, "qk", 1), st::transpose({"qk"}, 0, 2)}),
+                    st::unsqueeze({"v"}, 0), custom});
+  EXPECT_TRUE(mapper.runs_on_meta(1));  // "qk"
+  const auto specs = st::infer_shapes(source, mapper);
+  EXPECT_EQ(specs.size(), 2U) << "the custom leaf's output is not derived";
+  EXPECT_EQ(specs.at("qk"), (st::TensorSpec{.dtype = at::kFloat, .shape = {2, 2, 4}}));
+  EXPECT_EQ(specs.at("v"), (st::TensorSpec{.dtype = at::kFloat, .shape = {1, 3, 2}}));
+  // A merged group runs on meta only when every part does.
+  EXPECT_FALSE(st::sequential({st::identity({"h"}), custom}).runs_on_meta(0));
+
+  // Tensors that do not stack: the error comes before the first read.
+  int calls = 0;
+  const Mapper bad = st::parallel({st::stack({"q", "v"}, "qv"), st::drop({"k", "h"})});
+  EXPECT_THAT(error_of<std::invalid_argument>([&] {
+                (void)st::stream_state(source, bad,
+                                       [&](const std::string&, const at::Tensor&) { ++calls; });
+              }),
+              HasSubstr("d9d::state::stack(dim 0): fails on \"q\" [4, 2], \"v\" [3, 2]: "));
+  EXPECT_EQ(calls, 0);
+}
+
 TEST(State_Stream_Memory, ResidentMemoryStaysAboutOneGroupNotTheFile) {
   // 16 tensors of 4 MiB in one 64 MiB file, each through its own group. Reading maps the pages in;
   // the stream drops them after each group, so the process's resident memory (mapped pages
@@ -593,6 +624,9 @@ TEST(State_LoadInto, ExtraMissingAndShapeMismatchAreErrors) {
             }),
             "d9d::state::load_into: \"weight\": the mapped tensor has shape [2, 3], the module's "
             "has [3, 2]");
+  // Found from the headers, before anything was read: "bias" and "steps" were not loaded either.
+  EXPECT_TRUE(at::equal(tiny.bias, at::zeros({3})));
+  EXPECT_EQ(tiny.steps.item<int64_t>(), 0);
   const auto stats = st::load_into(tiny, source, st::identity({"bias"}),
                                    {.allow_unused_inputs = true, .allow_missing = true});
   EXPECT_EQ(stats.outputs, 1U);

@@ -81,6 +81,11 @@ class Mapper {
   [[nodiscard]] std::vector<std::string> outputs() const;
   /// Input keys that groups given to other ranks by `shard` read: not used here, not unused either.
   [[nodiscard]] const std::vector<std::string>& elsewhere() const;
+  /// True when group `group`'s function also works on meta tensors (shapes and dtypes, no data,
+  /// no communication), so its output shapes can be derived before anything is read
+  /// (infer_shapes in stream.hpp). True for every built-in leaf except gather_full, and for a
+  /// merged group when it holds for each of its parts.
+  [[nodiscard]] bool runs_on_meta(std::size_t group) const;
 
   /// Applies group number `group` (an index into groups()) to `inputs`, which must hold exactly
   /// its input keys; returns exactly its output keys. std::invalid_argument naming the operation
@@ -106,10 +111,13 @@ using StateMapper = Mapper;
 // ---------------------------------------------------------------------------------------- leaves
 
 /// One group with a custom function: reads `inputs`, must return exactly `outputs`. `op` names it
-/// in messages. The building block of every other leaf. std::invalid_argument for a key given
-/// twice; at apply, for a function that returns other keys or an undefined tensor.
+/// in messages. The building block of every other leaf. Pass `runs_on_meta` = true only when the
+/// function also works on meta tensors (no data access such as item(), no communication): streams
+/// then check its output shapes before reading. std::invalid_argument for a key given twice; at
+/// apply, for a function that returns other keys or an undefined tensor.
 [[nodiscard]] Mapper leaf(std::string op, std::vector<std::string> inputs,
-                          std::vector<std::string> outputs, GroupFunction function);
+                          std::vector<std::string> outputs, GroupFunction function,
+                          bool runs_on_meta = false);
 
 /// Each key unchanged (one group per key).
 [[nodiscard]] Mapper identity(const std::vector<std::string>& keys);

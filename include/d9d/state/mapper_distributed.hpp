@@ -60,13 +60,16 @@ inline std::string layout_name(std::string_view op, const ShardLayout& layout) {
   parts.reserve(keys.size());
   const std::string op = detail::layout_name("distribute", layout);
   for (const auto& key : keys) {
-    parts.push_back(leaf(op, {key}, {key}, [key, layout](TensorMap in) {
-      TensorMap out;
-      out.emplace(key, ShardedTensor::distribute(in.at(key), layout.mesh, layout.domain,
-                                                 layout.dims, layout.placements)
-                           .local());
-      return out;
-    }));
+    parts.push_back(leaf(
+        op, {key}, {key},
+        [key, layout](TensorMap in) {
+          TensorMap out;
+          out.emplace(key, ShardedTensor::distribute(in.at(key), layout.mesh, layout.domain,
+                                                     layout.dims, layout.placements)
+                               .local());
+          return out;
+        },
+        /*runs_on_meta=*/true));
   }
   return parallel(parts);
 }

@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -97,17 +98,37 @@ struct StreamStats {
   uint64_t peak_bytes = 0;
 };
 
-/// Options of stream_state and load_into.
+/// Options of stream_state.
 struct StreamOptions {
   /// Accept source keys that no group reads (default: the "unused input" error of validate).
   bool allow_unused_inputs = false;
+  /// Run infer_shapes before reading, so that a group's shape errors come before any data is read.
+  bool check_shapes = true;
 };
+
+/// The dtype and shape of a tensor, known without its data.
+struct TensorSpec {
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+
+  bool operator==(const TensorSpec&) const = default;
+};
+
+/// The dtypes and shapes of the outputs, derived from the source's headers alone: every group with
+/// outputs for which Mapper::runs_on_meta holds is applied to meta tensors (no data, no
+/// allocation), so its errors (tensors that do not stack, a squeeze of a dimension that is not 1,
+/// ...) come now, as std::invalid_argument from apply. Outputs of the other groups are absent.
+/// Checks the mapper's inputs first (validate's missing-input error; unused inputs are allowed
+/// here). Opens each file it needs to read its header.
+[[nodiscard]] std::map<std::string, TensorSpec> infer_shapes(const StateSource& source,
+                                                             const Mapper& mapper);
 
 /// Gets each output: its name and an owned tensor (no longer backed by the file).
 using StreamCallback = std::function<void(const std::string& name, const at::Tensor& tensor)>;
 
 /// Streams `source` through `mapper` (see the file comment); the callback gets every output of a
-/// group as soon as the group is complete. Errors: those of validate (before any read);
+/// group as soon as the group is complete. Errors: those of validate and of infer_shapes (unless
+/// options.check_shapes is false), before any read;
 /// std::runtime_error for a bad or missing file or a tensor missing from the file the index names;
 /// those of Mapper::apply; whatever the callback throws (the stream stops there).
 StreamStats stream_state(const StateSource& source, const Mapper& mapper,
@@ -124,11 +145,12 @@ struct LoadOptions {
 /// Streams `source` through `mapper` into `module`'s parameters and buffers (recursively, by their
 /// dotted names), copying each output in place (dtype and device converted as Tensor::copy_ does;
 /// without recording gradients). Before anything is read, std::invalid_argument for an output the
-/// module has no parameter or buffer for ("extra") and, unless allowed, for a parameter or buffer
-/// no group produces ("missing"), naming the keys. An output whose shape differs from its target
-/// is std::invalid_argument naming both shapes (the targets loaded before it keep their new
-/// values). For a parallelised model, map with distribute (mapper_distributed.hpp) so each rank
-/// reads and copies only its own shards.
+/// module has no parameter or buffer for ("extra"), unless allowed for a parameter or buffer no
+/// group produces ("missing"), naming the keys, and for an output whose shape (from infer_shapes)
+/// differs from its target's, naming both shapes. Outputs of groups that cannot run on meta
+/// tensors are shape-checked when they arrive (the targets loaded before keep their new values).
+/// For a parallelised model, map with distribute (mapper_distributed.hpp) so each rank reads and
+/// copies only its own shards.
 StreamStats load_into(torch::nn::Module& module, const StateSource& source, const Mapper& mapper,
                       const LoadOptions& options = {});
 
