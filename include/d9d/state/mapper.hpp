@@ -2,11 +2,10 @@
 // in independent groups, and by which operation.
 //
 //   namespace st = d9d::state;
-//   st::Mapper m = st::sequential({st::select_child_modules({"w", "b"}, "model"),
-//                                  st::parallel({st::transpose({"w"}, 0, 1),
-//                                  st::identity({"b"})})});
-//   st::validate(m, {"model.w", "model.b"});   // before any data is read
-//   for (const st::MapperGroup& g : m.groups()) { st::TensorMap out = m.apply(g, read(g.inputs)); }
+//   auto m = st::sequential({st::select_child_modules({"w", "b"}, "model"),
+//                            st::parallel({st::transpose({"w"}, 0, 1), st::identity({"b"})})});
+//   st::validate(m, {"model.w", "model.b"});  // before any data is read
+//   for (const auto& g : m.groups()) { st::TensorMap out = m.apply(g, read(g.inputs)); }
 //
 // A Mapper is a list of groups. Each group names the input keys it reads and the output keys it
 // produces, and applies one function to exactly those inputs. Every input key belongs to exactly

@@ -1,10 +1,10 @@
 // d9d/state/mapper_distributed.hpp — state mapper leaves between full tensors and the shards of a
 // device mesh (d9d::ShardedTensor).
 //
-//   const d9d::state::ShardLayout rows{.mesh = mesh, .dims = {"dp_shard"}, .placements =
-//   {d9d::Shard{0}}}; auto m = d9d::state::sequential({d9d::state::rename("hf.w", "w"),
-//   d9d::state::distribute({"w"}, rows)}); d9d::state::load_into(model, source, m);  // every rank
-//   reads and copies only its rows of "w"
+//   namespace st = d9d::state;
+//   const st::ShardLayout rows{.mesh = mesh, .dims = {"dp_shard"}, .placements = {d9d::Shard{0}}};
+//   auto m = st::sequential({st::rename("hf.w", "w"), st::distribute({"w"}, rows)});
+//   st::load_into(model, source, m);  // every rank reads and copies only its rows of "w"
 //
 // distribute: a full tensor in, this rank's local shard out, with no communication (the full
 // tensor is the same on every rank: it comes from the checkpoint). In a stream the full tensor is

@@ -1,13 +1,12 @@
 // d9d/state/stream.hpp — read a checkpoint through a state mapper, one group at a time.
 //
 //   auto source = d9d::state::StateSource::open("ckpt");  // a file, or a directory with an index
-//   auto stats = d9d::state::stream_state(source, mapper, [&](const std::string& name,
-//                                                             const at::Tensor& t) { use(name, t);
-//                                                             });
-//   d9d::state::load_into(*model, source, mapper);         // into parameters and buffers by name
+//   auto stats = d9d::state::stream_state(source, mapper, on_tensor);  // (name, tensor) each
+//   d9d::state::load_into(*model, source, mapper);  // into parameters and buffers by name
 //
 // The stream checks the mapper against the source's keys first (missing or unused input: the
-// errors of d9d::state::validate), then plans: each group needs the files holding its inputs;
+// errors of d9d::state::validate) and the shapes the groups produce from the headers alone
+// (infer_shapes), then plans: each group needs the files holding its inputs;
 // groups are ordered by the first file they need (then by where their data starts), so each file
 // is opened once and closed after the last group needing it. Then, group by group: the inputs are
 // mapped from the file without copying (SafetensorsFile::view), the group is applied, the outputs
