@@ -155,9 +155,11 @@ struct SafetensorsState {
   std::vector<SafetensorsEntry> entries;  // in data order
   std::map<std::string, std::size_t, std::less<>> index;
   std::map<std::string, std::string> metadata;
-  // Pages of a tensor that has been viewed may hold private writes: never dropped.
+  // Pages of a tensor that has been viewed may hold private writes: never dropped by a copy.
   std::mutex mutex;
   std::vector<bool> viewed;
+  // Views of each tensor still alive (release leaves such a tensor alone).
+  std::vector<std::size_t> live_views;
 
   [[noreturn]] void fail(const std::string& what) const {
     throw std::runtime_error(who + ": " + path + ": " + what);
@@ -221,6 +223,7 @@ void SafetensorsState::parse_header() {
     index.emplace(entries[i].name, i);
   }
   viewed.assign(entries.size(), false);
+  live_views.assign(entries.size(), 0);
 }
 
 std::map<std::string, std::string> SafetensorsState::parse_metadata(const Json& value) const {
@@ -505,11 +508,43 @@ at::Tensor SafetensorsFile::view(std::string_view name) const {
   {
     const std::lock_guard<std::mutex> lock(state_->mutex);
     state_->viewed[i] = true;
+    ++state_->live_views[i];
   }
   // The deleter owns a reference to the state, so the mapping lives as long as the tensor.
   return at::from_blob(
-      data, found.shape, [keep = state_](void* /*data*/) mutable { keep.reset(); },
+      data, found.shape,
+      [keep = state_, i](void* /*data*/) mutable {
+        {
+          const std::lock_guard<std::mutex> lock(keep->mutex);
+          --keep->live_views[i];
+        }
+        keep.reset();
+      },
       at::TensorOptions().dtype(found.dtype));
+}
+
+bool SafetensorsFile::release(std::string_view name) const {
+  const SafetensorsEntry& found = state_->find(name);
+  const auto i = static_cast<std::size_t>(&found - state_->entries.data());
+  if (state_->mapping.data() == nullptr) {
+    return false;  // an in-memory image: nothing mapped
+  }
+  const std::lock_guard<std::mutex> lock(state_->mutex);
+  if (state_->live_views[i] != 0) {
+    return false;
+  }
+  // Only pages wholly inside this tensor: the neighbours' may be in use.
+  const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin =
+      reinterpret_cast<std::uintptr_t>(state_->bytes + state_->data_offset + found.begin);
+  const std::uintptr_t first = (begin + page - 1) / page * page;
+  const std::uintptr_t last = (begin + found.nbytes()) / page * page;
+  if (last > first) {
+    // NOLINTNEXTLINE(performance-no-int-to-ptr): page addresses inside our own mapping
+    (void)::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+  }
+  state_->viewed[i] = false;  // private writes, if any, are gone with the pages
+  return true;
 }
 
 NamedTensors SafetensorsFile::tensors() const {

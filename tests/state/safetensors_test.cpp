@@ -30,6 +30,7 @@ using d9d::testing::state::expect_same;
 using d9d::testing::state::file_exists;
 using d9d::testing::state::read_file;
 using d9d::testing::state::reference_tensors;
+using d9d::testing::state::resident_bytes;
 using d9d::testing::state::run_check;
 using d9d::testing::state::scratch_dir;
 using d9d::testing::state::strided_copy;
@@ -228,6 +229,26 @@ TEST(State_SafetensorsFile_View, WritesToAViewSurviveLaterCopiesOfOtherTensors) 
   (void)file.tensor("b");
   EXPECT_TRUE(at::equal(view, at::full_like(big, 3)));
   EXPECT_TRUE(at::equal(file.tensor("a"), at::full_like(big, 3)));
+}
+
+TEST(State_SafetensorsFile_Release, DropsTheMappedPagesOfATensorWithoutLiveViews) {
+  const std::string path = scratch_dir() + "/release.safetensors";
+  const at::Tensor big = at::ones({8 << 20}, at::kByte);  // 8 MiB
+  save_safetensors(path, {{"a", big}, {"b", at::full({16}, 2, at::kByte)}});
+  const SafetensorsFile file(path);
+  const int64_t before = resident_bytes();
+  {
+    at::Tensor view = file.view("a");
+    EXPECT_EQ(view.sum().item<int64_t>(), 8 << 20);  // every page mapped in
+    EXPECT_GT(resident_bytes() - before, 6 << 20);
+    EXPECT_FALSE(file.release("a")) << "a view of it is alive";
+  }
+  EXPECT_TRUE(file.release("a"));
+  EXPECT_LT(resident_bytes() - before, 2 << 20);
+  EXPECT_TRUE(at::equal(file.view("a"), big)) << "mapped from the file again";
+  EXPECT_TRUE(file.release("b"));  // smaller than a page: nothing to drop, nothing wrong
+  EXPECT_FALSE(SafetensorsFile::from_bytes(read_file(path)).release("a")) << "not mapped";
+  EXPECT_THROW((void)file.release("c"), std::out_of_range);
 }
 
 TEST(State_SafetensorsFile_View, MisalignedDataFallsBackToACopy) {

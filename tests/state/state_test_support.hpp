@@ -12,6 +12,7 @@
 #include <iterator>
 #include <stdexcept>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -42,6 +43,15 @@ inline void write_file(const std::string& path, const std::string& bytes) {
 }
 
 inline bool file_exists(const std::string& path) { return std::ifstream(path).good(); }
+
+/// This process's resident memory in bytes (/proc/self/statm): mapped file pages included.
+inline int64_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size = 0;
+  int64_t resident = 0;
+  statm >> size >> resident;
+  return resident * static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
+}
 
 /// A tensor of `dtype` and `shape` holding exactly `bytes` (little-endian element bytes).
 inline at::Tensor from_bytes(const std::vector<uint8_t>& bytes, at::ScalarType dtype,

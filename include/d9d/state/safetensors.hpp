@@ -92,6 +92,14 @@ class SafetensorsFile {
   [[nodiscard]] at::Tensor view(std::string_view name) const;
   /// Every tensor, copied, in data order.
   [[nodiscard]] NamedTensors tensors() const;
+  /// Drops the mapped pages that lie wholly inside tensor `name` from this process's memory
+  /// (madvise MADV_DONTNEED; a later read maps them from the file again), so that reading a large
+  /// file piece by piece does not keep every piece resident. Private writes made earlier through
+  /// views of it are lost in the dropped pages (not in the partial pages at its ends, shared with
+  /// its neighbours): release only what nobody writes to. Does nothing and returns false while a
+  /// view of `name` is alive (from any copy of this object) or for an in-memory image; true when
+  /// the pages were dropped. std::out_of_range for an unknown name.
+  bool release(std::string_view name) const;
 
  private:
   explicit SafetensorsFile(std::shared_ptr<detail::SafetensorsState> state);
