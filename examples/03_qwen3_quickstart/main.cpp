@@ -62,7 +62,12 @@ int run(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, doubl
       std::printf(", MFU %.1f%% of %.0f TFLOP/s", 100.0 * tflops / ctx.world_size() / peak_tflops,
                   peak_tflops);
     }
-    std::printf("\nloss: %.4f -> %.4f\n", result.losses.front(), result.losses.back());
+    if (!result.losses.empty()) {
+      std::printf("\nloss: %.4f -> %.4f\n", result.losses.front(), result.losses.back());
+    } else {
+      std::printf("\nnothing to run: resumed at step %ld of %ld\n",
+                  static_cast<long>(result.start_step), static_cast<long>(cfg.run.total_steps));
+    }
   }
   return 0;
 }

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <d9d/train/config.hpp>
+#include <d9d/util/files.hpp>
 
 namespace d9d {
 namespace {
@@ -288,6 +289,17 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text) {
   exporting.boolean("enabled", cfg.export_model.enabled);
   exporting.string("dtype", cfg.export_model.dtype, {"float32", "bfloat16"});
   exporting.finish();
+
+  Section checkpoint = root.child("checkpoint");
+  checkpoint.integer("every", cfg.checkpoint.every, 0, false);
+  checkpoint.integer("keep", cfg.checkpoint.keep, 1, false);
+  checkpoint.boolean("async", cfg.checkpoint.async);
+  checkpoint.boolean("resume", cfg.checkpoint.resume);
+  checkpoint.string("dir", cfg.checkpoint.dir, {}, false);
+  checkpoint.finish();
+  if (cfg.checkpoint.dir.empty()) {
+    cfg.checkpoint.dir = files::join(cfg.run.output_dir, "checkpoints");
+  }
 
   for (const char* name : {"model", "data"}) {
     if (const Json* section = root.find(name)) {

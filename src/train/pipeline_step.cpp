@@ -126,6 +126,7 @@ std::vector<std::shared_ptr<torch::nn::Module>> PipelineStepCore::stages() const
 }
 
 const pipeline::Program& PipelineStepCore::program() const { return impl_->parts.program; }
+torch::optim::Optimizer& PipelineStepCore::optimizer() { return *impl_->optimizer; }
 
 StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int64_t step) {
   auto& s = *impl_;

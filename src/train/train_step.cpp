@@ -181,6 +181,7 @@ TrainStepCore::~TrainStepCore() = default;
 
 const std::shared_ptr<torch::nn::Module>& TrainStepCore::model() const { return impl_->model; }
 const ProcessGroup& TrainStepCore::dp_group() const { return impl_->dp; }
+torch::optim::Optimizer& TrainStepCore::optimizer() { return *impl_->optimizer; }
 
 StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t step) {
   auto& s = *impl_;

@@ -12,6 +12,7 @@
 #include <d9d/track/jsonl.hpp>
 #include <d9d/track/progress.hpp>
 #include <d9d/track/tensorboard.hpp>
+#include <d9d/train/checkpoint.hpp>
 #include <d9d/train/trainer.hpp>
 #include <d9d/util/files.hpp>
 
@@ -50,6 +51,29 @@ struct TrainerCore::Impl {
   EventBus events;
   std::unique_ptr<TrainStepCore> step;
   std::unique_ptr<PipelineStepCore> pipeline_step;  // pipeline plans (instead of step)
+  std::unique_ptr<Checkpointer> checkpointer;
+  int64_t start_step = 0;  // > 0 when resumed from a checkpoint
+  std::string resumed_from;
+
+  [[nodiscard]] std::vector<std::pair<std::string, at::Tensor>> named_parameters() const {
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    const auto add = [&](const torch::nn::Module& module) {
+      for (const auto& item : module.named_parameters()) {
+        out.emplace_back(item.key(), item.value());
+      }
+    };
+    if (pipeline_step) {
+      for (const auto& stage : pipeline_step->stages()) {
+        add(*stage);
+      }
+    } else {
+      add(*run.model);
+    }
+    return out;
+  }
+  torch::optim::Optimizer& optimizer() const {
+    return pipeline_step ? pipeline_step->optimizer() : step->optimizer();
+  }
   std::optional<data::DistributedSampler> sampler;
   int dp_size = 1;
   int64_t per_rank_batch = 0;
@@ -87,6 +111,27 @@ TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const Devic
   }
   // Randomness after initialisation differs per rank (dropout and the like).
   torch::manual_seed(s.config.run.seed + 1 + static_cast<uint64_t>(s.context.rank()));
+
+  const auto& checkpoint = s.config.checkpoint;
+  if (checkpoint.every > 0 || checkpoint.resume) {
+    s.checkpointer =
+        std::make_unique<Checkpointer>(*s.mesh, checkpoint, checkpoint.dir, s.config.run.seed);
+  }
+  if (checkpoint.resume) {
+    s.resumed_from = s.checkpointer->latest();
+    if (!s.resumed_from.empty()) {
+      s.start_step = s.checkpointer->load(s.resumed_from, s.named_parameters(), s.optimizer());
+      if (s.start_step > s.config.run.total_steps) {
+        throw ConfigError("d9d config: the checkpoint \"" + s.resumed_from + "\" is at step " +
+                          std::to_string(s.start_step) + ", past \"run.total_steps\" = " +
+                          std::to_string(s.config.run.total_steps));
+      }
+      if (s.context.is_main_process()) {
+        s.context.logger().info("resuming from " + s.resumed_from + " (step " +
+                                std::to_string(s.start_step) + ")");
+      }
+    }
+  }
 }
 
 TrainerCore::~TrainerCore() = default;
@@ -144,12 +189,22 @@ TrainResult TrainerCore::train() {
   const int64_t tokens_per_step = cfg.batch.global_batch_size * cfg.batch.sequence_length;
   const auto start = Clock::now();
   auto after_first = start;
-  for (int64_t step = 0; step < cfg.run.total_steps; ++step) {
+  for (int64_t step = s.start_step; step < cfg.run.total_steps; ++step) {
     const auto step_start = Clock::now();
     const StepResult r = this->step(step);
     const double seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
-    if (step == 0) {
+    if (step == s.start_step) {
       after_first = Clock::now();
+    }
+    if (s.checkpointer) {
+      const int64_t done = step + 1;
+      if (cfg.checkpoint.every > 0 &&
+          (done % cfg.checkpoint.every == 0 || done == cfg.run.total_steps)) {
+        s.checkpointer->save(done, done * cfg.batch.global_batch_size, s.named_parameters(),
+                             s.optimizer());
+      } else if (s.checkpointer->pending()) {
+        (void)s.checkpointer->complete(/*wait=*/false);
+      }
     }
     result.losses.push_back(r.loss);
     result.grad_norms.push_back(r.grad_norm);
@@ -181,13 +236,18 @@ TrainResult TrainerCore::train() {
       }
     }
   }
+  if (s.checkpointer) {
+    (void)s.checkpointer->complete(/*wait=*/true);
+    result.checkpoint_dir = s.checkpointer->last_completed();
+  }
   const auto end = Clock::now();
-  result.steps = cfg.run.total_steps;
+  result.start_step = s.start_step;
+  result.resumed_from = s.resumed_from;
+  result.steps = cfg.run.total_steps - s.start_step;
   result.seconds = std::chrono::duration<double>(end - start).count();
   const double timed = std::chrono::duration<double>(end - after_first).count();
-  if (cfg.run.total_steps > 1 && timed > 0) {
-    result.tokens_per_second =
-        static_cast<double>(tokens_per_step * (cfg.run.total_steps - 1)) / timed;
+  if (result.steps > 1 && timed > 0) {
+    result.tokens_per_second = static_cast<double>(tokens_per_step * (result.steps - 1)) / timed;
   }
   s.events.emit(events::TrainEnd{.steps = result.steps, .seconds = result.seconds});
   if (progress) {
@@ -206,7 +266,7 @@ TrainResult TrainerCore::train() {
     }
     s.context.barrier();
   }
-  if (main) {
+  if (main && !result.losses.empty()) {
     s.context.logger().info("done: " + std::to_string(result.steps) + " steps in " +
                             format_number(result.seconds, "%.1f") + " s, loss " +
                             format_number(result.losses.front(), "%.4f") + " -> " +
@@ -219,6 +279,9 @@ TrainResult TrainerCore::train() {
     }
     if (!result.export_dir.empty()) {
       s.context.logger().info("model: " + result.export_dir + " (model.safetensors, config.json)");
+    }
+    if (!result.checkpoint_dir.empty()) {
+      s.context.logger().info("checkpoint: " + result.checkpoint_dir);
     }
   }
   return result;

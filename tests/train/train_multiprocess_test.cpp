@@ -1,6 +1,7 @@
 // Data-parallel and pipelined training on 2 and 4 ranks (Gloo) against a single-process run of the
 // same global batch: losses and parameters must match (fp32, tight tolerance) over several steps.
 #include <cmath>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -189,6 +190,92 @@ TEST(Trainer_Pipeline_Gloo_ws4, DataParallelTimesPipelineAndPp4MatchOneProcess) 
     // dp 2 x pp 2: global batch 8, each replica 2 microbatches of 2.
     expect_pipeline_matches_one_process<d9d::Plan<PipelineMesh, d9d::pipeline::ZeroBubbleH1<>>>(
         env, ctx, "dp2pp2", 2, 8, 2, 4);
+  });
+}
+
+// ---- training checkpoints across meshes --------------------------------------------------------
+
+// Stops a run after step index `last` (as a crash would), once the checkpoint before it is saved.
+template <class T>
+void stop_after(T& trainer, int64_t last) {
+  trainer.template on<d9d::events::StepEnd>([last](const d9d::events::StepEnd& e) {
+    if (e.step == last) {
+      throw std::runtime_error("stopped by the test");
+    }
+  });
+}
+
+d9d::TrainerConfig with_checkpoint(d9d::TrainerConfig cfg, const std::string& dir, int64_t every) {
+  cfg.checkpoint.dir = dir;
+  cfg.checkpoint.every = every;
+  cfg.checkpoint.async = false;
+  return cfg;
+}
+
+TEST(Trainer_Checkpoint_Gloo_ws2, PipelineCheckpointResumesWithoutPipelineAndBack) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
+    const std::string dir = env.scratch_dir() + "/rank" + std::to_string(env.rank());
+    const std::string shared = env.scratch_dir() + "/checkpoints";
+    using PpPlan = d9d::Plan<PipelineMesh, d9d::pipeline::OneFOneB<>>;
+    const auto run = [&](const std::string& out, const std::string& mesh) {
+      return d9d::testing::tiny_run(out, 4, 8, 2, false, 4, mesh);
+    };
+    // The reference: 4 steps in one process, no pipeline, no checkpoint.
+    d9d::Trainer<d9d::Plan<>> straight(local, d9d::Qwen3Provider{},
+                                       d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+                                       run(dir + "/straight", ""));
+    const auto want = straight.train();
+    const auto want_params = straight.core().model()->named_parameters();
+    const auto check = [&](const d9d::TrainResult& got,
+                           const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                           const std::string& name) {
+      EXPECT_EQ(got.start_step, 2) << name;
+      ASSERT_EQ(got.losses.size(), 2U) << name;
+      for (std::size_t i = 0; i < 2; ++i) {
+        EXPECT_NEAR(got.losses[i], want.losses[i + 2], 2e-6 * std::abs(want.losses[i + 2]))
+            << name << " step " << i + 2;
+      }
+      for (const auto& module : modules) {
+        for (const auto& item : module->named_parameters()) {
+          EXPECT_TRUE(
+              at::allclose(item.value(), want_params[item.key()], 1e-5, parameter_atol(ctx)))
+              << name << ": " << item.key();
+        }
+      }
+    };
+
+    // Saved by pp = 2 after 2 steps (each rank its stage), resumed in one process without a
+    // pipeline (each rank reads the shared checkpoint on its own).
+    {
+      d9d::Trainer<PpPlan> first(
+          ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+          with_checkpoint(run(dir + "/pp", R"({"pp": 2})"), shared + "/pp", 2));
+      stop_after(first, 2);
+      EXPECT_THROW((void)first.train(), std::runtime_error);
+    }
+    ctx.barrier();
+    d9d::Trainer<d9d::Plan<>> whole(local, d9d::Qwen3Provider{},
+                                    d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+                                    with_checkpoint(run(dir + "/whole", ""), shared + "/pp", 0));
+    check(whole.train(), whole.core().modules(), "pp2 -> 1");
+
+    // Saved by one process without a pipeline, resumed by pp = 2.
+    if (env.rank() == 0) {
+      d9d::Trainer<d9d::Plan<>> one(local, d9d::Qwen3Provider{},
+                                    d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+                                    with_checkpoint(run(dir + "/one", ""), shared + "/one", 2));
+      stop_after(one, 2);
+      EXPECT_THROW((void)one.train(), std::runtime_error);
+    }
+    ctx.barrier();
+    d9d::Trainer<PpPlan> staged(
+        ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+        with_checkpoint(run(dir + "/staged", R"({"pp": 2})"), shared + "/one", 0));
+    check(staged.train(), staged.core().modules(), "1 -> pp2");
+    ctx.barrier();
   });
 }
 

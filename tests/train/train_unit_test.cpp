@@ -16,6 +16,7 @@
 #include <d9d/train/trainer.hpp>
 #include <d9d/util/files.hpp>
 
+#include "tests/support/error_of.hpp"
 #include "tests/train/train_test_util.hpp"
 
 namespace {
@@ -308,6 +309,150 @@ TEST(Train_Trainer_Local, WritesMetricsTensorBoardAndTheModel) {
   std::string text((std::istreambuf_iterator<char>(config)), std::istreambuf_iterator<char>());
   EXPECT_THAT(text, HasSubstr("\"model_type\": \"qwen3\""));
   EXPECT_THAT(text, HasSubstr("\"num_key_value_heads\": 2"));
+}
+
+}  // namespace
+
+namespace {
+
+// Raised by a StepEnd handler to stop a run after a given step, as a crash would.
+struct Stop : std::runtime_error {
+  Stop() : std::runtime_error("stopped by the test") {}
+};
+
+d9d::TrainerConfig checkpointed(const std::string& dir, bool async, int64_t keep = 2) {
+  auto cfg = d9d::testing::tiny_run(dir, 6, 8, 4);
+  cfg.checkpoint.every = 3;
+  cfg.checkpoint.keep = keep;
+  cfg.checkpoint.async = async;
+  cfg.checkpoint.dir = dir + "/checkpoints";
+  return cfg;
+}
+
+std::string tmp_dir(const std::string& name) {
+  const std::string dir =
+      std::string(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp") +  // NOLINT
+      "/" + name;
+  d9d::files::remove_tree(dir);
+  return dir;
+}
+
+TEST(Train_Checkpoint, ResumedRunContinuesExactlyAsTheUninterruptedOne) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  const auto straight_dir = tmp_dir("ckpt_straight");
+  d9d::Trainer<LocalPlan> straight(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                   d9d::CausalLmTask{},
+                                   d9d::testing::tiny_run(straight_dir, 6, 8, 4));
+  const auto want = straight.train();
+  const auto want_params = parameters_of(straight.core());
+
+  for (const bool async : {false, true}) {
+    const auto dir = tmp_dir(async ? "ckpt_async" : "ckpt_sync");
+    {
+      // Stops after step 4 (index 3): the checkpoint after 3 steps is complete, step 6 never comes.
+      d9d::Trainer<LocalPlan> first(ctx, d9d::Qwen3Provider{},
+                                    d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+                                    checkpointed(dir, async));
+      first.on<d9d::events::StepEnd>([](const d9d::events::StepEnd& e) {
+        if (e.step == 3) {
+          throw Stop();
+        }
+      });
+      EXPECT_THROW((void)first.train(), Stop);
+    }
+    // Synchronous saves complete at once. An asynchronous one completes at the first step
+    // boundary where the writer is done (here: after step index 3, before the stop, unless the
+    // writer was slower than a step); either way no later checkpoint exists.
+    const bool saved = d9d::files::exists(dir + "/checkpoints/step-3/trainer.json");
+    if (!async) {
+      EXPECT_TRUE(saved);
+    }
+    EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-6")) << async;
+    const int64_t from = saved ? 3 : 0;
+
+    d9d::Trainer<LocalPlan> resumed(ctx, d9d::Qwen3Provider{},
+                                    d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+                                    checkpointed(dir, async));
+    const auto got = resumed.train();
+    EXPECT_EQ(got.start_step, from) << async;
+    EXPECT_EQ(got.resumed_from, saved ? dir + "/checkpoints/step-3" : "");
+    EXPECT_EQ(got.checkpoint_dir, dir + "/checkpoints/step-6");
+    ASSERT_EQ(got.losses.size(), static_cast<std::size_t>(6 - from));
+    for (std::size_t i = 0; i < got.losses.size(); ++i) {
+      // Same process, same order of operations: bit-identical (model, AdamW state, data, LR).
+      const auto step = i + static_cast<std::size_t>(from);
+      EXPECT_EQ(got.losses[i], want.losses[step]) << "async " << async << " step " << step;
+    }
+    const auto got_params = parameters_of(resumed.core());
+    for (std::size_t i = 0; i < want_params.size(); ++i) {
+      EXPECT_TRUE(at::equal(got_params[i], want_params[i])) << "parameter " << i;
+    }
+    // A finished run resumes at its end and runs nothing.
+    d9d::Trainer<LocalPlan> again(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                  d9d::CausalLmTask{}, checkpointed(dir, async));
+    const auto none = again.train();
+    EXPECT_EQ(none.start_step, 6);
+    EXPECT_TRUE(none.losses.empty());
+  }
+}
+
+TEST(Train_Checkpoint, KeepsTheLastKAndIgnoresHalfWrittenOnes) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  const auto dir = tmp_dir("ckpt_keep");
+  auto cfg = checkpointed(dir, /*async=*/true, /*keep=*/1);
+  cfg.checkpoint.every = 2;  // saves after steps 2, 4 and 6
+  d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                              d9d::CausalLmTask{}, cfg);
+  (void)run.train();
+  EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-2"));
+  EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-4"));
+  EXPECT_TRUE(d9d::files::exists(dir + "/checkpoints/step-6/rank-0.safetensors"));
+  // What a crash during a save leaves: a .tmp directory with a partial file. It is not read.
+  d9d::files::create_directories(dir + "/checkpoints/step-8.tmp");
+  std::ofstream(dir + "/checkpoints/step-8.tmp/rank-0.safetensors") << "partial";
+  auto longer = cfg;
+  longer.run.total_steps = 8;
+  d9d::Trainer<LocalPlan> resumed(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                  d9d::CausalLmTask{}, longer);
+  const auto result = resumed.train();
+  EXPECT_EQ(result.start_step, 6);
+  EXPECT_EQ(result.losses.size(), 2U);
+  EXPECT_EQ(result.checkpoint_dir, dir + "/checkpoints/step-8");
+  EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-8.tmp"));
+}
+
+TEST(Train_Checkpoint, ErrorsNameTheProblem) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  const auto dir = tmp_dir("ckpt_errors");
+  d9d::files::create_directories(dir + "/checkpoints");
+  std::ofstream(dir + "/checkpoints/checkpoints.json") << "[1, 2]";
+  EXPECT_THAT(d9d::testing::error_of<std::runtime_error>([&] {
+                d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{},
+                                            d9d::testing::RandomWindowsProvider{},
+                                            d9d::CausalLmTask{}, checkpointed(dir, false));
+              }),
+              HasSubstr("is not a checkpoint index"));
+  // A checkpoint of another model: the missing parameter is named.
+  const auto other = tmp_dir("ckpt_other");
+  {
+    auto cfg = checkpointed(other, false);
+    cfg.run.total_steps = 3;
+    d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                d9d::CausalLmTask{}, cfg);
+    (void)run.train();
+  }
+  auto deeper = d9d::TrainerConfig::from_json_text(R"({"run": {"output_dir": ")" + other +
+                                                   R"(", "total_steps": 6, "seed": 5},
+          "batch": {"global_batch_size": 8, "microbatch_size": 4, "sequence_length": 16},
+          "export": {"enabled": false}, "logging": {"progress": false, "jsonl": false,
+          "tensorboard": false}, "model": )" + d9d::testing::tiny_qwen3_json(false, 3) +
+                                                   "}");
+  EXPECT_THAT(d9d::testing::error_of<std::runtime_error>([&] {
+                d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{},
+                                            d9d::testing::RandomWindowsProvider{},
+                                            d9d::CausalLmTask{}, deeper);
+              }),
+              HasSubstr("has no parameter \"model.layers.2."));
 }
 
 }  // namespace

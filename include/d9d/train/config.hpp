@@ -68,6 +68,15 @@ struct ExportConfig {
   std::string dtype = "float32";  ///< "float32" or "bfloat16"
 };
 
+/// Training checkpoints (d9d/train/checkpoint.hpp).
+struct CheckpointConfig {
+  int64_t every = 0;   ///< save after every N optimizer steps (and after the last); 0: never
+  int64_t keep = 2;    ///< complete checkpoints kept (the oldest go first)
+  bool async = true;   ///< write in the background after a host snapshot
+  bool resume = true;  ///< continue from the latest checkpoint in the directory, if any
+  std::string dir;     ///< default <run.output_dir>/checkpoints
+};
+
 /// Every knob of a run.
 struct TrainerConfig {
   RunConfig run;
@@ -79,6 +88,7 @@ struct TrainerConfig {
   DynamicDegrees mesh;  ///< values for the plan's d9d::dynamic degrees
   LoggingConfig logging;
   ExportConfig export_model;
+  CheckpointConfig checkpoint;
   std::map<std::string, std::string> sections;  ///< "model", "data": raw JSON for the providers
 
   /// Parses and validates; ConfigError on any problem.

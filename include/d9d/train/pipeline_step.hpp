@@ -26,6 +26,10 @@
 #include <d9d/train/concepts.hpp>
 #include <d9d/train/train_step.hpp>
 
+namespace torch::optim {
+class Optimizer;
+}  // namespace torch::optim
+
 namespace d9d::detail {
 
 /// The pieces of a pipelined run, type-erased (the trainer fills them from the user's types).
@@ -57,6 +61,8 @@ class PipelineStepCore {
   /// This rank's stage modules.
   [[nodiscard]] std::vector<std::shared_ptr<torch::nn::Module>> stages() const;
   [[nodiscard]] const pipeline::Program& program() const;
+  /// The optimizer (AdamW) over this rank's trained parameters.
+  [[nodiscard]] torch::optim::Optimizer& optimizer();
 
  private:
   struct Impl;

@@ -30,6 +30,10 @@
 #include <d9d/train/config.hpp>
 #include <d9d/train/events.hpp>
 
+namespace torch::optim {
+class Optimizer;
+}  // namespace torch::optim
+
 namespace d9d {
 
 /// The knobs of a TrainStep (normally taken from a TrainerConfig).
@@ -71,6 +75,8 @@ class TrainStepCore {
   [[nodiscard]] const std::shared_ptr<torch::nn::Module>& model() const;
   /// The data-parallel group gradients are reduced over.
   [[nodiscard]] const ProcessGroup& dp_group() const;
+  /// The optimizer (AdamW) over the trained parameters (checkpoints read and restore its state).
+  [[nodiscard]] torch::optim::Optimizer& optimizer();
 
  private:
   struct Impl;

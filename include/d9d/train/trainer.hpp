@@ -12,7 +12,9 @@
 // `run.total_steps` steps: each data-parallel rank reads its strided share of the step's global
 // batch (d9d::data::DistributedSampler), splits it into microbatches, and the step accumulates,
 // reduces, clips and updates. The main rank shows a progress bar and writes metrics.jsonl and a
-// TensorBoard event file; at the end it exports the model (safetensors + config.json).
+// TensorBoard event file; at the end it exports the model (safetensors + config.json). With the
+// config's "checkpoint" section it saves training checkpoints and resumes from the latest one
+// (d9d/train/checkpoint.hpp).
 #pragma once
 
 #include <any>
@@ -39,9 +41,12 @@ namespace d9d {
 /// What a finished run reports (the same on every rank, except the file paths, which are set on
 /// the main rank).
 struct TrainResult {
-  std::vector<double> losses;      ///< per step
-  std::vector<double> grad_norms;  ///< per step, before clipping
-  int64_t steps = 0;
+  std::vector<double> losses;      ///< per step run (from start_step on)
+  std::vector<double> grad_norms;  ///< per step run, before clipping
+  int64_t start_step = 0;          ///< the checkpoint's step when resumed, else 0
+  std::string resumed_from;        ///< the checkpoint resumed from (empty when none)
+  std::string checkpoint_dir;      ///< the last checkpoint written (empty when none)
+  int64_t steps = 0;               ///< steps run
   double seconds = 0.0;
   double tokens_per_second = 0.0;  ///< over all ranks, after the first step
   std::string metrics_path;        ///< metrics.jsonl (empty when disabled)

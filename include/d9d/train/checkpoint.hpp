@@ -1,0 +1,84 @@
+// d9d/train/checkpoint.hpp — training checkpoints: what Trainer<Plan> saves to resume a run.
+//
+//   "checkpoint": {"every": 100, "keep": 2, "async": true, "resume": true}   // in the config
+//
+// A checkpoint is a directory <output_dir>/checkpoints/step-<N> (N = optimizer steps done):
+//   rank-<r>.safetensors  one per rank. Ranks of data-parallel coordinate 0 (one replica) store
+//                         "model/<name>" for every parameter they train (the whole model, or their
+//                         pipeline stages: parameter names are the whole model's) and AdamW's state
+//                         "optim/<name>/exp_avg", ".../exp_avg_sq", ".../step"; every rank stores
+//                         its random generators ("rng/cpu", "rng/cuda").
+//   trainer.json          written last by rank 0: step, samples seen, world size, mesh.
+// <output_dir>/checkpoints/checkpoints.json names the latest complete checkpoint and the kept
+// ones. Ranks write into step-<N>.tmp; after every rank has written, rank 0 writes trainer.json,
+// renames the directory to step-<N>, then replaces checkpoints.json (write + rename) and removes
+// checkpoints beyond `keep`. A crash at any point leaves checkpoints.json naming a complete
+// checkpoint (or none): a half-written step-<N>.tmp is never read and is removed by the next save
+// of that step.
+//
+// Loading reads every rank file's header and takes each tensor by name, so a run may resume on
+// another mesh (other pipeline split, other data-parallel degree). The sampler and the learning
+// rate are functions of the step, so the data position and the schedule follow from it; the
+// random generators are restored when the world size is unchanged and reseeded from (seed, rank,
+// step) otherwise. With "async", a save copies the state to host memory (the fast snapshot) and a
+// background thread writes the files while training continues; the checkpoint is completed at the
+// first step boundary where every rank's writer is done (one small all-reduce per step while a
+// save is pending) and at the end of training.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include <d9d/core/device_mesh.hpp>
+#include <d9d/train/config.hpp>
+
+namespace torch::optim {
+class Optimizer;
+}  // namespace torch::optim
+
+namespace d9d::detail {
+
+/// One rank's view of the training checkpoints of a run (collective operations are marked).
+class Checkpointer {
+ public:
+  Checkpointer(const DeviceMesh& mesh, CheckpointConfig config, std::string dir, uint64_t seed);
+  ~Checkpointer();  ///< waits for a background write (without completing the checkpoint)
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+  Checkpointer(Checkpointer&&) = delete;
+  Checkpointer& operator=(Checkpointer&&) = delete;
+
+  /// The directory of the latest complete checkpoint, or "" when there is none.
+  [[nodiscard]] std::string latest() const;
+
+  /// Loads `path` (a step-<N> directory) into `parameters` (by name) and the optimizer's state;
+  /// returns N. std::runtime_error names a missing tensor or a shape mismatch.
+  int64_t load(const std::string& path,
+               const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+               torch::optim::Optimizer& optimizer);
+
+  /// Collective: snapshots this rank's state after `step` optimizer steps and writes it (in the
+  /// background when async). A pending save is completed first.
+  void save(int64_t step, int64_t samples_seen,
+            const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+            const torch::optim::Optimizer& optimizer);
+
+  /// Collective: completes a pending save once every rank has written (`wait`: waits for that).
+  /// Returns the completed checkpoint's directory, or "".
+  std::string complete(bool wait);
+
+  [[nodiscard]] bool pending() const;
+  /// The directory of the last checkpoint this run completed ("" when none).
+  [[nodiscard]] const std::string& last_completed() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace d9d::detail
