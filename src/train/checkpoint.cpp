@@ -297,8 +297,8 @@ std::string Checkpointer::complete(bool wait) {
       files::remove_tree(files::join(s.dir, name));
     }
     s.context.logger().info("checkpoint: " + final_dir + " complete (step " +
-                            std::to_string(s.pending_step) + ", " +
-                            std::to_string(kept.size()) + " kept)");
+                            std::to_string(s.pending_step) + ", " + std::to_string(kept.size()) +
+                            " kept)");
   }
   s.pending_step = -1;
   s.last = final_dir;
