@@ -259,9 +259,9 @@ void check_load(const std::vector<std::string>& dirs, Layout l, int seed) {
         const auto want = d9d::ShardedTensor::distribute(full, layout.mesh, layout.domain,
                                                          layout.dims, layout.placements)
                               .local();
-        expect_bit_identical(got.at(name), want,
-                             dir + " -> " + layout_label(l) + " rank " +
-                                 std::to_string(ctx.rank()) + " " + name);
+        expect_bit_identical(
+            got.at(name), want,
+            dir + " -> " + layout_label(l) + " rank " + std::to_string(ctx.rank()) + " " + name);
       }
     }
   });
@@ -285,16 +285,16 @@ std::vector<std::string> matrix_dirs() {
 
 // 6 layouts saved, each loaded on all 6 layouts: 36 pairs (1<->2<->4 ranks, replicate <->
 // sharded, a 2x2 mesh), bit-identical.
-#define D9D_SAVE_CASE(L)                                                          \
-  TEST(State_DistributedSave_Gloo, Save_##L) {                                    \
-    const std::string dir = shared_root() + "/" + layout_label(Layout::L);        \
-    save_layout(dir, Layout::L, /*seed=*/1);                                      \
-    EXPECT_TRUE(d9d::files::exists(dir + "/" + st::kDistributedIndexName));       \
-    EXPECT_FALSE(d9d::files::exists(dir + ".partial"));                           \
+#define D9D_SAVE_CASE(L)                                                    \
+  TEST(State_DistributedSave_Gloo, Save_##L) {                              \
+    const std::string dir = shared_root() + "/" + layout_label(Layout::L);  \
+    save_layout(dir, Layout::L, /*seed=*/1);                                \
+    EXPECT_TRUE(d9d::files::exists(dir + "/" + st::kDistributedIndexName)); \
+    EXPECT_FALSE(d9d::files::exists(dir + ".partial"));                     \
   }
-#define D9D_LOAD_CASE(L)                                                          \
-  TEST(State_DistributedSave_Gloo, LoadAllSavedLayoutsAs_##L) {                   \
-    check_load(matrix_dirs(), Layout::L, /*seed=*/1);                             \
+#define D9D_LOAD_CASE(L)                                        \
+  TEST(State_DistributedSave_Gloo, LoadAllSavedLayoutsAs_##L) { \
+    check_load(matrix_dirs(), Layout::L, /*seed=*/1);           \
   }
 D9D_SAVE_CASE(rep1)
 D9D_SAVE_CASE(shard2)

@@ -10,8 +10,9 @@
 // a plain tensor by the lowest rank that passes it. Rank r writes model-rank{r}-of-{n}.safetensors;
 // each piece is stored under "<name>" when it covers the whole tensor, else "<name>@<o0>,<o1>..."
 // (its offsets). Rank 0 gathers the descriptions of every piece and writes
-// model.safetensors.index.json: "metadata.total_size", "weight_map" (piece -> file) and "d9d_pieces"
-// (piece -> {name, shape (global), offsets, lengths}), so stages of a pipeline merge into one index.
+// model.safetensors.index.json: "metadata.total_size", "weight_map" (piece -> file) and
+// "d9d_pieces" (piece -> {name, shape (global), offsets, lengths}), so stages of a pipeline merge
+// into one index.
 //
 // Atomic protocol (crash table in docs/state.md): rank 0 empties `<dir>.partial`; barrier; every
 // rank writes its file there (tmp + fsync + rename); rank 0 gathers, writes the index (tmp + fsync
@@ -25,16 +26,15 @@
 // core), which the state library does not depend on (as mapper_distributed.hpp).
 #pragma once
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdint>
+#include <fcntl.h>
 #include <functional>
 #include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <unistd.h>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -91,8 +91,8 @@ struct DistPiece {
 };
 
 inline void to_json(nlohmann::json& j, const DistPiece& p) {
-  j = nlohmann::json{{"key", p.key},         {"name", p.name},       {"file", p.file},
-                     {"shape", p.shape},     {"offsets", p.offsets}, {"lengths", p.lengths},
+  j = nlohmann::json{{"key", p.key},      {"name", p.name},       {"file", p.file},
+                     {"shape", p.shape},  {"offsets", p.offsets}, {"lengths", p.lengths},
                      {"nbytes", p.nbytes}};
 }
 
@@ -309,7 +309,8 @@ inline void save_distributed(const DistributedContext& ctx, const std::string& d
     const std::string& dir, const std::vector<DistributedLoadTarget>& targets,
     bool progress = false) {
   const std::string root = files::exists(dir) || !files::exists(dir + ".old") ? dir : dir + ".old";
-  const auto index = nlohmann::json::parse(detail::read_text(files::join(root, kDistributedIndexName)));
+  const auto index =
+      nlohmann::json::parse(detail::read_text(files::join(root, kDistributedIndexName)));
   std::map<std::string, std::vector<detail::DistPiece>> by_name;
   for (const auto& [key, value] : index.at("d9d_pieces").items()) {
     auto p = value.get<detail::DistPiece>();
@@ -363,8 +364,7 @@ inline void save_distributed(const DistributedContext& ctx, const std::string& d
       bool empty = false;
       for (std::size_t d = 0; d < want.size(); ++d) {
         const int64_t lo = std::max(want[d].offset, p.offsets[d]);
-        const int64_t hi =
-            std::min(want[d].offset + want[d].length, p.offsets[d] + p.lengths[d]);
+        const int64_t hi = std::min(want[d].offset + want[d].length, p.offsets[d] + p.lengths[d]);
         if (hi <= lo) {
           empty = true;
           break;
