@@ -73,6 +73,20 @@ std::string printable(std::string_view text, std::size_t max_bytes) {
   return out;
 }
 
+std::string quoted(std::string_view text, std::size_t max_bytes) {
+  return "\"" + printable(text, max_bytes) + "\"";
+}
+
+std::string quoted_key(std::string_view key) { return quoted(key, 200); }
+
+std::string shape_string(c10::IntArrayRef sizes) {
+  std::string out = "[";
+  for (std::size_t d = 0; d < sizes.size(); ++d) {
+    out += (d == 0 ? "" : ", ") + std::to_string(sizes[d]);
+  }
+  return out + "]";
+}
+
 std::string short_dump(const Json& json, std::size_t max_bytes) {
   std::string text = json.dump(-1, ' ', false, Json::error_handler_t::replace);
   if (text.size() > max_bytes) {

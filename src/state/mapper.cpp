@@ -92,34 +92,7 @@ namespace {
 using detail::MapperAccess;
 using detail::Part;
 
-constexpr std::size_t kMaxListed = 8;
 constexpr std::size_t kMaxOpChars = 160;
-
-std::string in_quotes(std::string_view key) { return "\"" + detail::printable(key, 200) + "\""; }
-
-// "a", "b", "c" — at most kMaxListed names, then "(and N more)".
-template <class Range>
-std::string list_keys(const Range& keys) {
-  std::string out;
-  std::size_t n = 0;
-  for (const auto& key : keys) {
-    if (n == kMaxListed) {
-      out += " (and " + std::to_string(std::size(keys) - kMaxListed) + " more)";
-      break;
-    }
-    out += (n == 0 ? "" : ", ") + in_quotes(key);
-    ++n;
-  }
-  return out;
-}
-
-std::string shape_of(const at::Tensor& tensor) {
-  std::string out = "[";
-  for (int64_t d = 0; d < tensor.dim(); ++d) {
-    out += (d == 0 ? "" : ", ") + std::to_string(tensor.size(d));
-  }
-  return out + "]";
-}
 
 // Ops of merged groups, joined and cut so that a message stays readable.
 std::string join_ops(const std::vector<const Part*>& parts, std::string_view separator) {
@@ -194,8 +167,9 @@ Mapper combine(std::vector<Part> parts, std::vector<std::string> elsewhere, cons
       const auto [it, fresh] = producer.emplace(key, i);
       if (!fresh) {
         const Part& first = parts[it->second];
-        throw std::invalid_argument(who + ": output " + in_quotes(key) + " is produced twice: by " +
-                                    source_name(first) + " and by " + source_name(parts[i]) +
+        throw std::invalid_argument(who + ": output " + detail::quoted_key(key) +
+                                    " is produced twice: by " + source_name(first) + " and by " +
+                                    source_name(parts[i]) +
                                     ". Fix: each output key must come from one group");
       }
     }
@@ -252,7 +226,7 @@ void check_unique(const std::vector<std::string>& keys, const std::string& who,
   std::set<std::string_view> seen;
   for (const auto& key : keys) {
     if (!seen.insert(key).second) {
-      throw std::invalid_argument(who + ": " + std::string(what) + " " + in_quotes(key) +
+      throw std::invalid_argument(who + ": " + std::string(what) + " " + detail::quoted_key(key) +
                                   " is given twice");
     }
   }
@@ -276,8 +250,8 @@ Part leaf_part(std::string op, std::vector<std::string> inputs, std::vector<std:
   GroupFunction checked = [who, outputs, function = std::move(function)](TensorMap in) {
     std::string given;
     for (const auto& [key, tensor] : in) {
-      given += (given.empty() ? "" : ", ") + in_quotes(key) + " " +
-               (tensor.defined() ? shape_of(tensor) : "(undefined)");
+      given += (given.empty() ? "" : ", ") + detail::quoted_key(key) + " " +
+               (tensor.defined() ? detail::shape_string(tensor.sizes()) : "(undefined)");
     }
     TensorMap out;
     try {
@@ -290,13 +264,15 @@ Part leaf_part(std::string op, std::vector<std::string> inputs, std::vector<std:
     std::vector<std::string> got;
     for (const auto& [key, tensor] : out) {
       if (!tensor.defined()) {
-        throw std::invalid_argument(who + ": returned an undefined tensor for " + in_quotes(key));
+        throw std::invalid_argument(who + ": returned an undefined tensor for " +
+                                    detail::quoted_key(key));
       }
       got.push_back(key);
     }
     if (got != outputs) {
-      throw std::invalid_argument(who + ": returned " + list_keys(got) + " but declares " +
-                                  list_keys(outputs) + ". Fix: return exactly the output keys");
+      throw std::invalid_argument(who + ": returned " + detail::quoted_keys(got) +
+                                  " but declares " + detail::quoted_keys(outputs) +
+                                  ". Fix: return exactly the output keys");
     }
     return out;
   };
@@ -364,9 +340,9 @@ Mapper chain(const Mapper& a, const Mapper& b, std::size_t a_number) {
   }
   if (!missing.empty()) {
     throw std::invalid_argument(
-        who + ": " + b_name + " needs " + list_keys(missing) + " (first needed by " +
+        who + ": " + b_name + " needs " + detail::quoted_keys(missing) + " (first needed by " +
         first_missing_op + "), which " + a_name + " does not produce (it produces " +
-        std::to_string(producer.size()) + " keys: " + list_keys(a.outputs()) + ")");
+        std::to_string(producer.size()) + " keys: " + detail::quoted_keys(a.outputs()) + ")");
   }
   std::vector<std::string> unused;
   std::string first_unused_op;
@@ -380,7 +356,7 @@ Mapper chain(const Mapper& a, const Mapper& b, std::size_t a_number) {
     }
   }
   if (!unused.empty()) {
-    throw std::invalid_argument(who + ": " + a_name + " produces " + list_keys(unused) +
+    throw std::invalid_argument(who + ": " + a_name + " produces " + detail::quoted_keys(unused) +
                                 " (first from " + first_unused_op + "), which " + b_name +
                                 " does not use. Fix: add identity or drop for them to " + b_name);
   }
@@ -504,7 +480,7 @@ TensorMap Mapper::apply(std::size_t group, TensorMap inputs) const {
     }
   }
   if (!missing.empty()) {
-    throw std::invalid_argument(who + ": group " + g.op + " needs " + list_keys(missing) +
+    throw std::invalid_argument(who + ": group " + g.op + " needs " + detail::quoted_keys(missing) +
                                 ", which the inputs given lack");
   }
   if (inputs.size() != g.inputs.size()) {
@@ -514,12 +490,13 @@ TensorMap Mapper::apply(std::size_t group, TensorMap inputs) const {
         extra.push_back(key);
       }
     }
-    throw std::invalid_argument(who + ": group " + g.op + " does not read " + list_keys(extra) +
+    throw std::invalid_argument(who + ": group " + g.op + " does not read " +
+                                detail::quoted_keys(extra) +
                                 ". Fix: pass exactly the group's inputs");
   }
   for (const auto& [key, tensor] : inputs) {
     if (!tensor.defined()) {
-      throw std::invalid_argument(who + ": group " + g.op + ": input " + in_quotes(key) +
+      throw std::invalid_argument(who + ": group " + g.op + ": input " + detail::quoted_key(key) +
                                   " is an undefined tensor");
     }
   }
@@ -538,7 +515,8 @@ TensorMap Mapper::apply(const MapperGroup& group, TensorMap inputs) const {
     }
   }
   throw std::invalid_argument("d9d::state::Mapper::apply: the group " + group.op + " (inputs " +
-                              list_keys(group.inputs) + ") is not a group of this mapper");
+                              detail::quoted_keys(group.inputs) +
+                              ") is not a group of this mapper");
 }
 
 TensorMap Mapper::apply_all(const TensorMap& inputs) const {
@@ -549,8 +527,8 @@ TensorMap Mapper::apply_all(const TensorMap& inputs) const {
     for (const auto& key : g.inputs) {
       const auto it = inputs.find(key);
       if (it == inputs.end()) {
-        throw std::invalid_argument("d9d::state::Mapper::apply_all: no input " + in_quotes(key) +
-                                    " (needed by " + g.op + ")");
+        throw std::invalid_argument("d9d::state::Mapper::apply_all: no input " +
+                                    detail::quoted_key(key) + " (needed by " + g.op + ")");
       }
       sub.emplace(key, it->second);
     }
@@ -580,12 +558,13 @@ Mapper rename(const std::vector<std::pair<std::string, std::string>>& from_to) {
   std::vector<Part> parts;
   parts.reserve(from_to.size());
   for (const auto& [from, to] : from_to) {
-    parts.push_back(leaf_part("rename(" + in_quotes(from) + " -> " + in_quotes(to) + ")", {from},
-                              {to}, [from = from, to = to](TensorMap in) {
-                                TensorMap out;
-                                out.emplace(to, in.at(from));
-                                return out;
-                              }));
+    parts.push_back(
+        leaf_part("rename(" + detail::quoted_key(from) + " -> " + detail::quoted_key(to) + ")",
+                  {from}, {to}, [from = from, to = to](TensorMap in) {
+                    TensorMap out;
+                    out.emplace(to, in.at(from));
+                    return out;
+                  }));
   }
   return many("rename", std::move(parts));
 }
@@ -596,8 +575,8 @@ Mapper rename_prefix(const std::vector<std::string>& keys, std::string_view from
   from_to.reserve(keys.size());
   for (const auto& key : keys) {
     if (!std::string_view(key).starts_with(from_prefix)) {
-      throw std::invalid_argument("d9d::state::rename_prefix: key " + in_quotes(key) +
-                                  " does not start with " + in_quotes(from_prefix));
+      throw std::invalid_argument("d9d::state::rename_prefix: key " + detail::quoted_key(key) +
+                                  " does not start with " + detail::quoted_key(from_prefix));
     }
     from_to.emplace_back(key, std::string(to_prefix) + key.substr(from_prefix.size()));
   }
@@ -635,9 +614,9 @@ Mapper squeeze(const std::vector<std::string>& keys, int64_t dim) {
   const std::string op = "squeeze(dim " + std::to_string(dim) + ")";
   return per_key("squeeze", op, keys, [op, dim](const at::Tensor& t) {
     if (t.size(dim) != 1) {
-      throw std::invalid_argument("d9d::state::" + op + ": a tensor of shape " + shape_of(t) +
-                                  " has size " + std::to_string(t.size(dim)) + ", not 1, at dim " +
-                                  std::to_string(dim));
+      throw std::invalid_argument(
+          "d9d::state::" + op + ": a tensor of shape " + detail::shape_string(t.sizes()) +
+          " has size " + std::to_string(t.size(dim)) + ", not 1, at dim " + std::to_string(dim));
     }
     return t.squeeze(dim);
   });
@@ -648,13 +627,18 @@ Mapper unsqueeze(const std::vector<std::string>& keys, int64_t dim) {
                  [dim](const at::Tensor& t) { return t.unsqueeze(dim); });
 }
 
-Mapper stack(const std::vector<std::string>& inputs, const std::string& output, int64_t dim) {
+namespace {
+
+// stack / concatenate: `inputs` in order joined by `join` along `dim` into `output`.
+Mapper join_inputs(const char* name, at::Tensor (*join)(at::TensorList, int64_t),
+                   const std::vector<std::string>& inputs, const std::string& output, int64_t dim) {
   if (inputs.empty()) {
-    throw std::invalid_argument("d9d::state::stack: no inputs for " + in_quotes(output));
+    throw std::invalid_argument("d9d::state::" + std::string(name) + ": no inputs for " +
+                                detail::quoted_key(output));
   }
   return leaf(
-      "stack(dim " + std::to_string(dim) + ")", inputs, {output},
-      [inputs, output, dim](TensorMap in) {
+      std::string(name) + "(dim " + std::to_string(dim) + ")", inputs, {output},
+      [inputs, output, dim, join](TensorMap in) {
         std::vector<at::Tensor> tensors;
         tensors.reserve(inputs.size());
         for (const auto& key : inputs) {
@@ -662,25 +646,33 @@ Mapper stack(const std::vector<std::string>& inputs, const std::string& output, 
         }
         in.clear();
         TensorMap out;
-        out.emplace(output, at::stack(tensors, dim));
+        out.emplace(output, join(tensors, dim));
         return out;
       },
       /*runs_on_meta=*/true);
 }
 
+}  // namespace
+
+Mapper stack(const std::vector<std::string>& inputs, const std::string& output, int64_t dim) {
+  return join_inputs(
+      "stack", [](at::TensorList t, int64_t d) { return at::stack(t, d); }, inputs, output, dim);
+}
+
 Mapper unstack(const std::string& input, const std::vector<std::string>& outputs, int64_t dim) {
   const std::string op = "unstack(dim " + std::to_string(dim) + ")";
   if (outputs.empty()) {
-    throw std::invalid_argument("d9d::state::unstack: no outputs for " + in_quotes(input));
+    throw std::invalid_argument("d9d::state::unstack: no outputs for " + detail::quoted_key(input));
   }
   return leaf(
       op, {input}, outputs,
       [op, input, outputs, dim](TensorMap in) {
         const at::Tensor t = in.at(input);
         if (t.size(dim) != static_cast<int64_t>(outputs.size())) {
-          throw std::invalid_argument("d9d::state::" + op + ": " + in_quotes(input) + " " +
-                                      shape_of(t) + " has " + std::to_string(t.size(dim)) +
-                                      " slices at dim " + std::to_string(dim) + ", but " +
+          throw std::invalid_argument("d9d::state::" + op + ": " + detail::quoted_key(input) + " " +
+                                      detail::shape_string(t.sizes()) + " has " +
+                                      std::to_string(t.size(dim)) + " slices at dim " +
+                                      std::to_string(dim) + ", but " +
                                       std::to_string(outputs.size()) + " outputs are declared");
         }
         TensorMap out;
@@ -693,28 +685,14 @@ Mapper unstack(const std::string& input, const std::vector<std::string>& outputs
 }
 
 Mapper concatenate(const std::vector<std::string>& inputs, const std::string& output, int64_t dim) {
-  if (inputs.empty()) {
-    throw std::invalid_argument("d9d::state::concatenate: no inputs for " + in_quotes(output));
-  }
-  return leaf(
-      "concatenate(dim " + std::to_string(dim) + ")", inputs, {output},
-      [inputs, output, dim](TensorMap in) {
-        std::vector<at::Tensor> tensors;
-        tensors.reserve(inputs.size());
-        for (const auto& key : inputs) {
-          tensors.push_back(in.at(key));
-        }
-        in.clear();
-        TensorMap out;
-        out.emplace(output, at::cat(tensors, dim));
-        return out;
-      },
-      /*runs_on_meta=*/true);
+  return join_inputs(
+      "concatenate", [](at::TensorList t, int64_t d) { return at::cat(t, d); }, inputs, output,
+      dim);
 }
 
 Mapper chunk(const std::string& input, const std::vector<std::string>& outputs, int64_t dim) {
   if (outputs.empty()) {
-    throw std::invalid_argument("d9d::state::chunk: no outputs for " + in_quotes(input));
+    throw std::invalid_argument("d9d::state::chunk: no outputs for " + detail::quoted_key(input));
   }
   return leaf(
       "chunk(dim " + std::to_string(dim) + ")", {input}, outputs,
@@ -835,7 +813,7 @@ void validate(const Mapper& mapper, const std::vector<std::string>& available_in
   if (!missing.empty()) {
     throw std::invalid_argument(
         who + ": missing input: " + std::to_string(missing.size()) + " key(s) the mapper reads " +
-        "are not in the source: " + list_keys(missing) + " (the first needed by " +
+        "are not in the source: " + detail::quoted_keys(missing) + " (the first needed by " +
         needed_by.front() + "). Fix: check the checkpoint's names or map them from keys it has");
   }
   if (options.allow_unused_inputs) {
@@ -851,7 +829,7 @@ void validate(const Mapper& mapper, const std::vector<std::string>& available_in
   if (!unused.empty()) {
     throw std::invalid_argument(
         who + ": unused input: " + std::to_string(unused.size()) + " key(s) of the source are " +
-        "read by no group: " + list_keys(unused) +
+        "read by no group: " + detail::quoted_keys(unused) +
         ". Fix: map them (identity, rename, ...), drop them, or set allow_unused_inputs");
   }
 }

@@ -85,8 +85,6 @@ std::string no_name(at::ScalarType dtype) {
          " has no safetensors name here (supported: " + supported_names() + ")";
 }
 
-std::string in_quotes(std::string_view name) { return "\"" + detail::printable(name) + "\""; }
-
 // A read-only view of a file, mapped private and copy-on-write (so zero-copy tensors over it may
 // be written to without touching the file). Unmapped on destruction.
 class Mapping {
@@ -165,7 +163,7 @@ struct SafetensorsState {
     throw std::runtime_error(who + ": " + path + ": " + what);
   }
   [[noreturn]] void fail(std::string_view tensor, const std::string& what) const {
-    fail("tensor " + in_quotes(tensor) + ": " + what);
+    fail("tensor " + detail::quoted(tensor) + ": " + what);
   }
   [[nodiscard]] const SafetensorsEntry& find(std::string_view name) const;
   [[nodiscard]] at::Tensor copy(std::size_t i);
@@ -204,7 +202,7 @@ void SafetensorsState::parse_header() {
     const std::string where = error.top_key().empty() ? "header: "
                               : error.top_key() == kMetadataKey
                                   ? "\"__metadata__\": "
-                                  : "tensor " + in_quotes(error.top_key()) + ": ";
+                                  : "tensor " + detail::quoted(error.top_key()) + ": ";
     fail(where + error.what());
   }
   if (!json.is_object()) {
@@ -233,7 +231,7 @@ std::map<std::string, std::string> SafetensorsState::parse_metadata(const Json& 
   std::map<std::string, std::string> result;
   for (const auto& [key, item] : value.items()) {
     if (!item.is_string()) {
-      fail("\"__metadata__\" value of " + in_quotes(key) + " is not a string but " +
+      fail("\"__metadata__\" value of " + detail::quoted(key) + " is not a string but " +
            detail::short_dump(item));
     }
     result.emplace(key, item.get<std::string>());
@@ -329,7 +327,7 @@ void SafetensorsState::check_layout(uint64_t data_size) {
     if (entry.begin < covered) {
       fail(entry.name, "its bytes [" + std::to_string(entry.begin) + ", " +
                            std::to_string(entry.end) + ") overlap tensor " +
-                           in_quotes(previous->name) + " (ends at " + std::to_string(covered) +
+                           detail::quoted(previous->name) + " (ends at " + std::to_string(covered) +
                            ")");
     }
     if (entry.begin > covered) {
@@ -351,9 +349,9 @@ const SafetensorsEntry& SafetensorsState::find(std::string_view name) const {
   if (found == index.end()) {
     std::string names;
     for (std::size_t i = 0; i < entries.size() && i < 8; ++i) {
-      names += (i == 0 ? "" : ", ") + in_quotes(entries[i].name);
+      names += (i == 0 ? "" : ", ") + detail::quoted(entries[i].name);
     }
-    throw std::out_of_range(who + ": " + path + ": no tensor " + in_quotes(name) +
+    throw std::out_of_range(who + ": " + path + ": no tensor " + detail::quoted(name) +
                             " (the file has " + std::to_string(entries.size()) +
                             (entries.empty() ? "" : ": ") + names +
                             (entries.size() > 8 ? ", ..." : "") + ")");
@@ -580,18 +578,19 @@ Plan plan_file(const NamedTensors& tensors, const std::map<std::string, std::str
       throw std::invalid_argument(who + "\"__metadata__\" is reserved and cannot name a tensor");
     }
     if (header.contains(name)) {
-      throw std::invalid_argument(who + "tensor name " + in_quotes(name) + " is given twice");
+      throw std::invalid_argument(who + "tensor name " + detail::quoted(name) + " is given twice");
     }
     if (!tensor.defined()) {
-      throw std::invalid_argument(who + "tensor " + in_quotes(name) + " is undefined");
+      throw std::invalid_argument(who + "tensor " + detail::quoted(name) + " is undefined");
     }
     if (tensor.layout() != at::kStrided) {
-      throw std::invalid_argument(who + "tensor " + in_quotes(name) + " is not strided (layout " +
-                                  c10::str(tensor.layout()) + "); convert it with to_dense()");
+      throw std::invalid_argument(who + "tensor " + detail::quoted(name) +
+                                  " is not strided (layout " + c10::str(tensor.layout()) +
+                                  "); convert it with to_dense()");
     }
     const std::string_view dtype = name_of(tensor.scalar_type());
     if (dtype.empty()) {
-      throw std::invalid_argument(who + "tensor " + in_quotes(name) + ": " +
+      throw std::invalid_argument(who + "tensor " + detail::quoted(name) + ": " +
                                   no_name(tensor.scalar_type()));
     }
     // Conjugate and negative views are lazy bits on the tensor: make them real values first.

@@ -21,8 +21,6 @@ using detail::Json;
 
 namespace {
 
-std::string in_quotes(std::string_view name) { return "\"" + detail::printable(name) + "\""; }
-
 // True for "model-<digits>-of-<digits>.safetensors" (at least 5 digits each): a shard name.
 bool is_shard_name(std::string_view name) {
   constexpr std::string_view kPrefix = "model-";
@@ -94,27 +92,28 @@ void check_inputs(const NamedTensors& tensors, const std::map<std::string, std::
       throw std::invalid_argument(who + "\"__metadata__\" is reserved and cannot name a tensor");
     }
     if (!names.insert(name).second) {
-      throw std::invalid_argument(who + "tensor name " + in_quotes(name) + " is given twice");
+      throw std::invalid_argument(who + "tensor name " + detail::quoted(name) + " is given twice");
     }
     if (detail::first_invalid_utf8(name) != std::string_view::npos) {
-      throw std::invalid_argument(who + "tensor name " + in_quotes(name) + " is not valid UTF-8");
+      throw std::invalid_argument(who + "tensor name " + detail::quoted(name) +
+                                  " is not valid UTF-8");
     }
     if (!tensor.defined()) {
-      throw std::invalid_argument(who + "tensor " + in_quotes(name) + " is undefined");
+      throw std::invalid_argument(who + "tensor " + detail::quoted(name) + " is undefined");
     }
     if (tensor.layout() != at::kStrided) {
-      throw std::invalid_argument(who + "tensor " + in_quotes(name) + " is not strided");
+      throw std::invalid_argument(who + "tensor " + detail::quoted(name) + " is not strided");
     }
     try {
       (void)safetensors_dtype_name(tensor.scalar_type());
     } catch (const std::invalid_argument& error) {
-      throw std::invalid_argument(who + "tensor " + in_quotes(name) + ": " + error.what());
+      throw std::invalid_argument(who + "tensor " + detail::quoted(name) + ": " + error.what());
     }
   }
   for (const auto& [key, value] : metadata) {
     if (detail::first_invalid_utf8(key) != std::string_view::npos ||
         detail::first_invalid_utf8(value) != std::string_view::npos) {
-      throw std::invalid_argument(who + "metadata " + in_quotes(key) + " is not valid UTF-8");
+      throw std::invalid_argument(who + "metadata " + detail::quoted(key) + " is not valid UTF-8");
     }
   }
 }
@@ -134,7 +133,7 @@ std::string SafetensorsIndex::path_of(std::string_view name) const {
   if (found == weight_map.end()) {
     throw std::out_of_range(
         "d9d::state::SafetensorsIndex: " + files::join(dir, kSafetensorsIndexName) +
-        ": no tensor " + in_quotes(name) + " in the weight_map");
+        ": no tensor " + detail::quoted(name) + " in the weight_map");
   }
   return files::join(dir, found->second);
 }
@@ -222,7 +221,7 @@ SafetensorsIndex load_safetensors_index(const std::string& dir) {
   try {
     json = detail::parse_strict_json(text, 32);
   } catch (const detail::JsonError& error) {
-    fail((error.top_key().empty() ? "" : in_quotes(error.top_key()) + ": ") + error.what());
+    fail((error.top_key().empty() ? "" : detail::quoted(error.top_key()) + ": ") + error.what());
   }
   if (!json.is_object()) {
     fail("not a JSON object");
@@ -254,14 +253,14 @@ SafetensorsIndex load_safetensors_index(const std::string& dir) {
   }
   for (const auto& [name, file] : json.at("weight_map").items()) {
     if (!file.is_string()) {
-      fail("\"weight_map\": tensor " + in_quotes(name) + " maps to " + detail::short_dump(file) +
-           ", not a file name");
+      fail("\"weight_map\": tensor " + detail::quoted(name) + " maps to " +
+           detail::short_dump(file) + ", not a file name");
     }
     const auto& file_name = file.get_ref<const std::string&>();
     if (file_name.empty() || file_name == "." || file_name == ".." ||
         file_name.find('/') != std::string::npos || file_name.find('\0') != std::string::npos) {
-      fail("\"weight_map\": tensor " + in_quotes(name) + " maps to " + in_quotes(file_name) +
-           ", not a plain file name inside the checkpoint directory");
+      fail("\"weight_map\": tensor " + detail::quoted(name) + " maps to " +
+           detail::quoted(file_name) + ", not a plain file name inside the checkpoint directory");
     }
     index.weight_map.emplace(name, file_name);
   }
@@ -280,18 +279,18 @@ NamedTensors load_safetensors_sharded(const std::string& dir) {
       const auto found = index.weight_map.find(entry.name);
       if (found == index.weight_map.end() || found->second != file) {
         throw std::runtime_error(
-            who + ": " + shard.path() + ": tensor " + in_quotes(entry.name) +
+            who + ": " + shard.path() + ": tensor " + detail::quoted(entry.name) +
             " is in this shard, " +
             (found == index.weight_map.end()
                  ? "but " + index_path + " does not list it"
-                 : "but " + index_path + " maps it to " + in_quotes(found->second)));
+                 : "but " + index_path + " maps it to " + detail::quoted(found->second)));
       }
       tensors.emplace_back(entry.name, shard.tensor(entry.name));
     }
     for (const auto& [name, mapped] : index.weight_map) {
       if (mapped == file && !shard.contains(name)) {
-        throw std::runtime_error(who + ": " + index_path + ": maps tensor " + in_quotes(name) +
-                                 " to " + in_quotes(file) + ", which does not hold it");
+        throw std::runtime_error(who + ": " + index_path + ": maps tensor " + detail::quoted(name) +
+                                 " to " + detail::quoted(file) + ", which does not hold it");
       }
     }
   }
@@ -315,7 +314,7 @@ NamedTensors load_safetensors_sharded(const std::string& dir,
     const SafetensorsFile& shard = shards.at(index.path_of(name));
     if (!shard.contains(name)) {
       throw std::runtime_error(who + ": " + files::join(dir, kSafetensorsIndexName) +
-                               ": maps tensor " + in_quotes(name) + " to " + shard.path() +
+                               ": maps tensor " + detail::quoted(name) + " to " + shard.path() +
                                ", which does not hold it");
     }
     tensors.emplace_back(name, shard.tensor(name));

@@ -21,33 +21,6 @@ namespace d9d::state {
 
 namespace {
 
-constexpr std::size_t kMaxListed = 8;
-
-std::string in_quotes(std::string_view key) { return "\"" + detail::printable(key, 200) + "\""; }
-
-template <class Range>
-std::string list_keys(const Range& keys) {
-  std::string out;
-  std::size_t n = 0;
-  for (const auto& key : keys) {
-    if (n == kMaxListed) {
-      out += " (and " + std::to_string(std::size(keys) - kMaxListed) + " more)";
-      break;
-    }
-    out += (n == 0 ? "" : ", ") + in_quotes(key);
-    ++n;
-  }
-  return out;
-}
-
-std::string shape_of(at::IntArrayRef sizes) {
-  std::string out = "[";
-  for (std::size_t d = 0; d < sizes.size(); ++d) {
-    out += (d == 0 ? "" : ", ") + std::to_string(sizes[d]);
-  }
-  return out + "]";
-}
-
 // True when `t` is contiguous and alone in its storage, and shares no memory with `inputs`.
 bool owns_its_memory(const at::Tensor& t, const std::vector<at::Tensor>& inputs) {
   if (!t.has_storage() || !t.is_contiguous() || t.storage_offset() != 0 ||
@@ -111,7 +84,7 @@ StateSource StateSource::open(const std::string& path) {
 std::size_t StateSource::file_of(std::string_view key) const {
   const auto it = std::lower_bound(keys_.begin(), keys_.end(), key);
   if (it == keys_.end() || *it != key) {
-    throw std::out_of_range("d9d::state::StateSource: no tensor " + in_quotes(key));
+    throw std::out_of_range("d9d::state::StateSource: no tensor " + detail::quoted_key(key));
   }
   return key_file_[static_cast<std::size_t>(it - keys_.begin())];
 }
@@ -154,7 +127,7 @@ std::map<std::string, TensorSpec> infer_shapes(const StateSource& source, const 
       }
       if (!it->second.contains(key)) {
         throw std::runtime_error("d9d::state::infer_shapes: " + it->second.path() +
-                                 ": the checkpoint index maps tensor " + in_quotes(key) +
+                                 ": the checkpoint index maps tensor " + detail::quoted_key(key) +
                                  " to this file, which does not hold it");
       }
       const SafetensorsEntry& entry = it->second.entry(key);
@@ -228,7 +201,7 @@ StreamStats stream_state(const StateSource& source, const Mapper& mapper,
       const SafetensorsFile& file = it->second;
       if (!file.contains(key)) {
         throw std::runtime_error(who + ": " + file.path() + ": the checkpoint index maps tensor " +
-                                 in_quotes(key) + " to this file, which does not hold it");
+                                 detail::quoted_key(key) + " to this file, which does not hold it");
       }
       at::Tensor tensor = file.view(key);
       held += tensor.nbytes();
@@ -290,7 +263,7 @@ StreamStats load_into(torch::nn::Module& module, const StateSource& source, cons
   if (!extra.empty()) {
     throw std::invalid_argument(
         who + ": extra: the mapper produces " + std::to_string(extra.size()) +
-        " key(s) the module has no parameter or buffer for: " + list_keys(extra) +
+        " key(s) the module has no parameter or buffer for: " + detail::quoted_keys(extra) +
         " (the module has " + std::to_string(targets.size()) + ")");
   }
   if (!options.allow_missing) {
@@ -303,14 +276,15 @@ StreamStats load_into(torch::nn::Module& module, const StateSource& source, cons
     if (!missing.empty()) {
       throw std::invalid_argument(who + ": missing: " + std::to_string(missing.size()) +
                                   " parameter(s)/buffer(s) of the module are produced by no " +
-                                  "group: " + list_keys(missing) +
+                                  "group: " + detail::quoted_keys(missing) +
                                   ". Fix: map them, or set allow_missing to keep their values");
     }
   }
   validate(mapper, source.keys(), {.allow_unused_inputs = options.allow_unused_inputs});
   const auto shape_error = [&](const std::string& name, at::IntArrayRef got, at::IntArrayRef want) {
-    return std::invalid_argument(who + ": " + in_quotes(name) + ": the mapped tensor has shape " +
-                                 shape_of(got) + ", the module's has " + shape_of(want));
+    return std::invalid_argument(who + ": " + detail::quoted_key(name) +
+                                 ": the mapped tensor has shape " + detail::shape_string(got) +
+                                 ", the module's has " + detail::shape_string(want));
   };
   for (const auto& [name, spec] : infer_shapes(source, mapper)) {
     const at::Tensor& target = targets.at(name);

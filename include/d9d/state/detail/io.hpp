@@ -10,11 +10,13 @@
 #pragma once
 
 #include <cstddef>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <utility>
 
+#include <c10/util/ArrayRef.h>
 #include <nlohmann/json.hpp>
 
 namespace d9d::state::detail {
@@ -40,6 +42,31 @@ class JsonError : public std::runtime_error {
 /// `text` with control and non-ASCII bytes escaped (\xNN), cut to `max_bytes` with "..." — safe to
 /// put in an error message.
 [[nodiscard]] std::string printable(std::string_view text, std::size_t max_bytes = 64);
+
+/// `"text"`: printable(text, max_bytes) in double quotes, for naming a thing in an error message.
+[[nodiscard]] std::string quoted(std::string_view text, std::size_t max_bytes = 64);
+
+/// A tensor or state key in an error message: quoted(key, 200).
+[[nodiscard]] std::string quoted_key(std::string_view key);
+
+/// Up to `max_listed` keys as quoted_key, comma-separated, then " (and N more)".
+template <class Range>
+[[nodiscard]] std::string quoted_keys(const Range& keys, std::size_t max_listed = 8) {
+  std::string out;
+  std::size_t n = 0;
+  for (const auto& key : keys) {
+    if (n == max_listed) {
+      out += " (and " + std::to_string(std::size(keys) - max_listed) + " more)";
+      break;
+    }
+    out += (n == 0 ? "" : ", ") + quoted_key(key);
+    ++n;
+  }
+  return out;
+}
+
+/// Tensor sizes as "[2, 3]" ("[]" for a scalar), for error messages.
+[[nodiscard]] std::string shape_string(c10::IntArrayRef sizes);
 
 /// `json.dump()` cut to `max_bytes` with "...".
 [[nodiscard]] std::string short_dump(const Json& json, std::size_t max_bytes = 64);
