@@ -1,8 +1,6 @@
 // d9d/train/checkpoint.cpp — training checkpoints: snapshot, background write, atomic completion.
 #include <atomic>
 #include <exception>
-#include <fstream>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -12,6 +10,7 @@
 #include <torch/optim/adamw.h>
 
 #include <d9d/core/collectives.hpp>
+#include <d9d/model/hf.hpp>
 #include <d9d/state/detail/io.hpp>
 #include <d9d/state/safetensors.hpp>
 #include <d9d/train/checkpoint.hpp>
@@ -21,16 +20,6 @@ namespace d9d::detail {
 namespace {
 
 constexpr const char* kWho = "d9d checkpoint";
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) {
-    throw std::runtime_error(std::string(kWho) + ": cannot read \"" + path + "\"");
-  }
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 // Writes `text` to `path` through a temporary file and a rename (fsynced).
 void write_atomically(const std::string& path, const std::string& text) {
@@ -107,7 +96,7 @@ std::string Checkpointer::latest() const {
   if (!files::exists(index)) {
     return "";
   }
-  const auto json = nlohmann::json::parse(read_text(index), nullptr, false);
+  const auto json = nlohmann::json::parse(model::read_text_file(index), nullptr, false);
   if (json.is_discarded() || !json.contains("latest") || !json["latest"].is_string()) {
     throw std::runtime_error(std::string(kWho) + ": \"" + index +
                              "\" is not a checkpoint index (expected {\"latest\": ...}). Fix: "
@@ -125,7 +114,8 @@ int64_t Checkpointer::load(const std::string& path,
                            const std::vector<std::pair<std::string, at::Tensor>>& parameters,
                            torch::optim::Optimizer& optimizer) {
   auto& s = *impl_;
-  const auto trainer = nlohmann::json::parse(read_text(files::join(path, "trainer.json")));
+  const auto trainer =
+      nlohmann::json::parse(model::read_text_file(files::join(path, "trainer.json")));
   const auto step = trainer.at("step").get<int64_t>();
   const int saved_world = trainer.at("world_size").get<int>();
   std::vector<state::SafetensorsFile> files;
@@ -281,7 +271,7 @@ std::string Checkpointer::complete(bool wait) {
     std::vector<std::string> dropped;
     const auto index = files::join(s.dir, "checkpoints.json");
     if (files::exists(index)) {
-      const auto old = nlohmann::json::parse(read_text(index), nullptr, false);
+      const auto old = nlohmann::json::parse(model::read_text_file(index), nullptr, false);
       if (!old.is_discarded() && old.contains("kept") && old["kept"].is_array()) {
         for (const auto& name : old["kept"]) {
           if (name.is_string() && name.get<std::string>() != kept.front()) {

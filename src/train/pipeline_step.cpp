@@ -5,58 +5,13 @@
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
 
-#include <d9d/core/collectives.hpp>
 #include <d9d/optim/lr_schedule.hpp>
+#include <d9d/parallel/replicate.hpp>
 #include <d9d/train/detail/autocast_scope.hpp>
 #include <d9d/train/detail/step_parts.hpp>
 #include <d9d/train/pipeline_step.hpp>
 
 namespace d9d::detail {
-namespace {
-
-// Sums every gradient over `group`, packed into flat buckets of about `bucket_bytes` per dtype.
-void all_reduce_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& params,
-                          int64_t bucket_bytes) {
-  if (group.size() <= 1) {
-    return;
-  }
-  const at::NoGradGuard no_grad;
-  std::vector<at::Tensor> bucket;
-  int64_t bytes = 0;
-  const auto flush = [&] {
-    if (bucket.empty()) {
-      return;
-    }
-    std::vector<at::Tensor> flat;
-    flat.reserve(bucket.size());
-    for (const auto& grad : bucket) {
-      flat.push_back(grad.reshape({-1}));
-    }
-    const auto reduced = all_reduce(group, at::cat(flat));
-    int64_t offset = 0;
-    for (const auto& grad : bucket) {
-      at::Tensor(grad).copy_(reduced.narrow(0, offset, grad.numel()).view(grad.sizes()));
-      offset += grad.numel();
-    }
-    bucket.clear();
-    bytes = 0;
-  };
-  for (const auto& param : params) {
-    const auto& grad = param.grad();
-    if (!grad.defined()) {
-      continue;
-    }
-    if (!bucket.empty() && (bucket.front().scalar_type() != grad.scalar_type() ||
-                            bytes + static_cast<int64_t>(grad.nbytes()) > bucket_bytes)) {
-      flush();
-    }
-    bucket.push_back(grad);
-    bytes += static_cast<int64_t>(grad.nbytes());
-  }
-  flush();
-}
-
-}  // namespace
 
 void check_pipeline_mesh(const MeshShape& shape) {
   if (shape.tp != 1 || shape.cp_replicate != 1 || shape.cp_shard != 1 || shape.ep != 1) {
@@ -73,6 +28,9 @@ struct PipelineStepCore::Impl {
   ProcessGroup pp;
   ProcessGroup dp;
   std::vector<at::Tensor> parameters;
+  // Sums gradients over dp after the program (armed only then: W accumulates weight gradients
+  // without the hooks that start buckets during a backward).
+  std::unique_ptr<parallel::GradientReducer> reducer;
   std::unique_ptr<pipeline::Executor> executor;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   optim::PiecewiseSchedule schedule;
@@ -110,6 +68,8 @@ PipelineStepCore::PipelineStepCore(const DeviceMesh& mesh, PipelineParts parts,
   }
   // Replicas start from their dp rank 0's parameters, whatever each rank's initialisation did.
   broadcast_parameters(s.dp, s.parameters);
+  s.reducer = std::make_unique<parallel::GradientReducer>(
+      s.dp, s.parameters, parallel::GradientReducerOptions{.bucket_bytes = s.options.bucket_bytes});
   s.executor = std::make_unique<pipeline::Executor>(s.parts.program, s.pp, std::move(handles),
                                                     s.parts.activation);
   s.optimizer = make_adamw(s.parameters, s.options.optimizer);
@@ -137,8 +97,7 @@ StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int6
                                 std::to_string(microbatches.size()));
   }
   const double lr = s.options.optimizer.lr * s.schedule.multiplier(step);
-  set_learning_rate(*s.optimizer, lr);
-  s.optimizer->zero_grad(/*set_to_none=*/true);
+  begin_step(*s.optimizer, lr);
 
   std::vector<at::Tensor> inputs;
   if (s.holds_first) {
@@ -158,7 +117,8 @@ StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int6
     accumulate_loss(out, loss_sum, weight_sum, "output_loss");
     return out.loss_sum;
   });
-  all_reduce_gradients(s.dp, s.parameters, s.options.bucket_bytes);
+  s.reducer->arm();
+  s.reducer->finish();
 
   // Only the last stage's ranks hold loss sums: sum over the pipeline, then over the replicas.
   const auto totals = global_totals(loss_sum, weight_sum, {&s.pp, &s.dp}, s.device, step);

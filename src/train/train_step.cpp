@@ -36,10 +36,11 @@ std::unique_ptr<torch::optim::Optimizer> make_adamw(const std::vector<at::Tensor
   return std::make_unique<torch::optim::AdamW>(std::move(groups), adamw);
 }
 
-void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
+void begin_step(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
   }
+  optimizer.zero_grad(/*set_to_none=*/true);
 }
 
 void broadcast_parameters(const ProcessGroup& group, const std::vector<at::Tensor>& params) {
@@ -189,8 +190,7 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
     throw std::invalid_argument("d9d::TrainStep::run: no microbatches");
   }
   const double lr = s.options.optimizer.lr * s.schedule.multiplier(step);
-  set_learning_rate(*s.optimizer, lr);
-  s.optimizer->zero_grad(/*set_to_none=*/true);
+  begin_step(*s.optimizer, lr);
 
   // Sums stay on the loss's device (no synchronisation per microbatch).
   at::Tensor loss_sum;

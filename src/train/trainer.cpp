@@ -55,19 +55,19 @@ struct TrainerCore::Impl {
   int64_t start_step = 0;  // > 0 when resumed from a checkpoint
   std::string resumed_from;
 
+  // What this rank trains: the whole model, or its pipeline stages in stage order.
+  [[nodiscard]] std::vector<std::shared_ptr<torch::nn::Module>> modules() const {
+    if (pipeline_step) {
+      return pipeline_step->stages();
+    }
+    return {run.model};
+  }
   [[nodiscard]] std::vector<std::pair<std::string, at::Tensor>> named_parameters() const {
     std::vector<std::pair<std::string, at::Tensor>> out;
-    const auto add = [&](const torch::nn::Module& module) {
-      for (const auto& item : module.named_parameters()) {
+    for (const auto& module : modules()) {
+      for (const auto& item : module->named_parameters()) {
         out.emplace_back(item.key(), item.value());
       }
-    };
-    if (pipeline_step) {
-      for (const auto& stage : pipeline_step->stages()) {
-        add(*stage);
-      }
-    } else {
-      add(*run.model);
     }
     return out;
   }
@@ -140,10 +140,7 @@ EventBus& TrainerCore::events() { return impl_->events; }
 const DeviceMesh& TrainerCore::mesh() const { return *impl_->mesh; }
 const std::shared_ptr<torch::nn::Module>& TrainerCore::model() const { return impl_->run.model; }
 std::vector<std::shared_ptr<torch::nn::Module>> TrainerCore::modules() const {
-  if (impl_->pipeline_step) {
-    return impl_->pipeline_step->stages();
-  }
-  return {impl_->run.model};
+  return impl_->modules();
 }
 
 StepResult TrainerCore::step(int64_t step) {

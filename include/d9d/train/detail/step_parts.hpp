@@ -29,8 +29,9 @@ namespace d9d::detail {
 std::unique_ptr<torch::optim::Optimizer> make_adamw(const std::vector<at::Tensor>& params,
                                                     const OptimizerConfig& config);
 
-/// Sets the learning rate of every parameter group (AdamW options).
-void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
+/// The start of a step: sets the learning rate of every parameter group (AdamW options) and drops
+/// the previous step's gradients.
+void begin_step(torch::optim::Optimizer& optimizer, double lr);
 
 /// Copies rank 0's value of every parameter over `group` (replicas start alike).
 void broadcast_parameters(const ProcessGroup& group, const std::vector<at::Tensor>& params);
