@@ -36,6 +36,7 @@
 #include <nlohmann/json.hpp>
 
 #include <d9d/core/collectives.hpp>
+#include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/core/distributed_context.hpp>
 #include <d9d/model/qwen3.hpp>
@@ -43,7 +44,6 @@
 #include <d9d/pipeline/executor.hpp>
 #include <d9d/pipeline/schedules.hpp>
 #include <d9d/pipeline/stages.hpp>
-#include <d9d/train/detail/autocast_scope.hpp>
 
 namespace {
 

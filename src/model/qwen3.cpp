@@ -156,8 +156,10 @@ Qwen3DecoderLayerImpl::Qwen3DecoderLayerImpl(const Qwen3Config& config) {
 
 at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x,
                                           const std::pair<at::Tensor, at::Tensor>& cos_sin) {
-  const auto h = x + self_attn(input_layernorm(x), cos_sin);
-  return h + mlp(post_attention_layernorm(h));
+  return run_block(x, [this, cos_sin](const at::Tensor& in) {
+    const auto h = in + self_attn(input_layernorm(in), cos_sin);
+    return h + mlp(post_attention_layernorm(h));
+  });
 }
 
 Qwen3ModelImpl::Qwen3ModelImpl(const Qwen3Config& config)
@@ -228,7 +230,9 @@ at::Tensor Qwen3ForCausalLMImpl::forward(const at::Tensor& input_ids) {
 CausalLmLoss causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels,
                             int64_t ignore_index) {
   const int64_t vocab = logits.size(-1);
-  const auto flat_logits = logits.reshape({-1, vocab}).to(at::kFloat);
+  // At least float32 (bf16 logits are upcast; float64 stays float64).
+  const auto flat_logits =
+      logits.reshape({-1, vocab}).to(at::promote_types(logits.scalar_type(), at::kFloat));
   const auto flat_labels = labels.reshape({-1});
   auto loss_sum = at::cross_entropy_loss(flat_logits, flat_labels, /*weight=*/{},
                                          at::Reduction::Sum, ignore_index);

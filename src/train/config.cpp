@@ -259,6 +259,9 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text) {
 
   Section dp = root.child("data_parallel");
   dp.number("bucket_size_mb", cfg.data_parallel.bucket_size_mb, 0.0, false, INFINITY);
+  dp.string("reshard", cfg.data_parallel.reshard, {"after_forward", "never", "all_but_last"});
+  dp.integer("prefetch", cfg.data_parallel.prefetch, 0, false);
+  dp.boolean("reduce_every_microbatch", cfg.data_parallel.reduce_every_microbatch);
   dp.finish();
 
   Section mesh = root.child("mesh");

@@ -5,32 +5,19 @@
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
 
+#include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/optim/lr_schedule.hpp>
-#include <d9d/parallel/replicate.hpp>
-#include <d9d/train/detail/autocast_scope.hpp>
 #include <d9d/train/detail/step_parts.hpp>
 #include <d9d/train/pipeline_step.hpp>
 
 namespace d9d::detail {
 
-void check_pipeline_mesh(const MeshShape& shape) {
-  if (shape.tp != 1 || shape.cp_replicate != 1 || shape.cp_shard != 1 || shape.ep != 1) {
-    throw std::invalid_argument(
-        "d9d::Trainer: a pipeline plan with d9d::parallel::Replicate runs pp and data-parallel "
-        "degrees only; the mesh is " +
-        shape.describe() + ". Fix: set tp, cp_replicate, cp_shard and ep to 1");
-  }
-}
-
 struct PipelineStepCore::Impl {
+  std::unique_ptr<parallel::ParallelModel> parallel;
   PipelineParts parts;
   TrainStepOptions options;
   ProcessGroup pp;
   ProcessGroup dp;
-  std::vector<at::Tensor> parameters;
-  // Sums gradients over dp after the program (armed only then: W accumulates weight gradients
-  // without the hooks that start buckets during a backward).
-  std::unique_ptr<parallel::GradientReducer> reducer;
   std::unique_ptr<pipeline::Executor> executor;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   optim::PiecewiseSchedule schedule;
@@ -38,10 +25,12 @@ struct PipelineStepCore::Impl {
   bool holds_first = false;
 };
 
-PipelineStepCore::PipelineStepCore(const DeviceMesh& mesh, PipelineParts parts,
-                                   TrainStepOptions options)
+PipelineStepCore::PipelineStepCore(std::unique_ptr<parallel::ParallelModel> model,
+                                   PipelineParts parts, TrainStepOptions options)
     : impl_(std::make_unique<Impl>()) {
   auto& s = *impl_;
+  s.parallel = std::move(model);
+  const auto& mesh = s.parallel->mesh();
   s.parts = std::move(parts);
   s.options = std::move(options);
   s.pp = mesh.group(MeshDomain::regular, "pp");
@@ -51,12 +40,6 @@ PipelineStepCore::PipelineStepCore(const DeviceMesh& mesh, PipelineParts parts,
 
   std::vector<pipeline::Stage> handles;
   for (auto& [module, stage] : s.parts.stages) {
-    module->train();
-    for (const auto& param : module->parameters()) {
-      if (param.requires_grad()) {
-        s.parameters.push_back(param);
-      }
-    }
     s.holds_first = s.holds_first || stage.index == 0;
     // The stage's forward under the plan's precision (its backward follows autograd's record).
     handles.push_back({.index = stage.index,
@@ -66,13 +49,26 @@ PipelineStepCore::PipelineStepCore(const DeviceMesh& mesh, PipelineParts parts,
                          return forward(x);
                        }});
   }
-  // Replicas start from their dp rank 0's parameters, whatever each rank's initialisation did.
-  broadcast_parameters(s.dp, s.parameters);
-  s.reducer = std::make_unique<parallel::GradientReducer>(
-      s.dp, s.parameters, parallel::GradientReducerOptions{.bucket_bytes = s.options.bucket_bytes});
+  // Activations cross stages in the dtype of the modules' parameters (what the residual stream
+  // computes in; bf16 autocast keeps it there too): the precision's parameter dtype, or the compute
+  // dtype of parameters gathered by a sharding strategy.
+  at::ScalarType dtype = at::kFloat;
+  for (const auto& [module, stage] : s.parts.stages) {
+    for (const auto& param : module->parameters()) {
+      if (at::isFloatingType(param.scalar_type())) {
+        dtype = param.scalar_type();
+        break;
+      }
+    }
+  }
+  auto activation = [spec_of = s.parts.activation, dtype](int stage) {
+    auto spec = spec_of(stage);
+    spec.dtype = dtype;
+    return spec;
+  };
   s.executor = std::make_unique<pipeline::Executor>(s.parts.program, s.pp, std::move(handles),
-                                                    s.parts.activation);
-  s.optimizer = make_adamw(s.parameters, s.options.optimizer);
+                                                    std::move(activation));
+  s.optimizer = make_adamw(s.parallel->parameters(), s.options.optimizer);
 }
 
 PipelineStepCore::~PipelineStepCore() = default;
@@ -85,6 +81,7 @@ std::vector<std::shared_ptr<torch::nn::Module>> PipelineStepCore::stages() const
   return out;
 }
 
+parallel::ParallelModel& PipelineStepCore::parallel() { return *impl_->parallel; }
 const pipeline::Program& PipelineStepCore::program() const { return impl_->parts.program; }
 torch::optim::Optimizer& PipelineStepCore::optimizer() { return *impl_->optimizer; }
 
@@ -98,6 +95,7 @@ StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int6
   }
   const double lr = s.options.optimizer.lr * s.schedule.multiplier(step);
   begin_step(*s.optimizer, lr);
+  s.parallel->begin_step();
 
   std::vector<at::Tensor> inputs;
   if (s.holds_first) {
@@ -117,14 +115,12 @@ StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int6
     accumulate_loss(out, loss_sum, weight_sum, "output_loss");
     return out.loss_sum;
   });
-  s.reducer->arm();
-  s.reducer->finish();
+  s.parallel->finish();
 
   // Only the last stage's ranks hold loss sums: sum over the pipeline, then over the replicas.
   const auto totals = global_totals(loss_sum, weight_sum, {&s.pp, &s.dp}, s.device, step);
-  // Each pipeline rank holds its stages' gradients: the norm's squares are summed over pp.
-  const double grad_norm =
-      normalize_and_clip(s.parameters, totals.second, s.options.max_grad_norm, &s.pp);
+  // Each pipeline rank holds its stages' gradients: the layer sums the norm's squares over pp too.
+  const double grad_norm = s.parallel->normalize_and_clip(totals.second, s.options.max_grad_norm);
   return finish_step(*s.optimizer, s.options, step, lr, totals, grad_norm);
 }
 

@@ -6,20 +6,19 @@
 #include <torch/optim/adamw.h>
 
 #include <d9d/core/collectives.hpp>
-#include <d9d/parallel/replicate.hpp>
-#include <d9d/train/detail/autocast_scope.hpp>
+#include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/train/detail/step_parts.hpp>
 #include <d9d/train/train_step.hpp>
 
 namespace d9d {
 namespace detail {
 
-std::unique_ptr<torch::optim::Optimizer> make_adamw(const std::vector<at::Tensor>& params,
-                                                    const OptimizerConfig& config) {
+std::unique_ptr<torch::optim::Optimizer> make_adamw(
+    const std::vector<parallel::ParameterRecord>& params, const OptimizerConfig& config) {
   std::vector<at::Tensor> decay;
   std::vector<at::Tensor> no_decay;
   for (const auto& param : params) {
-    (param.dim() >= 2 ? decay : no_decay).push_back(param);
+    (param.decays() ? decay : no_decay).push_back(param.local);
   }
   auto adamw =
       torch::optim::AdamWOptions(config.lr).betas({config.beta1, config.beta2}).eps(config.eps);
@@ -41,13 +40,6 @@ void begin_step(torch::optim::Optimizer& optimizer, double lr) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
   }
   optimizer.zero_grad(/*set_to_none=*/true);
-}
-
-void broadcast_parameters(const ProcessGroup& group, const std::vector<at::Tensor>& params) {
-  const at::NoGradGuard no_grad;
-  for (const auto& param : params) {
-    at::Tensor(param).copy_(broadcast(group, param.detach(), 0));
-  }
 }
 
 void accumulate_loss(const LossOutput& out, at::Tensor& loss_sum, at::Tensor& weight_sum,
@@ -82,40 +74,6 @@ std::pair<double, double> global_totals(const at::Tensor& loss_sum, const at::Te
   return {total_loss, total_weight};
 }
 
-double normalize_and_clip(const std::vector<at::Tensor>& params, double total_weight,
-                          std::optional<double> max_norm, const ProcessGroup* norm_group) {
-  std::vector<at::Tensor> grads;
-  grads.reserve(params.size());
-  for (const auto& param : params) {
-    if (param.grad().defined()) {
-      grads.push_back(at::Tensor(param).mutable_grad());
-    }
-  }
-  const at::NoGradGuard no_grad;
-  at::Tensor squares;
-  if (!grads.empty()) {
-    at::_foreach_div_(grads, at::Scalar(total_weight));
-    std::vector<at::Tensor> norms;
-    norms.reserve(grads.size());
-    for (const auto& grad : grads) {
-      norms.push_back(at::linalg_vector_norm(grad, 2, std::nullopt, false, at::kFloat));
-    }
-    squares = at::stack(norms).to(at::kDouble).pow(2).sum();
-  }
-  if (norm_group != nullptr) {
-    const auto device = norm_group->device();
-    squares = all_reduce(
-        *norm_group, squares.defined()
-                         ? squares.to(device)
-                         : at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device)));
-  }
-  const double grad_norm = squares.defined() ? std::sqrt(squares.item<double>()) : 0.0;
-  if (!grads.empty() && max_norm && grad_norm > *max_norm) {
-    at::_foreach_mul_(grads, at::Scalar(*max_norm / (grad_norm + 1e-6)));
-  }
-  return grad_norm;
-}
-
 StepResult finish_step(torch::optim::Optimizer& optimizer, const TrainStepOptions& options,
                        int64_t step, double lr, std::pair<double, double> totals,
                        double grad_norm) {
@@ -132,56 +90,37 @@ StepResult finish_step(torch::optim::Optimizer& optimizer, const TrainStepOption
           .lr = lr};
 }
 
-void check_replicate_mesh(const MeshShape& shape) {
-  if (shape.pp != 1 || shape.tp != 1 || shape.cp_replicate != 1 || shape.cp_shard != 1 ||
-      shape.ep != 1) {
-    throw std::invalid_argument(
-        "d9d::TrainStep: with d9d::parallel::Replicate only data-parallel degrees may exceed 1; "
-        "the mesh is " +
-        shape.describe() + ". Fix: set pp, tp, cp_replicate, cp_shard and ep to 1");
-  }
-}
-
 struct TrainStepCore::Impl {
+  std::unique_ptr<parallel::ParallelModel> parallel;
   std::shared_ptr<torch::nn::Module> model;
   MicrobatchLoss loss;
   TrainStepOptions options;
-  ProcessGroup dp;
-  std::vector<at::Tensor> parameters;
-  std::unique_ptr<parallel::GradientReducer> reducer;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   optim::PiecewiseSchedule schedule;
   c10::DeviceType device_type = c10::kCPU;
 };
 
-TrainStepCore::TrainStepCore(const DeviceMesh& mesh, std::shared_ptr<torch::nn::Module> model,
-                             MicrobatchLoss loss, TrainStepOptions options)
+TrainStepCore::TrainStepCore(std::unique_ptr<parallel::ParallelModel> model, MicrobatchLoss loss,
+                             TrainStepOptions options)
     : impl_(std::make_unique<Impl>()) {
   auto& s = *impl_;
-  s.model = std::move(model);
+  s.parallel = std::move(model);
+  if (s.parallel->modules().size() != 1) {
+    throw std::invalid_argument("d9d::TrainStep: the step runs one module (the whole model), got " +
+                                std::to_string(s.parallel->modules().size()));
+  }
+  s.model = s.parallel->modules().front();
   s.loss = std::move(loss);
   s.options = std::move(options);
-  s.dp = mesh.group(MeshDomain::batch, "dp");
   s.schedule = optim::PiecewiseSchedule::build(s.options.lr_schedule, s.options.total_steps);
-  s.device_type = mesh.context().device().type();
-  s.model->train();
-
-  for (const auto& param : s.model->parameters()) {
-    if (param.requires_grad()) {
-      s.parameters.push_back(param);
-    }
-  }
-  // Replicas start from rank 0's parameters, whatever each rank's initialisation did.
-  broadcast_parameters(s.dp, s.parameters);
-  s.reducer = std::make_unique<parallel::GradientReducer>(
-      s.dp, s.parameters, parallel::GradientReducerOptions{.bucket_bytes = s.options.bucket_bytes});
-  s.optimizer = make_adamw(s.parameters, s.options.optimizer);
+  s.device_type = s.parallel->mesh().context().device().type();
+  s.optimizer = make_adamw(s.parallel->parameters(), s.options.optimizer);
 }
 
 TrainStepCore::~TrainStepCore() = default;
 
 const std::shared_ptr<torch::nn::Module>& TrainStepCore::model() const { return impl_->model; }
-const ProcessGroup& TrainStepCore::dp_group() const { return impl_->dp; }
+parallel::ParallelModel& TrainStepCore::parallel() { return *impl_->parallel; }
 torch::optim::Optimizer& TrainStepCore::optimizer() { return *impl_->optimizer; }
 
 StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t step) {
@@ -191,28 +130,28 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
   }
   const double lr = s.options.optimizer.lr * s.schedule.multiplier(step);
   begin_step(*s.optimizer, lr);
+  s.parallel->begin_step();
 
   // Sums stay on the loss's device (no synchronisation per microbatch).
   at::Tensor loss_sum;
   at::Tensor weight_sum;
-  for (std::size_t i = 0; i < microbatches.size(); ++i) {
-    if (i + 1 == microbatches.size()) {
-      s.reducer->arm();
-    }
+  const int count = static_cast<int>(microbatches.size());
+  for (int i = 0; i < count; ++i) {
     LossOutput out;
     {
       const AutocastScope autocast(s.options.bf16_autocast, s.device_type);
-      out = s.loss(microbatches[i]);
+      out = s.loss(microbatches[static_cast<std::size_t>(i)]);
     }
     accumulate_loss(out, loss_sum, weight_sum, "compute_loss");
+    s.parallel->before_backward(i, count);
     out.loss_sum.backward();
   }
-  s.reducer->finish();
+  s.parallel->finish();
 
-  const auto totals = global_totals(loss_sum, weight_sum, {&s.dp}, loss_sum.device(), step);
-  // Token-mean gradients, their global norm (replicas hold identical gradients), clipping.
-  const double grad_norm =
-      normalize_and_clip(s.parameters, totals.second, s.options.max_grad_norm, nullptr);
+  const auto dp = s.parallel->mesh().group(MeshDomain::batch, "dp");
+  const auto totals = global_totals(loss_sum, weight_sum, {&dp}, loss_sum.device(), step);
+  // Token-mean gradients, their norm over the mesh, clipping.
+  const double grad_norm = s.parallel->normalize_and_clip(totals.second, s.options.max_grad_norm);
   return finish_step(*s.optimizer, s.options, step, lr, totals, grad_norm);
 }
 

@@ -1,4 +1,5 @@
 // d9d/train/trainer.cpp — the training loop: sampling, steps, events, logging, export.
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdio>
@@ -62,14 +63,21 @@ struct TrainerCore::Impl {
     }
     return {run.model};
   }
+  [[nodiscard]] parallel::ParallelModel& parallel() const {
+    return pipeline_step ? pipeline_step->parallel() : step->parallel();
+  }
+  // What this rank's optimizer updates, by name (the parallelize layer's records).
   [[nodiscard]] std::vector<std::pair<std::string, at::Tensor>> named_parameters() const {
     std::vector<std::pair<std::string, at::Tensor>> out;
-    for (const auto& module : modules()) {
-      for (const auto& item : module->named_parameters()) {
-        out.emplace_back(item.key(), item.value());
-      }
+    for (const auto& record : parallel().parameters()) {
+      out.emplace_back(record.name, record.local);
     }
     return out;
+  }
+  [[nodiscard]] bool sharded() const {
+    const auto& records = parallel().parameters();
+    return std::any_of(records.begin(), records.end(),
+                       [](const auto& record) { return !record.sharded_dims().empty(); });
   }
   torch::optim::Optimizer& optimizer() const {
     return pipeline_step ? pipeline_step->optimizer() : step->optimizer();
@@ -81,7 +89,7 @@ struct TrainerCore::Impl {
 };
 
 TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const DeviceMesh> mesh,
-                         TrainerConfig config, bool bf16_autocast, ErasedRun run)
+                         TrainerConfig config, PrecisionOptions precision, ErasedRun run)
     : impl_(std::make_unique<Impl>(std::move(context), std::move(mesh), std::move(config),
                                    std::move(run))) {
   auto& s = *impl_;
@@ -94,20 +102,25 @@ TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const Devic
                                          .seed = s.config.run.seed});
   (void)s.sampler->steps_per_epoch(
       s.per_rank_batch);  // enough data for one step, else a clear error
-  TrainStepOptions options{
-      .optimizer = s.config.optimizer,
-      .lr_schedule = s.config.lr_schedule,
-      .total_steps = s.config.run.total_steps,
-      .max_grad_norm = s.config.gradient_clipping.max_norm,
-      .bucket_bytes = static_cast<int64_t>(s.config.data_parallel.bucket_size_mb * 1024.0 * 1024.0),
-      .bf16_autocast = bf16_autocast,
-      .events = &s.events};
+  TrainStepOptions options{.optimizer = s.config.optimizer,
+                           .lr_schedule = s.config.lr_schedule,
+                           .total_steps = s.config.run.total_steps,
+                           .max_grad_norm = s.config.gradient_clipping.max_norm,
+                           .bf16_autocast = precision.bf16_autocast,
+                           .events = &s.events};
   if (s.run.pipeline) {
-    s.pipeline_step =
-        std::make_unique<PipelineStepCore>(*s.mesh, std::move(*s.run.pipeline), std::move(options));
+    s.pipeline_step = std::make_unique<PipelineStepCore>(
+        std::move(s.run.parallel), std::move(*s.run.pipeline), std::move(options));
     s.run.pipeline.reset();
   } else {
-    s.step = std::make_unique<TrainStepCore>(*s.mesh, s.run.model, s.run.loss, std::move(options));
+    s.step =
+        std::make_unique<TrainStepCore>(std::move(s.run.parallel), s.run.loss, std::move(options));
+  }
+  if (s.sharded() && (s.config.checkpoint.every > 0 || s.config.export_model.enabled)) {
+    throw ConfigError(
+        "d9d config: training checkpoints and \"export.enabled\" are not supported with sharded "
+        "parameters (d9d::parallel::FullyShard) yet. Fix: set \"checkpoint.every\" to 0 and "
+        "\"export\": {\"enabled\": false}");
   }
   // Randomness after initialisation differs per rank (dropout and the like).
   torch::manual_seed(s.config.run.seed + 1 + static_cast<uint64_t>(s.context.rank()));
@@ -142,6 +155,8 @@ const std::shared_ptr<torch::nn::Module>& TrainerCore::model() const { return im
 std::vector<std::shared_ptr<torch::nn::Module>> TrainerCore::modules() const {
   return impl_->modules();
 }
+parallel::ParallelModel& TrainerCore::parallel() { return impl_->parallel(); }
+torch::optim::Optimizer& TrainerCore::optimizer() { return impl_->optimizer(); }
 
 StepResult TrainerCore::step(int64_t step) {
   auto& s = *impl_;

@@ -26,7 +26,6 @@ TEST_P(Pipeline_Gloo, EverySchedulesGradientsEqualTheReference) {
     const auto ctx = d9d::testing::rank_context(env);
     const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{.pp = env.world_size()});
     const auto group = mesh.group(d9d::MeshDomain::regular, "pp");
-    const bool gpu = ctx.device().is_cuda();
     for (const bool frozen : {false, true}) {
       std::map<int, d9d::testing::Reference> references;
       const int ran = d9d::testing::for_each_program(
@@ -39,8 +38,7 @@ TEST_P(Pipeline_Gloo, EverySchedulesGradientsEqualTheReference) {
             const auto run =
                 d9d::testing::pipeline_step(program, group, group.rank(), frozen, ctx.device());
             d9d::testing::expect_matches(run, references.at(m),
-                                         what + (frozen ? " frozen" : " trainable"),
-                                         gpu ? 1e-4 : 1e-5, gpu ? 1e-6 : 1e-7);
+                                         what + (frozen ? " frozen" : " trainable"));
           });
       // 7 schedules x 4 microbatch counts, less those a schedule rejects: 1F1B needs m >= pp,
       // interleaving m % pp == 0, DualPipeV m >= 2 pp.
@@ -69,7 +67,8 @@ TEST_P(Pipeline_Gloo, InferenceOutputsEqualTheReference) {
       for (int mb = 0; mb < m; ++mb) {
         const auto& got = run.result.outputs[static_cast<std::size_t>(mb)];
         EXPECT_FALSE(got.requires_grad());
-        EXPECT_TRUE(at::allclose(got, reference.logits[static_cast<std::size_t>(mb)], 1e-4, 1e-5))
+        EXPECT_TRUE(at::allclose(got, reference.logits[static_cast<std::size_t>(mb)],
+                                 d9d::testing::kRtol, d9d::testing::kAtol))
             << "m=" << m << " microbatch " << mb;
       }
       for (const auto& [name, grad] : run.grads) {
@@ -90,7 +89,6 @@ TEST(Pipeline_Gloo_dp2_pp2, GradientsReducedOverReplicasEqualTheReference) {
     const auto dp = mesh.group(d9d::MeshDomain::batch, "dp");
     ASSERT_EQ(pp.size(), 2);
     ASSERT_EQ(dp.size(), 2);
-    const bool gpu = ctx.device().is_cuda();
     for (const auto& schedule : {std::string("1F1B"), std::string("ZeroBubbleH1")}) {
       for (const int m : {2, 4}) {
         const auto program =
@@ -108,8 +106,8 @@ TEST(Pipeline_Gloo_dp2_pp2, GradientsReducedOverReplicasEqualTheReference) {
         }
         run.result.losses.clear();  // each replica's losses cover half of the batch
         const auto reference = d9d::testing::reference_step(2 * m, false, ctx.device());
-        d9d::testing::expect_matches(run, reference, schedule + " dp=2 pp=2 m=" + std::to_string(m),
-                                     gpu ? 1e-4 : 1e-5, gpu ? 1e-6 : 1e-7);
+        d9d::testing::expect_matches(run, reference,
+                                     schedule + " dp=2 pp=2 m=" + std::to_string(m));
       }
     }
   });

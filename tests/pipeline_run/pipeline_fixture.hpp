@@ -37,6 +37,12 @@ inline model::Qwen3Config pipeline_config() {
 }
 
 constexpr int64_t kMicrobatchSize = 2;
+/// The tests run in float64: a pipelined step and the reference differ only in the order of their
+/// sums (n <= 10^3 terms of magnitude <= 1 here), i.e. by at most n·u·sum|x| ~ 1e-13 with u =
+/// 1.1e-16, on any CPU or GPU. The tolerances below hold by that bound, with room to spare.
+constexpr auto kDtype = at::kDouble;
+constexpr double kRtol = 1e-9;
+constexpr double kAtol = 1e-12;
 constexpr int64_t kSeq = 6;
 
 /// Frozen in the "frozen" runs: the embedding, all of layer 0 (so a first stage may hold no
@@ -75,7 +81,7 @@ struct Reference {
 
 inline Reference reference_step(int microbatches, bool frozen, c10::Device device = at::kCPU) {
   auto model = reference_model();
-  model->to(device);
+  model->to(device, kDtype);
   apply_frozen(*model, frozen);
   const auto tokens = step_tokens(microbatches).to(device);
   const auto inputs = tokens.narrow(1, 0, kSeq);
@@ -114,7 +120,7 @@ inline std::vector<model::Qwen3Stage> build_stages(const pipeline::Program& prog
        pipeline::rank_stages(program.placement, program.pp, program.stages_per_rank, rank)) {
     model::Qwen3Stage stage(config, s, program.stages(), ranges[static_cast<std::size_t>(s)]);
     model::copy_parameters(*full, *stage);
-    stage->to(device);
+    stage->to(device, kDtype);
     apply_frozen(*stage, frozen);
     stages.push_back(stage);
   }
@@ -148,7 +154,7 @@ inline PipelineRun pipeline_step(const pipeline::Program& program, const Process
   const auto config = pipeline_config();
   pipeline::Executor executor(program, group, std::move(handles), [&](int) {
     return pipeline::TensorSpec{.sizes = {kMicrobatchSize, kSeq, config.hidden_size},
-                                .dtype = at::kFloat};
+                                .dtype = kDtype};
   });
   const auto tokens =
       (data.tokens.defined() ? data.tokens : step_tokens(program.microbatches)).to(device);
@@ -222,10 +228,9 @@ inline int for_each_program(
   return ran;
 }
 
-/// Gradients and losses of a pipelined step equal the reference's (fp32, tight tolerance).
-/// On a GPU the kernels of a microbatch and of the whole batch may sum in other orders.
+/// Gradients and losses of a pipelined step equal the reference's (float64: see kDtype).
 inline void expect_matches(const PipelineRun& run, const Reference& ref, const std::string& what,
-                           double rtol = 1e-5, double atol = 1e-7) {
+                           double rtol = kRtol, double atol = kAtol) {
   for (const auto& [name, grad] : run.grads) {
     const auto& want = ref.grads.at(name);
     ASSERT_EQ(grad.defined(), want.defined()) << what << ": " << name;
@@ -236,7 +241,7 @@ inline void expect_matches(const PipelineRun& run, const Reference& ref, const s
   }
   if (!run.result.losses.empty()) {
     ASSERT_EQ(run.result.losses.size(), ref.losses.size()) << what;
-    at::Tensor sum = at::zeros({});
+    at::Tensor sum = at::zeros({}, kDtype);
     for (std::size_t mb = 0; mb < ref.losses.size(); ++mb) {
       EXPECT_TRUE(at::allclose(run.result.losses[mb], ref.losses[mb], rtol, atol))
           << what << ": microbatch " << mb;

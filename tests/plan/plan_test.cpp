@@ -5,7 +5,10 @@
 
 #include <gtest/gtest.h>
 
+#include <d9d/parallel/policies.hpp>
 #include <d9d/plan/plan.hpp>
+#include <d9d/precision/policies.hpp>
+#include <d9d/recompute/policies.hpp>
 
 namespace {
 
@@ -16,6 +19,10 @@ static_assert(std::is_same_v<Defaults::data_parallel, d9d::parallel::Replicate>)
 static_assert(std::is_same_v<Defaults::pipeline, d9d::pipeline::NoPipeline>);
 static_assert(std::is_same_v<Defaults::peft, d9d::peft::FullTune>);
 static_assert(std::is_same_v<Defaults::precision, d9d::precision::Fp32>);
+static_assert(std::is_same_v<Defaults::tensor_parallel, d9d::parallel::NoTensorParallel>);
+static_assert(std::is_same_v<Defaults::expert_parallel, d9d::parallel::NoExpertParallel>);
+static_assert(std::is_same_v<Defaults::context_parallel, d9d::parallel::NoContextParallel>);
+static_assert(std::is_same_v<Defaults::activation_checkpointing, d9d::recompute::None>);
 
 // Each policy fills its slot, in any order; the others keep their defaults.
 using Dp4Tp2 = d9d::mesh<d9d::dp_shard<4>, d9d::tp<2>>;
@@ -27,12 +34,18 @@ static_assert(std::is_same_v<MyPlan::pipeline, d9d::pipeline::NoPipeline>);
 static_assert(MyPlan::mesh::static_shape() == d9d::MeshShape{.dp_shard = 4, .tp = 2});
 
 // The same policies in another order resolve alike and have the same canonical form: every slot
-// written out in slot order (mesh, data_parallel, pipeline, peft, precision).
+// written out in slot order (mesh, data_parallel, tensor_parallel, expert_parallel,
+// context_parallel, pipeline, peft, precision, activation_checkpointing).
 using SamePlan = d9d::Plan<d9d::parallel::Fsdp, Dp4Tp2, d9d::precision::Bf16Mixed>;
 static_assert(std::is_same_v<SamePlan::canonical, MyPlan::canonical>);
-static_assert(std::is_same_v<MyPlan::canonical,
-                             d9d::Plan<Dp4Tp2, d9d::parallel::Fsdp, d9d::pipeline::NoPipeline,
-                                       d9d::peft::FullTune, d9d::precision::Bf16Mixed>>);
+static_assert(
+    std::is_same_v<MyPlan::canonical,
+                   d9d::Plan<Dp4Tp2, d9d::parallel::Fsdp, d9d::parallel::NoTensorParallel,
+                             d9d::parallel::NoExpertParallel, d9d::parallel::NoContextParallel,
+                             d9d::pipeline::NoPipeline, d9d::peft::FullTune,
+                             d9d::precision::Bf16Mixed, d9d::recompute::None>>);
+// A recompute policy fills its own slot.
+static_assert(d9d::Plan<d9d::recompute::EveryNth<3>>::activation_checkpointing::every_nth == 3);
 static_assert(std::is_same_v<MyPlan::canonical::canonical, MyPlan::canonical>);
 
 // plan_with_t swaps the slot the new policy fills and keeps the others.

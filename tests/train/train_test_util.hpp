@@ -12,6 +12,21 @@
 
 namespace d9d::testing {
 
+// Tolerances of the equality tests. Every run here is float64 (d9d::precision::Fp64): a parallel
+// run and the single-process reference differ only in the order of their sums (all-reduces,
+// microbatch accumulation, pipeline stages). With n <= 10^3 terms per sum and u = 1.1e-16, such a
+// difference is at most n·u·sum|x| ~ 1e-13 of the values involved:
+//  - losses and gradient norms (sums of that kind, then a few smooth steps): 1e-9 relative;
+//  - parameters pass through AdamW, update = lr·m/(sqrt(v)+eps), which magnifies an absolute
+//    gradient difference d by up to lr/eps (for gradients near eps): after `steps` steps they
+//    differ by at most steps·(lr/eps)·1e-13 <= 8·(0.01/1e-8)·1e-13 = 8e-7 < 1e-6 absolute
+//    (tiny_run: lr 0.01, AdamW's eps 1e-8, at most 8 steps in these tests).
+// In float32 the same bound is ~1e-4 (u = 6e-8), which is why float32 equality tests broke on some
+// CPUs (1.2e-6 against 1e-6) and are not used here. Measured: every difference below 1e-12.
+inline constexpr double kLossRtol = 1e-9;
+inline constexpr double kParameterAtol = 1e-6;
+static_assert(8 * (0.01 / 1e-8) * 1e-13 < kParameterAtol);
+
 /// A Qwen3 small enough to train in milliseconds (GQA: 4 heads over 2 KV heads, untied head).
 inline std::string tiny_qwen3_json(bool tied = false, int layers = 2) {
   return std::string(R"({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,

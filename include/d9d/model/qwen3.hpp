@@ -16,6 +16,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
 
+#include <d9d/model/block.hpp>
 #include <d9d/model/layers.hpp>
 
 namespace d9d::model {
@@ -48,8 +49,9 @@ struct Qwen3Config {
   [[nodiscard]] int64_t non_embedding_parameter_count() const;
 };
 
-/// One decoder layer.
-class Qwen3DecoderLayerImpl : public torch::nn::Module {
+/// One decoder layer: a d9d::model::Block (the unit of fully sharded data parallelism and of
+/// activation recompute).
+class Qwen3DecoderLayerImpl : public torch::nn::Module, public Block {
  public:
   explicit Qwen3DecoderLayerImpl(const Qwen3Config& config);
   at::Tensor forward(const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& cos_sin);

@@ -1,28 +1,56 @@
 // d9d/parallel/policies.hpp — data-parallel policies: how the dp_replicate / dp_shard ranks of the
 // mesh share the model.
 //
-//   using MyPlan = d9d::Plan<d9d::mesh<d9d::dp_shard<8>>, d9d::parallel::Fsdp>;
-//   static_assert(std::is_same_v<MyPlan::data_parallel, d9d::parallel::Fsdp>);
+//   using MyPlan = d9d::Plan<d9d::mesh<d9d::dp_shard<8>>, d9d::parallel::FullyShard<>>;
+//   static_assert(MyPlan::data_parallel::shards_parameters);
 //   static_assert(std::is_same_v<d9d::Plan<>::data_parallel, d9d::parallel::Replicate>);
 //
-// Each models d9d::plan_policy for d9d::slot::data_parallel. Tags for now: the components that
-// implement them (gradient all-reduce, parameter sharding) are specialised on these types.
+// Each models d9d::plan_policy for d9d::slot::data_parallel and states its facts as members; the
+// component that implements it is d9d::parallel::strategy<Policy> (d9d/parallel/parallelize.hpp).
+// Replicate (the default, d9d/plan/defaults.hpp): whole model per rank, gradients all-reduced.
+// FullyShard (ZeRO-3): parameters, gradients and optimizer state sharded over dp_shard, gathered
+// per unit around its use; with dp_replicate > 1 as well it is HSDP (shards all-reduced across the
+// replicas).
 #pragma once
 
-#include <d9d/plan/slots.hpp>
+#include <d9d/plan/defaults.hpp>  // Replicate, the default; precision::Dtype
 
 namespace d9d::parallel {
 
-/// Every data-parallel rank holds the whole model and gradients are all-reduced (DDP). The
-/// default of the data_parallel slot.
-struct Replicate {
-  using d9d_slot = slot::data_parallel;
+/// When FullyShard frees a unit's gathered parameters after its forward.
+enum class Reshard {
+  after_forward,  ///< every unit (gathered again for its backward): least memory
+  never,          ///< keep every unit gathered until the step's gradients are reduced
+  all_but_last,   ///< every unit but the last (whose backward comes first)
+  from_config,    ///< the config's "data_parallel.reshard" (default "after_forward")
 };
 
-/// Fully sharded data parallel (ZeRO-3): parameters, gradients and optimizer state are sharded
-/// over dp_shard and gathered around each use; replicated over dp_replicate (HSDP when both > 1).
-struct Fsdp {
-  using d9d_slot = slot::data_parallel;
+/// The dtype FullyShard reduces gradients in.
+enum class ReduceDtype {
+  as_precision,  ///< the precision policy's `reduce` (float32 under Fp32 and Bf16Mixed)
+  float32,
+  bfloat16,  ///< halves the reduce-scatter traffic; needs bfloat16 compute (Bf16Mixed)
 };
+
+/// Fully sharded data parallelism (ZeRO-3) over dp_shard; HSDP when dp_replicate > 1 too.
+///
+/// Each parameter is split along its first dimension over the dp_shard ranks (torch.chunk's rule:
+/// ceil(n / ranks) rows each, the last ranks fewer, possibly none); the optimizer updates only
+/// this rank's rows. A unit (by default each decoder block — a d9d::model::Block — and one unit of
+/// the parameters outside every block, e.g. embedding, final norm and head) is all-gathered before
+/// its forward, with the next unit prefetched; `R` says when it is freed again. Its gradients are
+/// reduce-scattered as soon as its backward is done (overlapping the rest of the backward), summed
+/// into the shards' gradients, and all-reduced over dp_replicate. Under a pipeline schedule every
+/// unit stays gathered for the whole step and the reduction runs after the program.
+template <Reshard R = Reshard::from_config, ReduceDtype D = ReduceDtype::as_precision>
+struct FullyShard {
+  using d9d_slot = slot::data_parallel;
+  static constexpr bool shards_parameters = true;
+  static constexpr Reshard reshard = R;
+  static constexpr ReduceDtype reduce_dtype = D;
+};
+
+/// FullyShard with its defaults.
+using Fsdp = FullyShard<>;
 
 }  // namespace d9d::parallel

@@ -8,13 +8,4 @@
 // component; FullTune is the default until then.
 #pragma once
 
-#include <d9d/plan/slots.hpp>
-
-namespace d9d::peft {
-
-/// Every parameter of the model trains. The default of the peft slot.
-struct FullTune {
-  using d9d_slot = slot::peft;
-};
-
-}  // namespace d9d::peft
+#include <d9d/plan/defaults.hpp>  // FullTune, the default

@@ -9,14 +9,4 @@
 // run through d9d/pipeline/executor.hpp.
 #pragma once
 
-#include <d9d/plan/slots.hpp>
-
-namespace d9d::pipeline {
-
-/// The whole model runs as one stage on each rank (use with pp = 1). The default of the pipeline
-/// slot.
-struct NoPipeline {
-  using d9d_slot = slot::pipeline;
-};
-
-}  // namespace d9d::pipeline
+#include <d9d/plan/defaults.hpp>  // NoPipeline, the default

@@ -15,12 +15,15 @@
 
 namespace d9d {
 
-// The defaults, forward-declared: they live in their areas' headers (d9d/plan/plan.hpp includes
-// them all), and those headers include this one for the tags.
+// The defaults, forward-declared: d9d/plan/defaults.hpp defines them (d9d/plan/plan.hpp includes
+// it), and the areas' policy headers include that one and add their other policies.
 template <class... Elems>
 struct mesh;
 namespace parallel {
 struct Replicate;
+struct NoTensorParallel;
+struct NoExpertParallel;
+struct NoContextParallel;
 }  // namespace parallel
 namespace pipeline {
 struct NoPipeline;
@@ -31,6 +34,9 @@ struct FullTune;
 namespace precision {
 struct Fp32;
 }  // namespace precision
+namespace recompute {
+struct None;
+}  // namespace recompute
 
 /// Slot tags: what a policy names in `using d9d_slot = ...;`.
 namespace slot {
@@ -51,6 +57,36 @@ struct data_parallel {
   template <class P>
   struct member {
     using data_parallel = P;
+  };
+};
+
+/// How the tp ranks split each layer (tensor and sequence parallelism). Plan member
+/// `tensor_parallel`; default d9d::parallel::NoTensorParallel.
+struct tensor_parallel {
+  using default_policy = ::d9d::parallel::NoTensorParallel;
+  template <class P>
+  struct member {
+    using tensor_parallel = P;
+  };
+};
+
+/// How the ep ranks split a mixture-of-experts layer's experts. Plan member `expert_parallel`;
+/// default d9d::parallel::NoExpertParallel.
+struct expert_parallel {
+  using default_policy = ::d9d::parallel::NoExpertParallel;
+  template <class P>
+  struct member {
+    using expert_parallel = P;
+  };
+};
+
+/// How the cp ranks split the sequence inside attention. Plan member `context_parallel`; default
+/// d9d::parallel::NoContextParallel.
+struct context_parallel {
+  using default_policy = ::d9d::parallel::NoContextParallel;
+  template <class P>
+  struct member {
+    using context_parallel = P;
   };
 };
 
@@ -84,6 +120,16 @@ struct precision {
   };
 };
 
+/// Which activations are recomputed in backward instead of kept (d9d/parallel/recompute.hpp).
+/// Plan member `activation_checkpointing`; default d9d::recompute::None.
+struct activation_checkpointing {
+  using default_policy = ::d9d::recompute::None;
+  template <class P>
+  struct member {
+    using activation_checkpointing = P;
+  };
+};
+
 }  // namespace slot
 
 namespace detail {
@@ -96,8 +142,9 @@ template <class... Slots>
 struct plan_slot_list {};
 
 /// Every slot of a Plan, in the order of Plan<...>::canonical.
-using plan_slots =
-    plan_slot_list<slot::mesh, slot::data_parallel, slot::pipeline, slot::peft, slot::precision>;
+using plan_slots = plan_slot_list<slot::mesh, slot::data_parallel, slot::tensor_parallel,
+                                  slot::expert_parallel, slot::context_parallel, slot::pipeline,
+                                  slot::peft, slot::precision, slot::activation_checkpointing>;
 
 template <class S, class... Slots>
 consteval bool is_listed_slot(plan_slot_list<Slots...> /*slots*/) {

@@ -53,8 +53,15 @@ struct ClippingConfig {
   std::optional<double> max_norm = 1.0;  ///< global gradient norm limit; null: no clipping
 };
 
+/// Run-time knobs of the data-parallel strategies (d9d/parallel/policies.hpp).
 struct DataParallelConfig {
-  double bucket_size_mb = 25.0;  ///< gradient all-reduce bucket size
+  double bucket_size_mb = 25.0;  ///< Replicate: gradient all-reduce bucket size
+  /// FullyShard<Reshard::from_config>: "after_forward", "never" or "all_but_last".
+  std::string reshard = "after_forward";
+  int64_t prefetch = 1;  ///< FullyShard: units gathered ahead of their use (0: none)
+  /// FullyShard: reduce-scatter after every microbatch (false: once per step, keeping the whole
+  /// gradients over the step's microbatches).
+  bool reduce_every_microbatch = true;
 };
 
 struct LoggingConfig {

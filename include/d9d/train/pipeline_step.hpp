@@ -4,10 +4,12 @@
 // rank holds the stages the program places on it (built by the model provider's build_stage),
 // and a step runs the program through d9d::pipeline::Executor — the first stage reads the task's
 // stage_input of each microbatch, the last stage calls the task's output_loss. Then, as in
-// TrainStep: gradients are all-reduced over the data-parallel group (after the program, bucketed),
-// divided by the step's global loss weight (the loss is the token mean over every microbatch of
-// every data-parallel rank), the gradient norm is summed over the pipeline ranks and clipped, and
-// AdamW updates this rank's parameters. Losses and gradients equal a single-process step over the
+// TrainStep: gradients are reduced over the data-parallel ranks (after the program), divided by the
+// step's global loss weight (the loss is the token mean over every microbatch of every
+// data-parallel rank), the gradient norm is summed over the pipeline ranks and clipped, and AdamW
+// updates this rank's parameters. The gradient path is the parallelize layer's (built with
+// ParallelizeOptions::pipelined: weight gradients may come from W actions, so strategies reduce
+// after the program). Losses and gradients equal a single-process step over the
 // same global batch (tests/train: Trainer_Pipeline_Gloo).
 #pragma once
 
@@ -47,8 +49,10 @@ struct PipelineParts {
 
 class PipelineStepCore {
  public:
-  /// Collective over the mesh (every rank constructs it together).
-  PipelineStepCore(const DeviceMesh& mesh, PipelineParts parts, TrainStepOptions options);
+  /// Collective over the mesh (every rank constructs it together). `model`: the parallelize
+  /// layer's result for this rank's stage modules (those of `parts`, in the same order).
+  PipelineStepCore(std::unique_ptr<parallel::ParallelModel> model, PipelineParts parts,
+                   TrainStepOptions options);
   ~PipelineStepCore();
   PipelineStepCore(const PipelineStepCore&) = delete;
   PipelineStepCore& operator=(const PipelineStepCore&) = delete;
@@ -61,6 +65,8 @@ class PipelineStepCore {
   /// This rank's stage modules.
   [[nodiscard]] std::vector<std::shared_ptr<torch::nn::Module>> stages() const;
   [[nodiscard]] const pipeline::Program& program() const;
+  /// The parallelize layer's result (parameter records of this rank's stages).
+  [[nodiscard]] parallel::ParallelModel& parallel();
   /// The optimizer (AdamW) over this rank's trained parameters.
   [[nodiscard]] torch::optim::Optimizer& optimizer();
 
@@ -68,8 +74,5 @@ class PipelineStepCore {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
-
-/// Throws std::invalid_argument unless the resolved mesh uses only pp and data-parallel degrees.
-void check_pipeline_mesh(const MeshShape& shape);
 
 }  // namespace d9d::detail

@@ -3,16 +3,20 @@
 //   d9d::TrainStep<MyPlan> step(mesh, model.ptr(), loss_of_microbatch, options);
 //   d9d::StepResult r = step.run(microbatches, /*step=*/0);   // r.loss: global token mean
 //
-// A step: zero the gradients; forward and backward every microbatch (sum losses, accumulate
-// gradients); during the last backward the data-parallel replicate reducer all-reduces gradient
-// buckets as they become ready; then gradients are divided by the global loss weight (so the
-// loss is the token mean over every microbatch of every data-parallel rank), the global gradient
-// norm is computed and clipped, and AdamW updates the parameters with the scheduled learning rate.
-// Non-template work lives in detail::TrainStepCore (compiled once, src/train/train_step.cpp);
-// TrainStep<Plan> checks the plan and passes its facts down.
+// TrainStep<Plan> checks the plan (every strategy's compile-time rules, the precision policy) and
+// applies its strategies to the model through the parallelize layer
+// (d9d/parallel/parallelize.hpp), then runs steps over what that layer recorded: zero the
+// gradients; forward and backward every microbatch (sum losses, accumulate gradients) while the
+// strategies' gradient paths reduce (Replicate: bucketed all-reduce in the last backward;
+// FullyShard: per-unit gathers and reduce-scatters); then the gradients are divided by the global
+// loss weight (so the loss is the token mean over every microbatch of every data-parallel rank),
+// their norm is computed over the mesh and clipped, and AdamW updates each rank's parameters (the
+// shards, under FullyShard). Non-template work lives in detail::TrainStepCore (compiled once,
+// src/train/train_step.cpp). Trainer<Plan> composes the same step.
 #pragma once
 
 #include <any>
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -25,6 +29,8 @@
 
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/optim/lr_schedule.hpp>
+#include <d9d/parallel/parallelize.hpp>
+#include <d9d/pipeline/schedules.hpp>
 #include <d9d/plan/plan.hpp>
 #include <d9d/train/concepts.hpp>
 #include <d9d/train/config.hpp>
@@ -42,8 +48,7 @@ struct TrainStepOptions {
   std::vector<optim::Phase> lr_schedule;
   int64_t total_steps = 1;
   std::optional<double> max_grad_norm = 1.0;
-  int64_t bucket_bytes = int64_t{25} << 20;
-  bool bf16_autocast = false;        ///< forward under bf16 autocast (precision::Bf16Mixed)
+  bool bf16_autocast = false;        ///< forward under bf16 autocast (set from the plan)
   const EventBus* events = nullptr;  ///< receives BeforeOptimizer / AfterOptimizer
 };
 
@@ -62,20 +67,21 @@ namespace detail {
 
 class TrainStepCore {
  public:
-  TrainStepCore(const DeviceMesh& mesh, std::shared_ptr<torch::nn::Module> model,
-                MicrobatchLoss loss, TrainStepOptions options);
+  /// `model`: the parallelize layer's result for the step's model (its first module).
+  TrainStepCore(std::unique_ptr<parallel::ParallelModel> model, MicrobatchLoss loss,
+                TrainStepOptions options);
   ~TrainStepCore();
   TrainStepCore(const TrainStepCore&) = delete;
   TrainStepCore& operator=(const TrainStepCore&) = delete;
   TrainStepCore(TrainStepCore&&) = delete;
   TrainStepCore& operator=(TrainStepCore&&) = delete;
 
-  /// One optimizer step over this rank's microbatches (collective over the dp group).
+  /// One optimizer step over this rank's microbatches (collective over the mesh).
   StepResult run(const std::vector<std::any>& microbatches, int64_t step);
   [[nodiscard]] const std::shared_ptr<torch::nn::Module>& model() const;
-  /// The data-parallel group gradients are reduced over.
-  [[nodiscard]] const ProcessGroup& dp_group() const;
-  /// The optimizer (AdamW) over the trained parameters (checkpoints read and restore its state).
+  /// The parallelize layer's result: parameter records (what the optimizer updates, placements).
+  [[nodiscard]] parallel::ParallelModel& parallel();
+  /// The optimizer (AdamW) over the records' local tensors (checkpoints read and restore it).
   [[nodiscard]] torch::optim::Optimizer& optimizer();
 
  private:
@@ -83,58 +89,99 @@ class TrainStepCore {
   std::unique_ptr<Impl> impl_;
 };
 
-template <class Plan>
-constexpr void check_trainable_plan() {
-  static_assert(std::is_same_v<typename Plan::pipeline, pipeline::NoPipeline>,
-                "d9d::TrainStep: this plan's pipeline schedule is not supported by TrainStep yet. "
-                "Fix: use d9d::pipeline::NoPipeline (the default) in the plan");
-  static_assert(std::is_same_v<typename Plan::data_parallel, parallel::Replicate>,
-                "d9d::TrainStep: only d9d::parallel::Replicate data parallelism is supported so "
-                "far. Fix: use d9d::parallel::Replicate (the default) in the plan");
-  static_assert(std::is_same_v<typename Plan::peft, peft::FullTune>,
-                "d9d::TrainStep: only d9d::peft::FullTune is supported so far. Fix: use "
-                "d9d::peft::FullTune (the default) in the plan");
-  using Mesh = typename Plan::mesh;
-  static_assert((Mesh::pp::is_dynamic || Mesh::pp::value == 1) &&
-                    (Mesh::tp::is_dynamic || Mesh::tp::value == 1) &&
-                    (Mesh::cp_replicate::is_dynamic || Mesh::cp_replicate::value == 1) &&
-                    (Mesh::cp_shard::is_dynamic || Mesh::cp_shard::value == 1) &&
-                    (Mesh::ep::is_dynamic || Mesh::ep::value == 1),
-                "d9d::TrainStep: with d9d::parallel::Replicate only data-parallel degrees may "
-                "exceed 1 (pp, tp, cp_replicate, cp_shard and ep must be 1). Fix: drop those "
-                "degrees from the mesh");
-}
+/// The run-time precision facts of a plan (its precision policy's members).
+struct PrecisionOptions {
+  at::ScalarType parameters = at::kFloat;
+  bool bf16_autocast = false;
+};
 
 template <class Plan>
-constexpr bool uses_bf16_autocast() {
-  if constexpr (std::is_same_v<typename Plan::precision, precision::Bf16Mixed>) {
-    return true;
+constexpr PrecisionOptions precision_options() {
+  using P = typename Plan::precision;
+  static_assert(
+      requires {
+        { P::parameters } -> std::convertible_to<precision::Dtype>;
+        { P::compute } -> std::convertible_to<precision::Dtype>;
+      },
+      "d9d::TrainStep: the precision policy must state `parameters` and `compute` "
+      "(d9d::precision::Dtype members), as d9d/precision/policies.hpp's policies do");
+  static_assert(P::parameters != precision::Dtype::bfloat16,
+                "d9d::TrainStep: bfloat16 parameters need a stochastic-rounding optimizer, which "
+                "is not available yet. Fix: use d9d::precision::Bf16Mixed (float32 parameters, "
+                "bfloat16 compute)");
+  static_assert(P::compute == P::parameters || P::compute == precision::Dtype::bfloat16,
+                "d9d::TrainStep: compute runs in the parameters' dtype or in bfloat16 (autocast)");
+  return {.parameters = parallel::detail::scalar_type_of(P::parameters),
+          .bf16_autocast = P::compute != P::parameters};
+}
+
+template <class S>
+inline constexpr bool is_inference_schedule = false;
+template <class M>
+inline constexpr bool is_inference_schedule<pipeline::Inference<M>> = true;
+
+/// Whether the plan runs a pipeline schedule (else the whole model is one stage per rank).
+template <class Plan>
+inline constexpr bool is_pipelined_v =
+    !std::is_same_v<typename Plan::pipeline, pipeline::NoPipeline>;
+
+/// Every compile-time rule of a trainable plan, in one place: the strategies' (parallelize
+/// layer), the precision policy's and the pipeline slot's.
+template <class Plan>
+constexpr void check_step_plan() {
+  parallel::check_plan<Plan>();
+  (void)precision_options<Plan>();
+  using S = typename Plan::pipeline;
+  if constexpr (!is_pipelined_v<Plan>) {
+    static_assert(Plan::mesh::pp::is_dynamic || Plan::mesh::pp::value == 1,
+                  "d9d::TrainStep: the plan's mesh has pp > 1 but no pipeline schedule. Fix: put "
+                  "a schedule in the plan (e.g. d9d::pipeline::OneFOneB<>), or drop d9d::pp from "
+                  "the mesh");
   } else {
-    static_assert(std::is_same_v<typename Plan::precision, precision::Fp32>,
-                  "d9d::TrainStep: supported precision policies are d9d::precision::Fp32 and "
-                  "d9d::precision::Bf16Mixed");
-    return false;
+    static_assert(pipeline::pipeline_schedule<S>,
+                  "d9d::Trainer: the plan's pipeline slot holds no schedule. Fix: use one of "
+                  "d9d/pipeline/schedules.hpp (e.g. d9d::pipeline::OneFOneB<>)");
+    static_assert(!is_inference_schedule<S>,
+                  "d9d::Trainer: d9d::pipeline::Inference runs forward only and cannot train. "
+                  "Fix: choose a training schedule (GPipe, OneFOneB, ZeroBubbleH1, ...)");
   }
 }
 
-/// Throws std::invalid_argument unless the resolved mesh uses only data-parallel degrees.
-void check_replicate_mesh(const MeshShape& shape);
+/// The run-time rules of the resolved mesh (std::invalid_argument naming the degree and the fix).
+template <class Plan>
+void check_step_mesh(const MeshShape& shape) {
+  parallel::check_mesh<Plan>(shape);
+  if constexpr (!is_pipelined_v<Plan>) {
+    parallel::detail::require_degree_one("pp", shape.pp, "d9d::pipeline::NoPipeline",
+                                         "set \"mesh.pp\" to 1 or put a schedule in the plan");
+  }
+}
 
 }  // namespace detail
 
-/// One rank's optimizer step for `Plan` (see the file comment).
+/// One rank's optimizer step for `Plan` (see the file comment). The model must be the whole model
+/// (a pipeline plan runs through Trainer<Plan>).
 template <class Plan>
 class TrainStep : public detail::TrainStepCore {
  public:
   TrainStep(const DeviceMesh& mesh, std::shared_ptr<torch::nn::Module> model, MicrobatchLoss loss,
-            TrainStepOptions options)
-      : detail::TrainStepCore(mesh, std::move(model), std::move(loss), with_plan(options, mesh)) {}
+            TrainStepOptions options, parallel::ParallelizeOptions parallel = {})
+      : detail::TrainStepCore(make(mesh, std::move(model), std::move(parallel)), std::move(loss),
+                              with_plan(options)) {}
 
  private:
-  static TrainStepOptions with_plan(TrainStepOptions options, const DeviceMesh& mesh) {
-    detail::check_trainable_plan<Plan>();
-    detail::check_replicate_mesh(mesh.shape());
-    options.bf16_autocast = detail::uses_bf16_autocast<Plan>();
+  static std::unique_ptr<parallel::ParallelModel> make(const DeviceMesh& mesh,
+                                                       std::shared_ptr<torch::nn::Module> model,
+                                                       parallel::ParallelizeOptions parallel) {
+    detail::check_step_plan<Plan>();
+    static_assert(!detail::is_pipelined_v<Plan>,
+                  "d9d::TrainStep: runs the whole model on each rank; pipeline plans run through "
+                  "d9d::Trainer<Plan>");
+    detail::check_step_mesh<Plan>(mesh.shape());
+    return parallel::parallelize<Plan>(mesh, {std::move(model)}, std::move(parallel));
+  }
+  static TrainStepOptions with_plan(TrainStepOptions options) {
+    options.bf16_autocast = detail::precision_options<Plan>().bf16_autocast;
     return options;
   }
 };

@@ -65,49 +65,25 @@ struct ErasedRun {
   std::function<std::vector<std::any>(const std::any&, int64_t)> split;
   std::string hf_config_json;             ///< from the provider's hf_config_json(), if it has one
   std::optional<PipelineParts> pipeline;  ///< pipeline plans: the stages instead of `model`
+  /// The parallelize layer's result for `model` (or the pipeline's stages).
+  std::unique_ptr<parallel::ParallelModel> parallel;
 };
 
-template <class S>
-inline constexpr bool is_inference_schedule = false;
-template <class M>
-inline constexpr bool is_inference_schedule<pipeline::Inference<M>> = true;
-
-/// The plan checks of Trainer<Plan>: TrainStep's, except that the pipeline slot may hold a
-/// training schedule (and the mesh a pp degree) next to d9d::parallel::Replicate.
-template <class Plan>
-constexpr void check_trainer_plan() {
-  using S = typename Plan::pipeline;
-  if constexpr (std::is_same_v<S, pipeline::NoPipeline>) {
-    check_trainable_plan<Plan>();
-  } else {
-    static_assert(pipeline::pipeline_schedule<S>,
-                  "d9d::Trainer: the plan's pipeline slot holds no schedule. Fix: use one of "
-                  "d9d/pipeline/schedules.hpp (e.g. d9d::pipeline::OneFOneB<>)");
-    static_assert(!is_inference_schedule<S>,
-                  "d9d::Trainer: d9d::pipeline::Inference runs forward only and cannot train. "
-                  "Fix: choose a training schedule (GPipe, OneFOneB, ZeroBubbleH1, ...)");
-    static_assert(std::is_same_v<typename Plan::data_parallel, parallel::Replicate>,
-                  "d9d::Trainer: pipeline plans support d9d::parallel::Replicate data "
-                  "parallelism so far. Fix: use d9d::parallel::Replicate (the default)");
-    static_assert(std::is_same_v<typename Plan::peft, peft::FullTune>,
-                  "d9d::Trainer: only d9d::peft::FullTune is supported so far. Fix: use "
-                  "d9d::peft::FullTune (the default) in the plan");
-    using Mesh = typename Plan::mesh;
-    static_assert((Mesh::tp::is_dynamic || Mesh::tp::value == 1) &&
-                      (Mesh::cp_replicate::is_dynamic || Mesh::cp_replicate::value == 1) &&
-                      (Mesh::cp_shard::is_dynamic || Mesh::cp_shard::value == 1) &&
-                      (Mesh::ep::is_dynamic || Mesh::ep::value == 1),
-                  "d9d::Trainer: a pipeline plan with d9d::parallel::Replicate runs pp and "
-                  "data-parallel degrees only (tp, cp_replicate, cp_shard and ep must be 1). Fix: "
-                  "drop those degrees from the mesh");
-    (void)uses_bf16_autocast<Plan>();
-  }
+/// The parallelize layer's knobs from the config.
+inline parallel::ParallelizeOptions parallelize_options(const TrainerConfig& config,
+                                                        bool pipelined) {
+  return {
+      .bucket_bytes = static_cast<int64_t>(config.data_parallel.bucket_size_mb * 1024.0 * 1024.0),
+      .reshard = config.data_parallel.reshard,
+      .prefetch = static_cast<int>(config.data_parallel.prefetch),
+      .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch,
+      .pipelined = pipelined};
 }
 
 class TrainerCore {
  public:
   TrainerCore(DistributedContext context, std::shared_ptr<const DeviceMesh> mesh,
-              TrainerConfig config, bool bf16_autocast, ErasedRun run);
+              TrainerConfig config, PrecisionOptions precision, ErasedRun run);
   ~TrainerCore();
   TrainerCore(const TrainerCore&) = delete;
   TrainerCore& operator=(const TrainerCore&) = delete;
@@ -123,6 +99,11 @@ class TrainerCore {
   [[nodiscard]] const std::shared_ptr<torch::nn::Module>& model() const;
   /// What this rank trains: the whole model, or its pipeline stages in stage order.
   [[nodiscard]] std::vector<std::shared_ptr<torch::nn::Module>> modules() const;
+  /// The parallelize layer's result: the parameter records the optimizer, clipping and
+  /// checkpoints use (under FullyShard their local tensors are this rank's shards).
+  [[nodiscard]] parallel::ParallelModel& parallel();
+  /// The optimizer (AdamW) over the records' local tensors.
+  [[nodiscard]] torch::optim::Optimizer& optimizer();
 
  private:
   struct Impl;
@@ -138,7 +119,7 @@ class Trainer {
   template <class ModelProvider, class DatasetProvider, class Task>
   Trainer(DistributedContext context, ModelProvider models, DatasetProvider datasets, Task task,
           TrainerConfig config) {
-    detail::check_trainer_plan<Plan>();
+    detail::check_step_plan<Plan>();
     static_assert(model_provider_opts_in<ModelProvider>,
                   "d9d::Trainer: the model provider does not opt in. Fix: declare "
                   "`using model_provider_concept = d9d::model_provider_tag;` in it");
@@ -182,17 +163,13 @@ class Trainer {
   [[nodiscard]] detail::TrainerCore& core() { return *core_; }
 
  private:
-  static constexpr bool kPipelined = !std::is_same_v<typename Plan::pipeline, pipeline::NoPipeline>;
+  static constexpr bool kPipelined = detail::is_pipelined_v<Plan>;
 
   // The mesh against the world, the batch against the mesh: checked before anything is allocated.
   static std::shared_ptr<const DeviceMesh> make_mesh(const DistributedContext& context,
                                                      const TrainerConfig& config) {
     const MeshShape shape = resolve_mesh<typename Plan::mesh>(context.world_size(), config.mesh);
-    if constexpr (kPipelined) {
-      detail::check_pipeline_mesh(shape);
-    } else {
-      detail::check_replicate_mesh(shape);
-    }
+    detail::check_step_mesh<Plan>(shape);
     auto mesh = std::make_shared<const DeviceMesh>(context, shape);
     config.check_against_data_parallel(mesh->size(MeshDomain::batch, "dp"));
     return mesh;
@@ -309,11 +286,17 @@ class Trainer {
       parts.loss = [shared_task](const at::Tensor& output, const std::any& microbatch) {
         return shared_task->output_loss(output, std::any_cast<const Batch&>(microbatch));
       };
+      std::vector<std::shared_ptr<torch::nn::Module>> modules;
+      for (const auto& item : parts.stages) {
+        modules.push_back(item.first);
+      }
+      run.parallel = parallel::parallelize<Plan>(*mesh, std::move(modules),
+                                                 detail::parallelize_options(config, true));
       run.pipeline = std::move(parts);
       add_data<DatasetProvider, Batch>(datasets, *mesh, config, run);
       core_ = std::make_unique<detail::TrainerCore>(
-          std::move(context), std::move(mesh), std::move(config),
-          detail::uses_bf16_autocast<Plan>(), std::move(run));
+          std::move(context), std::move(mesh), std::move(config), detail::precision_options<Plan>(),
+          std::move(run));
     }
   }
 
@@ -335,6 +318,8 @@ class Trainer {
           .device = context.device(), .mesh = mesh.get(), .config_json = config.section("model")});
       detail::ErasedRun run;
       run.model = model.ptr();
+      run.parallel = parallel::parallelize<Plan>(*mesh, {run.model},
+                                                 detail::parallelize_options(config, false));
       run.loss = [model, task = std::make_shared<Task>(std::move(task))](
                      const std::any& microbatch) mutable {
         return task->compute_loss(model, std::any_cast<const Batch&>(microbatch));
@@ -344,8 +329,8 @@ class Trainer {
         run.hf_config_json = models.hf_config_json();
       }
       core_ = std::make_unique<detail::TrainerCore>(
-          std::move(context), std::move(mesh), std::move(config),
-          detail::uses_bf16_autocast<Plan>(), std::move(run));
+          std::move(context), std::move(mesh), std::move(config), detail::precision_options<Plan>(),
+          std::move(run));
     }
   }
 

@@ -4,6 +4,6 @@
 // expect-error: e.g. d9d::Plan<d9d::mesh<d9d::tp<2>>>
 #include <d9d/plan/plan.hpp>
 
-using MyPlan = d9d::Plan<d9d::tp<2>, d9d::parallel::Fsdp>;
+using MyPlan = d9d::Plan<d9d::tp<2>, d9d::parallel::Replicate>;
 
 int main() { return sizeof(MyPlan) > 0 ? 0 : 1; }

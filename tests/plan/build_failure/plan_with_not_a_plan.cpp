@@ -3,6 +3,6 @@
 // expect-error: Fix: pass the plan first and the new policy second
 #include <d9d/plan/plan.hpp>
 
-using MyPlan = d9d::plan_with_t<d9d::parallel::Fsdp, d9d::Plan<>>;
+using MyPlan = d9d::plan_with_t<d9d::parallel::Replicate, d9d::Plan<>>;
 
 int main() { return sizeof(MyPlan) > 0 ? 0 : 1; }

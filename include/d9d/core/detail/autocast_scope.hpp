@@ -1,5 +1,5 @@
-// d9d/train/detail/autocast_scope.hpp — bf16 autocast for one device type while alive (not a
-// public API; used by the train steps' .cpp files).
+// d9d/core/detail/autocast_scope.hpp — bf16 autocast for one device type while alive (not a
+// public API; used by the train steps and recompute in .cpp files).
 #pragma once
 
 #include <ATen/autocast_mode.h>

@@ -1,0 +1,409 @@
+// d9d/parallel/parallelize.hpp — the parallelize layer: a Plan's horizontal strategies applied to
+// a model in one fixed order, and the record of every trained parameter that the step reads.
+//
+//   auto parallel = d9d::parallel::parallelize<MyPlan>(mesh, {model.ptr()}, {.bucket_bytes = ...});
+//   for (auto& r : parallel->parameters()) { r.local; r.placements; }  // what the optimizer
+//   updates parallel->begin_step(); ... loss.backward(); ... parallel->finish();  // gradients
+//   reduced double norm = parallel->normalize_and_clip(total_weight, max_norm);  // correct on any
+//   mesh
+//
+// Order (DESIGN.md): peft -> tensor/sequence -> expert -> context -> data sharding -> recompute.
+// Before the strategies, floating-point parameters are cast to the precision policy's dtype and
+// every data-parallel replica takes dp rank 0's values. Each strategy is the component
+// d9d::parallel::strategy<Policy>, specialised on the policy type of its slot. It has
+//   - check<Plan>():           compile-time rules (static degrees, other slots), static_asserts;
+//   - check_mesh(shape):       the same rules at start-up for d9d::dynamic degrees;
+//   - apply(model, options):   what it does to the modules and to the parameter records, and the
+//                              GradientSync it adds to the step's gradient path.
+// A parameter record says what this rank's optimizer updates (`local`: the whole parameter, or its
+// shard), where it sits on the mesh (dims + placements, as in d9d::ShardedTensor) and so how its
+// gradient norm is summed and how checkpoints store it. The train steps, the optimizer, grad-norm
+// clipping, checkpoints and export read the records; nothing outside this layer branches on a
+// strategy. A new strategy adds a policy, a strategy<> specialisation and (in src/parallel/) its
+// apply function (docs/design/0007-parallelize-layer.md).
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <d9d/core/device_mesh.hpp>
+#include <d9d/core/sharded_tensor.hpp>
+#include <d9d/parallel/policies.hpp>
+#include <d9d/peft/policies.hpp>
+#include <d9d/plan/defaults.hpp>
+#include <d9d/plan/slots.hpp>
+#include <d9d/precision/policies.hpp>
+#include <d9d/recompute/policies.hpp>
+
+namespace d9d::parallel {
+
+/// One trained parameter after parallelize.
+struct ParameterRecord {
+  std::string name;  ///< its name in the whole model ("model.layers.0.mlp.up_proj.weight")
+  /// What this rank's optimizer updates: a leaf tensor, the whole parameter or this rank's part of
+  /// it. After the step's backward and GradientSync::finish its .grad is the gradient summed over
+  /// the data-parallel ranks (this rank's part of it).
+  at::Tensor local;
+  std::vector<int64_t> global_shape;  ///< the whole parameter's shape
+  MeshDomain domain = MeshDomain::regular;
+  std::vector<std::string> dims;      ///< mesh dimensions of `domain` it is laid out on
+  std::vector<Placement> placements;  ///< one per dim: Replicate{} or Shard{d}
+
+  /// The dims whose ranks hold different parts (Shard placements).
+  [[nodiscard]] std::vector<std::string> sharded_dims() const;
+  /// AdamW weight decay applies to matrices (the whole parameter has >= 2 dimensions).
+  [[nodiscard]] bool decays() const { return global_shape.size() >= 2; }
+  /// `local` as a ShardedTensor on `mesh` (for checkpoints and export).
+  [[nodiscard]] ShardedTensor sharded(const DeviceMesh& mesh) const;
+};
+
+/// What a strategy adds to the step's gradient path. The steps call, per optimizer step:
+/// begin_step(); for each microbatch i of n: before_backward(i, n), backward; then finish().
+/// Under a pipeline program (ParallelizeOptions::pipelined) only begin_step() and finish().
+class GradientSync {
+ public:
+  GradientSync() = default;
+  virtual ~GradientSync() = default;
+  GradientSync(const GradientSync&) = delete;
+  GradientSync& operator=(const GradientSync&) = delete;
+  GradientSync(GradientSync&&) = delete;
+  GradientSync& operator=(GradientSync&&) = delete;
+
+  virtual void begin_step() {}
+  virtual void before_backward(int /*microbatch*/, int /*microbatches*/) {}
+  /// Completes every reduction of the step (collective over the strategy's groups).
+  virtual void finish() {}
+  /// Bytes this rank holds for the strategy beyond the records' tensors (e.g. gathered units).
+  [[nodiscard]] virtual int64_t extra_bytes() const { return 0; }
+};
+
+/// The knobs of the strategies that are not part of the plan type (from the trainer config).
+struct ParallelizeOptions {
+  /// Replicate: bytes per all-reduce bucket.
+  int64_t bucket_bytes = int64_t{25} << 20;
+  /// FullyShard<Reshard::from_config>: "after_forward", "never" or "all_but_last".
+  std::string reshard = "after_forward";
+  /// FullyShard: units gathered ahead of their use (0: gather each unit when it starts).
+  int prefetch = 1;
+  /// FullyShard: reduce-scatter after every microbatch's backward (false: accumulate the whole
+  /// gradients over the step's microbatches and reduce once, after the last).
+  bool reduce_every_microbatch = true;
+  /// The step runs a pipeline program (stages' weight gradients may come in W actions, outside
+  /// autograd): reductions run in finish().
+  bool pipelined = false;
+};
+
+/// The model after parallelize: its modules (changed in place by the strategies), the parameter
+/// records and the gradient path. Owned by the step; not copyable.
+class ParallelModel {
+ public:
+  ParallelModel(const DeviceMesh& mesh, std::vector<std::shared_ptr<torch::nn::Module>> modules,
+                ParallelizeOptions options);
+  ~ParallelModel();
+  ParallelModel(const ParallelModel&) = delete;
+  ParallelModel& operator=(const ParallelModel&) = delete;
+  ParallelModel(ParallelModel&&) = delete;
+  ParallelModel& operator=(ParallelModel&&) = delete;
+
+  [[nodiscard]] const DeviceMesh& mesh() const;
+  [[nodiscard]] const ParallelizeOptions& options() const;
+  [[nodiscard]] const std::vector<std::shared_ptr<torch::nn::Module>>& modules() const;
+  [[nodiscard]] const std::vector<ParameterRecord>& parameters() const;
+  [[nodiscard]] std::vector<ParameterRecord>& mutable_parameters();
+  /// The records' local tensors, in record order (what the optimizer updates).
+  [[nodiscard]] std::vector<at::Tensor> locals() const;
+  [[nodiscard]] const ParameterRecord* find(const std::string& name) const;
+
+  /// Adds a strategy's gradient path (run in the order added; finish in reverse).
+  void add_sync(std::unique_ptr<GradientSync> sync);
+  /// Registers mesh dims (regular domain) that shard parameters: normalize_and_clip sums the
+  /// squares of parameters sharded on exactly these dims over their group. Every rank registers
+  /// the same sets in the same order (strategies do it in apply).
+  void add_norm_dims(std::vector<std::string> dims);
+
+  void begin_step();
+  void before_backward(int microbatch, int microbatches);
+  void finish();
+
+  /// Divides every local gradient by `total_weight`, computes the global 2-norm of the gradient
+  /// (each element counted once: squares summed over the dims a parameter is sharded on and over
+  /// pp, never over replicas), scales the gradients to `max_norm` when it is exceeded, and returns
+  /// the norm before clipping. Collective over the mesh (the same collectives on every rank).
+  double normalize_and_clip(double total_weight, std::optional<double> max_norm);
+
+  /// Bytes of this rank's parameters (records' locals), their gradients, and what the strategies
+  /// hold besides (gathered units); the optimizer's state is the caller's.
+  [[nodiscard]] int64_t parameter_bytes() const;
+  [[nodiscard]] int64_t gradient_bytes() const;
+  [[nodiscard]] int64_t extra_bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// The behaviour of a policy; specialised for every policy the layer implements. The primary
+/// template is a plan that names a policy nothing implements yet.
+template <class Policy>
+struct strategy {
+  template <class Plan>
+  static constexpr void check() {
+    static_assert(
+        ::d9d::detail::plan_dependent_false<Policy>,
+        "d9d::parallel::parallelize: no strategy implements this policy (shown with this error). "
+        "Implemented: data_parallel Replicate, FullyShard<...>; tensor/expert/context parallel "
+        "None; peft FullTune; recompute None, Full, EveryNth<K>. Fix: use one of those, or "
+        "specialise d9d::parallel::strategy<YourPolicy>");
+  }
+};
+
+namespace detail {
+
+template <class...>
+inline constexpr bool parallel_dependent_false = false;
+
+/// The records before any strategy: every parameter that requires a gradient, whole, Replicate
+/// on dp_replicate and dp_shard; floating-point parameters cast to `dtype`; dp rank 0's values
+/// copied to the other replicas.
+std::unique_ptr<ParallelModel> make_parallel_model(
+    const DeviceMesh& mesh, std::vector<std::shared_ptr<torch::nn::Module>> modules,
+    at::ScalarType dtype, ParallelizeOptions options);
+
+void apply_replicate(ParallelModel& model);
+
+/// FullyShard's run-time choices (resolved from the policy and the options).
+struct FullyShardSettings {
+  std::string reshard;           ///< "after_forward", "never", "all_but_last"
+  at::ScalarType compute_dtype;  ///< the gathered parameters' dtype
+  at::ScalarType reduce_dtype;   ///< the reduce-scatter's dtype
+};
+void apply_fully_shard(ParallelModel& model, const FullyShardSettings& settings);
+
+/// Recomputes block i when every_nth > 0 and i % every_nth == every_nth - 1.
+void apply_recompute(ParallelModel& model, int every_nth);
+
+/// std::invalid_argument naming `degree`, its value and `policy` unless the degree is 1.
+void require_degree_one(const char* degree, int value, const char* policy, const char* fix);
+
+/// std::invalid_argument unless `name` is "after_forward", "never" or "all_but_last".
+void check_reshard_name(const std::string& name);
+
+constexpr at::ScalarType scalar_type_of(precision::Dtype dtype) {
+  switch (dtype) {
+    case precision::Dtype::float64:
+      return at::kDouble;
+    case precision::Dtype::bfloat16:
+      return at::kBFloat16;
+    case precision::Dtype::float32:
+      break;
+  }
+  return at::kFloat;
+}
+
+template <class Degree>
+constexpr bool static_degree_is(int value) {
+  return !Degree::is_dynamic && Degree::value == value;
+}
+template <class Degree>
+constexpr bool static_degree_exceeds_one() {
+  return !Degree::is_dynamic && Degree::value > 1;
+}
+
+}  // namespace detail
+
+// ---- data_parallel --------------------------------------------------------------------------
+
+template <>
+struct strategy<Replicate> {
+  template <class Plan>
+  static constexpr void check() {}
+  static void check_mesh(const MeshShape& /*shape*/) {}
+  template <class Plan>
+  static void apply(ParallelModel& model) {
+    detail::apply_replicate(model);
+  }
+};
+
+template <Reshard R, ReduceDtype D>
+struct strategy<FullyShard<R, D>> {
+  template <class Plan>
+  static constexpr void check() {
+    using Mesh = typename Plan::mesh;
+    using P = typename Plan::precision;
+    static_assert(!detail::static_degree_is<typename Mesh::dp_shard>(1),
+                  "d9d::parallel::FullyShard: the plan's mesh fixes dp_shard = 1, so there is "
+                  "nothing to shard over. Fix: give the mesh d9d::dp_shard<N> with N > 1 (or "
+                  "d9d::dynamic), or use d9d::parallel::Replicate");
+    static_assert(D != ReduceDtype::bfloat16 || P::compute == precision::Dtype::bfloat16,
+                  "d9d::parallel::FullyShard: ReduceDtype::bfloat16 needs bfloat16 compute (the "
+                  "gradients are float32 otherwise, and rounding them for the reduction only "
+                  "loses precision). Fix: use d9d::precision::Bf16Mixed, or "
+                  "ReduceDtype::as_precision");
+    static_assert(D != ReduceDtype::float32 || P::parameters != precision::Dtype::float64,
+                  "d9d::parallel::FullyShard: ReduceDtype::float32 under float64 parameters would "
+                  "round every gradient. Fix: use ReduceDtype::as_precision with "
+                  "d9d::precision::Fp64");
+  }
+  static void check_mesh(const MeshShape& /*shape*/) {}
+  template <class Plan>
+  static void apply(ParallelModel& model) {
+    using P = typename Plan::precision;
+    detail::FullyShardSettings settings{.reshard = model.options().reshard,
+                                        .compute_dtype = detail::scalar_type_of(P::compute),
+                                        .reduce_dtype = detail::scalar_type_of(P::reduce)};
+    if constexpr (R == Reshard::after_forward) {
+      settings.reshard = "after_forward";
+    } else if constexpr (R == Reshard::never) {
+      settings.reshard = "never";
+    } else if constexpr (R == Reshard::all_but_last) {
+      settings.reshard = "all_but_last";
+    }
+    if constexpr (D == ReduceDtype::float32) {
+      settings.reduce_dtype = at::kFloat;
+    } else if constexpr (D == ReduceDtype::bfloat16) {
+      settings.reduce_dtype = at::kBFloat16;
+    }
+    detail::apply_fully_shard(model, settings);
+  }
+};
+
+// ---- tensor / expert / context parallel: not yet implemented beyond "none" ---------------------
+
+template <>
+struct strategy<NoTensorParallel> {
+  template <class Plan>
+  static constexpr void check() {
+    static_assert(!detail::static_degree_exceeds_one<typename Plan::mesh::tp>(),
+                  "d9d::parallel::NoTensorParallel: the plan's mesh has tp > 1 but no tensor "
+                  "parallel policy splits the layers. Fix: drop d9d::tp from the mesh");
+  }
+  static void check_mesh(const MeshShape& shape) {
+    detail::require_degree_one("tp", shape.tp, "d9d::parallel::NoTensorParallel",
+                               "set \"mesh.tp\" to 1");
+  }
+  template <class Plan>
+  static void apply(ParallelModel& /*model*/) {}
+};
+
+template <>
+struct strategy<NoExpertParallel> {
+  template <class Plan>
+  static constexpr void check() {
+    static_assert(!detail::static_degree_exceeds_one<typename Plan::mesh::ep>(),
+                  "d9d::parallel::NoExpertParallel: the plan's mesh has ep > 1 but no expert "
+                  "parallel policy shards the experts. Fix: drop d9d::ep from the mesh");
+  }
+  static void check_mesh(const MeshShape& shape) {
+    detail::require_degree_one("ep", shape.ep, "d9d::parallel::NoExpertParallel",
+                               "set \"mesh.ep\" to 1");
+  }
+  template <class Plan>
+  static void apply(ParallelModel& /*model*/) {}
+};
+
+template <>
+struct strategy<NoContextParallel> {
+  template <class Plan>
+  static constexpr void check() {
+    using Mesh = typename Plan::mesh;
+    static_assert(!detail::static_degree_exceeds_one<typename Mesh::cp_shard>() &&
+                      !detail::static_degree_exceeds_one<typename Mesh::cp_replicate>(),
+                  "d9d::parallel::NoContextParallel: the plan's mesh has cp_shard or "
+                  "cp_replicate > 1 but no context parallel policy splits the sequence. Fix: drop "
+                  "those degrees from the mesh");
+  }
+  static void check_mesh(const MeshShape& shape) {
+    detail::require_degree_one("cp_shard", shape.cp_shard, "d9d::parallel::NoContextParallel",
+                               "set \"mesh.cp_shard\" to 1");
+    detail::require_degree_one("cp_replicate", shape.cp_replicate,
+                               "d9d::parallel::NoContextParallel",
+                               "set \"mesh.cp_replicate\" to 1");
+  }
+  template <class Plan>
+  static void apply(ParallelModel& /*model*/) {}
+};
+
+// ---- peft ---------------------------------------------------------------------------------------
+
+template <>
+struct strategy<peft::FullTune> {
+  template <class Plan>
+  static constexpr void check() {}
+  static void check_mesh(const MeshShape& /*shape*/) {}
+  template <class Plan>
+  static void apply(ParallelModel& /*model*/) {}  // every parameter that requires a gradient trains
+};
+
+// ---- activation_checkpointing -----------------------------------------------------------------
+
+template <class Policy>
+requires std::same_as<typename Policy::d9d_slot, slot::activation_checkpointing>
+struct strategy<Policy> {
+  template <class Plan>
+  static constexpr void check() {
+    static_assert(Policy::every_nth >= 0,
+                  "d9d::recompute: every_nth must be >= 0 (0 = keep every activation)");
+  }
+  static void check_mesh(const MeshShape& /*shape*/) {}
+  template <class Plan>
+  static void apply(ParallelModel& model) {
+    if constexpr (Policy::every_nth > 0) {
+      detail::apply_recompute(model, Policy::every_nth);
+    }
+  }
+};
+
+// ---- the layer ----------------------------------------------------------------------------------
+
+/// The compile-time rules of every strategy of `Plan` (static_asserts naming the fix).
+template <class Plan>
+constexpr void check_plan() {
+  strategy<typename Plan::peft>::template check<Plan>();
+  strategy<typename Plan::tensor_parallel>::template check<Plan>();
+  strategy<typename Plan::expert_parallel>::template check<Plan>();
+  strategy<typename Plan::context_parallel>::template check<Plan>();
+  strategy<typename Plan::data_parallel>::template check<Plan>();
+  strategy<typename Plan::activation_checkpointing>::template check<Plan>();
+}
+
+/// The same rules at start-up, for the resolved mesh (std::invalid_argument naming the key).
+template <class Plan>
+void check_mesh(const MeshShape& shape) {
+  strategy<typename Plan::peft>::check_mesh(shape);
+  strategy<typename Plan::tensor_parallel>::check_mesh(shape);
+  strategy<typename Plan::expert_parallel>::check_mesh(shape);
+  strategy<typename Plan::context_parallel>::check_mesh(shape);
+  strategy<typename Plan::data_parallel>::check_mesh(shape);
+  strategy<typename Plan::activation_checkpointing>::check_mesh(shape);
+}
+
+/// Applies the strategies of `Plan` to `modules` (the whole model, or this rank's pipeline stages
+/// in stage order) in the documented order. Collective over the mesh: every rank calls it with the
+/// same structure of modules (per pipeline rank).
+template <class Plan>
+std::unique_ptr<ParallelModel> parallelize(const DeviceMesh& mesh,
+                                           std::vector<std::shared_ptr<torch::nn::Module>> modules,
+                                           ParallelizeOptions options = {}) {
+  check_plan<Plan>();
+  check_mesh<Plan>(mesh.shape());
+  detail::check_reshard_name(options.reshard);
+  auto model = detail::make_parallel_model(mesh, std::move(modules),
+                                           detail::scalar_type_of(Plan::precision::parameters),
+                                           std::move(options));
+  strategy<typename Plan::peft>::template apply<Plan>(*model);
+  strategy<typename Plan::tensor_parallel>::template apply<Plan>(*model);
+  strategy<typename Plan::expert_parallel>::template apply<Plan>(*model);
+  strategy<typename Plan::context_parallel>::template apply<Plan>(*model);
+  strategy<typename Plan::data_parallel>::template apply<Plan>(*model);
+  strategy<typename Plan::activation_checkpointing>::template apply<Plan>(*model);
+  return model;
+}
+
+}  // namespace d9d::parallel

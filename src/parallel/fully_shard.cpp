@@ -1,0 +1,629 @@
+// d9d/parallel/fully_shard.cpp — FullyShard (ZeRO-3 / HSDP): sharded parameters gathered per unit
+// around their use, gradients reduce-scattered as each unit's backward completes.
+//
+// Layout. Every trained parameter p with n rows (its first dimension; a row is the rest) is split
+// by torch.chunk's rule over the W ranks of dp_shard: c = ceil(n / W) rows per rank, rank r holding
+// rows [r c, min((r + 1) c, n)). The shard is a leaf in the precision's parameter dtype: what the
+// optimizer updates and what the parameter record points to (placement Shard(0) on dp_shard,
+// Replicate on dp_replicate). A unit (a d9d::model::Block, or the parameters outside every block)
+// packs its parameters' shards, each padded to c rows, into one flat segment of S elements, the
+// same size on every rank: the all-gather of the segments is [W, S], and parameter p's rows are
+// the p-columns of it, in rank order. The module keeps its parameter tensors (the same TensorImpl,
+// so forward code, saved tensors and autograd leaves stay valid); their data lives in one storage
+// per unit in the compute dtype, which is freed (its bytes released, size 0) when the unit is
+// resharded and allocated again — the same storage object, so tensors saved for backward see the
+// values again — when it is gathered. Gathers write through a separate alias of the storage, so
+// the parameters' version counters do not move and autograd's saved-tensor checks stay quiet.
+//
+// Gradients. A post-accumulate-grad hook on each gathered parameter counts a unit's gradients; once
+// all are there (every node that used the unit's parameters has run), the whole gradients are
+// packed as the gather's layout in the reduce dtype and reduce-scattered (summed), the unit may be
+// freed, and the result is added to the shards' .grad when the step finishes (after an all-reduce
+// over dp_replicate for HSDP). Units are reduced in one fixed order on every rank (reverse forward
+// order, the unit of loose parameters last), so collectives match across ranks.
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <d9d/core/collectives.hpp>
+#include <d9d/model/block.hpp>
+#include <d9d/parallel/parallelize.hpp>
+
+namespace d9d::parallel::detail {
+namespace {
+
+// Releases a storage's bytes (every tensor on it keeps its sizes and must not be read).
+void free_storage(const c10::Storage& storage) {
+  auto* impl = storage.unsafeGetStorageImpl();
+  if (impl->nbytes() == 0) {
+    return;
+  }
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
+  impl->set_nbytes(0);
+}
+
+// Gives a freed storage `nbytes` again (fresh memory from its allocator).
+void alloc_storage(const c10::Storage& storage, std::size_t nbytes) {
+  auto* impl = storage.unsafeGetStorageImpl();
+  if (impl->nbytes() == nbytes) {
+    return;
+  }
+  impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
+  impl->set_nbytes(nbytes);
+}
+
+struct Param {
+  std::size_t record = 0;  // index into the model's records
+  at::Tensor full;         // the module's parameter (its data: a slice of the unit's storage)
+  std::vector<int64_t> shape;
+  int64_t rows = 0;            // n
+  int64_t row_numel = 0;       // elements per row
+  int64_t chunk_rows = 0;      // c
+  ShardRange held;             // this rank's rows
+  int64_t segment_offset = 0;  // in the unit's segment (elements)
+  int64_t full_offset = 0;     // in the unit's storage (elements)
+  at::Tensor shard;            // the record's local tensor
+};
+
+struct Unit {
+  std::string name;
+  std::vector<std::size_t> params;
+  int64_t segment_numel = 0;
+  int64_t full_numel = 0;
+  c10::Storage storage;
+  bool gathered = false;
+  at::Tensor gather_output;  // an all-gather in flight (with gather_work)
+  c10::intrusive_ptr<c10d::Work> gather_work;
+  std::size_t pending = 0;  // gradients still to come in this backward
+  bool reduced = false;     // reduce-scatter launched in this backward
+  bool block = false;       // a d9d::model::Block (else the unit of loose parameters)
+  bool reshard_after_forward = false;
+};
+
+struct Reduction {
+  std::size_t unit = 0;
+  at::Tensor input;  // kept alive until the collective is done
+  at::Tensor output;
+  c10::intrusive_ptr<c10d::Work> work;
+};
+
+class FullyShardState;
+
+// Identity in forward; its backward gathers the unit again before the unit's own backward runs
+// (it sits on the unit's output) and starts gathering the units before it.
+struct PreBackward : torch::autograd::Function<PreBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            int64_t state, int64_t unit) {
+    ctx->saved_data["state"] = state;
+    ctx->saved_data["unit"] = unit;
+    return x.view_as(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads);
+};
+
+class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
+ public:
+  FullyShardState(ParallelModel& model, FullyShardSettings settings)
+      : model_(model),
+        settings_(std::move(settings)),
+        shard_group_(model.mesh().group(MeshDomain::regular, "dp_shard")),
+        replicate_group_(model.mesh().group(MeshDomain::regular, "dp_replicate")),
+        world_(std::max(1, shard_group_.size())),
+        rank_(shard_group_.size() > 1 ? shard_group_.rank() : 0),
+        device_(model.mesh().context().device()) {}
+
+  // Sorts the records into units, shards them and points the modules at the units' storages.
+  void build() {
+    auto& records = model_.mutable_parameters();
+    std::vector<std::pair<model::Block*, std::string>> blocks;
+    // Outermost blocks, in registration (= forward) order, with their parameters' name prefixes.
+    for (const auto& module : model_.modules()) {
+      for (const auto& item : module->named_modules()) {
+        auto* block = dynamic_cast<model::Block*>(item.value().get());
+        if (block == nullptr) {
+          continue;
+        }
+        const std::string prefix = item.key().empty() ? std::string() : item.key() + ".";
+        const bool inside = std::any_of(blocks.begin(), blocks.end(), [&](const auto& outer) {
+          return !outer.second.empty() && prefix.rfind(outer.second, 0) == 0;
+        });
+        if (!inside) {
+          blocks.emplace_back(block, prefix);
+        }
+      }
+    }
+    units_.resize(blocks.size() + 1);
+    for (std::size_t b = 0; b < blocks.size(); ++b) {
+      units_[b].name = blocks[b].second.empty() ? "block" : blocks[b].second;
+      units_[b].block = true;
+    }
+    units_.back().name = "(parameters outside blocks)";
+    for (std::size_t i = 0; i < records.size(); ++i) {
+      std::size_t unit = blocks.size();
+      for (std::size_t b = 0; b < blocks.size(); ++b) {
+        if (!blocks[b].second.empty() && records[i].name.rfind(blocks[b].second, 0) == 0) {
+          unit = b;
+          break;
+        }
+      }
+      add_param(unit, i, records[i]);
+    }
+    const std::size_t last_block = blocks.empty() ? 0 : blocks.size() - 1;
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      auto& unit = units_[u];
+      unit.reshard_after_forward = unit.block && !model_.options().pipelined &&
+                                   (settings_.reshard == "after_forward" ||
+                                    (settings_.reshard == "all_but_last" && u != last_block));
+      place(unit);
+    }
+    // Reduction order: blocks in reverse forward order, then the loose parameters.
+    for (std::size_t b = blocks.size(); b-- > 0;) {
+      reduce_order_.push_back(b);
+    }
+    reduce_order_.push_back(units_.size() - 1);
+    blocks_ = std::move(blocks);
+  }
+
+  void install_hooks() {
+    const std::weak_ptr<FullyShardState> weak = shared_from_this();
+    for (std::size_t b = 0; b < blocks_.size(); ++b) {
+      auto* block = blocks_[b].first;
+      block->add_forward_pre_hook([weak, b] {
+        if (auto state = weak.lock()) {
+          state->before_forward(b);
+        }
+      });
+      block->add_forward_post_hook([weak, b](const at::Tensor& out) {
+        if (auto state = weak.lock()) {
+          return state->after_forward(b, out);
+        }
+        return out;
+      });
+    }
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      for (const auto p : units_[u].params) {
+        if (params_[p].full.requires_grad()) {
+          torch::autograd::impl::set_post_acc_grad_hooks(params_[p].full,
+                                                         std::make_unique<ReadyHook>(weak, u));
+        }
+      }
+    }
+  }
+
+  void remove_hooks() {
+    for (const auto& [block, prefix] : blocks_) {
+      block->clear_block_hooks();
+    }
+    for (const auto& param : params_) {
+      if (param.full.requires_grad()) {
+        torch::autograd::impl::set_post_acc_grad_hooks(param.full, nullptr);
+      }
+    }
+  }
+
+  // ---- the step
+  // ----------------------------------------------------------------------------------
+
+  void begin_step() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (model_.options().pipelined) {
+      // Program order is not forward order: every unit stays gathered for the step.
+      for (std::size_t u = 0; u < units_.size(); ++u) {
+        start_gather(u);
+      }
+      for (std::size_t u = 0; u < units_.size(); ++u) {
+        finish_gather(u);
+      }
+      return;
+    }
+    // The loose parameters (embedding, head, ...) are used outside any block's hooks.
+    ensure_gathered(units_.size() - 1);
+    if (!blocks_.empty()) {
+      start_gather(0);
+    }
+  }
+
+  void before_backward(int microbatch, int microbatches) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (microbatch > 0) {
+      flush_unreduced();  // the previous microbatch's units that got no gradient
+      complete_reductions();
+    }
+    armed_ = model_.options().reduce_every_microbatch || microbatch + 1 == microbatches;
+    next_reduce_ = 0;
+    for (auto& unit : units_) {
+      unit.pending = 0;
+      for (const auto p : unit.params) {
+        unit.pending += params_[p].full.requires_grad() ? 1 : 0;
+      }
+      unit.reduced = false;
+    }
+  }
+
+  void finish() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (model_.options().pipelined) {
+      armed_ = true;
+      for (auto& unit : units_) {
+        unit.reduced = false;
+      }
+      for (const auto u : reduce_order_) {
+        launch_reduction(u);
+      }
+    } else {
+      flush_unreduced();
+    }
+    complete_reductions();
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      reshard(u);
+    }
+  }
+
+  [[nodiscard]] int64_t extra_bytes() const {
+    int64_t bytes = 0;
+    for (const auto& unit : units_) {
+      bytes += static_cast<int64_t>(unit.storage.nbytes());
+    }
+    return bytes;
+  }
+
+  // ---- hooks
+  // ---------------------------------------------------------------------------------------
+
+  void before_forward(std::size_t b) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (model_.options().pipelined) {
+      return;
+    }
+    ensure_gathered(b);
+    for (int k = 1; k <= model_.options().prefetch && b + k < blocks_.size(); ++k) {
+      start_gather(b + static_cast<std::size_t>(k));
+    }
+  }
+
+  at::Tensor after_forward(std::size_t b, const at::Tensor& out) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!units_[b].reshard_after_forward) {
+      return out;
+    }
+    reshard(b);
+    lock.unlock();
+    if (!at::GradMode::is_enabled() || !out.requires_grad()) {
+      return out;
+    }
+    return PreBackward::apply(out, reinterpret_cast<int64_t>(this), static_cast<int64_t>(b));
+  }
+
+  void before_backward_of(std::size_t b) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    ensure_gathered(b);
+    for (int k = 1; k <= model_.options().prefetch && b >= static_cast<std::size_t>(k); ++k) {
+      if (units_[b - k].reshard_after_forward) {
+        start_gather(b - static_cast<std::size_t>(k));
+      }
+    }
+  }
+
+  void gradient_ready(std::size_t u) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    auto& unit = units_[u];
+    if (unit.pending > 0) {
+      --unit.pending;
+    }
+    if (unit.pending > 0) {
+      return;
+    }
+    if (!armed_) {
+      // Gradients accumulate in the whole parameters until the reducing microbatch.
+      if (unit.reshard_after_forward) {
+        reshard(u);
+      }
+      return;
+    }
+    launch_ready();
+  }
+
+ private:
+  class ReadyHook : public torch::autograd::PostAccumulateGradHook {
+   public:
+    ReadyHook(std::weak_ptr<FullyShardState> state, std::size_t unit)
+        : state_(std::move(state)), unit_(unit) {}
+    void operator()(const torch::autograd::Variable& /*tensor*/) override {
+      if (auto state = state_.lock()) {
+        state->gradient_ready(unit_);
+      }
+    }
+
+   private:
+    std::weak_ptr<FullyShardState> state_;
+    std::size_t unit_;
+  };
+
+  void add_param(std::size_t u, std::size_t index, ParameterRecord& record) {
+    const auto& full = record.local;
+    if (full.dim() == 0) {
+      throw std::invalid_argument("d9d::parallel::FullyShard: parameter \"" + record.name +
+                                  "\" is a scalar; only tensors with a first dimension shard");
+    }
+    Param param;
+    param.record = index;
+    param.full = full;
+    param.shape = full.sizes().vec();
+    param.rows = full.size(0);
+    param.row_numel = param.rows == 0 ? 0 : full.numel() / param.rows;
+    param.chunk_rows = (param.rows + world_ - 1) / world_;
+    param.held = shard_range(param.rows, world_, rank_);
+    auto& unit = units_[u];
+    param.segment_offset = unit.segment_numel;
+    param.full_offset = unit.full_numel;
+    unit.segment_numel += param.chunk_rows * param.row_numel;
+    unit.full_numel += full.numel();
+    // The shard: this rank's rows, in the parameter dtype; what the optimizer updates.
+    {
+      const at::NoGradGuard no_grad;
+      param.shard = full.detach().narrow(0, param.held.offset, param.held.length).clone();
+    }
+    param.shard.requires_grad_(true);
+    record.local = param.shard;
+    record.placements = std::vector<Placement>{::d9d::Replicate{}, ::d9d::Shard{0}};
+    unit.params.push_back(params_.size());
+    params_.push_back(std::move(param));
+  }
+
+  // Allocates the unit's storage in the compute dtype, moves the parameters' data onto it and
+  // leaves it gathered (the values are the whole parameters, identical on every rank).
+  void place(Unit& unit) {
+    const auto options = at::TensorOptions().dtype(settings_.compute_dtype).device(device_);
+    const at::NoGradGuard no_grad;
+    auto buffer = at::empty({unit.full_numel}, options);
+    unit.storage = buffer.storage();
+    for (const auto p : unit.params) {
+      auto& param = params_[p];
+      auto view = at::empty({0}, options)
+                      .set_(unit.storage, param.full_offset, param.shape,
+                            c10::contiguous_strides(param.shape));
+      view.copy_(param.full.detach());
+      param.full.set_data(view);
+    }
+    unit.gathered = true;
+    reshard(static_cast<std::size_t>(&unit - units_.data()));
+  }
+
+  [[nodiscard]] at::Tensor storage_alias(const Unit& unit) const {
+    return at::empty({0}, at::TensorOptions().dtype(settings_.compute_dtype).device(device_))
+        .set_(unit.storage, 0, {unit.full_numel}, {1});
+  }
+
+  void start_gather(std::size_t u) {
+    auto& unit = units_[u];
+    if (unit.gathered || unit.gather_work || unit.gather_output.defined()) {
+      return;
+    }
+    const at::NoGradGuard no_grad;
+    const auto options = at::TensorOptions().dtype(settings_.compute_dtype).device(device_);
+    auto input = at::empty({unit.segment_numel}, options);
+    for (const auto p : unit.params) {
+      const auto& param = params_[p];
+      input.narrow(0, param.segment_offset, param.held.length * param.row_numel)
+          .copy_(param.shard.detach().reshape({-1}));
+    }
+    if (world_ == 1) {
+      unit.gather_output = input;
+      return;
+    }
+    unit.gather_output = at::empty({world_ * unit.segment_numel}, options);
+    unit.gather_work = shard_group_.backend()->_allgather_base(unit.gather_output, input);
+  }
+
+  void finish_gather(std::size_t u) {
+    auto& unit = units_[u];
+    if (unit.gathered) {
+      return;
+    }
+    if (!unit.gather_output.defined()) {
+      start_gather(u);
+    }
+    if (unit.gather_work) {
+      unit.gather_work->wait();
+      unit.gather_work.reset();
+    }
+    const at::NoGradGuard no_grad;
+    alloc_storage(unit.storage, static_cast<std::size_t>(unit.full_numel) *
+                                    c10::elementSize(settings_.compute_dtype));
+    const auto alias = storage_alias(unit);
+    const auto gathered = unit.gather_output.view({world_, unit.segment_numel});
+    for (const auto p : unit.params) {
+      const auto& param = params_[p];
+      const auto rows = gathered.narrow(1, param.segment_offset, param.chunk_rows * param.row_numel)
+                            .reshape({world_ * param.chunk_rows, param.row_numel})
+                            .narrow(0, 0, param.rows);
+      alias.narrow(0, param.full_offset, param.rows * param.row_numel)
+          .view({param.rows, param.row_numel})
+          .copy_(rows);
+    }
+    unit.gather_output = at::Tensor();
+    unit.gathered = true;
+  }
+
+  void ensure_gathered(std::size_t u) {
+    start_gather(u);
+    finish_gather(u);
+  }
+
+  void reshard(std::size_t u) {
+    auto& unit = units_[u];
+    if (unit.gather_work) {
+      unit.gather_work->wait();  // a prefetch nobody used: let it land before dropping it
+      unit.gather_work.reset();
+    }
+    unit.gather_output = at::Tensor();
+    free_storage(unit.storage);
+    unit.gathered = false;
+  }
+
+  // Launches the reductions of ready units in the fixed order.
+  void launch_ready() {
+    while (next_reduce_ < reduce_order_.size()) {
+      const auto u = reduce_order_[next_reduce_];
+      if (units_[u].pending > 0) {
+        return;
+      }
+      launch_reduction(u);
+      ++next_reduce_;
+    }
+  }
+
+  // The units of this backward still unreduced (some parameter got no gradient), in order.
+  void flush_unreduced() {
+    if (!armed_) {
+      return;
+    }
+    for (; next_reduce_ < reduce_order_.size(); ++next_reduce_) {
+      launch_reduction(reduce_order_[next_reduce_]);
+    }
+  }
+
+  void launch_reduction(std::size_t u) {
+    auto& unit = units_[u];
+    if (unit.reduced) {
+      return;
+    }
+    unit.reduced = true;
+    const at::NoGradGuard no_grad;
+    const auto options = at::TensorOptions().dtype(settings_.reduce_dtype).device(device_);
+    auto input = at::zeros({world_ * unit.segment_numel}, options);
+    const auto laid = input.view({world_, unit.segment_numel});
+    for (const auto p : unit.params) {
+      auto& param = params_[p];
+      auto& grad = param.full.mutable_grad();
+      if (!grad.defined()) {
+        continue;
+      }
+      const int64_t c = param.chunk_rows;
+      const auto rows = grad.reshape({param.rows, param.row_numel});
+      const auto target = laid.narrow(1, param.segment_offset, c * param.row_numel)
+                              .unflatten(1, {c, param.row_numel});
+      const int64_t whole = c == 0 ? 0 : param.rows / c;  // ranks whose chunk is complete
+      if (whole > 0) {
+        target.narrow(0, 0, whole)
+            .copy_(rows.narrow(0, 0, whole * c).view({whole, c, param.row_numel}));
+      }
+      const int64_t rest = param.rows - whole * c;
+      if (rest > 0) {
+        target.select(0, whole).narrow(0, 0, rest).copy_(rows.narrow(0, whole * c, rest));
+      }
+      grad = at::Tensor();  // the whole gradient is not needed any more
+    }
+    Reduction reduction{.unit = u, .input = input, .output = at::Tensor(), .work = {}};
+    if (world_ == 1) {
+      reduction.output = input;
+    } else {
+      reduction.output = at::empty({unit.segment_numel}, options);
+      reduction.work = shard_group_.backend()->_reduce_scatter_base(reduction.output, input);
+    }
+    reductions_.push_back(std::move(reduction));
+    if (unit.reshard_after_forward && !model_.options().pipelined) {
+      reshard(u);
+    }
+  }
+
+  // Waits for the launched reductions and adds them to the shards' gradients.
+  void complete_reductions() {
+    const at::NoGradGuard no_grad;
+    for (auto& reduction : reductions_) {
+      if (reduction.work) {
+        reduction.work->wait();
+      }
+      auto out = reduction.output;
+      if (replicate_group_.size() > 1) {
+        out = all_reduce(replicate_group_, out);  // HSDP: the replicas' sums
+      }
+      const auto& unit = units_[reduction.unit];
+      for (const auto p : unit.params) {
+        auto& param = params_[p];
+        if (!param.full.requires_grad()) {
+          continue;
+        }
+        const auto part = out.narrow(0, param.segment_offset, param.held.length * param.row_numel)
+                              .view(param.shard.sizes())
+                              .to(param.shard.scalar_type());
+        auto& grad = param.shard.mutable_grad();
+        if (grad.defined()) {
+          grad.add_(part);
+        } else {
+          grad = part.clone();
+        }
+      }
+    }
+    reductions_.clear();
+  }
+
+  ParallelModel& model_;
+  FullyShardSettings settings_;
+  ProcessGroup shard_group_;
+  ProcessGroup replicate_group_;
+  int64_t world_;
+  int rank_;
+  c10::Device device_;
+  std::vector<Param> params_;
+  std::vector<Unit> units_;  // the blocks in forward order, then the loose parameters
+  std::vector<std::pair<model::Block*, std::string>> blocks_;
+  std::vector<std::size_t> reduce_order_;
+  std::vector<Reduction> reductions_;
+  std::size_t next_reduce_ = 0;
+  bool armed_ = false;
+  std::mutex mutex_;
+};
+
+torch::autograd::variable_list PreBackward::backward(torch::autograd::AutogradContext* ctx,
+                                                     torch::autograd::variable_list grads) {
+  // NOLINTNEXTLINE(performance-no-int-to-ptr): the state's address, stored by forward()
+  auto* state = reinterpret_cast<FullyShardState*>(ctx->saved_data["state"].toInt());
+  state->before_backward_of(static_cast<std::size_t>(ctx->saved_data["unit"].toInt()));
+  return {grads[0], torch::autograd::Variable(), torch::autograd::Variable()};
+}
+
+class FullyShardSync : public GradientSync {
+ public:
+  explicit FullyShardSync(std::shared_ptr<FullyShardState> state) : state_(std::move(state)) {}
+  ~FullyShardSync() override { state_->remove_hooks(); }
+  FullyShardSync(const FullyShardSync&) = delete;
+  FullyShardSync& operator=(const FullyShardSync&) = delete;
+  FullyShardSync(FullyShardSync&&) = delete;
+  FullyShardSync& operator=(FullyShardSync&&) = delete;
+
+  void begin_step() override { state_->begin_step(); }
+  void before_backward(int microbatch, int microbatches) override {
+    state_->before_backward(microbatch, microbatches);
+  }
+  void finish() override { state_->finish(); }
+  [[nodiscard]] int64_t extra_bytes() const override { return state_->extra_bytes(); }
+
+ private:
+  std::shared_ptr<FullyShardState> state_;
+};
+
+}  // namespace
+
+void apply_fully_shard(ParallelModel& model, const FullyShardSettings& settings) {
+  check_reshard_name(settings.reshard);
+  auto state = std::make_shared<FullyShardState>(model, settings);
+  state->build();
+  state->install_hooks();
+  model.add_norm_dims({"dp_shard"});
+  model.add_sync(std::make_unique<FullyShardSync>(std::move(state)));
+}
+
+}  // namespace d9d::parallel::detail

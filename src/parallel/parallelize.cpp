@@ -1,0 +1,291 @@
+// d9d/parallel/parallelize.cpp — parameter records, the gradient path and mesh-aware clipping.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <stdexcept>
+#include <utility>
+
+#include <ATen/ATen.h>
+
+#include <d9d/core/collectives.hpp>
+#include <d9d/parallel/parallelize.hpp>
+#include <d9d/parallel/replicate.hpp>
+
+namespace d9d::parallel {
+
+std::vector<std::string> ParameterRecord::sharded_dims() const {
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < dims.size() && i < placements.size(); ++i) {
+    if (std::holds_alternative<::d9d::Shard>(placements[i])) {
+      out.push_back(dims[i]);
+    }
+  }
+  return out;
+}
+
+ShardedTensor ParameterRecord::sharded(const DeviceMesh& mesh) const {
+  return {local.detach(), mesh, domain, dims, placements, global_shape};
+}
+
+struct ParallelModel::Impl {
+  Impl(const DeviceMesh& mesh_in, std::vector<std::shared_ptr<torch::nn::Module>> modules_in,
+       ParallelizeOptions options_in)
+      : mesh(mesh_in), modules(std::move(modules_in)), options(std::move(options_in)) {}
+  DeviceMesh mesh;
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  ParallelizeOptions options;
+  std::vector<ParameterRecord> records;
+  std::vector<std::unique_ptr<GradientSync>> syncs;
+  std::vector<std::vector<std::string>> norm_dims;  // sorted dim sets, in registration order
+};
+
+ParallelModel::ParallelModel(const DeviceMesh& mesh,
+                             std::vector<std::shared_ptr<torch::nn::Module>> modules,
+                             ParallelizeOptions options)
+    : impl_(std::make_unique<Impl>(mesh, std::move(modules), std::move(options))) {}
+
+// The syncs go first: their hooks on the modules point into them.
+ParallelModel::~ParallelModel() {
+  if (impl_) {
+    while (!impl_->syncs.empty()) {
+      impl_->syncs.pop_back();
+    }
+  }
+}
+
+const DeviceMesh& ParallelModel::mesh() const { return impl_->mesh; }
+const ParallelizeOptions& ParallelModel::options() const { return impl_->options; }
+const std::vector<std::shared_ptr<torch::nn::Module>>& ParallelModel::modules() const {
+  return impl_->modules;
+}
+const std::vector<ParameterRecord>& ParallelModel::parameters() const { return impl_->records; }
+std::vector<ParameterRecord>& ParallelModel::mutable_parameters() { return impl_->records; }
+
+std::vector<at::Tensor> ParallelModel::locals() const {
+  std::vector<at::Tensor> out;
+  out.reserve(impl_->records.size());
+  for (const auto& record : impl_->records) {
+    out.push_back(record.local);
+  }
+  return out;
+}
+
+const ParameterRecord* ParallelModel::find(const std::string& name) const {
+  for (const auto& record : impl_->records) {
+    if (record.name == name) {
+      return &record;
+    }
+  }
+  return nullptr;
+}
+
+void ParallelModel::add_sync(std::unique_ptr<GradientSync> sync) {
+  impl_->syncs.push_back(std::move(sync));
+}
+
+void ParallelModel::add_norm_dims(std::vector<std::string> dims) {
+  std::sort(dims.begin(), dims.end());
+  if (!dims.empty() &&
+      std::find(impl_->norm_dims.begin(), impl_->norm_dims.end(), dims) == impl_->norm_dims.end()) {
+    impl_->norm_dims.push_back(std::move(dims));
+  }
+}
+
+void ParallelModel::begin_step() {
+  for (const auto& sync : impl_->syncs) {
+    sync->begin_step();
+  }
+}
+
+void ParallelModel::before_backward(int microbatch, int microbatches) {
+  for (const auto& sync : impl_->syncs) {
+    sync->before_backward(microbatch, microbatches);
+  }
+}
+
+void ParallelModel::finish() {
+  for (auto it = impl_->syncs.rbegin(); it != impl_->syncs.rend(); ++it) {
+    (*it)->finish();
+  }
+}
+
+double ParallelModel::normalize_and_clip(double total_weight, std::optional<double> max_norm) {
+  auto& s = *impl_;
+  const at::NoGradGuard no_grad;
+  // Squares per set of sharded dims: replicated parameters count once, shards are summed over the
+  // dims that shard them. The sets are those the mesh allows, in one fixed order on every rank.
+  std::map<std::vector<std::string>, std::vector<at::Tensor>> norms;
+  std::vector<at::Tensor> grads;
+  for (const auto& record : s.records) {
+    if (!record.local.grad().defined()) {
+      continue;
+    }
+    auto grad = at::Tensor(record.local).mutable_grad();
+    grads.push_back(grad);
+    auto dims = record.sharded_dims();
+    std::sort(dims.begin(), dims.end());
+    norms[dims];  // registers the set even if this rank's part is empty
+    if (grad.numel() > 0) {
+      norms[dims].push_back(grad);
+    }
+  }
+  if (!grads.empty()) {
+    at::_foreach_div_(grads, at::Scalar(total_weight));
+  }
+  const auto device = s.mesh.context().device();
+  const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
+  const auto squares_of = [&](const std::vector<at::Tensor>& tensors) {
+    if (tensors.empty()) {
+      return at::zeros({}, options);
+    }
+    std::vector<at::Tensor> parts;
+    parts.reserve(tensors.size());
+    for (const auto& grad : tensors) {
+      // At least float32; float64 gradients in float64 (precision::Fp64 keeps its exactness).
+      parts.push_back(at::linalg_vector_norm(grad, 2, std::nullopt, false,
+                                             at::promote_types(grad.scalar_type(), at::kFloat)));
+    }
+    return at::stack(parts).to(options).pow(2).sum();
+  };
+  // Every rank reduces over the same groups in the same order: the sets the strategies registered
+  // (the same on every rank), not the ones this rank's parameters happen to use.
+  at::Tensor total = squares_of(norms[{}]);
+  for (const auto& dims : s.norm_dims) {
+    const auto found = norms.find(dims);
+    const auto part = found != norms.end() ? squares_of(found->second) : at::zeros({}, options);
+    total = total + all_reduce(s.mesh.group(MeshDomain::regular, dims), part);
+  }
+  for (const auto& [dims, tensors] : norms) {
+    if (!dims.empty() &&
+        std::find(s.norm_dims.begin(), s.norm_dims.end(), dims) == s.norm_dims.end()) {
+      throw std::logic_error(
+          "d9d::parallel: parameters are sharded on mesh dims no strategy "
+          "registered for the gradient norm (add_norm_dims)");
+    }
+  }
+  // Pipeline stages hold different parameters.
+  if (s.mesh.size(MeshDomain::regular, "pp") > 1) {
+    total = all_reduce(s.mesh.group(MeshDomain::regular, "pp"), total);
+  }
+  const double grad_norm = std::sqrt(total.item<double>());
+  if (!grads.empty() && max_norm && grad_norm > *max_norm) {
+    at::_foreach_mul_(grads, at::Scalar(*max_norm / (grad_norm + 1e-6)));
+  }
+  return grad_norm;
+}
+
+int64_t ParallelModel::parameter_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& record : impl_->records) {
+    bytes += static_cast<int64_t>(record.local.nbytes());
+  }
+  return bytes;
+}
+
+int64_t ParallelModel::gradient_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& record : impl_->records) {
+    if (record.local.grad().defined()) {
+      bytes += static_cast<int64_t>(record.local.grad().nbytes());
+    }
+  }
+  return bytes;
+}
+
+int64_t ParallelModel::extra_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& sync : impl_->syncs) {
+    bytes += sync->extra_bytes();
+  }
+  return bytes;
+}
+
+namespace detail {
+
+std::unique_ptr<ParallelModel> make_parallel_model(
+    const DeviceMesh& mesh, std::vector<std::shared_ptr<torch::nn::Module>> modules,
+    at::ScalarType dtype, ParallelizeOptions options) {
+  auto model = std::make_unique<ParallelModel>(mesh, std::move(modules), std::move(options));
+  const at::NoGradGuard no_grad;
+  const auto dp = mesh.group(MeshDomain::batch, "dp");
+  for (const auto& module : model->modules()) {
+    module->train();
+    for (auto& item : module->named_parameters()) {
+      auto& param = item.value();
+      if (at::isFloatingType(param.scalar_type()) && param.scalar_type() != dtype) {
+        param.set_data(param.data().to(dtype));
+      }
+      if (!param.requires_grad()) {
+        continue;
+      }
+      // Replicas start from dp rank 0's values, whatever each rank's initialisation did.
+      if (dp.size() > 1) {
+        param.copy_(broadcast(dp, param.detach(), 0));
+      }
+      model->mutable_parameters().push_back(
+          ParameterRecord{.name = item.key(),
+                          .local = param,
+                          .global_shape = param.sizes().vec(),
+                          .domain = MeshDomain::regular,
+                          .dims = {"dp_replicate", "dp_shard"},
+                          .placements = {::d9d::Replicate{}, ::d9d::Replicate{}}});
+    }
+  }
+  return model;
+}
+
+namespace {
+
+// Replicate's gradient path: the bucketed all-reduce of the last microbatch's backward.
+class ReplicateSync : public GradientSync {
+ public:
+  ReplicateSync(const ProcessGroup& group, std::vector<at::Tensor> parameters, int64_t bucket_bytes,
+                bool pipelined)
+      : reducer_(group, std::move(parameters),
+                 parallel::GradientReducerOptions{.bucket_bytes = bucket_bytes}),
+        pipelined_(pipelined) {}
+
+  void before_backward(int microbatch, int microbatches) override {
+    if (microbatch + 1 == microbatches) {
+      reducer_.arm();
+    }
+  }
+  void finish() override {
+    if (pipelined_) {
+      // Weight gradients may come from W actions, outside autograd's hooks: reduce them now.
+      reducer_.arm();
+    }
+    reducer_.finish();
+  }
+
+ private:
+  GradientReducer reducer_;
+  bool pipelined_;
+};
+
+}  // namespace
+
+void apply_replicate(ParallelModel& model) {
+  model.add_sync(std::make_unique<ReplicateSync>(model.mesh().group(MeshDomain::batch, "dp"),
+                                                 model.locals(), model.options().bucket_bytes,
+                                                 model.options().pipelined));
+}
+
+void require_degree_one(const char* degree, int value, const char* policy, const char* fix) {
+  if (value != 1) {
+    throw std::invalid_argument(std::string("d9d::parallel: the mesh has ") + degree + " = " +
+                                std::to_string(value) + ", but the plan's " + policy +
+                                " does not split anything over it. Fix: " + fix +
+                                ", or choose a policy that uses it");
+  }
+}
+
+void check_reshard_name(const std::string& name) {
+  if (name != "after_forward" && name != "never" && name != "all_but_last") {
+    throw std::invalid_argument("d9d::parallel::FullyShard: reshard \"" + name +
+                                "\" is not one of \"after_forward\", \"never\", \"all_but_last\"");
+  }
+}
+
+}  // namespace detail
+}  // namespace d9d::parallel

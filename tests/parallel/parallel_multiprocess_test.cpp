@@ -1,0 +1,150 @@
+// The parallelize layer's data-parallel strategies on 2 and 4 ranks (Gloo, or NCCL with
+// D9D_TEST_BACKEND=nccl) against one process training the same global batch: FullyShard on 2 and 4
+// ranks in each reshard mode, HSDP 2 x 2, FullyShard 2 x pp 2, with gradient accumulation,
+// clipping and recompute; and the memory each rank holds under FullyShard.
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "tests/core/core_test_util.hpp"
+#include "tests/parallel/parallel_test_util.hpp"
+
+namespace {
+
+using d9d::testing::RankEnv;
+using d9d::testing::RunOutcome;
+using d9d::testing::tiny_run;
+using d9d::testing::train_plan;
+
+using d9d::precision::Fp64;
+using ShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>>;
+using OneProcess = d9d::Plan<Fp64>;
+
+// 6 steps, global batch 8 in microbatches of 2 (several microbatches per rank: accumulation),
+// clipping at 0.5 (tiny_run), 4 decoder layers.
+d9d::TrainerConfig run_config(const std::string& dir, const std::string& mesh = "") {
+  return tiny_run(dir, 6, 8, 2, false, 4, mesh);
+}
+
+RunOutcome reference(RankEnv& env, const d9d::DistributedContext& ctx) {
+  const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
+  return train_plan<OneProcess>(
+      local, tiny_run(env.scratch_dir() + "/one" + std::to_string(env.rank()), 6, 8, 8, false, 4));
+}
+
+class Parallel_FullyShard : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override { D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(GetParam()); }
+};
+
+TEST_P(Parallel_FullyShard, EveryReshardModeMatchesOneProcess) {
+  d9d::testing::run_on_ranks({.world_size = GetParam()}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto want = reference(env, ctx);
+    const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
+    // The policy's default reshard comes from the config; the static choices fix it.
+    for (const std::string mode : {"after_forward", "never", "all_but_last"}) {
+      auto config = run_config(dir + "/" + mode);
+      config.data_parallel.reshard = mode;
+      d9d::testing::expect_same_run(
+          train_plan<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Fp64>>(ctx, config), want,
+          "reshard " + mode);
+    }
+    using Never = d9d::parallel::FullyShard<d9d::parallel::Reshard::never>;
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<ShardMesh, Never, Fp64>>(ctx, run_config(dir + "/static")), want,
+        "static never");
+    // No prefetch; one reduce-scatter per step (whole gradients kept over the microbatches).
+    auto once = run_config(dir + "/once");
+    once.data_parallel.prefetch = 0;
+    once.data_parallel.reduce_every_microbatch = false;
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Fp64>>(ctx, once), want,
+        "prefetch 0, one reduction per step");
+  });
+}
+
+TEST_P(Parallel_FullyShard, WithRecomputeMatchesOneProcess) {
+  d9d::testing::run_on_ranks({.world_size = GetParam()}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto want = reference(env, ctx);
+    const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<ShardMesh, d9d::parallel::Fsdp, d9d::recompute::Full, Fp64>>(
+            ctx, run_config(dir + "/full")),
+        want, "recompute every block");
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<ShardMesh, d9d::parallel::Fsdp, d9d::recompute::EveryNth<2>, Fp64>>(
+            ctx, run_config(dir + "/every2")),
+        want, "recompute every 2nd block");
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Parallel_FullyShard, ::testing::Values(2, 4),
+                         [](const auto& info) { return "ws" + std::to_string(info.param); });
+
+TEST(Parallel_FullyShard_ws4, HsdpAndPipelineMatchOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto want = reference(env, ctx);
+    const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
+    // HSDP: shards over dp_shard = 2, replicated over dp_replicate = 2.
+    using HsdpMesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::dp_shard<d9d::dynamic>>;
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<HsdpMesh, d9d::parallel::Fsdp, Fp64>>(
+            ctx, run_config(dir + "/hsdp", R"({"dp_replicate": 2, "dp_shard": 2})")),
+        want, "HSDP 2x2");
+    // FullyShard 2 x pipeline 2 (each rank compares its stages' parameters).
+    using PpMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_shard<d9d::dynamic>>;
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<PpMesh, d9d::parallel::Fsdp, d9d::pipeline::OneFOneB<>, Fp64>>(
+            ctx, run_config(dir + "/pp", R"({"pp": 2, "dp_shard": 2})")),
+        want, "FSDP 2 x pp 2");
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<PpMesh, d9d::parallel::Fsdp, d9d::pipeline::ZeroBubbleH1<>, Fp64>>(
+            ctx, run_config(dir + "/zb", R"({"pp": 2, "dp_shard": 2})")),
+        want, "FSDP 2 x pp 2, ZeroBubbleH1 (weight gradients in W actions)");
+  });
+}
+
+// What a rank holds between steps: parameters, their gradients and AdamW's state are a quarter of
+// one process's (plus the padding of uneven shards), and nothing stays gathered.
+TEST(Parallel_FullyShard_ws4, EachRankHoldsAQuarterOfTheState) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
+    const auto bytes = [](d9d::detail::TrainerCore& core) {
+      return core.parallel().parameter_bytes() + core.parallel().gradient_bytes() +
+             d9d::testing::optimizer_state_bytes(core.optimizer());
+    };
+    const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
+    d9d::Trainer<OneProcess> single(local, d9d::Qwen3Provider{},
+                                    d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+                                    tiny_run(dir + "/one", 2, 8, 8, false, 4));
+    (void)single.train();
+    const int64_t whole = bytes(single.core());
+
+    d9d::Trainer<d9d::Plan<ShardMesh, d9d::parallel::Fsdp, Fp64>> sharded(
+        ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+        tiny_run(dir + "/fsdp", 2, 8, 2, false, 4));
+    int64_t gathered_at_optimizer = -1;
+    sharded.on<d9d::events::BeforeOptimizer>([&](const d9d::events::BeforeOptimizer&) {
+      gathered_at_optimizer =
+          std::max(gathered_at_optimizer, sharded.core().parallel().extra_bytes());
+    });
+    (void)sharded.train();
+    const int64_t mine = bytes(sharded.core());
+    // The largest unit, gathered: a decoder layer of the tiny Qwen3 (q, k, v, o; gate, up, down;
+    // two layer norms and the per-head q/k norms), float64.
+    const int64_t one_unit =
+        int64_t{32 * 32 + 2 * 32 * 16 + 32 * 32 + 3 * 32 * 64 + 2 * 32 + 2 * 8} * 8;
+    EXPECT_LE(mine, whole / 4 + one_unit) << "one process holds " << whole;
+    EXPECT_GT(mine, 0);
+    EXPECT_EQ(sharded.core().parallel().extra_bytes(), 0) << "units left gathered after the step";
+    EXPECT_EQ(gathered_at_optimizer, 0) << "units still gathered when the optimizer steps";
+  });
+}
+
+}  // namespace

@@ -1,0 +1,81 @@
+// Helpers of the parallelize-layer tests: train a plan with the tiny Qwen3 and compare it with a
+// single-process run of the same global batch (float64: tolerances in tests/train/train_test_util).
+#pragma once
+
+#include <cmath>
+#include <map>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+
+#include <d9d/d9d.hpp>
+
+#include "tests/train/train_test_util.hpp"
+
+namespace d9d::testing {
+
+/// Every trained parameter as the whole tensor, by name (collective: gathers the shards).
+inline std::map<std::string, at::Tensor> full_parameters(detail::TrainerCore& core) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& record : core.parallel().parameters()) {
+    out[record.name] = record.sharded(core.mesh()).full_tensor().cpu();
+  }
+  return out;
+}
+
+/// A run's losses and final parameters.
+struct RunOutcome {
+  TrainResult result;
+  std::map<std::string, at::Tensor> parameters;
+};
+
+template <class Plan>
+RunOutcome train_plan(const DistributedContext& ctx, const TrainerConfig& config) {
+  Trainer<Plan> trainer(ctx, Qwen3Provider{}, RandomWindowsProvider{}, CausalLmTask{}, config);
+  RunOutcome out;
+  out.result = trainer.train();
+  out.parameters = full_parameters(trainer.core());
+  return out;
+}
+
+/// Losses, gradient norms and (the parameters `got` has) parameters agree.
+inline void expect_same_run(const RunOutcome& got, const RunOutcome& want,
+                            const std::string& what) {
+  ASSERT_EQ(got.result.losses.size(), want.result.losses.size()) << what;
+  for (std::size_t i = 0; i < want.result.losses.size(); ++i) {
+    EXPECT_NEAR(got.result.losses[i], want.result.losses[i],
+                kLossRtol * std::abs(want.result.losses[i]))
+        << what << ": step " << i;
+    EXPECT_NEAR(got.result.grad_norms[i], want.result.grad_norms[i],
+                kLossRtol * std::abs(want.result.grad_norms[i]))
+        << what << ": step " << i;
+  }
+  ASSERT_FALSE(got.parameters.empty()) << what;
+  for (const auto& [name, value] : got.parameters) {
+    const auto found = want.parameters.find(name);
+    ASSERT_NE(found, want.parameters.end()) << what << ": " << name;
+    ASSERT_EQ(value.sizes(), found->second.sizes()) << what << ": " << name;
+    EXPECT_TRUE(at::allclose(value, found->second, 0.0, kParameterAtol))
+        << what << ": " << name << " max diff "
+        << (value - found->second).abs().max().item<double>();
+  }
+}
+
+/// Bytes of AdamW's state for the optimizer's parameters on this rank.
+inline int64_t optimizer_state_bytes(torch::optim::Optimizer& optimizer) {
+  int64_t bytes = 0;
+  for (const auto& [key, state] : optimizer.state()) {
+    const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(state.get());
+    if (adamw != nullptr) {
+      bytes += static_cast<int64_t>(adamw->exp_avg().nbytes() + adamw->exp_avg_sq().nbytes());
+      if (adamw->max_exp_avg_sq().defined()) {
+        bytes += static_cast<int64_t>(adamw->max_exp_avg_sq().nbytes());
+      }
+    }
+  }
+  return bytes;
+}
+
+}  // namespace d9d::testing
