@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <d9d/state/detail/io.hpp>
 #include <d9d/train/config.hpp>
 #include <d9d/util/did_you_mean.hpp>
 #include <d9d/util/files.hpp>
@@ -188,9 +189,17 @@ std::vector<optim::Phase> read_phases(const Json* json, const std::string& path)
 TrainerConfig TrainerConfig::from_json_text(const std::string& text) {
   Json json;
   try {
+    // The strict parser first: nlohmann keeps the last of a key given twice without a word, and a
+    // duplicate inside "model" would silently change the model.
+    (void)state::detail::parse_strict_json(text, 64);
     json = Json::parse(text);
-  } catch (const Json::parse_error& error) {
-    throw ConfigError(std::string("d9d config: not valid JSON: ") + error.what());
+  } catch (const state::detail::JsonError& error) {
+    const std::string what = error.what();
+    if (error.top_key().empty()) {
+      throw ConfigError("d9d config: not valid JSON: " + what);
+    }
+    throw ConfigError("d9d config: \"" + error.top_key() + "\"" +
+                      (what.rfind("appears twice", 0) == 0 ? " " : ": ") + what);
   }
   TrainerConfig cfg;
   Section root(json, "");
