@@ -289,11 +289,13 @@ TEST(Train_Config_Model, TyposMissingKeysAndAnEmptySectionAreConfigErrors) {
 
 // Every example config of the repository still reads: the required keys are there.
 TEST(Train_Config_Model, TheExampleConfigsRead) {
+  const char* examples = std::getenv("D9D_EXAMPLES_DIR");
   for (const auto& [file, tied] : std::vector<std::pair<std::string, bool>>{
-           {"examples/03_qwen3_quickstart/quickstart.json", true},
-           {"examples/03_qwen3_quickstart/qwen3_0p6b_gpu.json", true},
-           {"examples/03_qwen3_quickstart/qwen3_0p6b_gpu_pp.json", false}}) {
-    const auto cfg = d9d::TrainerConfig::from_file(file);
+           {"03_qwen3_quickstart/quickstart.json", true},
+           {"03_qwen3_quickstart/qwen3_0p6b_gpu.json", true},
+           {"03_qwen3_quickstart/qwen3_0p6b_gpu_pp.json", false}}) {
+    const auto cfg = d9d::TrainerConfig::from_file(
+        d9d::files::join(examples != nullptr ? examples : "examples", file));
     const auto config = d9d::model::Qwen3Config::from_json_text(cfg.section("model"));
     EXPECT_EQ(config.tie_word_embeddings, tied) << file;
     EXPECT_GE(config.num_hidden_layers, 4) << file;
