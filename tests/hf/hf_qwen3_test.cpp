@@ -26,7 +26,6 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-using ::testing::Not;
 
 std::string fixture(const std::string& name) {
   const char* dir = std::getenv("D9D_HF_FIXTURES");
