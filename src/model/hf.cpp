@@ -1,17 +1,19 @@
-// d9d/model/hf.cpp — Hugging Face checkpoint directories (model.safetensors + config.json).
+// d9d/model/hf.cpp — Hugging Face checkpoint directories (config.json + model.safetensors, or
+// model.safetensors.index.json + shards).
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <map>
-#include <set>
 #include <stdexcept>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
 #include <d9d/model/hf.hpp>
 #include <d9d/state/safetensors.hpp>
+#include <d9d/state/safetensors_sharded.hpp>
 #include <d9d/util/files.hpp>
 
 namespace d9d::model {
@@ -77,38 +79,57 @@ void save_hf_checkpoint(const torch::nn::Module& model, const std::string& dir,
 
 void load_hf_checkpoint(torch::nn::Module& model, const std::string& dir,
                         const std::vector<std::string>& ignore) {
-  const std::string path = files::join(dir, "model.safetensors");
-  auto loaded = state::load_safetensors(path);
-  std::map<std::string, at::Tensor> by_name;
-  for (auto& [name, tensor] : loaded) {
-    by_name.emplace(name, std::move(tensor));
+  const std::string who = "d9d::model::load_hf_checkpoint";
+  // The files, and for each tensor the file holding it: model.safetensors when there is one (as
+  // transformers prefers it), else the shards model.safetensors.index.json lists. Only headers
+  // are read here.
+  std::vector<state::SafetensorsFile> checkpoint;
+  std::string path = files::join(dir, "model.safetensors");
+  if (files::exists(path)) {
+    checkpoint.push_back(state::open_safetensors_as(path, who));
+  } else if (files::exists(files::join(dir, state::kSafetensorsIndexName))) {
+    path = files::join(dir, state::kSafetensorsIndexName);
+    checkpoint = state::open_safetensors_shards(state::load_safetensors_index(dir), who);
+  } else {
+    throw std::runtime_error(who + ": " + dir + " holds neither model.safetensors nor " +
+                             std::string(state::kSafetensorsIndexName) +
+                             ". Fix: pass a directory written by save_pretrained");
   }
+  std::map<std::string, std::pair<std::size_t, const state::SafetensorsEntry*>> by_name;
+  for (std::size_t file = 0; file < checkpoint.size(); ++file) {
+    for (const auto& entry : checkpoint[file].entries()) {
+      by_name.emplace(entry.name, std::make_pair(file, &entry));
+    }
+  }
+
+  // Every check before the first copy.
   auto params = model.named_parameters();
   std::vector<std::string> missing;
   std::vector<std::string> mismatched;
-  std::set<std::string> used;
+  std::vector<std::string> not_floating;
   for (const auto& item : params) {
     const auto it = by_name.find(item.key());
     if (it == by_name.end()) {
       missing.push_back(item.key());
-    } else if (it->second.sizes() != item.value().sizes()) {
-      mismatched.push_back(item.key() + " (file " + c10::str(it->second.sizes()) + ", model " +
-                           c10::str(item.value().sizes()) + ")");
-    } else {
-      used.insert(item.key());
+      continue;
+    }
+    const state::SafetensorsEntry& entry = *it->second.second;
+    if (c10::IntArrayRef(entry.shape) != item.value().sizes()) {
+      mismatched.push_back(item.key() + " (file " + c10::str(c10::IntArrayRef(entry.shape)) +
+                           ", model " + c10::str(item.value().sizes()) + ")");
+    } else if (!at::isFloatingType(entry.dtype)) {
+      not_floating.push_back(item.key() + " (" + std::string(c10::toString(entry.dtype)) + ")");
     }
   }
   std::vector<std::string> unexpected;
-  for (const auto& [name, tensor] : by_name) {
+  for (const auto& [name, where] : by_name) {
     const bool ignored = std::find(ignore.begin(), ignore.end(), name) != ignore.end();
-    if (used.count(name) == 0 && !ignored &&
-        std::find(mismatched.begin(), mismatched.end(), name) == mismatched.end() &&
-        params.find(name) == nullptr) {
+    if (!ignored && params.find(name) == nullptr) {
       unexpected.push_back(name);
     }
   }
-  if (!missing.empty() || !mismatched.empty() || !unexpected.empty()) {
-    std::string message = "d9d::model::load_hf_checkpoint: " + path + " does not fit the model:";
+  if (!missing.empty() || !mismatched.empty() || !unexpected.empty() || !not_floating.empty()) {
+    std::string message = who + ": " + path + " does not fit the model:";
     if (!missing.empty()) {
       message += " missing " + list(missing) + ";";
     }
@@ -118,11 +139,25 @@ void load_hf_checkpoint(torch::nn::Module& model, const std::string& dir,
     if (!mismatched.empty()) {
       message += " other shapes: " + list(mismatched) + ";";
     }
+    if (!not_floating.empty()) {
+      message += " not floating point: " + list(not_floating) + ";";
+    }
     throw std::runtime_error(message);
   }
+
+  // Tensor by tensor, file by file, from the mapping: each parameter is copied (and converted to
+  // its dtype and device) from a view of the file, whose pages are dropped after the copy, so the
+  // whole checkpoint is never in memory at once.
   const at::NoGradGuard no_grad;
-  for (auto& item : params) {
-    item.value().copy_(by_name.at(item.key()));
+  for (std::size_t file = 0; file < checkpoint.size(); ++file) {
+    for (auto& item : params) {
+      const auto& [holder, entry] = by_name.at(item.key());
+      if (holder != file) {
+        continue;
+      }
+      item.value().copy_(checkpoint[file].view(entry->name));
+      (void)checkpoint[file].release(entry->name);
+    }
   }
 }
 

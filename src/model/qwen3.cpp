@@ -1,143 +1,14 @@
-// d9d/model/qwen3.cpp — the Qwen3 dense model, its config and the causal-LM loss.
+// d9d/model/qwen3.cpp — the Qwen3 dense model and the causal-LM loss (the config:
+// qwen3_config.cpp).
 #include <cstdint>
 #include <mutex>
-#include <stdexcept>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <nlohmann/json.hpp>
 
 #include <d9d/model/qwen3.hpp>
 
 namespace d9d::model {
-namespace {
-
-[[noreturn]] void bad(const std::string& key, const std::string& value, const std::string& valid) {
-  throw std::invalid_argument("d9d Qwen3 config: \"" + key + "\" = " + value + " is invalid; " +
-                              valid);
-}
-
-template <class T>
-void read(const nlohmann::json& json, const char* key, T& out) {
-  if (!json.contains(key) || json.at(key).is_null()) {
-    return;
-  }
-  const auto& value = json.at(key);
-  if constexpr (std::is_same_v<T, bool>) {
-    if (!value.is_boolean()) {
-      bad(key, value.dump(), "expected true or false");
-    }
-  } else if constexpr (std::is_integral_v<T>) {
-    if (!value.is_number_integer()) {
-      bad(key, value.dump(), "expected an integer");
-    }
-  } else {
-    if (!value.is_number()) {
-      bad(key, value.dump(), "expected a number");
-    }
-  }
-  out = value.get<T>();
-}
-
-}  // namespace
-
-Qwen3Config Qwen3Config::from_json_text(const std::string& text) {
-  nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& error) {
-    throw std::invalid_argument(std::string("d9d Qwen3 config: not valid JSON: ") + error.what());
-  }
-  if (!json.is_object()) {
-    throw std::invalid_argument("d9d Qwen3 config: expected a JSON object");
-  }
-  Qwen3Config config;
-  read(json, "vocab_size", config.vocab_size);
-  read(json, "hidden_size", config.hidden_size);
-  read(json, "intermediate_size", config.intermediate_size);
-  read(json, "num_hidden_layers", config.num_hidden_layers);
-  read(json, "num_attention_heads", config.num_attention_heads);
-  read(json, "num_key_value_heads", config.num_key_value_heads);
-  read(json, "head_dim", config.head_dim);
-  read(json, "rms_norm_eps", config.rms_norm_eps);
-  read(json, "rope_theta", config.rope_theta);
-  read(json, "tie_word_embeddings", config.tie_word_embeddings);
-  read(json, "max_position_embeddings", config.max_position_embeddings);
-  read(json, "initializer_range", config.initializer_range);
-  config.validate();
-  return config;
-}
-
-void Qwen3Config::validate() const {
-  const std::pair<const char*, int64_t> sizes[] = {
-      {"vocab_size", vocab_size},
-      {"hidden_size", hidden_size},
-      {"intermediate_size", intermediate_size},
-      {"num_hidden_layers", num_hidden_layers},
-      {"num_attention_heads", num_attention_heads},
-      {"num_key_value_heads", num_key_value_heads},
-      {"head_dim", head_dim},
-      {"max_position_embeddings", max_position_embeddings}};
-  for (const auto& [key, value] : sizes) {
-    if (value < 1) {
-      bad(key, std::to_string(value), "it must be a positive integer");
-    }
-  }
-  if (num_attention_heads % num_key_value_heads != 0) {
-    bad("num_key_value_heads", std::to_string(num_key_value_heads),
-        "it must divide num_attention_heads = " + std::to_string(num_attention_heads));
-  }
-  if (head_dim % 2 != 0) {
-    bad("head_dim", std::to_string(head_dim), "rotary embeddings need an even head_dim");
-  }
-  if (!(rms_norm_eps > 0)) {
-    bad("rms_norm_eps", std::to_string(rms_norm_eps), "it must be > 0");
-  }
-  if (!(rope_theta > 0)) {
-    bad("rope_theta", std::to_string(rope_theta), "it must be > 0");
-  }
-  if (!(initializer_range > 0)) {
-    bad("initializer_range", std::to_string(initializer_range), "it must be > 0");
-  }
-}
-
-std::string Qwen3Config::to_hf_json(const std::string& torch_dtype) const {
-  const nlohmann::ordered_json json = {{"architectures", {"Qwen3ForCausalLM"}},
-                                       {"model_type", "qwen3"},
-                                       {"dtype", torch_dtype},
-                                       {"vocab_size", vocab_size},
-                                       {"hidden_size", hidden_size},
-                                       {"intermediate_size", intermediate_size},
-                                       {"num_hidden_layers", num_hidden_layers},
-                                       {"num_attention_heads", num_attention_heads},
-                                       {"num_key_value_heads", num_key_value_heads},
-                                       {"head_dim", head_dim},
-                                       {"hidden_act", "silu"},
-                                       {"rms_norm_eps", rms_norm_eps},
-                                       {"rope_theta", rope_theta},
-                                       {"rope_scaling", nullptr},
-                                       {"attention_bias", false},
-                                       {"attention_dropout", 0.0},
-                                       {"tie_word_embeddings", tie_word_embeddings},
-                                       {"max_position_embeddings", max_position_embeddings},
-                                       {"initializer_range", initializer_range},
-                                       {"use_sliding_window", false},
-                                       {"sliding_window", nullptr},
-                                       {"use_cache", true}};
-  return json.dump(2) + "\n";
-}
-
-int64_t Qwen3Config::non_embedding_parameter_count() const {
-  const int64_t attention = hidden_size * num_attention_heads * head_dim +
-                            2 * hidden_size * num_key_value_heads * head_dim +
-                            num_attention_heads * head_dim * hidden_size + 2 * head_dim;
-  const int64_t mlp = 3 * hidden_size * intermediate_size;
-  return num_hidden_layers * (attention + mlp + 2 * hidden_size) + hidden_size;
-}
-
-int64_t Qwen3Config::parameter_count() const {
-  return non_embedding_parameter_count() + vocab_size * hidden_size * (tie_word_embeddings ? 1 : 2);
-}
 
 Qwen3DecoderLayerImpl::Qwen3DecoderLayerImpl(const Qwen3Config& config) {
   input_layernorm =

@@ -267,31 +267,42 @@ SafetensorsIndex load_safetensors_index(const std::string& dir) {
   return index;
 }
 
-NamedTensors load_safetensors_sharded(const std::string& dir) {
-  const std::string who = "d9d::state::load_safetensors_sharded";
-  const SafetensorsIndex index = load_safetensors_index(dir);
-  const std::string index_path = files::join(dir, kSafetensorsIndexName);
-  NamedTensors tensors;
-  tensors.reserve(index.weight_map.size());
+std::vector<SafetensorsFile> open_safetensors_shards(const SafetensorsIndex& index,
+                                                     std::string_view who) {
+  const std::string index_path = files::join(index.dir, kSafetensorsIndexName);
+  std::vector<SafetensorsFile> shards;
   for (const auto& file : index.files()) {
-    const SafetensorsFile shard = open_safetensors_as(files::join(dir, file), who);
+    SafetensorsFile shard = open_safetensors_as(files::join(index.dir, file), who);
     for (const auto& entry : shard.entries()) {
       const auto found = index.weight_map.find(entry.name);
       if (found == index.weight_map.end() || found->second != file) {
         throw std::runtime_error(
-            who + ": " + shard.path() + ": tensor " + detail::quoted(entry.name) +
+            std::string(who) + ": " + shard.path() + ": tensor " + detail::quoted(entry.name) +
             " is in this shard, " +
             (found == index.weight_map.end()
                  ? "but " + index_path + " does not list it"
                  : "but " + index_path + " maps it to " + detail::quoted(found->second)));
       }
-      tensors.emplace_back(entry.name, shard.tensor(entry.name));
     }
     for (const auto& [name, mapped] : index.weight_map) {
       if (mapped == file && !shard.contains(name)) {
-        throw std::runtime_error(who + ": " + index_path + ": maps tensor " + detail::quoted(name) +
-                                 " to " + detail::quoted(file) + ", which does not hold it");
+        throw std::runtime_error(std::string(who) + ": " + index_path + ": maps tensor " +
+                                 detail::quoted(name) + " to " + detail::quoted(file) +
+                                 ", which does not hold it");
       }
+    }
+    shards.push_back(std::move(shard));
+  }
+  return shards;
+}
+
+NamedTensors load_safetensors_sharded(const std::string& dir) {
+  const SafetensorsIndex index = load_safetensors_index(dir);
+  NamedTensors tensors;
+  tensors.reserve(index.weight_map.size());
+  for (const auto& shard : open_safetensors_shards(index, "d9d::state::load_safetensors_sharded")) {
+    for (const auto& entry : shard.entries()) {
+      tensors.emplace_back(entry.name, shard.tensor(entry.name));
     }
   }
   return tensors;

@@ -7,30 +7,15 @@
 
 #include <nlohmann/json.hpp>
 
+#include <d9d/state/detail/io.hpp>
 #include <d9d/train/config.hpp>
+#include <d9d/util/did_you_mean.hpp>
 #include <d9d/util/files.hpp>
 
 namespace d9d {
 namespace {
 
 using Json = nlohmann::json;
-
-std::size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<std::size_t> row(b.size() + 1);
-  for (std::size_t j = 0; j <= b.size(); ++j) {
-    row[j] = j;
-  }
-  for (std::size_t i = 1; i <= a.size(); ++i) {
-    std::size_t diagonal = row[0];
-    row[0] = i;
-    for (std::size_t j = 1; j <= b.size(); ++j) {
-      const std::size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = up;
-    }
-  }
-  return row[b.size()];
-}
 
 // One JSON object of the config, read key by key; finish() rejects keys nobody asked for.
 class Section {
@@ -59,7 +44,8 @@ class Section {
   [[noreturn]] void missing(const std::string& key, const std::string& what) const {
     // A required key is often missing because it is misspelled: name the likely culprit.
     for (const auto& item : json_.items()) {
-      if (known_.count(item.key()) == 0 && edit_distance(item.key(), key) < 4) {
+      if (known_.count(item.key()) == 0 &&
+          util::edit_distance(item.key(), key) <= util::kMaxSuggestionDistance) {
         throw ConfigError("d9d config: unknown key \"" + key_path(item.key()) +
                           "\" (did you mean \"" + key_path(key) + "\"?); \"" + key_path(key) +
                           "\" is required (" + what + ")");
@@ -147,16 +133,10 @@ class Section {
       if (known_.count(item.key()) != 0) {
         continue;
       }
-      std::string best;
-      std::size_t best_distance = 4;
+      const std::string best = util::closest_match(item.key(), known_);
       std::string listing;
       for (const auto& known : known_) {
         listing += (listing.empty() ? "" : ", ") + known;
-        const auto distance = edit_distance(item.key(), known);
-        if (distance < best_distance) {
-          best_distance = distance;
-          best = known;
-        }
       }
       throw ConfigError("d9d config: unknown key \"" + key_path(item.key()) + "\"" +
                         (best.empty() ? "" : " (did you mean \"" + key_path(best) + "\"?)") +
@@ -209,9 +189,17 @@ std::vector<optim::Phase> read_phases(const Json* json, const std::string& path)
 TrainerConfig TrainerConfig::from_json_text(const std::string& text) {
   Json json;
   try {
+    // The strict parser first: nlohmann keeps the last of a key given twice without a word, and a
+    // duplicate inside "model" would silently change the model.
+    (void)state::detail::parse_strict_json(text, 64);
     json = Json::parse(text);
-  } catch (const Json::parse_error& error) {
-    throw ConfigError(std::string("d9d config: not valid JSON: ") + error.what());
+  } catch (const state::detail::JsonError& error) {
+    const std::string what = error.what();
+    if (error.top_key().empty()) {
+      throw ConfigError("d9d config: not valid JSON: " + what);
+    }
+    throw ConfigError("d9d config: \"" + error.top_key() + "\"" +
+                      (what.rfind("appears twice", 0) == 0 ? " " : ": ") + what);
   }
   TrainerConfig cfg;
   Section root(json, "");

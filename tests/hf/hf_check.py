@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 def main() -> int:
     export_dir, reference = sys.argv[1], sys.argv[2]
     ref = load_file(reference)
-    model = AutoModelForCausalLM.from_pretrained(export_dir, torch_dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     with torch.no_grad():
         logits = model(input_ids=ref["input_ids"]).logits.float()

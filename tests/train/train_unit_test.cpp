@@ -24,6 +24,7 @@ namespace {
 using d9d::optim::Curve;
 using d9d::optim::Phase;
 using d9d::optim::PiecewiseSchedule;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 // ------------------------------------------------------------------------------------------------
@@ -145,7 +146,14 @@ INSTANTIATE_TEST_SUITE_P(
                   base_config(kRun, kBatch, R"(, "logging": {"progress": "yes"})"),
                   "\"logging.progress\" = \"yes\" is invalid: expected true or false"},
         BadConfig{"ModelNotObject", base_config(kRun, kBatch, R"(, "model": [1])"),
-                  "\"model\" = [1] is invalid: expected a JSON object"}),
+                  "\"model\" = [1] is invalid: expected a JSON object"},
+        BadConfig{"KeyTwiceInModel",
+                  base_config(kRun, kBatch, R"(, "model": {"rope_theta": 1e4, "rope_theta": 5e5})"),
+                  "d9d config: \"model\": key \"rope_theta\" appears twice in its JSON object"},
+        BadConfig{"SectionTwice", base_config(kRun, kBatch, R"(, "batch": {})"),
+                  "d9d config: \"batch\" appears twice in the JSON object"},
+        BadConfig{"NumberOverflow", base_config(kRun, kBatch, R"(, "optimizer": {"lr": 1e999})"),
+                  "not valid JSON: bad JSON ([json.exception.out_of_range.406] number overflow"}),
     [](const auto& info) { return info.param.name; });
 
 TEST(Train_Config, GlobalBatchMustDivideByDataParallelTimesMicrobatch) {
@@ -229,13 +237,68 @@ TEST(Model_Qwen3, LossIsTheSummedCrossEntropyOverKeptTokens) {
 }
 
 TEST(Model_Qwen3, ConfigErrorsNameTheKey) {
-  try {
-    (void)d9d::model::Qwen3Config::from_json_text(
-        R"({"num_attention_heads": 6, "num_key_value_heads": 4})");
-    FAIL();
-  } catch (const std::invalid_argument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("\"num_key_value_heads\" = 4 is invalid; it must divide "
-                                    "num_attention_heads = 6"));
+  std::string json = d9d::testing::tiny_qwen3_json();
+  const std::string heads = R"("num_attention_heads": 4, "num_key_value_heads": 2)";
+  ASSERT_NE(json.find(heads), std::string::npos);
+  json.replace(json.find(heads), heads.size(),
+               R"("num_attention_heads": 6, "num_key_value_heads": 4)");
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>(
+                  [&] { (void)d9d::model::Qwen3Config::from_json_text(json); }),
+              HasSubstr("\"num_key_value_heads\" = 4 is invalid; it must divide "
+                        "num_attention_heads = 6"));
+}
+
+// The trainer's "model" section goes through the same reader as config.json: a typo, a missing
+// key or an empty section stops the run with a config error naming it, like every other section.
+TEST(Train_Config_Model, TyposMissingKeysAndAnEmptySectionAreConfigErrors) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  const std::string dir =
+      std::string(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp") +  // NOLINT
+      "/model_section";
+  const auto start = [&](const std::string& model) {
+    return d9d::testing::error_of<d9d::ConfigError>([&] {
+      d9d::Trainer<d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>>>> run(
+          ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+          d9d::TrainerConfig::from_json_text(
+              base_config(R"({"output_dir": ")" + dir + R"(", "total_steps": 1})", kBatch,
+                          R"(, "logging": {"progress": false, "jsonl": false,
+                          "tensorboard": false}, "export": {"enabled": false}, "model": )" +
+                              model)));
+    });
+  };
+  std::string typo = d9d::testing::tiny_qwen3_json();
+  typo.replace(typo.find("hidden_size"), 11, "hiden_size");
+  EXPECT_THAT(start(typo), AllOf(HasSubstr("d9d Qwen3 config: unknown key \"hiden_size\" (did "
+                                           "you mean \"hidden_size\"?)"),
+                                 HasSubstr("(in the \"model\" section)")));
+  std::string missing = d9d::testing::tiny_qwen3_json();
+  missing.replace(missing.find(R"("head_dim": 8,)"), 14, "");
+  EXPECT_THAT(start(missing), HasSubstr("missing required key \"head_dim\""));
+  EXPECT_THAT(start("{}"), AllOf(HasSubstr("missing required keys \"vocab_size\""),
+                                 HasSubstr("(in the \"model\" section)")));
+  std::string yarn = d9d::testing::tiny_qwen3_json();
+  yarn.replace(yarn.find('{'), 1, R"({"rope_scaling": {"rope_type": "yarn", "factor": 4.0},)");
+  EXPECT_THAT(start(yarn), HasSubstr("\"rope_scaling.rope_type\" = \"yarn\" is invalid"));
+  // Without the error the tiny model trains: the section itself is fine.
+  EXPECT_EQ(start(d9d::testing::tiny_qwen3_json()), "no error");
+  // Under a pipeline plan the provider's build_stage reads the section the same way.
+  EXPECT_THAT(d9d::testing::error_of<d9d::ConfigError>(
+                  [&] { (void)d9d::Qwen3Provider{}.build_stage({.config_json = typo}); }),
+              HasSubstr("unknown key \"hiden_size\" (did you mean \"hidden_size\"?)"));
+}
+
+// Every example config of the repository still reads: the required keys are there.
+TEST(Train_Config_Model, TheExampleConfigsRead) {
+  const char* examples = std::getenv("D9D_EXAMPLES_DIR");
+  for (const auto& [file, tied] : std::vector<std::pair<std::string, bool>>{
+           {"03_qwen3_quickstart/quickstart.json", true},
+           {"03_qwen3_quickstart/qwen3_0p6b_gpu.json", true},
+           {"03_qwen3_quickstart/qwen3_0p6b_gpu_pp.json", false}}) {
+    const auto cfg = d9d::TrainerConfig::from_file(
+        d9d::files::join(examples != nullptr ? examples : "examples", file));
+    const auto config = d9d::model::Qwen3Config::from_json_text(cfg.section("model"));
+    EXPECT_EQ(config.tie_word_embeddings, tied) << file;
+    EXPECT_GE(config.num_hidden_layers, 4) << file;
   }
 }
 

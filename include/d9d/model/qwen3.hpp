@@ -1,13 +1,41 @@
 // d9d/model/qwen3.hpp — the Qwen3 dense causal language model, white-box.
 //
-//   auto config = d9d::model::Qwen3Config::from_json_text(R"({"hidden_size": 256, ...})");
+//   auto config = d9d::model::Qwen3Config::from_json_text(config_json_text);  // throws if unsure
 //   d9d::model::Qwen3ForCausalLM model(config);
 //   at::Tensor logits = model(input_ids);                     // [B, T] -> [B, T, vocab]
 //
 // Embedding, decoder layers (RMSNorm -> GQA with QK-norm and RoPE -> residual, RMSNorm -> SwiGLU
 // -> residual), final RMSNorm and an LM head that is tied to the embedding or separate. Parameter
 // names match Hugging Face's Qwen3ForCausalLM ("model.layers.0.self_attn.q_proj.weight", ...).
-// The config mirrors the fields of Hugging Face's Qwen3 config.json.
+//
+// The config is Hugging Face's Qwen3 config.json, as transformers 4 (top-level "rope_theta",
+// "rope_scaling") and 5 ("rope_parameters": {"rope_type", "rope_theta"}) write it; the trainer's
+// "model" section is read the same way. Reading cannot silently give another model: every key is
+//   - read: vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+//     num_key_value_heads, head_dim, rms_norm_eps and the rope theta ("rope_theta", or inside
+//     "rope_parameters" / "rope_scaling"; when given twice the values must agree) are required;
+//     tie_word_embeddings (false), max_position_embeddings (32768) and initializer_range (0.02)
+//     are optional, with transformers' Qwen3 defaults;
+//   - accepted only with the value d9d implements: model_type "qwen3"; hidden_act "silu";
+//     attention_bias false; attention_dropout 0; use_sliding_window false; layer_types all
+//     "full_attention" (one per layer); rope type ("rope_type" or "type" in "rope_parameters" /
+//     "rope_scaling") "default", so "linear", "dynamic", "yarn", "longrope", "llama3", ... are
+//     rejected, as is any RoPE parameter but rope_theta; pruned_heads {}; is_encoder_decoder,
+//     add_cross_attention, tie_encoder_decoder false; cross_attention_hidden_size null;
+//   - rejected whenever set: quantization_config, auto_map (custom modeling code);
+//   - accepted and ignored, as they do not change what the model computes: architectures,
+//     transformers_version, _name_or_path, dtype, torch_dtype; bos/eos/pad/sep/
+//     decoder_start_token_id (d9d gives pad_token_id's embedding row no special treatment, where
+//     transformers zeroes its gradient); use_cache and the generation settings transformers 4
+//     keeps in the config (max_length, do_sample, num_beams, temperature, top_k, top_p, ...);
+//     output_attentions, output_hidden_states, return_dict, torchscript; id2label, label2id,
+//     num_labels, problem_type, finetuning_task, task_specific_params, tokenizer_class, prefix;
+//     use_bfloat16, tf_legacy_loss, chunk_size_feed_forward, is_decoder; sliding_window and
+//     max_window_layers (used only with a sliding window); attn_implementation and its private
+//     variants. The full list is kIgnoredKeys in src/model/qwen3_config.cpp.
+// Any other key is an error naming it, with the closest known key ("did you mean ...?"). A null
+// value counts as absent, as in transformers. Sizes are integers from 1 to 2^31 - 1; numbers must
+// be finite; a key given twice is an error.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +49,9 @@
 
 namespace d9d::model {
 
-/// Qwen3 hyper-parameters, named as in Hugging Face's config.json.
+/// Qwen3 hyper-parameters, named as in Hugging Face's config.json. The member defaults of the
+/// shape (vocab_size ... rope_theta) are Qwen3-0.6B's, for configs built in C++; from_json_text
+/// requires those keys. The optional ones default to transformers' Qwen3Config defaults.
 struct Qwen3Config {
   int64_t vocab_size = 151936;
   int64_t hidden_size = 1024;
@@ -32,15 +62,18 @@ struct Qwen3Config {
   int64_t head_dim = 128;
   double rms_norm_eps = 1e-6;
   double rope_theta = 1000000.0;
-  bool tie_word_embeddings = true;
-  int64_t max_position_embeddings = 40960;
+  bool tie_word_embeddings = false;
+  /// Not used by the computation (the default RoPE has no length limit); kept for the export.
+  int64_t max_position_embeddings = 32768;
   /// Standard deviation of the normal initialisation of linear and embedding weights.
   double initializer_range = 0.02;
 
-  /// Parses a config.json text (Hugging Face keys; unknown keys are ignored, as transformers does)
-  /// and validates it; std::invalid_argument names the key, the value and what would be valid.
+  /// Parses a config.json text (transformers 4 or 5; the keys and rules in the file comment) and
+  /// validates it; std::invalid_argument "d9d Qwen3 config: ..." names the key, the value and what
+  /// would be valid.
   static Qwen3Config from_json_text(const std::string& text);
-  /// Throws std::invalid_argument unless every field is usable (positive sizes, heads dividing...).
+  /// Throws std::invalid_argument unless every field is usable (sizes from 1 to 2^31 - 1, heads
+  /// dividing, an even head_dim, finite positive eps, theta and initializer range).
   void validate() const;
   /// A Hugging Face config.json for this model (architectures, model_type, torch_dtype, fields).
   [[nodiscard]] std::string to_hf_json(const std::string& torch_dtype = "float32") const;

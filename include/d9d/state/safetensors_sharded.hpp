@@ -63,6 +63,13 @@ SafetensorsIndex save_safetensors_sharded(const std::string& dir, const NamedTen
 /// an optional integer "total_size", no duplicate keys. std::runtime_error naming the file.
 [[nodiscard]] SafetensorsIndex load_safetensors_index(const std::string& dir);
 
+/// Every shard of `index`, opened (headers checked, no tensor data read), in index.files() order;
+/// checks that the shards hold exactly the tensors the index maps to them. std::runtime_error
+/// starting with `who` otherwise. For reading tensor by tensor from the mapped shards
+/// (SafetensorsFile::view / release) with bounded memory.
+[[nodiscard]] std::vector<SafetensorsFile> open_safetensors_shards(
+    const SafetensorsIndex& index, std::string_view who = "d9d::state::open_safetensors_shards");
+
 /// Every tensor of the checkpoint (owned CPU copies), shard by shard in file-name order, data
 /// order within a shard. Checks that the shards hold exactly the tensors the index maps to them.
 [[nodiscard]] NamedTensors load_safetensors_sharded(const std::string& dir);
