@@ -4,6 +4,7 @@
 //   tools/demo --ranks 2            # the same with two data-parallel Gloo ranks (tools/d9drun)
 //   03_qwen3_quickstart quickstart.json --data corpus.bin --output runs/quickstart [--bf16]
 //   tools/d9drun -n 4 03_qwen3_quickstart cfg.json --pipeline zbh1 --pp 2   # dp 2 x pp 2
+//   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --fsdp [--recompute]      # ZeRO-3
 //
 // The configuration block below is the plan: the mesh's data-parallel degree comes from the world
 // size (d9d::dynamic), gradients are all-reduced in buckets during backward (Replicate), and the
@@ -18,14 +19,18 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include <d9d/train/causal_lm.hpp>
-#include <d9d/train/trainer.hpp>
+#include <d9d/d9d.hpp>
 
 // ---- configuration: one `using` per plan slot -------------------------------------------------
 using Mesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>>;  // or d9d::mesh<d9d::dp_replicate<2>>
-using DataParallel = d9d::parallel::Replicate;            // the only one so far
+using DataParallel = d9d::parallel::Replicate;            // --fsdp: d9d::parallel::FullyShard<>
 using Fp32Plan = d9d::Plan<Mesh, DataParallel, d9d::precision::Fp32>;
 using Bf16Plan = d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Mixed>;  // --bf16 (GPU)
+// --fsdp: parameters, gradients and AdamW state sharded over the ranks (ZeRO-3); --recompute:
+// every decoder layer recomputes its activations in backward.
+using ShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>>;
+template <class Precision, class Recompute = d9d::recompute::None>
+using FsdpPlan = d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Precision, Recompute>;
 // --pipeline: pp from the config, data parallel over the rest of the world.
 using PipelineMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_replicate<d9d::dynamic>>;
 template <class Schedule, class Precision>
@@ -61,6 +66,10 @@ int run(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, doubl
     if (peak_tflops > 0) {
       std::printf(", MFU %.1f%% of %.0f TFLOP/s", 100.0 * tflops / ctx.world_size() / peak_tflops,
                   peak_tflops);
+    }
+    if (result.peak_memory_bytes > 0) {
+      std::printf("\npeak memory: %.2f GiB (the most any rank allocated)",
+                  static_cast<double>(result.peak_memory_bytes) / (1024.0 * 1024.0 * 1024.0));
     }
     if (!result.losses.empty()) {
       std::printf("\nloss: %.4f -> %.4f\n", result.losses.front(), result.losses.back());
@@ -110,6 +119,11 @@ int main(int argc, char** argv) {
   app.add_option("--pipeline", pipeline, "pipeline schedule: none, gpipe, 1f1b, zbh1 or zbv")
       ->check(CLI::IsMember({"none", "gpipe", "1f1b", "zbh1", "zbv"}));
   app.add_option("--pp", pp, "pipeline degree, replacing mesh.pp (with --pipeline)");
+  bool fsdp = false;
+  bool recompute = false;
+  app.add_flag("--fsdp", fsdp, "fully sharded data parallelism (d9d::parallel::FullyShard<>)");
+  app.add_flag("--recompute", recompute,
+               "recompute every decoder layer's activations in backward (with --fsdp)");
   CLI11_PARSE(app, argc, argv);
 
   const auto ctx = d9d::DistributedContext::from_env();
@@ -137,6 +151,23 @@ int main(int argc, char** argv) {
       json["mesh"]["pp"] = pp;
     }
     const auto cfg = d9d::TrainerConfig::from_json_text(json.dump());
+    if (recompute && !fsdp) {
+      throw d9d::ConfigError("--recompute is compiled with --fsdp only. Fix: add --fsdp");
+    }
+    if ((fsdp || recompute) && pipeline != "none") {
+      throw d9d::ConfigError("--fsdp runs without --pipeline in this example. Fix: drop one");
+    }
+    if (fsdp) {
+      using Bf16 = d9d::precision::Bf16Mixed;
+      using Fp32 = d9d::precision::Fp32;
+      using Full = d9d::recompute::Full;
+      if (recompute) {
+        return bf16 ? run<FsdpPlan<Bf16, Full>>(ctx, cfg, peak_tflops)
+                    : run<FsdpPlan<Fp32, Full>>(ctx, cfg, peak_tflops);
+      }
+      return bf16 ? run<FsdpPlan<Bf16>>(ctx, cfg, peak_tflops)
+                  : run<FsdpPlan<Fp32>>(ctx, cfg, peak_tflops);
+    }
     if (pipeline == "none") {
       return bf16 ? run<Bf16Plan>(ctx, cfg, peak_tflops) : run<Fp32Plan>(ctx, cfg, peak_tflops);
     }

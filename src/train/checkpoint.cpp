@@ -1,6 +1,8 @@
 // d9d/train/checkpoint.cpp — training checkpoints: snapshot, background write, atomic completion.
+#include <algorithm>
 #include <atomic>
 #include <exception>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -10,6 +12,7 @@
 #include <torch/optim/adamw.h>
 
 #include <d9d/core/collectives.hpp>
+#include <d9d/core/sharded_tensor.hpp>
 #include <d9d/model/hf.hpp>
 #include <d9d/state/detail/io.hpp>
 #include <d9d/state/safetensors.hpp>
@@ -48,15 +51,149 @@ at::Tensor host_copy(const at::Tensor& t) {
   return t.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous();
 }
 
+std::string join_numbers(const std::vector<int64_t>& values) {
+  std::string out;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    out += (i > 0 ? "," : "") + std::to_string(values[i]);
+  }
+  return out;
+}
+
+std::vector<int64_t> parse_numbers(const std::string& text) {
+  std::vector<int64_t> out;
+  std::size_t start = 0;
+  while (start <= text.size() && !text.empty()) {
+    const auto comma = text.find(',', start);
+    out.push_back(std::stoll(text.substr(start, comma - start)));
+    if (comma == std::string::npos) {
+      break;
+    }
+    start = comma + 1;
+  }
+  return out;
+}
+
+// Where this rank's part of a record sits in the whole parameter: offset and length per dim.
+std::vector<ShardRange> local_ranges(const parallel::ParameterRecord& record,
+                                     const DeviceMesh& mesh) {
+  if (record.sharded_dims().empty()) {
+    std::vector<ShardRange> whole;
+    for (const auto size : record.global_shape) {
+      whole.push_back({.offset = 0, .length = size});
+    }
+    return whole;
+  }
+  return record.sharded(mesh).local_ranges();
+}
+
+// One rank of each group of replicas writes a record's part: coordinate 0 on every mesh dim the
+// record is replicated on.
+bool writes(const parallel::ParameterRecord& record, const DeviceMesh& mesh) {
+  for (std::size_t i = 0; i < record.dims.size(); ++i) {
+    if (std::holds_alternative<Replicate>(record.placements[i]) &&
+        mesh.coordinate(record.domain, record.dims[i]) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The stored key of a part: "<prefix>" when it is the whole tensor, else "<prefix>@<offsets>".
+std::string piece_key(const std::string& prefix, const std::vector<ShardRange>& ranges,
+                      const std::vector<int64_t>& shape) {
+  std::vector<int64_t> offsets;
+  bool whole = true;
+  for (std::size_t d = 0; d < ranges.size(); ++d) {
+    offsets.push_back(ranges[d].offset);
+    whole = whole && ranges[d].offset == 0 && ranges[d].length == shape[d];
+  }
+  return whole ? prefix : prefix + "@" + join_numbers(offsets);
+}
+
+// The stored parts of every tensor of a checkpoint, by the name before '@'.
+struct Piece {
+  const state::SafetensorsFile* file = nullptr;
+  std::string key;
+  std::vector<int64_t> offsets;  // empty: the whole tensor
+};
+using PieceIndex = std::map<std::string, std::vector<Piece>>;
+
+PieceIndex index_pieces(const std::vector<state::SafetensorsFile>& files) {
+  PieceIndex index;
+  for (const auto& file : files) {
+    for (const auto& entry : file.entries()) {
+      const auto at = entry.name.find('@');
+      Piece piece{.file = &file, .key = entry.name, .offsets = {}};
+      if (at != std::string::npos) {
+        piece.offsets = parse_numbers(entry.name.substr(at + 1));
+      }
+      index[entry.name.substr(0, at)].push_back(std::move(piece));
+    }
+  }
+  return index;
+}
+
+// Fills `target` (this rank's part of a tensor of `shape`, at `ranges`) from the stored pieces of
+// `name`, copying each overlap as stored (bit-identical). Throws unless every element is covered.
+void assemble(const PieceIndex& index, const std::string& name, const std::vector<int64_t>& shape,
+              const std::vector<ShardRange>& ranges, const at::Tensor& target,
+              const std::string& path) {
+  const auto found = index.find(name);
+  if (found == index.end()) {
+    throw std::runtime_error(std::string(kWho) + ": \"" + path + "\" has no \"" + name + "\"");
+  }
+  int64_t covered = 0;
+  for (const auto& piece : found->second) {
+    const auto stored = piece.file->view(piece.key);
+    const auto offsets =
+        piece.offsets.empty() ? std::vector<int64_t>(shape.size(), 0) : piece.offsets;
+    if (offsets.size() != shape.size() || stored.dim() != static_cast<int64_t>(shape.size())) {
+      throw std::runtime_error(std::string(kWho) + ": \"" + piece.key + "\" in \"" + path +
+                               "\" has " + std::to_string(stored.dim()) +
+                               " dimensions, the model's \"" + name + "\" has shape " +
+                               c10::str(at::IntArrayRef(shape)));
+    }
+    if (piece.offsets.empty() && stored.sizes() != at::IntArrayRef(shape)) {
+      throw std::runtime_error(std::string(kWho) + ": \"" + name + "\" has shape " +
+                               c10::str(stored.sizes()) + " in \"" + path + "\", the model has " +
+                               c10::str(at::IntArrayRef(shape)));
+    }
+    at::Tensor from = stored;
+    at::Tensor to = target;
+    bool overlaps = true;
+    for (std::size_t d = 0; d < shape.size() && overlaps; ++d) {
+      const int64_t begin = std::max(offsets[d], ranges[d].offset);
+      const int64_t end = std::min(offsets[d] + stored.size(static_cast<int64_t>(d)),
+                                   ranges[d].offset + ranges[d].length);
+      if (end <= begin) {
+        overlaps = false;
+        break;
+      }
+      from = from.narrow(static_cast<int64_t>(d), begin - offsets[d], end - begin);
+      to = to.narrow(static_cast<int64_t>(d), begin - ranges[d].offset, end - begin);
+    }
+    if (overlaps) {
+      to.copy_(from);
+      covered += to.numel();
+    }
+  }
+  if (covered != target.numel()) {
+    throw std::runtime_error(std::string(kWho) + ": the pieces of \"" + name + "\" in \"" + path +
+                             "\" cover " + std::to_string(covered) + " of the " +
+                             std::to_string(target.numel()) +
+                             " elements this rank needs (a checkpoint written by another run?)");
+  }
+}
+
 }  // namespace
 
 struct Checkpointer::Impl {
-  explicit Impl(DistributedContext context_in) : context(std::move(context_in)) {}
+  explicit Impl(const DeviceMesh& mesh_in) : context(mesh_in.context()), mesh(mesh_in) {}
   DistributedContext context;
+  DeviceMesh mesh;
   CheckpointConfig config;
   std::string dir;
   uint64_t seed = 0;
-  bool writes_model = false;  // data-parallel coordinate 0: one replica writes the model
   std::string mesh_description;
 
   // A save in flight: its step, the temporary directory, and the writer.
@@ -77,12 +214,11 @@ struct Checkpointer::Impl {
 
 Checkpointer::Checkpointer(const DeviceMesh& mesh, CheckpointConfig config, std::string dir,
                            uint64_t seed)
-    : impl_(std::make_unique<Impl>(mesh.context())) {
+    : impl_(std::make_unique<Impl>(mesh)) {
   auto& s = *impl_;
   s.config = std::move(config);
   s.dir = std::move(dir);
   s.seed = seed;
-  s.writes_model = mesh.coordinate(MeshDomain::batch, "dp") == 0;
   s.mesh_description = mesh.shape().describe();
 }
 
@@ -110,8 +246,17 @@ std::string Checkpointer::latest() const {
   return path;
 }
 
+std::string Checkpointer::check(const std::string& path) const {
+  if (!files::exists(files::join(path, "trainer.json"))) {
+    throw std::runtime_error(std::string(kWho) + ": \"" + path +
+                             "\" is not a complete checkpoint (no trainer.json). Fix: point "
+                             "\"checkpoint.resume_from\" at a step-<N> directory a run completed");
+  }
+  return path;
+}
+
 int64_t Checkpointer::load(const std::string& path,
-                           const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+                           const std::vector<parallel::ParameterRecord>& parameters,
                            torch::optim::Optimizer& optimizer) {
   auto& s = *impl_;
   const auto trainer =
@@ -123,38 +268,33 @@ int64_t Checkpointer::load(const std::string& path,
   for (int r = 0; r < saved_world; ++r) {
     files.emplace_back(files::join(path, "rank-" + std::to_string(r) + ".safetensors"));
   }
-  const auto find = [&](const std::string& name) -> const state::SafetensorsFile* {
-    for (const auto& file : files) {
-      if (file.contains(name)) {
-        return &file;
-      }
-    }
-    return nullptr;
-  };
+  const auto index = index_pieces(files);
   const at::NoGradGuard no_grad;
-  for (const auto& [name, param] : parameters) {
-    const auto* file = find("model/" + name);
-    if (file == nullptr) {
+  for (const auto& record : parameters) {
+    const auto& name = record.name;
+    if (index.count("model/" + name) == 0) {
       throw std::runtime_error(std::string(kWho) + ": \"" + path + "\" has no parameter \"" + name +
                                "\" (saved on mesh " + trainer.value("mesh", std::string("?")) +
                                ")");
     }
-    const auto value = file->view("model/" + name);
-    if (value.sizes() != param.sizes()) {
-      throw std::runtime_error(std::string(kWho) + ": parameter \"" + name + "\" has shape " +
-                               c10::str(value.sizes()) + " in \"" + path + "\", the model has " +
-                               c10::str(param.sizes()));
-    }
-    at::Tensor(param).copy_(value);
+    const auto ranges = local_ranges(record, s.mesh);
+    at::Tensor local = record.local;
+    assemble(index, "model/" + name, record.global_shape, ranges, local, path);
     const std::string prefix = "optim/" + name + "/";
-    if (const auto* state_file = find(prefix + "step")) {
+    const auto step_piece = index.find(prefix + "step");
+    if (step_piece != index.end()) {
       auto state = std::make_unique<torch::optim::AdamWParamState>();
-      state->step(state_file->tensor(prefix + "step").item<int64_t>());
-      state->exp_avg(state_file->view(prefix + "exp_avg").to(param.options(), false, true));
-      state->exp_avg_sq(state_file->view(prefix + "exp_avg_sq").to(param.options(), false, true));
-      optimizer.state()[param.unsafeGetTensorImpl()] = std::move(state);
+      const auto& piece = step_piece->second.front();
+      state->step(piece.file->tensor(piece.key).item<int64_t>());
+      auto exp_avg = at::empty_like(local);
+      auto exp_avg_sq = at::empty_like(local);
+      assemble(index, prefix + "exp_avg", record.global_shape, ranges, exp_avg, path);
+      assemble(index, prefix + "exp_avg_sq", record.global_shape, ranges, exp_avg_sq, path);
+      state->exp_avg(exp_avg);
+      state->exp_avg_sq(exp_avg_sq);
+      optimizer.state()[local.unsafeGetTensorImpl()] = std::move(state);
     } else {
-      optimizer.state().erase(param.unsafeGetTensorImpl());
+      optimizer.state().erase(local.unsafeGetTensorImpl());
     }
   }
   // Random generators: restored on the same world, reseeded from (seed, rank, step) otherwise.
@@ -176,7 +316,7 @@ int64_t Checkpointer::load(const std::string& path,
 }
 
 void Checkpointer::save(int64_t step, int64_t samples_seen,
-                        const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+                        const std::vector<parallel::ParameterRecord>& parameters,
                         const torch::optim::Optimizer& optimizer) {
   auto& s = *impl_;
   if (pending()) {
@@ -192,15 +332,23 @@ void Checkpointer::save(int64_t step, int64_t samples_seen,
 
   // The snapshot: host copies of what this rank stores (the training thread may go on after it).
   state::NamedTensors snapshot;
-  if (s.writes_model) {
-    for (const auto& [name, param] : parameters) {
-      snapshot.emplace_back("model/" + name, host_copy(param));
-      if (const auto* state = adamw_state(optimizer, param)) {
-        const std::string prefix = "optim/" + name + "/";
+  for (const auto& record : parameters) {
+    const auto& param = record.local;
+    if (!writes(record, s.mesh) || param.numel() == 0) {
+      continue;  // another replica writes it, or this rank's shard is empty
+    }
+    const auto ranges = local_ranges(record, s.mesh);
+    const auto key = [&](const std::string& prefix) {
+      return piece_key(prefix, ranges, record.global_shape);
+    };
+    snapshot.emplace_back(key("model/" + record.name), host_copy(param));
+    if (const auto* state = adamw_state(optimizer, param)) {
+      const std::string prefix = "optim/" + record.name + "/";
+      if (ranges.empty() || ranges.front().offset == 0) {
         snapshot.emplace_back(prefix + "step", at::tensor(state->step(), at::kLong));
-        snapshot.emplace_back(prefix + "exp_avg", host_copy(state->exp_avg()));
-        snapshot.emplace_back(prefix + "exp_avg_sq", host_copy(state->exp_avg_sq()));
       }
+      snapshot.emplace_back(key(prefix + "exp_avg"), host_copy(state->exp_avg()));
+      snapshot.emplace_back(key(prefix + "exp_avg_sq"), host_copy(state->exp_avg_sq()));
     }
   }
   snapshot.emplace_back("rng/cpu", at::detail::getDefaultCPUGenerator().get_state());

@@ -287,6 +287,7 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text) {
   checkpoint.boolean("async", cfg.checkpoint.async);
   checkpoint.boolean("resume", cfg.checkpoint.resume);
   checkpoint.string("dir", cfg.checkpoint.dir, {}, false);
+  checkpoint.string("resume_from", cfg.checkpoint.resume_from, {}, false);
   checkpoint.finish();
   if (cfg.checkpoint.dir.empty()) {
     cfg.checkpoint.dir = files::join(cfg.run.output_dir, "checkpoints");

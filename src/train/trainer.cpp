@@ -6,8 +6,11 @@
 #include <optional>
 
 #include <ATen/ATen.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/nn/module.h>
 
+#include <d9d/core/collectives.hpp>
 #include <d9d/data/sampler.hpp>
 #include <d9d/model/hf.hpp>
 #include <d9d/track/jsonl.hpp>
@@ -36,6 +39,26 @@ std::string describe(const pipeline::Program& program) {
          " placement" + (program.split_backward ? ", split backward" : "") + ")";
 }
 
+// The device allocator's statistics (CUDA and other caching allocators; CPU has none).
+c10::DeviceIndex device_index(c10::Device device) {
+  return device.has_index() ? device.index()
+                            : c10::impl::getDeviceGuardImpl(device.type())->getDevice().index();
+}
+
+void reset_peak_memory(c10::Device device) {
+  if (!device.is_cpu()) {
+    c10::getDeviceAllocator(device.type())->resetPeakStats(device_index(device));
+  }
+}
+
+int64_t peak_memory(c10::Device device) {
+  if (device.is_cpu()) {
+    return 0;
+  }
+  const auto stats = c10::getDeviceAllocator(device.type())->getDeviceStats(device_index(device));
+  return stats.allocated_bytes[0].peak;  // aggregate over pools
+}
+
 }  // namespace
 
 struct TrainerCore::Impl {
@@ -54,6 +77,7 @@ struct TrainerCore::Impl {
   std::unique_ptr<PipelineStepCore> pipeline_step;  // pipeline plans (instead of step)
   std::unique_ptr<Checkpointer> checkpointer;
   int64_t start_step = 0;  // > 0 when resumed from a checkpoint
+  int64_t done_steps = 0;  // optimizer steps in the parameters now
   std::string resumed_from;
 
   // What this rank trains: the whole model, or its pipeline stages in stage order.
@@ -65,14 +89,6 @@ struct TrainerCore::Impl {
   }
   [[nodiscard]] parallel::ParallelModel& parallel() const {
     return pipeline_step ? pipeline_step->parallel() : step->parallel();
-  }
-  // What this rank's optimizer updates, by name (the parallelize layer's records).
-  [[nodiscard]] std::vector<std::pair<std::string, at::Tensor>> named_parameters() const {
-    std::vector<std::pair<std::string, at::Tensor>> out;
-    for (const auto& record : parallel().parameters()) {
-      out.emplace_back(record.name, record.local);
-    }
-    return out;
   }
   [[nodiscard]] bool sharded() const {
     const auto& records = parallel().parameters();
@@ -116,24 +132,24 @@ TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const Devic
     s.step =
         std::make_unique<TrainStepCore>(std::move(s.run.parallel), s.run.loss, std::move(options));
   }
-  if (s.sharded() && (s.config.checkpoint.every > 0 || s.config.export_model.enabled)) {
+  if (s.sharded() && s.config.export_model.enabled) {
     throw ConfigError(
-        "d9d config: training checkpoints and \"export.enabled\" are not supported with sharded "
-        "parameters (d9d::parallel::FullyShard) yet. Fix: set \"checkpoint.every\" to 0 and "
-        "\"export\": {\"enabled\": false}");
+        "d9d config: \"export.enabled\" is not supported with sharded parameters "
+        "(d9d::parallel::FullyShard) yet. Fix: set \"export\": {\"enabled\": false}");
   }
   // Randomness after initialisation differs per rank (dropout and the like).
   torch::manual_seed(s.config.run.seed + 1 + static_cast<uint64_t>(s.context.rank()));
 
   const auto& checkpoint = s.config.checkpoint;
-  if (checkpoint.every > 0 || checkpoint.resume) {
+  if (checkpoint.every > 0 || checkpoint.resume || !checkpoint.resume_from.empty()) {
     s.checkpointer =
         std::make_unique<Checkpointer>(*s.mesh, checkpoint, checkpoint.dir, s.config.run.seed);
   }
-  if (checkpoint.resume) {
-    s.resumed_from = s.checkpointer->latest();
+  if (!checkpoint.resume_from.empty() || checkpoint.resume) {
+    s.resumed_from = checkpoint.resume_from.empty() ? s.checkpointer->latest()
+                                                    : s.checkpointer->check(checkpoint.resume_from);
     if (!s.resumed_from.empty()) {
-      s.start_step = s.checkpointer->load(s.resumed_from, s.named_parameters(), s.optimizer());
+      s.start_step = s.checkpointer->load(s.resumed_from, s.parallel().parameters(), s.optimizer());
       if (s.start_step > s.config.run.total_steps) {
         throw ConfigError("d9d config: the checkpoint \"" + s.resumed_from + "\" is at step " +
                           std::to_string(s.start_step) + ", past \"run.total_steps\" = " +
@@ -148,6 +164,22 @@ TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const Devic
 }
 
 TrainerCore::~TrainerCore() = default;
+
+std::string TrainerCore::save_checkpoint() {
+  auto& s = *impl_;
+  if (!s.checkpointer) {
+    throw ConfigError(
+        "d9d::Trainer::save_checkpoint: the run has no checkpoints. Fix: give the config a "
+        "\"checkpoint\" section (e.g. \"every\": 0 with \"dir\")");
+  }
+  const int64_t step = std::max(s.done_steps, s.start_step);
+  s.checkpointer->save(step, step * s.config.batch.global_batch_size, s.parallel().parameters(),
+                       s.optimizer());
+  if (s.checkpointer->pending()) {
+    (void)s.checkpointer->complete(/*wait=*/true);  // async: wait for every rank's writer
+  }
+  return s.checkpointer->last_completed();
+}
 
 EventBus& TrainerCore::events() { return impl_->events; }
 const DeviceMesh& TrainerCore::mesh() const { return *impl_->mesh; }
@@ -199,11 +231,13 @@ TrainResult TrainerCore::train() {
   }
 
   const int64_t tokens_per_step = cfg.batch.global_batch_size * cfg.batch.sequence_length;
+  reset_peak_memory(s.context.device());
   const auto start = Clock::now();
   auto after_first = start;
   for (int64_t step = s.start_step; step < cfg.run.total_steps; ++step) {
     const auto step_start = Clock::now();
     const StepResult r = this->step(step);
+    s.done_steps = step + 1;
     const double seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
     if (step == s.start_step) {
       after_first = Clock::now();
@@ -212,7 +246,7 @@ TrainResult TrainerCore::train() {
       const int64_t done = step + 1;
       if (cfg.checkpoint.every > 0 &&
           (done % cfg.checkpoint.every == 0 || done == cfg.run.total_steps)) {
-        s.checkpointer->save(done, done * cfg.batch.global_batch_size, s.named_parameters(),
+        s.checkpointer->save(done, done * cfg.batch.global_batch_size, s.parallel().parameters(),
                              s.optimizer());
       } else if (s.checkpointer->pending()) {
         (void)s.checkpointer->complete(/*wait=*/false);
@@ -260,6 +294,13 @@ TrainResult TrainerCore::train() {
   const double timed = std::chrono::duration<double>(end - after_first).count();
   if (result.steps > 1 && timed > 0) {
     result.tokens_per_second = static_cast<double>(tokens_per_step * (result.steps - 1)) / timed;
+  }
+  result.peak_memory_bytes = peak_memory(s.context.device());
+  if (s.context.world_size() > 1) {
+    const auto& world = s.context.world();
+    const auto peak = at::tensor({static_cast<double>(result.peak_memory_bytes)}, at::kDouble);
+    result.peak_memory_bytes = static_cast<int64_t>(
+        all_reduce(world, peak.to(world.device()), ReduceOp::max).cpu().item<double>());
   }
   s.events.emit(events::TrainEnd{.steps = result.steps, .seconds = result.seconds});
   if (progress) {

@@ -1,10 +1,14 @@
 // The parallelize layer's data-parallel strategies on 2 and 4 ranks (Gloo, or NCCL with
 // D9D_TEST_BACKEND=nccl) against one process training the same global batch: FullyShard on 2 and 4
 // ranks in each reshard mode, HSDP 2 x 2, FullyShard 2 x pp 2, with gradient accumulation,
-// clipping and recompute; and the memory each rank holds under FullyShard.
+// clipping and recompute; the memory each rank holds under FullyShard; training checkpoints saved
+// on one mesh and resumed on another.
 #include <string>
 
 #include <gtest/gtest.h>
+
+#include <d9d/state/safetensors.hpp>
+#include <d9d/util/files.hpp>
 
 #include "tests/core/core_test_util.hpp"
 #include "tests/parallel/parallel_test_util.hpp"
@@ -144,6 +148,106 @@ TEST(Parallel_FullyShard_ws4, EachRankHoldsAQuarterOfTheState) {
     EXPECT_GT(mine, 0);
     EXPECT_EQ(sharded.core().parallel().extra_bytes(), 0) << "units left gathered after the step";
     EXPECT_EQ(gathered_at_optimizer, 0) << "units still gathered when the optimizer steps";
+  });
+}
+
+// ---- training checkpoints across meshes ------------------------------------------------------
+
+d9d::TrainerConfig checkpointed(d9d::TrainerConfig cfg, const std::string& dir) {
+  cfg.checkpoint.dir = dir;
+  cfg.checkpoint.every = 2;
+  cfg.checkpoint.keep = 4;
+  cfg.checkpoint.async = false;
+  return cfg;
+}
+
+// Saved on mesh B after 2 of 4 steps, loaded on mesh A (all ranks, or one process on rank 0) and
+// saved there again, loaded on B and run to the end: the losses of steps 2 and 3 and the final
+// parameters are bit-identical to B's uninterrupted run (fp32: nothing is rounded on the way, every
+// piece is copied as stored). One launch, one context per process.
+template <class PlanB, class PlanA>
+void expect_lossless_reshard(RankEnv& env, const std::string& mesh_b, const std::string& mesh_a,
+                             bool a_is_one_process) {
+  const auto ctx = d9d::testing::rank_context(env);
+  const std::string& root = env.scratch_dir();
+  const auto r = std::to_string(env.rank());
+  const auto config = [&](const std::string& out, const std::string& mesh) {
+    return tiny_run(root + "/" + out + r, 4, 8, 2, false, 4, mesh);
+  };
+  d9d::Trainer<PlanB> straight(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                               d9d::CausalLmTask{}, checkpointed(config("b", mesh_b), root + "/B"));
+  const auto want = straight.train();
+  const auto want_parameters = d9d::testing::full_parameters(straight.core());
+
+  if (!a_is_one_process || env.rank() == 0) {
+    const auto a_ctx =
+        a_is_one_process ? d9d::DistributedContext::local({.device = ctx.device().str()}) : ctx;
+    auto cfg = checkpointed(config("a", mesh_a), root + "/A");
+    cfg.checkpoint.resume_from = root + "/B/step-2";
+    d9d::Trainer<PlanA> other(a_ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                              d9d::CausalLmTask{}, cfg);
+    EXPECT_EQ(other.core().save_checkpoint(), root + "/A/step-2");
+  }
+  ctx.barrier();
+
+  auto cfg = checkpointed(config("c", mesh_b), root + "/C");
+  cfg.checkpoint.resume_from = root + "/A/step-2";
+  d9d::Trainer<PlanB> resumed(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                              d9d::CausalLmTask{}, cfg);
+  const auto got = resumed.train();
+  EXPECT_EQ(got.start_step, 2);
+  EXPECT_EQ(got.resumed_from, root + "/A/step-2");
+  ASSERT_EQ(got.losses.size(), 2U);
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(got.losses[i], want.losses[i + 2]) << "step " << i + 2;
+  }
+  const auto got_parameters = d9d::testing::full_parameters(resumed.core());
+  ASSERT_EQ(got_parameters.size(), want_parameters.size());
+  for (const auto& [name, value] : got_parameters) {
+    EXPECT_TRUE(at::equal(value, want_parameters.at(name))) << name;
+  }
+  ctx.barrier();
+}
+
+using FsdpPlan = d9d::Plan<ShardMesh, d9d::parallel::Fsdp>;
+using HsdpPlan = d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::dp_shard<d9d::dynamic>>,
+                           d9d::parallel::Fsdp>;
+using FsdpPpPlan = d9d::Plan<d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_shard<d9d::dynamic>>,
+                             d9d::parallel::Fsdp, d9d::pipeline::OneFOneB<>>;
+constexpr const char* kHsdp22 = R"({"dp_replicate": 2, "dp_shard": 2})";
+
+TEST(Parallel_Checkpoint_ws2, FsdpTwoToOneProcessAndBack) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    expect_lossless_reshard<FsdpPlan, d9d::Plan<>>(env, "", "", true);
+  });
+}
+
+TEST(Parallel_Checkpoint_ws4, FsdpFourToHsdpTwoByTwoAndBack) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    expect_lossless_reshard<FsdpPlan, HsdpPlan>(env, "", kHsdp22, false);
+  });
+}
+
+TEST(Parallel_Checkpoint_ws4, HsdpTwoByTwoToFsdpFourAndBack) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    expect_lossless_reshard<HsdpPlan, FsdpPlan>(env, kHsdp22, "", false);
+  });
+}
+
+TEST(Parallel_Checkpoint_ws4, FsdpTwoByPipelineTwoToFsdpFourAndBack) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    expect_lossless_reshard<FsdpPpPlan, FsdpPlan>(env, R"({"pp": 2, "dp_shard": 2})", "", false);
+  });
+}
+
+TEST(Parallel_Checkpoint_ws4, FsdpFourToOneProcessAndBack) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    expect_lossless_reshard<FsdpPlan, d9d::Plan<>>(env, "", "", true);
   });
 }
 

@@ -293,7 +293,8 @@ TEST(Train_Config_Model, TheExampleConfigsRead) {
   for (const auto& [file, tied] : std::vector<std::pair<std::string, bool>>{
            {"03_qwen3_quickstart/quickstart.json", true},
            {"03_qwen3_quickstart/qwen3_0p6b_gpu.json", true},
-           {"03_qwen3_quickstart/qwen3_0p6b_gpu_pp.json", false}}) {
+           {"03_qwen3_quickstart/qwen3_0p6b_gpu_pp.json", false},
+           {"03_qwen3_quickstart/qwen3_8b_gpu.json", false}}) {
     const auto cfg = d9d::TrainerConfig::from_file(
         d9d::files::join(examples != nullptr ? examples : "examples", file));
     const auto config = d9d::model::Qwen3Config::from_json_text(cfg.section("model"));
@@ -516,6 +517,16 @@ TEST(Train_Checkpoint, ErrorsNameTheProblem) {
                                             d9d::CausalLmTask{}, deeper);
               }),
               HasSubstr("has no parameter \"model.layers.2."));
+  // resume_from must name a complete checkpoint.
+  auto elsewhere = checkpointed(tmp_dir("ckpt_elsewhere"), false);
+  elsewhere.checkpoint.resume_from = other;  // the run's directory, not one of its step-<N>
+  EXPECT_THAT(d9d::testing::error_of<std::runtime_error>([&] {
+                d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{},
+                                            d9d::testing::RandomWindowsProvider{},
+                                            d9d::CausalLmTask{}, elsewhere);
+              }),
+              HasSubstr("is not a complete checkpoint (no trainer.json). Fix: point "
+                        "\"checkpoint.resume_from\" at a step-<N> directory"));
 }
 
 }  // namespace

@@ -3,11 +3,14 @@
 //   "checkpoint": {"every": 100, "keep": 2, "async": true, "resume": true}   // in the config
 //
 // A checkpoint is a directory <output_dir>/checkpoints/step-<N> (N = optimizer steps done):
-//   rank-<r>.safetensors  one per rank. Ranks of data-parallel coordinate 0 (one replica) store
-//                         "model/<name>" for every parameter they train (the whole model, or their
-//                         pipeline stages: parameter names are the whole model's) and AdamW's state
-//                         "optim/<name>/exp_avg", ".../exp_avg_sq", ".../step"; every rank stores
-//                         its random generators ("rng/cpu", "rng/cuda").
+//   rank-<r>.safetensors  one per rank. Each trained parameter's part on this rank (the whole
+//                         parameter, or its shard under FullyShard; a pipeline rank's stages: the
+//                         names are the whole model's) is stored by one rank among its replicas
+//                         (coordinate 0 on every mesh dim it is replicated on) as "model/<name>",
+//                         or "model/<name>@<o0>,<o1>,..." (its offsets) when it is a part, with
+//                         AdamW's state beside it: "optim/<name>/exp_avg[@...]", ".../exp_avg_sq",
+//                         ".../step"; every rank stores its random generators ("rng/cpu",
+//                         "rng/cuda").
 //   trainer.json          written last by rank 0: step, samples seen, world size, mesh.
 // <output_dir>/checkpoints/checkpoints.json names the latest complete checkpoint and the kept
 // ones. Ranks write into step-<N>.tmp; after every rank has written, rank 0 writes trainer.json,
@@ -16,13 +19,14 @@
 // checkpoint (or none): a half-written step-<N>.tmp is never read and is removed by the next save
 // of that step.
 //
-// Loading reads every rank file's header and takes each tensor by name, so a run may resume on
-// another mesh (other pipeline split, other data-parallel degree). The sampler and the learning
-// rate are functions of the step, so the data position and the schedule follow from it; the
-// random generators are restored when the world size is unchanged and reseeded from (seed, rank,
-// step) otherwise. With "async", a save copies the state to host memory (the fast snapshot) and a
-// background thread writes the files while training continues; the checkpoint is completed at the
-// first step boundary where every rank's writer is done (one small all-reduce per step while a
+// Loading reads every rank file's header and assembles each parameter's part on this rank from the
+// stored pieces that overlap it (copied as stored: bit-identical), so a run may resume on another
+// mesh (other pipeline split, other data-parallel degree, sharded or not). The sampler and the
+// learning rate are functions of the step, so the data position and the schedule follow from it;
+// the random generators are restored when the world size is unchanged and reseeded from (seed,
+// rank, step) otherwise. With "async", a save copies the state to host memory (the fast snapshot)
+// and a background thread writes the files while training continues; the checkpoint is completed at
+// the first step boundary where every rank's writer is done (one small all-reduce per step while a
 // save is pending) and at the end of training.
 #pragma once
 
@@ -35,6 +39,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <d9d/core/device_mesh.hpp>
+#include <d9d/parallel/parallelize.hpp>
 #include <d9d/train/config.hpp>
 
 namespace torch::optim {
@@ -55,17 +60,19 @@ class Checkpointer {
 
   /// The directory of the latest complete checkpoint, or "" when there is none.
   [[nodiscard]] std::string latest() const;
+  /// `path` when it is a complete checkpoint directory; std::runtime_error naming it otherwise.
+  [[nodiscard]] std::string check(const std::string& path) const;
 
-  /// Loads `path` (a step-<N> directory) into `parameters` (by name) and the optimizer's state;
-  /// returns N. std::runtime_error names a missing tensor or a shape mismatch.
-  int64_t load(const std::string& path,
-               const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+  /// Loads `path` (a step-<N> directory) into the records' local tensors (by name, each its part
+  /// on this rank's mesh) and the optimizer's state; returns N. std::runtime_error names a missing
+  /// tensor, a shape mismatch or a part the stored pieces do not cover.
+  int64_t load(const std::string& path, const std::vector<parallel::ParameterRecord>& parameters,
                torch::optim::Optimizer& optimizer);
 
   /// Collective: snapshots this rank's state after `step` optimizer steps and writes it (in the
   /// background when async). A pending save is completed first.
   void save(int64_t step, int64_t samples_seen,
-            const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+            const std::vector<parallel::ParameterRecord>& parameters,
             const torch::optim::Optimizer& optimizer);
 
   /// Collective: completes a pending save once every rank has written (`wait`: waits for that).

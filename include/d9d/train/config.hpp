@@ -82,6 +82,9 @@ struct CheckpointConfig {
   bool async = true;   ///< write in the background after a host snapshot
   bool resume = true;  ///< continue from the latest checkpoint in the directory, if any
   std::string dir;     ///< default <run.output_dir>/checkpoints
+  /// A checkpoint directory (a step-<N> of any run, on any mesh) to start from instead of the
+  /// latest one in `dir`; empty: none.
+  std::string resume_from;
 };
 
 /// Every knob of a run.

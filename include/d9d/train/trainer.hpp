@@ -49,9 +49,11 @@ struct TrainResult {
   int64_t steps = 0;               ///< steps run
   double seconds = 0.0;
   double tokens_per_second = 0.0;  ///< over all ranks, after the first step
-  std::string metrics_path;        ///< metrics.jsonl (empty when disabled)
-  std::string tensorboard_dir;     ///< (empty when disabled)
-  std::string export_dir;          ///< the exported model (empty when disabled)
+  /// The most device memory any rank's allocator had allocated during train() (CUDA; 0 on CPU).
+  int64_t peak_memory_bytes = 0;
+  std::string metrics_path;     ///< metrics.jsonl (empty when disabled)
+  std::string tensorboard_dir;  ///< (empty when disabled)
+  std::string export_dir;       ///< the exported model (empty when disabled)
 };
 
 namespace detail {
@@ -93,6 +95,10 @@ class TrainerCore {
   TrainResult train();
   /// One step without logging (what train() does per step); for tests and custom loops.
   StepResult step(int64_t step);
+  /// Collective: saves a training checkpoint of the state now (after the steps run so far, or the
+  /// resumed step) into the config's checkpoint directory and waits until it is complete;
+  /// returns its directory.
+  std::string save_checkpoint();
   EventBus& events();
   [[nodiscard]] const DeviceMesh& mesh() const;
   /// The whole model (null under a pipeline plan).
