@@ -104,6 +104,44 @@ struct TrainerCore::Impl {
   int64_t microbatches = 0;
 };
 
+namespace {
+
+// The whole model as a Hugging Face checkpoint, streamed one parameter at a time: each is gathered
+// from its parts when the parallelize layer sharded it (collective, every rank in the same order)
+// and written by the main rank; memory holds one whole parameter beyond the rank's own state.
+void export_model(TrainerCore::Impl& s, const std::string& dir, at::ScalarType dtype) {
+  const auto& parallel = s.parallel();
+  const auto named = s.run.model->named_parameters();
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (const auto& item : named) {
+    const auto* record = parallel.find(item.key());
+    shapes.emplace_back(item.key(),
+                        record != nullptr ? record->global_shape : item.value().sizes().vec());
+  }
+  std::unique_ptr<model::HfCheckpointWriter> out;
+  if (s.context.is_main_process()) {
+    out = std::make_unique<model::HfCheckpointWriter>(dir, s.run.hf_config_json, shapes, dtype);
+  }
+  const at::NoGradGuard no_grad;
+  for (const auto& item : named) {
+    const auto* record = parallel.find(item.key());
+    at::Tensor whole = item.value();
+    if (record != nullptr) {
+      whole =
+          record->sharded_dims().empty() ? record->local : record->sharded(*s.mesh).full_tensor();
+    }
+    if (out) {
+      out->write(item.key(), whole);
+    }
+  }
+  if (out) {
+    out->commit();
+  }
+  s.context.barrier();
+}
+
+}  // namespace
+
 TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const DeviceMesh> mesh,
                          TrainerConfig config, PrecisionOptions precision, ErasedRun run)
     : impl_(std::make_unique<Impl>(std::move(context), std::move(mesh), std::move(config),
@@ -132,11 +170,7 @@ TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const Devic
     s.step =
         std::make_unique<TrainStepCore>(std::move(s.run.parallel), s.run.loss, std::move(options));
   }
-  if (s.sharded() && s.config.export_model.enabled) {
-    throw ConfigError(
-        "d9d config: \"export.enabled\" is not supported with sharded parameters "
-        "(d9d::parallel::FullyShard) yet. Fix: set \"export\": {\"enabled\": false}");
-  }
+
   // Randomness after initialisation differs per rank (dropout and the like).
   torch::manual_seed(s.config.run.seed + 1 + static_cast<uint64_t>(s.context.rank()));
 
@@ -313,11 +347,9 @@ TrainResult TrainerCore::train() {
   if (cfg.export_model.enabled) {
     if (main) {
       result.export_dir = files::join(cfg.run.output_dir, "model");
-      files::create_directories(result.export_dir);
-      const auto dtype = cfg.export_model.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
-      model::save_hf_checkpoint(*s.run.model, result.export_dir, s.run.hf_config_json, dtype);
     }
-    s.context.barrier();
+    export_model(s, files::join(cfg.run.output_dir, "model"),
+                 cfg.export_model.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat);
   }
   if (main && !result.losses.empty()) {
     s.context.logger().info("done: " + std::to_string(result.steps) + " steps in " +
