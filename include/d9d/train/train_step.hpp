@@ -52,7 +52,7 @@ struct TrainStepOptions {
   bool stochastic_rounding = false;  ///< StochasticAdamW for bf16 parameters (from the plan)
   /// The dtype of AdamW's moments (from the plan); Undefined: the parameters' own.
   at::ScalarType optimizer_state = at::ScalarType::Undefined;
-  uint64_t seed = 0;  ///< the stochastic rounding's seed (the run's seed)
+  uint64_t seed = 0;                 ///< the stochastic rounding's seed (the run's seed)
   const EventBus* events = nullptr;  ///< receives BeforeOptimizer / AfterOptimizer
 };
 
