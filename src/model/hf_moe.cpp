@@ -132,8 +132,7 @@ Qwen3MoeForCausalLM load_hf_qwen3_moe(const std::string& dir) {
 }
 
 void save_hf_mapped(const torch::nn::Module& module, const state::Mapper& mapper,
-                    const std::string& dir, const std::string& config_json,
-                    at::ScalarType dtype) {
+                    const std::string& dir, const std::string& config_json, at::ScalarType dtype) {
   const auto params = module.named_parameters();
   const auto inputs_of = [&](const state::MapperGroup& group, bool meta) {
     state::TensorMap inputs;
@@ -169,8 +168,7 @@ void save_hf_mapped(const torch::nn::Module& module, const state::Mapper& mapper
 void save_hf_qwen3_moe(const Qwen3MoeForCausalLMImpl& model, const std::string& dir,
                        at::ScalarType dtype) {
   save_hf_mapped(model, qwen3_moe_hf_export_mapper(model.config(), parameter_names(model)), dir,
-                 model.config().to_hf_json(dtype == at::kBFloat16 ? "bfloat16" : "float32"),
-                 dtype);
+                 model.config().to_hf_json(dtype == at::kBFloat16 ? "bfloat16" : "float32"), dtype);
 }
 
 }  // namespace d9d::model

@@ -201,8 +201,8 @@ void MoeForwardStats::finish() {
 
 MoeRouterImpl::MoeRouterImpl(const MoeOptions& options) : options_(options) {
   check_options(options);
-  weight = register_parameter("weight",
-                              at::randn({options.num_experts, options.hidden_size}) * 0.02);
+  weight =
+      register_parameter("weight", at::randn({options.num_experts, options.hidden_size}) * 0.02);
   if (options.bias_update_rate > 0) {
     expert_bias = register_buffer("expert_bias", at::zeros({options.num_experts}));
   }
@@ -351,8 +351,8 @@ RouterLoad MoeLayerImpl::take_load() {
 at::Tensor load_balancing_loss(const at::Tensor& probabilities, const at::Tensor& experts,
                                int64_t num_experts) {
   const auto mask = at::one_hot(experts, num_experts).to(probabilities.scalar_type());  // [N,k,E]
-  const auto tokens_per_expert = mask.mean(0);                                         // [k, E]
-  const auto probability_per_expert = probabilities.mean(0);                           // [E]
+  const auto tokens_per_expert = mask.mean(0);                                          // [k, E]
+  const auto probability_per_expert = probabilities.mean(0);                            // [E]
   return (tokens_per_expert * probability_per_expert.unsqueeze(0)).sum() *
          static_cast<double>(num_experts);
 }

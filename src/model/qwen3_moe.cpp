@@ -99,10 +99,10 @@ Qwen3MoeStageImpl::Qwen3MoeStageImpl(const Qwen3MoeConfig& config, int stage, in
                                 " is not one of " + std::to_string(stages) + " stages");
   }
   if (layers.begin < 0 || layers.end < layers.begin || layers.end > config_.num_hidden_layers) {
-    throw std::invalid_argument(
-        "d9d::model::Qwen3MoeStage: layers [" + std::to_string(layers.begin) + ", " +
-        std::to_string(layers.end) + ") are not within the " +
-        std::to_string(config_.num_hidden_layers) + " decoder layers");
+    throw std::invalid_argument("d9d::model::Qwen3MoeStage: layers [" +
+                                std::to_string(layers.begin) + ", " + std::to_string(layers.end) +
+                                ") are not within the " +
+                                std::to_string(config_.num_hidden_layers) + " decoder layers");
   }
   if (config_.tie_word_embeddings && stages > 1) {
     throw std::invalid_argument(

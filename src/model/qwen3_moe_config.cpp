@@ -1,5 +1,6 @@
-// d9d/model/qwen3_moe_config.cpp — Qwen3MoeConfig: the MoE keys of a transformers 4 / 5 config.json,
-// the rest through the dense Qwen3 reader (so both follow the same rules), validation, export.
+// d9d/model/qwen3_moe_config.cpp — Qwen3MoeConfig: the MoE keys of a transformers 4 / 5
+// config.json, the rest through the dense Qwen3 reader (so both follow the same rules), validation,
+// export.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -58,9 +59,9 @@ int64_t read_size(const Json& value, const std::string& key, int64_t low = 1) {
   const std::string valid =
       "expected an integer from " + std::to_string(low) + " to " + std::to_string(kMaxSize);
   if (!value.is_number_integer() ||
-      (value.is_number_unsigned() ? value.get<uint64_t>() > static_cast<uint64_t>(kMaxSize)
-                                  : (value.get<int64_t>() < low ||
-                                     value.get<int64_t>() > kMaxSize))) {
+      (value.is_number_unsigned()
+           ? value.get<uint64_t>() > static_cast<uint64_t>(kMaxSize)
+           : (value.get<int64_t>() < low || value.get<int64_t>() > kMaxSize))) {
     bad(key, shown(value), valid);
   }
   return value.get<int64_t>();
@@ -227,11 +228,10 @@ void Qwen3MoeConfig::validate() const {
     }
     throw std::invalid_argument(what);
   }
-  const std::pair<const char*, int64_t> sizes[] = {
-      {"num_experts", num_experts},
-      {"num_experts_per_tok", num_experts_per_tok},
-      {"moe_intermediate_size", moe_intermediate_size},
-      {"decoder_sparse_step", decoder_sparse_step}};
+  const std::pair<const char*, int64_t> sizes[] = {{"num_experts", num_experts},
+                                                   {"num_experts_per_tok", num_experts_per_tok},
+                                                   {"moe_intermediate_size", moe_intermediate_size},
+                                                   {"decoder_sparse_step", decoder_sparse_step}};
   for (const auto& [key, value] : sizes) {
     if (value < 1 || value > kMaxSize) {
       bad(key, std::to_string(value),
@@ -313,8 +313,8 @@ int64_t Qwen3MoeConfig::active_non_embedding_parameter_count() const {
   for (int64_t layer = 0; layer < num_hidden_layers; ++layer) {
     total += attention + 2 * hidden_size;
     if (is_moe_layer(layer)) {
-      total += num_experts * hidden_size + num_experts_per_tok * 3 * hidden_size *
-                                               moe_intermediate_size;
+      total +=
+          num_experts * hidden_size + num_experts_per_tok * 3 * hidden_size * moe_intermediate_size;
       if (shared_expert_intermediate_size > 0) {
         total += 3 * hidden_size * shared_expert_intermediate_size + hidden_size;
       }

@@ -151,6 +151,9 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     }
     units_.back().name = "(parameters outside blocks)";
     for (std::size_t i = 0; i < records.size(); ++i) {
+      if (records[i].domain != MeshDomain::regular) {
+        continue;  // e.g. experts under ExpertParallel: laid out and reduced by their strategy
+      }
       std::size_t unit = blocks.size();
       for (std::size_t b = 0; b < blocks.size(); ++b) {
         if (!blocks[b].second.empty() && records[i].name.rfind(blocks[b].second, 0) == 0) {

@@ -1,9 +1,9 @@
-// Qwen3-MoE against Hugging Face transformers, both ways: checkpoints written by transformers 4.57.1
-// and 5.17.0 (tests/hf/make_moe_fixtures.py, committed: norm_topk_prob true and false, dense layers
-// by mlp_only_layers and by decoder_sparse_step, tied, sharded) load into d9d's Qwen3-MoE with the
-// reference logits and auxiliary loss; d9d's export loads in transformers with the same logits
-// (tests/hf/hf_check.py through D9D_HF_PYTHON); transformers 5's fused expert layout loads too;
-// and the config reader's MoE rules (include/d9d/model/qwen3_moe.hpp).
+// Qwen3-MoE against Hugging Face transformers, both ways: checkpoints written by
+// transformers 4.57.1 and 5.17.0 (tests/hf/make_moe_fixtures.py, committed: norm_topk_prob true and
+// false, dense layers by mlp_only_layers and by decoder_sparse_step, tied, sharded) load into d9d's
+// Qwen3-MoE with the reference logits and auxiliary loss; d9d's export loads in transformers with
+// the same logits (tests/hf/hf_check.py through D9D_HF_PYTHON); transformers 5's fused expert
+// layout loads too; and the config reader's MoE rules (include/d9d/model/qwen3_moe.hpp).
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -58,7 +58,9 @@ const MoeFixture kFixtures[] = {
     // num_local_experts, rope theta 5e5 in rope_parameters, layer 0 dense.
     {.name = "qwen3_moe_tiny_v5_norm", .transformers = 5, .norm_topk_prob = true, .moe_layers = 1},
     // 3 layers, layer 2 dense, four shards.
-    {.name = "qwen3_moe_tiny_v5_nonorm_sharded", .transformers = 5, .moe_layers = 2,
+    {.name = "qwen3_moe_tiny_v5_nonorm_sharded",
+     .transformers = 5,
+     .moe_layers = 2,
      .sharded = true},
 };
 
@@ -111,9 +113,9 @@ TEST_P(Hf_Qwen3Moe, OurExportLoadsInTransformersWithTheSameLogits) {
   const std::string dir = d9d::files::join(tmp, "d9d_moe_export_" + name);
   d9d::model::save_hf_qwen3_moe(*model, dir);
   const auto file = d9d::state::SafetensorsFile(d9d::files::join(dir, "model.safetensors"));
-  const std::string layer = name == "qwen3_moe_tiny_v5_norm" ? "1" : name == "qwen3_moe_tiny_norm"
-                                                                     ? "0"
-                                                                     : "1";
+  const std::string layer = name == "qwen3_moe_tiny_v5_norm" ? "1"
+                            : name == "qwen3_moe_tiny_norm"  ? "0"
+                                                             : "1";
   EXPECT_TRUE(file.contains("model.layers." + layer + ".mlp.experts.3.down_proj.weight"));
   EXPECT_FALSE(file.contains("model.layers." + layer + ".mlp.experts.down_proj"));
   const auto ids = at::randint(config.vocab_size, {3, 9}, at::kLong);
@@ -148,8 +150,7 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, Hf_Qwen3Moe, ::testing::ValuesIn(kFixtures),
 // mlp.experts.down_proj [E, H, I]); a checkpoint in that layout loads to the same model.
 TEST(Hf_Qwen3Moe_Layouts, TheFusedLayoutOfTransformers5Loads) {
   const auto source = fixture("qwen3_moe_tiny_v5_norm");
-  const auto tensors =
-      d9d::state::load_safetensors(d9d::files::join(source, "model.safetensors"));
+  const auto tensors = d9d::state::load_safetensors(d9d::files::join(source, "model.safetensors"));
   d9d::state::NamedTensors fused;
   std::vector<at::Tensor> gate, up, down;
   for (const auto& [key, tensor] : tensors) {

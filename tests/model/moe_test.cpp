@@ -52,10 +52,12 @@ TEST(Model_Moe_GroupedLinear, LoopEqualsPerGroupProducts) {
   const auto w = at::randn({3, 5, 8}, at::kDouble);
   const std::vector<int64_t> counts = {4, 0, 5};
   const auto y = d9d::model::grouped_linear(x, w, counts, GroupedGemm::loop);
-  const auto want = at::cat({at::linear(x.narrow(0, 0, 4), w[0]), at::linear(x.narrow(0, 4, 5), w[2])});
+  const auto want =
+      at::cat({at::linear(x.narrow(0, 0, 4), w[0]), at::linear(x.narrow(0, 4, 5), w[2])});
   EXPECT_TRUE(at::allclose(y, want, 0, 1e-12));
-  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>(
-                  [&] { (void)d9d::model::grouped_linear(x, w, {4, 0, 4}); }),
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>([&] {
+                (void)d9d::model::grouped_linear(x, w, {4, 0, 4});
+              }),
               HasSubstr("the counts sum to 8, x has 9 rows"));
 }
 
@@ -147,8 +149,7 @@ TEST(Model_Moe_AuxLoss, ValueAndGradientEqualTheDirectFormula) {
   const auto experts = std::get<1>(at::topk(probabilities, 2, -1));
   const auto aux = d9d::model::load_balancing_loss(probabilities, experts, 4);
   // By hand: E * sum_e (routings to e / (layers * tokens)) * mean probability of e.
-  const auto fractions =
-      at::one_hot(experts, 4).sum(at::IntArrayRef{0, 1}).to(at::kDouble) / 24.0;
+  const auto fractions = at::one_hot(experts, 4).sum(at::IntArrayRef{0, 1}).to(at::kDouble) / 24.0;
   const double by_hand = 4 * (fractions * probabilities.mean(0)).sum().item<double>();
   EXPECT_NEAR(aux.item<double>(), by_hand, 1e-12);
   EXPECT_NEAR(stats->aux_loss(), aux.item<double>(), 1e-12);
@@ -212,8 +213,7 @@ TEST(Model_Moe_BiasBalancing, MovesLoadTowardUniform) {
   const double after = imbalance().second;
   EXPECT_LT(after, 1.25) << "before " << before;
   const auto routing = router(x);
-  EXPECT_TRUE(at::allclose(routing.weights,
-                           routing.probabilities.gather(1, routing.experts)))
+  EXPECT_TRUE(at::allclose(routing.weights, routing.probabilities.gather(1, routing.experts)))
       << "the bias chooses, the probabilities weigh";
   // Without the rate there is no bias at all.
   EXPECT_FALSE(d9d::model::MoeRouter(tiny(false))->expert_bias.defined());

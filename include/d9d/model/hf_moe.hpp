@@ -30,9 +30,9 @@ namespace d9d::model {
 /// The mapper from a transformers checkpoint holding `source_keys` to the parameters named
 /// `parameter_names` of a Qwen3-MoE model (or stage) of `config`: stacks (or, for the fused
 /// layout, cuts) the experts, renames nothing else, drops a tied model's stored lm_head.weight.
-[[nodiscard]] state::Mapper qwen3_moe_hf_load_mapper(const Qwen3MoeConfig& config,
-                                                     const std::vector<std::string>& source_keys,
-                                                     const std::vector<std::string>& parameter_names);
+[[nodiscard]] state::Mapper qwen3_moe_hf_load_mapper(
+    const Qwen3MoeConfig& config, const std::vector<std::string>& source_keys,
+    const std::vector<std::string>& parameter_names);
 
 /// The mapper from a Qwen3-MoE model's parameters (`parameter_names`) to transformers' tensors:
 /// each stacked expert tensor unstacked into the per-expert ones, the rest unchanged.

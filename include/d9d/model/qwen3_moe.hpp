@@ -1,6 +1,6 @@
 // d9d/model/qwen3_moe.hpp — Qwen3-MoE, white-box: Qwen3's attention with sparse MoE blocks.
 //
-//   auto config = d9d::model::Qwen3MoeConfig::from_json_text(config_json_text);  // throws if unsure
+//   auto config = d9d::model::Qwen3MoeConfig::from_json_text(json_text);  // throws if unsure
 //   d9d::model::Qwen3MoeForCausalLM model(config);
 //   at::Tensor logits = model(input_ids);              // [B, T] -> [B, T, vocab]
 //   double aux = model->last_aux_loss();               // transformers' aux loss of that pass
