@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <d9d/model/linear_cross_entropy.hpp>
 #include <d9d/model/qwen3_moe.hpp>
 
 namespace d9d::model {
@@ -54,7 +55,8 @@ Qwen3MoeModelImpl::Qwen3MoeModelImpl(const Qwen3MoeConfig& config)
 at::Tensor Qwen3MoeModelImpl::forward(const at::Tensor& input_ids,
                                       const std::shared_ptr<MoeForwardStats>& stats) {
   auto h = embed_tokens(input_ids);
-  const auto cos_sin = rope_.cos_sin(input_ids.size(1), input_ids.device());
+  const auto cos_sin = rope_.cos_sin(input_ids.size(1), input_ids.device(),
+                                     RotaryEmbedding::table_dtype(h.scalar_type()));
   for (const auto& layer : *layers) {
     h = layer->as<Qwen3MoeDecoderLayer>()->forward(h, cos_sin, stats);
   }
@@ -81,6 +83,20 @@ at::Tensor Qwen3MoeForCausalLMImpl::forward(const at::Tensor& input_ids) {
     return lm_head(hidden);
   }
   return at::linear(hidden, model->embed_tokens->weight.to(hidden.scalar_type()));
+}
+
+CausalLmLoss Qwen3MoeForCausalLMImpl::loss(const at::Tensor& input_ids, const at::Tensor& labels,
+                                           int64_t ignore_index) {
+  if (!fused_kernels()) {
+    return causal_lm_loss(forward(input_ids), labels, ignore_index);
+  }
+  auto stats = std::make_shared<MoeForwardStats>(config_.aux_loss_coef());
+  const auto hidden = model(input_ids, stats);
+  stats->finish();
+  last_stats_ = stats;
+  const auto& head = lm_head ? lm_head->weight : model->embed_tokens->weight;
+  return linear_cross_entropy(hidden.reshape({-1, hidden.size(-1)}), head, labels.reshape({-1}),
+                              ignore_index);
 }
 
 double Qwen3MoeForCausalLMImpl::last_aux_loss() const {
@@ -150,7 +166,8 @@ at::Tensor Qwen3MoeStageImpl::forward(const at::Tensor& input) {
   }
   if (!layers.empty()) {
     auto stats = std::make_shared<MoeForwardStats>(config_.aux_loss_coef());
-    const auto cos_sin = rope_.cos_sin(h.size(1), h.device());
+    const auto cos_sin =
+        rope_.cos_sin(h.size(1), h.device(), RotaryEmbedding::table_dtype(h.scalar_type()));
     for (auto& layer : layers) {
       h = layer(h, cos_sin, stats);
     }

@@ -148,7 +148,7 @@ LossOutput CausalLmTask::compute_loss(model::Qwen3ForCausalLM& model, const Caus
   const int64_t length = tokens.size(1) - 1;
   const auto inputs = tokens.narrow(1, 0, length);
   const auto labels = tokens.narrow(1, 1, length);
-  const auto loss = model::causal_lm_loss(model(inputs), labels);
+  const auto loss = model->loss(inputs, labels);
   return {.loss_sum = loss.loss_sum, .weight = loss.tokens};
 }
 
@@ -157,8 +157,7 @@ LossOutput CausalLmTask::compute_loss(model::Qwen3MoeForCausalLM& model,
   const auto& device = model->model->embed_tokens->weight.device();
   const auto tokens = batch.tokens.to(device);
   const int64_t length = tokens.size(1) - 1;
-  const auto loss =
-      model::causal_lm_loss(model(tokens.narrow(1, 0, length)), tokens.narrow(1, 1, length));
+  const auto loss = model->loss(tokens.narrow(1, 0, length), tokens.narrow(1, 1, length));
   return {.loss_sum = loss.loss_sum, .weight = loss.tokens};
 }
 

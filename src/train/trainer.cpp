@@ -4,10 +4,13 @@
 #include <chrono>
 #include <cstdio>
 #include <optional>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/nn/module.h>
 
 #include <d9d/core/collectives.hpp>
@@ -58,6 +61,69 @@ int64_t peak_memory(c10::Device device) {
   const auto stats = c10::getDeviceAllocator(device.type())->getDeviceStats(device_index(device));
   return stats.allocated_bytes[0].peak;  // aggregate over pools
 }
+
+// The profiler around the configured steps (Kineto; CUDA kernels when the run is on a GPU).
+class StepProfiler {
+ public:
+  StepProfiler(const ProfileConfig& config, const DistributedContext& context)
+      : config_(config), context_(context) {}
+  StepProfiler(const StepProfiler&) = delete;
+  StepProfiler& operator=(const StepProfiler&) = delete;
+  StepProfiler(StepProfiler&&) = delete;
+  StepProfiler& operator=(StepProfiler&&) = delete;
+  ~StepProfiler() {
+    if (active_) {
+      (void)torch::autograd::profiler::disableProfiler();
+    }
+  }
+
+  void before(int64_t step) {
+    if (config_.start < 0 || step != config_.start) {
+      return;
+    }
+    namespace prof = torch::profiler::impl;
+    std::set<prof::ActivityType> activities = {prof::ActivityType::CPU};
+    if (context_.device().is_cuda()) {
+      activities.insert(prof::ActivityType::CUDA);
+    }
+    const prof::ProfilerConfig settings(prof::ProfilerState::KINETO, /*report_input_shapes=*/false,
+                                        /*profile_memory=*/true);
+    torch::autograd::profiler::prepareProfiler(settings, activities);
+    torch::autograd::profiler::enableProfiler(settings, activities);
+    reset_peak_memory(context_.device());
+    active_ = true;
+  }
+
+  // Returns the trace's path on this rank when the profiled steps are over.
+  std::string after(int64_t step) {
+    if (!active_ || step + 1 < config_.start + config_.steps) {
+      return "";
+    }
+    active_ = false;
+    auto result = torch::autograd::profiler::disableProfiler();
+    files::create_directories(config_.dir, "d9d profile");
+    const auto rank = std::to_string(context_.rank());
+    const auto path = files::join(config_.dir, "rank-" + rank + ".trace.json");
+    result->save(path);
+    const nlohmann::json memory = {{"rank", context_.rank()},
+                                   {"device", context_.device().str()},
+                                   {"steps", {config_.start, config_.start + config_.steps}},
+                                   {"peak_allocated_bytes", peak_memory(context_.device())}};
+    std::FILE* out =
+        std::fopen(files::join(config_.dir, "rank-" + rank + ".memory.json").c_str(), "w");
+    if (out != nullptr) {
+      const auto text = memory.dump(2) + "\n";
+      std::fputs(text.c_str(), out);
+      std::fclose(out);
+    }
+    return path;
+  }
+
+ private:
+  ProfileConfig config_;
+  const DistributedContext& context_;
+  bool active_ = false;
+};
 
 }  // namespace
 
@@ -297,9 +363,19 @@ TrainResult TrainerCore::train() {
   reset_peak_memory(s.context.device());
   const auto start = Clock::now();
   auto after_first = start;
+  StepProfiler profiler(cfg.profile, s.context);
   for (int64_t step = s.start_step; step < cfg.run.total_steps; ++step) {
     const auto step_start = Clock::now();
-    const StepResult r = this->step(step);
+    profiler.before(step);
+    StepResult r;
+    {
+      RECORD_USER_SCOPE("d9d::step");
+      r = this->step(step);
+    }
+    if (const auto trace = profiler.after(step); !trace.empty() && main) {
+      s.context.logger().info("profile: " + trace + " (steps " + std::to_string(cfg.profile.start) +
+                              ".." + std::to_string(step) + ")");
+    }
     s.done_steps = step + 1;
     const double seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
     if (step == s.start_step) {

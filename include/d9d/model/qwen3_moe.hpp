@@ -116,6 +116,11 @@ class Qwen3MoeForCausalLMImpl : public torch::nn::Module {
   explicit Qwen3MoeForCausalLMImpl(Qwen3MoeConfig config);
   /// input_ids [B, T] -> logits [B, T, vocab]; records the pass's routing statistics.
   at::Tensor forward(const at::Tensor& input_ids);
+  /// The causal-LM loss of predicting `labels` [B, T] from `input_ids` [B, T], as
+  /// Qwen3ForCausalLM::loss: the head and the cross-entropy fused and chunked
+  /// (d9d::model::linear_cross_entropy) when fused_kernels(), else causal_lm_loss(forward(...)).
+  [[nodiscard]] CausalLmLoss loss(const at::Tensor& input_ids, const at::Tensor& labels,
+                                  int64_t ignore_index = -100);
   [[nodiscard]] const Qwen3MoeConfig& config() const { return config_; }
   /// transformers' auxiliary loss of the last forward pass (0 before any).
   [[nodiscard]] double last_aux_loss() const;
