@@ -11,8 +11,9 @@
 // The configuration block below is the plan: every rank is a data-parallel rank (dp_shard from the
 // world size), the config's "mesh.ep" splits each layer's experts over that many of them
 // (ExpertParallel: tokens travel to their experts by all-to-all), and the parameters outside the
-// experts are sharded ZeRO-3 style (FullyShard); the experts are replicated over the remaining
-// ranks (ep_replicate) and their gradients summed there. The model's "router_aux_loss_coef" (with
+// experts are sharded ZeRO-3 style (FullyShard), and so are the experts over the remaining
+// ranks (ep_replicate): gathered per layer, reduce-scattered there. The model's
+// "router_aux_loss_coef" (with
 // "output_router_logits": true) and "router_bias_update_rate" choose the balancing: the
 // auxiliary loss with global-batch statistics, the auxiliary-loss-free bias, or both.
 #include <cstdio>

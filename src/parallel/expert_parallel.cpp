@@ -10,12 +10,15 @@
 // all-to-alls are autograd functions whose backward is the reverse all-to-all, so the experts'
 // gradients hold the contributions of every ep_shard rank's tokens; summing them over
 // ep_replicate (the ranks that hold the same experts) gives the gradient of the global batch.
+// Under FullyShard with ep_replicate > 1 the experts are sharded over ep_replicate as well
+// (fully_shard.cpp) and reduce-scattered there; the all-reduce below then has nothing to do.
 #include <algorithm>
 #include <memory>
 #include <numeric>
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -118,6 +121,48 @@ class AllToAllDispatcher : public model::ExpertDispatcher {
   int64_t experts_;
 };
 
+// The experts' gradients summed over ep_replicate (Replicate's bucketed path on that group), for
+// the expert records still replicated there when the first step begins: the data-parallel
+// strategy comes after this one and may shard them over ep_replicate (FullyShard), and then
+// reduces them itself.
+class ExpertReplicaSync : public GradientSync {
+ public:
+  explicit ExpertReplicaSync(ParallelModel& model) : model_(model) {}
+
+  void begin_step() override { inner().begin_step(); }
+  void before_backward(int microbatch, int microbatches) override {
+    inner().before_backward(microbatch, microbatches);
+  }
+  void finish() override { inner().finish(); }
+
+ private:
+  GradientSync& inner() {
+    if (inner_) {
+      return *inner_;
+    }
+    std::vector<at::Tensor> replicated;
+    for (const auto& record : model_.parameters()) {
+      if (record.domain != MeshDomain::expert) {
+        continue;
+      }
+      for (std::size_t i = 0; i < record.dims.size(); ++i) {
+        if (record.dims[i] == "ep_replicate" &&
+            std::holds_alternative<::d9d::Replicate>(record.placements[i])) {
+          replicated.push_back(record.local);
+        }
+      }
+    }
+    inner_ = replicated.empty()
+                 ? std::make_unique<GradientSync>()
+                 : make_replicate_sync(model_.mesh().group(MeshDomain::expert, "ep_replicate"),
+                                       std::move(replicated), model_.options());
+    return *inner_;
+  }
+
+  ParallelModel& model_;
+  std::unique_ptr<GradientSync> inner_;
+};
+
 }  // namespace
 
 void apply_expert_parallel(ParallelModel& model, const ExpertParallelSettings& settings) {
@@ -126,7 +171,6 @@ void apply_expert_parallel(ParallelModel& model, const ExpertParallelSettings& s
   const int64_t ranks = mesh.size(MeshDomain::expert, "ep_shard");
   const int64_t rank = mesh.coordinate(MeshDomain::expert, "ep_shard");
   auto& records = model.mutable_parameters();
-  std::vector<at::Tensor> expert_params;
   bool any = false;
   for (const auto& module : model.modules()) {
     for (const auto& item : module->named_modules()) {
@@ -162,7 +206,6 @@ void apply_expert_parallel(ParallelModel& model, const ExpertParallelSettings& s
             record.domain = MeshDomain::expert;
             record.dims = {"ep_replicate", "ep_shard"};
             record.placements = {::d9d::Replicate{}, ::d9d::Shard{0}};
-            expert_params.push_back(record.local);
           }
         }
       }
@@ -176,9 +219,7 @@ void apply_expert_parallel(ParallelModel& model, const ExpertParallelSettings& s
         "Fix: use d9d::parallel::NoExpertParallel for dense models");
   }
   model.add_norm_dims({"ep_shard"}, MeshDomain::expert);
-  // The experts' gradients summed over ep_replicate (Replicate's bucketed path on that group).
-  model.add_sync(make_replicate_sync(mesh.group(MeshDomain::expert, "ep_replicate"),
-                                     std::move(expert_params), model.options()));
+  model.add_sync(std::make_unique<ExpertReplicaSync>(model));
 }
 
 }  // namespace d9d::parallel::detail

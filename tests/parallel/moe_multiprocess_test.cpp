@@ -1,14 +1,16 @@
 // Expert parallelism (d9d::parallel::ExpertParallel) and the MoE router bookkeeping on 2 and 4
 // Gloo ranks against one process training the same global batch, in float64 (tolerances in
 // tests/train/train_test_util.hpp), 6 optimizer steps each: ep 2 (Replicate), ep 2 x FullyShard 2,
-// FullyShard 4 x ep 2 (experts reduced over ep_replicate 2), ep 2 x pp 2 (1F1B), ep 2 with
-// recompute; losses, gradient norms and every parameter. The auxiliary loss uses global-batch
-// statistics (f summed over the data-parallel ranks per microbatch), so the reference's
-// microbatch is the union of the ranks' microbatches (dp x microbatch). Also the export under
-// expert parallelism (transformers' per-expert tensors, equal to the gathered experts) and a
+// FullyShard 4 x ep 2 (experts sharded and reduce-scattered over ep_replicate 2), ep 2 x pp 2
+// (1F1B), ep 2 with recompute; losses, gradient norms and every parameter. The auxiliary loss uses
+// global-batch statistics (f summed over the data-parallel ranks per microbatch), so the
+// reference's microbatch is the union of the ranks' microbatches (dp x microbatch). Also the export
+// under expert parallelism (transformers' per-expert tensors, equal to the gathered experts) and a
 // training checkpoint saved on ep 2 resumed in one process.
+#include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -46,11 +48,15 @@ d9d::TrainerConfig moe_run(const std::string& dir, int64_t microbatch, const std
 }
 
 template <class Plan>
-RunOutcome train_moe(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& config) {
+RunOutcome train_moe(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& config,
+                     const std::function<void(d9d::detail::TrainerCore&)>& inspect = {}) {
   d9d::Trainer<Plan> trainer(ctx, d9d::Qwen3MoeProvider{}, d9d::testing::RandomWindowsProvider{},
                              d9d::CausalLmTask{}, config);
   RunOutcome out;
   out.result = trainer.train();
+  if (inspect) {
+    inspect(trainer.core());
+  }
   out.parameters = d9d::testing::full_parameters(trainer.core());
   return out;
 }
@@ -95,11 +101,30 @@ TEST(Moe_ExpertParallel_ws4, Fsdp4TimesEp2AndEp2TimesPp2MatchOneProcess) {
     const auto ctx = d9d::testing::rank_context(env);
     const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
     {
-      // 4 ranks x microbatches of 1; experts replicated over ep_replicate = 2 and reduced there.
+      // 4 ranks x microbatches of 1; each layer's 4 experts split over ep_shard = 2, and each
+      // half sharded again over ep_replicate = 2 (ZeRO-3 of the experts): one expert per rank,
+      // gathered over ep_replicate per block and reduce-scattered there.
       const auto want = reference(env, ctx, 4);
+      const auto expert_layout = [&](d9d::detail::TrainerCore& core) {
+        int experts = 0;
+        for (const auto& record : core.parallel().parameters()) {
+          if (record.domain != d9d::MeshDomain::expert) {
+            continue;
+          }
+          ++experts;
+          EXPECT_EQ(record.local.size(0), 1) << record.name;
+          EXPECT_EQ(record.global_shape[0], 4) << record.name;
+          EXPECT_EQ(record.dims, (std::vector<std::string>{"ep_shard", "ep_replicate"}));
+          const auto ranges = record.sharded(core.mesh()).local_ranges();
+          const int shard = core.mesh().coordinate(d9d::MeshDomain::expert, "ep_shard");
+          const int replica = core.mesh().coordinate(d9d::MeshDomain::expert, "ep_replicate");
+          EXPECT_EQ(ranges[0].offset, 2 * shard + replica) << record.name;
+        }
+        EXPECT_EQ(experts, 3 * 3) << "gate, up and down of 3 sparse layers";
+      };
       d9d::testing::expect_same_run(
           train_moe<d9d::Plan<ShardEpMesh, Ep, d9d::parallel::Fsdp, Fp64>>(
-              ctx, moe_run(dir + "/fsdp4", 1, R"({"dp_shard": 4, "ep": 2})")),
+              ctx, moe_run(dir + "/fsdp4", 1, R"({"dp_shard": 4, "ep": 2})"), expert_layout),
           want, "FullyShard 4 x ep 2");
     }
     // Pipelines pool the auxiliary loss per stage (not the whole model's pool): compared without
