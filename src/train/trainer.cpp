@@ -175,29 +175,58 @@ namespace {
 // The whole model as a Hugging Face checkpoint, streamed one parameter at a time: each is gathered
 // from its parts when the parallelize layer sharded it (collective, every rank in the same order)
 // and written by the main rank; memory holds one whole parameter beyond the rank's own state.
+// With the provider's hf_export_mapper, the model's parameters go through it group by group
+// (e.g. stacked experts unstacked into transformers' per-expert tensors): each group's inputs are
+// gathered, mapped and written, then dropped.
 void export_model(TrainerCore::Impl& s, const std::string& dir, at::ScalarType dtype) {
   const auto& parallel = s.parallel();
   const auto named = s.run.model->named_parameters();
-  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  const auto global_shape = [&](const std::string& name, const at::Tensor& value) {
+    const auto* record = parallel.find(name);
+    return record != nullptr ? record->global_shape : value.sizes().vec();
+  };
+  const auto whole = [&](const std::string& name, const at::Tensor& value) {
+    const auto* record = parallel.find(name);
+    if (record == nullptr) {
+      return value;
+    }
+    return record->sharded_dims().empty() ? record->local : record->sharded(*s.mesh).full_tensor();
+  };
+  std::vector<std::string> names;
   for (const auto& item : named) {
-    const auto* record = parallel.find(item.key());
-    shapes.emplace_back(item.key(),
-                        record != nullptr ? record->global_shape : item.value().sizes().vec());
+    names.push_back(item.key());
+  }
+  const state::Mapper mapper =
+      s.run.hf_export_mapper ? s.run.hf_export_mapper(names) : state::identity(names);
+  const auto& groups = mapper.groups();
+  const auto inputs_of = [&](const state::MapperGroup& group, bool meta) {
+    state::TensorMap inputs;
+    for (const auto& key : group.inputs) {
+      const auto& value = named[key];
+      inputs.emplace(key,
+                     meta ? at::empty(global_shape(key, value), value.options().device(at::kMeta))
+                          : whole(key, value));
+    }
+    return inputs;
+  };
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    for (const auto& [name, tensor] : mapper.apply(g, inputs_of(groups[g], true))) {
+      shapes.emplace_back(name, tensor.sizes().vec());
+    }
   }
   std::unique_ptr<model::HfCheckpointWriter> out;
   if (s.context.is_main_process()) {
     out = std::make_unique<model::HfCheckpointWriter>(dir, s.run.hf_config_json, shapes, dtype);
   }
   const at::NoGradGuard no_grad;
-  for (const auto& item : named) {
-    const auto* record = parallel.find(item.key());
-    at::Tensor whole = item.value();
-    if (record != nullptr) {
-      whole =
-          record->sharded_dims().empty() ? record->local : record->sharded(*s.mesh).full_tensor();
-    }
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    // Collective when a parameter is sharded: every rank gathers the same groups in order.
+    const auto outputs = mapper.apply(g, inputs_of(groups[g], false));
     if (out) {
-      out->write(item.key(), whole);
+      for (const auto& [name, tensor] : outputs) {
+        out->write(name, tensor);
+      }
     }
   }
   if (out) {
@@ -379,11 +408,14 @@ TrainResult TrainerCore::train() {
                                     {"tok/s", track::format_si(tokens_per_second)}});
       }
       if (step % cfg.run.log_every == 0 || step + 1 == cfg.run.total_steps) {
-        const std::vector<std::pair<std::string, double>> scalars = {
+        std::vector<std::pair<std::string, double>> scalars = {
             {"train/loss", r.loss},
             {"train/lr", r.lr},
             {"train/grad_norm", r.grad_norm},
             {"train/tokens_per_second", tokens_per_second}};
+        for (auto& metric : s.parallel().metrics()) {  // e.g. the MoE routers' balance
+          scalars.push_back(std::move(metric));
+        }
         if (jsonl) {
           jsonl->write(step, scalars);
         }

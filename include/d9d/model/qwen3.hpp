@@ -40,6 +40,8 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
@@ -148,6 +150,12 @@ TORCH_MODULE(Qwen3ForCausalLM);
 /// values its parameters have in the whole model built after the same torch::manual_seed,
 /// whatever the split.
 void init_qwen3_parameters(torch::nn::Module& module, const Qwen3Config& config, uint64_t seed);
+
+namespace detail {
+/// Every key the Qwen3 config reader knows (read, checked, rejected or ignored), in its
+/// did-you-mean order; other readers built on it (Qwen3-MoE) suggest among these and their own.
+[[nodiscard]] std::vector<std::string_view> qwen3_config_keys();
+}  // namespace detail
 
 CausalLmLoss causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels,
                             int64_t ignore_index = -100);

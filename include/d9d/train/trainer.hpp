@@ -19,6 +19,7 @@
 
 #include <any>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -30,6 +31,7 @@
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/pipeline/schedules.hpp>
 #include <d9d/plan/plan.hpp>
+#include <d9d/state/mapper.hpp>
 #include <d9d/train/concepts.hpp>
 #include <d9d/train/config.hpp>
 #include <d9d/train/events.hpp>
@@ -65,7 +67,9 @@ struct ErasedRun {
   int64_t dataset_size = 0;
   std::function<std::any(const std::vector<int64_t>&)> load;
   std::function<std::vector<std::any>(const std::any&, int64_t)> split;
-  std::string hf_config_json;             ///< from the provider's hf_config_json(), if it has one
+  std::string hf_config_json;  ///< from the provider's hf_config_json(), if it has one
+  /// From the provider's hf_export_mapper(names), if it has one: model names -> checkpoint names.
+  std::function<state::Mapper(const std::vector<std::string>&)> hf_export_mapper;
   std::optional<PipelineParts> pipeline;  ///< pipeline plans: the stages instead of `model`
   /// The parallelize layer's result for `model` (or the pipeline's stages).
   std::unique_ptr<parallel::ParallelModel> parallel;
@@ -334,6 +338,13 @@ class Trainer {
       add_data<DatasetProvider, Batch>(datasets, *mesh, config, run);
       if constexpr (requires { models.hf_config_json(); }) {
         run.hf_config_json = models.hf_config_json();
+      }
+      if constexpr (requires(const std::vector<std::string>& names) {
+                      { models.hf_export_mapper(names) } -> std::convertible_to<state::Mapper>;
+                    }) {
+        run.hf_export_mapper = [models](const std::vector<std::string>& names) {
+          return models.hf_export_mapper(names);
+        };
       }
       core_ = std::make_unique<detail::TrainerCore>(
           std::move(context), std::move(mesh), std::move(config), detail::precision_options<Plan>(),
