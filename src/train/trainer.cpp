@@ -13,6 +13,7 @@
 #include <d9d/core/collectives.hpp>
 #include <d9d/data/sampler.hpp>
 #include <d9d/model/hf.hpp>
+#include <d9d/peft/lora.hpp>
 #include <d9d/track/jsonl.hpp>
 #include <d9d/track/progress.hpp>
 #include <d9d/track/tensorboard.hpp>
@@ -315,7 +316,15 @@ TrainResult TrainerCore::train() {
       result.export_dir = files::join(cfg.run.output_dir, "model");
       files::create_directories(result.export_dir);
       const auto dtype = cfg.export_model.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
-      model::save_hf_checkpoint(*s.run.model, result.export_dir, s.run.hf_config_json, dtype);
+      if (peft::has_lora(*s.run.model)) {
+        // LoRA: the adapter in peft's format, and the model with the adapters merged in.
+        result.adapter_dir = files::join(cfg.run.output_dir, "adapter");
+        peft::save_adapter(*s.run.model, result.adapter_dir, {.dtype = dtype});
+        peft::save_merged_hf_checkpoint(*s.run.model, result.export_dir, s.run.hf_config_json,
+                                        dtype);
+      } else {
+        model::save_hf_checkpoint(*s.run.model, result.export_dir, s.run.hf_config_json, dtype);
+      }
     }
     s.context.barrier();
   }
@@ -332,6 +341,10 @@ TrainResult TrainerCore::train() {
     }
     if (!result.export_dir.empty()) {
       s.context.logger().info("model: " + result.export_dir + " (model.safetensors, config.json)");
+    }
+    if (!result.adapter_dir.empty()) {
+      s.context.logger().info("adapter: " + result.adapter_dir +
+                              " (adapter_model.safetensors, adapter_config.json)");
     }
     if (!result.checkpoint_dir.empty()) {
       s.context.logger().info("checkpoint: " + result.checkpoint_dir);
