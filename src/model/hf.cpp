@@ -12,6 +12,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <d9d/model/hf.hpp>
+#include <d9d/state/detail/io.hpp>
 #include <d9d/state/safetensors.hpp>
 #include <d9d/state/safetensors_sharded.hpp>
 #include <d9d/util/files.hpp>
@@ -19,17 +20,11 @@
 namespace d9d::model {
 namespace {
 
+// Through a temporary file, fsynced, then renamed (and the directory fsynced).
 void write_text_file(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  std::FILE* out = std::fopen(tmp.c_str(), "w");
-  if (out == nullptr) {
-    throw std::runtime_error("d9d: cannot write " + tmp + ": " + std::strerror(errno));
-  }
-  const bool ok = std::fputs(text.c_str(), out) >= 0;
-  if (std::fclose(out) != 0 || !ok) {
-    throw std::runtime_error("d9d: cannot write " + tmp);
-  }
-  files::rename(tmp, path);
+  state::detail::AtomicFile file(path, "d9d::model::save_hf_checkpoint");
+  file.write(text.data(), text.size());
+  file.commit();
 }
 
 std::string list(const std::vector<std::string>& names) {
@@ -64,17 +59,55 @@ std::string read_text_file(const std::string& path) {
   return text;
 }
 
+struct HfCheckpointWriter::Impl {
+  std::string dir;
+  std::string config_json;
+  at::ScalarType dtype = at::kFloat;
+  std::unique_ptr<state::SafetensorsWriter> weights;
+};
+
+HfCheckpointWriter::HfCheckpointWriter(
+    const std::string& dir, std::string config_json,
+    const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes, at::ScalarType dtype)
+    : impl_(std::make_unique<Impl>()) {
+  files::create_directories(dir, "d9d::model::save_hf_checkpoint");
+  std::vector<state::SafetensorsEntry> entries;
+  entries.reserve(shapes.size());
+  for (const auto& [name, shape] : shapes) {
+    entries.push_back({.name = name, .dtype = dtype, .shape = shape});
+  }
+  impl_->dir = dir;
+  impl_->config_json = std::move(config_json);
+  impl_->dtype = dtype;
+  impl_->weights = std::make_unique<state::SafetensorsWriter>(
+      files::join(dir, "model.safetensors"), std::move(entries),
+      std::map<std::string, std::string>{{"format", "pt"}});
+}
+
+HfCheckpointWriter::~HfCheckpointWriter() = default;
+
+void HfCheckpointWriter::write(const std::string& name, const at::Tensor& tensor) {
+  impl_->weights->write(name, tensor.detach().to(at::kCPU, impl_->dtype));
+}
+
+void HfCheckpointWriter::commit() {
+  impl_->weights->commit();
+  if (!impl_->config_json.empty()) {
+    write_text_file(files::join(impl_->dir, "config.json"), impl_->config_json);
+  }
+}
+
 void save_hf_checkpoint(const torch::nn::Module& model, const std::string& dir,
                         const std::string& config_json, at::ScalarType dtype) {
-  files::create_directories(dir, "d9d::model::save_hf_checkpoint");
-  state::NamedTensors tensors;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
   for (const auto& item : model.named_parameters()) {
-    tensors.emplace_back(item.key(), item.value().detach().to(at::kCPU, dtype));
+    shapes.emplace_back(item.key(), item.value().sizes().vec());
   }
-  state::save_safetensors(files::join(dir, "model.safetensors"), tensors, {{"format", "pt"}});
-  if (!config_json.empty()) {
-    write_text_file(files::join(dir, "config.json"), config_json);
+  HfCheckpointWriter out(dir, config_json, shapes, dtype);
+  for (const auto& item : model.named_parameters()) {
+    out.write(item.key(), item.value());
   }
+  out.commit();
 }
 
 void load_hf_checkpoint(torch::nn::Module& model, const std::string& dir,

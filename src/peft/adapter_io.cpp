@@ -388,6 +388,9 @@ void save_adapter(const torch::nn::Module& model, const std::string& dir,
                                 ": the model has no LoRA adapter. Fix: train it with a plan whose "
                                 "peft slot has a d9d::peft::Lora, or d9d::peft::apply_stack");
   }
+  const auto whole_of = [&](const std::string& name, const at::Tensor& tensor) {
+    return options.whole_tensor ? options.whole_tensor(name, tensor) : whole(tensor, name, who);
+  };
   const auto& first = layers.front().adapter->options();
   state::NamedTensors tensors;
   Json rank_pattern = Json::object();
@@ -409,7 +412,7 @@ void save_adapter(const torch::nn::Module& model, const std::string& dir,
          {std::pair<std::string, const at::Tensor*>{".lora_A.weight", &adapter->lora_A->weight},
           {".lora_B.weight", &adapter->lora_B->weight}}) {
       tensors.emplace_back(kPrefix + name + suffix,
-                           whole(*weight, name + suffix, who).detach().to(at::kCPU, options.dtype));
+                           whole_of(name + suffix, *weight).detach().to(at::kCPU, options.dtype));
     }
   }
   // Other parameters that train go along as peft's modules_to_save: every parameter of their
@@ -430,7 +433,7 @@ void save_adapter(const torch::nn::Module& model, const std::string& dir,
         std::find(modules_to_save.begin(), modules_to_save.end(), owner) != modules_to_save.end()) {
       tensors.emplace_back(
           kPrefix + item.key(),
-          whole(item.value(), item.key(), who).detach().to(at::kCPU, options.dtype));
+          whole_of(item.key(), item.value()).detach().to(at::kCPU, options.dtype));
     }
   }
 

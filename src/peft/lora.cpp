@@ -254,8 +254,15 @@ void merge(torch::nn::Module& model) {
       }
     }
     adapter->original_ = layer->weight.detach().clone();
-    layer->weight.add_(adapter->delta_weight().to(layer->weight.scalar_type()));
+    layer->weight.copy_(merged_weight(adapter->original_, adapter->lora_A->weight,
+                                      adapter->lora_B->weight, adapter->options()));
   }
+}
+
+at::Tensor merged_weight(const at::Tensor& weight, const at::Tensor& lora_a,
+                         const at::Tensor& lora_b, const LoraOptions& options) {
+  const at::NoGradGuard no_grad;
+  return weight + (lora_b.mm(lora_a) * options.scale()).to(weight.scalar_type());
 }
 
 void unmerge(torch::nn::Module& model) {

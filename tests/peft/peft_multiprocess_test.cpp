@@ -5,7 +5,11 @@
 // not exist yet, so LoRA under tp is not tested.
 #include <string>
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
+
+#include <d9d/model/hf.hpp>
+#include <d9d/state/safetensors.hpp>
 
 #include "tests/core/core_test_util.hpp"
 #include "tests/parallel/parallel_test_util.hpp"
@@ -25,15 +29,37 @@ namespace peft = d9d::peft;
 using LoraStack = peft::Stack<peft::Lora<4, 8>, peft::Train<"model.embed_tokens", "model.norm">>;
 
 // 6 steps, global batch 8 in microbatches of 2, clipping at 0.5 (tiny_run), 4 decoder layers.
-d9d::TrainerConfig run_config(const std::string& dir, const std::string& mesh = "") {
-  return tiny_run(dir, 6, 8, 2, false, 4, mesh);
+// With `outputs`, the run exports (the merged model and the adapter) and writes its logs.
+d9d::TrainerConfig run_config(const std::string& dir, const std::string& mesh = "",
+                              bool outputs = false) {
+  return tiny_run(dir, 6, 8, 2, outputs, 4, mesh);
 }
 
 template <class Peft>
-RunOutcome reference(RankEnv& env, const d9d::DistributedContext& ctx) {
+RunOutcome reference(RankEnv& env, const d9d::DistributedContext& ctx, bool outputs = false) {
   const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
   return train_plan<d9d::Plan<Peft, Fp64>>(
-      local, tiny_run(env.scratch_dir() + "/one" + std::to_string(env.rank()), 6, 8, 8, false, 4));
+      local,
+      tiny_run(env.scratch_dir() + "/one" + std::to_string(env.rank()), 6, 8, 8, outputs, 4));
+}
+
+// The tensors of two safetensors files agree by name (float32 files: the exports' dtype, so the
+// bound is float32's rounding of values of size ~1 plus the runs' difference, kParameterAtol).
+void expect_same_file(const std::string& got, const std::string& want) {
+  const auto got_tensors = d9d::state::load_safetensors(got);
+  const auto want_tensors = d9d::state::load_safetensors(want);
+  ASSERT_EQ(got_tensors.size(), want_tensors.size()) << got;
+  for (std::size_t i = 0; i < want_tensors.size(); ++i) {
+    const auto& [name, value] = want_tensors[i];
+    ASSERT_EQ(got_tensors[i].first, name) << got;
+    ASSERT_EQ(got_tensors[i].second.sizes(), value.sizes()) << name;
+    const double diff = (got_tensors[i].second.to(at::kDouble) - value.to(at::kDouble))
+                            .abs()
+                            .max()
+                            .item<double>();
+    EXPECT_LE(diff, d9d::testing::kParameterAtol + 1e-6 * value.abs().max().item<double>())
+        << got << ": " << name;
+  }
 }
 
 TEST(Peft_Lora_ws2, FullyShardMatchesOneProcess) {
@@ -42,10 +68,23 @@ TEST(Peft_Lora_ws2, FullyShardMatchesOneProcess) {
     const auto ctx = d9d::testing::rank_context(env);
     const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
     using ShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>>;
-    const auto want = reference<LoraStack>(env, ctx);
+    const auto want = reference<LoraStack>(env, ctx, /*outputs=*/true);
     const auto got = train_plan<d9d::Plan<ShardMesh, d9d::parallel::Fsdp, LoraStack, Fp64>>(
-        ctx, run_config(dir + "/fsdp"));
+        ctx, run_config(dir + "/fsdp", "", /*outputs=*/true));
     d9d::testing::expect_same_run(got, want, "LoRA under FullyShard 2");
+    // The export gathers the adapters' shards: the same adapter file (and config) and the same
+    // merged model as one process writes.
+    if (env.rank() == 0) {
+      ASSERT_FALSE(got.result.adapter_dir.empty());
+      expect_same_file(got.result.adapter_dir + "/adapter_model.safetensors",
+                       want.result.adapter_dir + "/adapter_model.safetensors");
+      EXPECT_EQ(d9d::model::read_text_file(got.result.adapter_dir + "/adapter_config.json"),
+                d9d::model::read_text_file(want.result.adapter_dir + "/adapter_config.json"));
+      expect_same_file(got.result.export_dir + "/model.safetensors",
+                       want.result.export_dir + "/model.safetensors");
+    } else {
+      EXPECT_TRUE(got.result.adapter_dir.empty()) << "the main rank writes";
+    }
     // Only what trains is recorded (and sharded); the frozen base stays whole on each rank.
     EXPECT_EQ(got.parameters.size(), want.parameters.size());
     EXPECT_EQ(got.parameters.size(), 4U * 7U * 2U + 2U);

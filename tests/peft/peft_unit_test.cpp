@@ -240,6 +240,30 @@ TEST(Peft_Stack_LoraAndFullTune, AdaptersAndEverythingButTheWrappedWeights) {
   });
 }
 
+TEST(Peft_Lora_LmHead, TheLossRunsTheHeadsAdapter) {
+  // Qwen3's loss fuses the head with the cross-entropy (linear_cross_entropy reads lm_head.weight
+  // alone); with an adapter on the head it must run the layer, adapter included.
+  ASSERT_TRUE(d9d::model::fused_kernels());
+  auto model = tiny_model();
+  peft::apply_stack(*model, peft::stack_spec<peft::Lora<4, 8, "lm_head">>());
+  randomize_adapters(*model);
+  const auto ids = tokens();
+  const auto labels = ids.roll(-1, 1);
+  const auto plain = d9d::model::causal_lm_loss(model(ids), labels);
+  const auto got = model->loss(ids, labels);
+  EXPECT_EQ(got.tokens.item<int64_t>(), plain.tokens.item<int64_t>());
+  EXPECT_TRUE(at::equal(got.loss_sum, plain.loss_sum))
+      << got.loss_sum.item<double>() << " vs " << plain.loss_sum.item<double>();
+  peft::merge(*model);
+  const auto merged = model->loss(ids, labels);  // merged: the adapter adds nothing, W carries it
+  EXPECT_NEAR(merged.loss_sum.item<double>(), plain.loss_sum.item<double>(),
+              1e-12 * std::abs(plain.loss_sum.item<double>()));
+  peft::unmerge(*model);
+  model->loss(ids, labels).loss_sum.backward();
+  expect_gradients_only_on(
+      *model, [](const std::string& name) { return name.rfind("lm_head.lora_", 0) == 0; });
+}
+
 TEST(Peft_Lora_r4, SplitBackwardQueuesTheAdaptersWeightGradients) {
   // A zero-bubble pipeline's B action computes input gradients, its W action the weights'.
   auto model = tiny_model();

@@ -102,6 +102,12 @@ void merge(torch::nn::Module& model);
 /// Restores every merged layer's weight exactly (bit for bit) and re-enables its adapter.
 void unmerge(torch::nn::Module& model);
 
+/// weight + scale * B A in weight's dtype: what merge writes into a layer, for whole tensors held
+/// elsewhere (the Trainer's streamed export merges gathered adapters this way, bit for bit as
+/// merge does).
+[[nodiscard]] at::Tensor merged_weight(const at::Tensor& weight, const at::Tensor& lora_a,
+                                       const at::Tensor& lora_b, const LoraOptions& options);
+
 /// Parameters of a model, and those that train (requires_grad), counted in elements.
 struct ParameterCount {
   int64_t trainable = 0;
@@ -118,6 +124,9 @@ struct AdapterExportOptions {
   /// peft's task_type, e.g. "CAUSAL_LM" (JSON null when empty: PeftModel).
   std::string task_type{};
   at::ScalarType dtype = at::kFloat;
+  /// A parameter's whole value from its name and its tensor in the model; empty: the tensor itself,
+  /// which must be whole (the Trainer passes the values it gathered from FullyShard's shards).
+  std::function<at::Tensor(const std::string& name, const at::Tensor& local)> whole_tensor{};
 };
 
 /// Writes dir/adapter_model.safetensors and dir/adapter_config.json (see the file comment): every
