@@ -431,9 +431,8 @@ void save_adapter(const torch::nn::Module& model, const std::string& dir,
     const auto owner = owner_of(item.key());
     if (adapter_names.count(item.key()) == 0 &&
         std::find(modules_to_save.begin(), modules_to_save.end(), owner) != modules_to_save.end()) {
-      tensors.emplace_back(
-          kPrefix + item.key(),
-          whole_of(item.key(), item.value()).detach().to(at::kCPU, options.dtype));
+      tensors.emplace_back(kPrefix + item.key(),
+                           whole_of(item.key(), item.value()).detach().to(at::kCPU, options.dtype));
     }
   }
 

@@ -245,9 +245,9 @@ void export_model(TrainerCore::Impl& s, const std::string& dir, const std::strin
     if (const auto it = adapted_weight.find(item.key()); it != adapted_weight.end()) {
       const auto& layer = *it->second;
       if (!layer.adapter->merged()) {
-        whole = peft::merged_weight(
-            whole, trained.at(layer.name + ".lora_A.weight"),
-            trained.at(layer.name + ".lora_B.weight"), layer.adapter->options());
+        whole = peft::merged_weight(whole, trained.at(layer.name + ".lora_A.weight"),
+                                    trained.at(layer.name + ".lora_B.weight"),
+                                    layer.adapter->options());
       }
     }
     if (out) {

@@ -53,10 +53,8 @@ void expect_same_file(const std::string& got, const std::string& want) {
     const auto& [name, value] = want_tensors[i];
     ASSERT_EQ(got_tensors[i].first, name) << got;
     ASSERT_EQ(got_tensors[i].second.sizes(), value.sizes()) << name;
-    const double diff = (got_tensors[i].second.to(at::kDouble) - value.to(at::kDouble))
-                            .abs()
-                            .max()
-                            .item<double>();
+    const double diff =
+        (got_tensors[i].second.to(at::kDouble) - value.to(at::kDouble)).abs().max().item<double>();
     EXPECT_LE(diff, d9d::testing::kParameterAtol + 1e-6 * value.abs().max().item<double>())
         << got << ": " << name;
   }

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -546,6 +547,57 @@ TEST(Peft_Trainer_Lora_r4, FullyShardOnOneRankTrainsLikeReplicate) {
   ASSERT_EQ(got.losses.size(), want.losses.size());
   for (std::size_t i = 0; i < want.losses.size(); ++i) {
     EXPECT_NEAR(got.losses[i], want.losses[i], d9d::testing::kLossRtol * want.losses[i]);
+  }
+}
+
+// Raised by a StepEnd handler to stop a run after a given step, as a crash would.
+struct Stop : std::runtime_error {
+  Stop() : std::runtime_error("stopped by the test") {}
+};
+
+TEST(Peft_Trainer_Lora_r4, CheckpointsHoldOnlyTheAdaptersAndResumeExactly) {
+  using Plan = d9d::Plan<QvLora, Fp64>;
+  d9d::Trainer<Plan> straight(local(), d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                              d9d::CausalLmTask{}, tiny_run(scratch("peft_straight"), 6, 8, 4));
+  const auto want = straight.train();
+  const auto dir = scratch("peft_ckpt");
+  auto config = tiny_run(dir, 6, 8, 4);
+  config.checkpoint.every = 3;
+  config.checkpoint.async = false;
+  config.checkpoint.dir = dir + "/checkpoints";
+  {
+    d9d::Trainer<Plan> first(local(), d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                             d9d::CausalLmTask{}, config);
+    first.on<d9d::events::StepEnd>([](const d9d::events::StepEnd& e) {
+      if (e.step == 3) {
+        throw Stop();
+      }
+    });
+    EXPECT_THROW((void)first.train(), Stop);
+  }
+  // The checkpoint holds what trains: the adapters and their AdamW state, not the frozen base.
+  const d9d::state::SafetensorsFile file(dir + "/checkpoints/step-3/rank-0.safetensors");
+  int parameters = 0;
+  for (const auto& entry : file.entries()) {
+    if (entry.name.rfind("rng/", 0) == 0) {
+      continue;
+    }
+    EXPECT_NE(entry.name.find(".lora_"), std::string::npos) << entry.name;
+    parameters += entry.name.rfind("model/", 0) == 0 ? 1 : 0;
+  }
+  EXPECT_EQ(parameters, 8) << "(A, B) x (q, v) x 2 layers";
+  // Resumed on a base the provider builds again: the run continues exactly.
+  d9d::Trainer<Plan> resumed(local(), d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                             d9d::CausalLmTask{}, config);
+  const auto got = resumed.train();
+  EXPECT_EQ(got.start_step, 3);
+  ASSERT_EQ(got.losses.size(), 3U);
+  for (std::size_t i = 0; i < got.losses.size(); ++i) {
+    EXPECT_EQ(got.losses[i], want.losses[i + 3]) << "step " << i + 3;
+  }
+  const auto want_parameters = straight.core().model()->named_parameters();
+  for (const auto& item : resumed.core().model()->named_parameters()) {
+    EXPECT_TRUE(at::equal(item.value(), want_parameters[item.key()])) << item.key();
   }
 }
 
