@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <utility>
 
@@ -246,6 +247,34 @@ std::unique_ptr<ParallelModel> make_parallel_model(
     }
   }
   return model;
+}
+
+void rerecord_parameters(ParallelModel& model) {
+  const at::NoGradGuard no_grad;
+  auto& records = model.mutable_parameters();
+  std::set<const void*> recorded;
+  for (const auto& record : records) {
+    recorded.insert(record.local.unsafeGetTensorImpl());
+  }
+  records.clear();
+  const auto dp = model.mesh().group(MeshDomain::batch, "dp");
+  for (const auto& module : model.modules()) {
+    for (auto& item : module->named_parameters()) {
+      auto& param = item.value();
+      if (!param.requires_grad()) {
+        continue;
+      }
+      if (dp.size() > 1 && recorded.count(param.unsafeGetTensorImpl()) == 0) {
+        param.copy_(broadcast(dp, param.detach(), 0));
+      }
+      records.push_back(ParameterRecord{.name = item.key(),
+                                        .local = param,
+                                        .global_shape = param.sizes().vec(),
+                                        .domain = MeshDomain::regular,
+                                        .dims = {"dp_replicate", "dp_shard"},
+                                        .placements = {::d9d::Replicate{}, ::d9d::Replicate{}}});
+    }
+  }
 }
 
 namespace {

@@ -127,7 +127,8 @@ class Qwen3ForCausalLMImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& input_ids);
   /// The causal-LM loss of predicting `labels` [B, T] from `input_ids` [B, T]: the head and the
   /// cross-entropy fused and chunked (d9d::model::linear_cross_entropy) when fused_kernels(), so
-  /// the logits never exist whole; else causal_lm_loss(forward(input_ids), labels).
+  /// the logits never exist whole; else (or when lm_head has an adapter, d9d/peft/lora.hpp)
+  /// causal_lm_loss(forward(input_ids), labels).
   [[nodiscard]] CausalLmLoss loss(const at::Tensor& input_ids, const at::Tensor& labels,
                                   int64_t ignore_index = -100);
   [[nodiscard]] const Qwen3Config& config() const { return config_; }

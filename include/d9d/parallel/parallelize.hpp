@@ -39,6 +39,7 @@
 #include <d9d/core/sharded_tensor.hpp>
 #include <d9d/parallel/policies.hpp>
 #include <d9d/peft/policies.hpp>
+#include <d9d/peft/stack.hpp>
 #include <d9d/plan/defaults.hpp>
 #include <d9d/plan/slots.hpp>
 #include <d9d/precision/policies.hpp>
@@ -102,6 +103,9 @@ struct ParallelizeOptions {
   /// The step runs a pipeline program (stages' weight gradients may come in W actions, outside
   /// autograd): reductions run in finish().
   bool pipelined = false;
+  /// peft: new adapters draw their initial values from generators seeded by this and their
+  /// parameter names (the same on every rank and for every pipeline split).
+  uint64_t seed = 0;
 };
 
 /// The model after parallelize: its modules (changed in place by the strategies), the parameter
@@ -165,8 +169,9 @@ struct strategy {
         ::d9d::detail::plan_dependent_false<Policy>,
         "d9d::parallel::parallelize: no strategy implements this policy (shown with this error). "
         "Implemented: data_parallel Replicate, FullyShard<...>; expert_parallel "
-        "NoExpertParallel, ExpertParallel<E>; tensor/context parallel None; peft FullTune; "
-        "recompute None, Full, EveryNth<K>. Fix: use one of those, or "
+        "NoExpertParallel, ExpertParallel<E>; tensor/context parallel None; peft FullTune, "
+        "Freeze<...>, Train<...>, Lora<...>, Stack<...>; recompute None, Full, EveryNth<K>. Fix: "
+        "use one of those, or "
         "specialise d9d::parallel::strategy<YourPolicy>");
   }
 };
@@ -182,6 +187,16 @@ inline constexpr bool parallel_dependent_false = false;
 std::unique_ptr<ParallelModel> make_parallel_model(
     const DeviceMesh& mesh, std::vector<std::shared_ptr<torch::nn::Module>> modules,
     at::ScalarType dtype, ParallelizeOptions options);
+
+/// Rebuilds the records after a strategy changed which parameters train (peft, applied first):
+/// every parameter that requires a gradient, in module order; those not recorded before take dp
+/// rank 0's values.
+void rerecord_parameters(ParallelModel& model);
+
+/// The peft policies' component (src/peft/): applies the stack to the modules (freezes, trains,
+/// adds adapters; a pattern that matches nothing on any pipeline stage is an error), then
+/// rerecords the parameters.
+void apply_peft(ParallelModel& model, const peft::StackSpec& spec);
 
 void apply_replicate(ParallelModel& model);
 
@@ -404,6 +419,26 @@ struct strategy<peft::FullTune> {
   static void check_mesh(const MeshShape& /*shape*/) {}
   template <class Plan>
   static void apply(ParallelModel& /*model*/) {}  // every parameter that requires a gradient trains
+};
+
+/// Freeze, Train, Lora and Stacks of them (d9d/peft/policies.hpp; their static rules are checked
+/// when the policy type is instantiated, in its class body). Applied first, so the strategies
+/// after it see only the parameters that train: frozen ones get no record, hence no optimizer
+/// state, no gradient synchronisation and no place in the gradient norm (and, under FullyShard,
+/// stay whole on every rank).
+template <class Policy>
+requires(!std::same_as<Policy, peft::FullTune> &&
+         (peft::detail::stackable<Policy> ||
+          peft::detail::is_stack<Policy>)) struct strategy<Policy> {
+  template <class Plan>
+  static constexpr void check() {
+    static_assert(sizeof(Policy) > 0);  // instantiates the policy: its rules run
+  }
+  static void check_mesh(const MeshShape& /*shape*/) {}
+  template <class Plan>
+  static void apply(ParallelModel& model) {
+    detail::apply_peft(model, peft::stack_spec<Policy>());
+  }
 };
 
 // ---- activation_checkpointing -----------------------------------------------------------------

@@ -12,7 +12,8 @@
 // `run.total_steps` steps: each data-parallel rank reads its strided share of the step's global
 // batch (d9d::data::DistributedSampler), splits it into microbatches, and the step accumulates,
 // reduces, clips and updates. The main rank shows a progress bar and writes metrics.jsonl and a
-// TensorBoard event file; at the end it exports the model (safetensors + config.json). With the
+// TensorBoard event file; at the end it exports the model (safetensors + config.json; with LoRA
+// adapters, the merged model and the adapter in Hugging Face peft's format). With the
 // config's "checkpoint" section it saves training checkpoints and resumes from the latest one
 // (d9d/train/checkpoint.hpp).
 #pragma once
@@ -55,7 +56,8 @@ struct TrainResult {
   int64_t peak_memory_bytes = 0;
   std::string metrics_path;     ///< metrics.jsonl (empty when disabled)
   std::string tensorboard_dir;  ///< (empty when disabled)
-  std::string export_dir;       ///< the exported model (empty when disabled)
+  std::string export_dir;       ///< the exported model (empty when disabled); LoRA merged in
+  std::string adapter_dir;      ///< the exported LoRA adapter, peft's format (empty when none)
 };
 
 namespace detail {
@@ -83,7 +85,8 @@ inline parallel::ParallelizeOptions parallelize_options(const TrainerConfig& con
       .reshard = config.data_parallel.reshard,
       .prefetch = static_cast<int>(config.data_parallel.prefetch),
       .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch,
-      .pipelined = pipelined};
+      .pipelined = pipelined,
+      .seed = config.run.seed};
 }
 
 class TrainerCore {
