@@ -1,8 +1,10 @@
 // Multi-process tests of the distributed core on 1, 2, 4 and 8 ranks (Gloo on CPU; NCCL with
 // D9D_TEST_BACKEND=nccl where the GPUs suffice). Every result is checked against what a single
 // process computes from the same inputs.
+#include <exception>
 #include <fstream>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -314,6 +316,45 @@ TEST_P(Core_World, ObjectCollectives) {
     const auto config =
         d9d::broadcast_object(ctx.world(), r == 0 ? std::string("from rank 0") : std::string(), 0);
     EXPECT_EQ(config, "from rank 0");
+  });
+}
+
+TEST_P(Core_World, ErrorAgreementThrowsTheFirstFailureOnEveryRank) {
+  d9d::testing::run_on_ranks(options(), [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const int last = ctx.world_size() - 1;
+    // Nobody failed: nothing is thrown.
+    EXPECT_NO_THROW(d9d::raise_if_any_failed(ctx.world(), nullptr, "agree"));
+    // The last rank failed with an invalid_argument: every rank throws one, naming that rank.
+    std::exception_ptr error;
+    if (ctx.rank() == last) {
+      error = std::make_exception_ptr(std::invalid_argument("agree: bad shape [3]"));
+    }
+    try {
+      d9d::raise_if_any_failed(ctx.world(), error, "agree");
+      ADD_FAILURE() << "nothing thrown";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()),
+                "agree: rank " + std::to_string(last) + " failed: bad shape [3]");
+    }
+    // Every rank failed: the lowest is named first, the others after it, as a runtime_error.
+    try {
+      d9d::raise_if_any_failed(
+          ctx.world(),
+          std::make_exception_ptr(std::runtime_error("disk " + std::to_string(ctx.rank()))),
+          "agree");
+      ADD_FAILURE() << "nothing thrown";
+    } catch (const std::runtime_error& e) {
+      std::string want = "agree: rank 0 failed: disk 0";
+      if (last > 0) {
+        want += last > 1 ? " (ranks " : " (rank ";
+        for (int r = 1; r <= last; ++r) {
+          want += (r > 1 ? ", " : "") + std::to_string(r);
+        }
+        want += " failed too)";
+      }
+      EXPECT_EQ(std::string(e.what()), want);
+    }
   });
 }
 
