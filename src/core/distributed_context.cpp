@@ -1,5 +1,6 @@
 // d9d/core/distributed_context.cpp — launch-environment parsing, store, process groups, logger.
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
@@ -127,6 +128,7 @@ LaunchInfo parse_launch_env(
     }
     const auto agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
     info.agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
+    info.restart_count = optional_int("TORCHELASTIC_RESTART_COUNT", 0);
   } else if (getenv("SLURM_PROCID") && getenv("SLURM_NTASKS")) {
     info.launcher = Launcher::slurm;
     info.rank = parse_int("SLURM_PROCID", *getenv("SLURM_PROCID"));
@@ -235,7 +237,8 @@ struct DistributedContext::Impl {
   ContextOptions options;
   c10::Device device = c10::Device(c10::kCPU);
   std::string backend_name = "none";
-  c10::intrusive_ptr<c10d::Store> store;
+  std::string prefix;                     // this context's key namespace
+  c10::intrusive_ptr<c10d::Store> store;  // the job's store under `prefix`
   ProcessGroup world;
   Logger logger{std::make_shared<Logger::State>()};
   mutable std::mutex groups_mutex;
@@ -259,6 +262,21 @@ c10::Device pick_device(const LaunchInfo& launch, const ContextOptions& options)
   return c10::Device(wanted);
 }
 
+// "d9d/[attempt<n>/]<name or ctx<k>-of-<world>>/": k counts the unnamed contexts of a world > 1
+// this process created, the same on every rank when every rank creates them in the same order.
+std::string context_prefix(const LaunchInfo& launch, const ContextOptions& options) {
+  static std::atomic<int> unnamed{0};
+  std::string prefix = "d9d/";
+  if (launch.restart_count > 0) {
+    prefix += "attempt" + std::to_string(launch.restart_count) + "/";
+  }
+  if (!options.name.empty()) {
+    return prefix + options.name + "/";
+  }
+  return prefix + "ctx" + std::to_string(unnamed++) + "-of-" + std::to_string(launch.world_size) +
+         "/";
+}
+
 ProcessGroup make_group(const DistributedContext::Impl& impl, const std::vector<int>& ranks,
                         std::string name) {
   auto group = std::make_shared<ProcessGroup::Impl>();
@@ -268,7 +286,7 @@ ProcessGroup make_group(const DistributedContext::Impl& impl, const std::vector<
   group->device = impl.device;
   group->name = std::move(name);
   if (ranks.size() > 1) {
-    std::string key = "d9d/group/";
+    std::string key = "group/";
     for (const int r : ranks) {
       key += std::to_string(r) + ",";
     }
@@ -347,7 +365,11 @@ DistributedContext DistributedContext::from_launch(const LaunchInfo& launch,
     store_options.isServer = launch.rank == 0 && !launch.agent_store;
     store_options.waitWorkers = false;
     store_options.timeout = options.init_timeout;
-    impl->store = c10::make_intrusive<c10d::TCPStore>(launch.master_addr, store_options);
+    // A second context on rank 0 shares the server the first one started on this port.
+    store_options.multiTenant = true;
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(launch.master_addr, store_options);
+    impl->prefix = context_prefix(launch, options);
+    impl->store = c10::make_intrusive<c10d::PrefixStore>(impl->prefix, tcp);
   }
   std::vector<int> all(static_cast<std::size_t>(launch.world_size));
   for (int r = 0; r < launch.world_size; ++r) {
@@ -374,6 +396,7 @@ std::chrono::milliseconds DistributedContext::init_timeout() const {
 std::chrono::milliseconds DistributedContext::step_timeout() const {
   return impl_->options.step_timeout;
 }
+const std::string& DistributedContext::store_prefix() const { return impl_->prefix; }
 const ProcessGroup& DistributedContext::world() const { return impl_->world; }
 const Logger& DistributedContext::logger() const { return impl_->logger; }
 void DistributedContext::barrier() const { impl_->world.barrier(); }

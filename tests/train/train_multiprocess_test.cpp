@@ -155,7 +155,6 @@ void expect_pipeline_matches_one_process(RankEnv& env, const d9d::DistributedCon
 TEST(Trainer_Pipeline_Gloo_ws2, EverySchedulePlanMatchesOneProcess) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
-    // One context per process: a second one would rendezvous its groups under the same keys.
     const auto ctx = d9d::testing::rank_context(env);
     using V2 = d9d::pipeline::stages_per_rank<2>;
     // Global batch 8 in microbatches of 2: 4 microbatches through pp = 2.

@@ -10,6 +10,11 @@
 // else local mode: one process, no store, no process group. The device is cuda:LOCAL_RANK when
 // this build has CUDA and a GPU is visible, else cpu; the backend follows the device (NCCL / Gloo).
 // A context is a shared handle: pass it explicitly; copies share the same groups and logger.
+//
+// Store keys: every context of a world > 1 keeps its keys under its own prefix
+// ("d9d/ctx<k>-of-<n>/" with k counting the unnamed contexts of a world > 1 this process created,
+// or ContextOptions::name), so several contexts in one process never collide: create them in the
+// same order on every rank.
 #pragma once
 
 #include <chrono>
@@ -40,6 +45,8 @@ struct LaunchInfo {
   int master_port = 0;
   /// torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE=True): every rank is a client.
   bool agent_store = false;
+  /// torchrun's TORCHELASTIC_RESTART_COUNT: a restarted job keeps its keys apart from the last try.
+  int restart_count = 0;
 };
 
 /// Reads the launch variables through `getenv` (a function returning a variable's value, if set).
@@ -53,6 +60,9 @@ struct ContextOptions {
   std::chrono::milliseconds init_timeout{std::chrono::minutes(10)};
   /// Limit for one collective once running (shorter: a stuck step should fail, not hang).
   std::chrono::milliseconds step_timeout{std::chrono::minutes(5)};
+  /// The prefix of this context's store keys; empty: "ctx<k>-of-<world>" (k: the unnamed contexts
+  /// of a world > 1 this process created before). Name contexts that not every rank creates.
+  std::string name{};
   /// "cpu", "cuda" (cuda:LOCAL_RANK) or a full device string; default: cuda when usable, else cpu.
   std::optional<std::string> device;
 };
@@ -101,6 +111,8 @@ class DistributedContext {
   [[nodiscard]] std::string backend_name() const;
   [[nodiscard]] std::chrono::milliseconds init_timeout() const;
   [[nodiscard]] std::chrono::milliseconds step_timeout() const;
+  /// The prefix of this context's store keys, e.g. "d9d/ctx0-of-4/" ("" for a world of one).
+  [[nodiscard]] const std::string& store_prefix() const;
   [[nodiscard]] bool is_main_process() const { return rank() == 0; }
   [[nodiscard]] bool is_local_main_process() const { return local_rank() == 0; }
 
