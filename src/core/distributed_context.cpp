@@ -4,6 +4,7 @@
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -14,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
 
+#include <d9d/core/detail/watchdog.hpp>
 #include <d9d/core/distributed_context.hpp>
 
 #ifdef D9D_WITH_NCCL
@@ -239,10 +241,24 @@ struct DistributedContext::Impl {
   std::string backend_name = "none";
   std::string prefix;                     // this context's key namespace
   c10::intrusive_ptr<c10d::Store> store;  // the job's store under `prefix`
+  std::unique_ptr<detail::Watchdog> watchdog;
   ProcessGroup world;
   Logger logger{std::make_shared<Logger::State>()};
   mutable std::mutex groups_mutex;
   mutable std::map<std::vector<int>, ProcessGroup> groups;
+
+  Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  Impl(Impl&&) = delete;
+  Impl& operator=(Impl&&) = delete;
+  // The watchdog goes first, while the groups still hold their connections: a context destroyed
+  // by an exception reports it before its peers see the connections close.
+  ~Impl() {
+    if (watchdog) {
+      watchdog->close(/*by_exception=*/std::uncaught_exceptions() > 0);
+    }
+  }
 };
 
 namespace {
@@ -370,6 +386,19 @@ DistributedContext DistributedContext::from_launch(const LaunchInfo& launch,
     auto tcp = c10::make_intrusive<c10d::TCPStore>(launch.master_addr, store_options);
     impl->prefix = context_prefix(launch, options);
     impl->store = c10::make_intrusive<c10d::PrefixStore>(impl->prefix, tcp);
+    if (options.failure_timeout.count() > 0) {
+      impl->watchdog = std::make_unique<detail::Watchdog>(
+          tcp, detail::WatchdogOptions{
+                   .rank = launch.rank,
+                   .world = launch.world_size,
+                   .prefix = impl->prefix,
+                   .timeout = options.failure_timeout,
+                   .rank0_serves_store = !launch.agent_store,
+                   .store_address = launch.master_addr + ":" + std::to_string(launch.master_port),
+                   .log_error = [logger = impl->logger](const std::string& line) {
+                     logger.error(line);
+                   }});
+    }
   }
   std::vector<int> all(static_cast<std::size_t>(launch.world_size));
   for (int r = 0; r < launch.world_size; ++r) {
@@ -396,7 +425,32 @@ std::chrono::milliseconds DistributedContext::init_timeout() const {
 std::chrono::milliseconds DistributedContext::step_timeout() const {
   return impl_->options.step_timeout;
 }
+std::chrono::milliseconds DistributedContext::failure_timeout() const {
+  return impl_->watchdog ? impl_->watchdog->timeout() : impl_->options.failure_timeout;
+}
+void DistributedContext::set_failure_timeout(std::chrono::milliseconds timeout) const {
+  if (timeout.count() <= 0) {
+    throw std::invalid_argument("d9d: a failure timeout must be > 0 (got " +
+                                std::to_string(timeout.count()) + " ms)");
+  }
+  if (impl_->watchdog) {
+    impl_->watchdog->set_timeout(timeout);
+  }
+}
 const std::string& DistributedContext::store_prefix() const { return impl_->prefix; }
+
+std::string DistributedContext::report_failure(std::string_view message) const {
+  if (!impl_->watchdog) {
+    return "";
+  }
+  return impl_->watchdog->report(message);
+}
+
+void DistributedContext::note_failure(std::string_view message) const {
+  if (impl_->watchdog) {
+    impl_->watchdog->note(message);
+  }
+}
 const ProcessGroup& DistributedContext::world() const { return impl_->world; }
 const Logger& DistributedContext::logger() const { return impl_->logger; }
 void DistributedContext::barrier() const { impl_->world.barrier(); }

@@ -437,6 +437,7 @@ TEST(Core_Context_ws2, TwoContextsShareTheStoreRankZeroServes) {
     const d9d::ContextOptions options{
         .init_timeout = std::chrono::seconds(60),
         .step_timeout = std::chrono::seconds(60),
+        .failure_timeout = std::chrono::seconds(10),
         .device = env.backend() == d9d::testing::Backend::nccl ? "cuda" : "cpu"};
     const auto a = d9d::DistributedContext::from_launch(launch, options);
     const auto b = d9d::DistributedContext::from_launch(launch, options);

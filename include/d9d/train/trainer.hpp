@@ -158,8 +158,17 @@ class Trainer {
     }
   }
 
-  /// Runs the configured number of steps (collective over all ranks).
-  TrainResult train() { return core_->train(); }
+  /// Runs the configured number of steps (collective over all ranks). An exception leaving it is
+  /// noted on the context (DistributedContext::note_failure), so that if it ends this rank, the
+  /// other ranks name it.
+  TrainResult train() {
+    try {
+      return core_->train();
+    } catch (const std::exception& error) {
+      core_->mesh().context().note_failure(error.what());
+      throw;
+    }
+  }
   /// Subscribes to a typed event (d9d/train/events.hpp).
   template <class E>
   void on(std::function<void(const E&)> handler) {
