@@ -209,6 +209,12 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text) {
   run.integer("total_steps", cfg.run.total_steps, 1, /*required=*/true);
   run.integer("seed", cfg.run.seed, 0, false);
   run.integer("log_every", cfg.run.log_every, 1, false);
+  if (run.find("failure_timeout_s") != nullptr) {
+    // Below a second a busy machine could starve a heartbeat; beyond a week, "never" is meant.
+    double seconds = 0;
+    run.number("failure_timeout_s", seconds, 1.0, true, 7 * 24 * 3600.0);
+    cfg.run.failure_timeout_s = seconds;
+  }
   run.finish();
 
   Section batch = root.child("batch");

@@ -137,6 +137,15 @@ INSTANTIATE_TEST_SUITE_P(
         BadConfig{"NegativeClipping",
                   base_config(kRun, kBatch, R"(, "gradient_clipping": {"max_norm": -1})"),
                   "\"gradient_clipping.max_norm\" = -1 is invalid"},
+        BadConfig{"FailureTimeoutBelowASecond",
+                  base_config(R"({"output_dir": "o", "total_steps": 10, "failure_timeout_s": 0.5})",
+                              kBatch, ""),
+                  "\"run.failure_timeout_s\" = 0.5 is invalid: expected a number >= 1.000000"},
+        BadConfig{
+            "FailureTimeoutNotANumber",
+            base_config(R"({"output_dir": "o", "total_steps": 10, "failure_timeout_s": "1m"})",
+                        kBatch, ""),
+            "\"run.failure_timeout_s\" = \"1m\" is invalid: expected a number >= 1"},
         BadConfig{"ZeroDegree", base_config(kRun, kBatch, R"(, "mesh": {"tp": 0})"),
                   "\"mesh.tp\" = 0 is invalid: expected an integer >= 1"},
         BadConfig{
@@ -179,6 +188,10 @@ TEST(Train_Config, DefaultsAndSections) {
   EXPECT_EQ(cfg.section("model"), R"({"hidden_size":8})");
   EXPECT_EQ(cfg.section("data"), "{}");
   EXPECT_DOUBLE_EQ(cfg.optimizer.lr, 3e-4);
+  EXPECT_FALSE(cfg.run.failure_timeout_s.has_value());  // the context's own (60 s by default)
+  const auto timed = d9d::TrainerConfig::from_json_text(base_config(
+      R"({"output_dir": "o", "total_steps": 10, "failure_timeout_s": 90})", kBatch, ""));
+  EXPECT_EQ(timed.run.failure_timeout_s, 90.0);
 }
 
 // ------------------------------------------------------------------------------------------------

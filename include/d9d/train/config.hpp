@@ -33,6 +33,9 @@ struct RunConfig {
   int64_t total_steps = 0;  ///< optimizer steps
   uint64_t seed = 0;        ///< model init (same on every rank) and data order
   int64_t log_every = 10;   ///< steps between metric records
+  /// Seconds after which the other ranks stop when a rank dies or fails
+  /// (DistributedContext::set_failure_timeout); unset: the context's (60 s by default).
+  std::optional<double> failure_timeout_s;
 };
 
 struct BatchConfig {

@@ -18,6 +18,8 @@
 #pragma once
 
 #include <any>
+#include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -126,6 +128,10 @@ class Trainer {
   Trainer(DistributedContext context, ModelProvider models, DatasetProvider datasets, Task task,
           TrainerConfig config) {
     detail::check_step_plan<Plan>();
+    if (config.run.failure_timeout_s) {
+      context.set_failure_timeout(std::chrono::milliseconds(
+          static_cast<int64_t>(std::llround(*config.run.failure_timeout_s * 1000.0))));
+    }
     static_assert(model_provider_opts_in<ModelProvider>,
                   "d9d::Trainer: the model provider does not opt in. Fix: declare "
                   "`using model_provider_concept = d9d::model_provider_tag;` in it");
