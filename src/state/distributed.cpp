@@ -1,7 +1,8 @@
-// d9d/state/distributed.cpp — distributed save (atomic commit) and resharded load (see the header
-// for the contract).
+// d9d/state/distributed.cpp — distributed save (error agreement, fsyncs, atomic commit) and
+// resharded load (see the header for the contract).
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <fcntl.h>
 #include <optional>
 #include <stdexcept>
@@ -10,8 +11,10 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <d9d/core/collectives.hpp>
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/core/object_collectives.hpp>
+#include <d9d/state/detail/io.hpp>
 #include <d9d/state/distributed.hpp>
 #include <d9d/state/safetensors.hpp>
 #include <d9d/track/progress.hpp>
@@ -101,28 +104,16 @@ std::string piece_key(const std::string& name, const std::vector<int64_t>& offse
   return key;
 }
 
-/// Writes `text` to `path` through `<path>.tmp`, flushed to disk, then renamed.
-void write_file_durably(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);  // NOLINT
-  if (fd < 0) {
-    throw std::runtime_error("d9d::state::save_distributed: cannot create '" + tmp + "'");
+/// Runs `fn` (this rank's part of a step), then agrees with every rank: all throw if any failed.
+template <class Fn>
+void step_agreed(const DistributedContext& ctx, Fn&& fn) {
+  std::exception_ptr error;
+  try {
+    fn();
+  } catch (...) {
+    error = std::current_exception();
   }
-  std::size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n <= 0) {
-      ::close(fd);
-      throw std::runtime_error("d9d::state::save_distributed: cannot write '" + tmp + "'");
-    }
-    done += static_cast<std::size_t>(n);
-  }
-  const bool synced = ::fsync(fd) == 0;
-  ::close(fd);
-  if (!synced) {
-    throw std::runtime_error("d9d::state::save_distributed: cannot flush '" + tmp + "'");
-  }
-  files::rename(tmp, path);
+  raise_if_any_failed(ctx.world(), error, kSaveWho);
 }
 
 }  // namespace
@@ -141,64 +132,75 @@ void save_distributed(const DistributedContext& ctx, const std::string& dir,
     }
   }
   const auto all_plain = all_gather_object(ctx.world(), plain_names);
-  if (rank == 0) {
-    files::remove_tree(partial);
-    files::create_directories(partial, kSaveWho);
-  }
-  ctx.barrier();
 
+  // 1. A fresh <dir>.partial.
+  step_agreed(ctx, [&] {
+    if (rank == 0) {
+      files::remove_tree(partial);
+      files::create_directories(partial, kSaveWho);
+    }
+  });
+
+  // 2. Every rank's file, flushed to disk (save_safetensors: tmp, fsync, rename).
   const std::string file =
       "model-rank" + std::to_string(rank) + "-of-" + std::to_string(world) + ".safetensors";
-  NamedTensors pieces_data;
   std::vector<DistPiece> pieces;
   std::optional<track::ProgressBar> bar;
-  if (options.progress && rank == 0) {
-    bar.emplace(static_cast<int64_t>(state.size()), "save " + dir);
-  }
-  int64_t step = 0;
-  for (const auto& [name, tensor] : state) {
-    DistPiece p{.key = {}, .name = name, .file = file, .shape = {}, .offsets = {}, .lengths = {}};
-    at::Tensor data;
-    if (const auto* sharded = std::get_if<ShardedTensor>(&tensor)) {
-      if (!owns_piece(name, *sharded)) {
-        continue;
-      }
-      p.shape = sharded->global_shape();
-      for (const auto& r : sharded->local_ranges()) {
-        p.offsets.push_back(r.offset);
-        p.lengths.push_back(r.length);
-      }
-      data = sharded->local();
-    } else {
-      bool lower = false;
-      for (int r = 0; r < rank && !lower; ++r) {
-        lower = std::find(all_plain[r].begin(), all_plain[r].end(), name) != all_plain[r].end();
-      }
-      if (lower) {
-        continue;
-      }
-      data = std::get<at::Tensor>(tensor);
-      p.shape = data.sizes().vec();
-      p.offsets.assign(p.shape.size(), 0);
-      p.lengths = p.shape;
+  step_agreed(ctx, [&] {
+    NamedTensors pieces_data;
+    if (options.progress && rank == 0) {
+      bar.emplace(static_cast<int64_t>(state.size()), "save " + dir);
     }
-    if (std::find(p.lengths.begin(), p.lengths.end(), 0) != p.lengths.end() && !p.shape.empty()) {
-      continue;  // an empty shard holds nothing
+    int64_t step = 0;
+    for (const auto& [name, tensor] : state) {
+      DistPiece p{.key = {}, .name = name, .file = file, .shape = {}, .offsets = {}, .lengths = {}};
+      at::Tensor data;
+      if (const auto* sharded = std::get_if<ShardedTensor>(&tensor)) {
+        if (!owns_piece(name, *sharded)) {
+          continue;
+        }
+        p.shape = sharded->global_shape();
+        for (const auto& r : sharded->local_ranges()) {
+          p.offsets.push_back(r.offset);
+          p.lengths.push_back(r.length);
+        }
+        data = sharded->local();
+      } else {
+        bool lower = false;
+        for (int r = 0; r < rank && !lower; ++r) {
+          lower = std::find(all_plain[r].begin(), all_plain[r].end(), name) != all_plain[r].end();
+        }
+        if (lower) {
+          continue;
+        }
+        data = std::get<at::Tensor>(tensor);
+        p.shape = data.sizes().vec();
+        p.offsets.assign(p.shape.size(), 0);
+        p.lengths = p.shape;
+      }
+      if (std::find(p.lengths.begin(), p.lengths.end(), 0) != p.lengths.end() && !p.shape.empty()) {
+        continue;  // an empty shard holds nothing
+      }
+      p.key = piece_key(name, p.offsets, p.lengths, p.shape);
+      p.nbytes = static_cast<int64_t>(data.nbytes());
+      pieces_data.emplace_back(p.key, data);
+      pieces.push_back(std::move(p));
+      if (bar) {
+        bar->update(++step);
+      }
     }
-    p.key = piece_key(name, p.offsets, p.lengths, p.shape);
-    p.nbytes = static_cast<int64_t>(data.nbytes());
-    pieces_data.emplace_back(p.key, data);
-    pieces.push_back(std::move(p));
-    if (bar) {
-      bar->update(++step);
+    save_safetensors(files::join(partial, file), pieces_data, {{"format", "pt"}});
+    if (options.before_commit) {
+      options.before_commit();
     }
-  }
-  save_safetensors(files::join(partial, file), pieces_data, {{"format", "pt"}});
-  if (options.before_commit) {
-    options.before_commit();
-  }
+  });
+
+  // 3. The index, then <dir>.partial's entries flushed: the whole checkpoint is on disk.
   const auto gathered = gather_object(ctx.world(), pieces, 0);
-  if (rank == 0) {
+  step_agreed(ctx, [&] {
+    if (rank != 0) {
+      return;
+    }
     nlohmann::json index;
     int64_t total = 0;
     nlohmann::json weight_map = nlohmann::json::object();
@@ -219,23 +221,33 @@ void save_distributed(const DistributedContext& ctx, const std::string& dir,
     index["metadata"] = {{"total_size", total}, {"format", "d9d-distributed"}};
     index["weight_map"] = weight_map;
     index["d9d_pieces"] = described;
-    write_file_durably(files::join(partial, kDistributedIndexName), index.dump(1));
+    const std::string text = index.dump(1);
+    detail::AtomicFile out(files::join(partial, kDistributedIndexName), kSaveWho);
+    out.write(text.data(), text.size());
+    out.commit();
+    detail::sync_directory(partial);
     if (bar) {
       bar->write("saved " + std::to_string(total) + " bytes from " + std::to_string(world) +
                  " ranks");
       bar->finish();
     }
-  }
-  ctx.barrier();
-  if (rank == 0) {
+  });
+
+  // 4. The commit: two renames, each made durable by flushing the parent directory.
+  step_agreed(ctx, [&] {
+    if (rank != 0) {
+      return;
+    }
+    const std::string parent = files::parent(dir);
     files::remove_tree(old);
     if (files::exists(dir)) {
       files::rename(dir, old);
     }
     files::rename(partial, dir);
+    detail::sync_directory(parent);
     files::remove_tree(old);
-  }
-  ctx.barrier();
+    detail::sync_directory(parent);
+  });
 }
 
 std::map<std::string, at::Tensor> load_distributed(

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
 
@@ -365,6 +366,39 @@ TEST(State_DistributedSave_Gloo_ws2, RankKilledBeforeTheCommitLeavesTheLastCheck
   expect_loads(dir, Layout::rep1, local, 1);
   d9d::files::rename(dir, dir + ".old");  // as a crash between the two renames of the commit
   expect_loads(dir, Layout::rep1, local, 1);
+}
+
+// An error on one rank during a save (rank 2's extra tensor has a dtype safetensors cannot store,
+// an std::invalid_argument) is thrown on every rank at once, naming rank 2, and nothing is
+// committed. No watchdog, and
+// collectives that would wait 10 minutes (step_timeout): if the others waited for rank 2 instead
+// of hearing of its error, they would outlive the launch's 120 s and fail the test.
+TEST(State_DistributedSave_Gloo_ws4, AnErrorOnOneRankIsThrownOnEveryRank) {
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    const auto ctx = d9d::DistributedContext::from_env({.init_timeout = std::chrono::seconds(60),
+                                                        .step_timeout = std::chrono::minutes(10),
+                                                        .failure_timeout = {},
+                                                        .device = "cpu"});
+    const auto layout = make_layout(Layout::shard4_dim0, ctx);
+    const std::string dir = env.scratch_dir() + "/ckpt";
+    st::save_distributed(ctx, dir, layout_state(layout, 1));  // A
+    auto bad = layout_state(layout, 2);
+    if (ctx.rank() == 2) {
+      bad.emplace_back("z", at::zeros({2}, at::kComplexDouble));
+    }
+    try {
+      st::save_distributed(ctx, dir, bad);
+      ADD_FAILURE() << "rank " << ctx.rank() << ": nothing thrown";
+    } catch (const std::invalid_argument& e) {  // the kind of rank 2's error, on every rank
+      EXPECT_THAT(std::string(e.what()),
+                  ::testing::StartsWith("d9d::state::save_distributed: rank 2 failed: "));
+      EXPECT_THAT(std::string(e.what()), ::testing::HasSubstr("\"z\""));
+    }
+    expect_loads(dir, Layout::shard4_dim0, ctx, 1);  // still A
+    // The ranks stay in step: the next save works.
+    st::save_distributed(ctx, dir, layout_state(layout, 3));
+    expect_loads(dir, Layout::shard4_dim0, ctx, 3);
+  });
 }
 
 }  // namespace

@@ -14,11 +14,13 @@
 // "d9d_pieces" (piece -> {name, shape (global), offsets, lengths}), so stages of a pipeline merge
 // into one index.
 //
-// Atomic protocol (crash table in docs/state.md): rank 0 empties `<dir>.partial`; barrier; every
-// rank writes its file there (tmp + fsync + rename); rank 0 gathers, writes the index (tmp + fsync
-// + rename); barrier; rank 0 renames `<dir>` -> `<dir>.old`, `<dir>.partial` -> `<dir>`, removes
-// `<dir>.old`; barrier. load_distributed reads `<dir>.old` when `<dir>` is missing (a crash
-// between the two renames), so some complete checkpoint is always loadable.
+// Atomic protocol (crash table in docs/state.md): rank 0 empties `<dir>.partial`; every rank writes
+// its file there (tmp + fsync + rename); rank 0 gathers, writes the index (tmp + fsync + rename)
+// and fsyncs `<dir>.partial`; rank 0 renames `<dir>` -> `<dir>.old`, `<dir>.partial` -> `<dir>`,
+// fsyncs the parent, removes `<dir>.old`. After each of these steps the ranks agree on errors
+// (d9d::raise_if_any_failed): an error on any rank is thrown on every rank at once, naming that
+// rank, and nothing more is done. load_distributed reads `<dir>.old` when `<dir>` is missing (a
+// crash between the two renames), so some complete checkpoint is always loadable.
 //
 // Load: each rank reads, from the mapped files, only the pieces overlapping its own shard of each
 // target (the target's mesh and placements may differ from those at save time) and copies the
@@ -68,7 +70,8 @@ inline constexpr const char* kDistributedIndexName = "model.safetensors.index.js
 
 /// Saves `state` into directory `dir` (collective over every rank of `ctx`; see the file
 /// comment for the layout and the atomic protocol). A previous checkpoint in `dir` stays loadable
-/// until the new one is complete. std::invalid_argument for a Partial tensor or a duplicate name;
+/// until the new one is complete. Errors are thrown on every rank alike, naming the rank that
+/// failed: std::invalid_argument for a Partial tensor or a piece written twice,
 /// std::runtime_error for I/O (naming the file).
 void save_distributed(const DistributedContext& ctx, const std::string& dir,
                       const DistributedState& state, const DistributedSaveOptions& options = {});
