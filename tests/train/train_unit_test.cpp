@@ -443,6 +443,11 @@ TEST(Train_Checkpoint, ResumedRunContinuesExactlyAsTheUninterruptedOne) {
     const bool saved = d9d::files::exists(dir + "/checkpoints/step-3/trainer.json");
     if (!async) {
       EXPECT_TRUE(saved);
+    } else if (!saved) {
+      // Not completed before the stop: the writer (joined when the trainer went) still wrote the
+      // whole file into step-3.tmp. Either way the save happened.
+      const d9d::state::SafetensorsFile written(dir + "/checkpoints/step-3.tmp/rank-0.safetensors");
+      EXPECT_TRUE(written.contains("rng/cpu"));
     }
     EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-6")) << async;
     const int64_t from = saved ? 3 : 0;
@@ -484,9 +489,13 @@ TEST(Train_Checkpoint, KeepsTheLastKAndIgnoresHalfWrittenOnes) {
   EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-2"));
   EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-4"));
   EXPECT_TRUE(d9d::files::exists(dir + "/checkpoints/step-6/rank-0.safetensors"));
-  // What a crash during a save leaves: a .tmp directory with a partial file. It is not read.
-  d9d::files::create_directories(dir + "/checkpoints/step-8.tmp");
-  std::ofstream(dir + "/checkpoints/step-8.tmp/rank-0.safetensors") << "partial";
+  // What crashes during saves leave: .tmp directories with partial files. They are not read, and
+  // the next save removes those of every step (not other files).
+  for (const auto* step : {"step-8.tmp", "step-5.tmp", "step-123.tmp"}) {
+    d9d::files::create_directories(dir + "/checkpoints/" + step);
+    std::ofstream(dir + "/checkpoints/" + step + "/rank-0.safetensors") << "partial";
+  }
+  std::ofstream(dir + "/checkpoints/notes.tmp") << "mine";
   auto longer = cfg;
   longer.run.total_steps = 8;
   d9d::Trainer<LocalPlan> resumed(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
@@ -496,6 +505,9 @@ TEST(Train_Checkpoint, KeepsTheLastKAndIgnoresHalfWrittenOnes) {
   EXPECT_EQ(result.losses.size(), 2U);
   EXPECT_EQ(result.checkpoint_dir, dir + "/checkpoints/step-8");
   EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-8.tmp"));
+  EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-5.tmp"));
+  EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-123.tmp"));
+  EXPECT_TRUE(d9d::files::exists(dir + "/checkpoints/notes.tmp"));
 }
 
 TEST(Train_Checkpoint, ErrorsNameTheProblem) {
