@@ -12,6 +12,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <d9d/model/hf.hpp>
+#include <d9d/state/detail/io.hpp>
 #include <d9d/state/safetensors.hpp>
 #include <d9d/state/safetensors_sharded.hpp>
 #include <d9d/util/files.hpp>
@@ -19,17 +20,11 @@
 namespace d9d::model {
 namespace {
 
+// Through <path>.tmp, fsynced before the rename (the directory is fsynced by the caller after it).
 void write_text_file(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  std::FILE* out = std::fopen(tmp.c_str(), "w");
-  if (out == nullptr) {
-    throw std::runtime_error("d9d: cannot write " + tmp + ": " + std::strerror(errno));
-  }
-  const bool ok = std::fputs(text.c_str(), out) >= 0;
-  if (std::fclose(out) != 0 || !ok) {
-    throw std::runtime_error("d9d: cannot write " + tmp);
-  }
-  files::rename(tmp, path);
+  state::detail::AtomicFile out(path, "d9d::model::save_hf_checkpoint");
+  out.write(text.data(), text.size());
+  out.commit();
 }
 
 std::string list(const std::vector<std::string>& names) {
@@ -75,6 +70,9 @@ void save_hf_checkpoint(const torch::nn::Module& model, const std::string& dir,
   if (!config_json.empty()) {
     write_text_file(files::join(dir, "config.json"), config_json);
   }
+  // The renames above, and `dir` itself when it was just created, reach the disk.
+  state::detail::sync_directory(dir);
+  state::detail::sync_directory(files::parent(dir));
 }
 
 void load_hf_checkpoint(torch::nn::Module& model, const std::string& dir,
