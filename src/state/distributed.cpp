@@ -285,6 +285,7 @@ std::map<std::string, at::Tensor> load_distributed(
       }
     }
     std::vector<int64_t> local_shape;
+    local_shape.reserve(want.size());
     for (const auto& r : want) {
       local_shape.push_back(r.length);
     }
