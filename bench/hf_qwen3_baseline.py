@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
-"""The plain-PyTorch baseline for examples/03_qwen3_quickstart: the same Qwen3 config and batch,
-trained with Hugging Face transformers' Qwen3ForCausalLM, torch.optim.AdamW and (on several GPUs)
-DistributedDataParallel, under bf16 autocast with fp32 parameters — what the C++ example does with
-d9d::precision::Bf16Mixed. Prints tokens/s and MFU with the example's FLOP count.
+"""The Python peers of examples/03_qwen3_quickstart: the same Qwen3 config and batch, trained with
+Hugging Face transformers' Qwen3ForCausalLM and (on several GPUs) DistributedDataParallel. Prints
+tokens/s, MFU (the example's FLOP count) and peak memory as one JSON line.
 
     python3 bench/hf_qwen3_baseline.py examples/03_qwen3_quickstart/qwen3_0p6b_gpu.json
+    python3 bench/hf_qwen3_baseline.py CONFIG --mode liger --bf16-params --micro 8
     torchrun --nproc_per_node 2 bench/hf_qwen3_baseline.py examples/03_qwen3_quickstart/qwen3_0p6b_gpu.json
+
+--mode: eager (default), compile (torch.compile of the model), liger (Liger kernels: RMSNorm,
+RoPE, SwiGLU, fused linear cross-entropy; the liger-kernel package), liger-compile (both).
+--bf16-params: bf16 parameters and torch.optim.AdamW(fused=True) (the peers' fastest setting);
+without it fp32 parameters under bf16 autocast, what d9d::precision::Bf16Mixed does.
 """
 import argparse
 import json
@@ -31,6 +36,10 @@ def main():
     parser.add_argument("config")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--mode", choices=["eager", "compile", "liger", "liger-compile"],
+                        default="eager")
+    parser.add_argument("--bf16-params", action="store_true")
+    parser.add_argument("--micro", type=int, default=0, help="microbatch size (default: config's)")
     args = parser.parse_args()
     cfg = json.load(open(args.config))
     m, b, o = cfg["model"], cfg["batch"], cfg["optimizer"]
@@ -44,15 +53,23 @@ def main():
     torch.cuda.set_device(local)
     torch.manual_seed(1234)
 
+    if args.mode.startswith("liger"):
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+        apply_liger_kernel_to_qwen3(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=True)
     config = Qwen3Config(**{k: v for k, v in m.items()}, attn_implementation="sdpa")
     model = Qwen3ForCausalLM(config).cuda()
+    if args.bf16_params:
+        model = model.to(torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     if distributed:
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[local], bucket_cap_mb=cfg.get("data_parallel", {}).get("bucket_size_mb", 25))
     optimizer = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=(o["beta1"], o["beta2"]),
-                                  eps=o["eps"], weight_decay=o["weight_decay"])
-    seq, micro = b["sequence_length"], b["microbatch_size"]
+                                  eps=o["eps"], weight_decay=o["weight_decay"],
+                                  fused=args.bf16_params)
+    forward = torch.compile(model) if args.mode.endswith("compile") else model
+    seq, micro = b["sequence_length"], args.micro or b["microbatch_size"]
     accum = b["global_batch_size"] // (world * micro)
     generator = torch.Generator(device="cuda").manual_seed(rank)
 
@@ -61,8 +78,8 @@ def main():
             tokens = torch.randint(0, 258, (micro, seq + 1), device="cuda", generator=generator)
             sync = (not distributed) or i == accum - 1
             ctx = model.no_sync() if not sync else torch.enable_grad()
-            with ctx, torch.autocast("cuda", dtype=torch.bfloat16):
-                out = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:])
+            with ctx, torch.autocast("cuda", dtype=torch.bfloat16, enabled=not args.bf16_params):
+                out = forward(input_ids=tokens[:, :-1], labels=tokens[:, 1:])
                 loss = out.loss / accum
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -74,6 +91,7 @@ def main():
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(args.steps - warmup):
         loss = step()
@@ -82,7 +100,9 @@ def main():
     tokens_per_second = b["global_batch_size"] * seq * (args.steps - warmup) / seconds
     tflops = tokens_per_second * flops_per_token(m, seq) / 1e12 / world
     if rank == 0:
-        print(json.dumps({"impl": "transformers+torch", "params": params, "world": world,
+        impl = "transformers+" + args.mode + ("+bf16params" if args.bf16_params else "+autocast")
+        print(json.dumps({"impl": impl, "params": params, "world": world, "micro": micro,
+                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                           "tokens_per_second": round(tokens_per_second),
                           "tflops_per_gpu": round(tflops, 1),
                           "mfu_percent": round(100 * tflops / args.peak_tflops, 1),

@@ -12,11 +12,14 @@ trap 'rm -f "$fatbin"' EXIT
 objcopy -O binary --only-section=.nv_fatbin "$lib" "$fatbin"
 grep -q -- '-arch sm_90' <<<"$(strings "$fatbin")" || fail "no sm_90 device code in the fat binary"
 symbols=$(nm -C "$lib")
-for kernel in rms_norm_forward_kernel rms_norm_backward_kernel; do
+for kernel in rms_norm_forward_kernel rms_norm_backward_kernel rope_kernel \
+  silu_mul_forward_kernel silu_mul_backward_kernel; do
   for dtype in float double c10::BFloat16 c10::Half; do
     grep -q "${kernel}<${dtype}," <<<"$symbols" || fail "$kernel<$dtype> missing"
   done
 done
-grep -q 'rms_norm_forward_cuda' <<<"$symbols" || fail "host entry point rms_norm_forward_cuda missing"
-grep -q 'rms_norm_backward_cuda' <<<"$symbols" || fail "host entry point rms_norm_backward_cuda missing"
-echo "ok: sm_90 device code and the forward/backward RMSNorm kernels for 4 dtypes are in $lib"
+for entry in rms_norm_forward_cuda rms_norm_backward_cuda rope_forward_cuda silu_mul_forward_cuda \
+  silu_mul_backward_cuda; do
+  grep -q "$entry" <<<"$symbols" || fail "host entry point $entry missing"
+done
+echo "ok: sm_90 device code and the RMSNorm, RoPE and SiLU-mul kernels for 4 dtypes are in $lib"

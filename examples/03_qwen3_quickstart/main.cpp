@@ -121,11 +121,15 @@ int main(int argc, char** argv) {
   app.add_option("--pp", pp, "pipeline degree, replacing mesh.pp (with --pipeline)");
   bool fsdp = false;
   bool recompute = false;
+  bool plain_kernels = false;
+  app.add_flag("--no-fused-kernels", plain_kernels,
+               "the ATen compositions instead of d9d's fused ops (for comparisons)");
   app.add_flag("--fsdp", fsdp, "fully sharded data parallelism (d9d::parallel::FullyShard<>)");
   app.add_flag("--recompute", recompute,
                "recompute every decoder layer's activations in backward (with --fsdp)");
   CLI11_PARSE(app, argc, argv);
 
+  d9d::model::set_fused_kernels(!plain_kernels);
   const auto ctx = d9d::DistributedContext::from_env();
   try {
     std::ifstream in(config_path);

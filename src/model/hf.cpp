@@ -20,11 +20,11 @@
 namespace d9d::model {
 namespace {
 
-// Through <path>.tmp, fsynced before the rename (the directory is fsynced by the caller after it).
+// Through a temporary file, fsynced, then renamed (and the directory fsynced).
 void write_text_file(const std::string& path, const std::string& text) {
-  state::detail::AtomicFile out(path, "d9d::model::save_hf_checkpoint");
-  out.write(text.data(), text.size());
-  out.commit();
+  state::detail::AtomicFile file(path, "d9d::model::save_hf_checkpoint");
+  file.write(text.data(), text.size());
+  file.commit();
 }
 
 std::string list(const std::vector<std::string>& names) {
@@ -59,20 +59,58 @@ std::string read_text_file(const std::string& path) {
   return text;
 }
 
-void save_hf_checkpoint(const torch::nn::Module& model, const std::string& dir,
-                        const std::string& config_json, at::ScalarType dtype) {
+struct HfCheckpointWriter::Impl {
+  std::string dir;
+  std::string config_json;
+  at::ScalarType dtype = at::kFloat;
+  std::unique_ptr<state::SafetensorsWriter> weights;
+};
+
+HfCheckpointWriter::HfCheckpointWriter(
+    const std::string& dir, std::string config_json,
+    const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes, at::ScalarType dtype)
+    : impl_(std::make_unique<Impl>()) {
   files::create_directories(dir, "d9d::model::save_hf_checkpoint");
-  state::NamedTensors tensors;
-  for (const auto& item : model.named_parameters()) {
-    tensors.emplace_back(item.key(), item.value().detach().to(at::kCPU, dtype));
+  std::vector<state::SafetensorsEntry> entries;
+  entries.reserve(shapes.size());
+  for (const auto& [name, shape] : shapes) {
+    entries.push_back({.name = name, .dtype = dtype, .shape = shape});
   }
-  state::save_safetensors(files::join(dir, "model.safetensors"), tensors, {{"format", "pt"}});
-  if (!config_json.empty()) {
-    write_text_file(files::join(dir, "config.json"), config_json);
+  impl_->dir = dir;
+  impl_->config_json = std::move(config_json);
+  impl_->dtype = dtype;
+  impl_->weights = std::make_unique<state::SafetensorsWriter>(
+      files::join(dir, "model.safetensors"), std::move(entries),
+      std::map<std::string, std::string>{{"format", "pt"}});
+}
+
+HfCheckpointWriter::~HfCheckpointWriter() = default;
+
+void HfCheckpointWriter::write(const std::string& name, const at::Tensor& tensor) {
+  impl_->weights->write(name, tensor.detach().to(at::kCPU, impl_->dtype));
+}
+
+void HfCheckpointWriter::commit() {
+  impl_->weights->commit();
+  if (!impl_->config_json.empty()) {
+    write_text_file(files::join(impl_->dir, "config.json"), impl_->config_json);
   }
   // The renames above, and `dir` itself when it was just created, reach the disk.
-  state::detail::sync_directory(dir);
-  state::detail::sync_directory(files::parent(dir));
+  state::detail::sync_directory(impl_->dir);
+  state::detail::sync_directory(files::parent(impl_->dir));
+}
+
+void save_hf_checkpoint(const torch::nn::Module& model, const std::string& dir,
+                        const std::string& config_json, at::ScalarType dtype) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (const auto& item : model.named_parameters()) {
+    shapes.emplace_back(item.key(), item.value().sizes().vec());
+  }
+  HfCheckpointWriter out(dir, config_json, shapes, dtype);
+  for (const auto& item : model.named_parameters()) {
+    out.write(item.key(), item.value());
+  }
+  out.commit();
 }
 
 void load_hf_checkpoint(torch::nn::Module& model, const std::string& dir,

@@ -1,13 +1,22 @@
 // d9d/model/layers.cpp — RMSNorm, rotary embeddings, attention and SwiGLU modules.
+#include <atomic>
 #include <cmath>
 #include <stdexcept>
 
 #include <ATen/ATen.h>
 
 #include <d9d/kernels/rms_norm.hpp>
+#include <d9d/kernels/rope.hpp>
+#include <d9d/kernels/silu_mul.hpp>
 #include <d9d/model/layers.hpp>
 
 namespace d9d::model {
+namespace {
+std::atomic<bool> fused{true};
+}  // namespace
+
+void set_fused_kernels(bool enabled) { fused = enabled; }
+bool fused_kernels() { return fused; }
 
 RmsNormImpl::RmsNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", at::ones({dim}));
@@ -25,27 +34,31 @@ RotaryEmbedding::RotaryEmbedding(int64_t head_dim, double theta)
   }
 }
 
-std::pair<at::Tensor, at::Tensor> RotaryEmbedding::cos_sin(int64_t seq_len,
-                                                           c10::Device device) const {
-  const auto options = at::TensorOptions().dtype(at::kFloat).device(device);
-  // inv_freq[i] = theta^(-2i/d), computed in double for an exact table, used in float.
+std::pair<at::Tensor, at::Tensor> RotaryEmbedding::cos_sin(int64_t seq_len, c10::Device device,
+                                                           at::ScalarType dtype) const {
+  const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
+  // inv_freq[i] = theta^(-2i/d) and the angles, computed in double for an exact table.
   const auto exponents = at::arange(0, head_dim_, 2, at::TensorOptions().dtype(at::kDouble)) /
                          static_cast<double>(head_dim_);
   const auto inv_freq = at::pow(theta_, -exponents).to(options);
-  const auto positions = at::arange(seq_len, options);
-  const auto freqs = at::outer(positions, inv_freq);  // [T, d/2]
-  const auto angles = at::cat({freqs, freqs}, -1);    // [T, d]
-  return {angles.cos(), angles.sin()};
+  const auto angles = at::outer(at::arange(seq_len, options), inv_freq);  // [T, d/2]
+  return {angles.cos().to(dtype), angles.sin().to(dtype)};
+}
+
+at::ScalarType RotaryEmbedding::table_dtype(at::ScalarType activations) {
+  return activations == at::kDouble ? at::kDouble : at::kFloat;
 }
 
 at::Tensor RotaryEmbedding::apply(const at::Tensor& x, const at::Tensor& cos,
                                   const at::Tensor& sin) {
+  if (fused_kernels()) {
+    return kernels::rope(x, cos, sin);
+  }
+  // The composition: x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), tables over [T, 1, D].
   const int64_t half = x.size(-1) / 2;
-  const auto x1 = x.narrow(-1, 0, half);
-  const auto x2 = x.narrow(-1, half, half);
-  const auto rotated = at::cat({-x2, x1}, -1);
-  const auto c = cos.to(x.scalar_type());
-  const auto s = sin.to(x.scalar_type());
+  const auto c = at::cat({cos, cos}, -1).unsqueeze(1).to(x.scalar_type());
+  const auto s = at::cat({sin, sin}, -1).unsqueeze(1).to(x.scalar_type());
+  const auto rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
   return x * c + rotated * s;
 }
 
@@ -84,8 +97,10 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x,
     q = q_norm(q);
     k = k_norm(k);
   }
-  q = RotaryEmbedding::apply(q.transpose(1, 2), cos_sin.first, cos_sin.second);
-  k = RotaryEmbedding::apply(k.transpose(1, 2), cos_sin.first, cos_sin.second);
+  // The rotation runs on [batch, seq, heads, dim] (the projections' layout); SDPA takes the head
+  // transpose as a view.
+  q = RotaryEmbedding::apply(q, cos_sin.first, cos_sin.second).transpose(1, 2);
+  k = RotaryEmbedding::apply(k, cos_sin.first, cos_sin.second).transpose(1, 2);
   if (kv_heads != heads) {
     // Repeat each KV head for its group of query heads: the fused attention kernels then apply.
     const int64_t groups = heads / kv_heads;
@@ -109,6 +124,9 @@ SwiGluImpl::SwiGluImpl(int64_t hidden_size, int64_t intermediate_size) {
 }
 
 at::Tensor SwiGluImpl::forward(const at::Tensor& x) {
+  if (fused_kernels()) {
+    return down_proj(kernels::silu_mul(gate_proj(x), up_proj(x)));
+  }
   return down_proj(at::silu(gate_proj(x)) * up_proj(x));
 }
 

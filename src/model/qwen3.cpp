@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <d9d/model/linear_cross_entropy.hpp>
 #include <d9d/model/qwen3.hpp>
 
 namespace d9d::model {
@@ -46,7 +47,8 @@ Qwen3ModelImpl::Qwen3ModelImpl(const Qwen3Config& config)
 
 at::Tensor Qwen3ModelImpl::forward(const at::Tensor& input_ids) {
   auto h = embed_tokens(input_ids);
-  const auto cos_sin = rope_.cos_sin(input_ids.size(1), input_ids.device());
+  const auto cos_sin = rope_.cos_sin(input_ids.size(1), input_ids.device(),
+                                     RotaryEmbedding::table_dtype(h.scalar_type()));
   for (const auto& layer : *layers) {
     h = layer->as<Qwen3DecoderLayer>()->forward(h, cos_sin);
   }
@@ -96,6 +98,17 @@ at::Tensor Qwen3ForCausalLMImpl::forward(const at::Tensor& input_ids) {
     return lm_head(hidden);
   }
   return at::linear(hidden, model->embed_tokens->weight.to(hidden.scalar_type()));
+}
+
+CausalLmLoss Qwen3ForCausalLMImpl::loss(const at::Tensor& input_ids, const at::Tensor& labels,
+                                        int64_t ignore_index) {
+  if (!fused_kernels()) {
+    return causal_lm_loss(forward(input_ids), labels, ignore_index);
+  }
+  const auto hidden = model(input_ids);
+  const auto& head = lm_head ? lm_head->weight : model->embed_tokens->weight;
+  return linear_cross_entropy(hidden.reshape({-1, hidden.size(-1)}), head, labels.reshape({-1}),
+                              ignore_index);
 }
 
 CausalLmLoss causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels,

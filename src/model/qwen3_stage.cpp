@@ -73,7 +73,8 @@ at::Tensor Qwen3StageImpl::forward(const at::Tensor& input) {
     h = input;
   }
   if (!layers.empty()) {
-    const auto cos_sin = rope_.cos_sin(h.size(1), h.device());
+    const auto cos_sin =
+        rope_.cos_sin(h.size(1), h.device(), RotaryEmbedding::table_dtype(h.scalar_type()));
     for (auto& layer : layers) {
       h = layer(h, cos_sin);
     }

@@ -558,51 +558,37 @@ NamedTensors SafetensorsFile::tensors() const {
 
 namespace {
 
-// The checked header and the contiguous CPU data of a file to write.
-struct Plan {
-  std::string prefix;  // the 8-byte length and the padded JSON header
-  std::vector<at::Tensor> data;
+// One tensor of a file to write, as its header describes it.
+struct Described {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+  uint64_t bytes = 0;
 };
 
-Plan plan_file(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata,
-               const std::string& who) {
+// The 8-byte length and the padded JSON header of a file holding `tensors` in this order; checks
+// names (unique, not "__metadata__", UTF-8) and the header's size.
+std::string header_prefix(const std::vector<Described>& tensors,
+                          const std::map<std::string, std::string>& metadata,
+                          const std::string& who) {
   Json header = Json::object();
   if (!metadata.empty()) {
     header[std::string(kMetadataKey)] = Json(metadata);
   }
-  Plan plan;
-  plan.data.reserve(tensors.size());
   uint64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
-    if (name == kMetadataKey) {
+  for (const auto& tensor : tensors) {
+    if (tensor.name == kMetadataKey) {
       throw std::invalid_argument(who + "\"__metadata__\" is reserved and cannot name a tensor");
     }
-    if (header.contains(name)) {
-      throw std::invalid_argument(who + "tensor name " + detail::quoted(name) + " is given twice");
+    if (header.contains(tensor.name)) {
+      throw std::invalid_argument(who + "tensor name " + detail::quoted(tensor.name) +
+                                  " is given twice");
     }
-    if (!tensor.defined()) {
-      throw std::invalid_argument(who + "tensor " + detail::quoted(name) + " is undefined");
-    }
-    if (tensor.layout() != at::kStrided) {
-      throw std::invalid_argument(who + "tensor " + detail::quoted(name) +
-                                  " is not strided (layout " + c10::str(tensor.layout()) +
-                                  "); convert it with to_dense()");
-    }
-    const std::string_view dtype = name_of(tensor.scalar_type());
-    if (dtype.empty()) {
-      throw std::invalid_argument(who + "tensor " + detail::quoted(name) + ": " +
-                                  no_name(tensor.scalar_type()));
-    }
-    // Conjugate and negative views are lazy bits on the tensor: make them real values first.
-    at::Tensor cpu = tensor.resolve_conj().resolve_neg().cpu().contiguous();
-    const auto bytes = static_cast<uint64_t>(cpu.nbytes());
-    header[name] = {{"dtype", std::string(dtype)},
-                    {"shape", cpu.sizes().vec()},
-                    {"data_offsets", {offset, offset + bytes}}};
-    offset += bytes;
-    plan.data.push_back(std::move(cpu));
+    header[tensor.name] = {{"dtype", tensor.dtype},
+                           {"shape", tensor.shape},
+                           {"data_offsets", {offset, offset + tensor.bytes}}};
+    offset += tensor.bytes;
   }
-
   std::string text;
   try {
     text = header.dump();
@@ -616,12 +602,54 @@ Plan plan_file(const NamedTensors& tensors, const std::map<std::string, std::str
                                 " bytes, over the " + std::to_string(kSafetensorsMaxHeaderBytes) +
                                 " readers accept; split the tensors over several files");
   }
-  plan.prefix.reserve(8 + text.size());
+  std::string prefix;
+  prefix.reserve(8 + text.size());
   for (std::size_t i = 0; i < 8; ++i) {
-    plan.prefix.push_back(
-        static_cast<char>((static_cast<uint64_t>(text.size()) >> (8U * i)) & 0xFFU));
+    prefix.push_back(static_cast<char>((static_cast<uint64_t>(text.size()) >> (8U * i)) & 0xFFU));
   }
-  plan.prefix += text;
+  return prefix + text;
+}
+
+std::string checked_dtype_name(at::ScalarType dtype, const std::string& name,
+                               const std::string& who) {
+  const std::string_view found = name_of(dtype);
+  if (found.empty()) {
+    throw std::invalid_argument(who + "tensor " + detail::quoted(name) + ": " + no_name(dtype));
+  }
+  return std::string(found);
+}
+
+// The checked header and the contiguous CPU data of a file to write.
+struct Plan {
+  std::string prefix;  // the 8-byte length and the padded JSON header
+  std::vector<at::Tensor> data;
+};
+
+Plan plan_file(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata,
+               const std::string& who) {
+  Plan plan;
+  plan.data.reserve(tensors.size());
+  std::vector<Described> described;
+  described.reserve(tensors.size());
+  for (const auto& [name, tensor] : tensors) {
+    if (!tensor.defined()) {
+      throw std::invalid_argument(who + "tensor " + detail::quoted(name) + " is undefined");
+    }
+    if (tensor.layout() != at::kStrided) {
+      throw std::invalid_argument(who + "tensor " + detail::quoted(name) +
+                                  " is not strided (layout " + c10::str(tensor.layout()) +
+                                  "); convert it with to_dense()");
+    }
+    const auto dtype = checked_dtype_name(tensor.scalar_type(), name, who);
+    // Conjugate and negative views are lazy bits on the tensor: make them real values first.
+    at::Tensor cpu = tensor.resolve_conj().resolve_neg().cpu().contiguous();
+    described.push_back({.name = name,
+                         .dtype = dtype,
+                         .shape = cpu.sizes().vec(),
+                         .bytes = static_cast<uint64_t>(cpu.nbytes())});
+    plan.data.push_back(std::move(cpu));
+  }
+  plan.prefix = header_prefix(described, metadata, who);
   return plan;
 }
 
@@ -658,6 +686,85 @@ std::string serialize_safetensors(const NamedTensors& tensors,
     }
   }
   return bytes;
+}
+
+struct SafetensorsWriter::Impl {
+  explicit Impl(const std::string& path)
+      : who("d9d::state::SafetensorsWriter: " + path),
+        file(path, "d9d::state::SafetensorsWriter") {}
+  std::string who;  // for messages: the class and the path
+  detail::AtomicFile file;
+  std::vector<SafetensorsEntry> entries;
+  std::size_t next = 0;
+};
+
+SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<SafetensorsEntry> entries,
+                                     const std::map<std::string, std::string>& metadata) {
+  const std::string who = "d9d::state::SafetensorsWriter: " + path + ": ";
+  std::vector<Described> described;
+  described.reserve(entries.size());
+  for (auto& entry : entries) {
+    uint64_t numel = 1;
+    for (const auto size : entry.shape) {
+      if (size < 0) {
+        throw std::invalid_argument(who + "tensor " + detail::quoted(entry.name) +
+                                    " has a negative size");
+      }
+      numel *= static_cast<uint64_t>(size);
+    }
+    const auto dtype = checked_dtype_name(entry.dtype, entry.name, who);
+    const uint64_t bytes = numel * static_cast<uint64_t>(c10::elementSize(entry.dtype));
+    described.push_back({.name = entry.name, .dtype = dtype, .shape = entry.shape, .bytes = bytes});
+  }
+  const auto prefix = header_prefix(described, metadata, who);  // checks before the file is made
+  uint64_t offset = 0;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    entries[i].begin = offset;
+    offset += described[i].bytes;
+    entries[i].end = offset;
+  }
+  impl_ = std::make_unique<Impl>(path);
+  impl_->entries = std::move(entries);
+  impl_->file.write(prefix.data(), prefix.size());
+}
+
+SafetensorsWriter::~SafetensorsWriter() = default;
+
+void SafetensorsWriter::write(std::string_view name, const at::Tensor& tensor) {
+  auto& s = *impl_;
+  if (s.next >= s.entries.size()) {
+    throw std::logic_error(s.who + ": every tensor is written already; " + detail::quoted(name) +
+                           " is one too many");
+  }
+  const auto& entry = s.entries[s.next];
+  if (name != entry.name) {
+    throw std::logic_error(s.who + ": tensors go in the order given; expected " +
+                           detail::quoted(entry.name) + ", got " + detail::quoted(name));
+  }
+  if (!tensor.defined() || tensor.scalar_type() != entry.dtype ||
+      tensor.sizes() != at::IntArrayRef(entry.shape)) {
+    throw std::invalid_argument(
+        s.who + ": tensor " + detail::quoted(entry.name) + " must be " +
+        std::string(name_of(entry.dtype)) + " of shape " + detail::shape_string(entry.shape) +
+        (tensor.defined() ? ", got " + std::string(name_of(tensor.scalar_type())) + " of shape " +
+                                detail::shape_string(tensor.sizes().vec())
+                          : ", got an undefined tensor"));
+  }
+  const at::Tensor cpu = tensor.resolve_conj().resolve_neg().cpu().contiguous();
+  if (cpu.nbytes() > 0) {
+    s.file.write(cpu.const_data_ptr(), cpu.nbytes());
+  }
+  ++s.next;
+}
+
+void SafetensorsWriter::commit() {
+  auto& s = *impl_;
+  if (s.next != s.entries.size()) {
+    throw std::logic_error(s.who + ": " + std::to_string(s.entries.size() - s.next) +
+                           " tensor(s) not written yet, the next is " +
+                           detail::quoted(s.entries[s.next].name));
+  }
+  s.file.commit();
 }
 
 NamedTensors load_safetensors(const std::string& path) {

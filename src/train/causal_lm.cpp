@@ -110,7 +110,7 @@ LossOutput CausalLmTask::compute_loss(model::Qwen3ForCausalLM& model, const Caus
   const int64_t length = tokens.size(1) - 1;
   const auto inputs = tokens.narrow(1, 0, length);
   const auto labels = tokens.narrow(1, 1, length);
-  const auto loss = model::causal_lm_loss(model(inputs), labels);
+  const auto loss = model->loss(inputs, labels);
   return {.loss_sum = loss.loss_sum, .weight = loss.tokens};
 }
 

@@ -287,6 +287,15 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text) {
   exporting.string("dtype", cfg.export_model.dtype, {"float32", "bfloat16"});
   exporting.finish();
 
+  Section profile = root.child("profile");
+  profile.integer("start", cfg.profile.start, -1, false);
+  profile.integer("steps", cfg.profile.steps, 1, false);
+  profile.string("dir", cfg.profile.dir, {}, false);
+  profile.finish();
+  if (cfg.profile.dir.empty()) {
+    cfg.profile.dir = cfg.run.output_dir + "/profile";
+  }
+
   Section checkpoint = root.child("checkpoint");
   checkpoint.integer("every", cfg.checkpoint.every, 0, false);
   checkpoint.integer("keep", cfg.checkpoint.keep, 1, false);

@@ -3,6 +3,7 @@
 #include <string>
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/optim/optimizer.h>
 
 #include <d9d/core/detail/autocast_scope.hpp>
@@ -115,7 +116,10 @@ StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int6
     accumulate_loss(out, loss_sum, weight_sum, "output_loss");
     return out.loss_sum;
   });
-  s.parallel->finish();
+  {
+    RECORD_USER_SCOPE("d9d::gradient_sync");
+    s.parallel->finish();
+  }
 
   // Only the last stage's ranks hold loss sums: sum over the pipeline, then over the replicas.
   const auto totals = global_totals(loss_sum, weight_sum, {&s.pp, &s.dp}, s.device, step);

@@ -3,10 +3,12 @@
 #include <stdexcept>
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/optim/adamw.h>
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/core/detail/autocast_scope.hpp>
+#include <d9d/optim/adamw.hpp>
 #include <d9d/train/detail/step_parts.hpp>
 #include <d9d/train/train_step.hpp>
 
@@ -32,7 +34,7 @@ std::unique_ptr<torch::optim::Optimizer> make_adamw(
     groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
                                       torch::optim::AdamWOptions(adamw).weight_decay(0.0)));
   }
-  return std::make_unique<torch::optim::AdamW>(std::move(groups), adamw);
+  return std::make_unique<optim::FusedAdamW>(std::move(groups), adamw);
 }
 
 void begin_step(torch::optim::Optimizer& optimizer, double lr) {
@@ -80,7 +82,10 @@ StepResult finish_step(torch::optim::Optimizer& optimizer, const TrainStepOption
   if (options.events != nullptr) {
     options.events->emit(events::BeforeOptimizer{.step = step, .grad_norm = grad_norm});
   }
-  optimizer.step();
+  {
+    RECORD_USER_SCOPE("d9d::optimizer");
+    optimizer.step();
+  }
   if (options.events != nullptr) {
     options.events->emit(events::AfterOptimizer{.step = step, .lr = lr});
   }
@@ -139,14 +144,21 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
   for (int i = 0; i < count; ++i) {
     LossOutput out;
     {
+      RECORD_USER_SCOPE("d9d::forward");
       const AutocastScope autocast(s.options.bf16_autocast, s.device_type);
       out = s.loss(microbatches[static_cast<std::size_t>(i)]);
     }
     accumulate_loss(out, loss_sum, weight_sum, "compute_loss");
     s.parallel->before_backward(i, count);
-    out.loss_sum.backward();
+    {
+      RECORD_USER_SCOPE("d9d::backward");
+      out.loss_sum.backward();
+    }
   }
-  s.parallel->finish();
+  {
+    RECORD_USER_SCOPE("d9d::gradient_sync");
+    s.parallel->finish();
+  }
 
   const auto dp = s.parallel->mesh().group(MeshDomain::batch, "dp");
   const auto totals = global_totals(loss_sum, weight_sum, {&dp}, loss_sum.device(), step);

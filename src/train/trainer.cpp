@@ -4,10 +4,13 @@
 #include <chrono>
 #include <cstdio>
 #include <optional>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/nn/module.h>
 
 #include <d9d/core/collectives.hpp>
@@ -59,6 +62,69 @@ int64_t peak_memory(c10::Device device) {
   return stats.allocated_bytes[0].peak;  // aggregate over pools
 }
 
+// The profiler around the configured steps (Kineto; CUDA kernels when the run is on a GPU).
+class StepProfiler {
+ public:
+  StepProfiler(const ProfileConfig& config, const DistributedContext& context)
+      : config_(config), context_(context) {}
+  StepProfiler(const StepProfiler&) = delete;
+  StepProfiler& operator=(const StepProfiler&) = delete;
+  StepProfiler(StepProfiler&&) = delete;
+  StepProfiler& operator=(StepProfiler&&) = delete;
+  ~StepProfiler() {
+    if (active_) {
+      (void)torch::autograd::profiler::disableProfiler();
+    }
+  }
+
+  void before(int64_t step) {
+    if (config_.start < 0 || step != config_.start) {
+      return;
+    }
+    namespace prof = torch::profiler::impl;
+    std::set<prof::ActivityType> activities = {prof::ActivityType::CPU};
+    if (context_.device().is_cuda()) {
+      activities.insert(prof::ActivityType::CUDA);
+    }
+    const prof::ProfilerConfig settings(prof::ProfilerState::KINETO, /*report_input_shapes=*/false,
+                                        /*profile_memory=*/true);
+    torch::autograd::profiler::prepareProfiler(settings, activities);
+    torch::autograd::profiler::enableProfiler(settings, activities);
+    reset_peak_memory(context_.device());
+    active_ = true;
+  }
+
+  // Returns the trace's path on this rank when the profiled steps are over.
+  std::string after(int64_t step) {
+    if (!active_ || step + 1 < config_.start + config_.steps) {
+      return "";
+    }
+    active_ = false;
+    auto result = torch::autograd::profiler::disableProfiler();
+    files::create_directories(config_.dir, "d9d profile");
+    const auto rank = std::to_string(context_.rank());
+    const auto path = files::join(config_.dir, "rank-" + rank + ".trace.json");
+    result->save(path);
+    const nlohmann::json memory = {{"rank", context_.rank()},
+                                   {"device", context_.device().str()},
+                                   {"steps", {config_.start, config_.start + config_.steps}},
+                                   {"peak_allocated_bytes", peak_memory(context_.device())}};
+    std::FILE* out =
+        std::fopen(files::join(config_.dir, "rank-" + rank + ".memory.json").c_str(), "w");
+    if (out != nullptr) {
+      const auto text = memory.dump(2) + "\n";
+      std::fputs(text.c_str(), out);
+      std::fclose(out);
+    }
+    return path;
+  }
+
+ private:
+  ProfileConfig config_;
+  const DistributedContext& context_;
+  bool active_ = false;
+};
+
 }  // namespace
 
 struct TrainerCore::Impl {
@@ -104,6 +170,44 @@ struct TrainerCore::Impl {
   int64_t microbatches = 0;
 };
 
+namespace {
+
+// The whole model as a Hugging Face checkpoint, streamed one parameter at a time: each is gathered
+// from its parts when the parallelize layer sharded it (collective, every rank in the same order)
+// and written by the main rank; memory holds one whole parameter beyond the rank's own state.
+void export_model(TrainerCore::Impl& s, const std::string& dir, at::ScalarType dtype) {
+  const auto& parallel = s.parallel();
+  const auto named = s.run.model->named_parameters();
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (const auto& item : named) {
+    const auto* record = parallel.find(item.key());
+    shapes.emplace_back(item.key(),
+                        record != nullptr ? record->global_shape : item.value().sizes().vec());
+  }
+  std::unique_ptr<model::HfCheckpointWriter> out;
+  if (s.context.is_main_process()) {
+    out = std::make_unique<model::HfCheckpointWriter>(dir, s.run.hf_config_json, shapes, dtype);
+  }
+  const at::NoGradGuard no_grad;
+  for (const auto& item : named) {
+    const auto* record = parallel.find(item.key());
+    at::Tensor whole = item.value();
+    if (record != nullptr) {
+      whole =
+          record->sharded_dims().empty() ? record->local : record->sharded(*s.mesh).full_tensor();
+    }
+    if (out) {
+      out->write(item.key(), whole);
+    }
+  }
+  if (out) {
+    out->commit();
+  }
+  s.context.barrier();
+}
+
+}  // namespace
+
 TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const DeviceMesh> mesh,
                          TrainerConfig config, PrecisionOptions precision, ErasedRun run)
     : impl_(std::make_unique<Impl>(std::move(context), std::move(mesh), std::move(config),
@@ -132,11 +236,7 @@ TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const Devic
     s.step =
         std::make_unique<TrainStepCore>(std::move(s.run.parallel), s.run.loss, std::move(options));
   }
-  if (s.sharded() && s.config.export_model.enabled) {
-    throw ConfigError(
-        "d9d config: \"export.enabled\" is not supported with sharded parameters "
-        "(d9d::parallel::FullyShard) yet. Fix: set \"export\": {\"enabled\": false}");
-  }
+
   // Randomness after initialisation differs per rank (dropout and the like).
   torch::manual_seed(s.config.run.seed + 1 + static_cast<uint64_t>(s.context.rank()));
 
@@ -234,9 +334,19 @@ TrainResult TrainerCore::train() {
   reset_peak_memory(s.context.device());
   const auto start = Clock::now();
   auto after_first = start;
+  StepProfiler profiler(cfg.profile, s.context);
   for (int64_t step = s.start_step; step < cfg.run.total_steps; ++step) {
     const auto step_start = Clock::now();
-    const StepResult r = this->step(step);
+    profiler.before(step);
+    StepResult r;
+    {
+      RECORD_USER_SCOPE("d9d::step");
+      r = this->step(step);
+    }
+    if (const auto trace = profiler.after(step); !trace.empty() && main) {
+      s.context.logger().info("profile: " + trace + " (steps " + std::to_string(cfg.profile.start) +
+                              ".." + std::to_string(step) + ")");
+    }
     s.done_steps = step + 1;
     const double seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
     if (step == s.start_step) {
@@ -313,11 +423,9 @@ TrainResult TrainerCore::train() {
   if (cfg.export_model.enabled) {
     if (main) {
       result.export_dir = files::join(cfg.run.output_dir, "model");
-      files::create_directories(result.export_dir);
-      const auto dtype = cfg.export_model.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
-      model::save_hf_checkpoint(*s.run.model, result.export_dir, s.run.hf_config_json, dtype);
     }
-    s.context.barrier();
+    export_model(s, files::join(cfg.run.output_dir, "model"),
+                 cfg.export_model.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat);
   }
   if (main && !result.losses.empty()) {
     s.context.logger().info("done: " + std::to_string(result.steps) + " steps in " +

@@ -112,6 +112,33 @@ TEST(Parallel_FullyShard_ws4, HsdpAndPipelineMatchOneProcess) {
   });
 }
 
+// The export gathers each sharded parameter in turn and the main rank streams it to the file: the
+// checkpoint holds the whole model, equal to the gathered shards, and loads as a Qwen3.
+TEST(Parallel_FullyShard_ws2, ExportsTheWholeModel) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    auto config = tiny_run(env.scratch_dir() + "/run", 2, 8, 2, /*outputs=*/true, 3);
+    config.logging.progress = false;
+    d9d::Trainer<d9d::Plan<ShardMesh, d9d::parallel::Fsdp>> trainer(
+        ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+        config);
+    const auto result = trainer.train();
+    const auto parameters = d9d::testing::full_parameters(trainer.core());
+    if (env.rank() != 0) {
+      return;
+    }
+    ASSERT_EQ(result.export_dir, env.scratch_dir() + "/run/model");
+    auto exported = d9d::model::load_hf_qwen3(result.export_dir);
+    std::size_t compared = 0;
+    for (const auto& item : exported->named_parameters()) {
+      EXPECT_TRUE(at::equal(item.value(), parameters.at(item.key()))) << item.key();
+      ++compared;
+    }
+    EXPECT_EQ(compared, parameters.size());
+  });
+}
+
 // What a rank holds between steps: parameters, their gradients and AdamW's state are a quarter of
 // one process's (plus the padding of uneven shards), and nothing stays gathered.
 TEST(Parallel_FullyShard_ws4, EachRankHoldsAQuarterOfTheState) {

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fcntl.h>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <sys/stat.h>
@@ -18,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include <d9d/state/safetensors.hpp>
+#include <d9d/util/files.hpp>
 
 #include "tests/state/state_test_support.hpp"
 #include "tests/support/error_of.hpp"
@@ -40,6 +42,7 @@ using d9d::state::load_safetensors;
 using d9d::state::NamedTensors;
 using d9d::state::read_safetensors_metadata;
 using d9d::state::SafetensorsFile;
+using d9d::state::SafetensorsWriter;
 using d9d::state::save_safetensors;
 using ::testing::HasSubstr;
 
@@ -262,6 +265,53 @@ TEST(State_SafetensorsFile_View, MisalignedDataFallsBackToACopy) {
   EXPECT_EQ(reinterpret_cast<std::uintptr_t>(a.const_data_ptr()) % 4, 0U);
   expect_same(a, at::tensor({1.5F, 2.5F}), "w");
   expect_same(file.view("u"), at::tensor({1}, at::kByte), "u");
+}
+
+TEST(State_SafetensorsWriter, StreamsTheSameFileAsSaveSafetensors) {
+  const std::string dir = scratch_dir();
+  const NamedTensors tensors = {{"w", at::arange(6, at::kFloat).view({2, 3})},
+                                {"e", at::empty({0, 4}, at::kBFloat16)},
+                                {"i", at::tensor({7, 8}, at::kLong)}};
+  save_safetensors(dir + "/whole.safetensors", tensors, {{"format", "pt"}});
+  {
+    SafetensorsWriter out(dir + "/streamed.safetensors",
+                          {{.name = "w", .dtype = at::kFloat, .shape = {2, 3}},
+                           {.name = "e", .dtype = at::kBFloat16, .shape = {0, 4}},
+                           {.name = "i", .dtype = at::kLong, .shape = {2}}},
+                          {{"format", "pt"}});
+    for (const auto& [name, tensor] : tensors) {
+      out.write(name, tensor.t().contiguous().t());  // any layout; written contiguous
+    }
+    out.commit();
+  }
+  EXPECT_EQ(read_file(dir + "/streamed.safetensors"), read_file(dir + "/whole.safetensors"));
+}
+
+TEST(State_SafetensorsWriter, WrongOrderShapeOrCountIsAnErrorAndLeavesNoFile) {
+  const std::string path = scratch_dir() + "/bad_stream.safetensors";
+  const auto two = [&] {
+    return std::make_unique<SafetensorsWriter>(
+        path, std::vector<d9d::state::SafetensorsEntry>{
+                  {.name = "a", .dtype = at::kFloat, .shape = {2}},
+                  {.name = "b", .dtype = at::kFloat, .shape = {3}}});
+  };
+  {
+    auto out = two();
+    EXPECT_THAT(error_of<std::logic_error>([&] { out->write("b", at::ones({3})); }),
+                HasSubstr("tensors go in the order given; expected \"a\", got \"b\""));
+    EXPECT_THAT(error_of<std::invalid_argument>([&] { out->write("a", at::ones({3})); }),
+                HasSubstr("tensor \"a\" must be F32 of shape [2], got F32 of shape [3]"));
+    out->write("a", at::ones({2}));
+    EXPECT_THAT(error_of<std::logic_error>([&] { out->commit(); }),
+                HasSubstr("1 tensor(s) not written yet, the next is \"b\""));
+  }
+  EXPECT_FALSE(d9d::files::exists(path));
+  EXPECT_FALSE(d9d::files::exists(path + ".tmp")) << "the temporary file is removed";
+  EXPECT_THAT(error_of<std::invalid_argument>([&] {
+                SafetensorsWriter out(path, {{.name = "x", .dtype = at::kFloat, .shape = {1}},
+                                             {.name = "x", .dtype = at::kFloat, .shape = {1}}});
+              }),
+              HasSubstr("tensor name \"x\" is given twice"));
 }
 
 TEST(State_SafetensorsFile_Memory, FromBytesReadsTheSameAsTheFile) {

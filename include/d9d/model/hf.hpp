@@ -17,7 +17,10 @@
 // d9d/state/safetensors_sharded.hpp).
 #pragma once
 
+#include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <c10/core/ScalarType.h>
@@ -32,6 +35,33 @@ namespace d9d::model {
 /// `dir`. Each file is written to a temporary name first.
 void save_hf_checkpoint(const torch::nn::Module& model, const std::string& dir,
                         const std::string& config_json, at::ScalarType dtype = at::kFloat);
+
+/// Streams a Hugging Face checkpoint one tensor at a time (only the tensor being written is held):
+/// dir/model.safetensors with the tensors `shapes` names, in that order, each converted to `dtype`
+/// on the CPU, and dir/config.json (skipped when empty) at commit(). For models whose parameters
+/// are sharded (the trainer gathers each one in turn) or larger than host memory.
+///
+///   d9d::model::HfCheckpointWriter out("out/", config.to_hf_json(), {{"w", {4, 4}}},
+///   at::kBFloat16); out.write("w", w);   // in order; std::invalid_argument for another shape
+///   out.commit();        // std::logic_error when a tensor is missing
+class HfCheckpointWriter {
+ public:
+  HfCheckpointWriter(const std::string& dir, std::string config_json,
+                     const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
+                     at::ScalarType dtype = at::kFloat);
+  ~HfCheckpointWriter();
+  HfCheckpointWriter(const HfCheckpointWriter&) = delete;
+  HfCheckpointWriter& operator=(const HfCheckpointWriter&) = delete;
+  HfCheckpointWriter(HfCheckpointWriter&&) = delete;
+  HfCheckpointWriter& operator=(HfCheckpointWriter&&) = delete;
+
+  void write(const std::string& name, const at::Tensor& tensor);
+  void commit();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 /// Copies dir/model.safetensors, or when there is none the shards dir/model.safetensors.index.json
 /// lists, into `model` by name, each tensor converted to its parameter's dtype and device.

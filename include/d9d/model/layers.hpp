@@ -22,6 +22,12 @@
 
 namespace d9d::model {
 
+/// Whether the layers run the d9d custom ops (d9d::rope, d9d::silu_mul, the fused head and loss of
+/// d9d/model/linear_cross_entropy.hpp) — the default — or the ATen compositions they replace (for
+/// comparisons and benchmarks). Process-wide.
+void set_fused_kernels(bool enabled);
+[[nodiscard]] bool fused_kernels();
+
 /// RMSNorm over the last dimension (the d9d::rms_norm custom op; CPU and CUDA kernels).
 class RmsNormImpl : public torch::nn::Module {
  public:
@@ -47,14 +53,17 @@ class LinearImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Linear);
 
-/// Rotary position embedding tables (the half-split "rotate_half" layout).
+/// Rotary position embedding (the half-split "rotate_half" layout), applied by the d9d::rope op.
 class RotaryEmbedding {
  public:
   RotaryEmbedding(int64_t head_dim, double theta);
-  /// cos and sin, each [seq_len, head_dim], float32 on `device`.
-  [[nodiscard]] std::pair<at::Tensor, at::Tensor> cos_sin(int64_t seq_len,
-                                                          c10::Device device) const;
-  /// Rotates x [B, heads, T, head_dim] by the tables.
+  /// The half tables: cos and sin of position t times theta^(-2i/head_dim), each
+  /// [seq_len, head_dim / 2], in `dtype` (float32, or float64 for float64 models) on `device`.
+  [[nodiscard]] std::pair<at::Tensor, at::Tensor> cos_sin(int64_t seq_len, c10::Device device,
+                                                          at::ScalarType dtype = at::kFloat) const;
+  /// The tables' dtype for activations of `activations` (float64 stays float64, else float32).
+  [[nodiscard]] static at::ScalarType table_dtype(at::ScalarType activations);
+  /// Rotates x [B, T, heads, head_dim] by the tables (d9d::kernels::rope, with autograd).
   [[nodiscard]] static at::Tensor apply(const at::Tensor& x, const at::Tensor& cos,
                                         const at::Tensor& sin);
 
@@ -88,7 +97,7 @@ class AttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Attention);
 
-/// SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
+/// SwiGLU feed-forward: down(silu(gate(x)) * up(x)), the activation by the d9d::silu_mul op.
 class SwiGluImpl : public torch::nn::Module {
  public:
   SwiGluImpl(int64_t hidden_size, int64_t intermediate_size);

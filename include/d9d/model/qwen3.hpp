@@ -111,12 +111,23 @@ class Qwen3ModelImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Qwen3Model);
 
+/// Sum of token cross-entropies over labels != ignore_index, and the number of such tokens, so
+/// the loss can be averaged over every token of every microbatch and rank.
+struct CausalLmLoss {
+  at::Tensor loss_sum;  ///< scalar, float32
+  at::Tensor tokens;    ///< scalar, int64
+};
 /// The causal LM: Qwen3Model + LM head (tied to embed_tokens when tie_word_embeddings).
 class Qwen3ForCausalLMImpl : public torch::nn::Module {
  public:
   explicit Qwen3ForCausalLMImpl(Qwen3Config config);
   /// input_ids [B, T] -> logits [B, T, vocab].
   at::Tensor forward(const at::Tensor& input_ids);
+  /// The causal-LM loss of predicting `labels` [B, T] from `input_ids` [B, T]: the head and the
+  /// cross-entropy fused and chunked (d9d::model::linear_cross_entropy) when fused_kernels(), so
+  /// the logits never exist whole; else causal_lm_loss(forward(input_ids), labels).
+  [[nodiscard]] CausalLmLoss loss(const at::Tensor& input_ids, const at::Tensor& labels,
+                                  int64_t ignore_index = -100);
   [[nodiscard]] const Qwen3Config& config() const { return config_; }
 
   Qwen3Model model{nullptr};
@@ -138,12 +149,6 @@ TORCH_MODULE(Qwen3ForCausalLM);
 /// whatever the split.
 void init_qwen3_parameters(torch::nn::Module& module, const Qwen3Config& config, uint64_t seed);
 
-/// Sum of token cross-entropies over labels != ignore_index, and the number of such tokens, so
-/// the loss can be averaged over every token of every microbatch and rank.
-struct CausalLmLoss {
-  at::Tensor loss_sum;  ///< scalar, float32
-  at::Tensor tokens;    ///< scalar, int64
-};
 CausalLmLoss causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels,
                             int64_t ignore_index = -100);
 

@@ -118,6 +118,35 @@ class SafetensorsFile {
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 
+/// Writes a safetensors file one tensor at a time, so only one tensor is in memory: the header
+/// (from the entries' names, dtypes and shapes, in order) goes first, then write() each tensor in
+/// that order, then commit() (fsync and rename over `path`; until then only `<path>.tmp` exists,
+/// and it is removed when the writer goes without a commit).
+///
+///   d9d::state::SafetensorsWriter out(path, {{.name = "w", .dtype = at::kFloat, .shape = {2,
+///   3}}}); out.write("w", w);   // std::invalid_argument on another dtype or shape out.commit();
+///   // std::logic_error when a tensor is missing
+class SafetensorsWriter {
+ public:
+  /// `entries`: name, dtype and shape of each tensor (begin/end are computed). Throws
+  /// std::invalid_argument like save_safetensors before the file is created.
+  SafetensorsWriter(const std::string& path, std::vector<SafetensorsEntry> entries,
+                    const std::map<std::string, std::string>& metadata = {});
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+  SafetensorsWriter(SafetensorsWriter&&) = delete;
+  SafetensorsWriter& operator=(SafetensorsWriter&&) = delete;
+
+  /// The next tensor (any device; copied to the CPU as it is written).
+  void write(std::string_view name, const at::Tensor& tensor);
+  void commit();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 /// The bytes save_safetensors would write (same checks), for in-memory use.
 [[nodiscard]] std::string serialize_safetensors(
     const NamedTensors& tensors, const std::map<std::string, std::string>& metadata = {});

@@ -90,6 +90,15 @@ struct CheckpointConfig {
   std::string resume_from;
 };
 
+/// A profiler trace of chosen steps (Kineto: CPU operators and, on GPU, CUDA kernels), one Chrome
+/// trace file per rank, with the step's phases named (d9d::step, d9d::forward, d9d::backward,
+/// d9d::gradient_sync, d9d::optimizer), and a memory summary per rank.
+struct ProfileConfig {
+  int64_t start = -1;  ///< the first step traced (0-based); -1: no profiling
+  int64_t steps = 1;   ///< how many steps
+  std::string dir;     ///< default <run.output_dir>/profile
+};
+
 /// Every knob of a run.
 struct TrainerConfig {
   RunConfig run;
@@ -102,6 +111,7 @@ struct TrainerConfig {
   LoggingConfig logging;
   ExportConfig export_model;
   CheckpointConfig checkpoint;
+  ProfileConfig profile;
   std::map<std::string, std::string> sections;  ///< "model", "data": raw JSON for the providers
 
   /// Parses and validates; ConfigError on any problem.

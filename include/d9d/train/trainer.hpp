@@ -113,8 +113,9 @@ class TrainerCore {
   /// The optimizer (AdamW) over the records' local tensors.
   [[nodiscard]] torch::optim::Optimizer& optimizer();
 
+  struct Impl;  ///< the loop's state (src/train/trainer.cpp)
+
  private:
-  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -26,7 +26,8 @@ struct TrainStepOptions;
 
 namespace d9d::detail {
 
-/// AdamW over the records' local tensors: weight decay on matrices (the whole parameter has
+/// AdamW (the fused multi-tensor kernel, d9d/optim/adamw.hpp) over the records' local tensors:
+/// weight decay on matrices (the whole parameter has
 /// dim >= 2), none on the rest.
 std::unique_ptr<torch::optim::Optimizer> make_adamw(
     const std::vector<parallel::ParameterRecord>& params, const OptimizerConfig& config);

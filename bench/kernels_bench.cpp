@@ -1,0 +1,292 @@
+// bench/kernels_bench.cpp — d9d's fused ops against the ATen compositions they replace, as achieved
+// GB/s (rope, silu_mul) and time per step (AdamW): what the layers and the optimizer run.
+//
+//   kernels_bench                                 # CUDA (bf16 activations) when available, else
+//   CPU kernels_bench --benchmark_filter=Rope
+//
+// Bytes counted are the minimum each call must move. rope: read x, write y (the small tables not
+// counted); forward+backward adds reading dy and writing dx. silu_mul: forward reads gate and up,
+// writes h; backward reads dh, gate and up, writes dgate and dup. On the H200 (~4.8 TB/s HBM),
+// memory-bound kernels reach ~85-90% of it at best. AdamW: one step over the 310 parameters of a
+// Qwen3-0.6B shape (fp32), torch::optim::AdamW (a dozen kernels per parameter) against
+// d9d::optim::FusedAdamW (one multi-tensor kernel per group).
+#include <chrono>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <benchmark/benchmark.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/cuda.h>
+#include <torch/optim/adamw.h>
+
+#include <d9d/kernels/rope.hpp>
+#include <d9d/kernels/silu_mul.hpp>
+#include <d9d/optim/adamw.hpp>
+
+namespace {
+
+constexpr int kCallsPerIteration = 20;
+
+bool on_cuda() { return torch::cuda::is_available(); }
+
+at::TensorOptions options() {
+  return on_cuda() ? at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16)
+                   : at::TensorOptions().dtype(at::kFloat);
+}
+
+void sync() {
+  if (on_cuda()) {
+    torch::cuda::synchronize();
+  }
+}
+
+template <typename Fn>
+void run(benchmark::State& state, double bytes_per_call, int calls, Fn&& fn) {
+  fn();
+  sync();
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) {
+      fn();
+    }
+    sync();
+    const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+    state.SetIterationTime(elapsed.count() / calls);
+  }
+  state.SetBytesProcessed(
+      static_cast<int64_t>(bytes_per_call * static_cast<double>(state.iterations())));
+  state.SetLabel(on_cuda() ? "cuda bf16" : "cpu fp32");
+}
+
+// ---- rope: x [B, T, H, D] -----------------------------------------------------------------------
+
+struct RopeInputs {
+  at::Tensor x, dy, cos, sin;
+  double bytes = 0;
+};
+
+RopeInputs rope_inputs(const benchmark::State& state) {
+  const int64_t tokens = state.range(0);
+  const int64_t heads = state.range(1);
+  const int64_t dim = 128;
+  const int64_t seq = 2048;
+  RopeInputs in;
+  in.x = at::randn({tokens / seq, seq, heads, dim}, options());
+  in.dy = at::randn_like(in.x);
+  const auto angles = at::rand({seq, dim / 2}, options().dtype(at::kFloat)) * 6.28;
+  in.cos = angles.cos();
+  in.sin = angles.sin();
+  in.bytes = static_cast<double>(in.x.nbytes());
+  return in;
+}
+
+at::Tensor eager_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  const auto c = at::cat({cos, cos}, -1).unsqueeze(1).to(x.scalar_type());
+  const auto s = at::cat({sin, sin}, -1).unsqueeze(1).to(x.scalar_type());
+  const auto rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * c + rotated * s;
+}
+
+template <typename Rope>
+void rope_forward_backward(benchmark::State& state, Rope&& rope) {
+  const auto in = rope_inputs(state);
+  const auto x = in.x.detach().requires_grad_(true);
+  run(state, 4 * in.bytes, kCallsPerIteration, [&] {
+    const auto y = rope(x, in.cos, in.sin);
+    benchmark::DoNotOptimize(torch::autograd::grad({y}, {x}, {in.dy}));
+  });
+}
+
+void BM_Rope_Forward_D9d(benchmark::State& state) {
+  const auto in = rope_inputs(state);
+  const at::NoGradGuard no_grad;
+  run(state, 2 * in.bytes, kCallsPerIteration,
+      [&] { benchmark::DoNotOptimize(d9d::kernels::rope(in.x, in.cos, in.sin)); });
+}
+void BM_Rope_Forward_AtenEager(benchmark::State& state) {
+  const auto in = rope_inputs(state);
+  const at::NoGradGuard no_grad;
+  run(state, 2 * in.bytes, kCallsPerIteration,
+      [&] { benchmark::DoNotOptimize(eager_rope(in.x, in.cos, in.sin)); });
+}
+void BM_Rope_ForwardBackward_D9d(benchmark::State& state) {
+  rope_forward_backward(state, [](const auto& x, const auto& c, const auto& s) {
+    return d9d::kernels::rope(x, c, s);
+  });
+}
+void BM_Rope_ForwardBackward_AtenEager(benchmark::State& state) {
+  rope_forward_backward(
+      state, [](const auto& x, const auto& c, const auto& s) { return eager_rope(x, c, s); });
+}
+
+// ---- silu_mul: [tokens, intermediate]
+// ------------------------------------------------------------
+
+struct SiluInputs {
+  at::Tensor gate, up, dh;
+  double bytes = 0;  // one tensor
+};
+
+SiluInputs silu_inputs(const benchmark::State& state) {
+  SiluInputs in;
+  in.gate = at::randn({state.range(0), state.range(1)}, options());
+  in.up = at::randn_like(in.gate);
+  in.dh = at::randn_like(in.gate);
+  in.bytes = static_cast<double>(in.gate.nbytes());
+  return in;
+}
+
+template <typename Act>
+void silu_forward_backward(benchmark::State& state, Act&& act) {
+  const auto in = silu_inputs(state);
+  const auto gate = in.gate.detach().requires_grad_(true);
+  const auto up = in.up.detach().requires_grad_(true);
+  run(state, 8 * in.bytes, kCallsPerIteration, [&] {
+    const auto h = act(gate, up);
+    benchmark::DoNotOptimize(torch::autograd::grad({h}, {gate, up}, {in.dh}));
+  });
+}
+
+void BM_SiluMul_Forward_D9d(benchmark::State& state) {
+  const auto in = silu_inputs(state);
+  const at::NoGradGuard no_grad;
+  run(state, 3 * in.bytes, kCallsPerIteration,
+      [&] { benchmark::DoNotOptimize(d9d::kernels::silu_mul(in.gate, in.up)); });
+}
+void BM_SiluMul_Forward_AtenEager(benchmark::State& state) {
+  const auto in = silu_inputs(state);
+  const at::NoGradGuard no_grad;
+  run(state, 3 * in.bytes, kCallsPerIteration,
+      [&] { benchmark::DoNotOptimize(at::silu(in.gate) * in.up); });
+}
+void BM_SiluMul_ForwardBackward_D9d(benchmark::State& state) {
+  silu_forward_backward(state,
+                        [](const auto& g, const auto& u) { return d9d::kernels::silu_mul(g, u); });
+}
+void BM_SiluMul_ForwardBackward_AtenEager(benchmark::State& state) {
+  silu_forward_backward(state, [](const auto& g, const auto& u) { return at::silu(g) * u; });
+}
+
+// ---- attention with grouped KV heads: expanded copies vs SDPA's enable_gqa
+// ------------------------
+
+template <bool Gqa>
+void attention(benchmark::State& state) {
+  if (!on_cuda()) {
+    state.SkipWithError("attention shapes of a GPU run: CUDA only");
+    return;
+  }
+  const int64_t batch = 4;
+  const int64_t seq = 2048;
+  const int64_t heads = 16;
+  const int64_t kv = state.range(0);
+  const int64_t dim = 128;
+  // [B, T, H, D] storage seen as [B, H, T, D], as the model's projections give them.
+  const auto q =
+      at::randn({batch, seq, heads, dim}, options()).transpose(1, 2).requires_grad_(true);
+  const auto k = at::randn({batch, seq, kv, dim}, options()).transpose(1, 2).requires_grad_(true);
+  const auto v = at::randn({batch, seq, kv, dim}, options()).transpose(1, 2).requires_grad_(true);
+  const auto dy = at::randn({batch, heads, seq, dim}, options());
+  run(state, 0, 5, [&] {
+    at::Tensor out;
+    if constexpr (Gqa) {
+      out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true, std::nullopt, kv != heads);
+    } else {
+      const int64_t groups = heads / kv;
+      const auto ke =
+          k.unsqueeze(2).expand({batch, kv, groups, seq, dim}).reshape({batch, heads, seq, dim});
+      const auto ve =
+          v.unsqueeze(2).expand({batch, kv, groups, seq, dim}).reshape({batch, heads, seq, dim});
+      out = at::scaled_dot_product_attention(q, ke, ve, {}, 0.0, true);
+    }
+    benchmark::DoNotOptimize(torch::autograd::grad({out}, {q, k, v}, {dy}));
+  });
+}
+
+void BM_Attention_ExpandedKv(benchmark::State& state) { attention<false>(state); }
+void BM_Attention_EnableGqa(benchmark::State& state) { attention<true>(state); }
+
+// ---- AdamW over a Qwen3-0.6B shape's parameters ------------------------------------------------
+
+std::vector<at::Tensor> qwen3_parameters(double scale) {
+  const auto opts = options().dtype(at::kFloat);
+  const auto n = [scale](int64_t v) {
+    return std::max<int64_t>(1, static_cast<int64_t>(v * scale));
+  };
+  std::vector<at::Tensor> params;
+  params.push_back(at::randn({n(151936), 1024}, opts));
+  for (int layer = 0; layer < 28; ++layer) {
+    for (const auto& shape : std::vector<std::vector<int64_t>>{{n(2048), 1024},
+                                                               {n(1024), 1024},
+                                                               {n(1024), 1024},
+                                                               {1024, n(2048)},
+                                                               {n(3072), 1024},
+                                                               {n(3072), 1024},
+                                                               {1024, n(3072)},
+                                                               {1024},
+                                                               {1024},
+                                                               {128},
+                                                               {128}}) {
+      params.push_back(at::randn(shape, opts));
+    }
+  }
+  params.push_back(at::randn({1024}, opts));
+  for (auto& p : params) {
+    p.requires_grad_(true);
+    p.mutable_grad() = at::randn_like(p);
+  }
+  return params;
+}
+
+template <typename Optimizer>
+void adamw(benchmark::State& state) {
+  auto params = qwen3_parameters(on_cuda() ? 1.0 : 0.01);
+  Optimizer optimizer(params, torch::optim::AdamWOptions(1e-4).weight_decay(0.1));
+  double bytes = 0;
+  for (const auto& p : params) {
+    bytes += 4.0 * static_cast<double>(p.nbytes());  // read p, g, m, v; write p, m, v: ~7 passes
+  }
+  run(state, bytes * 7.0 / 4.0, 3, [&] { optimizer.step(); });
+}
+
+void BM_AdamW_Torch(benchmark::State& state) { adamw<torch::optim::AdamW>(state); }
+void BM_AdamW_D9dFused(benchmark::State& state) { adamw<d9d::optim::FusedAdamW>(state); }
+
+void rope_shapes(benchmark::internal::Benchmark* b) {
+  // {tokens, heads}: 8 x 2048 tokens with Qwen3-0.6B's 16 query and 8 KV heads, and 8B's 32.
+  if (on_cuda()) {
+    b->Args({16384, 16})->Args({16384, 8})->Args({16384, 32});
+  } else {
+    b->Args({2048, 4});
+  }
+  b->UseManualTime()->Unit(benchmark::kMicrosecond);
+}
+
+void silu_shapes(benchmark::internal::Benchmark* b) {
+  // {tokens, intermediate}: 8 x 2048 tokens at Qwen3-0.6B (3072) and 8B (12288).
+  if (on_cuda()) {
+    b->Args({16384, 3072})->Args({16384, 12288});
+  } else {
+    b->Args({1024, 1024});
+  }
+  b->UseManualTime()->Unit(benchmark::kMicrosecond);
+}
+
+BENCHMARK(BM_Rope_Forward_D9d)->Apply(rope_shapes);
+BENCHMARK(BM_Rope_Forward_AtenEager)->Apply(rope_shapes);
+BENCHMARK(BM_Rope_ForwardBackward_D9d)->Apply(rope_shapes);
+BENCHMARK(BM_Rope_ForwardBackward_AtenEager)->Apply(rope_shapes);
+BENCHMARK(BM_SiluMul_Forward_D9d)->Apply(silu_shapes);
+BENCHMARK(BM_SiluMul_Forward_AtenEager)->Apply(silu_shapes);
+BENCHMARK(BM_SiluMul_ForwardBackward_D9d)->Apply(silu_shapes);
+BENCHMARK(BM_SiluMul_ForwardBackward_AtenEager)->Apply(silu_shapes);
+BENCHMARK(BM_Attention_ExpandedKv)->Arg(8)->Arg(16)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Attention_EnableGqa)->Arg(8)->Arg(16)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AdamW_Torch)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AdamW_D9dFused)->UseManualTime()->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();
