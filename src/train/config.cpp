@@ -287,6 +287,13 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text) {
   exporting.string("dtype", cfg.export_model.dtype, {"float32", "bfloat16"});
   exporting.finish();
 
+  Section numerics = root.child("numerics");
+  numerics.string("on_nonfinite", cfg.numerics.on_nonfinite, {"stop", "skip"});
+  numerics.integer("max_consecutive_skips", cfg.numerics.max_consecutive_skips, 1, false);
+  numerics.number("loss_spike_factor", cfg.numerics.loss_spike_factor, 1.0, false, INFINITY);
+  numerics.integer("loss_spike_window", cfg.numerics.loss_spike_window, 1, false);
+  numerics.finish();
+
   Section profile = root.child("profile");
   profile.integer("start", cfg.profile.start, -1, false);
   profile.integer("steps", cfg.profile.steps, 1, false);

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <sys/resource.h>
@@ -389,6 +390,59 @@ TEST(Trainer_Checkpoint_Gloo_ws2, AsyncWriterFailureReachesTheTrainingLoopOfEver
     EXPECT_FALSE(d9d::files::exists(cfg.checkpoint.dir + "/checkpoints.json"));
     EXPECT_FALSE(d9d::files::exists(cfg.checkpoint.dir + "/step-2"));
     EXPECT_FALSE(d9d::files::exists(cfg.checkpoint.dir + "/step-2.tmp"));
+  });
+}
+
+// A fault on rank 1 alone: both ranks stop at the same step with the same error, and with
+// "numerics.on_nonfinite": "skip" both skip it and stay replicas of each other.
+TEST(Trainer_Numerics_Gloo_ws2, EveryRankStopsOrSkipsTheSameStep) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto dir = env.scratch_dir() + "/numerics/rank" + std::to_string(env.rank());
+    const d9d::testing::FaultyTask nan_on_rank1{.first = 2,
+                                                .last = 2,
+                                                .factor = std::numeric_limits<double>::quiet_NaN(),
+                                                .active = env.rank() == 1};
+    {
+      d9d::Trainer<DpPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                               nan_on_rank1, d9d::testing::tiny_run(dir + "/stop", 5, 8, 2));
+      nan_on_rank1.follow(run);
+      std::string error;
+      try {
+        (void)run.train();
+      } catch (const d9d::NumericalError& e) {
+        error = e.what();
+      }
+      EXPECT_THAT(error, HasSubstr("step 3 of 5 (index 2): loss nan")) << error;
+    }
+    ctx.barrier();
+
+    // Skipping: infinite gradients on rank 1 only (the loss stays finite everywhere).
+    auto cfg = d9d::testing::tiny_run(dir + "/skip", 5, 8, 2);
+    cfg.numerics.on_nonfinite = "skip";
+    const d9d::testing::FaultyTask inf_on_rank1{.first = 2,
+                                                .last = 2,
+                                                .factor = std::numeric_limits<double>::infinity(),
+                                                .gradient_only = true,
+                                                .active = env.rank() == 1};
+    d9d::Trainer<DpPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                             inf_on_rank1, cfg);
+    inf_on_rank1.follow(run);
+    int optimizer_steps = 0;
+    run.on<d9d::events::AfterOptimizer>([&](const auto&) { ++optimizer_steps; });
+    const auto result = run.train();
+    EXPECT_EQ(result.skipped_steps, (std::vector<int64_t>{2}));
+    EXPECT_EQ(optimizer_steps, 4);
+    // The replicas are bit-identical: max and min over the ranks of every parameter agree.
+    const auto& world = ctx.world();
+    for (const auto& item : run.core().model()->named_parameters()) {
+      const auto mine = item.value().detach().flatten();
+      EXPECT_TRUE(at::isfinite(mine).all().item<bool>()) << item.key();
+      const auto high = d9d::all_reduce(world, mine, d9d::ReduceOp::max);
+      const auto low = d9d::all_reduce(world, mine, d9d::ReduceOp::min);
+      EXPECT_TRUE(at::equal(high, low)) << item.key();
+    }
   });
 }
 

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <numbers>
 #include <string>
 #include <vector>
@@ -689,6 +690,171 @@ TEST(Train_Checkpoint, ErrorsNameTheProblem) {
               }),
               HasSubstr("is not a complete checkpoint (no trainer.json). Fix: point "
                         "\"checkpoint.resume_from\" at a step-<N> directory"));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Numerical faults: a NaN or infinite loss or gradient norm never reaches the optimizer.
+
+// Keeps the parameters as they are at the end of step `step` in `out`.
+void snapshot_at(d9d::Trainer<LocalPlan>& trainer, int64_t step, std::vector<at::Tensor>& out) {
+  trainer.on<d9d::events::StepEnd>([&trainer, &out, step](const d9d::events::StepEnd& e) {
+    if (e.step == step) {
+      out = parameters_of(trainer.core());
+    }
+  });
+}
+
+bool all_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size() || a.empty()) {
+    return false;
+  }
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!at::equal(a[i], b[i])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+TEST(Train_Numerics, NanLossStopsNamingTheStepAndKeepsTheLastCheckpoint) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  for (const bool async : {false, true}) {
+    const auto dir = tmp_dir(async ? "nan_stop_async" : "nan_stop_sync");
+    const auto cfg = checkpointed(dir, async);  // 6 steps, a checkpoint after 3
+    const d9d::testing::FaultyTask task{
+        .first = 4, .last = 4, .factor = std::numeric_limits<double>::quiet_NaN()};
+    d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                task, cfg);
+    task.follow(run);
+    std::vector<at::Tensor> good;  // after step index 3, the last finite one
+    snapshot_at(run, 3, good);
+    bool ended = false;
+    run.on<d9d::events::StepEnd>([&](const d9d::events::StepEnd& e) { ended = e.step >= 4; });
+    const auto error = d9d::testing::error_of<d9d::NumericalError>([&] { (void)run.train(); });
+    EXPECT_THAT(error, HasSubstr("step 5 of 6 (index 4): loss nan")) << error;
+    EXPECT_THAT(error, HasSubstr("the last checkpoint, " + dir + "/checkpoints/step-3, is kept"))
+        << error;
+    EXPECT_THAT(error, HasSubstr("\"numerics.on_nonfinite\": \"skip\"")) << error;
+    EXPECT_FALSE(ended);  // stopped inside step 4
+    // The optimizer never saw the NaN: the parameters are those after step index 3.
+    EXPECT_TRUE(all_equal(parameters_of(run.core()), good)) << async;
+    // The asynchronous save of step 3 was completed before the stop; nothing later exists.
+    EXPECT_TRUE(d9d::files::exists(dir + "/checkpoints/step-3/trainer.json")) << async;
+    EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-6")) << async;
+    std::ifstream index(dir + "/checkpoints/checkpoints.json");
+    const auto json = nlohmann::json::parse(index);
+    EXPECT_THAT(json.dump(), HasSubstr("step-3")) << json.dump();
+  }
+  // Without checkpoints the message says so.
+  const auto dir = tmp_dir("inf_stop");
+  const d9d::testing::FaultyTask task{
+      .first = 1, .last = 1, .factor = std::numeric_limits<double>::infinity()};
+  d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                              task, d9d::testing::tiny_run(dir, 4, 8, 4));
+  task.follow(run);
+  const auto error = d9d::testing::error_of<d9d::NumericalError>([&] { (void)run.train(); });
+  EXPECT_THAT(error, HasSubstr("step 2 of 4 (index 1): loss inf")) << error;
+  EXPECT_THAT(error, HasSubstr("no checkpoint was written")) << error;
+}
+
+TEST(Train_Numerics, InfiniteGradientNormSkipsTheStepWhenConfigured) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  auto cfg = d9d::testing::tiny_run(tmp_dir("inf_skip"), 5, 8, 4);
+  cfg.numerics.on_nonfinite = "skip";
+  // The gradients alone are infinite at step index 2 (the loss stays finite).
+  const d9d::testing::FaultyTask task{.first = 2,
+                                      .last = 2,
+                                      .factor = std::numeric_limits<double>::infinity(),
+                                      .gradient_only = true};
+  d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                              task, cfg);
+  task.follow(run);
+  std::vector<at::Tensor> before;
+  std::vector<at::Tensor> skipped;
+  std::vector<at::Tensor> after;
+  snapshot_at(run, 1, before);
+  snapshot_at(run, 2, skipped);
+  snapshot_at(run, 3, after);
+  int optimizer_steps = 0;
+  run.on<d9d::events::AfterOptimizer>([&](const auto&) { ++optimizer_steps; });
+  const auto result = run.train();
+  EXPECT_EQ(result.skipped_steps, (std::vector<int64_t>{2}));
+  ASSERT_EQ(result.losses.size(), 5U);
+  EXPECT_TRUE(std::isfinite(result.losses[2]));
+  EXPECT_FALSE(std::isfinite(result.grad_norms[2]));
+  EXPECT_EQ(optimizer_steps, 4);
+  // Step 2 left the parameters exactly as step 1 did; step 3 trained again, to finite values.
+  EXPECT_TRUE(all_equal(skipped, before));
+  EXPECT_FALSE(all_equal(after, before));
+  for (const auto& p : parameters_of(run.core())) {
+    EXPECT_TRUE(at::isfinite(p).all().item<bool>());
+  }
+}
+
+TEST(Train_Numerics, TooManySkippedStepsInARowStop) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  auto cfg = d9d::testing::tiny_run(tmp_dir("nan_skips"), 8, 8, 4);
+  cfg.numerics.on_nonfinite = "skip";
+  cfg.numerics.max_consecutive_skips = 2;
+  const d9d::testing::FaultyTask task{
+      .first = 1, .last = 100, .factor = std::numeric_limits<double>::quiet_NaN()};
+  d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                              task, cfg);
+  task.follow(run);
+  const auto error = d9d::testing::error_of<d9d::NumericalError>([&] { (void)run.train(); });
+  EXPECT_THAT(error, HasSubstr("step 4 of 8 (index 3): loss nan")) << error;
+  EXPECT_THAT(error,
+              HasSubstr("3 such steps in a row, more than \"numerics.max_consecutive_skips\" = 2"))
+      << error;
+}
+
+TEST(Train_Numerics, LossSpikesAreReported) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  auto cfg = d9d::testing::tiny_run(tmp_dir("spike"), 8, 8, 4);
+  cfg.numerics.loss_spike_window = 3;
+  // Step 5's loss is 10 times what it would be (~4.2, about ln 64 for this model and data); the
+  // others stay within a few percent of each other, far below 3 times their mean.
+  const d9d::testing::FaultyTask task{.first = 5, .last = 5, .factor = 10.0};
+  d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                              task, cfg);
+  task.follow(run);
+  std::vector<d9d::events::LossSpike> spikes;
+  run.on<d9d::events::LossSpike>([&](const d9d::events::LossSpike& e) { spikes.push_back(e); });
+  const auto result = run.train();
+  EXPECT_EQ(result.loss_spikes, (std::vector<int64_t>{5}));
+  EXPECT_TRUE(result.skipped_steps.empty());
+  ASSERT_EQ(spikes.size(), 1U);
+  EXPECT_EQ(spikes[0].step, 5);
+  EXPECT_EQ(spikes[0].loss, result.losses[5]);
+  EXPECT_DOUBLE_EQ(spikes[0].mean,
+                   (result.losses[2] + result.losses[3] + result.losses[4]) / 3.0);
+}
+
+TEST(Train_Config_Numerics, KeysAreReadAndChecked) {
+  const auto cfg = d9d::TrainerConfig::from_json_text(base_config(
+      kRun, kBatch,
+      R"(, "numerics": {"on_nonfinite": "skip", "max_consecutive_skips": 3,
+                        "loss_spike_factor": 2.5, "loss_spike_window": 7})"));
+  EXPECT_EQ(cfg.numerics.on_nonfinite, "skip");
+  EXPECT_EQ(cfg.numerics.max_consecutive_skips, 3);
+  EXPECT_EQ(cfg.numerics.loss_spike_factor, 2.5);
+  EXPECT_EQ(cfg.numerics.loss_spike_window, 7);
+  const auto defaults = d9d::TrainerConfig::from_json_text(base_config(kRun, kBatch, ""));
+  EXPECT_EQ(defaults.numerics.on_nonfinite, "stop");
+  const auto bad = [](const std::string& numerics) {
+    return d9d::testing::error_of<d9d::ConfigError>([&] {
+      (void)d9d::TrainerConfig::from_json_text(
+          base_config(kRun, kBatch, R"(, "numerics": )" + numerics));
+    });
+  };
+  EXPECT_THAT(bad(R"({"on_nonfinite": "ignore"})"),
+              HasSubstr("\"numerics.on_nonfinite\" = \"ignore\" is invalid: expected one of "
+                        "\"stop\", \"skip\""));
+  EXPECT_THAT(bad(R"({"loss_spike_factor": 1.0})"),
+              HasSubstr("\"numerics.loss_spike_factor\" = 1.0 is invalid"));
+  EXPECT_THAT(bad(R"({"max_consecutive_skips": 0})"),
+              HasSubstr("\"numerics.max_consecutive_skips\" = 0 is invalid"));
+  EXPECT_THAT(bad(R"({"on_nan": "skip"})"), HasSubstr("unknown key \"numerics.on_nan\""));
 }
 
 }  // namespace

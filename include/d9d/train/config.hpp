@@ -90,6 +90,21 @@ struct CheckpointConfig {
   std::string resume_from;
 };
 
+/// Numerical faults (docs/train.md, "Numerical faults"). A step whose global loss or gradient norm
+/// is NaN or infinite never reaches the optimizer (every rank agrees on that).
+struct NumericsConfig {
+  /// "stop": train() throws d9d::NumericalError naming the step and the values, the parameters and
+  /// the last checkpoint as they were before the step; "skip": the step is skipped (no optimizer
+  /// update) and training goes on.
+  std::string on_nonfinite = "stop";
+  /// "skip": more skipped steps than this in a row stop the run as "stop" does.
+  int64_t max_consecutive_skips = 10;
+  /// A finite loss above loss_spike_factor x the mean of the previous loss_spike_window finite
+  /// losses is a spike: logged (warning), listed in TrainResult::loss_spikes, events::LossSpike.
+  double loss_spike_factor = 3.0;
+  int64_t loss_spike_window = 20;
+};
+
 /// A profiler trace of chosen steps (Kineto: CPU operators and, on GPU, CUDA kernels), one Chrome
 /// trace file per rank, with the step's phases named (d9d::step, d9d::forward, d9d::backward,
 /// d9d::gradient_sync, d9d::optimizer), and a memory summary per rank.
@@ -112,6 +127,7 @@ struct TrainerConfig {
   ExportConfig export_model;
   CheckpointConfig checkpoint;
   ProfileConfig profile;
+  NumericsConfig numerics;
   std::map<std::string, std::string> sections;  ///< "model", "data": raw JSON for the providers
 
   /// Parses and validates; ConfigError on any problem.

@@ -45,6 +45,10 @@ namespace d9d {
 struct TrainResult {
   std::vector<double> losses;      ///< per step run (from start_step on)
   std::vector<double> grad_norms;  ///< per step run, before clipping
+  /// Steps (0-based) skipped for a NaN or infinite loss or gradient norm (numerics.on_nonfinite
+  /// "skip"): the optimizer did not step; their losses and norms above are the non-finite values.
+  std::vector<int64_t> skipped_steps;
+  std::vector<int64_t> loss_spikes;  ///< steps (0-based) whose loss was a spike (events::LossSpike)
   int64_t start_step = 0;          ///< the checkpoint's step when resumed, else 0
   std::string resumed_from;        ///< the checkpoint resumed from (empty when none)
   std::string checkpoint_dir;      ///< the last checkpoint written (empty when none)
