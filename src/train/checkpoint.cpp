@@ -285,10 +285,29 @@ int64_t Checkpointer::load(const std::string& path,
                            const std::vector<parallel::ParameterRecord>& parameters,
                            torch::optim::Optimizer& optimizer) {
   auto& s = *impl_;
-  const auto trainer =
-      nlohmann::json::parse(model::read_text_file(files::join(path, "trainer.json")));
-  const auto step = trainer.at("step").get<int64_t>();
-  const int saved_world = trainer.at("world_size").get<int>();
+  // trainer.json as written by a save: a step >= 0 and a world of at least one rank.
+  const auto trainer_json = files::join(path, "trainer.json");
+  int64_t step = 0;
+  int saved_world = 0;
+  std::string saved_mesh = "?";
+  try {
+    const auto trainer = nlohmann::json::parse(model::read_text_file(trainer_json));
+    step = trainer.at("step").get<int64_t>();
+    const auto world = trainer.at("world_size").get<int64_t>();
+    if (step < 0 || world < 1 || world > (int64_t{1} << 20)) {
+      throw std::out_of_range("step " + std::to_string(step) + ", world_size " +
+                              std::to_string(world));
+    }
+    saved_world = static_cast<int>(world);
+    if (trainer.contains("mesh") && trainer.at("mesh").is_string()) {
+      saved_mesh = trainer.at("mesh").get<std::string>();
+    }
+  } catch (const std::exception& error) {
+    throw std::runtime_error(std::string(kWho) + ": \"" + trainer_json +
+                             "\" is not a checkpoint's trainer.json (" + error.what() +
+                             "). Fix: point \"checkpoint.resume_from\" at a checkpoint a run "
+                             "completed, or remove this one");
+  }
   std::vector<state::SafetensorsFile> files;
   files.reserve(static_cast<std::size_t>(saved_world));
   for (int r = 0; r < saved_world; ++r) {
@@ -300,8 +319,7 @@ int64_t Checkpointer::load(const std::string& path,
     const auto& name = record.name;
     if (index.count("model/" + name) == 0) {
       throw std::runtime_error(std::string(kWho) + ": \"" + path + "\" has no parameter \"" + name +
-                               "\" (saved on mesh " + trainer.value("mesh", std::string("?")) +
-                               ")");
+                               "\" (saved on mesh " + saved_mesh + ")");
     }
     const auto ranges = local_ranges(record, s.mesh);
     at::Tensor local = record.local;

@@ -113,7 +113,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadConfig{"MissingOutputDir", base_config(R"({"total_steps": 10})", kBatch, ""),
                   "\"run.output_dir\" is required"},
         BadConfig{"ZeroSteps", base_config(R"({"output_dir": "o", "total_steps": 0})", kBatch, ""),
-                  "\"run.total_steps\" = 0 is invalid: expected an integer >= 1"},
+                  "\"run.total_steps\" = 0 is invalid: expected an integer from 1 to "
+                  "9223372036854775807"},
         BadConfig{
             "NegativeMicrobatch",
             base_config(kRun,
@@ -154,7 +155,7 @@ INSTANTIATE_TEST_SUITE_P(
                         kBatch, ""),
             "\"run.failure_timeout_s\" = \"1m\" is invalid: expected a number >= 1"},
         BadConfig{"ZeroDegree", base_config(kRun, kBatch, R"(, "mesh": {"tp": 0})"),
-                  "\"mesh.tp\" = 0 is invalid: expected an integer >= 1"},
+                  "\"mesh.tp\" = 0 is invalid: expected an integer from 1 to 2147483647"},
         BadConfig{
             "ExportDtype", base_config(kRun, kBatch, R"(, "export": {"dtype": "fp16"})"),
             "\"export.dtype\" = \"fp16\" is invalid: expected one of \"float32\", \"bfloat16\""},
@@ -169,8 +170,56 @@ INSTANTIATE_TEST_SUITE_P(
         BadConfig{"SectionTwice", base_config(kRun, kBatch, R"(, "batch": {})"),
                   "d9d config: \"batch\" appears twice in the JSON object"},
         BadConfig{"NumberOverflow", base_config(kRun, kBatch, R"(, "optimizer": {"lr": 1e999})"),
-                  "not valid JSON: bad JSON ([json.exception.out_of_range.406] number overflow"}),
+                  "not valid JSON: bad JSON ([json.exception.out_of_range.406] number overflow"},
+        // Integers beyond their type are errors, never truncated (2^32 + 1 is not pp = 1).
+        BadConfig{"DegreeBeyondInt", base_config(kRun, kBatch, R"(, "mesh": {"pp": 4294967297})"),
+                  "\"mesh.pp\" = 4294967297 is invalid: expected an integer from 1 to 2147483647"},
+        BadConfig{
+            "StepsBeyondInt64",
+            base_config(R"({"output_dir": "o", "total_steps": 9223372036854775808})", kBatch, ""),
+            "\"run.total_steps\" = 9223372036854775808 is invalid"},
+        BadConfig{"SeedBeyondUint64",
+                  base_config(R"({"output_dir": "o", "total_steps": 1, "seed": 1e20})", kBatch, ""),
+                  "\"run.seed\" = 1e+20 is invalid: expected an integer from 0 to "},
+        BadConfig{"NegativeSeed",
+                  base_config(R"({"output_dir": "o", "total_steps": 1, "seed": -1})", kBatch, ""),
+                  "\"run.seed\" = -1 is invalid"},
+        BadConfig{"HugeSteps",
+                  base_config(R"({"output_dir": "o", "total_steps": 1e999})", kBatch, ""),
+                  "number overflow"}),
     [](const auto& info) { return info.param.name; });
+
+// A command line's replacements (the quickstart's --data, --output, --steps, --pp) are applied
+// after the strict parse and before validation, so they meet the same rules.
+TEST(Train_Config, OverridesApplyBeforeValidation) {
+  const auto text = base_config(kRun, kBatch, "");
+  const auto cfg = d9d::TrainerConfig::from_json_text(
+      text, {{"run.total_steps", "7"}, {"mesh.pp", "2"}, {"data.paths", R"(["a.bin"])"}});
+  EXPECT_EQ(cfg.run.total_steps, 7);
+  EXPECT_EQ(cfg.mesh.pp, 2);
+  EXPECT_EQ(cfg.section("data"), R"({"paths":["a.bin"]})");
+  const auto bad = [&](const std::string& key, const std::string& value) {
+    return d9d::testing::error_of<d9d::ConfigError>([&] {
+      (void)d9d::TrainerConfig::from_json_text(text, {{key, value}});
+    });
+  };
+  EXPECT_THAT(bad("mesh.pp", "4294967297"),
+              HasSubstr("\"mesh.pp\" = 4294967297 is invalid: expected an integer from 1 to "
+                        "2147483647"));
+  EXPECT_THAT(bad("run.seed", "nope"),
+              HasSubstr("the value given for \"run.seed\" (nope) is not valid JSON"));
+  EXPECT_THAT(bad("run.output_dir.x", "1"),
+              HasSubstr("cannot set \"run.output_dir.x\": \"run.output_dir\" = \"out\" is not a "
+                        "JSON object"));
+  EXPECT_THAT(bad("run..x", "1"), HasSubstr("is not a dotted key"));
+  EXPECT_THAT(bad("run.totl_steps", "1"), HasSubstr("unknown key \"run.totl_steps\""));
+  // A key given twice in the text stays an error whatever the overrides.
+  EXPECT_THAT(d9d::testing::error_of<d9d::ConfigError>([&] {
+                (void)d9d::TrainerConfig::from_json_text(
+                    base_config(kRun, kBatch, R"(, "batch": {})"), {{"run.total_steps", "3"}});
+              }),
+              HasSubstr("appears twice"));
+}
 
 TEST(Train_Config, GlobalBatchMustDivideByDataParallelTimesMicrobatch) {
   const auto cfg = d9d::TrainerConfig::from_json_text(base_config(kRun, kBatch, ""));
@@ -680,6 +729,31 @@ TEST(Train_Checkpoint, ErrorsNameTheProblem) {
                                             d9d::CausalLmTask{}, deeper);
               }),
               HasSubstr("has no parameter \"model.layers.2."));
+  // A corrupt trainer.json is named, not a bare JSON error.
+  {
+    const auto broken = tmp_dir("ckpt_broken");
+    auto cfg = checkpointed(broken, false);
+    cfg.run.total_steps = 3;
+    d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                d9d::CausalLmTask{}, cfg);
+    (void)run.train();
+    std::ofstream(broken + "/checkpoints/step-3/trainer.json")
+        << R"({"step": 3, "world_size": -2})";
+    EXPECT_THAT(d9d::testing::error_of<std::runtime_error>([&] {
+                  d9d::Trainer<LocalPlan> again(ctx, d9d::Qwen3Provider{},
+                                                d9d::testing::RandomWindowsProvider{},
+                                                d9d::CausalLmTask{}, cfg);
+                }),
+                HasSubstr("/checkpoints/step-3/trainer.json\" is not a checkpoint's trainer.json "
+                          "(step 3, world_size -2)"));
+    std::ofstream(broken + "/checkpoints/step-3/trainer.json") << "{\"step\": ";
+    EXPECT_THAT(d9d::testing::error_of<std::runtime_error>([&] {
+                  d9d::Trainer<LocalPlan> again(ctx, d9d::Qwen3Provider{},
+                                                d9d::testing::RandomWindowsProvider{},
+                                                d9d::CausalLmTask{}, cfg);
+                }),
+                HasSubstr("is not a checkpoint's trainer.json ([json.exception.parse_error"));
+  }
   // resume_from must name a complete checkpoint.
   auto elsewhere = checkpointed(tmp_dir("ckpt_elsewhere"), false);
   elsewhere.checkpoint.resume_from = other;  // the run's directory, not one of its step-<N>
@@ -826,14 +900,13 @@ TEST(Train_Numerics, LossSpikesAreReported) {
   ASSERT_EQ(spikes.size(), 1U);
   EXPECT_EQ(spikes[0].step, 5);
   EXPECT_EQ(spikes[0].loss, result.losses[5]);
-  EXPECT_DOUBLE_EQ(spikes[0].mean,
-                   (result.losses[2] + result.losses[3] + result.losses[4]) / 3.0);
+  EXPECT_DOUBLE_EQ(spikes[0].mean, (result.losses[2] + result.losses[3] + result.losses[4]) / 3.0);
 }
 
 TEST(Train_Config_Numerics, KeysAreReadAndChecked) {
-  const auto cfg = d9d::TrainerConfig::from_json_text(base_config(
-      kRun, kBatch,
-      R"(, "numerics": {"on_nonfinite": "skip", "max_consecutive_skips": 3,
+  const auto cfg = d9d::TrainerConfig::from_json_text(
+      base_config(kRun, kBatch,
+                  R"(, "numerics": {"on_nonfinite": "skip", "max_consecutive_skips": 3,
                         "loss_spike_factor": 2.5, "loss_spike_window": 7})"));
   EXPECT_EQ(cfg.numerics.on_nonfinite, "skip");
   EXPECT_EQ(cfg.numerics.max_consecutive_skips, 3);

@@ -15,6 +15,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <d9d/optim/lr_schedule.hpp>
@@ -130,10 +131,15 @@ struct TrainerConfig {
   NumericsConfig numerics;
   std::map<std::string, std::string> sections;  ///< "model", "data": raw JSON for the providers
 
-  /// Parses and validates; ConfigError on any problem.
-  static TrainerConfig from_json_text(const std::string& text);
+  /// A command line's replacements, applied after parsing and before validation: a dotted key
+  /// and a JSON value, e.g. {"run.output_dir", "\"runs/a\""}, {"mesh.pp", "2"}.
+  using Overrides = std::vector<std::pair<std::string, std::string>>;
+
+  /// Parses (keys given twice and numbers out of range are errors), applies `overrides` and
+  /// validates; ConfigError on any problem.
+  static TrainerConfig from_json_text(const std::string& text, const Overrides& overrides = {});
   /// Reads a file and parses it (ConfigError names the file when it cannot be read).
-  static TrainerConfig from_file(const std::string& path);
+  static TrainerConfig from_file(const std::string& path, const Overrides& overrides = {});
   /// The raw JSON of a provider section ("{}" when absent).
   [[nodiscard]] std::string section(const std::string& name) const;
   /// Checks the rules that need the data-parallel degree (batch divisibility); ConfigError.

@@ -24,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -49,10 +50,10 @@ struct TrainResult {
   /// "skip"): the optimizer did not step; their losses and norms above are the non-finite values.
   std::vector<int64_t> skipped_steps;
   std::vector<int64_t> loss_spikes;  ///< steps (0-based) whose loss was a spike (events::LossSpike)
-  int64_t start_step = 0;          ///< the checkpoint's step when resumed, else 0
-  std::string resumed_from;        ///< the checkpoint resumed from (empty when none)
-  std::string checkpoint_dir;      ///< the last checkpoint written (empty when none)
-  int64_t steps = 0;               ///< steps run
+  int64_t start_step = 0;            ///< the checkpoint's step when resumed, else 0
+  std::string resumed_from;          ///< the checkpoint resumed from (empty when none)
+  std::string checkpoint_dir;        ///< the last checkpoint written (empty when none)
+  int64_t steps = 0;                 ///< steps run
   double seconds = 0.0;
   double tokens_per_second = 0.0;  ///< over all ranks, after the first step
   /// The most device memory any rank's allocator had allocated during train() (CUDA; 0 on CPU).
@@ -194,8 +195,17 @@ class Trainer {
   // The mesh against the world, the batch against the mesh: checked before anything is allocated.
   static std::shared_ptr<const DeviceMesh> make_mesh(const DistributedContext& context,
                                                      const TrainerConfig& config) {
-    const MeshShape shape = resolve_mesh<typename Plan::mesh>(context.world_size(), config.mesh);
-    detail::check_step_mesh<Plan>(shape);
+    MeshShape shape;
+    try {
+      // The dynamic degrees come from the config's "mesh" section: a mesh that does not fit the
+      // world is a configuration error.
+      shape = resolve_mesh<typename Plan::mesh>(context.world_size(), config.mesh);
+      detail::check_step_mesh<Plan>(shape);
+    } catch (const ConfigError&) {
+      throw;
+    } catch (const std::invalid_argument& error) {
+      throw ConfigError(std::string("d9d config: ") + error.what());
+    }
     auto mesh = std::make_shared<const DeviceMesh>(context, shape);
     config.check_against_data_parallel(mesh->size(MeshDomain::batch, "dp"));
     return mesh;
@@ -211,7 +221,8 @@ class Trainer {
                                         .seed = config.run.seed,
                                         .dp_rank = mesh.coordinate(MeshDomain::batch, "dp"),
                                         .dp_size = mesh.size(MeshDomain::batch, "dp"),
-                                        .config_json = config.section("data")}));
+                                        .config_json = config.section("data"),
+                                        .model_config_json = config.section("model")}));
     run.dataset_size = static_cast<int64_t>(dataset->size());
     run.load = [dataset](const std::vector<int64_t>& indices) -> std::any {
       return std::any(Batch(dataset->get(indices)));
