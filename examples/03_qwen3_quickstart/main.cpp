@@ -25,6 +25,11 @@ using Mesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>>;  // or d9d::mesh<d9d::d
 using DataParallel = d9d::parallel::Replicate;            // --fsdp: d9d::parallel::FullyShard<>
 using Fp32Plan = d9d::Plan<Mesh, DataParallel, d9d::precision::Fp32>;
 using Bf16Plan = d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Mixed>;  // --bf16 (GPU)
+// --bf16-params sr|nearest: bfloat16 parameters, no float32 master copy; AdamW's updates rounded
+// stochastically (float32 moments) or to nearest (torch's fused AdamW, bfloat16 moments).
+using SrPlan = d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Params<>>;
+using NearestPlan =
+    d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Params<d9d::precision::NearestRounding>>;
 // --fsdp: parameters, gradients and AdamW state sharded over the ranks (ZeRO-3); --recompute:
 // every decoder layer recomputes its activations in backward.
 using ShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>>;
@@ -61,6 +66,7 @@ struct Options {
   bool fsdp = false;
   bool recompute = false;
   bool plain_kernels = false;
+  std::string bf16_params;
 };
 
 template <class Plan>
@@ -141,6 +147,17 @@ int train(const Options& o, std::optional<d9d::DistributedContext>& ctx_slot) {
                            " needs a pipeline schedule. Fix: add --pipeline gpipe|1f1b|zbh1|zbv");
   }
   const double peak = o.peak_tflops;
+  if (!o.bf16_params.empty()) {
+    if (o.bf16 || o.recompute || o.pipeline != "none" || (o.fsdp && o.bf16_params != "sr")) {
+      throw d9d::ConfigError(
+          "--bf16-params is compiled alone, or as sr with --fsdp. Fix: drop --bf16, "
+          "--recompute and --pipeline");
+    }
+    if (o.fsdp) {
+      return run<FsdpPlan<d9d::precision::Bf16Params<>>>(ctx, cfg, peak);
+    }
+    return o.bf16_params == "sr" ? run<SrPlan>(ctx, cfg, peak) : run<NearestPlan>(ctx, cfg, peak);
+  }
   if (o.fsdp) {
     using Bf16 = d9d::precision::Bf16Mixed;
     using Fp32 = d9d::precision::Fp32;
@@ -178,6 +195,10 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_flag("--no-fused-kernels", o.plain_kernels,
                "the ATen compositions instead of d9d's fused ops (for comparisons)");
+  app.add_option("--bf16-params", o.bf16_params,
+                 "bfloat16 parameters, AdamW rounding stochastically (sr, also with --fsdp) or to "
+                 "nearest (d9d::precision::Bf16Params)")
+      ->check(CLI::IsMember({"sr", "nearest"}));
   app.add_flag("--fsdp", o.fsdp, "fully sharded data parallelism (d9d::parallel::FullyShard<>)");
   app.add_flag("--recompute", o.recompute,
                "recompute every decoder layer's activations in backward (with --fsdp)");
