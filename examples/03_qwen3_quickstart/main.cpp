@@ -12,8 +12,7 @@
 // schedule; its pp degree comes from --pp or the config's "mesh" section (the model needs
 // "tie_word_embeddings": false then). Everything else is in the JSON file.
 #include <cstdio>
-#include <fstream>
-#include <sstream>
+#include <optional>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -57,6 +56,21 @@ double flops_per_token(const d9d::model::Qwen3Config& c, int64_t sequence_length
                                    static_cast<double>(c.num_attention_heads * c.head_dim) *
                                    static_cast<double>(sequence_length);
 }
+
+struct Options {
+  std::string config_path;
+  std::string data;
+  std::string output;
+  int64_t steps = 0;
+  bool bf16 = false;
+  double peak_tflops = 0;
+  std::string pipeline = "none";
+  int pp = 0;
+  bool fsdp = false;
+  bool recompute = false;
+  bool plain_kernels = false;
+  std::string bf16_params;
+};
 
 template <class Plan>
 int run(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, double peak_tflops) {
@@ -105,108 +119,115 @@ int run_pipelined(const std::string& schedule, const d9d::DistributedContext& ct
   return run<PipelinePlan<pipe::ZeroBubbleV<>, Precision>>(ctx, cfg, peak_tflops);
 }
 
+// Everything after the command line: every library error leaves as an exception, caught in main.
+int train(const Options& o, std::optional<d9d::DistributedContext>& ctx_slot) {
+  d9d::model::set_fused_kernels(!o.plain_kernels);
+  const auto& ctx = ctx_slot.emplace(d9d::DistributedContext::from_env());
+  // The command line's replacements, applied to the file's JSON before it is validated (so a key
+  // given twice in the file is still an error).
+  d9d::TrainerConfig::Overrides overrides;
+  if (!o.data.empty()) {
+    overrides.emplace_back("data.paths", nlohmann::json::array({o.data}).dump());
+  }
+  if (!o.output.empty()) {
+    overrides.emplace_back("run.output_dir", nlohmann::json(o.output).dump());
+  }
+  if (o.steps > 0) {
+    overrides.emplace_back("run.total_steps", std::to_string(o.steps));
+  }
+  if (o.pp > 0) {
+    overrides.emplace_back("mesh.pp", std::to_string(o.pp));
+  }
+  const auto cfg = d9d::TrainerConfig::from_file(o.config_path, overrides);
+  if (o.recompute && !o.fsdp) {
+    throw d9d::ConfigError("--recompute is compiled with --fsdp only. Fix: add --fsdp");
+  }
+  if ((o.fsdp || o.recompute) && o.pipeline != "none") {
+    throw d9d::ConfigError("--fsdp runs without --pipeline in this example. Fix: drop one");
+  }
+  if (o.pp > 0 && o.pipeline == "none") {
+    throw d9d::ConfigError("--pp " + std::to_string(o.pp) +
+                           " needs a pipeline schedule. Fix: add --pipeline gpipe|1f1b|zbh1|zbv");
+  }
+  const double peak = o.peak_tflops;
+  if (!o.bf16_params.empty()) {
+    if (o.bf16 || o.recompute || o.pipeline != "none" || (o.fsdp && o.bf16_params != "sr")) {
+      throw d9d::ConfigError(
+          "--bf16-params is compiled alone, or as sr with --fsdp. Fix: drop --bf16, "
+          "--recompute and --pipeline");
+    }
+    if (o.fsdp) {
+      return run<FsdpPlan<d9d::precision::Bf16Params<>>>(ctx, cfg, peak);
+    }
+    return o.bf16_params == "sr" ? run<SrPlan>(ctx, cfg, peak) : run<NearestPlan>(ctx, cfg, peak);
+  }
+  if (o.fsdp) {
+    using Bf16 = d9d::precision::Bf16Mixed;
+    using Fp32 = d9d::precision::Fp32;
+    using Full = d9d::recompute::Full;
+    if (o.recompute) {
+      return o.bf16 ? run<FsdpPlan<Bf16, Full>>(ctx, cfg, peak)
+                    : run<FsdpPlan<Fp32, Full>>(ctx, cfg, peak);
+    }
+    return o.bf16 ? run<FsdpPlan<Bf16>>(ctx, cfg, peak) : run<FsdpPlan<Fp32>>(ctx, cfg, peak);
+  }
+  if (o.pipeline == "none") {
+    return o.bf16 ? run<Bf16Plan>(ctx, cfg, peak) : run<Fp32Plan>(ctx, cfg, peak);
+  }
+  return o.bf16 ? run_pipelined<d9d::precision::Bf16Mixed>(o.pipeline, ctx, cfg, peak)
+                : run_pipelined<d9d::precision::Fp32>(o.pipeline, ctx, cfg, peak);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"Train a Qwen3 dense model (d9d quickstart)"};
-  std::string config_path;
-  std::string data;
-  std::string output;
-  int64_t steps = 0;
-  bool bf16 = false;
-  double peak_tflops = 0;
-  std::string pipeline = "none";
-  int pp = 0;
-  app.add_option("config", config_path, "trainer configuration (JSON)")->required();
-  app.add_option("--data", data, "token file (u16), replacing data.paths");
-  app.add_option("--output", output, "output directory, replacing run.output_dir");
-  app.add_option("--steps", steps, "optimizer steps, replacing run.total_steps");
-  app.add_flag("--bf16", bf16, "bf16 mixed precision (d9d::precision::Bf16Mixed)");
-  app.add_option("--peak-tflops", peak_tflops,
-                 "per-device peak for the MFU line (e.g. 989 for H100/H200 bf16)");
-  app.add_option("--pipeline", pipeline, "pipeline schedule: none, gpipe, 1f1b, zbh1 or zbv")
+  Options o;
+  app.add_option("config", o.config_path, "trainer configuration (JSON)")->required();
+  app.add_option("--data", o.data, "token file (u16), replacing data.paths");
+  app.add_option("--output", o.output, "output directory, replacing run.output_dir");
+  app.add_option("--steps", o.steps, "optimizer steps, replacing run.total_steps")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--bf16", o.bf16, "bf16 mixed precision (d9d::precision::Bf16Mixed)");
+  app.add_option("--peak-tflops", o.peak_tflops,
+                 "per-device peak for the MFU line (e.g. 989 for H100/H200 bf16)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--pipeline", o.pipeline, "pipeline schedule: none, gpipe, 1f1b, zbh1 or zbv")
       ->check(CLI::IsMember({"none", "gpipe", "1f1b", "zbh1", "zbv"}));
-  app.add_option("--pp", pp, "pipeline degree, replacing mesh.pp (with --pipeline)");
-  bool fsdp = false;
-  bool recompute = false;
-  bool plain_kernels = false;
-  app.add_flag("--no-fused-kernels", plain_kernels,
+  app.add_option("--pp", o.pp, "pipeline degree, replacing mesh.pp (with --pipeline)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--no-fused-kernels", o.plain_kernels,
                "the ATen compositions instead of d9d's fused ops (for comparisons)");
-  std::string bf16_params;
-  app.add_option("--bf16-params", bf16_params,
-                 "bfloat16 parameters, AdamW rounding stochastically (sr, also with --fsdp; "
-                 "sr-bf16-moments) or to nearest (d9d::precision::Bf16Params)")
-      ->check(CLI::IsMember({"sr", "sr-bf16-moments", "nearest"}));
-  app.add_flag("--fsdp", fsdp, "fully sharded data parallelism (d9d::parallel::FullyShard<>)");
-  app.add_flag("--recompute", recompute,
+  app.add_option("--bf16-params", o.bf16_params,
+                 "bfloat16 parameters, AdamW rounding stochastically (sr, also with --fsdp) or to "
+                 "nearest (d9d::precision::Bf16Params)")
+      ->check(CLI::IsMember({"sr", "nearest"}));
+  app.add_flag("--fsdp", o.fsdp, "fully sharded data parallelism (d9d::parallel::FullyShard<>)");
+  app.add_flag("--recompute", o.recompute,
                "recompute every decoder layer's activations in backward (with --fsdp)");
   CLI11_PARSE(app, argc, argv);
 
-  d9d::model::set_fused_kernels(!plain_kernels);
-  const auto ctx = d9d::DistributedContext::from_env();
+  // One clear message and a non-zero status for every error, never std::terminate: 2 for a
+  // configuration error (the same on every rank), 1 for any other.
+  std::optional<d9d::DistributedContext> ctx;
+  const auto fail = [&ctx](const std::string& message, int status) {
+    if (ctx) {
+      if (status != 2) {
+        (void)ctx->report_failure(message);  // the other ranks stop too, naming this one
+      }
+      ctx->logger().error(message);
+    } else {
+      std::fprintf(stderr, "03_qwen3_quickstart: error: %s\n", message.c_str());
+    }
+    return status;
+  };
   try {
-    std::ifstream in(config_path);
-    if (!in) {
-      throw d9d::ConfigError("d9d config: cannot read \"" + config_path + "\"");
-    }
-    std::stringstream text;
-    text << in.rdbuf();
-    auto json = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-    if (json.is_discarded()) {
-      throw d9d::ConfigError("d9d config: \"" + config_path + "\" is not valid JSON");
-    }
-    if (!data.empty()) {
-      json["data"]["paths"] = {data};
-    }
-    if (!output.empty()) {
-      json["run"]["output_dir"] = output;
-    }
-    if (steps > 0) {
-      json["run"]["total_steps"] = steps;
-    }
-    if (pp > 0) {
-      json["mesh"]["pp"] = pp;
-    }
-    const auto cfg = d9d::TrainerConfig::from_json_text(json.dump());
-    if (recompute && !fsdp) {
-      throw d9d::ConfigError("--recompute is compiled with --fsdp only. Fix: add --fsdp");
-    }
-    if ((fsdp || recompute) && pipeline != "none") {
-      throw d9d::ConfigError("--fsdp runs without --pipeline in this example. Fix: drop one");
-    }
-    if (!bf16_params.empty()) {
-      if (bf16 || recompute || pipeline != "none" || (fsdp && bf16_params != "sr")) {
-        throw d9d::ConfigError(
-            "--bf16-params is compiled alone, or as sr with --fsdp. Fix: drop --bf16, "
-            "--recompute and --pipeline");
-      }
-      if (fsdp) {
-        return run<FsdpPlan<d9d::precision::Bf16Params<>>>(ctx, cfg, peak_tflops);
-      }
-      if (bf16_params == "sr") {
-        return run<SrPlan>(ctx, cfg, peak_tflops);
-      }
-      return bf16_params == "nearest" ? run<NearestPlan>(ctx, cfg, peak_tflops)
-                                      : run<SrBf16MomentsPlan>(ctx, cfg, peak_tflops);
-    }
-    if (fsdp) {
-      using Bf16 = d9d::precision::Bf16Mixed;
-      using Fp32 = d9d::precision::Fp32;
-      using Full = d9d::recompute::Full;
-      if (recompute) {
-        return bf16 ? run<FsdpPlan<Bf16, Full>>(ctx, cfg, peak_tflops)
-                    : run<FsdpPlan<Fp32, Full>>(ctx, cfg, peak_tflops);
-      }
-      return bf16 ? run<FsdpPlan<Bf16>>(ctx, cfg, peak_tflops)
-                  : run<FsdpPlan<Fp32>>(ctx, cfg, peak_tflops);
-    }
-    if (pipeline == "none") {
-      return bf16 ? run<Bf16Plan>(ctx, cfg, peak_tflops) : run<Fp32Plan>(ctx, cfg, peak_tflops);
-    }
-    return bf16 ? run_pipelined<d9d::precision::Bf16Mixed>(pipeline, ctx, cfg, peak_tflops)
-                : run_pipelined<d9d::precision::Fp32>(pipeline, ctx, cfg, peak_tflops);
+    return train(o, ctx);
   } catch (const d9d::ConfigError& error) {
-    ctx.logger().error(error.what());
-    return 2;
+    return fail(error.what(), 2);
+  } catch (const std::exception& error) {
+    return fail(error.what(), 1);
+  } catch (...) {
+    return fail("an exception that is not a std::exception", 1);
   }
 }

@@ -418,4 +418,57 @@ std::string broadcast_bytes(const ProcessGroup& group, const std::string& bytes,
   return tensor_bytes(broadcast_varying(group, bytes_tensor(bytes), src));
 }
 
+void raise_if_any_failed(const ProcessGroup& group, const std::exception_ptr& error,
+                         const std::string& who) {
+  // "": fine; "i<what>": std::invalid_argument; "r<what>": anything else.
+  std::string mine;
+  if (error) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::invalid_argument& e) {
+      mine = std::string("i") + e.what();
+    } catch (const std::exception& e) {
+      mine = std::string("r") + e.what();
+    } catch (...) {
+      mine = "ra non-standard exception";
+    }
+  }
+  const auto all =
+      group.size() > 1 ? all_gather_bytes(group, mine) : std::vector<std::string>{mine};
+  std::string message;
+  bool invalid = false;
+  std::vector<int> others;
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    if (all[i].empty()) {
+      continue;
+    }
+    const int rank = group.size() > 1 ? group.ranks()[i] : (group.valid() ? group.ranks()[0] : 0);
+    if (message.empty()) {
+      invalid = all[i][0] == 'i';
+      std::string what = all[i].substr(1);
+      if (what.rfind(who + ": ", 0) == 0) {
+        what = what.substr(who.size() + 2);  // said once is enough
+      }
+      message = who + ": rank " + std::to_string(rank) + " failed: " + what;
+    } else {
+      others.push_back(rank);
+    }
+  }
+  if (message.empty()) {
+    return;
+  }
+  if (!others.empty()) {
+    message += " (rank";
+    message += others.size() > 1 ? "s" : "";
+    for (std::size_t i = 0; i < others.size(); ++i) {
+      message += (i == 0 ? " " : ", ") + std::to_string(others[i]);
+    }
+    message += " failed too)";
+  }
+  if (invalid) {
+    throw std::invalid_argument(message);
+  }
+  throw std::runtime_error(message);
+}
+
 }  // namespace d9d

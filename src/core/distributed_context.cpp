@@ -1,8 +1,10 @@
 // d9d/core/distributed_context.cpp — launch-environment parsing, store, process groups, logger.
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -13,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
 
+#include <d9d/core/detail/watchdog.hpp>
 #include <d9d/core/distributed_context.hpp>
 
 #ifdef D9D_WITH_NCCL
@@ -127,6 +130,7 @@ LaunchInfo parse_launch_env(
     }
     const auto agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
     info.agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
+    info.restart_count = optional_int("TORCHELASTIC_RESTART_COUNT", 0);
   } else if (getenv("SLURM_PROCID") && getenv("SLURM_NTASKS")) {
     info.launcher = Launcher::slurm;
     info.rank = parse_int("SLURM_PROCID", *getenv("SLURM_PROCID"));
@@ -235,11 +239,26 @@ struct DistributedContext::Impl {
   ContextOptions options;
   c10::Device device = c10::Device(c10::kCPU);
   std::string backend_name = "none";
-  c10::intrusive_ptr<c10d::Store> store;
+  std::string prefix;                     // this context's key namespace
+  c10::intrusive_ptr<c10d::Store> store;  // the job's store under `prefix`
+  std::unique_ptr<detail::Watchdog> watchdog;
   ProcessGroup world;
   Logger logger{std::make_shared<Logger::State>()};
   mutable std::mutex groups_mutex;
   mutable std::map<std::vector<int>, ProcessGroup> groups;
+
+  Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  Impl(Impl&&) = delete;
+  Impl& operator=(Impl&&) = delete;
+  // The watchdog goes first, while the groups still hold their connections: a context destroyed
+  // by an exception reports it before its peers see the connections close.
+  ~Impl() {
+    if (watchdog) {
+      watchdog->close(/*by_exception=*/std::uncaught_exceptions() > 0);
+    }
+  }
 };
 
 namespace {
@@ -259,6 +278,21 @@ c10::Device pick_device(const LaunchInfo& launch, const ContextOptions& options)
   return c10::Device(wanted);
 }
 
+// "d9d/[attempt<n>/]<name or ctx<k>-of-<world>>/": k counts the unnamed contexts of a world > 1
+// this process created, the same on every rank when every rank creates them in the same order.
+std::string context_prefix(const LaunchInfo& launch, const ContextOptions& options) {
+  static std::atomic<int> unnamed{0};
+  std::string prefix = "d9d/";
+  if (launch.restart_count > 0) {
+    prefix += "attempt" + std::to_string(launch.restart_count) + "/";
+  }
+  if (!options.name.empty()) {
+    return prefix + options.name + "/";
+  }
+  return prefix + "ctx" + std::to_string(unnamed++) + "-of-" + std::to_string(launch.world_size) +
+         "/";
+}
+
 ProcessGroup make_group(const DistributedContext::Impl& impl, const std::vector<int>& ranks,
                         std::string name) {
   auto group = std::make_shared<ProcessGroup::Impl>();
@@ -268,7 +302,7 @@ ProcessGroup make_group(const DistributedContext::Impl& impl, const std::vector<
   group->device = impl.device;
   group->name = std::move(name);
   if (ranks.size() > 1) {
-    std::string key = "d9d/group/";
+    std::string key = "group/";
     for (const int r : ranks) {
       key += std::to_string(r) + ",";
     }
@@ -347,7 +381,24 @@ DistributedContext DistributedContext::from_launch(const LaunchInfo& launch,
     store_options.isServer = launch.rank == 0 && !launch.agent_store;
     store_options.waitWorkers = false;
     store_options.timeout = options.init_timeout;
-    impl->store = c10::make_intrusive<c10d::TCPStore>(launch.master_addr, store_options);
+    // A second context on rank 0 shares the server the first one started on this port.
+    store_options.multiTenant = true;
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(launch.master_addr, store_options);
+    impl->prefix = context_prefix(launch, options);
+    impl->store = c10::make_intrusive<c10d::PrefixStore>(impl->prefix, tcp);
+    if (options.failure_timeout.count() > 0) {
+      impl->watchdog = std::make_unique<detail::Watchdog>(
+          tcp, detail::WatchdogOptions{
+                   .rank = launch.rank,
+                   .world = launch.world_size,
+                   .prefix = impl->prefix,
+                   .timeout = options.failure_timeout,
+                   .rank0_serves_store = !launch.agent_store,
+                   .store_address = launch.master_addr + ":" + std::to_string(launch.master_port),
+                   .log_error = [logger = impl->logger](const std::string& line) {
+                     logger.error(line);
+                   }});
+    }
   }
   std::vector<int> all(static_cast<std::size_t>(launch.world_size));
   for (int r = 0; r < launch.world_size; ++r) {
@@ -373,6 +424,32 @@ std::chrono::milliseconds DistributedContext::init_timeout() const {
 }
 std::chrono::milliseconds DistributedContext::step_timeout() const {
   return impl_->options.step_timeout;
+}
+std::chrono::milliseconds DistributedContext::failure_timeout() const {
+  return impl_->watchdog ? impl_->watchdog->timeout() : impl_->options.failure_timeout;
+}
+void DistributedContext::set_failure_timeout(std::chrono::milliseconds timeout) const {
+  if (timeout.count() <= 0) {
+    throw std::invalid_argument("d9d: a failure timeout must be > 0 (got " +
+                                std::to_string(timeout.count()) + " ms)");
+  }
+  if (impl_->watchdog) {
+    impl_->watchdog->set_timeout(timeout);
+  }
+}
+const std::string& DistributedContext::store_prefix() const { return impl_->prefix; }
+
+std::string DistributedContext::report_failure(std::string_view message) const {
+  if (!impl_->watchdog) {
+    return "";
+  }
+  return impl_->watchdog->report(message);
+}
+
+void DistributedContext::note_failure(std::string_view message) const {
+  if (impl_->watchdog) {
+    impl_->watchdog->note(message);
+  }
 }
 const ProcessGroup& DistributedContext::world() const { return impl_->world; }
 const Logger& DistributedContext::logger() const { return impl_->logger; }

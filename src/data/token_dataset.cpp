@@ -218,4 +218,35 @@ int64_t TokenDataset::vocab_bound() const {
   return state.vocab_bound;
 }
 
+void TokenDataset::check_vocab(int64_t vocab_size) const {
+  if (vocab_bound() <= vocab_size) {
+    return;
+  }
+  const State& state = *state_;
+  for (std::size_t f = 0; f < state.files.size(); ++f) {
+    const unsigned char* base = state.files[f].data();
+    const int64_t count = state.tokens[f];
+    const int64_t bytes = state.width == TokenWidth::u16 ? 2 : 4;
+    for (int64_t k = 0; k < count; ++k) {
+      uint32_t id = 0;
+      if (state.width == TokenWidth::u16) {
+        uint16_t narrow = 0;
+        std::memcpy(&narrow, base + k * bytes, sizeof(narrow));
+        id = narrow;
+      } else {
+        std::memcpy(&id, base + k * bytes, sizeof(id));
+      }
+      if (static_cast<int64_t>(id) >= vocab_size) {
+        throw std::runtime_error(
+            std::string(kWho) + state.paths[f] + ": token " + std::to_string(k) + " is id " +
+            std::to_string(id) + ", not below the model's vocabulary size " +
+            std::to_string(vocab_size) + " (the files' largest id is " +
+            std::to_string(vocab_bound() - 1) + "; read as " + to_string(state.width) +
+            "). Fix: tokenize with the model's tokenizer, or give a model with a larger "
+            "vocab_size");
+      }
+    }
+  }
+}
+
 }  // namespace d9d::data

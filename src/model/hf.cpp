@@ -95,6 +95,9 @@ void HfCheckpointWriter::commit() {
   if (!impl_->config_json.empty()) {
     write_text_file(files::join(impl_->dir, "config.json"), impl_->config_json);
   }
+  // The renames above, and `dir` itself when it was just created, reach the disk.
+  state::detail::sync_directory(impl_->dir);
+  state::detail::sync_directory(files::parent(impl_->dir));
 }
 
 void save_hf_checkpoint(const torch::nn::Module& model, const std::string& dir,

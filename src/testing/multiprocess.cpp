@@ -435,6 +435,7 @@ LaunchResult launch(const LaunchOptions& options, const RankBody& body) {
   const std::vector<std::string> args = {exe, "--gtest_filter=" + filter, "--gtest_color=no"};
 
   const auto start = Clock::now();
+  result.started = start;
   RankProcesses processes;
   for (int rank = 0; rank < options.world_size; ++rank) {
     std::vector<std::string> env = base_env;
@@ -466,12 +467,16 @@ LaunchResult launch(const LaunchOptions& options, const RankBody& body) {
     } else if (WIFSIGNALED(status)) {
       outcome.term_signal = WTERMSIG(status);
     }
+    outcome.ended_after =
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
     ranks[i].alive = false;
   };
   const auto kill_and_reap = [&](std::size_t i) {
     kill_group(ranks[i].pid);
     int status = 0;
     ::waitpid(ranks[i].pid, &status, 0);
+    result.ranks[i].ended_after =
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
     ranks[i].alive = false;
   };
 

@@ -88,10 +88,13 @@ struct TokenWindows::State {
 };
 
 TokenWindows::TokenWindows(std::vector<std::string> paths, const std::string& token_width,
-                           int64_t sequence_length) {
+                           int64_t sequence_length, int64_t vocab_size) {
   const auto width = token_width == "u32" ? data::TokenWidth::u32 : data::TokenWidth::u16;
   state_ = std::make_shared<const State>(
       State{data::TokenDataset::open(std::move(paths), width, sequence_length)});
+  if (vocab_size > 0) {
+    state_->dataset.check_vocab(vocab_size);
+  }
 }
 
 int64_t TokenWindows::size() const { return state_->dataset.size(); }
@@ -135,8 +138,16 @@ TokenWindows TokenFilesProvider::build(const DataBuildContext& context) {
     }
     width = value.get<std::string>();
   }
+  // The model's vocabulary, when its section gives one: ids beyond it are caught here, not as an
+  // index error (or a device-side assert on a GPU) in the middle of training.
+  int64_t vocab_size = 0;
+  const auto model = nlohmann::json::parse(context.model_config_json, nullptr, false);
+  if (model.is_object() && model.contains("vocab_size") &&
+      model.at("vocab_size").is_number_integer()) {
+    vocab_size = model.at("vocab_size").get<int64_t>();
+  }
   try {
-    return {std::move(paths), width, context.sequence_length};
+    return {std::move(paths), width, context.sequence_length, vocab_size};
   } catch (const std::exception& error) {
     throw ConfigError(std::string("d9d config: \"data.paths\": ") + error.what());
   }

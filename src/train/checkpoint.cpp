@@ -33,6 +33,30 @@ void write_atomically(const std::string& path, const std::string& text) {
 
 std::string step_name(int64_t step) { return "step-" + std::to_string(step); }
 
+// "step-<digits>.tmp": what a save leaves behind when a crash interrupts it.
+bool is_step_tmp(const std::string& name) {
+  constexpr std::string_view kHead = "step-";
+  constexpr std::string_view kTail = ".tmp";
+  if (name.size() <= kHead.size() + kTail.size() || name.rfind(kHead, 0) != 0 ||
+      name.compare(name.size() - kTail.size(), kTail.size(), kTail) != 0) {
+    return false;
+  }
+  const auto digits = name.substr(kHead.size(), name.size() - kHead.size() - kTail.size());
+  return std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// Runs `fn` (this rank's part of a collective step), then every rank throws if any rank failed.
+template <class Fn>
+void agreed(const DistributedContext& context, const std::string& who, Fn&& fn) {
+  std::exception_ptr error;
+  try {
+    fn();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  raise_if_any_failed(context.world(), error, who);
+}
+
 torch::optim::AdamWParamState* adamw_state(const torch::optim::Optimizer& optimizer,
                                            const at::Tensor& param) {
   const auto& states = optimizer.state();
@@ -196,7 +220,9 @@ struct Checkpointer::Impl {
   uint64_t seed = 0;
   std::string mesh_description;
 
-  // A save in flight: its step, the temporary directory, and the writer.
+  // A save in flight: its step, the temporary directory, and the writer. The writer sets `error`
+  // and then `written` (release); the training thread reads `error` only after it has seen
+  // `written` true (acquire) or joined the writer, so the two never race.
   int64_t pending_step = -1;
   int64_t pending_samples = 0;
   std::string pending_tmp;
@@ -259,10 +285,29 @@ int64_t Checkpointer::load(const std::string& path,
                            const std::vector<parallel::ParameterRecord>& parameters,
                            torch::optim::Optimizer& optimizer) {
   auto& s = *impl_;
-  const auto trainer =
-      nlohmann::json::parse(model::read_text_file(files::join(path, "trainer.json")));
-  const auto step = trainer.at("step").get<int64_t>();
-  const int saved_world = trainer.at("world_size").get<int>();
+  // trainer.json as written by a save: a step >= 0 and a world of at least one rank.
+  const auto trainer_json = files::join(path, "trainer.json");
+  int64_t step = 0;
+  int saved_world = 0;
+  std::string saved_mesh = "?";
+  try {
+    const auto trainer = nlohmann::json::parse(model::read_text_file(trainer_json));
+    step = trainer.at("step").get<int64_t>();
+    const auto world = trainer.at("world_size").get<int64_t>();
+    if (step < 0 || world < 1 || world > (int64_t{1} << 20)) {
+      throw std::out_of_range("step " + std::to_string(step) + ", world_size " +
+                              std::to_string(world));
+    }
+    saved_world = static_cast<int>(world);
+    if (trainer.contains("mesh") && trainer.at("mesh").is_string()) {
+      saved_mesh = trainer.at("mesh").get<std::string>();
+    }
+  } catch (const std::exception& error) {
+    throw std::runtime_error(std::string(kWho) + ": \"" + trainer_json +
+                             "\" is not a checkpoint's trainer.json (" + error.what() +
+                             "). Fix: point \"checkpoint.resume_from\" at a checkpoint a run "
+                             "completed, or remove this one");
+  }
   std::vector<state::SafetensorsFile> files;
   files.reserve(static_cast<std::size_t>(saved_world));
   for (int r = 0; r < saved_world; ++r) {
@@ -274,8 +319,7 @@ int64_t Checkpointer::load(const std::string& path,
     const auto& name = record.name;
     if (index.count("model/" + name) == 0) {
       throw std::runtime_error(std::string(kWho) + ": \"" + path + "\" has no parameter \"" + name +
-                               "\" (saved on mesh " + trainer.value("mesh", std::string("?")) +
-                               ")");
+                               "\" (saved on mesh " + saved_mesh + ")");
     }
     const auto ranges = local_ranges(record, s.mesh);
     at::Tensor local = record.local;
@@ -324,11 +368,18 @@ void Checkpointer::save(int64_t step, int64_t samples_seen,
   }
   const int rank = s.context.rank();
   s.pending_tmp = files::join(s.dir, step_name(step) + ".tmp");
-  if (rank == 0) {
-    files::remove_tree(s.pending_tmp);
-    files::create_directories(s.pending_tmp, kWho);
-  }
-  s.context.barrier();  // the directory exists before anyone writes into it
+  // The directory exists before anyone writes into it; what interrupted saves of any step left
+  // behind goes. Every rank learns of an error here.
+  agreed(s.context, kWho, [&] {
+    if (rank == 0) {
+      for (const auto& name : files::list_directory(s.dir)) {
+        if (is_step_tmp(name)) {
+          files::remove_tree(files::join(s.dir, name));
+        }
+      }
+      files::create_directories(s.pending_tmp, kWho);
+    }
+  });
 
   // The snapshot: host copies of what this rank stores (the training thread may go on after it).
   state::NamedTensors snapshot;
@@ -362,12 +413,14 @@ void Checkpointer::save(int64_t step, int64_t samples_seen,
   s.error = nullptr;
   const auto path = files::join(s.pending_tmp, "rank-" + std::to_string(rank) + ".safetensors");
   auto write = [impl = impl_.get(), path, snapshot = std::move(snapshot), step] {
+    std::exception_ptr error;
     try {
       state::save_safetensors(path, snapshot, {{"d9d.step", std::to_string(step)}});
     } catch (...) {
-      impl->error = std::current_exception();
+      error = std::current_exception();
     }
-    impl->written = true;
+    impl->error = error;
+    impl->written.store(true, std::memory_order_release);
   };
   if (s.config.async) {
     s.writer = std::thread(std::move(write));
@@ -387,30 +440,41 @@ std::string Checkpointer::complete(bool wait) {
   }
   // Every rank's writer must be done (and successful) before the checkpoint becomes visible.
   const auto& group = s.context.world();
-  const auto flags = at::tensor({s.written ? 1.0 : 0.0, s.error ? 1.0 : 0.0}, at::kDouble);
+  const auto flags =
+      at::tensor({s.written.load(std::memory_order_acquire) ? 1.0 : 0.0}, at::kDouble);
   const auto total =
       s.context.world_size() > 1 ? all_reduce(group, flags.to(group.device())).cpu() : flags;
   if (total[0].item<double>() < s.context.world_size()) {
     return "";  // someone is still writing: try again at the next step
   }
-  s.join();
-  if (total[1].item<double>() > 0) {
-    const auto error = s.error;
-    const int64_t step = s.pending_step;
+  s.join();  // done writing: returns at once
+  const std::string who =
+      std::string(kWho) + " (step " + std::to_string(s.pending_step) + ", " + s.pending_tmp + ")";
+  const auto fail = [&] {
     s.pending_step = -1;  // the previous checkpoint stays the latest
-    if (error) {
-      std::rethrow_exception(error);
+    if (s.context.rank() == 0) {
+      files::remove_tree(s.pending_tmp);
     }
-    throw std::runtime_error(std::string(kWho) + ": another rank failed to write step " +
-                             std::to_string(step));
+  };
+  try {
+    // A writer's failure (any rank's) is thrown on every rank, naming the rank.
+    raise_if_any_failed(group, s.error, who);
+  } catch (...) {
+    fail();
+    throw;
   }
   const auto final_dir = files::join(s.dir, step_name(s.pending_step));
-  if (s.context.rank() == 0) {
+  // Rank 0 commits; every rank learns whether that worked (instead of a barrier).
+  const auto commit = [&] {
     const nlohmann::json trainer = {{"step", s.pending_step},
                                     {"samples_seen", s.pending_samples},
                                     {"world_size", s.context.world_size()},
                                     {"mesh", s.mesh_description}};
+    // Every rank file is in (each fsynced by its writer); their directory entries and trainer.json
+    // reach the disk before the rename that makes the checkpoint visible, and the rename after.
+    state::detail::sync_directory(s.pending_tmp);
     write_atomically(files::join(s.pending_tmp, "trainer.json"), trainer.dump(2) + "\n");
+    state::detail::sync_directory(s.pending_tmp);
     files::remove_tree(final_dir);
     files::rename(s.pending_tmp, final_dir);
     state::detail::sync_directory(s.dir);
@@ -431,16 +495,26 @@ std::string Checkpointer::complete(bool wait) {
     }
     write_atomically(index,
                      nlohmann::json{{"latest", kept.front()}, {"kept", kept}}.dump(2) + "\n");
+    state::detail::sync_directory(s.dir);
     for (const auto& name : dropped) {
       files::remove_tree(files::join(s.dir, name));
     }
     s.context.logger().info("checkpoint: " + final_dir + " complete (step " +
                             std::to_string(s.pending_step) + ", " + std::to_string(kept.size()) +
                             " kept)");
+  };
+  try {
+    agreed(s.context, who, [&] {
+      if (s.context.rank() == 0) {
+        commit();
+      }
+    });
+  } catch (...) {
+    fail();
+    throw;
   }
   s.pending_step = -1;
   s.last = final_dir;
-  s.context.barrier();
   return final_dir;
 }
 

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
 
@@ -54,17 +55,28 @@ class Section {
     throw ConfigError("d9d config: \"" + key_path(key) + "\" is required (" + what + ")");
   }
 
+  // An integer from `minimum` to the largest value of `Int` (and of int64_t): a value beyond is an
+  // error, never truncated (4294967297 is not 1 for an int, 2^64 is not 0).
   template <class Int>
   void integer(const std::string& key, Int& out, int64_t minimum, bool required) {
     const Json* value = find(key);
-    const std::string what = "an integer >= " + std::to_string(minimum);
+    const auto maximum = static_cast<uint64_t>(
+        std::min<uint64_t>(static_cast<uint64_t>(std::numeric_limits<Int>::max()),
+                           static_cast<uint64_t>(std::numeric_limits<int64_t>::max())));
+    const std::string what =
+        "an integer from " + std::to_string(minimum) + " to " + std::to_string(maximum);
     if (value == nullptr) {
       if (required) {
         missing(key, what);
       }
       return;
     }
-    if (!value->is_number_integer() || value->get<int64_t>() < minimum) {
+    // nlohmann keeps non-negative integers as uint64_t and negative ones as int64_t.
+    const bool in_range = value->is_number_unsigned()
+                              ? value->get<uint64_t>() <= maximum &&
+                                    static_cast<int64_t>(value->get<uint64_t>()) >= minimum
+                              : value->is_number_integer() && value->get<int64_t>() >= minimum;
+    if (!in_range) {
       fail_at(key_path(key), value->dump(), "expected " + what);
     }
     out = static_cast<Int>(value->get<int64_t>());
@@ -184,9 +196,45 @@ std::vector<optim::Phase> read_phases(const Json* json, const std::string& path)
   return phases;
 }
 
+// Sets the dotted key `dotted` of `json` to the JSON value `value_text` (objects on the way are
+// created; a non-object on the way is an error).
+void apply_override(Json& json, const std::string& dotted, const std::string& value_text) {
+  Json value;
+  try {
+    (void)state::detail::parse_strict_json(value_text, 64);
+    value = Json::parse(value_text);
+  } catch (const std::exception& error) {
+    throw ConfigError("d9d config: the value given for \"" + dotted + "\" (" + value_text +
+                      ") is not valid JSON: " + error.what());
+  }
+  Json* node = &json;
+  std::size_t start = 0;
+  while (true) {
+    const auto dot = dotted.find('.', start);
+    const auto part = dotted.substr(start, dot == std::string::npos ? dot : dot - start);
+    if (part.empty()) {
+      throw ConfigError("d9d config: \"" + dotted + "\" is not a dotted key (e.g. run.output_dir)");
+    }
+    if (!node->is_object()) {
+      throw ConfigError("d9d config: cannot set \"" + dotted + "\": \"" +
+                        dotted.substr(0, start - 1) + "\" = " + node->dump() +
+                        " is not a JSON object");
+    }
+    if (dot == std::string::npos) {
+      (*node)[part] = std::move(value);
+      return;
+    }
+    node = &(*node)[part];
+    if (node->is_null()) {
+      *node = Json::object();
+    }
+    start = dot + 1;
+  }
+}
+
 }  // namespace
 
-TrainerConfig TrainerConfig::from_json_text(const std::string& text) {
+TrainerConfig TrainerConfig::from_json_text(const std::string& text, const Overrides& overrides) {
   Json json;
   try {
     // The strict parser first: nlohmann keeps the last of a key given twice without a word, and a
@@ -201,6 +249,9 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text) {
     throw ConfigError("d9d config: \"" + error.top_key() + "\"" +
                       (what.rfind("appears twice", 0) == 0 ? " " : ": ") + what);
   }
+  for (const auto& [key, value] : overrides) {
+    apply_override(json, key, value);
+  }
   TrainerConfig cfg;
   Section root(json, "");
 
@@ -209,6 +260,12 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text) {
   run.integer("total_steps", cfg.run.total_steps, 1, /*required=*/true);
   run.integer("seed", cfg.run.seed, 0, false);
   run.integer("log_every", cfg.run.log_every, 1, false);
+  if (run.find("failure_timeout_s") != nullptr) {
+    // Below a second a busy machine could starve a heartbeat; beyond a week, "never" is meant.
+    double seconds = 0;
+    run.number("failure_timeout_s", seconds, 1.0, true, 7 * 24 * 3600.0);
+    cfg.run.failure_timeout_s = seconds;
+  }
   run.finish();
 
   Section batch = root.child("batch");
@@ -281,6 +338,13 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text) {
   exporting.string("dtype", cfg.export_model.dtype, {"float32", "bfloat16"});
   exporting.finish();
 
+  Section numerics = root.child("numerics");
+  numerics.string("on_nonfinite", cfg.numerics.on_nonfinite, {"stop", "skip"});
+  numerics.integer("max_consecutive_skips", cfg.numerics.max_consecutive_skips, 1, false);
+  numerics.number("loss_spike_factor", cfg.numerics.loss_spike_factor, 1.0, false, INFINITY);
+  numerics.integer("loss_spike_window", cfg.numerics.loss_spike_window, 1, false);
+  numerics.finish();
+
   Section profile = root.child("profile");
   profile.integer("start", cfg.profile.start, -1, false);
   profile.integer("steps", cfg.profile.steps, 1, false);
@@ -314,7 +378,7 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text) {
   return cfg;
 }
 
-TrainerConfig TrainerConfig::from_file(const std::string& path) {
+TrainerConfig TrainerConfig::from_file(const std::string& path, const Overrides& overrides) {
   std::ifstream in(path);
   if (!in) {
     throw ConfigError("d9d config: cannot read \"" + path + "\"");
@@ -322,7 +386,7 @@ TrainerConfig TrainerConfig::from_file(const std::string& path) {
   std::stringstream text;
   text << in.rdbuf();
   try {
-    return from_json_text(text.str());
+    return from_json_text(text.str(), overrides);
   } catch (const ConfigError& error) {
     throw ConfigError(std::string(error.what()) + " (in " + path + ")");
   }

@@ -125,7 +125,8 @@ StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int6
   const auto totals = global_totals(loss_sum, weight_sum, {&s.pp, &s.dp}, s.device, step);
   // Each pipeline rank holds its stages' gradients: the layer sums the norm's squares over pp too.
   const double grad_norm = s.parallel->normalize_and_clip(totals.second, s.options.max_grad_norm);
-  return finish_step(*s.optimizer, s.options, step, lr, totals, grad_norm);
+  return finish_step(*s.optimizer, s.options, step, lr, totals, grad_norm,
+                     s.parallel->mesh().context().world());
 }
 
 }  // namespace d9d::detail

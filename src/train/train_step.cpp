@@ -86,8 +86,24 @@ std::pair<double, double> global_totals(const at::Tensor& loss_sum, const at::Te
 }
 
 StepResult finish_step(torch::optim::Optimizer& optimizer, const TrainStepOptions& options,
-                       int64_t step, double lr, std::pair<double, double> totals,
-                       double grad_norm) {
+                       int64_t step, double lr, std::pair<double, double> totals, double grad_norm,
+                       const ProcessGroup& world) {
+  StepResult result{.loss = totals.first / totals.second,
+                    .weight = totals.second,
+                    .grad_norm = grad_norm,
+                    .lr = lr};
+  // The loss and the norm are reduced over the mesh, so ranks normally see the same values; the
+  // flag's all-reduce makes the decision one by construction (a rank of another tensor-parallel
+  // or pipeline group cannot step while this one skips).
+  bool finite = std::isfinite(result.loss) && std::isfinite(grad_norm);
+  if (world.size() > 1) {
+    const auto flag = at::full({1}, finite ? 0.0F : 1.0F, at::TensorOptions().dtype(at::kFloat));
+    finite = all_reduce(world, flag.to(world.device()), ReduceOp::max).cpu().item<float>() == 0.0F;
+  }
+  result.finite = finite;
+  if (!finite) {
+    return result;  // no optimizer step: the parameters and AdamW's state stay as they were
+  }
   if (options.events != nullptr) {
     options.events->emit(events::BeforeOptimizer{.step = step, .grad_norm = grad_norm});
   }
@@ -98,10 +114,7 @@ StepResult finish_step(torch::optim::Optimizer& optimizer, const TrainStepOption
   if (options.events != nullptr) {
     options.events->emit(events::AfterOptimizer{.step = step, .lr = lr});
   }
-  return {.loss = totals.first / totals.second,
-          .weight = totals.second,
-          .grad_norm = grad_norm,
-          .lr = lr};
+  return result;
 }
 
 struct TrainStepCore::Impl {
@@ -173,7 +186,8 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
   const auto totals = global_totals(loss_sum, weight_sum, {&dp}, loss_sum.device(), step);
   // Token-mean gradients, their norm over the mesh, clipping.
   const double grad_norm = s.parallel->normalize_and_clip(totals.second, s.options.max_grad_norm);
-  return finish_step(*s.optimizer, s.options, step, lr, totals, grad_norm);
+  return finish_step(*s.optimizer, s.options, step, lr, totals, grad_norm,
+                     s.parallel->mesh().context().world());
 }
 
 }  // namespace detail

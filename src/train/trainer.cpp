@@ -3,7 +3,9 @@
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <deque>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <set>
 
@@ -285,6 +287,45 @@ void export_model(TrainerCore::Impl& s, const std::string& dir, const std::strin
   s.context.barrier();
 }
 
+// "step 8 of 300 (index 7): loss nan, gradient norm 1.234"
+std::string describe_step(int64_t step, int64_t total, const StepResult& r) {
+  return "step " + std::to_string(step + 1) + " of " + std::to_string(total) + " (index " +
+         std::to_string(step) + "): loss " + format_number(r.loss, "%.6g") + ", gradient norm " +
+         format_number(r.grad_norm, "%.6g");
+}
+
+// Every rank comes here at the same step (the step's finite flag is agreed over the world).
+[[noreturn]] void stop_on_nonfinite(TrainerCore::Impl& s, const std::string& what,
+                                    int64_t in_a_row) {
+  std::string kept;
+  if (s.checkpointer) {
+    if (s.checkpointer->pending()) {
+      (void)s.checkpointer->complete(/*wait=*/true);  // a save of an earlier, finite step
+    }
+    kept = s.checkpointer->last_completed();
+    if (kept.empty()) {
+      kept = s.checkpointer->latest();
+    }
+  }
+  const auto& numerics = s.config.numerics;
+  const std::string message =
+      "d9d::Trainer: a NaN or infinite loss or gradient norm at " + what +
+      (in_a_row > 1 ? " (" + std::to_string(in_a_row) +
+                          " such steps in a row, more than \"numerics.max_consecutive_skips\" = " +
+                          std::to_string(numerics.max_consecutive_skips) + ")"
+                    : std::string()) +
+      "; training stopped before the optimizer step, the parameters are those of the last finite "
+      "step; " +
+      (kept.empty() ? std::string("no checkpoint was written")
+                    : "the last checkpoint, " + kept + ", is kept") +
+      ". Fix: lower \"optimizer.lr\" or \"gradient_clipping.max_norm\", check this step's "
+      "data, or set \"numerics.on_nonfinite\": \"skip\" to skip such steps";
+  if (s.context.is_main_process()) {
+    s.context.logger().error(message);
+  }
+  throw NumericalError(message);
+}
+
 }  // namespace
 
 TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const DeviceMesh> mesh,
@@ -415,6 +456,9 @@ TrainResult TrainerCore::train() {
   const auto start = Clock::now();
   auto after_first = start;
   StepProfiler profiler(cfg.profile, s.context);
+  const auto& numerics = cfg.numerics;
+  std::deque<double> recent_losses;  // the last numerics.loss_spike_window finite ones
+  int64_t skipped_in_a_row = 0;
   for (int64_t step = s.start_step; step < cfg.run.total_steps; ++step) {
     const auto step_start = Clock::now();
     profiler.before(step);
@@ -426,6 +470,32 @@ TrainResult TrainerCore::train() {
     if (const auto trace = profiler.after(step); !trace.empty() && main) {
       s.context.logger().info("profile: " + trace + " (steps " + std::to_string(cfg.profile.start) +
                               ".." + std::to_string(step) + ")");
+    }
+    std::optional<events::LossSpike> spike;
+    if (!r.finite) {
+      ++skipped_in_a_row;
+      const auto what = describe_step(step, cfg.run.total_steps, r);
+      if (numerics.on_nonfinite == "stop" || skipped_in_a_row > numerics.max_consecutive_skips) {
+        stop_on_nonfinite(s, what, skipped_in_a_row);
+      }
+      if (main) {
+        s.context.logger().warning("skipped " + what + ": the optimizer did not step (" +
+                                   std::to_string(skipped_in_a_row) + " in a row, at most " +
+                                   std::to_string(numerics.max_consecutive_skips) + ")");
+      }
+      result.skipped_steps.push_back(step);
+    } else {
+      skipped_in_a_row = 0;
+      const auto window = static_cast<std::size_t>(numerics.loss_spike_window);
+      if (recent_losses.size() == window) {
+        const double mean = std::accumulate(recent_losses.begin(), recent_losses.end(), 0.0) /
+                            static_cast<double>(window);
+        if (mean > 0 && r.loss > numerics.loss_spike_factor * mean) {
+          spike = events::LossSpike{.step = step, .loss = r.loss, .mean = mean};
+        }
+        recent_losses.pop_front();
+      }
+      recent_losses.push_back(r.loss);
     }
     s.done_steps = step + 1;
     const double seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
@@ -450,6 +520,17 @@ TrainResult TrainerCore::train() {
                                   .grad_norm = r.grad_norm,
                                   .tokens = tokens_per_step,
                                   .seconds = seconds});
+    if (spike) {
+      result.loss_spikes.push_back(step);
+      if (main) {
+        s.context.logger().warning("loss spike at " + describe_step(step, cfg.run.total_steps, r) +
+                                   ": " + format_number(r.loss / spike->mean, "%.1f") +
+                                   "x the mean of the previous " +
+                                   std::to_string(numerics.loss_spike_window) + " steps (" +
+                                   format_number(spike->mean, "%.6g") + ")");
+      }
+      s.events.emit(*spike);
+    }
     if (main) {
       const double tokens_per_second = static_cast<double>(tokens_per_step) / seconds;
       if (progress) {

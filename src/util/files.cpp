@@ -1,9 +1,11 @@
 // d9d/util/files.cpp — POSIX implementations of d9d::files.
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <dirent.h>
 #include <ftw.h>
 #include <stdexcept>
 #include <sys/stat.h>
@@ -111,6 +113,26 @@ std::string parent(std::string_view path) {
     dir.remove_suffix(1);
   }
   return dir.empty() ? std::string("/") : std::string(dir);
+}
+
+std::vector<std::string> list_directory(const std::string& dir) {
+  std::vector<std::string> names;
+  DIR* handle = ::opendir(dir.c_str());
+  if (handle == nullptr) {
+    if (errno == ENOENT) {
+      return names;
+    }
+    fail("list", dir);
+  }
+  while (const dirent* entry = ::readdir(handle)) {  // NOLINT(concurrency-mt-unsafe): own handle
+    const std::string name = entry->d_name;
+    if (name != "." && name != "..") {
+      names.push_back(name);
+    }
+  }
+  ::closedir(handle);
+  std::sort(names.begin(), names.end());
+  return names;
 }
 
 std::string hostname() {

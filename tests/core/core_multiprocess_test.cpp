@@ -1,14 +1,21 @@
 // Multi-process tests of the distributed core on 1, 2, 4 and 8 ranks (Gloo on CPU; NCCL with
 // D9D_TEST_BACKEND=nccl where the GPUs suffice). Every result is checked against what a single
 // process computes from the same inputs.
+#include <cstdlib>
+#include <exception>
 #include <fstream>
 #include <map>
+#include <optional>
+#include <stdexcept>
 #include <string>
+#include <string_view>
+#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/core/device_mesh.hpp>
@@ -317,7 +324,129 @@ TEST_P(Core_World, ObjectCollectives) {
   });
 }
 
+TEST_P(Core_World, ErrorAgreementThrowsTheFirstFailureOnEveryRank) {
+  d9d::testing::run_on_ranks(options(), [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const int last = ctx.world_size() - 1;
+    // Nobody failed: nothing is thrown.
+    EXPECT_NO_THROW(d9d::raise_if_any_failed(ctx.world(), nullptr, "agree"));
+    // The last rank failed with an invalid_argument: every rank throws one, naming that rank.
+    std::exception_ptr error;
+    if (ctx.rank() == last) {
+      error = std::make_exception_ptr(std::invalid_argument("agree: bad shape [3]"));
+    }
+    try {
+      d9d::raise_if_any_failed(ctx.world(), error, "agree");
+      ADD_FAILURE() << "nothing thrown";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()),
+                "agree: rank " + std::to_string(last) + " failed: bad shape [3]");
+    }
+    // Every rank failed: the lowest is named first, the others after it, as a runtime_error.
+    try {
+      d9d::raise_if_any_failed(
+          ctx.world(),
+          std::make_exception_ptr(std::runtime_error("disk " + std::to_string(ctx.rank()))),
+          "agree");
+      ADD_FAILURE() << "nothing thrown";
+    } catch (const std::runtime_error& e) {
+      std::string want = "agree: rank 0 failed: disk 0";
+      if (last > 0) {
+        want += last > 1 ? " (ranks " : " (rank ";
+        for (int r = 1; r <= last; ++r) {
+          want += (r > 1 ? ", " : "") + std::to_string(r);
+        }
+        want += " failed too)";
+      }
+      EXPECT_EQ(std::string(e.what()), want);
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, Core_World, ::testing::Values(1, 2, 4, 8), world_name);
+
+// ------------------------------------------------------------------------------------------------
+// Several contexts in one process
+
+// `rounds` all-reduces over a mesh group of `ctx`, each checked: values are scaled by `scale`, so a
+// context that received another context's messages would see the other's sums.
+void sum_rounds(const d9d::DistributedContext& ctx, double scale, int rounds) {
+  const d9d::DeviceMesh mesh(ctx, MeshShape{.dp_shard = ctx.world_size()});
+  const auto group = mesh.group(MeshDomain::regular, "dp_shard");
+  const int n = ctx.world_size();
+  for (int i = 0; i < rounds; ++i) {
+    const auto got = d9d::all_reduce(group, at::full({256}, scale * (ctx.rank() + 1 + i)));
+    const double want = scale * (n * (n + 1) / 2.0 + n * i);
+    EXPECT_TRUE(at::equal(got.cpu(), at::full({256}, want)))
+        << ctx.store_prefix() << " round " << i << ": " << got[0].item<double>() << " != " << want;
+  }
+}
+
+// This rank's launch facts for a context of the first `world` ranks.
+d9d::LaunchInfo sub_world(int world) {
+  auto info = d9d::parse_launch_env([](std::string_view name) -> std::optional<std::string> {
+    const char* value = std::getenv(std::string(name).c_str());  // NOLINT(concurrency-mt-unsafe)
+    return value != nullptr ? std::optional<std::string>(value) : std::nullopt;
+  });
+  info.world_size = world;
+  info.local_world_size = world;
+  return info;
+}
+
+TEST(Core_Context_ws4, TwoContextsRunCollectivesSideBySide) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    // Two contexts over the same world in one process: each rendezvouses its groups under its own
+    // keys, and their collectives, interleaved from two threads, never meet.
+    const auto a = d9d::testing::rank_context(env);
+    const auto b = d9d::testing::rank_context(env);
+    EXPECT_EQ(a.store_prefix(), "d9d/ctx0-of-4/");
+    EXPECT_EQ(b.store_prefix(), "d9d/ctx1-of-4/");
+    std::thread side([&] { sum_rounds(b, 1000.0, 40); });
+    sum_rounds(a, 1.0, 40);
+    side.join();
+    // A context that only ranks 0 and 1 create (of a world of 2) is named: the others' unnamed
+    // count must not depend on it.
+    if (env.rank() < 2) {
+      const auto pair = d9d::DistributedContext::from_launch(
+          sub_world(2), {.init_timeout = std::chrono::seconds(60),
+                         .step_timeout = std::chrono::seconds(60),
+                         .name = "pair",
+                         .device = a.device().str()});
+      EXPECT_EQ(pair.store_prefix(), "d9d/pair/");
+      sum_rounds(pair, 7.0, 5);
+    }
+    const auto c = d9d::testing::rank_context(env);
+    EXPECT_EQ(c.store_prefix(), "d9d/ctx2-of-4/");
+    sum_rounds(c, 3.0, 2);
+  });
+}
+
+TEST(Core_Context_ws2, TwoContextsShareTheStoreRankZeroServes) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    // As under tools/d9drun: rank 0's process serves the store (no agent). Its second context
+    // shares the server its first one started on that port.
+    if (env.rank() == 0) {
+      env.store().set("port", std::to_string(d9d::testing::free_port()));
+    }
+    const auto port = env.store().get("port");
+    auto launch = sub_world(2);
+    launch.agent_store = false;
+    launch.master_port = std::stoi(std::string(port.begin(), port.end()));
+    const d9d::ContextOptions options{
+        .init_timeout = std::chrono::seconds(60),
+        .step_timeout = std::chrono::seconds(60),
+        .failure_timeout = std::chrono::seconds(10),
+        .device = env.backend() == d9d::testing::Backend::nccl ? "cuda" : "cpu"};
+    const auto a = d9d::DistributedContext::from_launch(launch, options);
+    const auto b = d9d::DistributedContext::from_launch(launch, options);
+    EXPECT_NE(a.store_prefix(), b.store_prefix());
+    std::thread side([&] { sum_rounds(b, 1000.0, 20); });
+    sum_rounds(a, 1.0, 20);
+    side.join();
+  });
+}
 
 // ------------------------------------------------------------------------------------------------
 // Sharded tensors

@@ -1,7 +1,12 @@
 // Helpers shared by the core tests: a DistributedContext inside a rank of the test harness.
 #pragma once
 
+#include <arpa/inet.h>
 #include <chrono>
+#include <netinet/in.h>
+#include <stdexcept>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
@@ -17,6 +22,27 @@ inline DistributedContext rank_context(const RankEnv& env) {
   return DistributedContext::from_env({.init_timeout = std::chrono::seconds(60),
                                        .step_timeout = std::chrono::seconds(60),
                                        .device = env.backend() == Backend::nccl ? "cuda" : "cpu"});
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago (as tools/d9drun picks MASTER_PORT).
+inline int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = 0;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): the sockets API
+  auto* generic = reinterpret_cast<sockaddr*>(&address);
+  if (fd < 0 || ::bind(fd, generic, sizeof(address)) != 0 ||
+      ::getsockname(fd, generic, &length) != 0) {
+    if (fd >= 0) {
+      ::close(fd);
+    }
+    throw std::runtime_error("d9d::testing::free_port: no free port on 127.0.0.1");
+  }
+  ::close(fd);
+  return ntohs(address.sin_port);
 }
 
 /// True when this run cannot give `world` ranks one GPU each (NCCL runs on a small machine).

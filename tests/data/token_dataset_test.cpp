@@ -106,6 +106,26 @@ TEST(Data_TokenDataset_u16, VocabBoundCountsEveryTokenIncludingTails) {
   EXPECT_EQ(ds.vocab_bound(), 501);  // cached
 }
 
+TEST(Data_TokenDataset, CheckVocabNamesTheFirstIdBeyondTheVocabulary) {
+  const std::string dir = scratch_dir();
+  write_file(dir + "/low.bin", raw_tokens(iota_ids(0, 9), 4));
+  std::vector<uint32_t> ids = iota_ids(0, 9);
+  ids[6] = 70000;  // beyond u16: read as u32
+  ids[8] = 258;
+  write_file(dir + "/high.bin", raw_tokens(ids, 4));
+  const auto ds = TokenDataset::open({dir + "/low.bin", dir + "/high.bin"}, TokenWidth::u32, 4);
+  ds.check_vocab(70001);  // every id is below
+  const auto error = error_of<std::runtime_error>([&] { ds.check_vocab(258); });
+  EXPECT_THAT(error, HasSubstr(dir + "/high.bin: token 6 is id 70000, not below the model's "
+                                     "vocabulary size 258 (the files' largest id is 70000"))
+      << error;
+  // The first file alone is fine up to its largest id, 8.
+  const auto low = TokenDataset::open({dir + "/low.bin"}, TokenWidth::u32, 4);
+  low.check_vocab(9);
+  EXPECT_THAT(error_of<std::runtime_error>([&] { low.check_vocab(8); }),
+              HasSubstr("low.bin: token 8 is id 8, not below the model's vocabulary size 8"));
+}
+
 TEST(Data_TokenDataset_u16, CopiesShareTheMappingAndOutliveTheOriginal) {
   const std::string dir = scratch_dir();
   write_file(dir + "/a.bin", raw_tokens(iota_ids(0, 9), 2));

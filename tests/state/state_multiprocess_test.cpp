@@ -6,11 +6,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
 
@@ -228,130 +231,174 @@ st::NamedTensors matrix_tensors(int seed) {
 
 at::Tensor plain_tensor(int seed) { return at::arange(4, at::kFloat) / 3 + seed; }
 
-void save_layout(const std::string& dir, Layout l, int seed,
-                 const st::DistributedSaveOptions& options = {}) {
-  d9d::testing::run_on_ranks({.world_size = layout_world(l)}, [&](RankEnv&) {
+st::DistributedState layout_state(const st::ShardLayout& layout, int seed) {
+  st::DistributedState state;
+  for (const auto& [name, full] : matrix_tensors(seed)) {
+    state.emplace_back(name, d9d::ShardedTensor::distribute(full, layout.mesh, layout.domain,
+                                                            layout.dims, layout.placements));
+  }
+  state.emplace_back("b", plain_tensor(seed));
+  return state;
+}
+
+// This rank's pieces of checkpoint `dir` under layout `l` of `ctx`, compared with slicing the full
+// tensors of `seed`.
+void expect_loads(const std::string& dir, Layout l, const d9d::DistributedContext& ctx, int seed) {
+  const auto layout = make_layout(l, ctx);
+  std::vector<st::DistributedLoadTarget> targets{{.name = "b"}};
+  for (const auto& [name, full] : matrix_tensors(seed)) {
+    targets.push_back({.name = name, .layout = layout});
+  }
+  const auto got = st::load_distributed(dir, targets);
+  expect_bit_identical(got.at("b"), plain_tensor(seed), dir + " b");
+  for (const auto& [name, full] : matrix_tensors(seed)) {
+    const auto want = d9d::ShardedTensor::distribute(full, layout.mesh, layout.domain, layout.dims,
+                                                     layout.placements)
+                          .local();
+    expect_bit_identical(
+        got.at(name), want,
+        dir + " -> " + layout_label(l) + " rank " + std::to_string(ctx.rank()) + " " + name);
+  }
+}
+
+// Each saved layout in its own test: the files are there, nothing is left in `<dir>.partial`.
+class State_DistributedSave_Gloo : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(State_DistributedSave_Gloo, SavesEveryPieceOnce) {
+  const Layout l = GetParam();
+  const auto result = d9d::testing::launch({.world_size = layout_world(l)}, [l](RankEnv& env) {
     const auto ctx = cpu_context();
-    const auto layout = make_layout(l, ctx);
-    st::DistributedState state;
-    for (const auto& [name, full] : matrix_tensors(seed)) {
-      state.emplace_back(name, d9d::ShardedTensor::distribute(full, layout.mesh, layout.domain,
-                                                              layout.dims, layout.placements));
+    st::save_distributed(ctx, env.scratch_dir() + "/ckpt", layout_state(make_layout(l, ctx), 1));
+  });
+  ASSERT_TRUE(result.ok()) << result.report();
+  const std::string dir = *result.scratch_dir + "/ckpt";
+  EXPECT_TRUE(d9d::files::exists(dir + "/" + st::kDistributedIndexName));
+  for (int r = 0; r < layout_world(l); ++r) {
+    EXPECT_TRUE(d9d::files::exists(dir + "/model-rank" + std::to_string(r) + "-of-" +
+                                   std::to_string(layout_world(l)) + ".safetensors"));
+  }
+  EXPECT_FALSE(d9d::files::exists(dir + ".partial"));
+  EXPECT_FALSE(d9d::files::exists(dir + ".old"));
+}
+
+// Each load layout in its own test, on 4 ranks that first save all six layouts themselves (so no
+// test depends on another having run): the 1-rank save by rank 0 alone (a local context), the
+// 2-rank ones by ranks 0 and 1 (a context of their own, named "pair" since ranks 2 and 3 do not
+// create it), the 4-rank ones by all. Then the ranks of the load layout load every directory.
+// 6 saved x 6 loaded = 36 pairs (1 <-> 2 <-> 4 ranks, replicate <-> sharded, a 2x2 mesh).
+class State_DistributedLoad_Gloo_ws4 : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(State_DistributedLoad_Gloo_ws4, LoadsEverySavedLayout) {
+  const Layout load = GetParam();
+  d9d::testing::run_on_ranks({.world_size = 4}, [load](RankEnv& env) {
+    const auto world = cpu_context();
+    std::optional<d9d::DistributedContext> pair;
+    if (env.rank() < 2) {
+      auto launch = d9d::parse_launch_env([](std::string_view name) -> std::optional<std::string> {
+        const char* value = std::getenv(std::string(name).c_str());  // NOLINT
+        return value != nullptr ? std::optional<std::string>(value) : std::nullopt;
+      });
+      launch.world_size = 2;
+      launch.local_world_size = 2;
+      pair = d9d::DistributedContext::from_launch(launch, {.init_timeout = std::chrono::seconds(60),
+                                                           .step_timeout = std::chrono::seconds(60),
+                                                           .name = "pair",
+                                                           .device = "cpu"});
     }
-    state.emplace_back("b", plain_tensor(seed));
-    st::save_distributed(ctx, dir, state, options);
+    const auto one = d9d::DistributedContext::local({.device = "cpu"});
+    // The context of a layout on this rank, if this rank takes part.
+    const auto context_of = [&](Layout l) -> const d9d::DistributedContext* {
+      switch (layout_world(l)) {
+        case 1:
+          return env.rank() == 0 ? &one : nullptr;
+        case 2:
+          return pair ? &*pair : nullptr;
+        default:
+          return &world;
+      }
+    };
+    std::vector<std::string> dirs;
+    for (const Layout l : kLayouts) {
+      dirs.push_back(env.scratch_dir() + "/" + layout_label(l));
+      if (const auto* ctx = context_of(l)) {
+        st::save_distributed(*ctx, dirs.back(), layout_state(make_layout(l, *ctx), 1));
+      }
+      world.barrier();  // saved before anyone loads it
+    }
+    if (const auto* ctx = context_of(load)) {
+      for (const auto& dir : dirs) {
+        expect_loads(dir, load, *ctx, 1);
+      }
+    }
+    world.barrier();
   });
 }
 
-// Every rank of `l` loads each of `dirs` and compares with slicing the full tensors.
-void check_load(const std::vector<std::string>& dirs, Layout l, int seed) {
-  d9d::testing::run_on_ranks({.world_size = layout_world(l)}, [&](RankEnv&) {
-    const auto ctx = cpu_context();
-    const auto layout = make_layout(l, ctx);
-    for (const auto& dir : dirs) {
-      std::vector<st::DistributedLoadTarget> targets{{.name = "b"}};
-      for (const auto& [name, full] : matrix_tensors(seed)) {
-        targets.push_back({.name = name, .layout = layout});
-      }
-      const auto got = st::load_distributed(dir, targets);
-      expect_bit_identical(got.at("b"), plain_tensor(seed), dir + " b");
-      for (const auto& [name, full] : matrix_tensors(seed)) {
-        const auto want = d9d::ShardedTensor::distribute(full, layout.mesh, layout.domain,
-                                                         layout.dims, layout.placements)
-                              .local();
-        expect_bit_identical(
-            got.at(name), want,
-            dir + " -> " + layout_label(l) + " rank " + std::to_string(ctx.rank()) + " " + name);
-      }
-    }
-  });
+std::string layout_param_name(const ::testing::TestParamInfo<Layout>& info) {
+  return layout_label(info.param);
 }
 
-// One launch per TEST (d9d/testing/multiprocess.hpp), so saving with N ranks and loading with M
-// are separate tests of one suite, run in the order written (GoogleTest's default), sharing a
-// directory under TEST_TMPDIR (inherited by the rank processes). Run the suite as a whole.
-std::string shared_root() {
-  const char* base = std::getenv("TEST_TMPDIR");  // NOLINT(concurrency-mt-unsafe)
-  return std::string(base != nullptr ? base : "/tmp") + "/d9d-distributed-save";
-}
-
-std::vector<std::string> matrix_dirs() {
-  std::vector<std::string> dirs;
-  for (const Layout l : kLayouts) {
-    dirs.push_back(shared_root() + "/" + layout_label(l));
-  }
-  return dirs;
-}
-
-// 6 layouts saved, each loaded on all 6 layouts: 36 pairs (1<->2<->4 ranks, replicate <->
-// sharded, a 2x2 mesh), bit-identical.
-#define D9D_SAVE_CASE(L)                                                    \
-  TEST(State_DistributedSave_Gloo, Save_##L) {                              \
-    const std::string dir = shared_root() + "/" + layout_label(Layout::L);  \
-    save_layout(dir, Layout::L, /*seed=*/1);                                \
-    EXPECT_TRUE(d9d::files::exists(dir + "/" + st::kDistributedIndexName)); \
-    EXPECT_FALSE(d9d::files::exists(dir + ".partial"));                     \
-  }
-#define D9D_LOAD_CASE(L)                                        \
-  TEST(State_DistributedSave_Gloo, LoadAllSavedLayoutsAs_##L) { \
-    check_load(matrix_dirs(), Layout::L, /*seed=*/1);           \
-  }
-D9D_SAVE_CASE(rep1)
-D9D_SAVE_CASE(shard2)
-D9D_SAVE_CASE(rep2)
-D9D_SAVE_CASE(shard4_dim0)
-D9D_SAVE_CASE(shard4_dim1)
-D9D_SAVE_CASE(mesh2x2)
-D9D_LOAD_CASE(rep1)
-D9D_LOAD_CASE(shard2)
-D9D_LOAD_CASE(rep2)
-D9D_LOAD_CASE(shard4_dim0)
-D9D_LOAD_CASE(shard4_dim1)
-D9D_LOAD_CASE(mesh2x2)
-#undef D9D_SAVE_CASE
-#undef D9D_LOAD_CASE
+INSTANTIATE_TEST_SUITE_P(Layouts, State_DistributedSave_Gloo, ::testing::ValuesIn(kLayouts),
+                         layout_param_name);
+INSTANTIATE_TEST_SUITE_P(Layouts, State_DistributedLoad_Gloo_ws4, ::testing::ValuesIn(kLayouts),
+                         layout_param_name);
 
 // A rank killed after writing its file of checkpoint B, before the commit: the directory still
-// loads A; so does an interrupted commit (only `<dir>.old` left).
-std::string kill_dir() { return shared_root() + "/kill/ckpt"; }
-
-TEST(State_DistributedSave_Gloo, Kill0_SaveA) { save_layout(kill_dir(), Layout::shard2, 1); }
-
-TEST(State_DistributedSave_Gloo, Kill1_RankDiesDuringSaveB) {
-  const std::string dir = kill_dir();
-  const auto result = d9d::testing::launch({.world_size = 2}, [&](RankEnv&) {
+// loads A, and so does an interrupted commit (only `<dir>.old` left). The loads run in the parent
+// process (a local context, the full tensors) after the launch, so the test stands alone.
+TEST(State_DistributedSave_Gloo_ws2, RankKilledBeforeTheCommitLeavesTheLastCheckpoint) {
+  const auto result = d9d::testing::launch({.world_size = 2}, [](RankEnv& env) {
     const auto ctx = cpu_context();
     const auto layout = make_layout(Layout::shard2, ctx);
-    st::DistributedState state;
-    for (const auto& [name, full] : matrix_tensors(2)) {
-      state.emplace_back(name, d9d::ShardedTensor::distribute(full, layout.mesh, layout.domain,
-                                                              layout.dims, layout.placements));
-    }
-    state.emplace_back("b", plain_tensor(2));
-    st::save_distributed(ctx, dir, state, {.before_commit = [&] {
+    const std::string dir = env.scratch_dir() + "/ckpt";
+    st::save_distributed(ctx, dir, layout_state(layout, 1));                         // A
+    st::save_distributed(ctx, dir, layout_state(layout, 2), {.before_commit = [&] {  // B
                            if (ctx.rank() == 1) {
                              std::_Exit(7);
                            }
                          }});
   });
-  EXPECT_FALSE(result.ok());
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.ranks[1].exit_code, 7) << result.report();
+  const std::string dir = *result.scratch_dir + "/ckpt";
   EXPECT_TRUE(d9d::files::exists(dir + ".partial"));
+  const auto local = d9d::DistributedContext::local({.device = "cpu"});
+  expect_loads(dir, Layout::rep1, local, 1);
+  d9d::files::rename(dir, dir + ".old");  // as a crash between the two renames of the commit
+  expect_loads(dir, Layout::rep1, local, 1);
 }
 
-TEST(State_DistributedSave_Gloo, Kill2_LoadsAOnOneRank) {
-  check_load({kill_dir()}, Layout::rep1, 1);
-}
-
-TEST(State_DistributedSave_Gloo, Kill3_LoadsAOnFourRanks) {
-  check_load({kill_dir()}, Layout::shard4_dim1, 1);
-}
-
-TEST(State_DistributedSave_Gloo, Kill4_InterruptedCommitLoadsOld) {
-  const std::string dir = kill_dir();
-  if (!d9d::testing::is_rank_process()) {
-    d9d::files::rename(dir, dir + ".old");  // as a crash between the two renames leaves it
-  }
-  check_load({dir}, Layout::shard2, 1);
+// An error on one rank during a save (rank 2's extra tensor has a dtype safetensors cannot store,
+// an std::invalid_argument) is thrown on every rank at once, naming rank 2, and nothing is
+// committed. No watchdog, and
+// collectives that would wait 10 minutes (step_timeout): if the others waited for rank 2 instead
+// of hearing of its error, they would outlive the launch's 120 s and fail the test.
+TEST(State_DistributedSave_Gloo_ws4, AnErrorOnOneRankIsThrownOnEveryRank) {
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    const auto ctx = d9d::DistributedContext::from_env({.init_timeout = std::chrono::seconds(60),
+                                                        .step_timeout = std::chrono::minutes(10),
+                                                        .failure_timeout = {},
+                                                        .device = "cpu"});
+    const auto layout = make_layout(Layout::shard4_dim0, ctx);
+    const std::string dir = env.scratch_dir() + "/ckpt";
+    st::save_distributed(ctx, dir, layout_state(layout, 1));  // A
+    auto bad = layout_state(layout, 2);
+    if (ctx.rank() == 2) {
+      bad.emplace_back("z", at::zeros({2}, at::kComplexDouble));
+    }
+    try {
+      st::save_distributed(ctx, dir, bad);
+      ADD_FAILURE() << "rank " << ctx.rank() << ": nothing thrown";
+    } catch (const std::invalid_argument& e) {  // the kind of rank 2's error, on every rank
+      EXPECT_THAT(std::string(e.what()),
+                  ::testing::StartsWith("d9d::state::save_distributed: rank 2 failed: "));
+      EXPECT_THAT(std::string(e.what()), ::testing::HasSubstr("\"z\""));
+    }
+    expect_loads(dir, Layout::shard4_dim0, ctx, 1);  // still A
+    // The ranks stay in step: the next save works.
+    st::save_distributed(ctx, dir, layout_state(layout, 3));
+    expect_loads(dir, Layout::shard4_dim0, ctx, 3);
+  });
 }
 
 }  // namespace

@@ -1,16 +1,25 @@
 // Data-parallel and pipelined training on 2 and 4 ranks (Gloo) against a single-process run of the
 // same global batch: losses and parameters must match (fp32, tight tolerance) over several steps.
+#include <chrono>
 #include <cmath>
+#include <csignal>
+#include <limits>
 #include <stdexcept>
 #include <string>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/parallel/replicate.hpp>
+#include <d9d/state/safetensors.hpp>
 #include <d9d/train/trainer.hpp>
+#include <d9d/util/files.hpp>
 
 #include "tests/core/core_test_util.hpp"
 #include "tests/train/train_test_util.hpp"
@@ -18,6 +27,7 @@
 namespace {
 
 using d9d::testing::RankEnv;
+using ::testing::HasSubstr;
 
 using d9d::testing::kLossRtol;
 using d9d::testing::kParameterAtol;
@@ -155,7 +165,6 @@ void expect_pipeline_matches_one_process(RankEnv& env, const d9d::DistributedCon
 TEST(Trainer_Pipeline_Gloo_ws2, EverySchedulePlanMatchesOneProcess) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
-    // One context per process: a second one would rendezvous its groups under the same keys.
     const auto ctx = d9d::testing::rank_context(env);
     using V2 = d9d::pipeline::stages_per_rank<2>;
     // Global batch 8 in microbatches of 2: 4 microbatches through pp = 2.
@@ -275,6 +284,165 @@ TEST(Trainer_Checkpoint_Gloo_ws2, PipelineCheckpointResumesWithoutPipelineAndBac
         with_checkpoint(run(dir + "/staged", R"({"pp": 2})"), shared + "/one", 0));
     check(staged.train(), staged.core().modules(), "1 -> pp2");
     ctx.barrier();
+  });
+}
+
+// ---- asynchronous checkpoints on several ranks -------------------------------------------------
+
+d9d::TrainerConfig async_checkpoints(const RankEnv& env, const std::string& name, int64_t steps) {
+  auto cfg = d9d::testing::tiny_run(
+      env.scratch_dir() + "/rank" + std::to_string(env.rank()) + "/" + name, steps, 8, 2);
+  cfg.checkpoint.dir = env.scratch_dir() + "/" + name;
+  cfg.checkpoint.every = 2;
+  cfg.checkpoint.keep = 2;
+  cfg.checkpoint.async = true;
+  return cfg;
+}
+
+TEST(Trainer_Checkpoint_Gloo_ws2, AsyncSavesAreWrittenByEveryRankAndResume) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    auto cfg = async_checkpoints(env, "async", 6);
+    cfg.checkpoint.keep = 3;
+    cfg.run.failure_timeout_s = 30;
+    d9d::Trainer<DpPlan> first(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                               d9d::CausalLmTask{}, cfg);
+    EXPECT_EQ(ctx.failure_timeout(), std::chrono::seconds(30));  // run.failure_timeout_s applied
+    const auto want = first.train();
+    // Saves after steps 2, 4 and 6, written in the background: each is completed at a later step
+    // boundary or, at the latest, by the next save; the last one by the end of train().
+    const std::string dir = cfg.checkpoint.dir;
+    EXPECT_EQ(want.checkpoint_dir, dir + "/step-6");
+    for (const auto* step : {"step-2", "step-4", "step-6"}) {
+      for (const auto* file : {"trainer.json", "rank-0.safetensors", "rank-1.safetensors"}) {
+        EXPECT_TRUE(d9d::files::exists(dir + "/" + step + "/" + file)) << step << "/" << file;
+      }
+    }
+    // Replicas: rank 0 (dp coordinate 0) wrote every parameter, as it was after step 6.
+    const d9d::state::SafetensorsFile saved(dir + "/step-6/rank-0.safetensors");
+    std::size_t compared = 0;
+    for (const auto& item : first.core().model()->named_parameters()) {
+      ASSERT_TRUE(saved.contains("model/" + item.key())) << item.key();
+      EXPECT_TRUE(at::equal(saved.tensor("model/" + item.key()), item.value().detach().cpu()))
+          << item.key();
+      ++compared;
+    }
+    EXPECT_GT(compared, 0U);
+    ctx.barrier();
+
+    // Resumed from step 4 (same run, same schedule), the last two steps come out as the first
+    // run's: same ranks, same order of operations, within the fp64 tolerances of this file.
+    auto again = d9d::testing::tiny_run(
+        env.scratch_dir() + "/rank" + std::to_string(env.rank()) + "/again", 6, 8, 2);
+    again.checkpoint.resume_from = dir + "/step-4";
+    again.checkpoint.dir = env.scratch_dir() + "/again";
+    d9d::Trainer<DpPlan> resumed(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                 d9d::CausalLmTask{}, again);
+    const auto got = resumed.train();
+    EXPECT_EQ(got.start_step, 4);
+    ASSERT_EQ(got.losses.size(), 2U);
+    for (std::size_t i = 0; i < 2; ++i) {
+      EXPECT_NEAR(got.losses[i], want.losses[i + 4], kLossRtol * std::abs(want.losses[i + 4]))
+          << "step " << i + 4;
+    }
+    const auto params = resumed.core().model()->named_parameters();
+    for (const auto& item : first.core().model()->named_parameters()) {
+      EXPECT_TRUE(at::allclose(params[item.key()], item.value(), 0.0, kParameterAtol))
+          << item.key();
+    }
+  });
+}
+
+TEST(Trainer_Checkpoint_Gloo_ws2, AsyncWriterFailureReachesTheTrainingLoopOfEveryRank) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto cfg = async_checkpoints(env, "failing", 6);
+    d9d::Trainer<DpPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                             d9d::CausalLmTask{}, cfg);
+    // Rank 0's files may not grow beyond 64 KiB past its log's present size (its log may still
+    // take a few lines): its checkpoint file (~550 KB of float64 parameters and AdamW state) fails
+    // with EFBIG in the background writer, whatever the file system and even as root.
+    rlimit saved{};
+    ::getrlimit(RLIMIT_FSIZE, &saved);
+    const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);  // EFBIG instead of the signal
+    if (env.rank() == 0) {
+      struct stat log_file {};
+      ::fstat(STDERR_FILENO, &log_file);
+      const rlimit small{.rlim_cur = static_cast<rlim_t>(log_file.st_size) + 65536,
+                         .rlim_max = saved.rlim_max};
+      ::setrlimit(RLIMIT_FSIZE, &small);
+    }
+    std::string error;
+    try {
+      (void)run.train();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    ::setrlimit(RLIMIT_FSIZE, &saved);
+    std::signal(SIGXFSZ, old_handler);
+    // Both ranks stop with rank 0's error, at the step boundary where the writers are done.
+    EXPECT_THAT(error, HasSubstr("rank 0 failed")) << error;
+    EXPECT_THAT(error, HasSubstr("File too large")) << error;
+    ctx.barrier();
+    // Nothing became a checkpoint, and the half-written directory is gone.
+    EXPECT_FALSE(d9d::files::exists(cfg.checkpoint.dir + "/checkpoints.json"));
+    EXPECT_FALSE(d9d::files::exists(cfg.checkpoint.dir + "/step-2"));
+    EXPECT_FALSE(d9d::files::exists(cfg.checkpoint.dir + "/step-2.tmp"));
+  });
+}
+
+// A fault on rank 1 alone: both ranks stop at the same step with the same error, and with
+// "numerics.on_nonfinite": "skip" both skip it and stay replicas of each other.
+TEST(Trainer_Numerics_Gloo_ws2, EveryRankStopsOrSkipsTheSameStep) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto dir = env.scratch_dir() + "/numerics/rank" + std::to_string(env.rank());
+    const d9d::testing::FaultyTask nan_on_rank1{.first = 2,
+                                                .last = 2,
+                                                .factor = std::numeric_limits<double>::quiet_NaN(),
+                                                .active = env.rank() == 1};
+    {
+      d9d::Trainer<DpPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                               nan_on_rank1, d9d::testing::tiny_run(dir + "/stop", 5, 8, 2));
+      nan_on_rank1.follow(run);
+      std::string error;
+      try {
+        (void)run.train();
+      } catch (const d9d::NumericalError& e) {
+        error = e.what();
+      }
+      EXPECT_THAT(error, HasSubstr("step 3 of 5 (index 2): loss nan")) << error;
+    }
+    ctx.barrier();
+
+    // Skipping: infinite gradients on rank 1 only (the loss stays finite everywhere).
+    auto cfg = d9d::testing::tiny_run(dir + "/skip", 5, 8, 2);
+    cfg.numerics.on_nonfinite = "skip";
+    const d9d::testing::FaultyTask inf_on_rank1{.first = 2,
+                                                .last = 2,
+                                                .factor = std::numeric_limits<double>::infinity(),
+                                                .gradient_only = true,
+                                                .active = env.rank() == 1};
+    d9d::Trainer<DpPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                             inf_on_rank1, cfg);
+    inf_on_rank1.follow(run);
+    int optimizer_steps = 0;
+    run.on<d9d::events::AfterOptimizer>([&](const auto&) { ++optimizer_steps; });
+    const auto result = run.train();
+    EXPECT_EQ(result.skipped_steps, (std::vector<int64_t>{2}));
+    EXPECT_EQ(optimizer_steps, 4);
+    // The replicas are bit-identical: max and min over the ranks of every parameter agree.
+    const auto& world = ctx.world();
+    for (const auto& item : run.core().model()->named_parameters()) {
+      const auto mine = item.value().detach().flatten();
+      EXPECT_TRUE(at::isfinite(mine).all().item<bool>()) << item.key();
+      const auto high = d9d::all_reduce(world, mine, d9d::ReduceOp::max);
+      const auto low = d9d::all_reduce(world, mine, d9d::ReduceOp::min);
+      EXPECT_TRUE(at::equal(high, low)) << item.key();
+    }
   });
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -9,6 +10,7 @@
 
 #include <d9d/train/causal_lm.hpp>
 #include <d9d/train/config.hpp>
+#include <d9d/train/events.hpp>
 
 namespace d9d::testing {
 
@@ -58,6 +60,41 @@ struct RandomWindowsProvider {
   int64_t samples = 64;
   RandomWindows build(const DataBuildContext& context) const {
     return {samples, context.sequence_length, 64, context.seed + 99};
+  }
+};
+
+/// CausalLmTask with a fault injected in steps [first, last] (0-based): the loss (and so every
+/// gradient) multiplied by `factor` (NaN, infinity, or a finite factor for a spike), or, with
+/// `gradient_only`, the gradients alone (the loss stays as it was). Off on a rank with
+/// `active` false. The step comes from follow(): a StepStart handler of the trainer.
+struct FaultyTask {
+  using train_task_concept = train_task_tag;
+  int64_t first = -1;
+  int64_t last = -1;
+  double factor = 1.0;
+  bool gradient_only = false;
+  bool active = true;
+  std::shared_ptr<int64_t> current = std::make_shared<int64_t>(-1);
+
+  template <class Trainer>
+  void follow(Trainer& trainer) const {
+    trainer.template on<events::StepStart>(
+        [current = current](const events::StepStart& e) { *current = e.step; });
+  }
+
+  LossOutput compute_loss(model::Qwen3ForCausalLM& model, const CausalLmBatch& batch) const {
+    auto out = CausalLmTask{}.compute_loss(model, batch);
+    if (!active || *current < first || *current > last) {
+      return out;
+    }
+    if (gradient_only) {
+      const double f = factor;
+      out.loss_sum.register_hook([f](const at::Tensor& grad) { return grad * f; });
+      out.loss_sum = out.loss_sum * 1.0;  // the hook sits below the tensor backward() starts from
+    } else {
+      out.loss_sum = out.loss_sum * factor;
+    }
+    return out;
   }
 };
 

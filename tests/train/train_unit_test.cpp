@@ -3,6 +3,7 @@
 #include <cmath>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <numbers>
 #include <string>
 #include <vector>
@@ -112,7 +113,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadConfig{"MissingOutputDir", base_config(R"({"total_steps": 10})", kBatch, ""),
                   "\"run.output_dir\" is required"},
         BadConfig{"ZeroSteps", base_config(R"({"output_dir": "o", "total_steps": 0})", kBatch, ""),
-                  "\"run.total_steps\" = 0 is invalid: expected an integer >= 1"},
+                  "\"run.total_steps\" = 0 is invalid: expected an integer from 1 to "
+                  "9223372036854775807"},
         BadConfig{
             "NegativeMicrobatch",
             base_config(kRun,
@@ -143,8 +145,17 @@ INSTANTIATE_TEST_SUITE_P(
         BadConfig{"NegativeClipping",
                   base_config(kRun, kBatch, R"(, "gradient_clipping": {"max_norm": -1})"),
                   "\"gradient_clipping.max_norm\" = -1 is invalid"},
+        BadConfig{"FailureTimeoutBelowASecond",
+                  base_config(R"({"output_dir": "o", "total_steps": 10, "failure_timeout_s": 0.5})",
+                              kBatch, ""),
+                  "\"run.failure_timeout_s\" = 0.5 is invalid: expected a number >= 1.000000"},
+        BadConfig{
+            "FailureTimeoutNotANumber",
+            base_config(R"({"output_dir": "o", "total_steps": 10, "failure_timeout_s": "1m"})",
+                        kBatch, ""),
+            "\"run.failure_timeout_s\" = \"1m\" is invalid: expected a number >= 1"},
         BadConfig{"ZeroDegree", base_config(kRun, kBatch, R"(, "mesh": {"tp": 0})"),
-                  "\"mesh.tp\" = 0 is invalid: expected an integer >= 1"},
+                  "\"mesh.tp\" = 0 is invalid: expected an integer from 1 to 2147483647"},
         BadConfig{
             "ExportDtype", base_config(kRun, kBatch, R"(, "export": {"dtype": "fp16"})"),
             "\"export.dtype\" = \"fp16\" is invalid: expected one of \"float32\", \"bfloat16\""},
@@ -159,8 +170,56 @@ INSTANTIATE_TEST_SUITE_P(
         BadConfig{"SectionTwice", base_config(kRun, kBatch, R"(, "batch": {})"),
                   "d9d config: \"batch\" appears twice in the JSON object"},
         BadConfig{"NumberOverflow", base_config(kRun, kBatch, R"(, "optimizer": {"lr": 1e999})"),
-                  "not valid JSON: bad JSON ([json.exception.out_of_range.406] number overflow"}),
+                  "not valid JSON: bad JSON ([json.exception.out_of_range.406] number overflow"},
+        // Integers beyond their type are errors, never truncated (2^32 + 1 is not pp = 1).
+        BadConfig{"DegreeBeyondInt", base_config(kRun, kBatch, R"(, "mesh": {"pp": 4294967297})"),
+                  "\"mesh.pp\" = 4294967297 is invalid: expected an integer from 1 to 2147483647"},
+        BadConfig{
+            "StepsBeyondInt64",
+            base_config(R"({"output_dir": "o", "total_steps": 9223372036854775808})", kBatch, ""),
+            "\"run.total_steps\" = 9223372036854775808 is invalid"},
+        BadConfig{"SeedBeyondUint64",
+                  base_config(R"({"output_dir": "o", "total_steps": 1, "seed": 1e20})", kBatch, ""),
+                  "\"run.seed\" = 1e+20 is invalid: expected an integer from 0 to "},
+        BadConfig{"NegativeSeed",
+                  base_config(R"({"output_dir": "o", "total_steps": 1, "seed": -1})", kBatch, ""),
+                  "\"run.seed\" = -1 is invalid"},
+        BadConfig{"HugeSteps",
+                  base_config(R"({"output_dir": "o", "total_steps": 1e999})", kBatch, ""),
+                  "number overflow"}),
     [](const auto& info) { return info.param.name; });
+
+// A command line's replacements (the quickstart's --data, --output, --steps, --pp) are applied
+// after the strict parse and before validation, so they meet the same rules.
+TEST(Train_Config, OverridesApplyBeforeValidation) {
+  const auto text = base_config(kRun, kBatch, "");
+  const auto cfg = d9d::TrainerConfig::from_json_text(
+      text, {{"run.total_steps", "7"}, {"mesh.pp", "2"}, {"data.paths", R"(["a.bin"])"}});
+  EXPECT_EQ(cfg.run.total_steps, 7);
+  EXPECT_EQ(cfg.mesh.pp, 2);
+  EXPECT_EQ(cfg.section("data"), R"({"paths":["a.bin"]})");
+  const auto bad = [&](const std::string& key, const std::string& value) {
+    return d9d::testing::error_of<d9d::ConfigError>([&] {
+      (void)d9d::TrainerConfig::from_json_text(text, {{key, value}});
+    });
+  };
+  EXPECT_THAT(bad("mesh.pp", "4294967297"),
+              HasSubstr("\"mesh.pp\" = 4294967297 is invalid: expected an integer from 1 to "
+                        "2147483647"));
+  EXPECT_THAT(bad("run.seed", "nope"),
+              HasSubstr("the value given for \"run.seed\" (nope) is not valid JSON"));
+  EXPECT_THAT(bad("run.output_dir.x", "1"),
+              HasSubstr("cannot set \"run.output_dir.x\": \"run.output_dir\" = \"out\" is not a "
+                        "JSON object"));
+  EXPECT_THAT(bad("run..x", "1"), HasSubstr("is not a dotted key"));
+  EXPECT_THAT(bad("run.totl_steps", "1"), HasSubstr("unknown key \"run.totl_steps\""));
+  // A key given twice in the text stays an error whatever the overrides.
+  EXPECT_THAT(d9d::testing::error_of<d9d::ConfigError>([&] {
+                (void)d9d::TrainerConfig::from_json_text(
+                    base_config(kRun, kBatch, R"(, "batch": {})"), {{"run.total_steps", "3"}});
+              }),
+              HasSubstr("appears twice"));
+}
 
 TEST(Train_Config, GlobalBatchMustDivideByDataParallelTimesMicrobatch) {
   const auto cfg = d9d::TrainerConfig::from_json_text(base_config(kRun, kBatch, ""));
@@ -185,6 +244,10 @@ TEST(Train_Config, DefaultsAndSections) {
   EXPECT_EQ(cfg.section("model"), R"({"hidden_size":8})");
   EXPECT_EQ(cfg.section("data"), "{}");
   EXPECT_DOUBLE_EQ(cfg.optimizer.lr, 3e-4);
+  EXPECT_FALSE(cfg.run.failure_timeout_s.has_value());  // the context's own (60 s by default)
+  const auto timed = d9d::TrainerConfig::from_json_text(base_config(
+      R"({"output_dir": "o", "total_steps": 10, "failure_timeout_s": 90})", kBatch, ""));
+  EXPECT_EQ(timed.run.failure_timeout_s, 90.0);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -593,6 +656,11 @@ TEST(Train_Checkpoint, ResumedRunContinuesExactlyAsTheUninterruptedOne) {
     const bool saved = d9d::files::exists(dir + "/checkpoints/step-3/trainer.json");
     if (!async) {
       EXPECT_TRUE(saved);
+    } else if (!saved) {
+      // Not completed before the stop: the writer (joined when the trainer went) still wrote the
+      // whole file into step-3.tmp. Either way the save happened.
+      const d9d::state::SafetensorsFile written(dir + "/checkpoints/step-3.tmp/rank-0.safetensors");
+      EXPECT_TRUE(written.contains("rng/cpu"));
     }
     EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-6")) << async;
     const int64_t from = saved ? 3 : 0;
@@ -634,9 +702,13 @@ TEST(Train_Checkpoint, KeepsTheLastKAndIgnoresHalfWrittenOnes) {
   EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-2"));
   EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-4"));
   EXPECT_TRUE(d9d::files::exists(dir + "/checkpoints/step-6/rank-0.safetensors"));
-  // What a crash during a save leaves: a .tmp directory with a partial file. It is not read.
-  d9d::files::create_directories(dir + "/checkpoints/step-8.tmp");
-  std::ofstream(dir + "/checkpoints/step-8.tmp/rank-0.safetensors") << "partial";
+  // What crashes during saves leave: .tmp directories with partial files. They are not read, and
+  // the next save removes those of every step (not other files).
+  for (const auto* step : {"step-8.tmp", "step-5.tmp", "step-123.tmp"}) {
+    d9d::files::create_directories(dir + "/checkpoints/" + step);
+    std::ofstream(dir + "/checkpoints/" + step + "/rank-0.safetensors") << "partial";
+  }
+  std::ofstream(dir + "/checkpoints/notes.tmp") << "mine";
   auto longer = cfg;
   longer.run.total_steps = 8;
   d9d::Trainer<LocalPlan> resumed(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
@@ -646,6 +718,9 @@ TEST(Train_Checkpoint, KeepsTheLastKAndIgnoresHalfWrittenOnes) {
   EXPECT_EQ(result.losses.size(), 2U);
   EXPECT_EQ(result.checkpoint_dir, dir + "/checkpoints/step-8");
   EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-8.tmp"));
+  EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-5.tmp"));
+  EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-123.tmp"));
+  EXPECT_TRUE(d9d::files::exists(dir + "/checkpoints/notes.tmp"));
 }
 
 TEST(Train_Checkpoint, ErrorsNameTheProblem) {
@@ -680,6 +755,31 @@ TEST(Train_Checkpoint, ErrorsNameTheProblem) {
                                             d9d::CausalLmTask{}, deeper);
               }),
               HasSubstr("has no parameter \"model.layers.2."));
+  // A corrupt trainer.json is named, not a bare JSON error.
+  {
+    const auto broken = tmp_dir("ckpt_broken");
+    auto cfg = checkpointed(broken, false);
+    cfg.run.total_steps = 3;
+    d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                d9d::CausalLmTask{}, cfg);
+    (void)run.train();
+    std::ofstream(broken + "/checkpoints/step-3/trainer.json")
+        << R"({"step": 3, "world_size": -2})";
+    EXPECT_THAT(d9d::testing::error_of<std::runtime_error>([&] {
+                  d9d::Trainer<LocalPlan> again(ctx, d9d::Qwen3Provider{},
+                                                d9d::testing::RandomWindowsProvider{},
+                                                d9d::CausalLmTask{}, cfg);
+                }),
+                HasSubstr("/checkpoints/step-3/trainer.json\" is not a checkpoint's trainer.json "
+                          "(step 3, world_size -2)"));
+    std::ofstream(broken + "/checkpoints/step-3/trainer.json") << "{\"step\": ";
+    EXPECT_THAT(d9d::testing::error_of<std::runtime_error>([&] {
+                  d9d::Trainer<LocalPlan> again(ctx, d9d::Qwen3Provider{},
+                                                d9d::testing::RandomWindowsProvider{},
+                                                d9d::CausalLmTask{}, cfg);
+                }),
+                HasSubstr("is not a checkpoint's trainer.json ([json.exception.parse_error"));
+  }
   // resume_from must name a complete checkpoint.
   auto elsewhere = checkpointed(tmp_dir("ckpt_elsewhere"), false);
   elsewhere.checkpoint.resume_from = other;  // the run's directory, not one of its step-<N>
@@ -690,6 +790,170 @@ TEST(Train_Checkpoint, ErrorsNameTheProblem) {
               }),
               HasSubstr("is not a complete checkpoint (no trainer.json). Fix: point "
                         "\"checkpoint.resume_from\" at a step-<N> directory"));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Numerical faults: a NaN or infinite loss or gradient norm never reaches the optimizer.
+
+// Keeps the parameters as they are at the end of step `step` in `out`.
+void snapshot_at(d9d::Trainer<LocalPlan>& trainer, int64_t step, std::vector<at::Tensor>& out) {
+  trainer.on<d9d::events::StepEnd>([&trainer, &out, step](const d9d::events::StepEnd& e) {
+    if (e.step == step) {
+      out = parameters_of(trainer.core());
+    }
+  });
+}
+
+bool all_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size() || a.empty()) {
+    return false;
+  }
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!at::equal(a[i], b[i])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+TEST(Train_Numerics, NanLossStopsNamingTheStepAndKeepsTheLastCheckpoint) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  for (const bool async : {false, true}) {
+    const auto dir = tmp_dir(async ? "nan_stop_async" : "nan_stop_sync");
+    const auto cfg = checkpointed(dir, async);  // 6 steps, a checkpoint after 3
+    const d9d::testing::FaultyTask task{
+        .first = 4, .last = 4, .factor = std::numeric_limits<double>::quiet_NaN()};
+    d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                task, cfg);
+    task.follow(run);
+    std::vector<at::Tensor> good;  // after step index 3, the last finite one
+    snapshot_at(run, 3, good);
+    bool ended = false;
+    run.on<d9d::events::StepEnd>([&](const d9d::events::StepEnd& e) { ended = e.step >= 4; });
+    const auto error = d9d::testing::error_of<d9d::NumericalError>([&] { (void)run.train(); });
+    EXPECT_THAT(error, HasSubstr("step 5 of 6 (index 4): loss nan")) << error;
+    EXPECT_THAT(error, HasSubstr("the last checkpoint, " + dir + "/checkpoints/step-3, is kept"))
+        << error;
+    EXPECT_THAT(error, HasSubstr("\"numerics.on_nonfinite\": \"skip\"")) << error;
+    EXPECT_FALSE(ended);  // stopped inside step 4
+    // The optimizer never saw the NaN: the parameters are those after step index 3.
+    EXPECT_TRUE(all_equal(parameters_of(run.core()), good)) << async;
+    // The asynchronous save of step 3 was completed before the stop; nothing later exists.
+    EXPECT_TRUE(d9d::files::exists(dir + "/checkpoints/step-3/trainer.json")) << async;
+    EXPECT_FALSE(d9d::files::exists(dir + "/checkpoints/step-6")) << async;
+    std::ifstream index(dir + "/checkpoints/checkpoints.json");
+    const auto json = nlohmann::json::parse(index);
+    EXPECT_THAT(json.dump(), HasSubstr("step-3")) << json.dump();
+  }
+  // Without checkpoints the message says so.
+  const auto dir = tmp_dir("inf_stop");
+  const d9d::testing::FaultyTask task{
+      .first = 1, .last = 1, .factor = std::numeric_limits<double>::infinity()};
+  d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                              task, d9d::testing::tiny_run(dir, 4, 8, 4));
+  task.follow(run);
+  const auto error = d9d::testing::error_of<d9d::NumericalError>([&] { (void)run.train(); });
+  EXPECT_THAT(error, HasSubstr("step 2 of 4 (index 1): loss inf")) << error;
+  EXPECT_THAT(error, HasSubstr("no checkpoint was written")) << error;
+}
+
+TEST(Train_Numerics, InfiniteGradientNormSkipsTheStepWhenConfigured) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  auto cfg = d9d::testing::tiny_run(tmp_dir("inf_skip"), 5, 8, 4);
+  cfg.numerics.on_nonfinite = "skip";
+  // The gradients alone are infinite at step index 2 (the loss stays finite).
+  const d9d::testing::FaultyTask task{.first = 2,
+                                      .last = 2,
+                                      .factor = std::numeric_limits<double>::infinity(),
+                                      .gradient_only = true};
+  d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                              task, cfg);
+  task.follow(run);
+  std::vector<at::Tensor> before;
+  std::vector<at::Tensor> skipped;
+  std::vector<at::Tensor> after;
+  snapshot_at(run, 1, before);
+  snapshot_at(run, 2, skipped);
+  snapshot_at(run, 3, after);
+  int optimizer_steps = 0;
+  run.on<d9d::events::AfterOptimizer>([&](const auto&) { ++optimizer_steps; });
+  const auto result = run.train();
+  EXPECT_EQ(result.skipped_steps, (std::vector<int64_t>{2}));
+  ASSERT_EQ(result.losses.size(), 5U);
+  EXPECT_TRUE(std::isfinite(result.losses[2]));
+  EXPECT_FALSE(std::isfinite(result.grad_norms[2]));
+  EXPECT_EQ(optimizer_steps, 4);
+  // Step 2 left the parameters exactly as step 1 did; step 3 trained again, to finite values.
+  EXPECT_TRUE(all_equal(skipped, before));
+  EXPECT_FALSE(all_equal(after, before));
+  for (const auto& p : parameters_of(run.core())) {
+    EXPECT_TRUE(at::isfinite(p).all().item<bool>());
+  }
+}
+
+TEST(Train_Numerics, TooManySkippedStepsInARowStop) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  auto cfg = d9d::testing::tiny_run(tmp_dir("nan_skips"), 8, 8, 4);
+  cfg.numerics.on_nonfinite = "skip";
+  cfg.numerics.max_consecutive_skips = 2;
+  const d9d::testing::FaultyTask task{
+      .first = 1, .last = 100, .factor = std::numeric_limits<double>::quiet_NaN()};
+  d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                              task, cfg);
+  task.follow(run);
+  const auto error = d9d::testing::error_of<d9d::NumericalError>([&] { (void)run.train(); });
+  EXPECT_THAT(error, HasSubstr("step 4 of 8 (index 3): loss nan")) << error;
+  EXPECT_THAT(error,
+              HasSubstr("3 such steps in a row, more than \"numerics.max_consecutive_skips\" = 2"))
+      << error;
+}
+
+TEST(Train_Numerics, LossSpikesAreReported) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  auto cfg = d9d::testing::tiny_run(tmp_dir("spike"), 8, 8, 4);
+  cfg.numerics.loss_spike_window = 3;
+  // Step 5's loss is 10 times what it would be (~4.2, about ln 64 for this model and data); the
+  // others stay within a few percent of each other, far below 3 times their mean.
+  const d9d::testing::FaultyTask task{.first = 5, .last = 5, .factor = 10.0};
+  d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                              task, cfg);
+  task.follow(run);
+  std::vector<d9d::events::LossSpike> spikes;
+  run.on<d9d::events::LossSpike>([&](const d9d::events::LossSpike& e) { spikes.push_back(e); });
+  const auto result = run.train();
+  EXPECT_EQ(result.loss_spikes, (std::vector<int64_t>{5}));
+  EXPECT_TRUE(result.skipped_steps.empty());
+  ASSERT_EQ(spikes.size(), 1U);
+  EXPECT_EQ(spikes[0].step, 5);
+  EXPECT_EQ(spikes[0].loss, result.losses[5]);
+  EXPECT_DOUBLE_EQ(spikes[0].mean, (result.losses[2] + result.losses[3] + result.losses[4]) / 3.0);
+}
+
+TEST(Train_Config_Numerics, KeysAreReadAndChecked) {
+  const auto cfg = d9d::TrainerConfig::from_json_text(
+      base_config(kRun, kBatch,
+                  R"(, "numerics": {"on_nonfinite": "skip", "max_consecutive_skips": 3,
+                        "loss_spike_factor": 2.5, "loss_spike_window": 7})"));
+  EXPECT_EQ(cfg.numerics.on_nonfinite, "skip");
+  EXPECT_EQ(cfg.numerics.max_consecutive_skips, 3);
+  EXPECT_EQ(cfg.numerics.loss_spike_factor, 2.5);
+  EXPECT_EQ(cfg.numerics.loss_spike_window, 7);
+  const auto defaults = d9d::TrainerConfig::from_json_text(base_config(kRun, kBatch, ""));
+  EXPECT_EQ(defaults.numerics.on_nonfinite, "stop");
+  const auto bad = [](const std::string& numerics) {
+    return d9d::testing::error_of<d9d::ConfigError>([&] {
+      (void)d9d::TrainerConfig::from_json_text(
+          base_config(kRun, kBatch, R"(, "numerics": )" + numerics));
+    });
+  };
+  EXPECT_THAT(bad(R"({"on_nonfinite": "ignore"})"),
+              HasSubstr("\"numerics.on_nonfinite\" = \"ignore\" is invalid: expected one of "
+                        "\"stop\", \"skip\""));
+  EXPECT_THAT(bad(R"({"loss_spike_factor": 1.0})"),
+              HasSubstr("\"numerics.loss_spike_factor\" = 1.0 is invalid"));
+  EXPECT_THAT(bad(R"({"max_consecutive_skips": 0})"),
+              HasSubstr("\"numerics.max_consecutive_skips\" = 0 is invalid"));
+  EXPECT_THAT(bad(R"({"on_nan": "skip"})"), HasSubstr("unknown key \"numerics.on_nan\""));
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -100,5 +101,17 @@ std::vector<std::string> all_gather_bytes(const ProcessGroup& group, const std::
 std::vector<std::string> gather_bytes(const ProcessGroup& group, const std::string& bytes, int dst);
 /// The byte string of `src` on every rank.
 std::string broadcast_bytes(const ProcessGroup& group, const std::string& bytes, int src);
+
+/// Error agreement after a local part of a collective operation: every member passes what its
+/// part raised (null: it succeeded). When any member failed, every member throws the same error:
+/// std::invalid_argument when the first failed member's was one, else std::runtime_error, with
+/// "<who>: rank <global rank> failed: <its what()>" (plus the other failed ranks), so no member
+/// goes on to wait for a failed one. One all-gather of a few bytes per member.
+///
+///   std::exception_ptr error;
+///   try { write_my_file(); } catch (...) { error = std::current_exception(); }
+///   d9d::raise_if_any_failed(ctx.world(), error, "my_save");   // every rank, or none, throws
+void raise_if_any_failed(const ProcessGroup& group, const std::exception_ptr& error,
+                         const std::string& who);
 
 }  // namespace d9d

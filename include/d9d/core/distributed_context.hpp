@@ -10,6 +10,18 @@
 // else local mode: one process, no store, no process group. The device is cuda:LOCAL_RANK when
 // this build has CUDA and a GPU is visible, else cpu; the backend follows the device (NCCL / Gloo).
 // A context is a shared handle: pass it explicitly; copies share the same groups and logger.
+//
+// Store keys: every context of a world > 1 keeps its keys under its own prefix
+// ("d9d/ctx<k>-of-<n>/" with k counting the unnamed contexts of a world > 1 this process created,
+// or ContextOptions::name), so several contexts in one process never collide: create them in the
+// same order on every rank.
+//
+// A dying rank never hangs the job: each rank heartbeats through the store and a watchdog thread
+// watches one peer (the next rank). When a rank stops heartbeating for `failure_timeout` (killed,
+// crashed), or reports a failure (its context is destroyed by an exception, the process terminates
+// on one, or report_failure is called), every other rank logs "... rank R failed: <why>" and
+// exits with kPeerFailureExitCode within about failure_timeout + 6 heartbeat intervals, unless it
+// is already leaving by an exception of its own (then it logs the same and goes on unwinding).
 #pragma once
 
 #include <chrono>
@@ -40,7 +52,13 @@ struct LaunchInfo {
   int master_port = 0;
   /// torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE=True): every rank is a client.
   bool agent_store = false;
+  /// torchrun's TORCHELASTIC_RESTART_COUNT: a restarted job keeps its keys apart from the last try.
+  int restart_count = 0;
 };
+
+/// The exit status of a process stopped by its watchdog because another rank failed (EX_TEMPFAIL:
+/// the job may be restarted).
+inline constexpr int kPeerFailureExitCode = 75;
 
 /// Reads the launch variables through `getenv` (a function returning a variable's value, if set).
 /// Throws std::invalid_argument naming the variable when one is malformed or inconsistent.
@@ -53,6 +71,13 @@ struct ContextOptions {
   std::chrono::milliseconds init_timeout{std::chrono::minutes(10)};
   /// Limit for one collective once running (shorter: a stuck step should fail, not hang).
   std::chrono::milliseconds step_timeout{std::chrono::minutes(5)};
+  /// A rank silent for this long (no heartbeat through the store) is declared dead and the others
+  /// stop (see the file comment); heartbeats go every failure_timeout / 10 (at most 1 s). Zero:
+  /// no heartbeat and no watchdog (failures then surface only as collective errors or timeouts).
+  std::chrono::milliseconds failure_timeout{std::chrono::seconds(60)};
+  /// The prefix of this context's store keys; empty: "ctx<k>-of-<world>" (k: the unnamed contexts
+  /// of a world > 1 this process created before). Name contexts that not every rank creates.
+  std::string name{};
   /// "cpu", "cuda" (cuda:LOCAL_RANK) or a full device string; default: cuda when usable, else cpu.
   std::optional<std::string> device;
 };
@@ -101,6 +126,12 @@ class DistributedContext {
   [[nodiscard]] std::string backend_name() const;
   [[nodiscard]] std::chrono::milliseconds init_timeout() const;
   [[nodiscard]] std::chrono::milliseconds step_timeout() const;
+  [[nodiscard]] std::chrono::milliseconds failure_timeout() const;
+  /// Changes the failure timeout from now on (e.g. from a trainer config); give every rank the
+  /// same.
+  void set_failure_timeout(std::chrono::milliseconds timeout) const;
+  /// The prefix of this context's store keys, e.g. "d9d/ctx0-of-4/" ("" for a world of one).
+  [[nodiscard]] const std::string& store_prefix() const;
   [[nodiscard]] bool is_main_process() const { return rank() == 0; }
   [[nodiscard]] bool is_local_main_process() const { return local_rank() == 0; }
 
@@ -135,6 +166,18 @@ class DistributedContext {
   }
 
   [[nodiscard]] const Logger& logger() const;
+
+  /// Tells every other rank that this one is failing with `message` (call it before leaving on an
+  /// error the others do not know about), then waits, at most failure_timeout + 5 heartbeat
+  /// intervals, until every rank has reported, stopped or been found dead, and returns the verdict
+  /// it logged: "rank R failed: <message>" for the first report, or "rank R stopped heartbeating
+  /// ..." when a rank died. Only the first call does anything; "" for a world of one or without a
+  /// watchdog. The context does it itself when it is destroyed by an exception or the process
+  /// terminates on one.
+  std::string report_failure(std::string_view message) const;
+  /// Keeps `message` as the text report_failure sends if this context is destroyed by an exception
+  /// (Trainer::train notes every exception leaving it); nothing is sent now.
+  void note_failure(std::string_view message) const;
 
  private:
   explicit DistributedContext(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -61,6 +61,9 @@ class TokenDataset {
   /// Cost: the first call reads every token of every file once (O(num_tokens()), pages the whole
   /// files in); the result is kept, so later calls (and copies of this dataset) are free.
   [[nodiscard]] int64_t vocab_bound() const;
+  /// Checks that every token id is below `vocab_size` (reads the files as vocab_bound() does);
+  /// std::runtime_error naming the first file, position and id that is not, and the fix.
+  void check_vocab(int64_t vocab_size) const;
 
  private:
   struct State;  // the mappings (src/data/token_dataset.cpp)

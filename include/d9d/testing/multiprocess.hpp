@@ -91,6 +91,8 @@ struct RankOutcome {
   bool timed_out = false;             ///< still running at the launch timeout, killed
   bool killed_after_failure = false;  ///< killed because another rank failed first
   std::string output;                 ///< the rank's stdout and stderr, interleaved
+  /// When the parent saw the rank end, from the start of the launch (polled every 10 ms).
+  std::chrono::milliseconds ended_after{-1};
   [[nodiscard]] bool ok() const { return exit_code == 0 && term_signal == 0 && !timed_out; }
   [[nodiscard]] std::string describe() const;
 };
@@ -100,6 +102,8 @@ struct LaunchResult {
   std::vector<RankOutcome> ranks;
   std::vector<int> pids;  ///< the ranks' process ids (all reaped when `launch` returns)
   std::chrono::milliseconds elapsed{0};
+  /// When the ranks were started (steady_clock is CLOCK_MONOTONIC, the same in every process).
+  std::chrono::steady_clock::time_point started{};
   std::shared_ptr<const std::string> scratch_dir;  ///< removed when the last copy goes away
   [[nodiscard]] bool ok() const;
   /// Human-readable summary with the output of every rank that did not end well.

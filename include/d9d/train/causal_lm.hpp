@@ -67,8 +67,10 @@ class Qwen3MoeProvider {
 /// Token windows from files (d9d::data::TokenDataset), as CausalLmBatch.
 class TokenWindows {
  public:
+  /// With `vocab_size` > 0 every token id is checked to be below it when the files are opened
+  /// (d9d::data::TokenDataset::check_vocab).
   TokenWindows(std::vector<std::string> paths, const std::string& token_width,
-               int64_t sequence_length);
+               int64_t sequence_length, int64_t vocab_size = 0);
   [[nodiscard]] int64_t size() const;
   [[nodiscard]] CausalLmBatch get(const std::vector<int64_t>& indices) const;
   /// Largest token id + 1 (reads every file once, then cached).

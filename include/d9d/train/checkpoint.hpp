@@ -15,9 +15,10 @@
 // <output_dir>/checkpoints/checkpoints.json names the latest complete checkpoint and the kept
 // ones. Ranks write into step-<N>.tmp; after every rank has written, rank 0 writes trainer.json,
 // renames the directory to step-<N>, then replaces checkpoints.json (write + rename) and removes
-// checkpoints beyond `keep`. A crash at any point leaves checkpoints.json naming a complete
-// checkpoint (or none): a half-written step-<N>.tmp is never read and is removed by the next save
-// of that step.
+// checkpoints beyond `keep`; files and directories are fsynced before and after each rename. A
+// crash at any point leaves checkpoints.json naming a complete checkpoint (or none): a
+// half-written step-<N>.tmp is never read, and every save removes those of any step. An error on
+// any rank (directory, writer, commit) is thrown on every rank, naming it (raise_if_any_failed).
 //
 // Loading reads every rank file's header and assembles each parameter's part on this rank from the
 // stored pieces that overlap it (copied as stored: bit-identical), so a run may resume on another

@@ -59,6 +59,9 @@ struct DataBuildContext {
   int dp_rank = 0;
   int dp_size = 1;
   std::string config_json = "{}";  ///< the "data" section of the trainer config
+  /// The "model" section of the trainer config, for checks against the model (e.g. token ids
+  /// below its "vocab_size"); "{}" when there is none.
+  std::string model_config_json = "{}";
 };
 
 /// A microbatch's loss as a sum, and its weight (e.g. its number of target tokens): the reported

@@ -15,6 +15,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <d9d/optim/lr_schedule.hpp>
@@ -33,6 +34,9 @@ struct RunConfig {
   int64_t total_steps = 0;  ///< optimizer steps
   uint64_t seed = 0;        ///< model init (same on every rank) and data order
   int64_t log_every = 10;   ///< steps between metric records
+  /// Seconds after which the other ranks stop when a rank dies or fails
+  /// (DistributedContext::set_failure_timeout); unset: the context's (60 s by default).
+  std::optional<double> failure_timeout_s;
 };
 
 struct BatchConfig {
@@ -87,6 +91,21 @@ struct CheckpointConfig {
   std::string resume_from;
 };
 
+/// Numerical faults (docs/train.md, "Numerical faults"). A step whose global loss or gradient norm
+/// is NaN or infinite never reaches the optimizer (every rank agrees on that).
+struct NumericsConfig {
+  /// "stop": train() throws d9d::NumericalError naming the step and the values, the parameters and
+  /// the last checkpoint as they were before the step; "skip": the step is skipped (no optimizer
+  /// update) and training goes on.
+  std::string on_nonfinite = "stop";
+  /// "skip": more skipped steps than this in a row stop the run as "stop" does.
+  int64_t max_consecutive_skips = 10;
+  /// A finite loss above loss_spike_factor x the mean of the previous loss_spike_window finite
+  /// losses is a spike: logged (warning), listed in TrainResult::loss_spikes, events::LossSpike.
+  double loss_spike_factor = 3.0;
+  int64_t loss_spike_window = 20;
+};
+
 /// A profiler trace of chosen steps (Kineto: CPU operators and, on GPU, CUDA kernels), one Chrome
 /// trace file per rank, with the step's phases named (d9d::step, d9d::forward, d9d::backward,
 /// d9d::gradient_sync, d9d::optimizer), and a memory summary per rank.
@@ -109,12 +128,18 @@ struct TrainerConfig {
   ExportConfig export_model;
   CheckpointConfig checkpoint;
   ProfileConfig profile;
+  NumericsConfig numerics;
   std::map<std::string, std::string> sections;  ///< "model", "data": raw JSON for the providers
 
-  /// Parses and validates; ConfigError on any problem.
-  static TrainerConfig from_json_text(const std::string& text);
+  /// A command line's replacements, applied after parsing and before validation: a dotted key
+  /// and a JSON value, e.g. {"run.output_dir", "\"runs/a\""}, {"mesh.pp", "2"}.
+  using Overrides = std::vector<std::pair<std::string, std::string>>;
+
+  /// Parses (keys given twice and numbers out of range are errors), applies `overrides` and
+  /// validates; ConfigError on any problem.
+  static TrainerConfig from_json_text(const std::string& text, const Overrides& overrides = {});
   /// Reads a file and parses it (ConfigError names the file when it cannot be read).
-  static TrainerConfig from_file(const std::string& path);
+  static TrainerConfig from_file(const std::string& path, const Overrides& overrides = {});
   /// The raw JSON of a provider section ("{}" when absent).
   [[nodiscard]] std::string section(const std::string& name) const;
   /// Checks the rules that need the data-parallel degree (batch divisibility); ConfigError.

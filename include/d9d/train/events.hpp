@@ -40,6 +40,13 @@ struct StepEnd {
   int64_t tokens = 0;      ///< tokens processed by all ranks in this step
   double seconds = 0.0;    ///< wall time of the step
 };
+/// A finite loss above numerics.loss_spike_factor x the mean of the previous
+/// numerics.loss_spike_window finite losses (emitted after StepEnd, on every rank).
+struct LossSpike {
+  int64_t step = 0;  ///< 0-based
+  double loss = 0.0;
+  double mean = 0.0;  ///< of the previous window
+};
 /// The loop finished.
 struct TrainEnd {
   int64_t steps = 0;

@@ -11,7 +11,9 @@
 // FullyShard: per-unit gathers and reduce-scatters); then the gradients are divided by the global
 // loss weight (so the loss is the token mean over every microbatch of every data-parallel rank),
 // their norm is computed over the mesh and clipped, and AdamW updates each rank's parameters (the
-// shards, under FullyShard). Non-template work lives in detail::TrainStepCore (compiled once,
+// shards, under FullyShard). A step whose global loss or gradient norm is NaN or infinite on any
+// rank skips the optimizer on every rank (StepResult::finite is false; the parameters and AdamW's
+// state stay as they were). Non-template work lives in detail::TrainStepCore (compiled once,
 // src/train/train_step.cpp). Trainer<Plan> composes the same step.
 #pragma once
 
@@ -21,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
@@ -62,6 +65,16 @@ struct StepResult {
   double weight = 0.0;     ///< sum(weight)
   double grad_norm = 0.0;  ///< before clipping
   double lr = 0.0;
+  /// False when the loss or the gradient norm was NaN or infinite on some rank: then no rank's
+  /// optimizer stepped (every rank agrees, through one all-reduce over the world).
+  bool finite = true;
+};
+
+/// Training stopped on a NaN or infinite loss or gradient norm (config "numerics.on_nonfinite");
+/// the message names the step, the values and the checkpoint kept.
+class NumericalError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
 };
 
 /// A microbatch's loss, type-erased: the trainer wraps the user's task and batch type in it.

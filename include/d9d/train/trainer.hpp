@@ -19,11 +19,14 @@
 #pragma once
 
 #include <any>
+#include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -46,10 +49,14 @@ namespace d9d {
 struct TrainResult {
   std::vector<double> losses;      ///< per step run (from start_step on)
   std::vector<double> grad_norms;  ///< per step run, before clipping
-  int64_t start_step = 0;          ///< the checkpoint's step when resumed, else 0
-  std::string resumed_from;        ///< the checkpoint resumed from (empty when none)
-  std::string checkpoint_dir;      ///< the last checkpoint written (empty when none)
-  int64_t steps = 0;               ///< steps run
+  /// Steps (0-based) skipped for a NaN or infinite loss or gradient norm (numerics.on_nonfinite
+  /// "skip"): the optimizer did not step; their losses and norms above are the non-finite values.
+  std::vector<int64_t> skipped_steps;
+  std::vector<int64_t> loss_spikes;  ///< steps (0-based) whose loss was a spike (events::LossSpike)
+  int64_t start_step = 0;            ///< the checkpoint's step when resumed, else 0
+  std::string resumed_from;          ///< the checkpoint resumed from (empty when none)
+  std::string checkpoint_dir;        ///< the last checkpoint written (empty when none)
+  int64_t steps = 0;                 ///< steps run
   double seconds = 0.0;
   double tokens_per_second = 0.0;  ///< over all ranks, after the first step
   /// The most device memory any rank's allocator had allocated during train() (CUDA; 0 on CPU).
@@ -134,6 +141,10 @@ class Trainer {
   Trainer(DistributedContext context, ModelProvider models, DatasetProvider datasets, Task task,
           TrainerConfig config) {
     detail::check_step_plan<Plan>();
+    if (config.run.failure_timeout_s) {
+      context.set_failure_timeout(std::chrono::milliseconds(
+          static_cast<int64_t>(std::llround(*config.run.failure_timeout_s * 1000.0))));
+    }
     static_assert(model_provider_opts_in<ModelProvider>,
                   "d9d::Trainer: the model provider does not opt in. Fix: declare "
                   "`using model_provider_concept = d9d::model_provider_tag;` in it");
@@ -166,8 +177,17 @@ class Trainer {
     }
   }
 
-  /// Runs the configured number of steps (collective over all ranks).
-  TrainResult train() { return core_->train(); }
+  /// Runs the configured number of steps (collective over all ranks). An exception leaving it is
+  /// noted on the context (DistributedContext::note_failure), so that if it ends this rank, the
+  /// other ranks name it.
+  TrainResult train() {
+    try {
+      return core_->train();
+    } catch (const std::exception& error) {
+      core_->mesh().context().note_failure(error.what());
+      throw;
+    }
+  }
   /// Subscribes to a typed event (d9d/train/events.hpp).
   template <class E>
   void on(std::function<void(const E&)> handler) {
@@ -182,8 +202,17 @@ class Trainer {
   // The mesh against the world, the batch against the mesh: checked before anything is allocated.
   static std::shared_ptr<const DeviceMesh> make_mesh(const DistributedContext& context,
                                                      const TrainerConfig& config) {
-    const MeshShape shape = resolve_mesh<typename Plan::mesh>(context.world_size(), config.mesh);
-    detail::check_step_mesh<Plan>(shape);
+    MeshShape shape;
+    try {
+      // The dynamic degrees come from the config's "mesh" section: a mesh that does not fit the
+      // world is a configuration error.
+      shape = resolve_mesh<typename Plan::mesh>(context.world_size(), config.mesh);
+      detail::check_step_mesh<Plan>(shape);
+    } catch (const ConfigError&) {
+      throw;
+    } catch (const std::invalid_argument& error) {
+      throw ConfigError(std::string("d9d config: ") + error.what());
+    }
     auto mesh = std::make_shared<const DeviceMesh>(context, shape);
     config.check_against_data_parallel(mesh->size(MeshDomain::batch, "dp"));
     return mesh;
@@ -199,7 +228,8 @@ class Trainer {
                                         .seed = config.run.seed,
                                         .dp_rank = mesh.coordinate(MeshDomain::batch, "dp"),
                                         .dp_size = mesh.size(MeshDomain::batch, "dp"),
-                                        .config_json = config.section("data")}));
+                                        .config_json = config.section("data"),
+                                        .model_config_json = config.section("model")}));
     run.dataset_size = static_cast<int64_t>(dataset->size());
     run.load = [dataset](const std::vector<int64_t>& indices) -> std::any {
       return std::any(Batch(dataset->get(indices)));

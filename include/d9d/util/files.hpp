@@ -11,6 +11,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace d9d::files {
 
@@ -30,6 +31,9 @@ void rename(const std::string& from, const std::string& to);
 [[nodiscard]] std::string join(std::string_view dir, std::string_view name);
 /// The directory part of `path`: "a/b" for "a/b/c", "/" for "/c", "" for a bare name.
 [[nodiscard]] std::string parent(std::string_view path);
+/// The names in directory `dir` (without "." and ".."), sorted; none when `dir` does not exist.
+/// std::runtime_error naming `dir` when it cannot be read.
+[[nodiscard]] std::vector<std::string> list_directory(const std::string& dir);
 /// This machine's host name ("localhost" when it cannot be read).
 [[nodiscard]] std::string hostname();
 

@@ -47,8 +47,11 @@ std::pair<double, double> global_totals(const at::Tensor& loss_sum, const at::Te
                                         const std::vector<const ProcessGroup*>& groups,
                                         c10::Device device, int64_t step);
 
-/// Events around the optimizer step, the step itself, and the result.
+/// Events around the optimizer step, the step itself, and the result. When the loss or the
+/// gradient norm is not finite on any rank of `world` (one all-reduce of a flag), no rank steps
+/// its optimizer and the result says `finite = false`.
 StepResult finish_step(torch::optim::Optimizer& optimizer, const TrainStepOptions& options,
-                       int64_t step, double lr, std::pair<double, double> totals, double grad_norm);
+                       int64_t step, double lr, std::pair<double, double> totals, double grad_norm,
+                       const ProcessGroup& world);
 
 }  // namespace d9d::detail
