@@ -159,7 +159,11 @@ int train(const Options& o, std::optional<d9d::DistributedContext>& ctx_slot) {
     if (o.fsdp) {
       return run<FsdpPlan<d9d::precision::Bf16Params<>>>(ctx, cfg, peak);
     }
-    return o.bf16_params == "sr" ? run<SrPlan>(ctx, cfg, peak) : run<NearestPlan>(ctx, cfg, peak);
+    if (o.bf16_params == "sr") {
+      return run<SrPlan>(ctx, cfg, peak);
+    }
+    return o.bf16_params == "nearest" ? run<NearestPlan>(ctx, cfg, peak)
+                                      : run<SrBf16MomentsPlan>(ctx, cfg, peak);
   }
   if (o.fsdp) {
     using Bf16 = d9d::precision::Bf16Mixed;
@@ -199,9 +203,9 @@ int main(int argc, char** argv) {
   app.add_flag("--no-fused-kernels", o.plain_kernels,
                "the ATen compositions instead of d9d's fused ops (for comparisons)");
   app.add_option("--bf16-params", o.bf16_params,
-                 "bfloat16 parameters, AdamW rounding stochastically (sr, also with --fsdp) or to "
-                 "nearest (d9d::precision::Bf16Params)")
-      ->check(CLI::IsMember({"sr", "nearest"}));
+                 "bfloat16 parameters, AdamW rounding stochastically (sr, also with --fsdp; "
+                 "sr-bf16-moments) or to nearest (d9d::precision::Bf16Params)")
+      ->check(CLI::IsMember({"sr", "sr-bf16-moments", "nearest"}));
   app.add_flag("--fsdp", o.fsdp, "fully sharded data parallelism (d9d::parallel::FullyShard<>)");
   app.add_flag("--recompute", o.recompute,
                "recompute every decoder layer's activations in backward (with --fsdp)");
