@@ -302,7 +302,7 @@ void BM_CrossEntropyRows_D9d(benchmark::State& state) {
   auto work = logits.clone();
   run(state, 2.0 * static_cast<double>(logits.nbytes()), kCallsPerIteration, [&] {
     work.copy_(logits);  // the kernel overwrites its input; the copy is timed in both
-    (void)d9d::kernels::cross_entropy_rows_(work, labels, -100);
+    (void)d9d::kernels::cross_entropy_rows(work, labels, -100);
   });
 }
 void BM_CrossEntropyRows_AtenEager(benchmark::State& state) {
@@ -327,7 +327,7 @@ void BM_CopyStochastic(benchmark::State& state) {
   const auto src = at::randn({state.range(0)}, options().dtype(at::kFloat));
   auto dst = at::empty({state.range(0)}, options().dtype(at::kBFloat16));
   run(state, 6.0 * static_cast<double>(state.range(0)), kCallsPerIteration,
-      [&] { d9d::kernels::copy_stochastic_(dst, src, 1); });
+      [&] { d9d::kernels::copy_stochastic(dst, src, 1); });
 }
 void BM_CopyNearest_Aten(benchmark::State& state) {
   const auto src = at::randn({state.range(0)}, options().dtype(at::kFloat));

@@ -85,8 +85,8 @@ at::Tensor cross_entropy_rows_cpu(const at::Tensor& logits, const at::Tensor& la
 
 }  // namespace
 
-at::Tensor cross_entropy_rows_(const at::Tensor& logits, const at::Tensor& labels,
-                               int64_t ignore_index) {
+at::Tensor cross_entropy_rows(const at::Tensor& logits, const at::Tensor& labels,
+                              int64_t ignore_index) {
   static const auto handle =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("d9d::cross_entropy_rows_", "")

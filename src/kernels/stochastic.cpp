@@ -124,8 +124,8 @@ void copy_stochastic_cpu(const at::Tensor& dst, const at::Tensor& src_arg, int64
 
 }  // namespace
 
-void adamw_stochastic_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                       at::TensorList exp_avg_sqs, const AdamWStep& step, int64_t seed) {
+void adamw_stochastic(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, const AdamWStep& step, int64_t seed) {
   if (params.empty()) {
     return;
   }
@@ -138,7 +138,7 @@ void adamw_stochastic_(at::TensorList params, at::TensorList grads, at::TensorLi
               step.weight_decay, step.step, seed);
 }
 
-void copy_stochastic_(const at::Tensor& dst, const at::Tensor& src, int64_t seed) {
+void copy_stochastic(const at::Tensor& dst, const at::Tensor& src, int64_t seed) {
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("d9d::copy_stochastic_", "")
                                  .typed<void(const at::Tensor&, const at::Tensor&, int64_t)>();

@@ -56,7 +56,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
       // The logits [n, V] in the matmul's dtype; the kernel leaves softmax - one-hot over them
       // (0 on ignored rows), computed in float (double for double) and rounded once.
       at::Tensor g = at::mm(hc, w.t());
-      loss_sum.add_(kernels::cross_entropy_rows_(g, yc, ignore_index).sum());
+      loss_sum.add_(kernels::cross_entropy_rows(g, yc, ignore_index).sum());
       if (!grads) {
         continue;
       }

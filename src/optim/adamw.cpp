@@ -71,9 +71,9 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   return loss;
 }
 
-StochasticAdamW::StochasticAdamW(std::vector<torch::optim::OptimizerParamGroup> groups,
+StochasticAdamW::StochasticAdamW(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                                  torch::optim::AdamWOptions defaults, StochasticOptions options)
-    : torch::optim::AdamW(std::move(groups), std::move(defaults)), options_(options) {
+    : torch::optim::AdamW(groups, std::move(defaults)), options_(options) {
   if (options_.state_dtype != at::kFloat && options_.state_dtype != at::kBFloat16) {
     throw std::invalid_argument(
         std::string("d9d::optim::StochasticAdamW: the moments are float32 or bfloat16, not ") +
@@ -133,14 +133,14 @@ torch::Tensor StochasticAdamW::step(LossClosure closure) {
       const auto seed = static_cast<int64_t>(kernels::detail::mix64(
           options_.seed ^
           kernels::detail::mix64((static_cast<uint64_t>(step_count) << 16) ^ bucket_number++)));
-      kernels::adamw_stochastic_(lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs,
-                                 {.lr = options.lr(),
-                                  .beta1 = beta1,
-                                  .beta2 = beta2,
-                                  .eps = options.eps(),
-                                  .weight_decay = options.weight_decay(),
-                                  .step = step_count},
-                                 seed);
+      kernels::adamw_stochastic(lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs,
+                                {.lr = options.lr(),
+                                 .beta1 = beta1,
+                                 .beta2 = beta2,
+                                 .eps = options.eps(),
+                                 .weight_decay = options.weight_decay(),
+                                 .step = step_count},
+                                seed);
     }
   }
   return loss;

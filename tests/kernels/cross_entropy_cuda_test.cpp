@@ -32,8 +32,8 @@ TEST(Kernels_CrossEntropyRows_Cuda, MatchesTheCpuReference) {
       labels[4] = -100;
       auto cpu = logits.clone();
       auto gpu = logits.cuda();
-      const auto loss_cpu = d9d::kernels::cross_entropy_rows_(cpu, labels, -100);
-      const auto loss_gpu = d9d::kernels::cross_entropy_rows_(gpu, labels.cuda(), -100).cpu();
+      const auto loss_cpu = d9d::kernels::cross_entropy_rows(cpu, labels, -100);
+      const auto loss_gpu = d9d::kernels::cross_entropy_rows(gpu, labels.cuda(), -100).cpu();
       EXPECT_TRUE(at::allclose(loss_cpu, loss_gpu, c.loss_tol, c.loss_tol))
           << c.dtype << " vocab " << vocab << ": loss max diff "
           << (loss_cpu - loss_gpu).abs().max().item<double>();

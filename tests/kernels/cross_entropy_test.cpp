@@ -27,7 +27,7 @@ TEST(Kernels_CrossEntropyRows_Cpu, LossAndGradientEqualAtensInDouble) {
   const auto rows = at::cross_entropy_loss(x, labels, /*weight=*/{}, at::Reduction::None, -100);
   const auto grad = torch::autograd::grad({rows.sum()}, {x})[0];
   auto work = logits.clone();
-  const auto loss = d9d::kernels::cross_entropy_rows_(work, labels, -100);
+  const auto loss = d9d::kernels::cross_entropy_rows(work, labels, -100);
   EXPECT_EQ(loss.scalar_type(), at::kDouble);
   EXPECT_TRUE(at::allclose(loss, rows, 1e-12, 1e-12));
   EXPECT_TRUE(at::allclose(work, grad, 1e-12, 1e-14));
@@ -43,7 +43,7 @@ TEST(Kernels_CrossEntropyRows_Cpu, Bfloat16LogitsRoundTheGradientOnce) {
   const auto rows = at::cross_entropy_loss(exact, labels, /*weight=*/{}, at::Reduction::None, -100);
   const auto grad = torch::autograd::grad({rows.sum()}, {exact})[0];
   auto work = logits.clone();
-  const auto loss = d9d::kernels::cross_entropy_rows_(work, labels, -100);
+  const auto loss = d9d::kernels::cross_entropy_rows(work, labels, -100);
   EXPECT_EQ(loss.scalar_type(), at::kFloat);
   // The loss in float from the bfloat16 logits; the gradient rounded once to bfloat16.
   EXPECT_TRUE(at::allclose(loss.to(at::kDouble), rows, 1e-5, 1e-5));
@@ -53,20 +53,20 @@ TEST(Kernels_CrossEntropyRows_Cpu, Bfloat16LogitsRoundTheGradientOnce) {
 TEST(Kernels_CrossEntropyRows_Cpu, ArgumentErrorsNameTheArgument) {
   auto logits = at::zeros({3, 4});
   EXPECT_THAT(d9d::testing::error_of<c10::Error>([&] {
-                (void)d9d::kernels::cross_entropy_rows_(logits, at::zeros({2}, at::kLong), -100);
+                (void)d9d::kernels::cross_entropy_rows(logits, at::zeros({2}, at::kLong), -100);
               }),
               HasSubstr("labels [3] expected"));
   EXPECT_THAT(d9d::testing::error_of<c10::Error>([&] {
-                (void)d9d::kernels::cross_entropy_rows_(logits, at::zeros({3}, at::kInt), -100);
+                (void)d9d::kernels::cross_entropy_rows(logits, at::zeros({3}, at::kInt), -100);
               }),
               HasSubstr("labels must be int64"));
   EXPECT_THAT(d9d::testing::error_of<c10::Error>([&] {
-                (void)d9d::kernels::cross_entropy_rows_(logits, at::full({3}, 4, at::kLong), -100);
+                (void)d9d::kernels::cross_entropy_rows(logits, at::full({3}, 4, at::kLong), -100);
               }),
               HasSubstr("label 4 of row 0 is outside [0, 4)"));
   auto strided = at::zeros({4, 3}).t();
   EXPECT_THAT(d9d::testing::error_of<c10::Error>([&] {
-                (void)d9d::kernels::cross_entropy_rows_(strided, at::zeros({3}, at::kLong), -100);
+                (void)d9d::kernels::cross_entropy_rows(strided, at::zeros({3}, at::kLong), -100);
               }),
               HasSubstr("logits must be contiguous"));
 }

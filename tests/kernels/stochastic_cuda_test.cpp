@@ -28,8 +28,8 @@ TEST_F(Kernels_Stochastic_Cuda, CopyIsBitIdenticalToTheCpuKernel) {
   const auto src = at::randn({3, 100003}, at::kFloat) * 10;
   auto cpu = at::empty(src.sizes(), at::kBFloat16);
   auto gpu = at::empty(src.sizes(), at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA));
-  d9d::kernels::copy_stochastic_(cpu, src, 99);
-  d9d::kernels::copy_stochastic_(gpu, src.cuda(), 99);
+  d9d::kernels::copy_stochastic(cpu, src, 99);
+  d9d::kernels::copy_stochastic(gpu, src.cuda(), 99);
   EXPECT_TRUE(at::equal(cpu.view(at::kShort), gpu.cpu().view(at::kShort)));
 }
 
@@ -71,8 +71,8 @@ TEST_F(Kernels_Stochastic_Cuda, AdamWMatchesTheCpuKernel) {
         g_gpu = to_gpu(g_cpu, skip);
         m_gpu = to_gpu(m_cpu, skip);
         v_gpu = to_gpu(v_cpu, skip);
-        d9d::kernels::adamw_stochastic_(p_cpu, g_cpu, m_cpu, v_cpu, step, 1234);
-        d9d::kernels::adamw_stochastic_(p_gpu, g_gpu, m_gpu, v_gpu, step, 1234);
+        d9d::kernels::adamw_stochastic(p_cpu, g_cpu, m_cpu, v_cpu, step, 1234);
+        d9d::kernels::adamw_stochastic(p_gpu, g_gpu, m_gpu, v_gpu, step, 1234);
         int64_t differ = 0;
         int64_t total = 0;
         for (std::size_t t = 0; t < sizes.size(); ++t) {
@@ -113,7 +113,7 @@ TEST_F(Kernels_Stochastic_Cuda, SmallUpdatesAreKeptOnAverage) {
   std::vector<at::Tensor> grads = {at::full({kN}, 0.5, opts.dtype(at::kBFloat16))};
   std::vector<at::Tensor> ms = {at::zeros({kN}, opts.dtype(at::kFloat))};
   std::vector<at::Tensor> vs = {at::zeros({kN}, opts.dtype(at::kFloat))};
-  d9d::kernels::adamw_stochastic_(params, grads, ms, vs, step, 5);
+  d9d::kernels::adamw_stochastic(params, grads, ms, vs, step, 5);
   const double down = (params[0] < 1.0).to(at::kDouble).mean().item<double>();
   EXPECT_NEAR(down, 0.3, 6 * std::sqrt(0.21 / kN));
 }

@@ -43,7 +43,7 @@ TEST(Kernels_CopyStochastic_Cpu, RoundsToANeighbourUpWithTheDroppedFraction) {
     const double value = sign * (1.0 + 0.3 * ulp);
     const auto src = at::full({kN}, value, at::kFloat);
     auto dst = at::empty({kN}, at::kBFloat16);
-    d9d::kernels::copy_stochastic_(dst, src, /*seed=*/11);
+    d9d::kernels::copy_stochastic(dst, src, /*seed=*/11);
     const auto out = dst.to(at::kDouble);
     const auto up = (out.abs() == 1.0 + ulp).to(at::kDouble);
     const auto down = (out.abs() == 1.0).to(at::kDouble);
@@ -55,7 +55,7 @@ TEST(Kernels_CopyStochastic_Cpu, RoundsToANeighbourUpWithTheDroppedFraction) {
   // Exact bfloat16 values, infinities and NaN pass unchanged.
   const auto special = at::tensor({1.5F, -2.0F, INFINITY, -INFINITY, NAN, 0.0F}, at::kFloat);
   auto dst = at::empty({6}, at::kBFloat16);
-  d9d::kernels::copy_stochastic_(dst, special, 3);
+  d9d::kernels::copy_stochastic(dst, special, 3);
   const auto back = dst.to(at::kFloat);
   EXPECT_TRUE(at::equal(back.narrow(0, 0, 4), special.narrow(0, 0, 4)));
   EXPECT_TRUE(std::isnan(back[4].item<float>()));
@@ -67,9 +67,9 @@ TEST(Kernels_CopyStochastic_Cpu, IsReproducibleFromItsSeed) {
   auto a = at::empty({4096}, at::kBFloat16);
   auto b = at::empty({4096}, at::kBFloat16);
   auto c = at::empty({4096}, at::kBFloat16);
-  d9d::kernels::copy_stochastic_(a, src, 5);
-  d9d::kernels::copy_stochastic_(b, src, 5);
-  d9d::kernels::copy_stochastic_(c, src, 6);
+  d9d::kernels::copy_stochastic(a, src, 5);
+  d9d::kernels::copy_stochastic(b, src, 5);
+  d9d::kernels::copy_stochastic(c, src, 6);
   EXPECT_TRUE(at::equal(a, b));
   EXPECT_FALSE(at::equal(a, c));
 }
@@ -106,7 +106,7 @@ TEST(Kernels_AdamWStochastic_Cpu, EachParameterIsANeighbourOfAdamWsUpdate) {
       vs.push_back(at::rand(p.sizes()) * 0.01);
       refs.push_back(adamw_reference(p, grads.back(), ms.back(), vs.back(), step));
     }
-    d9d::kernels::adamw_stochastic_(params, grads, ms, vs, step, /*seed=*/7);
+    d9d::kernels::adamw_stochastic(params, grads, ms, vs, step, /*seed=*/7);
     for (std::size_t t = 0; t < params.size(); ++t) {
       const auto got = params[t].to(at::kDouble);
       // float32 arithmetic first (relative 1e-6 of the update's terms), then one rounding.
@@ -131,7 +131,7 @@ TEST(Kernels_AdamWStochastic_Cpu, SmallUpdatesAreKeptOnAverage) {
   std::vector<at::Tensor> grads = {at::full({kN}, 0.5, at::kBFloat16)};
   std::vector<at::Tensor> ms = {at::zeros({kN}, at::kBFloat16)};
   std::vector<at::Tensor> vs = {at::zeros({kN}, at::kBFloat16)};
-  d9d::kernels::adamw_stochastic_(params, grads, ms, vs, step, 21);
+  d9d::kernels::adamw_stochastic(params, grads, ms, vs, step, 21);
   const auto out = params[0].to(at::kDouble);
   const auto down = (out == 1.0 - ulp_below_one).to(at::kDouble);
   EXPECT_EQ(((out == 1.0) | (out == 1.0 - ulp_below_one)).sum().item<int64_t>(), kN);
@@ -150,17 +150,17 @@ TEST(Kernels_AdamWStochastic_Cpu, ArgumentErrorsNameTheArgument) {
   std::vector<at::Tensor> none;
   const d9d::kernels::AdamWStep step;
   EXPECT_THAT(d9d::testing::error_of<c10::Error>(
-                  [&] { d9d::kernels::adamw_stochastic_(p32, g, m, m, step, 0); }),
+                  [&] { d9d::kernels::adamw_stochastic(p32, g, m, m, step, 0); }),
               HasSubstr("the parameters must be bfloat16"));
   EXPECT_THAT(d9d::testing::error_of<c10::Error>(
-                  [&] { d9d::kernels::adamw_stochastic_(p, g3, m, m, step, 0); }),
+                  [&] { d9d::kernels::adamw_stochastic(p, g3, m, m, step, 0); }),
               HasSubstr("grads[0] has shape [3]"));
   EXPECT_THAT(d9d::testing::error_of<c10::Error>(
-                  [&] { d9d::kernels::adamw_stochastic_(p, none, m, m, step, 0); }),
+                  [&] { d9d::kernels::adamw_stochastic(p, none, m, m, step, 0); }),
               HasSubstr("the lists differ in length"));
   auto dst = at::empty({4}, at::kFloat);
   EXPECT_THAT(d9d::testing::error_of<c10::Error>(
-                  [&] { d9d::kernels::copy_stochastic_(dst, at::zeros({4}), 0); }),
+                  [&] { d9d::kernels::copy_stochastic(dst, at::zeros({4}), 0); }),
               HasSubstr("dst is Float; it must be bfloat16"));
 }
 

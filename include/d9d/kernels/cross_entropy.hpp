@@ -3,7 +3,7 @@
 // (model::linear_cross_entropy) runs on each chunk.
 //
 //   at::Tensor logits = at::mm(hidden_chunk, head_weight.t());          // [n, V], bf16
-//   at::Tensor loss = d9d::kernels::cross_entropy_rows_(logits, labels, -100);   // [n], float
+//   at::Tensor loss = d9d::kernels::cross_entropy_rows(logits, labels, -100);   // [n], float
 //   // logits now holds softmax(logits) - one_hot(labels), 0 on ignored rows (bf16)
 //
 // Per row, in float (double for double logits): the log-sum-exp by an online max and sum (one
@@ -11,7 +11,7 @@
 // one-hot written in place (a second read and one write), rounded once to the logits' dtype. The
 // ATen composition (upcast, logsumexp, gather, sub, exp, scatter, mul, downcast) moves the
 // float32 row about ten times. Schema (namespace `d9d`, src/kernels/cross_entropy.cpp):
-//   cross_entropy_rows_(Tensor(a!) logits, Tensor labels, int ignore_index) -> Tensor
+//   cross_entropy_rows(Tensor(a!) logits, Tensor labels, int ignore_index) -> Tensor
 // Kernels: CPU (the reference) and CUDA (kernels/cross_entropy.cu). No autograd: the caller
 // uses the gradient it leaves.
 #pragma once
@@ -24,8 +24,8 @@ namespace d9d::kernels {
 
 /// Loss per row (float; double for double logits) of `logits` [n, V] (contiguous, floating) against
 /// `labels` [n] (int64; ignore_index rows count 0), and logits := softmax - one-hot in place.
-at::Tensor cross_entropy_rows_(const at::Tensor& logits, const at::Tensor& labels,
-                               int64_t ignore_index);
+at::Tensor cross_entropy_rows(const at::Tensor& logits, const at::Tensor& labels,
+                              int64_t ignore_index);
 
 namespace detail {
 

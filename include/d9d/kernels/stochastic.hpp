@@ -2,10 +2,10 @@
 // update is rounded stochastically to bfloat16 (`d9d::adamw_stochastic_`), and the float32 →
 // bfloat16 stochastic copy (`d9d::copy_stochastic_`), as LibTorch custom ops.
 //
-//   d9d::kernels::adamw_stochastic_(params, grads, exp_avgs, exp_avg_sqs,
+//   d9d::kernels::adamw_stochastic(params, grads, exp_avgs, exp_avg_sqs,
 //                                   {.lr = 3e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
 //                                    .weight_decay = 0.1, .step = 7}, /*seed=*/1234);
-//   d9d::kernels::copy_stochastic_(bf16_weight, fp32_weight, /*seed=*/1234);
+//   d9d::kernels::copy_stochastic(bf16_weight, fp32_weight, /*seed=*/1234);
 //
 // Round-to-nearest loses every update smaller than half a bfloat16 step (2^-8 relative): late in
 // training most AdamW updates are. Stochastic rounding rounds up with probability equal to the
@@ -19,10 +19,10 @@
 // decay, bias corrections) in float32 per element. CUDA: one launch for the whole list (chunks of
 // every tensor in one grid, 16-byte loads when aligned). Schemas (namespace `d9d`,
 // src/kernels/stochastic.cpp):
-//   adamw_stochastic_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs,
+//   adamw_stochastic(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs,
 //                     Tensor(c!)[] exp_avg_sqs, float lr, float beta1, float beta2, float eps,
 //                     float weight_decay, int step, int seed) -> ()
-//   copy_stochastic_(Tensor(a!) dst, Tensor src, int seed) -> ()
+//   copy_stochastic(Tensor(a!) dst, Tensor src, int seed) -> ()
 // Kernels: CPU (the reference, src/kernels/stochastic.cpp) and CUDA (kernels/stochastic.cu).
 #pragma once
 
@@ -45,11 +45,11 @@ struct AdamWStep {
 
 /// AdamW over every (param, grad, exp_avg, exp_avg_sq) of the lists in place, the parameters
 /// rounded stochastically to bfloat16 under `seed`. No autograd.
-void adamw_stochastic_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                       at::TensorList exp_avg_sqs, const AdamWStep& step, int64_t seed);
+void adamw_stochastic(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, const AdamWStep& step, int64_t seed);
 
 /// dst (bfloat16) = src (float32, same shape and device) rounded stochastically under `seed`.
-void copy_stochastic_(const at::Tensor& dst, const at::Tensor& src, int64_t seed);
+void copy_stochastic(const at::Tensor& dst, const at::Tensor& src, int64_t seed);
 
 namespace detail {
 

@@ -53,7 +53,7 @@ struct StochasticOptions {
 
 class StochasticAdamW : public torch::optim::AdamW {
  public:
-  StochasticAdamW(std::vector<torch::optim::OptimizerParamGroup> groups,
+  StochasticAdamW(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                   torch::optim::AdamWOptions defaults, StochasticOptions options = {});
   torch::Tensor step(LossClosure closure = nullptr) override;
 
