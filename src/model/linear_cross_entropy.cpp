@@ -100,8 +100,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     }
     if (grad_weight.defined() && ctx->needs_input_grad(1)) {
       // In place: the float32 sum is not needed again, and the peak is the backward's start.
-      auto owned = grad_weight;
-      dw = owned.mul_(scale.to(owned.scalar_type())).to(weight_dtype);
+      dw = grad_weight.mul_(scale.to(grad_weight.scalar_type())).to(weight_dtype);
     }
     // Release the forward's sums now rather than when the graph goes.
     ctx->saved_data["grad_hidden"] = at::Tensor();
