@@ -71,7 +71,9 @@ TEST(Kernels_Rope_Cpu, LowPrecisionRoundsOnceFromFloat) {
 }
 
 TEST(Kernels_Rope_Cpu, NonContiguousInputsAndErrors) {
-  const auto [cos, sin] = half_tables(4, 8, at::kFloat);
+  const auto tables = half_tables(4, 8, at::kFloat);  // named: the lambdas below capture them
+  const at::Tensor& cos = tables.first;
+  const at::Tensor& sin = tables.second;
   const auto x = at::randn({2, 3, 4, 8}).transpose(1, 2);  // [2, 4, 3, 8], strided
   EXPECT_TRUE(
       at::allclose(d9d::kernels::rope(x, cos, sin), composite_rope(x, cos, sin), 1e-6, 1e-6));

@@ -458,6 +458,7 @@ TEST(Optim_FusedAdamW, MatchesAdamWAndPicksUpARestoredStep) {
   };
   auto a = make();
   std::vector<at::Tensor> b;
+  b.reserve(a.size());
   for (const auto& p : a) {
     b.push_back(p.detach().clone().requires_grad_(true));
   }
