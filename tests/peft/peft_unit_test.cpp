@@ -529,7 +529,7 @@ TEST(Peft_Trainer_Lora_r4, GradientMemoryIsTheAdaptersOnly) {
   const int64_t full_bytes = full.core().parallel().gradient_bytes();
   const int64_t lora_bytes = lora.core().parallel().gradient_bytes();
   // The tiny Qwen3: 2 layers of q, v adapters of rank 4, float64.
-  EXPECT_EQ(lora_bytes, int64_t{2 * (4 * 32 + 32 * 4 + 4 * 32 + 16 * 4)} * 8);
+  EXPECT_EQ(lora_bytes, int64_t{2} * (4 * 32 + 32 * 4 + 4 * 32 + 16 * 4) * 8);
   EXPECT_EQ(full_bytes, d9d::peft::count_parameters(*full.core().model()).total * 8);
   EXPECT_LT(lora_bytes * 10, full_bytes) << "LoRA " << lora_bytes << " B, full " << full_bytes;
 }
