@@ -27,6 +27,24 @@ model::Qwen3MoeConfig read_moe_config(const std::string& json) {
   }
 }
 
+// A pipeline stage of a Qwen3-family model (dense or MoE): the layers distributed over the stages
+// (the embedding and the head weigh as one and two layers), on the context's device.
+template <class Stage, class Config>
+Stage build_stage_of(const Config& config, const StageBuildContext& context) {
+  if (context.stages > 1 && config.tie_word_embeddings) {
+    throw ConfigError(
+        "d9d config: \"model.tie_word_embeddings\" = true needs the embedding on the last "
+        "pipeline stage; with " +
+        std::to_string(context.stages) + " stages set it to false (an untied LM head)");
+  }
+  const auto ranges = pipeline::distribute_layers(static_cast<int>(config.num_hidden_layers),
+                                                  context.stages, {.embedding = 1, .head = 2});
+  Stage stage(config, context.stage, context.stages,
+              ranges[static_cast<std::size_t>(context.stage)]);
+  stage->to(context.device);
+  return stage;
+}
+
 }  // namespace
 
 model::Qwen3ForCausalLM Qwen3Provider::build(const ModelBuildContext& context) {
@@ -38,18 +56,7 @@ model::Qwen3ForCausalLM Qwen3Provider::build(const ModelBuildContext& context) {
 
 model::Qwen3Stage Qwen3Provider::build_stage(const StageBuildContext& context) {
   config_ = read_model_config(context.config_json);
-  if (context.stages > 1 && config_.tie_word_embeddings) {
-    throw ConfigError(
-        "d9d config: \"model.tie_word_embeddings\" = true needs the embedding on the last "
-        "pipeline stage; with " +
-        std::to_string(context.stages) + " stages set it to false (an untied LM head)");
-  }
-  const auto ranges = pipeline::distribute_layers(static_cast<int>(config_.num_hidden_layers),
-                                                  context.stages, {.embedding = 1, .head = 2});
-  model::Qwen3Stage stage(config_, context.stage, context.stages,
-                          ranges[static_cast<std::size_t>(context.stage)]);
-  stage->to(context.device);
-  return stage;
+  return build_stage_of<model::Qwen3Stage>(config_, context);
 }
 
 std::string Qwen3Provider::hf_config_json() const { return config_.to_hf_json("float32"); }
@@ -63,18 +70,7 @@ model::Qwen3MoeForCausalLM Qwen3MoeProvider::build(const ModelBuildContext& cont
 
 model::Qwen3MoeStage Qwen3MoeProvider::build_stage(const StageBuildContext& context) {
   config_ = read_moe_config(context.config_json);
-  if (context.stages > 1 && config_.tie_word_embeddings) {
-    throw ConfigError(
-        "d9d config: \"model.tie_word_embeddings\" = true needs the embedding on the last "
-        "pipeline stage; with " +
-        std::to_string(context.stages) + " stages set it to false (an untied LM head)");
-  }
-  const auto ranges = pipeline::distribute_layers(static_cast<int>(config_.num_hidden_layers),
-                                                  context.stages, {.embedding = 1, .head = 2});
-  model::Qwen3MoeStage stage(config_, context.stage, context.stages,
-                             ranges[static_cast<std::size_t>(context.stage)]);
-  stage->to(context.device);
-  return stage;
+  return build_stage_of<model::Qwen3MoeStage>(config_, context);
 }
 
 std::string Qwen3MoeProvider::hf_config_json() const { return config_.to_hf_json("float32"); }
