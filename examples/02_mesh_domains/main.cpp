@@ -16,6 +16,7 @@
 #include <d9d/core/collectives.hpp>
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/plan/plan.hpp>
+#include <d9d/train/main.hpp>
 
 // ---- configuration: one `using` per plan slot -------------------------------------------------
 using Mesh =
@@ -27,7 +28,9 @@ using Precision = d9d::precision::Fp32;         // or d9d::precision::Bf16Mixed
 using MyPlan = d9d::Plan<Mesh, DataParallel, Precision>;
 // -----------------------------------------------------------------------------------------------
 
-int main(int argc, char** argv) {
+namespace {
+
+int show(int argc, char** argv) {
   CLI::App app{"Print how the plan's mesh places this rank in every domain"};
   int pp = 1;
   int dp_replicate = 1;
@@ -80,3 +83,8 @@ int main(int argc, char** argv) {
   ctx.logger().info_main("every group checked");
   return 0;
 }
+
+}  // namespace
+
+// Any other error is printed as one line per rank with exit status 1, never an abort.
+int main(int argc, char** argv) { return d9d::run_main(argc, argv, show); }
