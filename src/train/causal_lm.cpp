@@ -97,6 +97,12 @@ TokenWindows TokenFilesProvider::build(const DataBuildContext& context) {
     }
     width = value.get<std::string>();
   }
+  if (context.sequence_length < 1) {
+    throw ConfigError(
+        "d9d config: \"batch.sequence_length\" is not given, but d9d::TokenFilesProvider cuts the "
+        "token files into windows of that many tokens. Fix: set \"batch\": {\"sequence_length\": "
+        "N, ...}");
+  }
   try {
     return {std::move(paths), width, context.sequence_length};
   } catch (const std::exception& error) {
