@@ -9,8 +9,11 @@
 // writes h; backward reads dh, gate and up, writes dgate and dup. On the H200 (~4.8 TB/s HBM),
 // memory-bound kernels reach ~85-90% of it at best. AdamW: one step over the 310 parameters of a
 // Qwen3-0.6B shape (fp32), torch::optim::AdamW (a dozen kernels per parameter) against
-// d9d::optim::FusedAdamW (one multi-tensor kernel per group).
+// d9d::optim::FusedAdamW (one multi-tensor kernel per group); on bfloat16 parameters,
+// d9d::optim::StochasticAdamW (float32 or bfloat16 moments) against ATen's fused AdamW (round to
+// nearest, bfloat16 moments). copy_stochastic_: float32 → bfloat16 against a plain copy_.
 #include <chrono>
+#include <memory>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -20,8 +23,10 @@
 #include <torch/cuda.h>
 #include <torch/optim/adamw.h>
 
+#include <d9d/kernels/cross_entropy.hpp>
 #include <d9d/kernels/rope.hpp>
 #include <d9d/kernels/silu_mul.hpp>
+#include <d9d/kernels/stochastic.hpp>
 #include <d9d/optim/adamw.hpp>
 
 namespace {
@@ -210,8 +215,8 @@ void BM_Attention_EnableGqa(benchmark::State& state) { attention<true>(state); }
 
 // ---- AdamW over a Qwen3-0.6B shape's parameters ------------------------------------------------
 
-std::vector<at::Tensor> qwen3_parameters(double scale) {
-  const auto opts = options().dtype(at::kFloat);
+std::vector<at::Tensor> qwen3_parameters(double scale, at::ScalarType dtype = at::kFloat) {
+  const auto opts = options().dtype(dtype);
   const auto n = [scale](int64_t v) {
     return std::max<int64_t>(1, static_cast<int64_t>(v * scale));
   };
@@ -254,6 +259,83 @@ void adamw(benchmark::State& state) {
 void BM_AdamW_Torch(benchmark::State& state) { adamw<torch::optim::AdamW>(state); }
 void BM_AdamW_D9dFused(benchmark::State& state) { adamw<d9d::optim::FusedAdamW>(state); }
 
+// bfloat16 parameters and gradients. Bytes per element: read p (2), g (2), m and v (4 each in
+// float32, 2 in bfloat16); write p, m and v: 22 with float32 moments, 14 with bfloat16 ones.
+template <typename Make>
+void adamw_bf16(benchmark::State& state, double bytes_per_element, Make&& make) {
+  auto params = qwen3_parameters(on_cuda() ? 1.0 : 0.01, at::kBFloat16);
+  auto optimizer = make(params);
+  double elements = 0;
+  for (const auto& p : params) {
+    elements += static_cast<double>(p.numel());
+  }
+  run(state, elements * bytes_per_element, 3, [&] { optimizer->step(); });
+}
+
+void BM_AdamW_D9dStochastic_Fp32Moments(benchmark::State& state) {
+  adamw_bf16(state, 22, [](std::vector<at::Tensor>& p) {
+    return std::make_unique<d9d::optim::StochasticAdamW>(
+        std::vector{torch::optim::OptimizerParamGroup(p)},
+        torch::optim::AdamWOptions(1e-4).weight_decay(0.1));
+  });
+}
+void BM_AdamW_D9dStochastic_Bf16Moments(benchmark::State& state) {
+  adamw_bf16(state, 14, [](std::vector<at::Tensor>& p) {
+    return std::make_unique<d9d::optim::StochasticAdamW>(
+        std::vector{torch::optim::OptimizerParamGroup(p)},
+        torch::optim::AdamWOptions(1e-4).weight_decay(0.1),
+        d9d::optim::StochasticOptions{.state_dtype = at::kBFloat16});
+  });
+}
+void BM_AdamW_AtenFused_Bf16Nearest(benchmark::State& state) {  // torch's fused AdamW, bf16
+  adamw_bf16(state, 14, [](std::vector<at::Tensor>& p) {
+    return std::make_unique<d9d::optim::FusedAdamW>(
+        p, torch::optim::AdamWOptions(1e-4).weight_decay(0.1));
+  });
+}
+
+// Cross-entropy over [rows × 151936] logits (Qwen3's vocabulary) with the gradient left over them:
+// at least one read and one write of the logits (the kernel's second read mostly hits L2).
+void BM_CrossEntropyRows_D9d(benchmark::State& state) {
+  const auto logits = at::randn({state.range(0), 151936}, options()) * 3;
+  const auto labels = at::randint(0, 151936, {state.range(0)}, options().dtype(at::kLong));
+  auto work = logits.clone();
+  run(state, 2.0 * static_cast<double>(logits.nbytes()), kCallsPerIteration, [&] {
+    work.copy_(logits);  // the kernel overwrites its input; the copy is timed in both
+    (void)d9d::kernels::cross_entropy_rows_(work, labels, -100);
+  });
+}
+void BM_CrossEntropyRows_AtenEager(benchmark::State& state) {
+  // What model::linear_cross_entropy ran before the op: upcast, log-sum-exp, gather, softmax,
+  // minus one-hot, downcast.
+  const auto logits = at::randn({state.range(0), 151936}, options()) * 3;
+  const auto labels = at::randint(0, 151936, {state.range(0)}, options().dtype(at::kLong));
+  auto work = logits.clone();
+  run(state, 2.0 * static_cast<double>(logits.nbytes()), kCallsPerIteration, [&] {
+    work.copy_(logits);
+    auto probs = work.to(at::kFloat);
+    const auto lse = at::logsumexp(probs, 1);
+    const auto loss = (lse - probs.gather(1, labels.unsqueeze(1)).squeeze(1)).sum();
+    probs.sub_(lse.unsqueeze(1)).exp_();
+    probs.scatter_add_(1, labels.unsqueeze(1), at::full({probs.size(0), 1}, -1.0, probs.options()));
+    work.copy_(probs);
+  });
+}
+
+// float32 → bfloat16 over {elements}: read 4 bytes, write 2 per element.
+void BM_CopyStochastic(benchmark::State& state) {
+  const auto src = at::randn({state.range(0)}, options().dtype(at::kFloat));
+  auto dst = at::empty({state.range(0)}, options().dtype(at::kBFloat16));
+  run(state, 6.0 * static_cast<double>(state.range(0)), kCallsPerIteration,
+      [&] { d9d::kernels::copy_stochastic_(dst, src, 1); });
+}
+void BM_CopyNearest_Aten(benchmark::State& state) {
+  const auto src = at::randn({state.range(0)}, options().dtype(at::kFloat));
+  auto dst = at::empty({state.range(0)}, options().dtype(at::kBFloat16));
+  run(state, 6.0 * static_cast<double>(state.range(0)), kCallsPerIteration,
+      [&] { dst.copy_(src); });
+}
+
 void rope_shapes(benchmark::internal::Benchmark* b) {
   // {tokens, heads}: 8 x 2048 tokens with Qwen3-0.6B's 16 query and 8 KV heads, and 8B's 32.
   if (on_cuda()) {
@@ -286,6 +368,25 @@ BENCHMARK(BM_Attention_ExpandedKv)->Arg(8)->Arg(16)->UseManualTime()->Unit(bench
 BENCHMARK(BM_Attention_EnableGqa)->Arg(8)->Arg(16)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AdamW_Torch)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AdamW_D9dFused)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AdamW_D9dStochastic_Fp32Moments)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AdamW_D9dStochastic_Bf16Moments)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AdamW_AtenFused_Bf16Nearest)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CrossEntropyRows_D9d)
+    ->Arg(on_cuda() ? 2048 : 8)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CrossEntropyRows_AtenEager)
+    ->Arg(on_cuda() ? 2048 : 8)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CopyStochastic)
+    ->Arg(on_cuda() ? int64_t{1} << 28 : int64_t{1} << 20)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CopyNearest_Aten)
+    ->Arg(on_cuda() ? int64_t{1} << 28 : int64_t{1} << 20)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 

@@ -18,8 +18,11 @@ for kernel in rms_norm_forward_kernel rms_norm_backward_kernel rope_kernel \
     grep -q "${kernel}<${dtype}," <<<"$symbols" || fail "$kernel<$dtype> missing"
   done
 done
-for entry in rms_norm_forward_cuda rms_norm_backward_cuda rope_forward_cuda silu_mul_forward_cuda \
+for kernel in adamw_stochastic_kernel copy_stochastic_kernel cross_entropy_rows_kernel; do
+  grep -q "$kernel" <<<"$symbols" || fail "$kernel missing"
+done
+for entry in cross_entropy_rows_cuda adamw_stochastic_cuda copy_stochastic_cuda rms_norm_forward_cuda rms_norm_backward_cuda rope_forward_cuda silu_mul_forward_cuda \
   silu_mul_backward_cuda; do
   grep -q "$entry" <<<"$symbols" || fail "host entry point $entry missing"
 done
-echo "ok: sm_90 device code and the RMSNorm, RoPE and SiLU-mul kernels for 4 dtypes are in $lib"
+echo "ok: sm_90 device code and the RMSNorm, RoPE and SiLU-mul kernels for 4 dtypes the stochastic-rounding and cross-entropy ones are in $lib"

@@ -26,6 +26,11 @@ using Mesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>>;  // or d9d::mesh<d9d::d
 using DataParallel = d9d::parallel::Replicate;            // --fsdp: d9d::parallel::FullyShard<>
 using Fp32Plan = d9d::Plan<Mesh, DataParallel, d9d::precision::Fp32>;
 using Bf16Plan = d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Mixed>;  // --bf16 (GPU)
+// --bf16-params sr|nearest: bfloat16 parameters, no float32 master copy; AdamW's updates rounded
+// stochastically (float32 moments) or to nearest (torch's fused AdamW, bfloat16 moments).
+using SrPlan = d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Params<>>;
+using NearestPlan =
+    d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Params<d9d::precision::NearestRounding>>;
 // --fsdp: parameters, gradients and AdamW state sharded over the ranks (ZeRO-3); --recompute:
 // every decoder layer recomputes its activations in backward.
 using ShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>>;
@@ -124,6 +129,11 @@ int main(int argc, char** argv) {
   bool plain_kernels = false;
   app.add_flag("--no-fused-kernels", plain_kernels,
                "the ATen compositions instead of d9d's fused ops (for comparisons)");
+  std::string bf16_params;
+  app.add_option("--bf16-params", bf16_params,
+                 "bfloat16 parameters, AdamW rounding stochastically (sr, also with --fsdp) or to "
+                 "nearest (d9d::precision::Bf16Params)")
+      ->check(CLI::IsMember({"sr", "nearest"}));
   app.add_flag("--fsdp", fsdp, "fully sharded data parallelism (d9d::parallel::FullyShard<>)");
   app.add_flag("--recompute", recompute,
                "recompute every decoder layer's activations in backward (with --fsdp)");
@@ -160,6 +170,18 @@ int main(int argc, char** argv) {
     }
     if ((fsdp || recompute) && pipeline != "none") {
       throw d9d::ConfigError("--fsdp runs without --pipeline in this example. Fix: drop one");
+    }
+    if (!bf16_params.empty()) {
+      if (bf16 || recompute || pipeline != "none" || (fsdp && bf16_params != "sr")) {
+        throw d9d::ConfigError(
+            "--bf16-params is compiled alone, or as sr with --fsdp. Fix: drop --bf16, "
+            "--recompute and --pipeline");
+      }
+      if (fsdp) {
+        return run<FsdpPlan<d9d::precision::Bf16Params<>>>(ctx, cfg, peak_tflops);
+      }
+      return bf16_params == "sr" ? run<SrPlan>(ctx, cfg, peak_tflops)
+                                 : run<NearestPlan>(ctx, cfg, peak_tflops);
     }
     if (fsdp) {
       using Bf16 = d9d::precision::Bf16Mixed;

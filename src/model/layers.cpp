@@ -1,4 +1,5 @@
 // d9d/model/layers.cpp — RMSNorm, rotary embeddings, attention and SwiGLU modules.
+#include <optional>
 #include <atomic>
 #include <cmath>
 #include <stdexcept>
@@ -101,18 +102,11 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x,
   // transpose as a view.
   q = RotaryEmbedding::apply(q, cos_sin.first, cos_sin.second).transpose(1, 2);
   k = RotaryEmbedding::apply(k, cos_sin.first, cos_sin.second).transpose(1, 2);
-  if (kv_heads != heads) {
-    // Repeat each KV head for its group of query heads: the fused attention kernels then apply.
-    const int64_t groups = heads / kv_heads;
-    k = k.unsqueeze(2)
-            .expand({batch, kv_heads, groups, seq, dim})
-            .reshape({batch, heads, seq, dim});
-    v = v.unsqueeze(2)
-            .expand({batch, kv_heads, groups, seq, dim})
-            .reshape({batch, heads, seq, dim});
-  }
-  const auto attended = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{},
-                                                         /*dropout_p=*/0.0, /*is_causal=*/true);
+  // Grouped-query attention: SDPA maps each group of query heads onto its KV head itself
+  // (enable_gqa), so no repeated K/V copies are made.
+  const auto attended = at::scaled_dot_product_attention(
+      q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true, /*scale=*/std::nullopt,
+      /*enable_gqa=*/kv_heads != heads);
   return o_proj(attended.transpose(1, 2).reshape({batch, seq, heads * dim}));
 }
 

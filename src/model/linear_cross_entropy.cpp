@@ -7,6 +7,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <d9d/kernels/cross_entropy.hpp>
 #include <d9d/model/linear_cross_entropy.hpp>
 
 namespace d9d::model {
@@ -41,26 +42,21 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     at::Tensor grad_weight = grads && needs_weight
                                  ? at::zeros({vocab, weight.size(1)}, weight.options().dtype(acc))
                                  : at::Tensor();
+    const at::Tensor targets = labels.to(at::kLong);
     for (int64_t begin = 0; begin < rows; begin += chunk_rows) {
       const int64_t n = std::min(chunk_rows, rows - begin);
       const auto hc = h.narrow(0, begin, n);
-      const auto yc = labels.narrow(0, begin, n);
-      at::Tensor probs = at::mm(hc, w.t()).to(acc);  // the logits [n, V], then their gradient
-      const auto valid = yc != ignore_index;
-      const auto target = at::where(valid, yc, at::zeros_like(yc));
-      const auto lse = at::logsumexp(probs, 1);
-      const auto picked = probs.gather(1, target.unsqueeze(1)).squeeze(1);
-      loss_sum.add_(((lse - picked) * valid.to(acc)).sum());
+      const auto yc = targets.narrow(0, begin, n);
+      // The logits [n, V] in the matmul's dtype; the kernel leaves softmax - one-hot over them
+      // (0 on ignored rows), computed in float (double for double) and rounded once.
+      at::Tensor g = at::mm(hc, w.t());
+      loss_sum.add_(kernels::cross_entropy_rows_(g, yc, ignore_index).sum());
       if (!grads) {
         continue;
       }
-      // d(loss)/d(logits) = softmax - one-hot, zero on ignored rows, in the logits' memory.
-      probs.sub_(lse.unsqueeze(1)).exp_();
-      probs.scatter_add_(1, target.unsqueeze(1), at::full({n, 1}, -1.0, probs.options()));
-      probs.mul_(valid.to(acc).unsqueeze(1));
-      const auto g = probs.to(h.scalar_type());
       if (grad_hidden.defined()) {
-        grad_hidden.narrow(0, begin, n).copy_(at::mm(g, w));
+        auto rows_of = grad_hidden.narrow(0, begin, n);  // contiguous: whole rows
+        at::mm_out(rows_of, g, w);
       }
       if (grad_weight.defined()) {
         grad_weight.add_(at::mm(g.t(), hc));
@@ -113,7 +109,13 @@ CausalLmLoss linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& we
                                 c10::str(labels.sizes()));
   }
   if (chunk_rows <= 0) {
-    chunk_rows = std::max<int64_t>(1, (int64_t{1} << 28) / std::max<int64_t>(1, weight.size(0)));
+    // About 512 MiB of logits per chunk in the compute dtype.
+    const int64_t element_bytes = hidden.scalar_type() == at::kDouble  ? 8
+                                  : hidden.scalar_type() == at::kFloat ? 4
+                                                                       : 2;
+    const bool autocast = at::autocast::is_autocast_enabled(hidden.device().type());
+    chunk_rows = std::max<int64_t>(1, (int64_t{1} << 29) / (autocast ? 2 : element_bytes) /
+                                          std::max<int64_t>(1, weight.size(0)));
   }
   auto loss_sum = LinearCrossEntropy::apply(hidden, weight, labels, ignore_index, chunk_rows,
                                             at::GradMode::is_enabled());

@@ -69,7 +69,7 @@ PipelineStepCore::PipelineStepCore(std::unique_ptr<parallel::ParallelModel> mode
   };
   s.executor = std::make_unique<pipeline::Executor>(s.parts.program, s.pp, std::move(handles),
                                                     std::move(activation));
-  s.optimizer = make_adamw(s.parallel->parameters(), s.options.optimizer);
+  s.optimizer = make_adamw(s.parallel->parameters(), s.options);
 }
 
 PipelineStepCore::~PipelineStepCore() = default;

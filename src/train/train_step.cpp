@@ -16,7 +16,8 @@ namespace d9d {
 namespace detail {
 
 std::unique_ptr<torch::optim::Optimizer> make_adamw(
-    const std::vector<parallel::ParameterRecord>& params, const OptimizerConfig& config) {
+    const std::vector<parallel::ParameterRecord>& params, const TrainStepOptions& options) {
+  const OptimizerConfig& config = options.optimizer;
   std::vector<at::Tensor> decay;
   std::vector<at::Tensor> no_decay;
   for (const auto& param : params) {
@@ -33,6 +34,14 @@ std::unique_ptr<torch::optim::Optimizer> make_adamw(
   if (!no_decay.empty()) {
     groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
                                       torch::optim::AdamWOptions(adamw).weight_decay(0.0)));
+  }
+  if (options.stochastic_rounding) {
+    return std::make_unique<optim::StochasticAdamW>(
+        std::move(groups), adamw,
+        optim::StochasticOptions{.seed = options.seed,
+                                 .state_dtype = options.optimizer_state == at::ScalarType::Undefined
+                                                    ? at::kFloat
+                                                    : options.optimizer_state});
   }
   return std::make_unique<optim::FusedAdamW>(std::move(groups), adamw);
 }
@@ -119,7 +128,7 @@ TrainStepCore::TrainStepCore(std::unique_ptr<parallel::ParallelModel> model, Mic
   s.options = std::move(options);
   s.schedule = optim::PiecewiseSchedule::build(s.options.lr_schedule, s.options.total_steps);
   s.device_type = s.parallel->mesh().context().device().type();
-  s.optimizer = make_adamw(s.parallel->parameters(), s.options.optimizer);
+  s.optimizer = make_adamw(s.parallel->parameters(), s.options);
 }
 
 TrainStepCore::~TrainStepCore() = default;

@@ -226,8 +226,9 @@ TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const Devic
                            .lr_schedule = s.config.lr_schedule,
                            .total_steps = s.config.run.total_steps,
                            .max_grad_norm = s.config.gradient_clipping.max_norm,
-                           .bf16_autocast = precision.bf16_autocast,
+                           .seed = s.config.run.seed,
                            .events = &s.events};
+  precision.apply_to(options);
   if (s.run.pipeline) {
     s.pipeline_step = std::make_unique<PipelineStepCore>(
         std::move(s.run.parallel), std::move(*s.run.pipeline), std::move(options));

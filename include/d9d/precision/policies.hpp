@@ -9,7 +9,15 @@
 // `parameters` (the dtype the optimizer updates), `compute` (the dtype of the forward's matrix
 // products: the parameters' own, or bf16 under autocast) and `reduce` (the dtype gradients are
 // reduced in). The training steps read those facts; nothing branches on the policy's name.
+// Policies with bfloat16 parameters also state `stochastic_rounding` (how the optimizer rounds
+// its updates) and `optimizer_state` (the dtype of AdamW's moments); the others keep the moments
+// in the parameters' dtype.
+//
+//   using SrPlan = d9d::Plan<d9d::precision::Bf16Params<>>;   // stochastic rounding, fp32 moments
+//   using Torch = d9d::Plan<d9d::precision::Bf16Params<d9d::precision::NearestRounding>>;
 #pragma once
+
+#include <type_traits>
 
 #include <d9d/plan/defaults.hpp>  // Dtype and Fp32, the default
 
@@ -34,6 +42,45 @@ struct Fp64 {
   static constexpr Dtype parameters = Dtype::float64;
   static constexpr Dtype compute = Dtype::float64;
   static constexpr Dtype reduce = Dtype::float64;
+};
+
+/// Rounding of bfloat16 parameter updates: up with probability equal to the dropped fraction, so
+/// the expected parameter follows the float32 update (the seeds' SR-AdamW;
+/// d9d/kernels/stochastic.hpp).
+struct StochasticRounding {};
+/// Rounding of bfloat16 parameter updates to nearest: what torch's AdamW does to bfloat16
+/// parameters (updates below half a bfloat16 step are lost).
+struct NearestRounding {};
+
+namespace detail {
+template <class Rounding>
+inline constexpr Dtype default_optimizer_state =
+    std::is_same_v<Rounding, StochasticRounding> ? Dtype::float32 : Dtype::bfloat16;
+}  // namespace detail
+
+/// bfloat16 parameters, gradients and compute, no float32 master copy: half the parameter and
+/// gradient memory of Bf16Mixed and no per-step casts of the weights. The optimizer is
+/// d9d::optim::StochasticAdamW (one launch, moments in `State`: float32 by default, or bfloat16)
+/// under StochasticRounding, torch's fused AdamW with bfloat16 moments under NearestRounding.
+/// Gradients are reduced in bfloat16.
+template <class Rounding = StochasticRounding, Dtype State = detail::default_optimizer_state<Rounding>>
+struct Bf16Params {
+  static_assert(std::is_same_v<Rounding, StochasticRounding> ||
+                    std::is_same_v<Rounding, NearestRounding>,
+                "d9d::precision::Bf16Params: the rounding is d9d::precision::StochasticRounding "
+                "or d9d::precision::NearestRounding");
+  static_assert(State == Dtype::float32 || State == Dtype::bfloat16,
+                "d9d::precision::Bf16Params: the optimizer state is float32 or bfloat16");
+  static_assert(std::is_same_v<Rounding, StochasticRounding> || State == Dtype::bfloat16,
+                "d9d::precision::Bf16Params: NearestRounding runs torch's fused AdamW, whose "
+                "moments share the parameters' dtype. Fix: Bf16Params<NearestRounding> (bfloat16 "
+                "moments), or StochasticRounding for float32 moments");
+  using d9d_slot = slot::precision;
+  static constexpr Dtype parameters = Dtype::bfloat16;
+  static constexpr Dtype compute = Dtype::bfloat16;
+  static constexpr Dtype reduce = Dtype::bfloat16;
+  static constexpr bool stochastic_rounding = std::is_same_v<Rounding, StochasticRounding>;
+  static constexpr Dtype optimizer_state = State;
 };
 
 }  // namespace d9d::precision

@@ -49,6 +49,10 @@ struct TrainStepOptions {
   int64_t total_steps = 1;
   std::optional<double> max_grad_norm = 1.0;
   bool bf16_autocast = false;        ///< forward under bf16 autocast (set from the plan)
+  bool stochastic_rounding = false;  ///< StochasticAdamW for bf16 parameters (from the plan)
+  /// The dtype of AdamW's moments (from the plan); Undefined: the parameters' own.
+  at::ScalarType optimizer_state = at::ScalarType::Undefined;
+  uint64_t seed = 0;  ///< the stochastic rounding's seed (the run's seed)
   const EventBus* events = nullptr;  ///< receives BeforeOptimizer / AfterOptimizer
 };
 
@@ -93,6 +97,15 @@ class TrainStepCore {
 struct PrecisionOptions {
   at::ScalarType parameters = at::kFloat;
   bool bf16_autocast = false;
+  bool stochastic_rounding = false;
+  at::ScalarType optimizer_state = at::ScalarType::Undefined;  ///< Undefined: the parameters'
+
+  /// Copies the facts into a step's options.
+  void apply_to(TrainStepOptions& options) const {
+    options.bf16_autocast = bf16_autocast;
+    options.stochastic_rounding = stochastic_rounding;
+    options.optimizer_state = optimizer_state;
+  }
 };
 
 template <class Plan>
@@ -105,14 +118,28 @@ constexpr PrecisionOptions precision_options() {
       },
       "d9d::TrainStep: the precision policy must state `parameters` and `compute` "
       "(d9d::precision::Dtype members), as d9d/precision/policies.hpp's policies do");
-  static_assert(P::parameters != precision::Dtype::bfloat16,
-                "d9d::TrainStep: bfloat16 parameters need a stochastic-rounding optimizer, which "
-                "is not available yet. Fix: use d9d::precision::Bf16Mixed (float32 parameters, "
-                "bfloat16 compute)");
+  static_assert(P::parameters != precision::Dtype::bfloat16 || P::compute == P::parameters,
+                "d9d::TrainStep: bfloat16 parameters compute in bfloat16");
   static_assert(P::compute == P::parameters || P::compute == precision::Dtype::bfloat16,
                 "d9d::TrainStep: compute runs in the parameters' dtype or in bfloat16 (autocast)");
+  constexpr bool stochastic = [] {
+    if constexpr (requires { P::stochastic_rounding; }) {
+      return static_cast<bool>(P::stochastic_rounding);
+    } else {
+      return false;
+    }
+  }();
+  static_assert(!stochastic || P::parameters == precision::Dtype::bfloat16,
+                "d9d::TrainStep: stochastic rounding rounds updates to bfloat16 parameters. Fix: "
+                "use d9d::precision::Bf16Params<StochasticRounding>");
+  at::ScalarType state = at::ScalarType::Undefined;
+  if constexpr (requires { P::optimizer_state; }) {
+    state = parallel::detail::scalar_type_of(P::optimizer_state);
+  }
   return {.parameters = parallel::detail::scalar_type_of(P::parameters),
-          .bf16_autocast = P::compute != P::parameters};
+          .bf16_autocast = P::compute != P::parameters,
+          .stochastic_rounding = stochastic,
+          .optimizer_state = state};
 }
 
 template <class S>
@@ -182,7 +209,7 @@ class TrainStep : public detail::TrainStepCore {
     return parallel::parallelize<Plan>(mesh, {std::move(model)}, std::move(parallel));
   }
   static TrainStepOptions with_plan(TrainStepOptions options) {
-    options.bf16_autocast = detail::precision_options<Plan>().bf16_autocast;
+    detail::precision_options<Plan>().apply_to(options);
     return options;
   }
 };

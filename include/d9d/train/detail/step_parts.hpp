@@ -26,11 +26,11 @@ struct TrainStepOptions;
 
 namespace d9d::detail {
 
-/// AdamW (the fused multi-tensor kernel, d9d/optim/adamw.hpp) over the records' local tensors:
-/// weight decay on matrices (the whole parameter has
-/// dim >= 2), none on the rest.
+/// AdamW over the records' local tensors, weight decay on matrices (the whole parameter has
+/// dim >= 2), none on the rest: the fused multi-tensor kernel (optim::FusedAdamW), or
+/// optim::StochasticAdamW when the plan's precision rounds stochastically (d9d/optim/adamw.hpp).
 std::unique_ptr<torch::optim::Optimizer> make_adamw(
-    const std::vector<parallel::ParameterRecord>& params, const OptimizerConfig& config);
+    const std::vector<parallel::ParameterRecord>& params, const TrainStepOptions& options);
 
 /// The start of a step: sets the learning rate of every parameter group (AdamW options) and drops
 /// the previous step's gradients.
