@@ -29,6 +29,9 @@ using Bf16Plan = d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Mixed>;  // -
 // --bf16-params sr|nearest: bfloat16 parameters, no float32 master copy; AdamW's updates rounded
 // stochastically (float32 moments) or to nearest (torch's fused AdamW, bfloat16 moments).
 using SrPlan = d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Params<>>;
+using SrBf16MomentsPlan = d9d::Plan<
+    Mesh, DataParallel,
+    d9d::precision::Bf16Params<d9d::precision::StochasticRounding, d9d::precision::Dtype::bfloat16>>;
 using NearestPlan =
     d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Params<d9d::precision::NearestRounding>>;
 // --fsdp: parameters, gradients and AdamW state sharded over the ranks (ZeRO-3); --recompute:
@@ -131,9 +134,9 @@ int main(int argc, char** argv) {
                "the ATen compositions instead of d9d's fused ops (for comparisons)");
   std::string bf16_params;
   app.add_option("--bf16-params", bf16_params,
-                 "bfloat16 parameters, AdamW rounding stochastically (sr, also with --fsdp) or to "
-                 "nearest (d9d::precision::Bf16Params)")
-      ->check(CLI::IsMember({"sr", "nearest"}));
+                 "bfloat16 parameters, AdamW rounding stochastically (sr, also with --fsdp; "
+                 "sr-bf16-moments) or to nearest (d9d::precision::Bf16Params)")
+      ->check(CLI::IsMember({"sr", "sr-bf16-moments", "nearest"}));
   app.add_flag("--fsdp", fsdp, "fully sharded data parallelism (d9d::parallel::FullyShard<>)");
   app.add_flag("--recompute", recompute,
                "recompute every decoder layer's activations in backward (with --fsdp)");
@@ -180,8 +183,11 @@ int main(int argc, char** argv) {
       if (fsdp) {
         return run<FsdpPlan<d9d::precision::Bf16Params<>>>(ctx, cfg, peak_tflops);
       }
-      return bf16_params == "sr" ? run<SrPlan>(ctx, cfg, peak_tflops)
-                                 : run<NearestPlan>(ctx, cfg, peak_tflops);
+      if (bf16_params == "sr") {
+        return run<SrPlan>(ctx, cfg, peak_tflops);
+      }
+      return bf16_params == "nearest" ? run<NearestPlan>(ctx, cfg, peak_tflops)
+                                      : run<SrBf16MomentsPlan>(ctx, cfg, peak_tflops);
     }
     if (fsdp) {
       using Bf16 = d9d::precision::Bf16Mixed;

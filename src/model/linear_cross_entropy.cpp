@@ -39,10 +39,17 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     const auto acc = h.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     at::Tensor loss_sum = at::zeros({}, hidden.options().dtype(acc));
     at::Tensor grad_hidden = grads && needs_hidden ? at::empty_like(h) : at::Tensor();
+    // The head's gradient is summed over chunks in the weight's own dtype (float32 under Fp32
+    // and Bf16Mixed: cuBLAS writes float32 from the bf16 product; bfloat16 under Bf16Params, one
+    // rounding per chunk, as bfloat16 gradients are summed over microbatches anyway).
     at::Tensor grad_weight = grads && needs_weight
-                                 ? at::zeros({vocab, weight.size(1)}, weight.options().dtype(acc))
+                                 ? at::zeros({vocab, weight.size(1)}, weight.options())
                                  : at::Tensor();
     const at::Tensor targets = labels.to(at::kLong);
+    const bool same_dtype = grad_weight.defined() && grad_weight.scalar_type() == h.scalar_type();
+    const bool widening =
+        grad_weight.defined() && grad_weight.is_cuda() && grad_weight.scalar_type() == at::kFloat &&
+        (h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kHalf);
     for (int64_t begin = 0; begin < rows; begin += chunk_rows) {
       const int64_t n = std::min(chunk_rows, rows - begin);
       const auto hc = h.narrow(0, begin, n);
@@ -59,7 +66,14 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
         at::mm_out(rows_of, g, w);
       }
       if (grad_weight.defined()) {
-        grad_weight.add_(at::mm(g.t(), hc));
+        if (same_dtype) {
+          grad_weight.addmm_(g.t(), hc);
+        } else if (widening) {
+          // float32 accumulation straight from the bf16/fp16 product (cuBLAS), no temporary.
+          at::addmm_out(grad_weight, grad_weight, g.t(), hc, at::kFloat);
+        } else {
+          grad_weight.add_(at::mm(g.t(), hc).to(grad_weight.scalar_type()));
+        }
       }
     }
     ctx->saved_data["grad_hidden"] = grad_hidden;
@@ -86,8 +100,13 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
       dh = (grad_hidden * scale.to(grad_hidden.scalar_type())).to(hidden_dtype);
     }
     if (grad_weight.defined() && ctx->needs_input_grad(1)) {
-      dw = (grad_weight * scale.to(grad_weight.scalar_type())).to(weight_dtype);
+      // In place: the float32 sum is not needed again, and the peak is the backward's start.
+      auto owned = grad_weight;
+      dw = owned.mul_(scale.to(owned.scalar_type())).to(weight_dtype);
     }
+    // Release the forward's sums now rather than when the graph goes.
+    ctx->saved_data["grad_hidden"] = at::Tensor();
+    ctx->saved_data["grad_weight"] = at::Tensor();
     return {dh, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -109,12 +128,13 @@ CausalLmLoss linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& we
                                 c10::str(labels.sizes()));
   }
   if (chunk_rows <= 0) {
-    // About 512 MiB of logits per chunk in the compute dtype.
+    // About 128 MiB of logits per chunk in the compute dtype (441 rows of a 151,936 vocabulary
+    // in bf16): large enough for full-speed matmuls, small next to the activations.
     const int64_t element_bytes = hidden.scalar_type() == at::kDouble  ? 8
                                   : hidden.scalar_type() == at::kFloat ? 4
                                                                        : 2;
     const bool autocast = at::autocast::is_autocast_enabled(hidden.device().type());
-    chunk_rows = std::max<int64_t>(1, (int64_t{1} << 29) / (autocast ? 2 : element_bytes) /
+    chunk_rows = std::max<int64_t>(1, (int64_t{1} << 27) / (autocast ? 2 : element_bytes) /
                                           std::max<int64_t>(1, weight.size(0)));
   }
   auto loss_sum = LinearCrossEntropy::apply(hidden, weight, labels, ignore_index, chunk_rows,

@@ -7,12 +7,13 @@
 //
 // hidden [N, H], weight [V, H] (the LM head, or a tied embedding), labels [N] (ignore_index rows
 // count nothing). For each chunk of rows: logits = h W^T (in the autocast dtype when autocast is
-// on, as the head's matmul would be), then in float (double for double inputs) the log-sum-exp,
-// the token losses and — when a gradient is needed — softmax − one-hot, from which the chunk's
-// gradients of h (stored) and of W (summed over chunks in float) are computed right away. The
-// backward only scales them by the loss's incoming gradient. Peak memory: one chunk's logits in
-// float instead of all of them in the compute dtype and float (for a 0.6B Qwen3 at 8 × 2048
-// tokens, ~1 GiB instead of ~15 GiB), and the same three matmuls as the unfused head.
+// on, as the head's matmul would be), then d9d::cross_entropy_rows_ (d9d/kernels/cross_entropy.hpp)
+// computes in float (double for double inputs) the token losses and — over the logits, in place —
+// softmax − one-hot, from which the chunk's gradients of h (stored) and of W (summed over chunks
+// in W's dtype: float32 under Fp32 and Bf16Mixed) are computed right away. The backward only
+// scales them by the loss's incoming gradient. Peak memory: one chunk's logits (~128 MiB) and the
+// head's gradient instead of all the logits in the compute dtype and float (for a 0.6B Qwen3 at
+// 8 × 2048 tokens, ~15 GiB), and the same three matmuls as the unfused head.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +26,7 @@ namespace d9d::model {
 
 /// The causal-LM loss of `hidden` through the head `weight`: CausalLmLoss{loss_sum, tokens} as
 /// causal_lm_loss(at::linear(hidden, weight), labels) gives, to rounding. `chunk_rows` = 0 picks
-/// chunks of about 256 Mi logits elements.
+/// chunks of about 128 MiB of logits.
 [[nodiscard]] CausalLmLoss linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
                                                 const at::Tensor& labels,
                                                 int64_t ignore_index = -100,
