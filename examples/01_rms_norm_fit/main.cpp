@@ -71,5 +71,6 @@ int fit() {
 
 }  // namespace
 
-// Any error (a LibTorch one included) is printed as one line and the exit status is 1, not an abort.
+// Any error (a LibTorch one included) is printed as one line and the exit status is 1, not an
+// abort.
 int main(int argc, char** argv) { return d9d::run_main(argc, argv, fit); }

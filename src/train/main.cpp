@@ -21,7 +21,8 @@ std::string rank_prefix() noexcept {
   try {
     const LaunchInfo launch =
         parse_launch_env([](std::string_view name) -> std::optional<std::string> {
-          const char* value = std::getenv(std::string(name).c_str());  // NOLINT(concurrency-mt-unsafe)
+          const char* value =
+              std::getenv(std::string(name).c_str());  // NOLINT(concurrency-mt-unsafe)
           return value != nullptr ? std::optional<std::string>(value) : std::nullopt;
         });
     return "[d9d rank " + std::to_string(launch.rank) + "/" + std::to_string(launch.world_size) +

@@ -413,8 +413,7 @@ TrainResult TrainerCore::train() {
   const double timed = std::chrono::duration<double>(end - after_first).count();
   if (result.steps > 1 && timed > 0) {
     result.tokens_per_second = static_cast<double>(tokens_per_step * (result.steps - 1)) / timed;
-    result.samples_per_second =
-        static_cast<double>(samples_per_step * (result.steps - 1)) / timed;
+    result.samples_per_second = static_cast<double>(samples_per_step * (result.steps - 1)) / timed;
   }
   result.peak_memory_bytes = peak_memory(s.context.device());
   if (s.context.world_size() > 1) {

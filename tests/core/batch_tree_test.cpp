@@ -117,8 +117,7 @@ TEST(Core_BatchTree_TupleAndPair, EachMicrobatchHoldsExactlyItsRows) {
 }
 
 TEST(Core_BatchTree_MapOfNamedTensors, EachMicrobatchHoldsExactlyItsRows) {
-  const std::map<std::string, at::Tensor> batch = {{"x", rows(kRows)},
-                                                   {"y", rows(kRows, 2, 50)}};
+  const std::map<std::string, at::Tensor> batch = {{"x", rows(kRows)}, {"y", rows(kRows, 2, 50)}};
   const auto parts = d9d::split_batch(batch, kParts);
   for (int i = 0; i < kParts; ++i) {
     const auto range = d9d::split_range(kRows, kParts, i);

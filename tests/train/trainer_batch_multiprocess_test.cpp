@@ -16,6 +16,7 @@
 #include <d9d/data/sampler.hpp>
 #include <d9d/testing/multiprocess.hpp>
 #include <d9d/train/trainer.hpp>
+
 #include "tests/core/core_test_util.hpp"
 
 namespace {

@@ -278,10 +278,9 @@ T zip_trees(const std::vector<const T*>& trees, const std::string& path, const L
     U out = first;
     auto to = aggregate_fields(out);
     [&]<std::size_t... I>(std::index_sequence<I...>) {
-      ((std::get<I>(to) = zip_trees(pick([](const U& t) -> const auto& {
-                                      return std::get<I>(aggregate_fields(t));
-                                    }),
-                                    join(path, std::to_string(I)), leaf)),
+      ((std::get<I>(to) = zip_trees(
+            pick([](const U& t) -> const auto& { return std::get<I>(aggregate_fields(t)); }),
+            join(path, std::to_string(I)), leaf)),
        ...);
     }
     (std::make_index_sequence<std::tuple_size_v<decltype(to)>>{});
@@ -307,17 +306,19 @@ concept splittable_batch = detail::tree_has_tensor<T>();
 /// The diagnostic for a batch type that is not splittable_batch, shared by split_batch,
 /// merge_batches and the Trainer.
 // NOLINTNEXTLINE(cppcoreguidelines-macro-usage): static_assert needs a string literal
-#define D9D_UNSPLITTABLE_BATCH_FIX \
-  "holds no tensor the library can split (the batch type is shown with this error). A batch is "  \
-  "an at::Tensor, a std::vector / std::optional / std::array / std::tuple / std::pair / "          \
-  "std::map<std::string, ...> of batches, or a struct of them. Fix: make the struct a plain "     \
-  "aggregate (public members, no constructors, no base class, at most 16 members), or adapt it "  \
-  "with BOOST_HANA_ADAPT_STRUCT(MyBatch, member1, member2, ...) from <boost/hana/adapt_struct.hpp>"
+#define D9D_UNSPLITTABLE_BATCH_FIX                                                               \
+  "holds no tensor the library can split (the batch type is shown with this error). A batch is " \
+  "an at::Tensor, a std::vector / std::optional / std::array / std::tuple / std::pair / "        \
+  "std::map<std::string, ...> of batches, or a struct of them. Fix: make the struct a plain "    \
+  "aggregate (public members, no constructors, no base class, at most 16 members), or adapt it " \
+  "with BOOST_HANA_ADAPT_STRUCT(MyBatch, member1, member2, ...) from "                           \
+  "<boost/hana/adapt_struct.hpp>"
 
 /// Splits `batch` into `parts` microbatches (see the file comment for the rules).
 template <class Tree, class Spec = ShardAlong>
 std::vector<Tree> split_batch(const Tree& batch, int parts, Spec spec = ShardAlong{0}) {
-  static_assert(splittable_batch<Tree>, "d9d::split_batch: the batch type " D9D_UNSPLITTABLE_BATCH_FIX);
+  static_assert(splittable_batch<Tree>,
+                "d9d::split_batch: the batch type " D9D_UNSPLITTABLE_BATCH_FIX);
   if (parts < 1) {
     throw std::invalid_argument("d9d::split_batch: parts must be >= 1, got " +
                                 std::to_string(parts));

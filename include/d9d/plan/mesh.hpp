@@ -77,8 +77,7 @@ struct mesh {
   static constexpr bool well_formed =
       facts_.well_formed &&
       detail::mesh_degrees_multiply_to_world<facts_.static_product, facts_.world_for_product> &&
-      detail::mesh_static_degrees_divide_world<facts_.static_product,
-                                               facts_.world_for_inference> &&
+      detail::mesh_static_degrees_divide_world<facts_.static_product, facts_.world_for_inference> &&
       detail::mesh_ep_divides_stage<facts_.ep_for_rule, facts_.stage_for_rule>;
 
   /// The resolved degree types: as written, 1 when missing, or inferred from a static world.
