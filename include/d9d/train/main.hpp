@@ -10,7 +10,8 @@
 // throwing an instance of ..." and SIGABRT (status 134) on every rank. run_main catches it, prints
 // one line on this rank's standard error,
 //
-//   [d9d rank 1/2] error: d9d config: unknown key "run.total_step" (did you mean "run.total_steps"?)
+//   [d9d rank 1/2] error: d9d config: unknown key "run.total_step" (did you mean
+//   "run.total_steps"?); ...
 //
 // and returns the exit status: 2 for a configuration error (d9d::ConfigError), 1 for any other.
 // Every rank that fails reports its own error once; d9drun, torchrun and Slurm then see a non-zero
