@@ -57,7 +57,8 @@ __device__ __forceinline__ void online_merge(A other_max, A other_sum, A& max, A
 }
 
 template <typename T, int VEC>
-__global__ void cross_entropy_rows_kernel(T* __restrict__ logits, const std::int64_t* __restrict__ labels,
+__global__ void cross_entropy_rows_kernel(T* __restrict__ logits,
+                                          const std::int64_t* __restrict__ labels,
                                           at::opmath_type<T>* __restrict__ loss, std::int64_t vocab,
                                           std::int64_t ignore_index) {
   using A = at::opmath_type<T>;
@@ -157,13 +158,15 @@ at::Tensor cross_entropy_rows_cuda(const at::Tensor& logits, const at::Tensor& l
             vocab % kVec == 0;
         const auto stream = at::cuda::getCurrentCUDAStream();
         if (vectorised) {
-          cross_entropy_rows_kernel<scalar_t, kVec><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-              logits.mutable_data_ptr<scalar_t>(), labels.const_data_ptr<std::int64_t>(),
-              loss.mutable_data_ptr<acc_t>(), vocab, ignore_index);
+          cross_entropy_rows_kernel<scalar_t, kVec>
+              <<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+                  logits.mutable_data_ptr<scalar_t>(), labels.const_data_ptr<std::int64_t>(),
+                  loss.mutable_data_ptr<acc_t>(), vocab, ignore_index);
         } else {
-          cross_entropy_rows_kernel<scalar_t, 1><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-              logits.mutable_data_ptr<scalar_t>(), labels.const_data_ptr<std::int64_t>(),
-              loss.mutable_data_ptr<acc_t>(), vocab, ignore_index);
+          cross_entropy_rows_kernel<scalar_t, 1>
+              <<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+                  logits.mutable_data_ptr<scalar_t>(), labels.const_data_ptr<std::int64_t>(),
+                  loss.mutable_data_ptr<acc_t>(), vocab, ignore_index);
         }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });

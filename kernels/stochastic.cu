@@ -91,8 +91,8 @@ __global__ void adamw_stochastic_kernel(const Slot* __restrict__ slots,
     const std::uint64_t r = detail::random_bits(seed, tensor, static_cast<std::uint64_t>(i));
     float mv = load1(m, i);
     float vv = load1(v, i);
-    const float p = detail::adamw_element(detail::bf16_bits_to_float(slot.p[i]), load1(g, i), mv,
-                                          vv, s);
+    const float p =
+        detail::adamw_element(detail::bf16_bits_to_float(slot.p[i]), load1(g, i), mv, vv, s);
     slot.p[i] = detail::stochastic_bf16_bits(p, static_cast<std::uint32_t>(r));
     store1(m, i, mv, static_cast<std::uint32_t>(r >> 16));
     store1(v, i, vv, static_cast<std::uint32_t>(r >> 32));
@@ -230,9 +230,9 @@ void copy_stochastic_cuda(const at::Tensor& dst, const at::Tensor& src_arg, std:
   const auto blocks = std::max<std::int64_t>(
       1, std::min<std::int64_t>((n + kThreads - 1) / kThreads, std::int64_t{sms} * 16));
   copy_stochastic_kernel<<<static_cast<unsigned>(blocks), kThreads, 0,
-                           at::cuda::getCurrentCUDAStream()>>>(
-      static_cast<Bits*>(dst.data_ptr()), src.const_data_ptr<float>(), n,
-      static_cast<std::uint64_t>(seed));
+                           at::cuda::getCurrentCUDAStream()>>>(static_cast<Bits*>(dst.data_ptr()),
+                                                               src.const_data_ptr<float>(), n,
+                                                               static_cast<std::uint64_t>(seed));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -29,9 +29,9 @@ using Bf16Plan = d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Mixed>;  // -
 // --bf16-params sr|nearest: bfloat16 parameters, no float32 master copy; AdamW's updates rounded
 // stochastically (float32 moments) or to nearest (torch's fused AdamW, bfloat16 moments).
 using SrPlan = d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Params<>>;
-using SrBf16MomentsPlan = d9d::Plan<
-    Mesh, DataParallel,
-    d9d::precision::Bf16Params<d9d::precision::StochasticRounding, d9d::precision::Dtype::bfloat16>>;
+using SrBf16MomentsPlan = d9d::Plan<Mesh, DataParallel,
+                                    d9d::precision::Bf16Params<d9d::precision::StochasticRounding,
+                                                               d9d::precision::Dtype::bfloat16>>;
 using NearestPlan =
     d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Params<d9d::precision::NearestRounding>>;
 // --fsdp: parameters, gradients and AdamW state sharded over the ranks (ZeRO-3); --recompute:

@@ -12,7 +12,9 @@
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/core/distributed_context.hpp>
 #include <d9d/model/hf.hpp>
+#include <d9d/model/hf_moe.hpp>
 #include <d9d/model/qwen3.hpp>
+#include <d9d/model/qwen3_moe.hpp>
 #include <d9d/parallel/parallelize.hpp>
 #include <d9d/parallel/policies.hpp>
 #include <d9d/peft/policies.hpp>

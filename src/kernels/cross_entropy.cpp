@@ -24,8 +24,8 @@ void check_cross_entropy_rows(const at::Tensor& logits, const at::Tensor& labels
   TORCH_CHECK(labels.dim() == 1 && labels.size(0) == logits.size(0),
               "d9d::cross_entropy_rows_: labels [", logits.size(0), "] expected, got ",
               labels.sizes());
-  TORCH_CHECK(labels.scalar_type() == at::kLong, "d9d::cross_entropy_rows_: labels must be int64, got ",
-              labels.scalar_type());
+  TORCH_CHECK(labels.scalar_type() == at::kLong,
+              "d9d::cross_entropy_rows_: labels must be int64, got ", labels.scalar_type());
   TORCH_CHECK(labels.device() == logits.device(), "d9d::cross_entropy_rows_: labels are on ",
               labels.device(), ", logits on ", logits.device());
 }
@@ -59,8 +59,8 @@ at::Tensor cross_entropy_rows_cpu(const at::Tensor& logits, const at::Tensor& la
               out[r] = acc_t(0);
               continue;
             }
-            TORCH_CHECK(target >= 0 && target < vocab, "d9d::cross_entropy_rows_: label ",
-                        target, " of row ", r, " is outside [0, ", vocab, ")");
+            TORCH_CHECK(target >= 0 && target < vocab, "d9d::cross_entropy_rows_: label ", target,
+                        " of row ", r, " is outside [0, ", vocab, ")");
             acc_t max = -std::numeric_limits<acc_t>::infinity();
             for (int64_t i = 0; i < vocab; ++i) {
               max = std::max(max, static_cast<acc_t>(row[i]));

@@ -22,25 +22,25 @@ void check_adamw_stochastic(at::TensorList params, at::TensorList grads, at::Ten
               exp_avg_sqs.size(), ")");
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& p = params[i];
-    TORCH_CHECK(p.scalar_type() == at::kBFloat16, "d9d::adamw_stochastic_: params[", i,
-                "] is ", p.scalar_type(), "; the parameters must be bfloat16");
+    TORCH_CHECK(p.scalar_type() == at::kBFloat16, "d9d::adamw_stochastic_: params[", i, "] is ",
+                p.scalar_type(), "; the parameters must be bfloat16");
     TORCH_CHECK(p.is_contiguous(), "d9d::adamw_stochastic_: params[", i, "] is not contiguous");
     const std::pair<const char*, const at::Tensor*> others[] = {
         {"grads", &grads[i]}, {"exp_avgs", &exp_avgs[i]}, {"exp_avg_sqs", &exp_avg_sqs[i]}};
     for (const auto& [name, t] : others) {
       TORCH_CHECK(t->defined(), "d9d::adamw_stochastic_: ", name, "[", i, "] is undefined");
-      TORCH_CHECK(t->sizes() == p.sizes(), "d9d::adamw_stochastic_: ", name, "[", i,
-                  "] has shape ", t->sizes(), ", params[", i, "] has ", p.sizes());
-      TORCH_CHECK(t->device() == p.device(), "d9d::adamw_stochastic_: ", name, "[", i,
-                  "] is on ", t->device(), ", params[", i, "] on ", p.device());
+      TORCH_CHECK(t->sizes() == p.sizes(), "d9d::adamw_stochastic_: ", name, "[", i, "] has shape ",
+                  t->sizes(), ", params[", i, "] has ", p.sizes());
+      TORCH_CHECK(t->device() == p.device(), "d9d::adamw_stochastic_: ", name, "[", i, "] is on ",
+                  t->device(), ", params[", i, "] on ", p.device());
       TORCH_CHECK(t->scalar_type() == at::kBFloat16 || t->scalar_type() == at::kFloat,
                   "d9d::adamw_stochastic_: ", name, "[", i, "] is ", t->scalar_type(),
                   "; it must be bfloat16 or float32");
       TORCH_CHECK(t->is_contiguous(), "d9d::adamw_stochastic_: ", name, "[", i,
                   "] is not contiguous");
     }
-    TORCH_CHECK(p.device() == params[0].device(), "d9d::adamw_stochastic_: params[", i,
-                "] is on ", p.device(), ", params[0] on ", params[0].device());
+    TORCH_CHECK(p.device() == params[0].device(), "d9d::adamw_stochastic_: params[", i, "] is on ",
+                p.device(), ", params[0] on ", params[0].device());
     TORCH_CHECK(grads[i].scalar_type() == grads[0].scalar_type() &&
                     exp_avgs[i].scalar_type() == exp_avgs[0].scalar_type() &&
                     exp_avg_sqs[i].scalar_type() == exp_avgs[0].scalar_type(),
@@ -52,8 +52,8 @@ void check_adamw_stochastic(at::TensorList params, at::TensorList grads, at::Ten
 void check_copy_stochastic(const at::Tensor& dst, const at::Tensor& src) {
   TORCH_CHECK(dst.scalar_type() == at::kBFloat16, "d9d::copy_stochastic_: dst is ",
               dst.scalar_type(), "; it must be bfloat16");
-  TORCH_CHECK(src.scalar_type() == at::kFloat, "d9d::copy_stochastic_: src is ",
-              src.scalar_type(), "; it must be float32");
+  TORCH_CHECK(src.scalar_type() == at::kFloat, "d9d::copy_stochastic_: src is ", src.scalar_type(),
+              "; it must be float32");
   TORCH_CHECK(dst.sizes() == src.sizes(), "d9d::copy_stochastic_: dst has shape ", dst.sizes(),
               ", src has ", src.sizes());
   TORCH_CHECK(dst.device() == src.device(), "d9d::copy_stochastic_: dst is on ", dst.device(),
@@ -94,13 +94,12 @@ void adamw_stochastic_cpu(at::TensorList params, at::TensorList grads, at::Tenso
     const bool s16 = exp_avgs[t].scalar_type() == at::kBFloat16;
     at::parallel_for(0, params[t].numel(), 2048, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const std::uint64_t r = detail::random_bits(static_cast<std::uint64_t>(seed), t,
-                                                    static_cast<std::uint64_t>(i));
+        const std::uint64_t r =
+            detail::random_bits(static_cast<std::uint64_t>(seed), t, static_cast<std::uint64_t>(i));
         float mv = load(m, s16, i);
         float vv = load(v, s16, i);
-        const float updated =
-            detail::adamw_element(detail::bf16_bits_to_float(p[i]), load(g, g16, i), mv, vv,
-                                  scalars);
+        const float updated = detail::adamw_element(detail::bf16_bits_to_float(p[i]),
+                                                    load(g, g16, i), mv, vv, scalars);
         p[i] = detail::stochastic_bf16_bits(updated, static_cast<std::uint32_t>(r));
         store(m, s16, i, mv, static_cast<std::uint32_t>(r >> 16));
         store(v, s16, i, vv, static_cast<std::uint32_t>(r >> 32));
@@ -116,8 +115,8 @@ void copy_stochastic_cpu(const at::Tensor& dst, const at::Tensor& src_arg, int64
   auto* out = static_cast<std::uint16_t*>(dst.data_ptr());
   at::parallel_for(0, src.numel(), 4096, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const std::uint64_t r = detail::random_bits(static_cast<std::uint64_t>(seed), 0,
-                                                  static_cast<std::uint64_t>(i));
+      const std::uint64_t r =
+          detail::random_bits(static_cast<std::uint64_t>(seed), 0, static_cast<std::uint64_t>(i));
       out[i] = detail::stochastic_bf16_bits(in[i], static_cast<std::uint32_t>(r));
     }
   });
@@ -140,10 +139,9 @@ void adamw_stochastic_(at::TensorList params, at::TensorList grads, at::TensorLi
 }
 
 void copy_stochastic_(const at::Tensor& dst, const at::Tensor& src, int64_t seed) {
-  static const auto handle =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("d9d::copy_stochastic_", "")
-          .typed<void(const at::Tensor&, const at::Tensor&, int64_t)>();
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("d9d::copy_stochastic_", "")
+                                 .typed<void(const at::Tensor&, const at::Tensor&, int64_t)>();
   handle.call(dst, src, seed);
 }
 

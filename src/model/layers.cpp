@@ -1,7 +1,7 @@
 // d9d/model/layers.cpp — RMSNorm, rotary embeddings, attention and SwiGLU modules.
-#include <optional>
 #include <atomic>
 #include <cmath>
+#include <optional>
 #include <stdexcept>
 
 #include <ATen/ATen.h>

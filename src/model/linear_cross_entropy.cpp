@@ -42,14 +42,13 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     // The head's gradient is summed over chunks in the weight's own dtype (float32 under Fp32
     // and Bf16Mixed: cuBLAS writes float32 from the bf16 product; bfloat16 under Bf16Params, one
     // rounding per chunk, as bfloat16 gradients are summed over microbatches anyway).
-    at::Tensor grad_weight = grads && needs_weight
-                                 ? at::zeros({vocab, weight.size(1)}, weight.options())
-                                 : at::Tensor();
+    at::Tensor grad_weight =
+        grads && needs_weight ? at::zeros({vocab, weight.size(1)}, weight.options()) : at::Tensor();
     const at::Tensor targets = labels.to(at::kLong);
     const bool same_dtype = grad_weight.defined() && grad_weight.scalar_type() == h.scalar_type();
-    const bool widening =
-        grad_weight.defined() && grad_weight.is_cuda() && grad_weight.scalar_type() == at::kFloat &&
-        (h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kHalf);
+    const bool widening = grad_weight.defined() && grad_weight.is_cuda() &&
+                          grad_weight.scalar_type() == at::kFloat &&
+                          (h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kHalf);
     for (int64_t begin = 0; begin < rows; begin += chunk_rows) {
       const int64_t n = std::min(chunk_rows, rows - begin);
       const auto hc = h.narrow(0, begin, n);

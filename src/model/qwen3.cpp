@@ -102,7 +102,9 @@ at::Tensor Qwen3ForCausalLMImpl::forward(const at::Tensor& input_ids) {
 
 CausalLmLoss Qwen3ForCausalLMImpl::loss(const at::Tensor& input_ids, const at::Tensor& labels,
                                         int64_t ignore_index) {
-  if (!fused_kernels()) {
+  // The fused head reads lm_head's weight alone: a head with an adapter (LoRA on "lm_head") takes
+  // the unfused path, which runs the layer and its adapter.
+  if (!fused_kernels() || (lm_head && lm_head->adapter)) {
     return causal_lm_loss(forward(input_ids), labels, ignore_index);
   }
   const auto hidden = model(input_ids);

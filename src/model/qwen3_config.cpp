@@ -147,11 +147,7 @@ Json parse(const std::string& text) {
 }
 
 void reject_unknown_keys(const Json& json) {
-  std::vector<std::string_view> candidates;
-  candidates.insert(candidates.end(), std::begin(kReadKeys), std::end(kReadKeys));
-  candidates.insert(candidates.end(), std::begin(kCheckedKeys), std::end(kCheckedKeys));
-  candidates.insert(candidates.end(), std::begin(kRejectedKeys), std::end(kRejectedKeys));
-  candidates.insert(candidates.end(), std::begin(kIgnoredKeys), std::end(kIgnoredKeys));
+  const std::vector<std::string_view> candidates = detail::qwen3_config_keys();
   std::string listing;
   std::size_t unknown = 0;
   for (const auto& item : json.items()) {
@@ -186,7 +182,11 @@ void expect_value(const Json& json, std::string_view key, const Json& want,
 /// The keys that change the model: only the values d9d's Qwen3 computes with pass.
 void reject_unsupported(const Json& json) {
   if (const Json* type = find(json, "model_type"); type != nullptr && *type != "qwen3") {
-    bad("model_type", shown(*type), "d9d reads the configs of Qwen3 dense models (\"qwen3\") only");
+    bad("model_type", shown(*type),
+        *type == "qwen3_moe"
+            ? "this reader is the dense Qwen3's (\"qwen3\"); read Qwen3-MoE configs with "
+              "d9d::model::Qwen3MoeConfig (the trainer's d9d::Qwen3MoeProvider)"
+            : "d9d reads the configs of Qwen3 dense models (\"qwen3\") only");
   }
   expect_value(json, "hidden_act", "silu", "d9d's Qwen3 MLP computes SiLU (\"silu\") only");
   expect_value(json, "attention_bias", false,
@@ -333,8 +333,20 @@ void read_bool(const Json& json, std::string_view key, bool& out) {
 
 }  // namespace
 
+std::vector<std::string_view> detail::qwen3_config_keys() {
+  std::vector<std::string_view> keys;
+  keys.insert(keys.end(), std::begin(kReadKeys), std::end(kReadKeys));
+  keys.insert(keys.end(), std::begin(kCheckedKeys), std::end(kCheckedKeys));
+  keys.insert(keys.end(), std::begin(kRejectedKeys), std::end(kRejectedKeys));
+  keys.insert(keys.end(), std::begin(kIgnoredKeys), std::end(kIgnoredKeys));
+  return keys;
+}
+
 Qwen3Config Qwen3Config::from_json_text(const std::string& text) {
   const Json json = parse(text);
+  if (const Json* type = find(json, "model_type"); type != nullptr && *type == "qwen3_moe") {
+    reject_unsupported(json);  // names the Qwen3-MoE reader before its keys look unknown
+  }
   reject_unknown_keys(json);
   reject_unsupported(json);
   const auto theta = read_rope_theta(json);

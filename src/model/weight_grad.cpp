@@ -162,16 +162,24 @@ LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool bias) {
 }
 
 at::Tensor LinearImpl::forward(const at::Tensor& x) {
+  at::Tensor y;
   auto* queue = recording_weight_grads();
   if (queue == nullptr) {
-    return at::linear(x, weight, bias);
+    y = at::linear(x, weight, bias);
+  } else {
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
+    const auto address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(queue));
+    y = bias.defined() ? SplitLinear<true>::apply(x, weight, bias, address)
+                       : SplitLinear<false>::apply(x, weight, address);
   }
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
-  const auto address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(queue));
-  if (bias.defined()) {
-    return SplitLinear<true>::apply(x, weight, bias, address);
+  if (adapter) {
+    // The adapter's own layers (d9d::model::Linear) split their backward the same way.
+    const auto delta = adapter->forward(x);
+    if (delta.defined()) {
+      y = y + delta;
+    }
   }
-  return SplitLinear<false>::apply(x, weight, address);
+  return y;
 }
 
 }  // namespace d9d::model

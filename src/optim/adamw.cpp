@@ -1,7 +1,7 @@
 // d9d/optim/adamw.cpp — FusedAdamW: torch::optim::AdamW's state, ATen's fused multi-tensor update.
 #include <map>
-#include <string>
 #include <stdexcept>
+#include <string>
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -131,8 +131,8 @@ torch::Tensor StochasticAdamW::step(LossClosure closure) {
       // The launch's bits: the seed, the step count and the launch's number in the step mixed
       // (a resumed run draws what an uninterrupted one would).
       const auto seed = static_cast<int64_t>(kernels::detail::mix64(
-          options_.seed ^ kernels::detail::mix64((static_cast<uint64_t>(step_count) << 16) ^
-                                                 bucket_number++)));
+          options_.seed ^
+          kernels::detail::mix64((static_cast<uint64_t>(step_count) << 16) ^ bucket_number++)));
       kernels::adamw_stochastic_(lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs,
                                  {.lr = options.lr(),
                                   .beta1 = beta1,

@@ -21,6 +21,12 @@
 // freed, and the result is added to the shards' .grad when the step finishes (after an all-reduce
 // over dp_replicate for HSDP). Units are reduced in one fixed order on every rank (reverse forward
 // order, the unit of loose parameters last), so collectives match across ranks.
+//
+// Experts. Under ExpertParallel the routed experts are records of the expert domain, already split
+// over ep_shard; when ep_replicate > 1 a second state shards them (their ep_shard slices) the same
+// way over ep_replicate — ZeRO-3 over the expert-data ranks — with the same units (the blocks), so
+// a block's forward gathers its regular parameters over dp_shard and its experts over
+// ep_replicate. Their records nest: Shard(0) on ep_shard, then Shard(0) on ep_replicate.
 #include <algorithm>
 #include <memory>
 #include <mutex>
@@ -91,6 +97,15 @@ struct Unit {
   bool reshard_after_forward = false;
 };
 
+// Which records a state shards, over which mesh dims, and how their records read afterwards.
+struct ShardLayout {
+  MeshDomain domain = MeshDomain::regular;
+  std::string shard_dim = "dp_shard";
+  std::string replicate_dim = "dp_replicate";  // empty: none (no HSDP all-reduce)
+  std::vector<std::string> dims = {"dp_replicate", "dp_shard"};
+  std::vector<Placement> placements = {::d9d::Replicate{}, ::d9d::Shard{0}};
+};
+
 struct Reduction {
   std::size_t unit = 0;
   at::Tensor input;  // kept alive until the collective is done
@@ -115,11 +130,14 @@ struct PreBackward : torch::autograd::Function<PreBackward> {
 
 class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
  public:
-  FullyShardState(ParallelModel& model, FullyShardSettings settings)
+  FullyShardState(ParallelModel& model, FullyShardSettings settings, ShardLayout layout)
       : model_(model),
         settings_(std::move(settings)),
-        shard_group_(model.mesh().group(MeshDomain::regular, "dp_shard")),
-        replicate_group_(model.mesh().group(MeshDomain::regular, "dp_replicate")),
+        layout_(std::move(layout)),
+        shard_group_(model.mesh().group(layout_.domain, layout_.shard_dim)),
+        replicate_group_(layout_.replicate_dim.empty()
+                             ? ProcessGroup()
+                             : model.mesh().group(layout_.domain, layout_.replicate_dim)),
         world_(std::max(1, shard_group_.size())),
         rank_(shard_group_.size() > 1 ? shard_group_.rank() : 0),
         device_(model.mesh().context().device()) {}
@@ -151,6 +169,9 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     }
     units_.back().name = "(parameters outside blocks)";
     for (std::size_t i = 0; i < records.size(); ++i) {
+      if (records[i].domain != layout_.domain) {
+        continue;  // the other domain's records (experts, or the rest) are another state's
+      }
       std::size_t unit = blocks.size();
       for (std::size_t b = 0; b < blocks.size(); ++b) {
         if (!blocks[b].second.empty() && records[i].name.rfind(blocks[b].second, 0) == 0) {
@@ -295,7 +316,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
 
   at::Tensor after_forward(std::size_t b, const at::Tensor& out) {
     std::unique_lock<std::mutex> lock(mutex_);
-    if (!units_[b].reshard_after_forward) {
+    if (!units_[b].reshard_after_forward || units_[b].params.empty()) {
       return out;
     }
     reshard(b);
@@ -377,7 +398,8 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     }
     param.shard.requires_grad_(true);
     record.local = param.shard;
-    record.placements = std::vector<Placement>{::d9d::Replicate{}, ::d9d::Shard{0}};
+    record.dims = layout_.dims;
+    record.placements = layout_.placements;
     unit.params.push_back(params_.size());
     params_.push_back(std::move(param));
   }
@@ -409,6 +431,10 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
   void start_gather(std::size_t u) {
     auto& unit = units_[u];
     if (unit.gathered || unit.gather_work || unit.gather_output.defined()) {
+      return;
+    }
+    if (unit.params.empty()) {  // e.g. a dense block in the experts' state: nothing to gather
+      unit.gathered = true;
       return;
     }
     const at::NoGradGuard no_grad;
@@ -501,6 +527,9 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
       return;
     }
     unit.reduced = true;
+    if (unit.params.empty()) {
+      return;
+    }
     const at::NoGradGuard no_grad;
     const auto options = at::TensorOptions().dtype(settings_.reduce_dtype).device(device_);
     auto input = at::zeros({world_ * unit.segment_numel}, options);
@@ -547,7 +576,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
         reduction.work->wait();
       }
       auto out = reduction.output;
-      if (replicate_group_.size() > 1) {
+      if (replicate_group_.valid() && replicate_group_.size() > 1) {
         out = all_reduce(replicate_group_, out);  // HSDP: the replicas' sums
       }
       const auto& unit = units_[reduction.unit];
@@ -572,6 +601,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
 
   ParallelModel& model_;
   FullyShardSettings settings_;
+  ShardLayout layout_;
   ProcessGroup shard_group_;
   ProcessGroup replicate_group_;
   int64_t world_;
@@ -619,11 +649,30 @@ class FullyShardSync : public GradientSync {
 
 void apply_fully_shard(ParallelModel& model, const FullyShardSettings& settings) {
   check_reshard_name(settings.reshard);
-  auto state = std::make_shared<FullyShardState>(model, settings);
+  auto state = std::make_shared<FullyShardState>(model, settings, ShardLayout{});
   state->build();
   state->install_hooks();
   model.add_norm_dims({"dp_shard"});
   model.add_sync(std::make_unique<FullyShardSync>(std::move(state)));
+  // ExpertParallel's experts (expert domain, split over ep_shard): sharded over the expert-data
+  // ranks as well when there are several; ExpertParallel's all-reduce then finds them sharded.
+  const auto& records = model.parameters();
+  const bool experts = std::any_of(records.begin(), records.end(), [](const auto& record) {
+    return record.domain == MeshDomain::expert;
+  });
+  if (experts && model.mesh().size(MeshDomain::expert, "ep_replicate") > 1) {
+    auto expert_state = std::make_shared<FullyShardState>(
+        model, settings,
+        ShardLayout{.domain = MeshDomain::expert,
+                    .shard_dim = "ep_replicate",
+                    .replicate_dim = "",
+                    .dims = {"ep_shard", "ep_replicate"},
+                    .placements = {::d9d::Shard{0}, ::d9d::Shard{0}}});
+    expert_state->build();
+    expert_state->install_hooks();
+    model.add_norm_dims({"ep_replicate", "ep_shard"}, MeshDomain::expert);
+    model.add_sync(std::make_unique<FullyShardSync>(std::move(expert_state)));
+  }
 }
 
 }  // namespace d9d::parallel::detail

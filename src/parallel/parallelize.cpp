@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <utility>
 
@@ -36,7 +37,8 @@ struct ParallelModel::Impl {
   ParallelizeOptions options;
   std::vector<ParameterRecord> records;
   std::vector<std::unique_ptr<GradientSync>> syncs;
-  std::vector<std::vector<std::string>> norm_dims;  // sorted dim sets, in registration order
+  // (domain, sorted dim set), in registration order
+  std::vector<std::pair<MeshDomain, std::vector<std::string>>> norm_dims;
 };
 
 ParallelModel::ParallelModel(const DeviceMesh& mesh,
@@ -83,11 +85,12 @@ void ParallelModel::add_sync(std::unique_ptr<GradientSync> sync) {
   impl_->syncs.push_back(std::move(sync));
 }
 
-void ParallelModel::add_norm_dims(std::vector<std::string> dims) {
+void ParallelModel::add_norm_dims(std::vector<std::string> dims, MeshDomain domain) {
   std::sort(dims.begin(), dims.end());
-  if (!dims.empty() &&
-      std::find(impl_->norm_dims.begin(), impl_->norm_dims.end(), dims) == impl_->norm_dims.end()) {
-    impl_->norm_dims.push_back(std::move(dims));
+  auto key = std::make_pair(domain, std::move(dims));
+  if (!key.second.empty() &&
+      std::find(impl_->norm_dims.begin(), impl_->norm_dims.end(), key) == impl_->norm_dims.end()) {
+    impl_->norm_dims.push_back(std::move(key));
   }
 }
 
@@ -114,7 +117,8 @@ double ParallelModel::normalize_and_clip(double total_weight, std::optional<doub
   const at::NoGradGuard no_grad;
   // Squares per set of sharded dims: replicated parameters count once, shards are summed over the
   // dims that shard them. The sets are those the mesh allows, in one fixed order on every rank.
-  std::map<std::vector<std::string>, std::vector<at::Tensor>> norms;
+  using NormKey = std::pair<MeshDomain, std::vector<std::string>>;
+  std::map<NormKey, std::vector<at::Tensor>> norms;
   std::vector<at::Tensor> grads;
   for (const auto& record : s.records) {
     if (!record.local.grad().defined()) {
@@ -124,9 +128,11 @@ double ParallelModel::normalize_and_clip(double total_weight, std::optional<doub
     grads.push_back(grad);
     auto dims = record.sharded_dims();
     std::sort(dims.begin(), dims.end());
-    norms[dims];  // registers the set even if this rank's part is empty
+    // Replicated parameters count once, whatever their domain.
+    const NormKey key{dims.empty() ? MeshDomain::regular : record.domain, dims};
+    norms[key];  // registers the set even if this rank's part is empty
     if (grad.numel() > 0) {
-      norms[dims].push_back(grad);
+      norms[key].push_back(grad);
     }
   }
   if (!grads.empty()) {
@@ -149,15 +155,15 @@ double ParallelModel::normalize_and_clip(double total_weight, std::optional<doub
   };
   // Every rank reduces over the same groups in the same order: the sets the strategies registered
   // (the same on every rank), not the ones this rank's parameters happen to use.
-  at::Tensor total = squares_of(norms[{}]);
-  for (const auto& dims : s.norm_dims) {
-    const auto found = norms.find(dims);
+  at::Tensor total = squares_of(norms[NormKey{MeshDomain::regular, {}}]);
+  for (const auto& key : s.norm_dims) {
+    const auto found = norms.find(key);
     const auto part = found != norms.end() ? squares_of(found->second) : at::zeros({}, options);
-    total = total + all_reduce(s.mesh.group(MeshDomain::regular, dims), part);
+    total = total + all_reduce(s.mesh.group(key.first, key.second), part);
   }
-  for (const auto& [dims, tensors] : norms) {
-    if (!dims.empty() &&
-        std::find(s.norm_dims.begin(), s.norm_dims.end(), dims) == s.norm_dims.end()) {
+  for (const auto& [key, tensors] : norms) {
+    if (!key.second.empty() &&
+        std::find(s.norm_dims.begin(), s.norm_dims.end(), key) == s.norm_dims.end()) {
       throw std::logic_error(
           "d9d::parallel: parameters are sharded on mesh dims no strategy "
           "registered for the gradient norm (add_norm_dims)");
@@ -190,6 +196,15 @@ int64_t ParallelModel::gradient_bytes() const {
     }
   }
   return bytes;
+}
+
+std::vector<std::pair<std::string, double>> ParallelModel::metrics() const {
+  std::vector<std::pair<std::string, double>> out;
+  for (const auto& sync : impl_->syncs) {
+    auto part = sync->metrics();
+    out.insert(out.end(), part.begin(), part.end());
+  }
+  return out;
 }
 
 int64_t ParallelModel::extra_bytes() const {
@@ -234,6 +249,34 @@ std::unique_ptr<ParallelModel> make_parallel_model(
   return model;
 }
 
+void rerecord_parameters(ParallelModel& model) {
+  const at::NoGradGuard no_grad;
+  auto& records = model.mutable_parameters();
+  std::set<const void*> recorded;
+  for (const auto& record : records) {
+    recorded.insert(record.local.unsafeGetTensorImpl());
+  }
+  records.clear();
+  const auto dp = model.mesh().group(MeshDomain::batch, "dp");
+  for (const auto& module : model.modules()) {
+    for (auto& item : module->named_parameters()) {
+      auto& param = item.value();
+      if (!param.requires_grad()) {
+        continue;
+      }
+      if (dp.size() > 1 && recorded.count(param.unsafeGetTensorImpl()) == 0) {
+        param.copy_(broadcast(dp, param.detach(), 0));
+      }
+      records.push_back(ParameterRecord{.name = item.key(),
+                                        .local = param,
+                                        .global_shape = param.sizes().vec(),
+                                        .domain = MeshDomain::regular,
+                                        .dims = {"dp_replicate", "dp_shard"},
+                                        .placements = {::d9d::Replicate{}, ::d9d::Replicate{}}});
+    }
+  }
+}
+
 namespace {
 
 // Replicate's gradient path: the bucketed all-reduce of the last microbatch's backward.
@@ -266,9 +309,23 @@ class ReplicateSync : public GradientSync {
 }  // namespace
 
 void apply_replicate(ParallelModel& model) {
+  // The parameters on the regular domain; others (experts) are reduced by their own strategy.
+  std::vector<at::Tensor> params;
+  for (const auto& record : model.parameters()) {
+    if (record.domain == MeshDomain::regular) {
+      params.push_back(record.local);
+    }
+  }
   model.add_sync(std::make_unique<ReplicateSync>(model.mesh().group(MeshDomain::batch, "dp"),
-                                                 model.locals(), model.options().bucket_bytes,
+                                                 std::move(params), model.options().bucket_bytes,
                                                  model.options().pipelined));
+}
+
+std::unique_ptr<GradientSync> make_replicate_sync(const ProcessGroup& group,
+                                                  std::vector<at::Tensor> parameters,
+                                                  const ParallelizeOptions& options) {
+  return std::make_unique<ReplicateSync>(group, std::move(parameters), options.bucket_bytes,
+                                         options.pipelined);
 }
 
 void require_degree_one(const char* degree, int value, const char* policy, const char* fix) {

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <d9d/data/token_dataset.hpp>
+#include <d9d/model/hf_moe.hpp>
 #include <d9d/train/causal_lm.hpp>
 #include <d9d/train/config.hpp>
 
@@ -13,6 +14,14 @@ namespace {
 model::Qwen3Config read_model_config(const std::string& json) {
   try {
     return model::Qwen3Config::from_json_text(json);
+  } catch (const std::invalid_argument& error) {
+    throw ConfigError(std::string(error.what()) + " (in the \"model\" section)");
+  }
+}
+
+model::Qwen3MoeConfig read_moe_config(const std::string& json) {
+  try {
+    return model::Qwen3MoeConfig::from_json_text(json);
   } catch (const std::invalid_argument& error) {
     throw ConfigError(std::string(error.what()) + " (in the \"model\" section)");
   }
@@ -44,6 +53,35 @@ model::Qwen3Stage Qwen3Provider::build_stage(const StageBuildContext& context) {
 }
 
 std::string Qwen3Provider::hf_config_json() const { return config_.to_hf_json("float32"); }
+
+model::Qwen3MoeForCausalLM Qwen3MoeProvider::build(const ModelBuildContext& context) {
+  config_ = read_moe_config(context.config_json);
+  model::Qwen3MoeForCausalLM model(config_);
+  model->to(context.device);
+  return model;
+}
+
+model::Qwen3MoeStage Qwen3MoeProvider::build_stage(const StageBuildContext& context) {
+  config_ = read_moe_config(context.config_json);
+  if (context.stages > 1 && config_.tie_word_embeddings) {
+    throw ConfigError(
+        "d9d config: \"model.tie_word_embeddings\" = true needs the embedding on the last "
+        "pipeline stage; with " +
+        std::to_string(context.stages) + " stages set it to false (an untied LM head)");
+  }
+  const auto ranges = pipeline::distribute_layers(static_cast<int>(config_.num_hidden_layers),
+                                                  context.stages, {.embedding = 1, .head = 2});
+  model::Qwen3MoeStage stage(config_, context.stage, context.stages,
+                             ranges[static_cast<std::size_t>(context.stage)]);
+  stage->to(context.device);
+  return stage;
+}
+
+std::string Qwen3MoeProvider::hf_config_json() const { return config_.to_hf_json("float32"); }
+
+state::Mapper Qwen3MoeProvider::hf_export_mapper(const std::vector<std::string>& names) const {
+  return model::qwen3_moe_hf_export_mapper(config_, names);
+}
 
 struct TokenWindows::State {
   data::TokenDataset dataset;
@@ -117,6 +155,15 @@ LossOutput CausalLmTask::compute_loss(model::Qwen3ForCausalLM& model, const Caus
   const auto inputs = tokens.narrow(1, 0, length);
   const auto labels = tokens.narrow(1, 1, length);
   const auto loss = model->loss(inputs, labels);
+  return {.loss_sum = loss.loss_sum, .weight = loss.tokens};
+}
+
+LossOutput CausalLmTask::compute_loss(model::Qwen3MoeForCausalLM& model,
+                                      const CausalLmBatch& batch) {
+  const auto& device = model->model->embed_tokens->weight.device();
+  const auto tokens = batch.tokens.to(device);
+  const int64_t length = tokens.size(1) - 1;
+  const auto loss = model->loss(tokens.narrow(1, 0, length), tokens.narrow(1, 1, length));
   return {.loss_sum = loss.loss_sum, .weight = loss.tokens};
 }
 

@@ -3,6 +3,7 @@
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <optional>
 #include <set>
 
@@ -16,6 +17,7 @@
 #include <d9d/core/collectives.hpp>
 #include <d9d/data/sampler.hpp>
 #include <d9d/model/hf.hpp>
+#include <d9d/peft/lora.hpp>
 #include <d9d/track/jsonl.hpp>
 #include <d9d/track/progress.hpp>
 #include <d9d/track/tensorboard.hpp>
@@ -172,32 +174,109 @@ struct TrainerCore::Impl {
 
 namespace {
 
+// A parameter's whole value: gathered from its parts when the parallelize layer sharded it
+// (collective: every rank calls it for the same parameters in the same order).
+at::Tensor whole_parameter(const TrainerCore::Impl& s, const std::string& name,
+                           const at::Tensor& value) {
+  const auto* record = s.parallel().find(name);
+  if (record == nullptr) {
+    return value;
+  }
+  return record->sharded_dims().empty() ? record->local : record->sharded(*s.mesh).full_tensor();
+}
+
 // The whole model as a Hugging Face checkpoint, streamed one parameter at a time: each is gathered
 // from its parts when the parallelize layer sharded it (collective, every rank in the same order)
 // and written by the main rank; memory holds one whole parameter beyond the rank's own state.
-void export_model(TrainerCore::Impl& s, const std::string& dir, at::ScalarType dtype) {
-  const auto& parallel = s.parallel();
+// With the provider's hf_export_mapper, the model's parameters go through it group by group
+// (e.g. stacked experts unstacked into transformers' per-expert tensors): each group's inputs are
+// gathered, mapped and written, then dropped.
+// With LoRA adapters the checkpoint is the merged model (W + scale B A, no adapter tensors), and
+// `adapter_dir` gets the adapters (and the other parameters that train) in Hugging Face peft's
+// format; the adapters are gathered first (they are small) and merged as each base weight is
+// gathered.
+void export_model(TrainerCore::Impl& s, const std::string& dir, const std::string& adapter_dir,
+                  at::ScalarType dtype) {
   const auto named = s.run.model->named_parameters();
-  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  const auto adapted = peft::lora_layers(*s.run.model);
+  const at::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> trained;  // whole values of what trains, under LoRA
+  std::map<std::string, const peft::LoraLayer*> adapted_weight;
+  std::set<std::string> adapter_parameters;
+  for (const auto& layer : adapted) {
+    adapted_weight[layer.name + ".weight"] = &layer;
+    adapter_parameters.insert(layer.name + ".lora_A.weight");
+    adapter_parameters.insert(layer.name + ".lora_B.weight");
+  }
+  if (!adapted.empty()) {
+    for (const auto& item : named) {
+      if (s.parallel().find(item.key()) != nullptr) {
+        trained[item.key()] = whole_parameter(s, item.key(), item.value());
+      }
+    }
+    if (s.context.is_main_process()) {
+      peft::save_adapter(
+          *s.run.model, adapter_dir,
+          {.dtype = dtype, .whole_tensor = [&](const std::string& name, const at::Tensor& local) {
+             const auto it = trained.find(name);
+             return it != trained.end() ? it->second : local;
+           }});
+    }
+  }
+  const auto global_shape = [&](const std::string& name, const at::Tensor& value) {
+    const auto* record = s.parallel().find(name);
+    return record != nullptr ? record->global_shape : value.sizes().vec();
+  };
+  // The whole value of a parameter, merged with its adapter.
+  const auto whole = [&](const std::string& name, const at::Tensor& value) {
+    const auto it = trained.find(name);
+    at::Tensor out = it != trained.end() ? it->second : whole_parameter(s, name, value);
+    if (const auto layer_it = adapted_weight.find(name); layer_it != adapted_weight.end()) {
+      const auto& layer = *layer_it->second;
+      if (!layer.adapter->merged()) {
+        out = peft::merged_weight(out, trained.at(layer.name + ".lora_A.weight"),
+                                  trained.at(layer.name + ".lora_B.weight"),
+                                  layer.adapter->options());
+      }
+    }
+    return out;
+  };
+  std::vector<std::string> names;
   for (const auto& item : named) {
-    const auto* record = parallel.find(item.key());
-    shapes.emplace_back(item.key(),
-                        record != nullptr ? record->global_shape : item.value().sizes().vec());
+    if (adapter_parameters.count(item.key()) == 0) {
+      names.push_back(item.key());
+    }
+  }
+  const state::Mapper mapper =
+      s.run.hf_export_mapper ? s.run.hf_export_mapper(names) : state::identity(names);
+  const auto& groups = mapper.groups();
+  const auto inputs_of = [&](const state::MapperGroup& group, bool meta) {
+    state::TensorMap inputs;
+    for (const auto& key : group.inputs) {
+      const auto& value = named[key];
+      inputs.emplace(key,
+                     meta ? at::empty(global_shape(key, value), value.options().device(at::kMeta))
+                          : whole(key, value));
+    }
+    return inputs;
+  };
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    for (const auto& [name, tensor] : mapper.apply(g, inputs_of(groups[g], true))) {
+      shapes.emplace_back(name, tensor.sizes().vec());
+    }
   }
   std::unique_ptr<model::HfCheckpointWriter> out;
   if (s.context.is_main_process()) {
     out = std::make_unique<model::HfCheckpointWriter>(dir, s.run.hf_config_json, shapes, dtype);
   }
-  const at::NoGradGuard no_grad;
-  for (const auto& item : named) {
-    const auto* record = parallel.find(item.key());
-    at::Tensor whole = item.value();
-    if (record != nullptr) {
-      whole =
-          record->sharded_dims().empty() ? record->local : record->sharded(*s.mesh).full_tensor();
-    }
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    // Collective when a parameter is sharded: every rank gathers the same groups in order.
+    const auto outputs = mapper.apply(g, inputs_of(groups[g], false));
     if (out) {
-      out->write(item.key(), whole);
+      for (const auto& [name, tensor] : outputs) {
+        out->write(name, tensor);
+      }
     }
   }
   if (out) {
@@ -387,11 +466,14 @@ TrainResult TrainerCore::train() {
                                     {rate_label, track::format_si(rate)}});
       }
       if (step % cfg.run.log_every == 0 || step + 1 == cfg.run.total_steps) {
-        const std::vector<std::pair<std::string, double>> scalars = {
+        std::vector<std::pair<std::string, double>> scalars = {
             {"train/loss", r.loss},
             {"train/lr", r.lr},
             {"train/grad_norm", r.grad_norm},
             {rate_scalar, rate}};
+        for (auto& metric : s.parallel().metrics()) {  // e.g. the MoE routers' balance
+          scalars.push_back(std::move(metric));
+        }
         if (jsonl) {
           jsonl->write(step, scalars);
         }
@@ -434,7 +516,11 @@ TrainResult TrainerCore::train() {
     if (main) {
       result.export_dir = files::join(cfg.run.output_dir, "model");
     }
+    if (main && peft::has_lora(*s.run.model)) {
+      result.adapter_dir = files::join(cfg.run.output_dir, "adapter");
+    }
     export_model(s, files::join(cfg.run.output_dir, "model"),
+                 files::join(cfg.run.output_dir, "adapter"),
                  cfg.export_model.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat);
   }
   if (main && !result.losses.empty()) {
@@ -452,6 +538,10 @@ TrainResult TrainerCore::train() {
       s.context.logger().info("model: " + result.export_dir +
                               (s.run.hf_config_json.empty() ? " (model.safetensors)"
                                                             : " (model.safetensors, config.json)"));
+    }
+    if (!result.adapter_dir.empty()) {
+      s.context.logger().info("adapter: " + result.adapter_dir +
+                              " (adapter_model.safetensors, adapter_config.json)");
     }
     if (!result.checkpoint_dir.empty()) {
       s.context.logger().info("checkpoint: " + result.checkpoint_dir);

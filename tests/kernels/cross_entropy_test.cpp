@@ -40,8 +40,7 @@ TEST(Kernels_CrossEntropyRows_Cpu, Bfloat16LogitsRoundTheGradientOnce) {
   const auto logits = (at::randn({5, 1000}) * 4).to(at::kBFloat16);
   const auto labels = at::randint(0, 1000, {5}, at::kLong);
   const auto exact = logits.to(at::kDouble).requires_grad_(true);
-  const auto rows =
-      at::cross_entropy_loss(exact, labels, /*weight=*/{}, at::Reduction::None, -100);
+  const auto rows = at::cross_entropy_loss(exact, labels, /*weight=*/{}, at::Reduction::None, -100);
   const auto grad = torch::autograd::grad({rows.sum()}, {exact})[0];
   auto work = logits.clone();
   const auto loss = d9d::kernels::cross_entropy_rows_(work, labels, -100);

@@ -186,8 +186,8 @@ TEST(Optim_StochasticAdamW, FollowsFloat32AdamWAndIsReproducible) {
   };
   const auto sr = [&](uint64_t seed) {
     return [&, seed](std::vector<at::Tensor> p) {
-      return d9d::optim::StochasticAdamW({torch::optim::OptimizerParamGroup(std::move(p))},
-                                         options, {.seed = seed});
+      return d9d::optim::StochasticAdamW({torch::optim::OptimizerParamGroup(std::move(p))}, options,
+                                         {.seed = seed});
     };
   };
   const auto reference =

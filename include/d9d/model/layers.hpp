@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <utility>
 
 #include <torch/nn/module.h>
@@ -41,15 +42,36 @@ class RmsNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RmsNorm);
 
+/// What a parameter-efficient method adds to a linear layer's output (d9d/peft/lora.hpp: LoRA).
+/// Its parameters live in child modules of the layer, so they are named after it
+/// ("...q_proj.lora_A.weight").
+class LinearAdapter {
+ public:
+  LinearAdapter() = default;
+  virtual ~LinearAdapter() = default;
+  LinearAdapter(const LinearAdapter&) = delete;
+  LinearAdapter& operator=(const LinearAdapter&) = delete;
+  LinearAdapter(LinearAdapter&&) = delete;
+  LinearAdapter& operator=(LinearAdapter&&) = delete;
+  /// The addition to the layer's output for input x, or an undefined tensor for none (e.g. while
+  /// the adapter is merged into the weight).
+  virtual at::Tensor forward(const at::Tensor& x) = 0;
+};
+
 /// y = x W^T (+ b), with split backward under a recording d9d::model::WeightGradQueue. The same
-/// parameter names ("weight", "bias") and initialisation as torch::nn::Linear.
+/// parameter names ("weight", "bias") and initialisation as torch::nn::Linear. With an adapter,
+/// y = x W^T (+ b) + adapter->forward(x).
 class LinearImpl : public torch::nn::Module {
  public:
   LinearImpl(int64_t in_features, int64_t out_features, bool bias = false);
   /// x [..., in] -> [..., out]; under autocast computes in the autocast dtype like at::linear.
   at::Tensor forward(const at::Tensor& x);
+  [[nodiscard]] int64_t in_features() const { return weight.size(1); }
+  [[nodiscard]] int64_t out_features() const { return weight.size(0); }
   at::Tensor weight;  ///< [out, in]
   at::Tensor bias;    ///< [out], or undefined
+  /// Set by d9d::peft (LoRA); null for a plain linear layer.
+  std::shared_ptr<LinearAdapter> adapter;
 };
 TORCH_MODULE(Linear);
 

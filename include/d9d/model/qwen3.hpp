@@ -40,6 +40,8 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
@@ -125,7 +127,8 @@ class Qwen3ForCausalLMImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& input_ids);
   /// The causal-LM loss of predicting `labels` [B, T] from `input_ids` [B, T]: the head and the
   /// cross-entropy fused and chunked (d9d::model::linear_cross_entropy) when fused_kernels(), so
-  /// the logits never exist whole; else causal_lm_loss(forward(input_ids), labels).
+  /// the logits never exist whole; else (or when lm_head has an adapter, d9d/peft/lora.hpp)
+  /// causal_lm_loss(forward(input_ids), labels).
   [[nodiscard]] CausalLmLoss loss(const at::Tensor& input_ids, const at::Tensor& labels,
                                   int64_t ignore_index = -100);
   [[nodiscard]] const Qwen3Config& config() const { return config_; }
@@ -148,6 +151,12 @@ TORCH_MODULE(Qwen3ForCausalLM);
 /// values its parameters have in the whole model built after the same torch::manual_seed,
 /// whatever the split.
 void init_qwen3_parameters(torch::nn::Module& module, const Qwen3Config& config, uint64_t seed);
+
+namespace detail {
+/// Every key the Qwen3 config reader knows (read, checked, rejected or ignored), in its
+/// did-you-mean order; other readers built on it (Qwen3-MoE) suggest among these and their own.
+[[nodiscard]] std::vector<std::string_view> qwen3_config_keys();
+}  // namespace detail
 
 CausalLmLoss causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels,
                             int64_t ignore_index = -100);

@@ -47,7 +47,7 @@ class FusedAdamW : public torch::optim::AdamW {
 
 /// StochasticAdamW's own options.
 struct StochasticOptions {
-  uint64_t seed = 0;                       ///< the rounding bits' seed (with the step count)
+  uint64_t seed = 0;                        ///< the rounding bits' seed (with the step count)
   at::ScalarType state_dtype = at::kFloat;  ///< of exp_avg and exp_avg_sq: kFloat or kBFloat16
 };
 

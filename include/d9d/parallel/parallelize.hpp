@@ -27,7 +27,9 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -37,6 +39,7 @@
 #include <d9d/core/sharded_tensor.hpp>
 #include <d9d/parallel/policies.hpp>
 #include <d9d/peft/policies.hpp>
+#include <d9d/peft/stack.hpp>
 #include <d9d/plan/defaults.hpp>
 #include <d9d/plan/slots.hpp>
 #include <d9d/precision/policies.hpp>
@@ -82,6 +85,8 @@ class GradientSync {
   virtual void finish() {}
   /// Bytes this rank holds for the strategy beyond the records' tensors (e.g. gathered units).
   [[nodiscard]] virtual int64_t extra_bytes() const { return 0; }
+  /// Scalars for the step's log (name, value), e.g. the MoE routers' balance after finish().
+  [[nodiscard]] virtual std::vector<std::pair<std::string, double>> metrics() const { return {}; }
 };
 
 /// The knobs of the strategies that are not part of the plan type (from the trainer config).
@@ -98,6 +103,9 @@ struct ParallelizeOptions {
   /// The step runs a pipeline program (stages' weight gradients may come in W actions, outside
   /// autograd): reductions run in finish().
   bool pipelined = false;
+  /// peft: new adapters draw their initial values from generators seeded by this and their
+  /// parameter names (the same on every rank and for every pipeline split).
+  uint64_t seed = 0;
 };
 
 /// The model after parallelize: its modules (changed in place by the strategies), the parameter
@@ -123,10 +131,10 @@ class ParallelModel {
 
   /// Adds a strategy's gradient path (run in the order added; finish in reverse).
   void add_sync(std::unique_ptr<GradientSync> sync);
-  /// Registers mesh dims (regular domain) that shard parameters: normalize_and_clip sums the
-  /// squares of parameters sharded on exactly these dims over their group. Every rank registers
-  /// the same sets in the same order (strategies do it in apply).
-  void add_norm_dims(std::vector<std::string> dims);
+  /// Registers mesh dims of `domain` that shard parameters: normalize_and_clip sums the squares
+  /// of parameters sharded on exactly these dims (of that domain) over their group. Every rank
+  /// registers the same sets in the same order (strategies do it in apply).
+  void add_norm_dims(std::vector<std::string> dims, MeshDomain domain = MeshDomain::regular);
 
   void begin_step();
   void before_backward(int microbatch, int microbatches);
@@ -143,6 +151,8 @@ class ParallelModel {
   [[nodiscard]] int64_t parameter_bytes() const;
   [[nodiscard]] int64_t gradient_bytes() const;
   [[nodiscard]] int64_t extra_bytes() const;
+  /// Every strategy's metrics() (after finish()), in the order the strategies were added.
+  [[nodiscard]] std::vector<std::pair<std::string, double>> metrics() const;
 
  private:
   struct Impl;
@@ -158,8 +168,10 @@ struct strategy {
     static_assert(
         ::d9d::detail::plan_dependent_false<Policy>,
         "d9d::parallel::parallelize: no strategy implements this policy (shown with this error). "
-        "Implemented: data_parallel Replicate, FullyShard<...>; tensor/expert/context parallel "
-        "None; peft FullTune; recompute None, Full, EveryNth<K>. Fix: use one of those, or "
+        "Implemented: data_parallel Replicate, FullyShard<...>; expert_parallel "
+        "NoExpertParallel, ExpertParallel<E>; tensor/context parallel None; peft FullTune, "
+        "Freeze<...>, Train<...>, Lora<...>, Stack<...>; recompute None, Full, EveryNth<K>. Fix: "
+        "use one of those, or "
         "specialise d9d::parallel::strategy<YourPolicy>");
   }
 };
@@ -176,7 +188,23 @@ std::unique_ptr<ParallelModel> make_parallel_model(
     const DeviceMesh& mesh, std::vector<std::shared_ptr<torch::nn::Module>> modules,
     at::ScalarType dtype, ParallelizeOptions options);
 
+/// Rebuilds the records after a strategy changed which parameters train (peft, applied first):
+/// every parameter that requires a gradient, in module order; those not recorded before take dp
+/// rank 0's values.
+void rerecord_parameters(ParallelModel& model);
+
+/// The peft policies' component (src/peft/): applies the stack to the modules (freezes, trains,
+/// adds adapters; a pattern that matches nothing on any pipeline stage is an error), then
+/// rerecords the parameters.
+void apply_peft(ParallelModel& model, const peft::StackSpec& spec);
+
 void apply_replicate(ParallelModel& model);
+
+/// Replicate's gradient path for `parameters` over `group` (bucketed all-reduce armed in the last
+/// microbatch's backward, or after the program when pipelined).
+std::unique_ptr<GradientSync> make_replicate_sync(const ProcessGroup& group,
+                                                  std::vector<at::Tensor> parameters,
+                                                  const ParallelizeOptions& options);
 
 /// FullyShard's run-time choices (resolved from the policy and the options).
 struct FullyShardSettings {
@@ -185,6 +213,20 @@ struct FullyShardSettings {
   at::ScalarType reduce_dtype;   ///< the reduce-scatter's dtype
 };
 void apply_fully_shard(ParallelModel& model, const FullyShardSettings& settings);
+
+/// ExpertParallel's run-time choices.
+struct ExpertParallelSettings {
+  int num_experts = -1;  ///< the policy's static expert count, or -1 (d9d::dynamic)
+};
+/// Shards every d9d::model::GroupedExperts over the expert domain's ep_shard, dispatches tokens by
+/// all-to-all, records the experts on MeshDomain::expert and sums their gradients over
+/// ep_replicate (src/parallel/expert_parallel.cpp).
+void apply_expert_parallel(ParallelModel& model, const ExpertParallelSettings& settings);
+
+/// For models with d9d::model::MoeLayer blocks (whatever the plan): sets their load group (the
+/// batch domain's dp, for global-batch auxiliary-loss statistics) and adds the step's router
+/// bookkeeping: loads summed over dp, the auxiliary-loss-free bias update, router metrics.
+void apply_moe_balance(ParallelModel& model);
 
 /// Recomputes block i when every_nth > 0 and i % every_nth == every_nth - 1.
 void apply_recompute(ParallelModel& model, int every_nth);
@@ -214,6 +256,11 @@ constexpr bool static_degree_is(int value) {
 template <class Degree>
 constexpr bool static_degree_exceeds_one() {
   return !Degree::is_dynamic && Degree::value > 1;
+}
+
+template <int Experts, int Ep>
+constexpr bool experts_divide_over() {
+  return Experts % Ep == 0;
 }
 
 }  // namespace detail
@@ -274,7 +321,7 @@ struct strategy<FullyShard<R, D>> {
   }
 };
 
-// ---- tensor / expert / context parallel: not yet implemented beyond "none" ---------------------
+// ---- tensor / expert / context parallel ---------------------------------------------------------
 
 template <>
 struct strategy<NoTensorParallel> {
@@ -308,6 +355,39 @@ struct strategy<NoExpertParallel> {
   static void apply(ParallelModel& /*model*/) {}
 };
 
+/// ExpertParallel: static rules — a mesh that fixes ep = 1 has nothing to shard; a static expert
+/// count must be a multiple of a static ep (the model's count is checked at start-up).
+template <int E>
+struct strategy<ExpertParallel<E>> {
+  template <class Plan>
+  static constexpr void check() {
+    using Ep = typename Plan::mesh::ep;
+    static_assert(!detail::static_degree_is<Ep>(1),
+                  "d9d::parallel::ExpertParallel: the plan's mesh fixes ep = 1, so there is "
+                  "nothing to split the experts over. Fix: give the mesh d9d::ep<N> with N > 1 (or "
+                  "d9d::dynamic), or use d9d::parallel::NoExpertParallel");
+    if constexpr (E != dynamic && !Ep::is_dynamic) {
+      static_assert(detail::experts_divide_over<E, Ep::value>(),
+                    "d9d::parallel::ExpertParallel<NumExperts>: ep does not divide the number of "
+                    "experts (shown with this error as experts_divide_over<NumExperts, ep>). Fix: "
+                    "choose ep among the divisors of NumExperts");
+    }
+  }
+  static void check_mesh(const MeshShape& shape) {
+    if (E != dynamic && E % shape.ep != 0) {
+      throw std::invalid_argument("d9d::parallel::ExpertParallel<" + std::to_string(E) +
+                                  ">: \"mesh.ep\" = " + std::to_string(shape.ep) +
+                                  " does not divide the " + std::to_string(E) +
+                                  " experts. Fix: set \"mesh.ep\" to a divisor of " +
+                                  std::to_string(E));
+    }
+  }
+  template <class Plan>
+  static void apply(ParallelModel& model) {
+    detail::apply_expert_parallel(model, {.num_experts = E});
+  }
+};
+
 template <>
 struct strategy<NoContextParallel> {
   template <class Plan>
@@ -339,6 +419,26 @@ struct strategy<peft::FullTune> {
   static void check_mesh(const MeshShape& /*shape*/) {}
   template <class Plan>
   static void apply(ParallelModel& /*model*/) {}  // every parameter that requires a gradient trains
+};
+
+/// Freeze, Train, Lora and Stacks of them (d9d/peft/policies.hpp; their static rules are checked
+/// when the policy type is instantiated, in its class body). Applied first, so the strategies
+/// after it see only the parameters that train: frozen ones get no record, hence no optimizer
+/// state, no gradient synchronisation and no place in the gradient norm (and, under FullyShard,
+/// stay whole on every rank).
+template <class Policy>
+requires(!std::same_as<Policy, peft::FullTune> &&
+         (peft::detail::stackable<Policy> ||
+          peft::detail::is_stack<Policy>)) struct strategy<Policy> {
+  template <class Plan>
+  static constexpr void check() {
+    static_assert(sizeof(Policy) > 0);  // instantiates the policy: its rules run
+  }
+  static void check_mesh(const MeshShape& /*shape*/) {}
+  template <class Plan>
+  static void apply(ParallelModel& model) {
+    detail::apply_peft(model, peft::stack_spec<Policy>());
+  }
 };
 
 // ---- activation_checkpointing -----------------------------------------------------------------
@@ -403,6 +503,7 @@ std::unique_ptr<ParallelModel> parallelize(const DeviceMesh& mesh,
   strategy<typename Plan::peft>::template apply<Plan>(*model);
   strategy<typename Plan::tensor_parallel>::template apply<Plan>(*model);
   strategy<typename Plan::expert_parallel>::template apply<Plan>(*model);
+  detail::apply_moe_balance(*model);
   strategy<typename Plan::context_parallel>::template apply<Plan>(*model);
   strategy<typename Plan::data_parallel>::template apply<Plan>(*model);
   strategy<typename Plan::activation_checkpointing>::template apply<Plan>(*model);

@@ -10,10 +10,12 @@
 // Replicate (the default, d9d/plan/defaults.hpp): whole model per rank, gradients all-reduced.
 // FullyShard (ZeRO-3): parameters, gradients and optimizer state sharded over dp_shard, gathered
 // per unit around its use; with dp_replicate > 1 as well it is HSDP (shards all-reduced across the
-// replicas).
+// replicas). ExpertParallel (the expert_parallel slot; default NoExpertParallel): MoE experts split
+// over the mesh's ep ranks.
 #pragma once
 
 #include <d9d/plan/defaults.hpp>  // Replicate, the default; precision::Dtype
+#include <d9d/plan/degrees.hpp>   // d9d::dynamic
 
 namespace d9d::parallel {
 
@@ -52,5 +54,26 @@ struct FullyShard {
 
 /// FullyShard with its defaults.
 using Fsdp = FullyShard<>;
+
+/// Expert parallelism (the expert_parallel slot) over the mesh's expert domain (pp, ep_replicate,
+/// ep_shard = ep; d9d/core/device_mesh.hpp): each mixture-of-experts layer's routed experts
+/// (d9d::model::GroupedExperts) are split over the ep_shard ranks, E / ep consecutive experts
+/// each; every layer sends each (token, expert) row to the rank holding the expert and back by
+/// two all-to-alls with uneven splits (the per-expert counts are exchanged first). The experts'
+/// gradients are summed over ep_replicate (the ranks holding the same experts), the other
+/// parameters go to the data_parallel policy (Replicate or FullyShard) as usual. `NumExperts`
+/// (optional) states the model's expert count so that a static ep that does not divide it fails
+/// to compile; the model's count is checked at start-up either way.
+///
+/// Named ExpertParallel, not ep::Experts: d9d::ep<N> is the mesh degree (d9d/plan/degrees.hpp),
+/// so a namespace d9d::ep cannot exist (docs/design/0009-moe-expert-parallel.md).
+template <int NumExperts = dynamic>
+struct ExpertParallel {
+  using d9d_slot = slot::expert_parallel;
+  static constexpr int num_experts = NumExperts;
+  static_assert(NumExperts == dynamic || NumExperts >= 1,
+                "d9d::parallel::ExpertParallel<NumExperts>: NumExperts must be >= 1 or "
+                "d9d::dynamic. Fix: d9d::parallel::ExpertParallel<> leaves it to the model");
+};
 
 }  // namespace d9d::parallel

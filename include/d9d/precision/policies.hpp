@@ -63,7 +63,8 @@ inline constexpr Dtype default_optimizer_state =
 /// d9d::optim::StochasticAdamW (one launch, moments in `State`: float32 by default, or bfloat16)
 /// under StochasticRounding, torch's fused AdamW with bfloat16 moments under NearestRounding.
 /// Gradients are reduced in bfloat16.
-template <class Rounding = StochasticRounding, Dtype State = detail::default_optimizer_state<Rounding>>
+template <class Rounding = StochasticRounding,
+          Dtype State = detail::default_optimizer_state<Rounding>>
 struct Bf16Params {
   static_assert(std::is_same_v<Rounding, StochasticRounding> ||
                     std::is_same_v<Rounding, NearestRounding>,

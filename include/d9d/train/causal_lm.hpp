@@ -18,7 +18,9 @@
 #include <boost/hana/define_struct.hpp>
 
 #include <d9d/model/qwen3.hpp>
+#include <d9d/model/qwen3_moe.hpp>
 #include <d9d/model/qwen3_stage.hpp>
+#include <d9d/state/mapper.hpp>
 #include <d9d/train/concepts.hpp>
 
 namespace d9d {
@@ -43,6 +45,23 @@ class Qwen3Provider {
 
  private:
   model::Qwen3Config config_;
+};
+
+/// Builds Qwen3MoeForCausalLM from the "model" section (a transformers Qwen3-MoE config.json,
+/// d9d/model/qwen3_moe.hpp), or under a pipeline plan one stage of it (d9d::model::Qwen3MoeStage).
+/// The export writes transformers' per-expert tensors (hf_export_mapper).
+class Qwen3MoeProvider {
+ public:
+  using model_provider_concept = model_provider_tag;
+  model::Qwen3MoeForCausalLM build(const ModelBuildContext& context);
+  model::Qwen3MoeStage build_stage(const StageBuildContext& context);
+  [[nodiscard]] std::string hf_config_json() const;
+  /// Model parameter names -> transformers' tensor names (the stacked experts unstacked).
+  [[nodiscard]] state::Mapper hf_export_mapper(const std::vector<std::string>& names) const;
+  [[nodiscard]] const model::Qwen3MoeConfig& config() const { return config_; }
+
+ private:
+  model::Qwen3MoeConfig config_;
 };
 
 /// Token windows from files (d9d::data::TokenDataset), as CausalLmBatch.
@@ -74,6 +93,9 @@ class CausalLmTask {
  public:
   using train_task_concept = train_task_tag;
   LossOutput compute_loss(model::Qwen3ForCausalLM& model, const CausalLmBatch& batch);
+  /// The cross-entropy only: the MoE auxiliary loss adds its gradient inside the model
+  /// (d9d/model/moe.hpp), and its value is a metric ("moe/aux_loss").
+  LossOutput compute_loss(model::Qwen3MoeForCausalLM& model, const CausalLmBatch& batch);
   at::Tensor stage_input(const CausalLmBatch& batch);
   LossOutput output_loss(const at::Tensor& logits, const CausalLmBatch& batch);
 };

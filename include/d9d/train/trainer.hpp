@@ -20,13 +20,15 @@
 // `run.total_steps` steps: each data-parallel rank reads its strided share of the step's global
 // batch (d9d::data::DistributedSampler), splits it into microbatches, and the step accumulates,
 // reduces, clips and updates. The main rank shows a progress bar and writes metrics.jsonl and a
-// TensorBoard event file; at the end it exports the model (safetensors + config.json). With the
+// TensorBoard event file; at the end it exports the model (safetensors + config.json; with LoRA
+// adapters, the merged model and the adapter in Hugging Face peft's format). With the
 // config's "checkpoint" section it saves training checkpoints and resumes from the latest one
 // (d9d/train/checkpoint.hpp).
 #pragma once
 
 #include <any>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -38,6 +40,7 @@
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/pipeline/schedules.hpp>
 #include <d9d/plan/plan.hpp>
+#include <d9d/state/mapper.hpp>
 #include <d9d/train/concepts.hpp>
 #include <d9d/train/config.hpp>
 #include <d9d/train/events.hpp>
@@ -62,7 +65,8 @@ struct TrainResult {
   int64_t peak_memory_bytes = 0;
   std::string metrics_path;     ///< metrics.jsonl (empty when disabled)
   std::string tensorboard_dir;  ///< (empty when disabled)
-  std::string export_dir;       ///< the exported model (empty when disabled)
+  std::string export_dir;       ///< the exported model (empty when disabled); LoRA merged in
+  std::string adapter_dir;      ///< the exported LoRA adapter, peft's format (empty when none)
 };
 
 namespace detail {
@@ -74,7 +78,9 @@ struct ErasedRun {
   int64_t dataset_size = 0;
   std::function<std::any(const std::vector<int64_t>&)> load;
   std::function<std::vector<std::any>(const std::any&, int64_t)> split;
-  std::string hf_config_json;             ///< from the provider's hf_config_json(), if it has one
+  std::string hf_config_json;  ///< from the provider's hf_config_json(), if it has one
+  /// From the provider's hf_export_mapper(names), if it has one: model names -> checkpoint names.
+  std::function<state::Mapper(const std::vector<std::string>&)> hf_export_mapper;
   std::optional<PipelineParts> pipeline;  ///< pipeline plans: the stages instead of `model`
   /// The parallelize layer's result for `model` (or the pipeline's stages).
   std::unique_ptr<parallel::ParallelModel> parallel;
@@ -88,7 +94,8 @@ inline parallel::ParallelizeOptions parallelize_options(const TrainerConfig& con
       .reshard = config.data_parallel.reshard,
       .prefetch = static_cast<int>(config.data_parallel.prefetch),
       .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch,
-      .pipelined = pipelined};
+      .pipelined = pipelined,
+      .seed = config.run.seed};
 }
 
 class TrainerCore {
@@ -355,6 +362,13 @@ class Trainer {
       add_data<DatasetProvider, Batch>(datasets, *mesh, config, run);
       if constexpr (requires { models.hf_config_json(); }) {
         run.hf_config_json = models.hf_config_json();
+      }
+      if constexpr (requires(const std::vector<std::string>& names) {
+                      { models.hf_export_mapper(names) } -> std::convertible_to<state::Mapper>;
+                    }) {
+        run.hf_export_mapper = [models](const std::vector<std::string>& names) {
+          return models.hf_export_mapper(names);
+        };
       }
       core_ = std::make_unique<detail::TrainerCore>(
           std::move(context), std::move(mesh), std::move(config), detail::precision_options<Plan>(),

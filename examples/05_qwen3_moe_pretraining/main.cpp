@@ -1,0 +1,154 @@
+// examples/05_qwen3_moe_pretraining — pretrain a Qwen3-MoE with expert parallelism and sharded
+// data parallelism, printing the routers' balance next to the loss.
+//
+//   bazel build //examples/05_qwen3_moe_pretraining //tools/tokenize
+//   bazel-bin/tools/tokenize/tokenize --out corpus.bin --width u16 README.md docs/*.md
+//   tools/d9drun -n 2 bazel-bin/examples/05_qwen3_moe_pretraining/05_qwen3_moe_pretraining
+//       examples/05_qwen3_moe_pretraining/moe_cpu.json --data corpus.bin --output runs/moe
+//   # 2 x H200 (ep 2, the Qwen3-30B-A3B layer shape with 8 layers, bf16): tools/gpu/moe-bench, or
+//   # the same command with qwen3_30b_a3b_8l_gpu.json --bf16 --peak-tflops 989
+//
+// The configuration block below is the plan: every rank is a data-parallel rank (dp_shard from the
+// world size), the config's "mesh.ep" splits each layer's experts over that many of them
+// (ExpertParallel: tokens travel to their experts by all-to-all), and the parameters outside the
+// experts are sharded ZeRO-3 style (FullyShard), and so are the experts over the remaining
+// ranks (ep_replicate): gathered per layer, reduce-scattered there. The model's
+// "router_aux_loss_coef" (with
+// "output_router_logits": true) and "router_bias_update_rate" choose the balancing: the
+// auxiliary loss with global-batch statistics, the auxiliary-loss-free bias, or both.
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <d9d/d9d.hpp>
+
+// ---- configuration: one `using` per plan slot -------------------------------------------------
+using Mesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::ep<d9d::dynamic>>;  // or ep<2>
+using DataParallel = d9d::parallel::FullyShard<>;        // or d9d::parallel::Replicate
+using ExpertParallel = d9d::parallel::ExpertParallel<>;  // or NoExpertParallel (ep = 1)
+using Pipeline = d9d::pipeline::NoPipeline;              // or OneFOneB<> with d9d::pp in the mesh
+using Peft = d9d::peft::FullTune;                        // every parameter trains
+using Recompute = d9d::recompute::None;                  // or d9d::recompute::Full
+template <class Precision>                               // Fp32, or Bf16Mixed with --bf16 (GPU)
+using MoePlan = d9d::Plan<Mesh, DataParallel, ExpertParallel, Pipeline, Peft, Precision, Recompute>;
+// -----------------------------------------------------------------------------------------------
+
+namespace {
+
+// Training FLOPs per token counted on the parameters a token uses (the top-k experts, not all):
+// 6 per active matmul parameter (the LM head included) plus attention's 12 * layers * heads *
+// head_dim * sequence.
+double active_flops_per_token(const d9d::model::Qwen3MoeConfig& c, int64_t sequence_length) {
+  const double matmul = static_cast<double>(c.active_non_embedding_parameter_count()) +
+                        static_cast<double>(c.vocab_size * c.hidden_size);
+  return 6.0 * matmul + 12.0 * static_cast<double>(c.num_hidden_layers) *
+                            static_cast<double>(c.num_attention_heads * c.head_dim) *
+                            static_cast<double>(sequence_length);
+}
+
+template <class Plan>
+int run(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, double peak_tflops) {
+  d9d::Trainer<Plan> trainer{ctx, d9d::Qwen3MoeProvider{}, d9d::TokenFilesProvider{},
+                             d9d::CausalLmTask{}, cfg};
+  // The routers' balance of each step (summed over the data-parallel ranks), next to the loss.
+  std::map<std::string, double> last;
+  trainer.template on<d9d::events::StepEnd>([&](const d9d::events::StepEnd& e) {
+    last.clear();
+    for (const auto& [name, value] : trainer.core().parallel().metrics()) {
+      last[name] = value;
+    }
+    const bool print = e.step % cfg.run.log_every == 0 || e.step + 1 == cfg.run.total_steps;
+    if (ctx.is_main_process() && print) {
+      std::printf(
+          "step %4ld  loss %.4f  | router load max/mean %.3f (worst layer %.3f)  aux %.4f  "
+          "dropped %.0f\n",
+          static_cast<long>(e.step), e.loss, last["moe/load_max_over_mean"],
+          last["moe/load_max_over_mean_worst_layer"], last["moe/aux_loss"], last["moe/dropped"]);
+      std::fflush(stdout);
+    }
+  });
+  const auto result = trainer.train();
+  if (ctx.is_main_process()) {
+    const auto config = d9d::model::Qwen3MoeConfig::from_json_text(cfg.section("model"));
+    const double tflops =
+        result.tokens_per_second * active_flops_per_token(config, cfg.batch.sequence_length) / 1e12;
+    std::printf(
+        "model: %.1fM parameters, %.1fM active per token; throughput: %.0f tokens/s over %d "
+        "rank(s), %.3f TFLOP/s per rank on active parameters",
+        static_cast<double>(config.parameter_count()) / 1e6,
+        static_cast<double>(config.active_parameter_count()) / 1e6, result.tokens_per_second,
+        ctx.world_size(), tflops / ctx.world_size());
+    if (peak_tflops > 0) {
+      std::printf(", MFU %.1f%% of %.0f TFLOP/s", 100.0 * tflops / ctx.world_size() / peak_tflops,
+                  peak_tflops);
+    }
+    if (result.peak_memory_bytes > 0) {
+      std::printf("\npeak memory: %.2f GiB (the most any rank allocated)",
+                  static_cast<double>(result.peak_memory_bytes) / (1024.0 * 1024.0 * 1024.0));
+    }
+    if (!result.losses.empty()) {
+      std::printf("\nloss: %.4f -> %.4f; router load max/mean at the end %.3f\n",
+                  result.losses.front(), result.losses.back(), last["moe/load_max_over_mean"]);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Pretrain a Qwen3-MoE with expert parallelism (d9d example 05)"};
+  std::string config_path;
+  std::string data;
+  std::string output;
+  int64_t steps = 0;
+  int ep = 0;
+  bool bf16 = false;
+  double peak_tflops = 0;
+  app.add_option("config", config_path, "trainer configuration (JSON)")->required();
+  app.add_option("--data", data, "token file (u16), replacing data.paths");
+  app.add_option("--output", output, "output directory, replacing run.output_dir");
+  app.add_option("--steps", steps, "optimizer steps, replacing run.total_steps");
+  app.add_option("--ep", ep, "expert-parallel degree, replacing mesh.ep");
+  app.add_flag("--bf16", bf16, "bf16 mixed precision (d9d::precision::Bf16Mixed)");
+  app.add_option("--peak-tflops", peak_tflops,
+                 "per-device peak for the MFU line (e.g. 989 for H100/H200 bf16)");
+  CLI11_PARSE(app, argc, argv);
+
+  const auto ctx = d9d::DistributedContext::from_env();
+  try {
+    std::ifstream in(config_path);
+    if (!in) {
+      throw d9d::ConfigError("d9d config: cannot read \"" + config_path + "\"");
+    }
+    std::stringstream text;
+    text << in.rdbuf();
+    auto json = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+    if (json.is_discarded()) {
+      throw d9d::ConfigError("d9d config: \"" + config_path + "\" is not valid JSON");
+    }
+    if (!data.empty()) {
+      json["data"]["paths"] = {data};
+    }
+    if (!output.empty()) {
+      json["run"]["output_dir"] = output;
+    }
+    if (steps > 0) {
+      json["run"]["total_steps"] = steps;
+    }
+    if (ep > 0) {
+      json["mesh"]["ep"] = ep;
+    }
+    const auto cfg = d9d::TrainerConfig::from_json_text(json.dump());
+    return bf16 ? run<MoePlan<d9d::precision::Bf16Mixed>>(ctx, cfg, peak_tflops)
+                : run<MoePlan<d9d::precision::Fp32>>(ctx, cfg, peak_tflops);
+  } catch (const d9d::ConfigError& error) {
+    ctx.logger().error(error.what());
+    return 2;
+  }
+}

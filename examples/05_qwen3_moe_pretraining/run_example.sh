@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# 05_qwen3_moe_pretraining on 2 ranks with ep 2: the repository's docs as the corpus, 40 steps.
+set -uo pipefail
+d9drun=$1
+example=$2
+tokenize=$3
+config=$4
+work=${TEST_TMPDIR:-$(mktemp -d)}
+"$tokenize" --out "$work/corpus.bin" --width u16 README.md docs/*.md docs/design/*.md || {
+  echo "FAIL: tokenizing the docs"
+  exit 1
+}
+out=$(OMP_NUM_THREADS=1 "$d9drun" -n 2 "$example" "$config" --data "$work/corpus.bin" \
+  --output "$work/run" --steps 40 2>&1)
+status=$?
+echo "$out"
+[ $status -eq 0 ] || { echo "FAIL: the example exited with $status"; exit 1; }
+for want in "mesh (pp=1 dp_replicate=1 dp_shard=2 cp_replicate=1 cp_shard=1 tp=1 ep=2)" \
+            "step    0  loss " "| router load max/mean " "dropped 0" "active per token"; do
+  grep -qF -- "$want" <<<"$out" || { echo "FAIL: output lacks '$want'"; exit 1; }
+done
+# The loss falls (first and last of "loss: a -> b").
+read -r first last < <(sed -n 's/.*loss: \([0-9.]*\) -> \([0-9.]*\);.*/\1 \2/p' <<<"$out" | head -1)
+[ -n "${first:-}" ] || { echo "FAIL: no final loss line"; exit 1; }
+awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 1.0) }' ||
+  { echo "FAIL: the loss did not fall by 1 ($first -> $last)"; exit 1; }
+[ -f "$work/run/model/model.safetensors" ] || { echo "FAIL: no exported model"; exit 1; }
+grep -q '"moe/load_max_over_mean"' "$work/run/metrics.jsonl" ||
+  { echo "FAIL: the router balance is not in metrics.jsonl"; exit 1; }
+echo "ok"

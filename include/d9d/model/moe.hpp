@@ -1,0 +1,236 @@
+// d9d/model/moe.hpp — a mixture-of-experts layer: router, grouped experts, optional shared expert,
+// and the load-balancing machinery (auxiliary loss, auxiliary-loss-free expert bias, statistics).
+//
+//   d9d::model::MoeLayer moe(d9d::model::MoeOptions{.hidden_size = 1024, .num_experts = 64,
+//                                                   .top_k = 8, .intermediate_size = 256});
+//   auto stats = std::make_shared<d9d::model::MoeForwardStats>(/*aux_loss_coef=*/1e-3);
+//   at::Tensor y = moe(x, stats);   // [B, T, H] -> [B, T, H]; then stats->finish() after the pass
+//
+// Routing (Qwen3-MoE / Mixtral): probabilities = softmax of the router logits in at least float32;
+// each token goes to its top-k experts (dropless: no capacity, nothing dropped), weighted by their
+// probabilities, renormalised to sum to one when norm_topk_prob. With the auxiliary-loss-free
+// balancing (bias_update_rate > 0, DeepSeek-V3) a per-expert bias is added to the probabilities
+// for the selection only; after each optimizer step it moves by the rate towards the mean load
+// (bias += rate * sign(mean load - load)). Tokens are sorted by expert (permute), each projection
+// is one grouped GEMM over the experts' segments (at::_grouped_mm on CUDA, a loop over the
+// segments elsewhere), and the outputs are weighted and summed back per token (un-permute).
+//
+// The auxiliary loss is transformers' load_balancing_loss_func over every MoE layer of one forward
+// pass (of a model, or of a pipeline stage): aux = E * sum_e f_e * P_e, with f_e the fraction of
+// the pass's (token, layer) routings that chose expert e (summed over the top k) and P_e the mean
+// router probability of e. f is summed over the data-parallel ranks when the layers have a load
+// group (global-batch statistics; the parallelize layer sets it), P stays local and carries the
+// gradient. The loss is not added to the task's loss: each MoE layer's output carries an autograd
+// node that adds d(coef * aux * tokens)/d(router probabilities) in backward, so the gradient is
+// that of sum(cross-entropy) + coef * aux * tokens (the trainer divides by the tokens), and it
+// works unchanged under recompute, FullyShard, pipelines and expert parallelism.
+//
+// Expert parallelism plugs in through ExpertDispatcher (d9d::parallel::ExpertParallel sets one):
+// the layer hands it the sorted rows and the rows per expert, and it runs the local experts on the
+// rows every rank sends them.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <d9d/core/process_group.hpp>
+#include <d9d/model/layers.hpp>
+
+namespace d9d::model {
+
+/// The shape and the routing rules of one MoE layer.
+struct MoeOptions {
+  int64_t hidden_size = 0;
+  int64_t num_experts = 0;
+  int64_t top_k = 0;              ///< experts per token (num_experts_per_tok)
+  int64_t intermediate_size = 0;  ///< of each expert (moe_intermediate_size)
+  bool norm_topk_prob = false;    ///< renormalise the top-k probabilities to sum to one
+  /// The Qwen2-MoE shared expert (a SwiGLU every token goes through, scaled by a sigmoid gate);
+  /// 0: none.
+  int64_t shared_expert_intermediate_size = 0;
+  /// Auxiliary-loss-free balancing: the rate of the per-expert selection bias; 0: no bias.
+  double bias_update_rate = 0.0;
+};
+
+/// How GroupedExperts multiplies its segments.
+enum class GroupedGemm {
+  automatic,   ///< at::_grouped_mm on CUDA for bfloat16, else the loop
+  loop,        ///< one at::linear per expert segment (any device and dtype)
+  grouped_mm,  ///< at::_grouped_mm (CUDA: bf16; CPU fallback: float32 / bf16, 16-byte rows)
+};
+
+/// x [M, K] with its rows in groups of counts[g] rows (sum = M), w [G, N, K]: the rows of group g
+/// times w[g]^T, [M, N]. Differentiable in x and w (empty groups get zero weight gradients).
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w,
+                          const std::vector<int64_t>& counts,
+                          GroupedGemm how = GroupedGemm::automatic);
+
+/// What expert parallelism does with a layer's sorted rows (d9d::parallel::ExpertParallel).
+class ExpertDispatcher {
+ public:
+  /// Runs `local` (the rank's experts) on rows [M, H] and their rows per local expert.
+  using LocalExperts = std::function<at::Tensor(const at::Tensor&, const std::vector<int64_t>&)>;
+  ExpertDispatcher() = default;
+  virtual ~ExpertDispatcher() = default;
+  ExpertDispatcher(const ExpertDispatcher&) = delete;
+  ExpertDispatcher& operator=(const ExpertDispatcher&) = delete;
+  ExpertDispatcher(ExpertDispatcher&&) = delete;
+  ExpertDispatcher& operator=(ExpertDispatcher&&) = delete;
+  /// `rows` [M, H] are sorted by global expert, counts[e] of them for expert e (host, all
+  /// experts). Returns each row's expert output, in the order of `rows` (differentiable).
+  virtual at::Tensor dispatch(const at::Tensor& rows, const std::vector<int64_t>& counts,
+                              const LocalExperts& local) = 0;
+};
+
+/// Routing statistics of one forward pass (a model's or a pipeline stage's), shared by its MoE
+/// layers: what the auxiliary loss needs, and the pass's loads. Created per pass; finish() after
+/// the pass's last MoE layer (collective over the layers' load group when there is one).
+class MoeForwardStats {
+ public:
+  /// `aux_loss_coef` 0: no auxiliary-loss gradient.
+  explicit MoeForwardStats(double aux_loss_coef = 0.0);
+  /// A layer's routing of this pass: counts[e] (int64) routings to expert e, the summed router
+  /// probabilities (detached), the tokens routed. False when the layer has been recorded already
+  /// (the recomputation of a recomputed block). `group`: where f is summed (may be invalid).
+  bool record(int64_t layer, const at::Tensor& counts, const at::Tensor& probability_sum,
+              int64_t tokens, const ProcessGroup& group);
+  /// Computes f (all-reduced over the group) and the auxiliary loss and fills the gradient that
+  /// the layers' backward adds. Idempotent.
+  void finish();
+  [[nodiscard]] double aux_loss_coef() const { return coef_; }
+  /// transformers' aux loss of this pass (f over the group, P of this rank); 0 before finish().
+  [[nodiscard]] double aux_loss() const { return aux_; }
+  /// MoE layers recorded in this pass.
+  [[nodiscard]] int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
+  /// d(coef * aux * tokens)/d(summed probabilities of one layer) = coef * E * f / layers, [E]
+  /// (float32 or float64). Filled by finish(); the layers' autograd nodes read it in backward.
+  [[nodiscard]] const at::Tensor& aux_gradient() const { return gradient_; }
+  /// The tensor aux_gradient() will be, created by the first layer (internal).
+  at::Tensor gradient_holder(const at::Tensor& like);
+
+ private:
+  struct Layer {
+    int64_t index = 0;
+    at::Tensor counts;
+    at::Tensor probability_sum;
+    int64_t tokens = 0;
+  };
+  double coef_;
+  double aux_ = 0.0;
+  bool finished_ = false;
+  std::vector<Layer> layers_;
+  ProcessGroup group_;
+  at::Tensor gradient_;
+};
+
+/// The router ("gate" in Hugging Face's names): weight [num_experts, hidden] and, with the
+/// auxiliary-loss-free balancing, the buffer expert_bias [num_experts].
+class MoeRouterImpl : public torch::nn::Module {
+ public:
+  explicit MoeRouterImpl(const MoeOptions& options);
+  struct Routing {
+    at::Tensor probabilities;  ///< [N, E], at least float32
+    at::Tensor experts;        ///< [N, k] int64, the chosen experts
+    at::Tensor weights;        ///< [N, k], their weights (probabilities, renormalised if asked)
+  };
+  /// x [N, hidden].
+  Routing forward(const at::Tensor& x);
+  /// The sign rule: bias += rate * sign(mean(load) - load). `load` [E]: routings per expert.
+  void update_bias(const at::Tensor& load);
+  [[nodiscard]] const MoeOptions& options() const { return options_; }
+
+  at::Tensor weight;       ///< [E, H]
+  at::Tensor expert_bias;  ///< [E] (float32), undefined without bias balancing
+
+ private:
+  MoeOptions options_;
+};
+TORCH_MODULE(MoeRouter);
+
+/// The routed experts, stacked: gate_proj, up_proj [E, I, H], down_proj [E, H, I] (Hugging Face
+/// stores them per expert as mlp.experts.<e>.gate_proj.weight, ...). Under expert parallelism
+/// each rank holds experts [first_expert(), first_expert() + local_experts()).
+class GroupedExpertsImpl : public torch::nn::Module {
+ public:
+  explicit GroupedExpertsImpl(const MoeOptions& options);
+  /// Rows sorted by local expert, counts[e] for local expert e: SwiGLU of each row by its expert.
+  at::Tensor forward(const at::Tensor& rows, const std::vector<int64_t>& counts);
+  /// Every row of `rows` (sorted by global expert, counts per global expert) through its expert:
+  /// locally, or through the dispatcher under expert parallelism.
+  at::Tensor run(const at::Tensor& rows, const std::vector<int64_t>& counts);
+
+  [[nodiscard]] int64_t num_experts() const { return options_.num_experts; }
+  [[nodiscard]] int64_t local_experts() const { return gate_proj.size(0); }
+  [[nodiscard]] int64_t first_expert() const { return first_expert_; }
+  /// Expert parallelism: the weights hold experts [first, first + count) (set by the strategy
+  /// after it sliced them) and rows go through `dispatcher`.
+  void set_expert_parallel(int64_t first, std::shared_ptr<ExpertDispatcher> dispatcher);
+
+  at::Tensor gate_proj, up_proj, down_proj;
+  GroupedGemm gemm = GroupedGemm::automatic;
+
+ private:
+  MoeOptions options_;
+  int64_t first_expert_ = 0;
+  std::shared_ptr<ExpertDispatcher> dispatcher_;
+};
+TORCH_MODULE(GroupedExperts);
+
+/// Routing statistics a layer keeps for logging and the bias update.
+struct RouterLoad {
+  at::Tensor routed;  ///< [E] float64: routings per expert since the last take_load()
+  int64_t tokens = 0;
+};
+
+/// The sparse MLP block: children "gate" (MoeRouter), "experts" (GroupedExperts) and, with a
+/// shared expert, "shared_expert" (SwiGlu) and "shared_expert_gate" (Linear hidden -> 1).
+class MoeLayerImpl : public torch::nn::Module {
+ public:
+  MoeLayerImpl(const MoeOptions& options, int64_t layer_index);
+  /// x [..., hidden]. `stats` (may be null) records the routing and, when its coefficient is > 0
+  /// and gradients are recorded, attaches the auxiliary loss's gradient to the output.
+  at::Tensor forward(const at::Tensor& x, const std::shared_ptr<MoeForwardStats>& stats = nullptr);
+
+  /// Routings per expert accumulated over the training forward passes since the last call (each
+  /// pass counted once, also under recompute), then reset.
+  RouterLoad take_load();
+  /// The data-parallel group over which the auxiliary loss's f is summed (global-batch
+  /// statistics); set by the parallelize layer.
+  void set_load_group(ProcessGroup group) { load_group_ = std::move(group); }
+  [[nodiscard]] int64_t layer_index() const { return layer_index_; }
+  /// The statistics of the last forward pass this layer recorded into (null before any).
+  [[nodiscard]] std::shared_ptr<MoeForwardStats> last_stats() const { return last_stats_; }
+  [[nodiscard]] const MoeOptions& options() const { return options_; }
+
+  MoeRouter gate{nullptr};
+  GroupedExperts experts{nullptr};
+  SwiGlu shared_expert{nullptr};
+  Linear shared_expert_gate{nullptr};
+
+ private:
+  MoeOptions options_;
+  int64_t layer_index_;
+  ProcessGroup load_group_;
+  std::shared_ptr<MoeForwardStats> last_stats_;
+  at::Tensor routed_;  // [E] float64
+  int64_t tokens_ = 0;
+};
+TORCH_MODULE(MoeLayer);
+
+/// transformers' load_balancing_loss_func written out, for tests and reports: `probabilities`
+/// [N, E] of every (layer, token) of a pass, `experts` [N, k] the chosen experts.
+at::Tensor load_balancing_loss(const at::Tensor& probabilities, const at::Tensor& experts,
+                               int64_t num_experts);
+
+/// The MoE layers of a module tree (in named_modules order).
+std::vector<std::shared_ptr<MoeLayerImpl>> moe_layers(const torch::nn::Module& module);
+
+}  // namespace d9d::model

@@ -1,0 +1,370 @@
+// d9d/model/moe.cpp — router, grouped experts, the MoE layer and its load-balancing statistics.
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <d9d/core/collectives.hpp>
+#include <d9d/model/moe.hpp>
+
+namespace d9d::model {
+namespace {
+
+// Turns autocast off for one device type while alive (the router computes in float32 or wider).
+class AutocastOff {
+ public:
+  explicit AutocastOff(c10::DeviceType device)
+      : device_(device), previous_(at::autocast::is_autocast_enabled(device)) {
+    at::autocast::set_autocast_enabled(device_, false);
+  }
+  ~AutocastOff() { at::autocast::set_autocast_enabled(device_, previous_); }
+  AutocastOff(const AutocastOff&) = delete;
+  AutocastOff& operator=(const AutocastOff&) = delete;
+  AutocastOff(AutocastOff&&) = delete;
+  AutocastOff& operator=(AutocastOff&&) = delete;
+
+ private:
+  c10::DeviceType device_;
+  bool previous_;
+};
+
+// Identity on the layer's output; its backward also gives the layer's summed router probabilities
+// the auxiliary loss's gradient (read from the pass's MoeForwardStats, filled after the pass).
+struct AuxLossGradient : torch::autograd::Function<AuxLossGradient> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& out,
+                            const at::Tensor& probability_sum, const at::Tensor& gradient) {
+    ctx->saved_data["gradient"] = gradient;
+    ctx->saved_data["size"] = probability_sum.size(0);
+    return out.view_as(out);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto gradient = ctx->saved_data["gradient"].toTensor();
+    if (gradient.size(0) != ctx->saved_data["size"].toInt()) {
+      throw std::logic_error(
+          "d9d::model::MoeLayer: the auxiliary loss's gradient is missing. Fix: call "
+          "MoeForwardStats::finish() after the forward pass's last MoE layer");
+    }
+    return {grads[0], gradient.clone(), at::Tensor()};
+  }
+};
+
+void check_options(const MoeOptions& o) {
+  const std::pair<const char*, int64_t> sizes[] = {{"hidden_size", o.hidden_size},
+                                                   {"num_experts", o.num_experts},
+                                                   {"top_k", o.top_k},
+                                                   {"intermediate_size", o.intermediate_size}};
+  for (const auto& [name, value] : sizes) {
+    if (value < 1) {
+      throw std::invalid_argument(std::string("d9d::model::MoeOptions: ") + name + " = " +
+                                  std::to_string(value) + " must be >= 1");
+    }
+  }
+  if (o.top_k > o.num_experts) {
+    throw std::invalid_argument("d9d::model::MoeOptions: top_k = " + std::to_string(o.top_k) +
+                                " exceeds num_experts = " + std::to_string(o.num_experts));
+  }
+  if (o.shared_expert_intermediate_size < 0 || o.bias_update_rate < 0) {
+    throw std::invalid_argument(
+        "d9d::model::MoeOptions: shared_expert_intermediate_size and bias_update_rate must be "
+        ">= 0");
+  }
+}
+
+std::vector<int64_t> to_vector(const at::Tensor& counts) {
+  const auto host = counts.to(at::kCPU, at::kLong).contiguous();
+  const auto* data = host.data_ptr<int64_t>();
+  return {data, data + host.numel()};
+}
+
+}  // namespace
+
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w,
+                          const std::vector<int64_t>& counts, GroupedGemm how) {
+  if (w.dim() != 3 || x.dim() != 2 || x.size(1) != w.size(2) ||
+      static_cast<int64_t>(counts.size()) != w.size(0)) {
+    throw std::invalid_argument("d9d::model::grouped_linear: x " + c10::str(x.sizes()) + ", w " +
+                                c10::str(w.sizes()) + " and " + std::to_string(counts.size()) +
+                                " group counts do not fit (x [M, K], w [G, N, K], G counts)");
+  }
+  const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  if (total != x.size(0)) {
+    throw std::invalid_argument("d9d::model::grouped_linear: the counts sum to " +
+                                std::to_string(total) + ", x has " + std::to_string(x.size(0)) +
+                                " rows");
+  }
+  const bool grouped = how == GroupedGemm::grouped_mm ||
+                       (how == GroupedGemm::automatic && x.is_cuda() &&
+                        x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16);
+  if (grouped) {
+    std::vector<int32_t> ends(counts.size());
+    int64_t end = 0;
+    for (std::size_t g = 0; g < counts.size(); ++g) {
+      end += counts[g];
+      ends[g] = static_cast<int32_t>(end);
+    }
+    const auto offsets =
+        at::tensor(ends, at::TensorOptions().dtype(at::kInt)).to(x.device(), /*non_blocking=*/true);
+    return at::_grouped_mm(x, w.transpose(-2, -1), offsets);
+  }
+  // Every group, also the empty ones: their weights then get zero gradients, not none.
+  std::vector<at::Tensor> parts;
+  parts.reserve(counts.size());
+  int64_t offset = 0;
+  for (std::size_t g = 0; g < counts.size(); ++g) {
+    parts.push_back(
+        at::linear(x.narrow(0, offset, counts[g]), w.select(0, static_cast<int64_t>(g))));
+    offset += counts[g];
+  }
+  return at::cat(parts, 0);
+}
+
+// ---- MoeForwardStats ---------------------------------------------------------------------------
+
+MoeForwardStats::MoeForwardStats(double aux_loss_coef) : coef_(aux_loss_coef) {}
+
+bool MoeForwardStats::record(int64_t layer, const at::Tensor& counts,
+                             const at::Tensor& probability_sum, int64_t tokens,
+                             const ProcessGroup& group) {
+  for (const auto& known : layers_) {
+    if (known.index == layer) {
+      return false;
+    }
+  }
+  if (finished_) {
+    throw std::logic_error("d9d::model::MoeForwardStats: layer " + std::to_string(layer) +
+                           " recorded after finish()");
+  }
+  layers_.push_back({.index = layer,
+                     .counts = counts.detach(),
+                     .probability_sum = probability_sum.detach(),
+                     .tokens = tokens});
+  if (group.valid()) {
+    group_ = group;
+  }
+  return true;
+}
+
+at::Tensor MoeForwardStats::gradient_holder(const at::Tensor& like) {
+  if (!gradient_.defined()) {
+    gradient_ = at::empty({0}, like.options().requires_grad(false));
+  }
+  return gradient_;
+}
+
+void MoeForwardStats::finish() {
+  if (finished_) {
+    return;
+  }
+  finished_ = true;
+  if (layers_.empty()) {
+    return;
+  }
+  const at::NoGradGuard no_grad;
+  const auto& first = layers_.front().probability_sum;
+  const auto options = first.options().dtype(at::kDouble);
+  const int64_t experts = first.size(0);
+  // f: the (layer, token) routings per expert over the pass's layers, summed over the group with
+  // the number of (layer, token) pairs, in one all-reduce.
+  auto totals = at::zeros({experts + 1}, options);
+  auto probability = at::zeros({experts}, options);
+  int64_t tokens = 0;
+  for (const auto& layer : layers_) {
+    totals.narrow(0, 0, experts).add_(layer.counts.to(options));
+    probability.add_(layer.probability_sum.to(options));
+    tokens += layer.tokens;
+  }
+  totals[experts] = static_cast<double>(tokens);
+  if (group_.valid() && group_.size() > 1) {
+    totals = all_reduce(group_, totals);
+  }
+  const auto pairs = totals[experts].item<double>();
+  const auto fraction = totals.narrow(0, 0, experts) / pairs;
+  const auto e = static_cast<double>(experts);
+  aux_ = tokens == 0
+             ? 0.0
+             : (fraction * probability).sum().item<double>() * e / static_cast<double>(tokens);
+  const auto gradient = fraction * (coef_ * e / static_cast<double>(layers_.size()));
+  if (gradient_.defined()) {
+    gradient_.resize_({experts});
+    gradient_.copy_(gradient);
+  } else {
+    gradient_ = gradient.to(first.scalar_type());
+  }
+}
+
+// ---- MoeRouter ---------------------------------------------------------------------------------
+
+MoeRouterImpl::MoeRouterImpl(const MoeOptions& options) : options_(options) {
+  check_options(options);
+  weight =
+      register_parameter("weight", at::randn({options.num_experts, options.hidden_size}) * 0.02);
+  if (options.bias_update_rate > 0) {
+    expert_bias = register_buffer("expert_bias", at::zeros({options.num_experts}));
+  }
+}
+
+MoeRouterImpl::Routing MoeRouterImpl::forward(const at::Tensor& x) {
+  const AutocastOff no_autocast(x.device().type());
+  const auto dtype = at::promote_types(x.scalar_type(), at::kFloat);
+  const auto logits = at::linear(x.to(dtype), weight.to(dtype));
+  Routing routing;
+  routing.probabilities = at::softmax(logits, -1);
+  if (expert_bias.defined()) {
+    // The bias steers the choice only; the weights stay the probabilities.
+    const at::NoGradGuard no_grad;
+    const auto scores = routing.probabilities.detach() + expert_bias.to(dtype);
+    routing.experts = std::get<1>(at::topk(scores, options_.top_k, -1));
+  }
+  if (expert_bias.defined()) {
+    routing.weights = routing.probabilities.gather(1, routing.experts);
+  } else {
+    auto [values, indices] = at::topk(routing.probabilities, options_.top_k, -1);
+    routing.experts = indices;
+    routing.weights = values;
+  }
+  if (options_.norm_topk_prob) {
+    routing.weights = routing.weights / routing.weights.sum(-1, /*keepdim=*/true);
+  }
+  return routing;
+}
+
+void MoeRouterImpl::update_bias(const at::Tensor& load) {
+  if (!expert_bias.defined()) {
+    return;
+  }
+  const at::NoGradGuard no_grad;
+  const auto routed = load.to(expert_bias.device(), at::kDouble);
+  const auto step = at::sign(routed.mean() - routed) * options_.bias_update_rate;
+  expert_bias.add_(step.to(expert_bias.scalar_type()));
+}
+
+// ---- GroupedExperts ----------------------------------------------------------------------------
+
+GroupedExpertsImpl::GroupedExpertsImpl(const MoeOptions& options) : options_(options) {
+  check_options(options);
+  const int64_t e = options.num_experts;
+  const int64_t h = options.hidden_size;
+  const int64_t i = options.intermediate_size;
+  gate_proj = register_parameter("gate_proj", at::randn({e, i, h}) * 0.02);
+  up_proj = register_parameter("up_proj", at::randn({e, i, h}) * 0.02);
+  down_proj = register_parameter("down_proj", at::randn({e, h, i}) * 0.02);
+}
+
+at::Tensor GroupedExpertsImpl::forward(const at::Tensor& rows, const std::vector<int64_t>& counts) {
+  // Autocast's dtype, else the rows' (fp32 weights meet bf16 activations under FullyShard).
+  const auto device = rows.device().type();
+  const auto dtype = at::autocast::is_autocast_enabled(device)
+                         ? at::autocast::get_autocast_dtype(device)
+                         : rows.scalar_type();
+  const auto x = rows.to(dtype);
+  const auto gate = grouped_linear(x, gate_proj.to(dtype), counts, gemm);
+  const auto up = grouped_linear(x, up_proj.to(dtype), counts, gemm);
+  return grouped_linear(at::silu(gate) * up, down_proj.to(dtype), counts, gemm);
+}
+
+at::Tensor GroupedExpertsImpl::run(const at::Tensor& rows, const std::vector<int64_t>& counts) {
+  if (dispatcher_) {
+    return dispatcher_->dispatch(
+        rows, counts, [this](const at::Tensor& local, const std::vector<int64_t>& local_counts) {
+          return forward(local, local_counts);
+        });
+  }
+  return forward(rows, counts);
+}
+
+void GroupedExpertsImpl::set_expert_parallel(int64_t first,
+                                             std::shared_ptr<ExpertDispatcher> dispatcher) {
+  first_expert_ = first;
+  dispatcher_ = std::move(dispatcher);
+}
+
+// ---- MoeLayer ----------------------------------------------------------------------------------
+
+MoeLayerImpl::MoeLayerImpl(const MoeOptions& options, int64_t layer_index)
+    : options_(options), layer_index_(layer_index) {
+  check_options(options);
+  gate = register_module("gate", MoeRouter(options));
+  experts = register_module("experts", GroupedExperts(options));
+  if (options.shared_expert_intermediate_size > 0) {
+    shared_expert = register_module(
+        "shared_expert", SwiGlu(options.hidden_size, options.shared_expert_intermediate_size));
+    shared_expert_gate = register_module("shared_expert_gate", Linear(options.hidden_size, 1));
+  }
+  routed_ = at::zeros({options.num_experts}, at::kDouble);
+}
+
+at::Tensor MoeLayerImpl::forward(const at::Tensor& x,
+                                 const std::shared_ptr<MoeForwardStats>& stats) {
+  const int64_t hidden = options_.hidden_size;
+  const int64_t k = options_.top_k;
+  const auto flat = x.reshape({-1, hidden});
+  const int64_t tokens = flat.size(0);
+  const auto routing = gate(flat);
+
+  // Permute: the (token, slot) pairs sorted by expert (stable: token order within an expert).
+  const auto chosen = routing.experts.reshape({-1});
+  const auto order =
+      std::get<1>(at::sort(chosen, std::optional<bool>(true), /*dim=*/0, /*descending=*/false));
+  const auto token = at::div(order, k, "floor");
+  const auto counts = at::bincount(chosen, {}, options_.num_experts);
+  const auto outputs = experts->run(flat.index_select(0, token), to_vector(counts));
+
+  // Un-permute: each pair's output weighted, summed per token (in expert order, as transformers).
+  const auto weights = routing.weights.to(x.scalar_type()).reshape({-1}).index_select(0, order);
+  auto out = at::zeros_like(flat).index_add(0, token, outputs * weights.unsqueeze(1));
+  if (shared_expert) {
+    out = out + at::sigmoid(shared_expert_gate(flat)) * shared_expert(flat);
+  }
+
+  const auto probability_sum = routing.probabilities.sum(0);
+  bool first_time = true;
+  if (stats) {
+    first_time = stats->record(layer_index_, counts, probability_sum, tokens, load_group_);
+    last_stats_ = stats;
+    if (stats->aux_loss_coef() > 0 && at::GradMode::is_enabled() &&
+        probability_sum.requires_grad()) {
+      out = AuxLossGradient::apply(out, probability_sum, stats->gradient_holder(probability_sum));
+    }
+  }
+  if (first_time && is_training()) {
+    const at::NoGradGuard no_grad;
+    routed_.add_(counts.to(at::kCPU, at::kDouble));
+    tokens_ += tokens;
+  }
+  return out.view(x.sizes());
+}
+
+RouterLoad MoeLayerImpl::take_load() {
+  RouterLoad load{.routed = routed_.clone(), .tokens = tokens_};
+  routed_.zero_();
+  tokens_ = 0;
+  return load;
+}
+
+// ---- helpers -----------------------------------------------------------------------------------
+
+at::Tensor load_balancing_loss(const at::Tensor& probabilities, const at::Tensor& experts,
+                               int64_t num_experts) {
+  const auto mask = at::one_hot(experts, num_experts).to(probabilities.scalar_type());  // [N,k,E]
+  const auto tokens_per_expert = mask.mean(0);                                          // [k, E]
+  const auto probability_per_expert = probabilities.mean(0);                            // [E]
+  return (tokens_per_expert * probability_per_expert.unsqueeze(0)).sum() *
+         static_cast<double>(num_experts);
+}
+
+std::vector<std::shared_ptr<MoeLayerImpl>> moe_layers(const torch::nn::Module& module) {
+  std::vector<std::shared_ptr<MoeLayerImpl>> out;
+  for (const auto& child : module.modules(/*include_self=*/true)) {
+    if (auto layer = std::dynamic_pointer_cast<MoeLayerImpl>(child)) {
+      out.push_back(std::move(layer));
+    }
+  }
+  return out;
+}
+
+}  // namespace d9d::model

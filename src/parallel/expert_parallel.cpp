@@ -1,0 +1,225 @@
+// d9d/parallel/expert_parallel.cpp — ExpertParallel: the routed experts of every MoE layer split
+// over the expert domain's ep_shard ranks, tokens dispatched and combined by all-to-all.
+//
+// Layout. Layer experts [E, ...] are split along dim 0: ep_shard rank r holds experts
+// [r E/ep, (r + 1) E/ep) (Shard(0) on ep_shard, Replicate on ep_replicate, MeshDomain::expert).
+// A layer's rows arrive sorted by global expert with counts per expert; the rows for rank j's
+// experts go to j (first all-to-all; the per-expert counts travel first in a small all-to-all of
+// their own), are regrouped there from source-major to expert-major, run through the local experts
+// (one grouped GEMM per projection) and travel back in reverse (second all-to-all). Both
+// all-to-alls are autograd functions whose backward is the reverse all-to-all, so the experts'
+// gradients hold the contributions of every ep_shard rank's tokens; summing them over
+// ep_replicate (the ranks that hold the same experts) gives the gradient of the global batch.
+// Under FullyShard with ep_replicate > 1 the experts are sharded over ep_replicate as well
+// (fully_shard.cpp) and reduce-scattered there; the all-reduce below then has nothing to do.
+#include <algorithm>
+#include <memory>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <d9d/core/collectives.hpp>
+#include <d9d/model/moe.hpp>
+#include <d9d/parallel/parallelize.hpp>
+
+namespace d9d::parallel::detail {
+namespace {
+
+// Rows to other ranks and back: all_to_all in forward, the reverse all_to_all in backward.
+struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& rows,
+                            int64_t group, const std::vector<int64_t>& send,
+                            const std::vector<int64_t>& recv) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["send"] = send;
+    ctx->saved_data["recv"] = recv;
+    // NOLINTNEXTLINE(performance-no-int-to-ptr): the dispatcher's group, alive while its model is
+    const auto& g = *reinterpret_cast<const ProcessGroup*>(group);
+    return all_to_all(g, rows.contiguous(), send, recv);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    // NOLINTNEXTLINE(performance-no-int-to-ptr): see forward
+    const auto& g = *reinterpret_cast<const ProcessGroup*>(ctx->saved_data["group"].toInt());
+    const auto send = ctx->saved_data["send"].toIntVector();
+    const auto recv = ctx->saved_data["recv"].toIntVector();
+    return {all_to_all(g, grads[0].contiguous(), recv, send), torch::autograd::Variable(),
+            torch::autograd::Variable(), torch::autograd::Variable()};
+  }
+};
+
+class AllToAllDispatcher : public model::ExpertDispatcher {
+ public:
+  AllToAllDispatcher(ProcessGroup group, int64_t experts)
+      : group_(std::move(group)), ranks_(std::max(1, group_.size())), experts_(experts) {}
+
+  at::Tensor dispatch(const at::Tensor& rows, const std::vector<int64_t>& counts,
+                      const LocalExperts& local) override {
+    const int64_t per_rank = experts_ / ranks_;
+    if (ranks_ == 1) {
+      return local(rows, counts);
+    }
+    // Rows per destination, and each source's rows per local expert (a [ranks, per_rank] table).
+    std::vector<int64_t> send(static_cast<std::size_t>(ranks_), 0);
+    for (int64_t e = 0; e < experts_; ++e) {
+      send[static_cast<std::size_t>(e / per_rank)] += counts[static_cast<std::size_t>(e)];
+    }
+    const std::vector<int64_t> blocks(static_cast<std::size_t>(ranks_), per_rank);
+    const auto table_tensor =
+        all_to_all(group_, at::tensor(counts, at::TensorOptions().dtype(at::kLong)), blocks, blocks)
+            .to(at::kCPU)
+            .contiguous();
+    const int64_t* table = table_tensor.data_ptr<int64_t>();
+    std::vector<int64_t> recv(static_cast<std::size_t>(ranks_), 0);
+    std::vector<int64_t> local_counts(static_cast<std::size_t>(per_rank), 0);
+    for (int64_t src = 0; src < ranks_; ++src) {
+      for (int64_t e = 0; e < per_rank; ++e) {
+        recv[static_cast<std::size_t>(src)] += table[src * per_rank + e];
+        local_counts[static_cast<std::size_t>(e)] += table[src * per_rank + e];
+      }
+    }
+    const auto received = AllToAllRows::apply(rows, reinterpret_cast<int64_t>(&group_), send, recv);
+
+    // Source-major (as received) to expert-major (as the grouped GEMM wants), and back.
+    const int64_t total = std::accumulate(recv.begin(), recv.end(), int64_t{0});
+    std::vector<int64_t> start(static_cast<std::size_t>(ranks_ * per_rank), 0);
+    int64_t offset = 0;
+    for (int64_t i = 0; i < ranks_ * per_rank; ++i) {
+      start[static_cast<std::size_t>(i)] = offset;
+      offset += table[i];
+    }
+    std::vector<int64_t> order;
+    order.reserve(static_cast<std::size_t>(total));
+    for (int64_t e = 0; e < per_rank; ++e) {
+      for (int64_t src = 0; src < ranks_; ++src) {
+        const int64_t i = src * per_rank + e;
+        for (int64_t r = 0; r < table[i]; ++r) {
+          order.push_back(start[static_cast<std::size_t>(i)] + r);
+        }
+      }
+    }
+    std::vector<int64_t> inverse(order.size());
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      inverse[static_cast<std::size_t>(order[i])] = static_cast<int64_t>(i);
+    }
+    const auto index_options = at::TensorOptions().dtype(at::kLong).device(rows.device());
+    const auto grouped = received.index_select(0, at::tensor(order, at::kLong).to(index_options));
+    const auto outputs = local(grouped, local_counts);
+    const auto back = outputs.index_select(0, at::tensor(inverse, at::kLong).to(index_options));
+    return AllToAllRows::apply(back, reinterpret_cast<int64_t>(&group_), recv, send);
+  }
+
+ private:
+  ProcessGroup group_;
+  int64_t ranks_;
+  int64_t experts_;
+};
+
+// The experts' gradients summed over ep_replicate (Replicate's bucketed path on that group), for
+// the expert records still replicated there when the first step begins: the data-parallel
+// strategy comes after this one and may shard them over ep_replicate (FullyShard), and then
+// reduces them itself.
+class ExpertReplicaSync : public GradientSync {
+ public:
+  explicit ExpertReplicaSync(ParallelModel& model) : model_(model) {}
+
+  void begin_step() override { inner().begin_step(); }
+  void before_backward(int microbatch, int microbatches) override {
+    inner().before_backward(microbatch, microbatches);
+  }
+  void finish() override { inner().finish(); }
+
+ private:
+  GradientSync& inner() {
+    if (inner_) {
+      return *inner_;
+    }
+    std::vector<at::Tensor> replicated;
+    for (const auto& record : model_.parameters()) {
+      if (record.domain != MeshDomain::expert) {
+        continue;
+      }
+      for (std::size_t i = 0; i < record.dims.size(); ++i) {
+        if (record.dims[i] == "ep_replicate" &&
+            std::holds_alternative<::d9d::Replicate>(record.placements[i])) {
+          replicated.push_back(record.local);
+        }
+      }
+    }
+    inner_ = replicated.empty()
+                 ? std::make_unique<GradientSync>()
+                 : make_replicate_sync(model_.mesh().group(MeshDomain::expert, "ep_replicate"),
+                                       std::move(replicated), model_.options());
+    return *inner_;
+  }
+
+  ParallelModel& model_;
+  std::unique_ptr<GradientSync> inner_;
+};
+
+}  // namespace
+
+void apply_expert_parallel(ParallelModel& model, const ExpertParallelSettings& settings) {
+  const auto& mesh = model.mesh();
+  const auto shard_group = mesh.group(MeshDomain::expert, "ep_shard");
+  const int64_t ranks = mesh.size(MeshDomain::expert, "ep_shard");
+  const int64_t rank = mesh.coordinate(MeshDomain::expert, "ep_shard");
+  auto& records = model.mutable_parameters();
+  bool any = false;
+  for (const auto& module : model.modules()) {
+    for (const auto& item : module->named_modules()) {
+      auto experts = std::dynamic_pointer_cast<model::GroupedExpertsImpl>(item.value());
+      if (!experts) {
+        continue;
+      }
+      any = true;
+      const std::string prefix = item.key().empty() ? std::string() : item.key() + ".";
+      const int64_t count = experts->num_experts();
+      if (settings.num_experts > 0 && count != settings.num_experts) {
+        throw std::invalid_argument(
+            "d9d::parallel::ExpertParallel<" + std::to_string(settings.num_experts) +
+            ">: the model's \"" + prefix + "\" has " + std::to_string(count) +
+            " experts. Fix: state the model's count in the policy, or use ExpertParallel<>");
+      }
+      if (count % ranks != 0) {
+        throw std::invalid_argument(
+            "d9d::parallel::ExpertParallel: \"mesh.ep\" = " + std::to_string(ranks) +
+            " does not divide the " + std::to_string(count) + " experts of \"" + prefix +
+            "\". Fix: set \"mesh.ep\" to a divisor of " + std::to_string(count));
+      }
+      const int64_t per_rank = count / ranks;
+      for (const auto& item : experts->named_parameters(/*recurse=*/false)) {
+        const std::string& name = item.key();
+        auto param = item.value();
+        {
+          const at::NoGradGuard no_grad;
+          param.set_data(param.detach().narrow(0, rank * per_rank, per_rank).clone());
+        }
+        for (auto& record : records) {
+          if (record.name == prefix + name) {
+            record.domain = MeshDomain::expert;
+            record.dims = {"ep_replicate", "ep_shard"};
+            record.placements = {::d9d::Replicate{}, ::d9d::Shard{0}};
+          }
+        }
+      }
+      experts->set_expert_parallel(rank * per_rank,
+                                   std::make_shared<AllToAllDispatcher>(shard_group, count));
+    }
+  }
+  if (!any) {
+    throw std::invalid_argument(
+        "d9d::parallel::ExpertParallel: the model has no d9d::model::GroupedExperts to shard. "
+        "Fix: use d9d::parallel::NoExpertParallel for dense models");
+  }
+  model.add_norm_dims({"ep_shard"}, MeshDomain::expert);
+  model.add_sync(std::make_unique<ExpertReplicaSync>(model));
+}
+
+}  // namespace d9d::parallel::detail

@@ -1,0 +1,84 @@
+// d9d/parallel/moe_balance.cpp — the step's router bookkeeping for models with MoE layers: the
+// loads of the step summed over the data-parallel ranks, the auxiliary-loss-free bias update, and
+// the routers' balance as metrics.
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include <d9d/core/collectives.hpp>
+#include <d9d/model/moe.hpp>
+#include <d9d/parallel/parallelize.hpp>
+
+namespace d9d::parallel::detail {
+namespace {
+
+class MoeBalanceSync : public GradientSync {
+ public:
+  MoeBalanceSync(std::vector<std::shared_ptr<model::MoeLayerImpl>> layers, ProcessGroup group)
+      : layers_(std::move(layers)), group_(std::move(group)) {}
+
+  // After the step's backward: every rank has routed its tokens of every microbatch.
+  void finish() override {
+    std::vector<at::Tensor> loads;
+    loads.reserve(layers_.size());
+    for (const auto& layer : layers_) {
+      loads.push_back(layer->take_load().routed);
+    }
+    auto all = at::stack(loads);  // [layers, experts], float64
+    if (group_.valid() && group_.size() > 1) {
+      all = all_reduce(group_, all);
+    }
+    double sum_ratio = 0.0;
+    double worst = 0.0;
+    double routed = 0.0;
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      const auto load = all[static_cast<int64_t>(l)];
+      layers_[l]->gate->update_bias(load);
+      const double mean = load.mean().item<double>();
+      const double ratio = mean > 0 ? load.max().item<double>() / mean : 1.0;
+      sum_ratio += ratio;
+      worst = std::max(worst, ratio);
+      routed += load.sum().item<double>();
+    }
+    metrics_ = {{"moe/load_max_over_mean", sum_ratio / static_cast<double>(layers_.size())},
+                {"moe/load_max_over_mean_worst_layer", worst},
+                {"moe/routed_per_step", routed},
+                {"moe/dropped", 0.0}};
+    if (const auto stats = layers_.front()->last_stats()) {
+      metrics_.emplace_back("moe/aux_loss", stats->aux_loss());
+    }
+  }
+
+  [[nodiscard]] std::vector<std::pair<std::string, double>> metrics() const override {
+    return metrics_;
+  }
+
+ private:
+  std::vector<std::shared_ptr<model::MoeLayerImpl>> layers_;
+  ProcessGroup group_;
+  std::vector<std::pair<std::string, double>> metrics_;
+};
+
+}  // namespace
+
+void apply_moe_balance(ParallelModel& model) {
+  std::vector<std::shared_ptr<model::MoeLayerImpl>> layers;
+  for (const auto& module : model.modules()) {
+    auto found = model::moe_layers(*module);
+    layers.insert(layers.end(), found.begin(), found.end());
+  }
+  if (layers.empty()) {
+    return;
+  }
+  const auto dp = model.mesh().group(MeshDomain::batch, "dp");
+  for (const auto& layer : layers) {
+    layer->set_load_group(dp);
+  }
+  model.add_sync(std::make_unique<MoeBalanceSync>(std::move(layers), dp));
+}
+
+}  // namespace d9d::parallel::detail

@@ -1,0 +1,618 @@
+// d9d/peft/adapter_io.cpp — adapters in Hugging Face peft's file format, both ways, and the merged
+// model as a Hugging Face checkpoint.
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <regex>
+#include <set>
+#include <stdexcept>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <d9d/model/hf.hpp>
+#include <d9d/peft/lora.hpp>
+#include <d9d/state/safetensors.hpp>
+#include <d9d/util/files.hpp>
+
+namespace d9d::peft {
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr const char* kPrefix = "base_model.model.";
+constexpr const char* kWeightsFile = "adapter_model.safetensors";
+constexpr const char* kConfigFile = "adapter_config.json";
+
+void write_text_file(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  std::FILE* out = std::fopen(tmp.c_str(), "w");
+  if (out == nullptr) {
+    throw std::runtime_error("d9d::peft: cannot write " + tmp + ": " + std::strerror(errno));
+  }
+  const bool ok = std::fputs(text.c_str(), out) >= 0;
+  if (std::fclose(out) != 0 || !ok) {
+    throw std::runtime_error("d9d::peft: cannot write " + tmp);
+  }
+  files::rename(tmp, path);
+}
+
+bool ends_with(const std::string& text, const std::string& suffix) {
+  return text.size() >= suffix.size() &&
+         text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string last_component(const std::string& name) {
+  const auto dot = name.rfind('.');
+  return dot == std::string::npos ? name : name.substr(dot + 1);
+}
+
+std::string owner_of(const std::string& parameter) {
+  const auto dot = parameter.rfind('.');
+  return dot == std::string::npos ? std::string() : parameter.substr(0, dot);
+}
+
+std::string regex_escape(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    if (std::strchr(".^$|()[]{}*+?\\", c) != nullptr) {
+      out += '\\';
+    }
+    out += c;
+  }
+  return out;
+}
+
+std::string list(const std::vector<std::string>& names) {
+  std::string out;
+  for (std::size_t i = 0; i < names.size() && i < 8; ++i) {
+    out += (i > 0 ? ", " : "") + names[i];
+  }
+  if (names.size() > 8) {
+    out += ", ... (" + std::to_string(names.size()) + " in all)";
+  }
+  return out;
+}
+
+// Every submodule by name, without the adapters' own layers.
+std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> module_names(
+    const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> out;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    const auto last = last_component(item.key());
+    if (last != "lora_A" && last != "lora_B") {
+      out.emplace_back(item.key(), item.value());
+    }
+  }
+  return out;
+}
+
+std::set<std::string> adapter_parameter_names(const std::vector<LoraLayer>& layers) {
+  std::set<std::string> out;
+  for (const auto& layer : layers) {
+    out.insert(layer.name + ".lora_A.weight");
+    out.insert(layer.name + ".lora_B.weight");
+  }
+  return out;
+}
+
+Json number(double value) {
+  if (std::floor(value) == value && std::abs(value) < 1e15) {
+    return static_cast<int64_t>(value);
+  }
+  return value;
+}
+
+at::Tensor whole(const at::Tensor& tensor, const std::string& name, const char* who) {
+  if (tensor.storage().nbytes() < static_cast<std::size_t>(tensor.nbytes())) {
+    throw std::invalid_argument(std::string(who) + ": " + name +
+                                " is not whole on this rank (FullyShard frees parameters between "
+                                "steps). Fix: gather the records' tensors first "
+                                "(record.sharded(mesh).full_tensor()), or save from one process");
+  }
+  return tensor;
+}
+
+// ---- reading peft's adapter_config.json ----------------------------------------------------
+
+struct PeftConfig {
+  int64_t r = 8;
+  double lora_alpha = 8.0;
+  double lora_dropout = 0.0;
+  bool use_rslora = false;
+  Json target_modules;   // list or string
+  Json exclude_modules;  // null, list or string
+  std::map<std::string, int64_t> rank_pattern;
+  std::map<std::string, double> alpha_pattern;
+  std::vector<std::string> modules_to_save;
+};
+
+PeftConfig read_config(const std::string& dir) {
+  const std::string path = files::join(dir, kConfigFile);
+  const std::string who = "d9d::peft::load_adapter: " + path;
+  Json json;
+  try {
+    json = Json::parse(model::read_text_file(path));
+  } catch (const Json::parse_error& error) {
+    throw std::runtime_error(who + " is not JSON: " + error.what());
+  }
+  if (!json.is_object()) {
+    throw std::runtime_error(who + " is not a JSON object");
+  }
+  const auto get = [&](const char* key) -> const Json* {
+    const auto it = json.find(key);
+    return it == json.end() || it->is_null() ? nullptr : &*it;
+  };
+  const auto unsupported = [&](const char* key, const std::string& what) {
+    throw std::runtime_error(who + ": \"" + key + "\" = " + json.at(key).dump() + " (" + what +
+                             ") is not supported by d9d. Fix: save the adapter with " + key +
+                             " at peft's default");
+  };
+  const auto* type = get("peft_type");
+  if (type == nullptr || *type != "LORA") {
+    throw std::runtime_error(who + ": \"peft_type\" is " + (type ? type->dump() : "missing") +
+                             "; d9d loads LoRA adapters only (\"peft_type\": \"LORA\")");
+  }
+  // Features with their own computation, which d9d does not implement: each must be off.
+  for (const char* key : {"use_dora", "fan_in_fan_out", "lora_bias", "use_qalora"}) {
+    if (const auto* value = get(key); value != nullptr && *value != false) {
+      unsupported(key, "a LoRA variant");
+    }
+  }
+  if (const auto* bias = get("bias"); bias != nullptr && *bias != "none") {
+    unsupported("bias", "trained biases");
+  }
+  for (const char* key :
+       {"layers_to_transform", "layers_pattern", "layer_replication", "target_parameters",
+        "trainable_token_indices", "megatron_config", "alora_invocation_tokens"}) {
+    if (const auto* value = get(key); value != nullptr && !(value->is_array() && value->empty()) &&
+                                      !(value->is_object() && value->empty())) {
+      unsupported(key, "layer selection or a variant");
+    }
+  }
+  PeftConfig config;
+  try {
+    if (const auto* r = get("r")) {
+      config.r = r->get<int64_t>();
+    }
+    if (const auto* alpha = get("lora_alpha")) {
+      config.lora_alpha = alpha->get<double>();
+    }
+    if (const auto* dropout = get("lora_dropout")) {
+      config.lora_dropout = dropout->get<double>();
+    }
+    if (const auto* rslora = get("use_rslora")) {
+      config.use_rslora = rslora->get<bool>();
+    }
+    const auto* targets = get("target_modules");
+    if (targets == nullptr || !(targets->is_array() || targets->is_string())) {
+      throw std::runtime_error(who +
+                               ": \"target_modules\" is missing or null (peft then picks defaults "
+                               "per model type). Fix: save the adapter with explicit "
+                               "target_modules, e.g. [\"q_proj\", \"v_proj\"]");
+    }
+    config.target_modules = *targets;
+    if (const auto* exclude = get("exclude_modules")) {
+      config.exclude_modules = *exclude;
+    }
+    if (const auto* ranks = get("rank_pattern")) {
+      for (const auto& [key, value] : ranks->items()) {
+        config.rank_pattern[key] = value.get<int64_t>();
+      }
+    }
+    if (const auto* alphas = get("alpha_pattern")) {
+      for (const auto& [key, value] : alphas->items()) {
+        config.alpha_pattern[key] = value.get<double>();
+      }
+    }
+    if (const auto* save = get("modules_to_save")) {
+      config.modules_to_save = save->get<std::vector<std::string>>();
+    }
+  } catch (const Json::exception& error) {
+    throw std::runtime_error(who + ": a value has the wrong type: " + error.what());
+  }
+  return config;
+}
+
+// peft's check_target_module_exists for a module name (0.17: lists match by name or dotted suffix,
+// strings as a regular expression over the whole name, "all-linear" every linear layer but the
+// output layer; exclude_modules and modules to save are never targets).
+bool is_target(const PeftConfig& config, const std::string& name, const torch::nn::Module& module) {
+  const auto in_list = [&](const Json& names) {
+    return std::any_of(names.begin(), names.end(), [&](const Json& item) {
+      const auto key = item.get<std::string>();
+      return name == key || ends_with(name, "." + key);
+    });
+  };
+  if (config.exclude_modules.is_string()
+          ? std::regex_match(name, std::regex(config.exclude_modules.get<std::string>()))
+          : (config.exclude_modules.is_array() && in_list(config.exclude_modules))) {
+    return false;
+  }
+  for (const auto& save : config.modules_to_save) {
+    if (std::regex_match(name, std::regex("(^|.*\\.)" + save + "($|\\..*)"))) {
+      return false;
+    }
+  }
+  if (config.target_modules.is_string()) {
+    const auto target = config.target_modules.get<std::string>();
+    if (target == "all-linear") {
+      return dynamic_cast<const model::LinearImpl*>(&module) != nullptr &&
+             last_component(name) != "lm_head";
+    }
+    return std::regex_match(name, std::regex(target));
+  }
+  return in_list(config.target_modules);
+}
+
+// peft's get_pattern_key: the first key with (.*\.)?(key)$ matching the name.
+template <class T>
+T pattern_value(const std::map<std::string, T>& patterns, const std::string& name, T fallback) {
+  for (const auto& [key, value] : patterns) {
+    if (std::regex_match(name, std::regex("(.*\\.)?(" + key + ")"))) {
+      return value;
+    }
+  }
+  return fallback;
+}
+
+LoraOptions options_for(const PeftConfig& config, const std::string& name) {
+  return {.rank = pattern_value(config.rank_pattern, name, config.r),
+          .alpha = pattern_value(config.alpha_pattern, name, config.lora_alpha),
+          .dropout = config.lora_dropout,
+          .rslora = config.use_rslora};
+}
+
+// The file's tensors by model name (the "base_model.model." prefix removed), as views of the map.
+std::map<std::string, at::Tensor> read_weights(const std::string& dir, const std::string& who) {
+  const std::string path = files::join(dir, kWeightsFile);
+  const auto file = state::open_safetensors_as(path, who);
+  std::map<std::string, at::Tensor> out;
+  std::vector<std::string> foreign;
+  for (const auto& entry : file.entries()) {
+    const std::string prefix = kPrefix;
+    if (entry.name.rfind(prefix, 0) != 0) {
+      foreign.push_back(entry.name);
+      continue;
+    }
+    out.emplace(entry.name.substr(prefix.size()), file.view(entry.name));
+  }
+  if (!foreign.empty()) {
+    throw std::runtime_error(who + ": " + path + " has tensors whose names do not start with \"" +
+                             std::string(kPrefix) + "\" (peft's prefix): " + list(foreign));
+  }
+  return out;
+}
+
+// Copies `tensors` into the named targets after checking all of them: every target has a
+// tensor, every tensor a target, the shapes agree.
+void copy_checked(const std::map<std::string, at::Tensor>& tensors,
+                  const std::map<std::string, at::Tensor>& targets, const std::string& who,
+                  const std::string& path) {
+  std::vector<std::string> missing;
+  std::vector<std::string> unexpected;
+  std::vector<std::string> mismatched;
+  for (const auto& [name, target] : targets) {
+    const auto it = tensors.find(name);
+    if (it == tensors.end()) {
+      missing.push_back(kPrefix + name);
+    } else if (it->second.sizes() != target.sizes()) {
+      mismatched.push_back(kPrefix + name + " (file " + c10::str(it->second.sizes()) + ", model " +
+                           c10::str(target.sizes()) + ")");
+    }
+  }
+  for (const auto& [name, tensor] : tensors) {
+    if (targets.find(name) == targets.end()) {
+      unexpected.push_back(kPrefix + name);
+    }
+  }
+  if (!missing.empty() || !unexpected.empty() || !mismatched.empty()) {
+    std::string message = who + ": " + path + " does not fit the model's adapters:";
+    if (!missing.empty()) {
+      message += " missing " + list(missing) + ";";
+    }
+    if (!unexpected.empty()) {
+      message += " unexpected " + list(unexpected) + ";";
+    }
+    if (!mismatched.empty()) {
+      message += " other shapes: " + list(mismatched) + ";";
+    }
+    throw std::runtime_error(message +
+                             " Fix: load it into the base model it was trained on, with the "
+                             "same targets and ranks");
+  }
+  const at::NoGradGuard no_grad;
+  for (const auto& [name, target] : targets) {
+    at::Tensor(target).copy_(tensors.at(name));
+  }
+}
+
+// An empty module tree holding `parameters` under their dotted names (sharing their storage), so
+// that save_hf_checkpoint writes exactly these.
+std::shared_ptr<torch::nn::Module> tree_of(
+    const std::vector<std::pair<std::string, at::Tensor>>& parameters) {
+  auto root = std::make_shared<torch::nn::Module>();
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> made{{"", root}};
+  for (const auto& [name, tensor] : parameters) {
+    std::string path;
+    auto parent = root;
+    std::size_t start = 0;
+    for (auto dot = name.find('.'); dot != std::string::npos; dot = name.find('.', start)) {
+      const auto part = name.substr(start, dot - start);
+      path += (path.empty() ? "" : ".") + part;
+      auto it = made.find(path);
+      if (it == made.end()) {
+        auto child = std::make_shared<torch::nn::Module>();
+        parent->register_module(part, child);
+        it = made.emplace(path, child).first;
+      }
+      parent = it->second;
+      start = dot + 1;
+    }
+    parent->register_parameter(name.substr(start), tensor.detach(), /*requires_grad=*/false);
+  }
+  return root;
+}
+
+class UnmergeOnExit {
+ public:
+  explicit UnmergeOnExit(torch::nn::Module& model) : model_(model) {}
+  UnmergeOnExit(const UnmergeOnExit&) = delete;
+  UnmergeOnExit& operator=(const UnmergeOnExit&) = delete;
+  UnmergeOnExit(UnmergeOnExit&&) = delete;
+  UnmergeOnExit& operator=(UnmergeOnExit&&) = delete;
+  ~UnmergeOnExit() {
+    if (armed_) {
+      unmerge(model_);
+    }
+  }
+  void arm() { armed_ = true; }
+
+ private:
+  torch::nn::Module& model_;
+  bool armed_ = false;
+};
+
+}  // namespace
+
+void save_adapter(const torch::nn::Module& model, const std::string& dir,
+                  const AdapterExportOptions& options) {
+  const char* who = "d9d::peft::save_adapter";
+  const auto layers = lora_layers(model);
+  if (layers.empty()) {
+    throw std::invalid_argument(std::string(who) +
+                                ": the model has no LoRA adapter. Fix: train it with a plan whose "
+                                "peft slot has a d9d::peft::Lora, or d9d::peft::apply_stack");
+  }
+  const auto whole_of = [&](const std::string& name, const at::Tensor& tensor) {
+    return options.whole_tensor ? options.whole_tensor(name, tensor) : whole(tensor, name, who);
+  };
+  const auto& first = layers.front().adapter->options();
+  state::NamedTensors tensors;
+  Json rank_pattern = Json::object();
+  Json alpha_pattern = Json::object();
+  for (const auto& [name, layer, adapter] : layers) {
+    const auto& o = adapter->options();
+    if (o.rslora != first.rslora) {
+      throw std::invalid_argument(std::string(who) + ": " + name +
+                                  " mixes rsLoRA and plain scaling with " + layers.front().name +
+                                  "; peft's use_rslora holds for every layer");
+    }
+    if (o.rank != first.rank) {
+      rank_pattern[regex_escape(name)] = o.rank;
+    }
+    if (o.alpha != first.alpha) {
+      alpha_pattern[regex_escape(name)] = number(o.alpha);
+    }
+    for (const auto& [suffix, weight] :
+         {std::pair<std::string, const at::Tensor*>{".lora_A.weight", &adapter->lora_A->weight},
+          {".lora_B.weight", &adapter->lora_B->weight}}) {
+      tensors.emplace_back(kPrefix + name + suffix,
+                           whole_of(name + suffix, *weight).detach().to(at::kCPU, options.dtype));
+    }
+  }
+  // Other parameters that train go along as peft's modules_to_save: every parameter of their
+  // modules (peft replaces the whole module with the saved copy).
+  const auto adapter_names = adapter_parameter_names(layers);
+  std::vector<std::string> modules_to_save;
+  const auto parameters = model.named_parameters();
+  for (const auto& item : parameters) {
+    const auto owner = owner_of(item.key());
+    if (item.value().requires_grad() && adapter_names.count(item.key()) == 0 &&
+        std::find(modules_to_save.begin(), modules_to_save.end(), owner) == modules_to_save.end()) {
+      modules_to_save.push_back(owner);
+    }
+  }
+  for (const auto& item : parameters) {
+    const auto owner = owner_of(item.key());
+    if (adapter_names.count(item.key()) == 0 &&
+        std::find(modules_to_save.begin(), modules_to_save.end(), owner) != modules_to_save.end()) {
+      tensors.emplace_back(kPrefix + item.key(),
+                           whole_of(item.key(), item.value()).detach().to(at::kCPU, options.dtype));
+    }
+  }
+
+  // target_modules: a layer's last name component when every module of that name is adapted
+  // ("q_proj"), else the full names; either way peft adapts exactly these layers.
+  std::vector<std::string> targets;
+  std::set<std::string> adapted;
+  for (const auto& layer : layers) {
+    adapted.insert(layer.name);
+  }
+  const auto all = module_names(model);
+  for (const auto& layer : layers) {
+    const auto last = last_component(layer.name);
+    const bool all_of_kind = std::all_of(all.begin(), all.end(), [&](const auto& item) {
+      const bool same = item.first == last || ends_with(item.first, "." + last);
+      return !same || adapted.count(item.first) > 0;
+    });
+    const auto target = all_of_kind ? last : layer.name;
+    if (std::find(targets.begin(), targets.end(), target) == targets.end()) {
+      targets.push_back(target);
+    }
+  }
+
+  const auto text_or_null = [](const std::string& text) {
+    return text.empty() ? Json(nullptr) : Json(text);
+  };
+  Json config = {
+      {"alpha_pattern", alpha_pattern},
+      {"auto_mapping", nullptr},
+      {"base_model_name_or_path", text_or_null(options.base_model_name_or_path)},
+      {"bias", "none"},
+      {"exclude_modules", nullptr},
+      {"fan_in_fan_out", false},
+      {"inference_mode", true},
+      {"init_lora_weights", true},
+      {"layer_replication", nullptr},
+      {"layers_pattern", nullptr},
+      {"layers_to_transform", nullptr},
+      {"lora_alpha", number(first.alpha)},
+      {"lora_bias", false},
+      {"lora_dropout", first.dropout},
+      {"modules_to_save", modules_to_save.empty() ? Json(nullptr) : Json(modules_to_save)},
+      {"peft_type", "LORA"},
+      {"r", first.rank},
+      {"rank_pattern", rank_pattern},
+      {"revision", nullptr},
+      {"target_modules", targets},
+      {"task_type", text_or_null(options.task_type)},
+      {"use_dora", false},
+      {"use_rslora", first.rslora},
+  };
+  files::create_directories(dir, who);
+  state::save_safetensors(files::join(dir, kWeightsFile), tensors, {{"format", "pt"}});
+  write_text_file(files::join(dir, kConfigFile), config.dump(2) + "\n");
+}
+
+void load_adapter(torch::nn::Module& model, const std::string& dir) {
+  const std::string who = "d9d::peft::load_adapter";
+  if (has_lora(model)) {
+    throw std::invalid_argument(who +
+                                ": the model has adapters already. Fix: "
+                                "d9d::peft::load_adapter_weights copies a file into them");
+  }
+  const auto config = read_config(dir);
+  const auto tensors = read_weights(dir, who);
+  const auto modules = module_names(model);
+  std::vector<std::pair<std::string, model::LinearImpl*>> targets;
+  for (const auto& [name, module] : modules) {
+    if (!is_target(config, name, *module)) {
+      continue;
+    }
+    auto* layer = dynamic_cast<model::LinearImpl*>(module.get());
+    if (layer == nullptr) {
+      // peft adapts containers' children, not containers; a non-linear leaf is an error there.
+      if (module->children().empty()) {
+        throw std::runtime_error(who + ": the adapter targets " + name +
+                                 ", which is not a linear layer (d9d adapts d9d::model::Linear "
+                                 "only)");
+      }
+      continue;
+    }
+    targets.emplace_back(name, layer);
+  }
+  if (targets.empty()) {
+    throw std::runtime_error(who + ": target_modules " + config.target_modules.dump() +
+                             " matches no linear layer of the model. Fix: load the adapter into "
+                             "the model it was trained for");
+  }
+  std::map<std::string, at::Tensor> destinations;
+  for (const auto& [name, layer] : targets) {
+    auto adapter = std::make_shared<LoraAdapter>(*layer, options_for(config, name), 0, name);
+    destinations[name + ".lora_A.weight"] = adapter->lora_A->weight;
+    destinations[name + ".lora_B.weight"] = adapter->lora_B->weight;
+    layer->adapter = adapter;
+  }
+  // Modules to save: every parameter of a module whose name ends with an entry (peft's rule, a
+  // plain suffix).
+  for (const auto& item : model.named_parameters()) {
+    const auto owner = owner_of(item.key());
+    for (const auto& save : config.modules_to_save) {
+      if (ends_with(owner, save)) {
+        destinations[item.key()] = item.value();
+      }
+    }
+  }
+  try {
+    copy_checked(tensors, destinations, who, files::join(dir, kWeightsFile));
+  } catch (...) {
+    for (const auto& [name, layer] : targets) {
+      layer->adapter.reset();
+      layer->unregister_module("lora_A");
+      layer->unregister_module("lora_B");
+    }
+    throw;
+  }
+  for (auto& parameter : model.parameters()) {
+    parameter.requires_grad_(false);
+  }
+}
+
+void load_adapter_weights(torch::nn::Module& model, const std::string& dir) {
+  const std::string who = "d9d::peft::load_adapter_weights";
+  const auto layers = lora_layers(model);
+  if (layers.empty()) {
+    throw std::invalid_argument(who +
+                                ": the model has no adapter. Fix: d9d::peft::load_adapter adds "
+                                "the file's adapters to a plain model");
+  }
+  const auto config = read_config(dir);
+  std::map<std::string, at::Tensor> destinations;
+  for (const auto& [name, layer, adapter] : layers) {
+    const auto want = options_for(config, name);
+    const auto& have = adapter->options();
+    if (want.rank != have.rank || std::abs(want.scale() - have.scale()) > 1e-12 * have.scale()) {
+      throw std::runtime_error(who + ": " + name + " has rank " + std::to_string(have.rank) +
+                               " and scale " + std::to_string(have.scale()) + ", the file rank " +
+                               std::to_string(want.rank) + " and scale " +
+                               std::to_string(want.scale()) +
+                               ". Fix: build the model with the adapter's rank and alpha");
+    }
+    destinations[name + ".lora_A.weight"] = adapter->lora_A->weight;
+    destinations[name + ".lora_B.weight"] = adapter->lora_B->weight;
+  }
+  const auto tensors = read_weights(dir, who);
+  const auto parameters = model.named_parameters();
+  for (const auto& [name, tensor] : tensors) {
+    if (destinations.count(name) == 0 && parameters.find(name) != nullptr) {
+      destinations[name] = parameters[name];  // a module to save
+    }
+  }
+  copy_checked(tensors, destinations, who, files::join(dir, kWeightsFile));
+}
+
+void save_merged_hf_checkpoint(torch::nn::Module& model, const std::string& dir,
+                               const std::string& config_json, at::ScalarType dtype) {
+  const auto layers = lora_layers(model);
+  const auto adapter_names = adapter_parameter_names(layers);
+  std::vector<std::string> merged_here;
+  for (const auto& layer : layers) {
+    if (!layer.adapter->merged()) {
+      merged_here.push_back(layer.name);
+    }
+  }
+  UnmergeOnExit restore(model);  // unmerges what this call merged, also when saving throws
+  if (!merged_here.empty()) {
+    if (merged_here.size() != layers.size()) {
+      throw std::invalid_argument(
+          "d9d::peft::save_merged_hf_checkpoint: some adapters are merged already, others not. "
+          "Fix: d9d::peft::unmerge(model) first");
+    }
+    merge(model);
+    restore.arm();
+  }
+  std::vector<std::pair<std::string, at::Tensor>> base;
+  for (const auto& item : model.named_parameters()) {
+    if (adapter_names.count(item.key()) == 0) {
+      base.emplace_back(item.key(), item.value());
+    }
+  }
+  model::save_hf_checkpoint(*tree_of(base), dir, config_json, dtype);
+}
+
+}  // namespace d9d::peft

@@ -1,0 +1,454 @@
+// d9d/peft/lora.cpp — LoRA adapters, applying a peft stack to a module tree, merge and unmerge.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+#include <stdexcept>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <d9d/peft/lora.hpp>
+#include <d9d/util/did_you_mean.hpp>
+
+namespace d9d::peft {
+namespace {
+
+// FNV-1a of the name mixed with the seed (as d9d::model::init_qwen3_parameters does).
+uint64_t name_seed(uint64_t seed, const std::string& name) {
+  uint64_t hash = 14695981039346656037ULL ^ seed;
+  for (const char c : name) {
+    hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ULL;
+  }
+  return hash;
+}
+
+bool glob_matches(std::string_view pattern, std::string_view name) {
+  // Iterative wildcard matching with backtracking to the last '*'.
+  std::size_t p = 0;
+  std::size_t n = 0;
+  std::size_t star = std::string_view::npos;
+  std::size_t resume = 0;
+  while (n < name.size()) {
+    if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      resume = n;
+    } else if (p < pattern.size() && pattern[p] == name[n]) {
+      ++p;
+      ++n;
+    } else if (star != std::string_view::npos) {
+      p = star + 1;
+      n = ++resume;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') {
+    ++p;
+  }
+  return p == pattern.size();
+}
+
+bool is_adapter_child(const std::string& name) {
+  const auto ends = [&](const std::string& suffix) {
+    return name.size() > suffix.size() &&
+           name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  return ends(".lora_A") || ends(".lora_B") || name == "lora_A" || name == "lora_B";
+}
+
+std::string last_component(const std::string& name) {
+  const auto dot = name.rfind('.');
+  return dot == std::string::npos ? name : name.substr(dot + 1);
+}
+
+// "model.layers.3.mlp" -> "model.layers.*.mlp": one line for every repeated layer.
+std::string collapse_indices(const std::string& name) {
+  std::string out;
+  std::size_t start = 0;
+  while (start <= name.size()) {
+    auto dot = name.find('.', start);
+    if (dot == std::string::npos) {
+      dot = name.size();
+    }
+    const auto part = name.substr(start, dot - start);
+    const bool digits = !part.empty() && std::all_of(part.begin(), part.end(),
+                                                     [](char c) { return c >= '0' && c <= '9'; });
+    out += (start > 0 ? "." : "") + (digits ? std::string("*") : part);
+    start = dot + 1;
+  }
+  return out;
+}
+
+// "d9d::model::LinearImpl" -> "Linear".
+std::string kind_of(const torch::nn::Module& module) {
+  std::string name = module.name();
+  const auto colon = name.rfind("::");
+  if (colon != std::string::npos) {
+    name = name.substr(colon + 2);
+  }
+  if (name.size() > 4 && name.compare(name.size() - 4, 4, "Impl") == 0) {
+    name.resize(name.size() - 4);
+  }
+  return name;
+}
+
+using NamedModule = std::pair<std::string, std::shared_ptr<torch::nn::Module>>;
+
+// Every named submodule of the roots (not the roots themselves, nor adapters' own layers).
+std::vector<NamedModule> modules_of(const std::vector<std::shared_ptr<torch::nn::Module>>& roots) {
+  std::vector<NamedModule> out;
+  for (const auto& root : roots) {
+    for (const auto& item : root->named_modules("", /*include_self=*/false)) {
+      if (!is_adapter_child(item.key())) {
+        out.emplace_back(item.key(), item.value());
+      }
+    }
+  }
+  return out;
+}
+
+// The modules, one line per repeated name: "model.layers.*.self_attn.q_proj (Linear)".
+std::string module_listing(const std::vector<NamedModule>& modules) {
+  std::vector<std::string> lines;
+  std::set<std::string> seen;
+  for (const auto& [name, module] : modules) {
+    auto line = collapse_indices(name) + " (" + kind_of(*module) + ")";
+    if (seen.insert(line).second) {
+      lines.push_back(std::move(line));
+    }
+  }
+  std::string out;
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    out += (i > 0 ? ", " : "") + lines[i];
+  }
+  return out;
+}
+
+// A did-you-mean for a pattern, among the modules' last components and collapsed names.
+std::string suggestion(const std::string& pattern, const std::vector<NamedModule>& modules) {
+  std::vector<std::string> candidates;
+  std::set<std::string> seen;
+  for (const auto& [name, module] : modules) {
+    for (const auto& candidate :
+         {last_component(name), collapse_indices(name), "*." + last_component(name)}) {
+      if (seen.insert(candidate).second) {
+        candidates.push_back(candidate);
+      }
+    }
+  }
+  const auto best = util::closest_match(pattern, candidates);
+  return best.empty() ? std::string() : " (did you mean \"" + best + "\"?)";
+}
+
+// A parameter is matched by a Freeze / Train pattern when its name or a module around it is.
+bool parameter_matches(const std::string& pattern, const std::string& parameter) {
+  if (pattern_matches(pattern, parameter)) {
+    return true;
+  }
+  for (auto dot = parameter.find('.'); dot != std::string::npos;
+       dot = parameter.find('.', dot + 1)) {
+    if (pattern_matches(pattern, std::string_view(parameter).substr(0, dot))) {
+      return true;
+    }
+  }
+  return false;
+}
+
+bool all_linear_target(const std::string& name, const torch::nn::Module& module) {
+  return dynamic_cast<const model::LinearImpl*>(&module) != nullptr &&
+         last_component(name) != "lm_head";
+}
+
+}  // namespace
+
+double LoraOptions::scale() const {
+  return rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / static_cast<double>(rank);
+}
+
+bool pattern_matches(std::string_view pattern, std::string_view name) {
+  if (pattern.find('*') != std::string_view::npos) {
+    return glob_matches(pattern, name);
+  }
+  if (name == pattern) {
+    return true;
+  }
+  return name.size() > pattern.size() && name[name.size() - pattern.size() - 1] == '.' &&
+         name.substr(name.size() - pattern.size()) == pattern;
+}
+
+LoraAdapter::LoraAdapter(model::LinearImpl& layer, const LoraOptions& options, uint64_t seed,
+                         const std::string& name)
+    : options_(options) {
+  if (options.rank < 1) {
+    throw std::invalid_argument("d9d::peft::LoraAdapter: rank must be >= 1 (got " +
+                                std::to_string(options.rank) + ") for " + name);
+  }
+  const int64_t in = layer.in_features();
+  const int64_t out = layer.out_features();
+  lora_A = layer.register_module("lora_A", model::Linear(in, options.rank));
+  lora_B = layer.register_module("lora_B", model::Linear(options.rank, out));
+  lora_A->to(layer.weight.device(), layer.weight.scalar_type());
+  lora_B->to(layer.weight.device(), layer.weight.scalar_type());
+  lora_A->train(layer.is_training());
+  lora_B->train(layer.is_training());
+  const at::NoGradGuard no_grad;
+  auto generator =
+      at::make_generator<at::CPUGeneratorImpl>(name_seed(seed, name + ".lora_A.weight"));
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  lora_A->weight.copy_(at::empty({options.rank, in}, at::TensorOptions().dtype(at::kFloat))
+                           .uniform_(-bound, bound, generator));
+  lora_B->weight.zero_();
+}
+
+at::Tensor LoraAdapter::forward(const at::Tensor& x) {
+  if (merged()) {
+    return {};
+  }
+  auto input = x;
+  if (options_.dropout > 0.0 && lora_A->is_training()) {
+    input = at::dropout(x, options_.dropout, /*train=*/true);
+  }
+  return lora_B(lora_A(input)) * options_.scale();
+}
+
+at::Tensor LoraAdapter::delta_weight() const {
+  const at::NoGradGuard no_grad;
+  const auto& a = lora_A->weight;
+  const auto& b = lora_B->weight;
+  return (b.mm(a) * options_.scale());
+}
+
+std::vector<LoraLayer> lora_layers(const torch::nn::Module& model) {
+  std::vector<LoraLayer> out;
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    auto* layer = dynamic_cast<model::LinearImpl*>(item.value().get());
+    if (layer == nullptr || !layer->adapter) {
+      continue;
+    }
+    auto* adapter = dynamic_cast<LoraAdapter*>(layer->adapter.get());
+    if (adapter != nullptr) {
+      out.push_back({.name = item.key(), .layer = layer, .adapter = adapter});
+    }
+  }
+  return out;
+}
+
+bool has_lora(const torch::nn::Module& model) { return !lora_layers(model).empty(); }
+
+void merge(torch::nn::Module& model) {
+  const at::NoGradGuard no_grad;
+  for (const auto& [name, layer, adapter] : lora_layers(model)) {
+    if (adapter->merged()) {
+      continue;
+    }
+    for (const auto* weight :
+         {&adapter->lora_A->weight, &adapter->lora_B->weight, &layer->weight}) {
+      if (weight->storage().nbytes() < static_cast<std::size_t>(weight->nbytes())) {
+        throw std::invalid_argument(
+            "d9d::peft::merge: the parameters of " + name +
+            " are not whole on this rank (FullyShard frees them between steps). Fix: save the "
+            "adapter (d9d::peft::save_adapter from the records) and merge in one process after "
+            "d9d::peft::load_adapter");
+      }
+    }
+    adapter->original_ = layer->weight.detach().clone();
+    layer->weight.copy_(merged_weight(adapter->original_, adapter->lora_A->weight,
+                                      adapter->lora_B->weight, adapter->options()));
+  }
+}
+
+at::Tensor merged_weight(const at::Tensor& weight, const at::Tensor& lora_a,
+                         const at::Tensor& lora_b, const LoraOptions& options) {
+  const at::NoGradGuard no_grad;
+  return weight + (lora_b.mm(lora_a) * options.scale()).to(weight.scalar_type());
+}
+
+void unmerge(torch::nn::Module& model) {
+  const at::NoGradGuard no_grad;
+  for (const auto& [name, layer, adapter] : lora_layers(model)) {
+    if (!adapter->merged()) {
+      continue;
+    }
+    layer->weight.copy_(adapter->original_);
+    adapter->original_ = at::Tensor();
+  }
+}
+
+ParameterCount count_parameters(const torch::nn::Module& model) {
+  ParameterCount count;
+  for (const auto& parameter : model.parameters()) {
+    count.total += parameter.numel();
+    if (parameter.requires_grad()) {
+      count.trainable += parameter.numel();
+    }
+  }
+  return count;
+}
+
+void apply_stack(torch::nn::Module& model, const StackSpec& spec, uint64_t seed) {
+  // A non-owning pointer to a caller-owned module: named_modules() needs a shared_ptr root.
+  const std::shared_ptr<torch::nn::Module> root(std::shared_ptr<torch::nn::Module>(), &model);
+  detail::apply_stack({root}, spec, seed, [](std::vector<int64_t>& /*counts*/) {});
+}
+
+namespace detail {
+
+void apply_stack(const std::vector<std::shared_ptr<torch::nn::Module>>& roots,
+                 const StackSpec& spec, uint64_t seed, const SumOverStages& sum_over_stages) {
+  const auto modules = modules_of(roots);
+  std::vector<std::pair<std::string, at::Tensor>> parameters;
+  for (const auto& root : roots) {
+    for (const auto& item : root->named_parameters()) {
+      parameters.emplace_back(item.key(), item.value());
+    }
+  }
+
+  // Which method claims each parameter; the layers each Lora adapts; matches per pattern.
+  struct Claim {
+    std::size_t method;
+    std::string pattern;
+  };
+  std::map<std::string, Claim> claims;
+  std::vector<std::pair<std::string, std::size_t>> adapt;    // layer name, Lora method
+  std::vector<int64_t> counts;                               // per (method, pattern), then errors
+  std::vector<std::pair<std::size_t, std::string>> counted;  // what each count is about
+  std::string error;
+  const auto claim = [&](const std::string& parameter, std::size_t method,
+                         const std::string& pattern) {
+    const auto [it, fresh] = claims.emplace(parameter, Claim{method, pattern});
+    if (!fresh && it->second.method != method && error.empty()) {
+      error = "d9d::peft::Stack: " + parameter + " is claimed by " +
+              spec.methods[it->second.method].describe() + " (pattern \"" + it->second.pattern +
+              "\") and by " + spec.methods[method].describe() + " (pattern \"" + pattern +
+              "\"); a parameter is frozen, trained or adapted by one method. Fix: make the "
+              "patterns disjoint (e.g. name the layers of each method)";
+    }
+  };
+  const auto has_parameter = [&](const std::string& name) {
+    return std::any_of(parameters.begin(), parameters.end(),
+                       [&](const auto& item) { return item.first == name; });
+  };
+
+  for (std::size_t m = 0; m < spec.methods.size(); ++m) {
+    const auto& method = spec.methods[m];
+    if (method.kind == MethodKind::full_tune) {
+      continue;
+    }
+    if (method.kind == MethodKind::lora) {
+      const bool every_linear = method.patterns.empty();
+      const std::vector<std::string> patterns =
+          every_linear ? std::vector<std::string>{"(every linear layer but lm_head)"}
+                       : method.patterns;
+      for (const auto& pattern : patterns) {
+        int64_t matched = 0;
+        for (const auto& [name, module] : modules) {
+          const bool hit =
+              every_linear ? all_linear_target(name, *module) : pattern_matches(pattern, name);
+          if (!hit) {
+            continue;
+          }
+          ++matched;
+          auto* layer = dynamic_cast<model::LinearImpl*>(module.get());
+          if (layer == nullptr) {
+            if (error.empty()) {
+              error = "d9d::peft::Lora: the target \"" + pattern + "\" of " + method.describe() +
+                      " matches " + name + ", a " + kind_of(*module) +
+                      "; LoRA wraps linear layers (d9d::model::Linear) only. Fix: target the "
+                      "linear layers, e.g. \"*.q_proj\"; linear layers here: " +
+                      module_listing([&] {
+                        std::vector<NamedModule> linear;
+                        for (const auto& item : modules) {
+                          if (dynamic_cast<model::LinearImpl*>(item.second.get()) != nullptr) {
+                            linear.push_back(item);
+                          }
+                        }
+                        return linear;
+                      }());
+            }
+            continue;
+          }
+          if (layer->adapter && error.empty()) {
+            error = "d9d::peft::Lora: " + name +
+                    " already has an adapter (a peft stack is applied once). Fix: apply one "
+                    "d9d::peft::Stack with every method";
+          }
+          if (std::find(adapt.begin(), adapt.end(), std::make_pair(name, m)) == adapt.end()) {
+            adapt.emplace_back(name, m);
+          }
+          for (const char* suffix : {".weight", ".bias"}) {
+            if (has_parameter(name + suffix)) {
+              claim(name + suffix, m, pattern);
+            }
+          }
+        }
+        counts.push_back(matched);
+        counted.emplace_back(m, pattern);
+      }
+      continue;
+    }
+    for (const auto& pattern : method.patterns) {
+      int64_t matched = 0;
+      for (const auto& [name, parameter] : parameters) {
+        if (parameter_matches(pattern, name)) {
+          ++matched;
+          claim(name, m, pattern);
+        }
+      }
+      counts.push_back(matched);
+      counted.emplace_back(m, pattern);
+    }
+  }
+
+  // A pattern may match on another pipeline stage only; errors on one rank stop every rank.
+  counts.push_back(error.empty() ? 0 : 1);
+  sum_over_stages(counts);
+  if (!error.empty()) {
+    throw std::invalid_argument(error);
+  }
+  if (counts.back() > 0) {
+    throw std::invalid_argument(
+        "d9d::peft: another pipeline rank rejected the peft stack (its message says why)");
+  }
+  for (std::size_t i = 0; i + 1 < counts.size(); ++i) {
+    if (counts[i] > 0) {
+      continue;
+    }
+    const auto& [m, pattern] = counted[i];
+    const auto& method = spec.methods[m];
+    const bool lora = method.kind == MethodKind::lora;
+    throw std::invalid_argument(
+        "d9d::peft: the pattern \"" + pattern + "\" of " + method.describe() + " matches no " +
+        (lora ? "module" : "parameter or module") + " of the model" + suggestion(pattern, modules) +
+        ". Modules here: " + module_listing(modules) +
+        ". Fix: use one of these names, a dotted suffix of one (\"q_proj\"), or a glob over "
+        "whole names (\"*.q_proj\")");
+  }
+
+  // Freeze, train, then adapt.
+  for (auto& [name, parameter] : parameters) {
+    const auto it = claims.find(name);
+    if (it == claims.end()) {
+      if (!spec.rest_trains) {
+        parameter.requires_grad_(false);
+      }
+      continue;
+    }
+    parameter.requires_grad_(spec.methods[it->second.method].kind == MethodKind::train);
+  }
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> by_name(modules.begin(), modules.end());
+  for (const auto& [name, m] : adapt) {
+    const auto& method = spec.methods[m];
+    auto& layer = dynamic_cast<model::LinearImpl&>(*by_name.at(name));
+    layer.adapter =
+        std::make_shared<LoraAdapter>(layer,
+                                      LoraOptions{.rank = method.rank,
+                                                  .alpha = static_cast<double>(method.alpha),
+                                                  .dropout = method.dropout},
+                                      seed, name);
+  }
+}
+
+}  // namespace detail
+}  // namespace d9d::peft

@@ -1,0 +1,222 @@
+// The MoE layer's pieces (include/d9d/model/moe.hpp) on the CPU, in float64 against direct
+// formulas: the grouped GEMM (loop and at::_grouped_mm), routing (top-k, renormalisation, the
+// selection bias), the layer against a per-token reference, the auxiliary loss's value and
+// gradient against transformers' load_balancing_loss_func written out, the bias update moving the
+// load towards uniform, and recompute counting a pass once.
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <d9d/model/moe.hpp>
+
+#include "tests/support/error_of.hpp"
+
+namespace {
+
+using d9d::model::GroupedGemm;
+using d9d::model::MoeForwardStats;
+using d9d::model::MoeLayer;
+using d9d::model::MoeOptions;
+using ::testing::HasSubstr;
+
+MoeOptions tiny(bool norm, int64_t shared = 0, double rate = 0.0) {
+  return {.hidden_size = 8,
+          .num_experts = 4,
+          .top_k = 2,
+          .intermediate_size = 6,
+          .norm_topk_prob = norm,
+          .shared_expert_intermediate_size = shared,
+          .bias_update_rate = rate};
+}
+
+// Every parameter in float64 with a wide router, so tokens spread over the experts.
+void widen(torch::nn::Module& module) {
+  const at::NoGradGuard no_grad;
+  for (auto& item : module.named_parameters()) {
+    item.value().set_data(item.value().detach().to(at::kDouble) *
+                          (item.key() == "gate.weight" ? 25.0 : 5.0));
+  }
+}
+
+at::Tensor swiglu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
+                  const at::Tensor& down) {
+  return at::linear(at::silu(at::linear(x, gate)) * at::linear(x, up), down);
+}
+
+TEST(Model_Moe_GroupedLinear, LoopEqualsPerGroupProducts) {
+  const auto x = at::randn({9, 8}, at::kDouble);
+  const auto w = at::randn({3, 5, 8}, at::kDouble);
+  const std::vector<int64_t> counts = {4, 0, 5};
+  const auto y = d9d::model::grouped_linear(x, w, counts, GroupedGemm::loop);
+  const auto want =
+      at::cat({at::linear(x.narrow(0, 0, 4), w[0]), at::linear(x.narrow(0, 4, 5), w[2])});
+  EXPECT_TRUE(at::allclose(y, want, 0, 1e-12));
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>([&] {
+                (void)d9d::model::grouped_linear(x, w, {4, 0, 4});
+              }),
+              HasSubstr("the counts sum to 8, x has 9 rows"));
+}
+
+// at::_grouped_mm (what CUDA runs in bf16) has a CPU fallback in float32: same values and
+// gradients as the loop, an empty group included.
+TEST(Model_Moe_GroupedLinear, GroupedMmEqualsLoopWithGradients) {
+  const auto x0 = at::randn({10, 8});
+  const auto w0 = at::randn({3, 16, 8});
+  const std::vector<int64_t> counts = {3, 0, 7};
+  std::vector<at::Tensor> grads[2];
+  at::Tensor outs[2];
+  for (int i = 0; i < 2; ++i) {
+    auto x = x0.clone().requires_grad_();
+    auto w = w0.clone().requires_grad_();
+    outs[i] = d9d::model::grouped_linear(x, w, counts,
+                                         i == 0 ? GroupedGemm::loop : GroupedGemm::grouped_mm);
+    (outs[i] * at::arange(16, at::kFloat)).sum().backward();
+    grads[i] = {x.grad(), w.grad()};
+  }
+  EXPECT_TRUE(at::allclose(outs[0], outs[1], 1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(grads[0][0], grads[1][0], 1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(grads[0][1], grads[1][1], 1e-5, 1e-5));
+  EXPECT_TRUE(at::equal(grads[0][1][1], at::zeros({16, 8}))) << "the empty group's gradient";
+}
+
+// The layer against a reference that runs every token through its top-k experts one by one
+// (softmax, top-k, renormalised or not, weighted sum; the shared expert with its sigmoid gate).
+TEST(Model_Moe_Layer, EqualsPerTokenReference) {
+  for (const bool norm : {true, false}) {
+    for (const int64_t shared : {int64_t{0}, int64_t{5}}) {
+      torch::manual_seed(3);
+      MoeLayer layer(tiny(norm, shared), 0);
+      widen(*layer);
+      const auto x = at::randn({2, 5, 8}, at::kDouble);
+      const auto y = layer(x);
+      const auto flat = x.reshape({-1, 8});
+      const auto probs = at::softmax(at::linear(flat, layer->gate->weight), -1);
+      auto [top, chosen] = at::topk(probs, 2, -1);
+      if (norm) {
+        top = top / top.sum(-1, true);
+      }
+      auto want = at::zeros_like(flat);
+      std::vector<int64_t> used(4, 0);
+      for (int64_t t = 0; t < flat.size(0); ++t) {
+        for (int64_t s = 0; s < 2; ++s) {
+          const int64_t e = chosen[t][s].item<int64_t>();
+          ++used[static_cast<std::size_t>(e)];
+          want[t] += top[t][s] * swiglu(flat[t], layer->experts->gate_proj[e],
+                                        layer->experts->up_proj[e], layer->experts->down_proj[e]);
+        }
+        if (shared > 0) {
+          want[t] += at::sigmoid(at::linear(flat[t], layer->shared_expert_gate->weight))[0] *
+                     layer->shared_expert(flat[t]);
+        }
+      }
+      EXPECT_TRUE(at::allclose(y.reshape({-1, 8}), want, 0, 1e-12))
+          << "norm " << norm << " shared " << shared;
+      EXPECT_GE(std::count_if(used.begin(), used.end(), [](int64_t n) { return n > 0; }), 3)
+          << "the test should route to most experts";
+    }
+  }
+}
+
+// transformers' load_balancing_loss_func over two layers' routings (concatenated), and its
+// gradient through the routers: what MoeForwardStats and the layers' backward produce.
+TEST(Model_Moe_AuxLoss, ValueAndGradientEqualTheDirectFormula) {
+  torch::manual_seed(4);
+  const double coef = 0.3;
+  MoeLayer first(tiny(false), 0);
+  MoeLayer second(tiny(true), 1);
+  widen(*first);
+  widen(*second);
+  const auto x = at::randn({3, 4, 8}, at::kDouble);
+  auto stats = std::make_shared<MoeForwardStats>(coef);
+  const auto y = first(x, stats) + second(x, stats);
+  stats->finish();
+  // Only the auxiliary loss reaches the routers: the output's gradient is zero.
+  (y * 0).sum().backward();
+  const auto got_first = first->gate->weight.grad().clone();
+  const auto got_second = second->gate->weight.grad().clone();
+
+  // The direct formula with the same routers (fresh leaves).
+  const auto w1 = first->gate->weight.detach().clone().requires_grad_();
+  const auto w2 = second->gate->weight.detach().clone().requires_grad_();
+  const auto flat = x.reshape({-1, 8});
+  const auto p1 = at::softmax(at::linear(flat, w1), -1);
+  const auto p2 = at::softmax(at::linear(flat, w2), -1);
+  const auto probabilities = at::cat({p1, p2});
+  const auto experts = std::get<1>(at::topk(probabilities, 2, -1));
+  const auto aux = d9d::model::load_balancing_loss(probabilities, experts, 4);
+  // By hand: E * sum_e (routings to e / (layers * tokens)) * mean probability of e.
+  const auto fractions = at::one_hot(experts, 4).sum(at::IntArrayRef{0, 1}).to(at::kDouble) / 24.0;
+  const double by_hand = 4 * (fractions * probabilities.mean(0)).sum().item<double>();
+  EXPECT_NEAR(aux.item<double>(), by_hand, 1e-12);
+  EXPECT_NEAR(stats->aux_loss(), aux.item<double>(), 1e-12);
+  (aux * coef * 12.0).backward();  // the sum form: coef * aux * tokens of the pass
+  EXPECT_TRUE(at::allclose(got_first, w1.grad(), 0, 1e-12));
+  EXPECT_TRUE(at::allclose(got_second, w2.grad(), 0, 1e-12));
+  EXPECT_GT(w1.grad().abs().max().item<double>(), 1e-4) << "a gradient that could be wrong";
+}
+
+TEST(Model_Moe_AuxLoss, BackwardWithoutFinishIsAnError) {
+  MoeLayer layer(tiny(false), 0);
+  auto stats = std::make_shared<MoeForwardStats>(0.1);
+  const auto y = layer(at::randn({2, 3, 8}), stats);
+  EXPECT_THAT(d9d::testing::error_of<std::exception>([&] { y.sum().backward(); }),
+              HasSubstr("call MoeForwardStats::finish()"));
+}
+
+// A recomputed block runs its body twice (no_grad, then in backward): the pass and the step's
+// load count it once.
+TEST(Model_Moe_Stats, ARecomputedLayerIsCountedOnce) {
+  MoeLayer layer(tiny(false), 7);
+  layer->train();
+  auto stats = std::make_shared<MoeForwardStats>(0.0);
+  const auto x = at::randn({2, 3, 8});
+  {
+    const at::NoGradGuard no_grad;
+    (void)layer(x, stats);
+  }
+  (void)layer(x, stats);
+  stats->finish();
+  EXPECT_EQ(stats->layers(), 1);
+  const auto load = layer->take_load();
+  EXPECT_EQ(load.tokens, 6);
+  EXPECT_EQ(load.routed.sum().item<double>(), 12.0);
+  EXPECT_EQ(layer->take_load().tokens, 0) << "take_load resets";
+}
+
+// The selection bias (DeepSeek-V3's sign rule) moves the load of a router that prefers one expert
+// towards uniform; the weights stay the unbiased probabilities.
+TEST(Model_Moe_BiasBalancing, MovesLoadTowardUniform) {
+  torch::manual_seed(5);
+  auto options = tiny(false, 0, 0.02);
+  d9d::model::MoeRouter router(options);
+  const auto x = at::randn({256, 8}) + 1.0;
+  {
+    const at::NoGradGuard no_grad;
+    router->weight.zero_();
+    router->weight[0].fill_(0.5);  // expert 0 scores highest for these tokens
+    router->weight[1].fill_(0.3);
+  }
+  const auto imbalance = [&] {
+    const auto routing = router(x);
+    const auto load = at::bincount(routing.experts.reshape({-1}), {}, 4).to(at::kDouble);
+    return std::make_pair(load, (load.max() / load.mean()).item<double>());
+  };
+  const double before = imbalance().second;
+  EXPECT_GT(before, 1.9);
+  for (int step = 0; step < 300; ++step) {
+    router->update_bias(imbalance().first);
+  }
+  const double after = imbalance().second;
+  EXPECT_LT(after, 1.25) << "before " << before;
+  const auto routing = router(x);
+  EXPECT_TRUE(at::allclose(routing.weights, routing.probabilities.gather(1, routing.experts)))
+      << "the bias chooses, the probabilities weigh";
+  // Without the rate there is no bias at all.
+  EXPECT_FALSE(d9d::model::MoeRouter(tiny(false))->expert_bias.defined());
+}
+
+}  // namespace

@@ -1,0 +1,215 @@
+// Expert parallelism (d9d::parallel::ExpertParallel) and the MoE router bookkeeping on 2 and 4
+// Gloo ranks against one process training the same global batch, in float64 (tolerances in
+// tests/train/train_test_util.hpp), 6 optimizer steps each: ep 2 (Replicate), ep 2 x FullyShard 2,
+// FullyShard 4 x ep 2 (experts sharded and reduce-scattered over ep_replicate 2), ep 2 x pp 2
+// (1F1B), ep 2 with recompute; losses, gradient norms and every parameter. The auxiliary loss uses
+// global-batch statistics (f summed over the data-parallel ranks per microbatch), so the
+// reference's microbatch is the union of the ranks' microbatches (dp x microbatch). Also the export
+// under expert parallelism (transformers' per-expert tensors, equal to the gathered experts) and a
+// training checkpoint saved on ep 2 resumed in one process.
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include <d9d/model/hf_moe.hpp>
+#include <d9d/state/safetensors.hpp>
+#include <d9d/util/files.hpp>
+
+#include "tests/core/core_test_util.hpp"
+#include "tests/parallel/parallel_test_util.hpp"
+
+namespace {
+
+using d9d::precision::Fp64;
+using d9d::testing::RankEnv;
+using d9d::testing::RunOutcome;
+
+// 4 experts, top 2 (renormalised), 4 layers with layer 2 dense, the auxiliary loss on (with
+// global statistics) and the auxiliary-loss-free bias on: every path of the router trains.
+std::string moe_json(bool aux = true, double bias_rate = 0.001) {
+  return std::string(R"({"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32,
+    "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": false, "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16, "norm_topk_prob": true, "mlp_only_layers": [2],
+    "router_aux_loss_coef": 0.05, "output_router_logits": )") +
+         (aux ? "true" : "false") + R"(, "router_bias_update_rate": )" + std::to_string(bias_rate) +
+         "}";
+}
+
+d9d::TrainerConfig moe_run(const std::string& dir, int64_t microbatch, const std::string& mesh = "",
+                           bool aux = true, bool outputs = false) {
+  auto config = d9d::testing::tiny_run(dir, 6, 8, microbatch, outputs, 4, mesh);
+  config.sections["model"] = moe_json(aux);
+  return config;
+}
+
+template <class Plan>
+RunOutcome train_moe(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& config,
+                     const std::function<void(d9d::detail::TrainerCore&)>& inspect = {}) {
+  d9d::Trainer<Plan> trainer(ctx, d9d::Qwen3MoeProvider{}, d9d::testing::RandomWindowsProvider{},
+                             d9d::CausalLmTask{}, config);
+  RunOutcome out;
+  out.result = trainer.train();
+  if (inspect) {
+    inspect(trainer.core());
+  }
+  out.parameters = d9d::testing::full_parameters(trainer.core());
+  return out;
+}
+
+// One process, the whole global batch of 8 in microbatches of `microbatch`.
+RunOutcome reference(RankEnv& env, const d9d::DistributedContext& ctx, int64_t microbatch,
+                     bool aux = true) {
+  const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
+  return train_moe<d9d::Plan<Fp64>>(
+      local, moe_run(env.scratch_dir() + "/one" + std::to_string(env.rank()), microbatch, "", aux));
+}
+
+using EpMesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::ep<d9d::dynamic>>;
+using ShardEpMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::ep<d9d::dynamic>>;
+using Ep = d9d::parallel::ExpertParallel<>;
+
+TEST(Moe_ExpertParallel_ws2, Ep2AndEp2TimesFsdp2MatchOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    // 2 ranks x microbatches of 2 = the reference's microbatches of 4.
+    const auto want = reference(env, ctx, 4);
+    const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
+    // The experts are split: the gathered parameters must still be the reference's.
+    d9d::testing::expect_same_run(
+        train_moe<d9d::Plan<EpMesh, Ep, Fp64>>(ctx, moe_run(dir + "/ep", 2, R"({"ep": 2})")), want,
+        "ep 2");
+    d9d::testing::expect_same_run(
+        train_moe<d9d::Plan<ShardEpMesh, Ep, d9d::parallel::Fsdp, Fp64>>(
+            ctx, moe_run(dir + "/fsdp", 2, R"({"dp_shard": 2, "ep": 2})")),
+        want, "ep 2 x FullyShard 2");
+    d9d::testing::expect_same_run(
+        train_moe<d9d::Plan<EpMesh, d9d::parallel::ExpertParallel<4>, d9d::recompute::Full, Fp64>>(
+            ctx, moe_run(dir + "/recompute", 2, R"({"ep": 2})")),
+        want, "ep 2 with recompute (the static expert count)");
+  });
+}
+
+TEST(Moe_ExpertParallel_ws4, Fsdp4TimesEp2AndEp2TimesPp2MatchOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
+    {
+      // 4 ranks x microbatches of 1; each layer's 4 experts split over ep_shard = 2, and each
+      // half sharded again over ep_replicate = 2 (ZeRO-3 of the experts): one expert per rank,
+      // gathered over ep_replicate per block and reduce-scattered there.
+      const auto want = reference(env, ctx, 4);
+      const auto expert_layout = [&](d9d::detail::TrainerCore& core) {
+        int experts = 0;
+        for (const auto& record : core.parallel().parameters()) {
+          if (record.domain != d9d::MeshDomain::expert) {
+            continue;
+          }
+          ++experts;
+          EXPECT_EQ(record.local.size(0), 1) << record.name;
+          EXPECT_EQ(record.global_shape[0], 4) << record.name;
+          EXPECT_EQ(record.dims, (std::vector<std::string>{"ep_shard", "ep_replicate"}));
+          const auto ranges = record.sharded(core.mesh()).local_ranges();
+          const int shard = core.mesh().coordinate(d9d::MeshDomain::expert, "ep_shard");
+          const int replica = core.mesh().coordinate(d9d::MeshDomain::expert, "ep_replicate");
+          EXPECT_EQ(ranges[0].offset, 2 * shard + replica) << record.name;
+        }
+        EXPECT_EQ(experts, 3 * 3) << "gate, up and down of 3 sparse layers";
+      };
+      d9d::testing::expect_same_run(
+          train_moe<d9d::Plan<ShardEpMesh, Ep, d9d::parallel::Fsdp, Fp64>>(
+              ctx, moe_run(dir + "/fsdp4", 1, R"({"dp_shard": 4, "ep": 2})"), expert_layout),
+          want, "FullyShard 4 x ep 2");
+    }
+    // Pipelines pool the auxiliary loss per stage (not the whole model's pool): compared without
+    // it; the bias balancing stays on.
+    const auto want = reference(env, ctx, 4, /*aux=*/false);
+    using PpMesh =
+        d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_shard<d9d::dynamic>, d9d::ep<d9d::dynamic>>;
+    d9d::testing::expect_same_run(
+        train_moe<d9d::Plan<PpMesh, Ep, d9d::parallel::Fsdp, d9d::pipeline::OneFOneB<>, Fp64>>(
+            ctx, moe_run(dir + "/pp", 2, R"({"pp": 2, "dp_shard": 2, "ep": 2})", false)),
+        want, "ep 2 x FullyShard 2 x pp 2");
+  });
+}
+
+// The export gathers each layer's expert shards and writes transformers' per-expert tensors.
+TEST(Moe_ExpertParallel_ws2, ExportsTransformersTensors) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    auto config = moe_run(env.scratch_dir() + "/run", 2, R"({"ep": 2})", true, /*outputs=*/true);
+    config.run.total_steps = 2;
+    config.logging.progress = false;
+    d9d::Trainer<d9d::Plan<EpMesh, Ep>> trainer(ctx, d9d::Qwen3MoeProvider{},
+                                                d9d::testing::RandomWindowsProvider{},
+                                                d9d::CausalLmTask{}, config);
+    const auto result = trainer.train();
+    const auto parameters = d9d::testing::full_parameters(trainer.core());
+    if (env.rank() != 0) {
+      return;
+    }
+    const auto file = d9d::state::SafetensorsFile(result.export_dir + "/model.safetensors");
+    EXPECT_TRUE(file.contains("model.layers.3.mlp.experts.3.gate_proj.weight"));
+    auto exported = d9d::model::load_hf_qwen3_moe(result.export_dir);
+    std::size_t compared = 0;
+    for (const auto& item : exported->named_parameters()) {
+      EXPECT_TRUE(at::equal(item.value(), parameters.at(item.key()))) << item.key();
+      ++compared;
+    }
+    EXPECT_EQ(compared, parameters.size());
+  });
+}
+
+// The router's metrics reach the step's log; a checkpoint saved under ep 2 resumes in one process
+// (the records say where each expert shard belongs).
+TEST(Moe_ExpertParallel_ws2, MetricsAndACheckpointResumedInOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const std::string root = env.scratch_dir() + "/ckpt";
+    // No bias: the selection bias is a buffer, which training checkpoints do not store yet.
+    const auto no_bias = [](d9d::TrainerConfig config) {
+      config.sections["model"] = moe_json(true, 0.0);
+      return config;
+    };
+    auto config = no_bias(moe_run(root + "/ep", 2, R"({"ep": 2})"));
+    config.checkpoint.dir = root + "/ep/checkpoints";
+    config.checkpoint.every = 2;
+    config.checkpoint.keep = 4;
+    config.checkpoint.async = false;
+    d9d::Trainer<d9d::Plan<EpMesh, Ep, Fp64>> trainer(ctx, d9d::Qwen3MoeProvider{},
+                                                      d9d::testing::RandomWindowsProvider{},
+                                                      d9d::CausalLmTask{}, config);
+    const auto result = trainer.train();
+    std::map<std::string, double> metrics;
+    for (const auto& [name, value] : trainer.core().parallel().metrics()) {
+      metrics[name] = value;
+    }
+    EXPECT_GE(metrics.at("moe/load_max_over_mean"), 1.0);
+    EXPECT_EQ(metrics.at("moe/dropped"), 0.0);
+    // 8 samples x 16 tokens x top 2 x 3 sparse layers, over both ranks.
+    EXPECT_EQ(metrics.at("moe/routed_per_step"), 8 * 16 * 2 * 3);
+    EXPECT_GT(metrics.at("moe/aux_loss"), 0.0);
+    ctx.barrier();
+    const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
+    auto resumed = no_bias(moe_run(root + "/one" + std::to_string(env.rank()), 4));
+    resumed.checkpoint.resume_from = root + "/ep/checkpoints/step-2";
+    resumed.checkpoint.dir = root + "/one" + std::to_string(env.rank()) + "/checkpoints";
+    const auto again = train_moe<d9d::Plan<Fp64>>(local, resumed);
+    ASSERT_EQ(again.result.start_step, 2);
+    for (std::size_t i = 0; i < again.result.losses.size(); ++i) {
+      EXPECT_NEAR(again.result.losses[i], result.losses[i + 2],
+                  d9d::testing::kLossRtol * result.losses[i + 2])
+          << "step " << i + 2;
+    }
+  });
+}
+
+}  // namespace

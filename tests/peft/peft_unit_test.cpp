@@ -1,0 +1,629 @@
+// PEFT in one process (include/d9d/peft): the policies' facts, patterns, LoRA's forward against
+// the merged model, exact unmerge, where gradients go, training with Trainer<Plan<peft::...>>,
+// gradient memory, adapter files written and read back, the merged export, and the start-up
+// errors.
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <d9d/d9d.hpp>
+#include <d9d/model/weight_grad.hpp>
+#include <d9d/peft/lora.hpp>
+#include <d9d/state/safetensors.hpp>
+
+#include "tests/support/error_of.hpp"
+#include "tests/train/train_test_util.hpp"
+
+namespace {
+
+using d9d::precision::Fp64;
+using d9d::testing::tiny_qwen3_json;
+using d9d::testing::tiny_run;
+using ::testing::HasSubstr;
+
+namespace peft = d9d::peft;
+
+// ---- the policies (compile time) -----------------------------------------------------------
+
+using QvLora = peft::Lora<4, 8, "*.q_proj", "*.v_proj">;
+static_assert(QvLora::rank == 4 && QvLora::alpha == 8 && QvLora::dropout_percent == 0);
+static_assert(QvLora::targets.size() == 2 && QvLora::targets[1] == "*.v_proj");
+static_assert(QvLora::with_dropout<5>::dropout_percent == 5);
+static_assert(std::is_same_v<d9d::Plan<QvLora>::peft, QvLora>);
+static_assert(d9d::peft_method<QvLora> && d9d::peft_method<peft::FullTune>);
+static_assert(!d9d::peft_method<d9d::parallel::Fsdp> && !d9d::peft_method<int>);
+using LoraAndNorms = peft::Stack<QvLora, peft::Train<"*norm">>;
+static_assert(!LoraAndNorms::rest_trains && LoraAndNorms::size == 2);
+static_assert(peft::Stack<peft::Lora<4, 8>, peft::FullTune>::rest_trains);
+static_assert(peft::Stack<peft::Freeze<"model.embed_tokens">>::rest_trains);
+
+TEST(Peft_Policies, StackSpecDescribesThePolicy) {
+  const auto spec = peft::stack_spec<LoraAndNorms>();
+  ASSERT_EQ(spec.methods.size(), 2U);
+  EXPECT_EQ(spec.methods[0].kind, peft::MethodKind::lora);
+  EXPECT_EQ(spec.methods[0].rank, 4);
+  EXPECT_EQ(spec.methods[0].patterns, (std::vector<std::string>{"*.q_proj", "*.v_proj"}));
+  EXPECT_EQ(spec.methods[0].describe(), R"(d9d::peft::Lora<4, 8, "*.q_proj", "*.v_proj">)");
+  EXPECT_EQ(spec.methods[1].describe(), R"(d9d::peft::Train<"*norm">)");
+  EXPECT_FALSE(spec.rest_trains);
+  EXPECT_TRUE(peft::stack_spec<peft::FullTune>().rest_trains);
+  EXPECT_FALSE(peft::stack_spec<QvLora>().rest_trains);
+  EXPECT_DOUBLE_EQ(peft::stack_spec<QvLora::with_dropout<10>>().methods[0].dropout, 0.1);
+}
+
+TEST(Peft_Patterns, SuffixWithoutStarGlobWithStar) {
+  EXPECT_TRUE(peft::pattern_matches("q_proj", "model.layers.0.self_attn.q_proj"));
+  EXPECT_TRUE(
+      peft::pattern_matches("layers.0.self_attn.q_proj", "model.layers.0.self_attn.q_proj"));
+  EXPECT_FALSE(
+      peft::pattern_matches("layers.0.self_attn.q_proj", "model.layers.10.self_attn.q_proj"));
+  EXPECT_FALSE(peft::pattern_matches("proj", "model.layers.0.self_attn.q_proj"));
+  EXPECT_TRUE(peft::pattern_matches("lm_head", "lm_head"));
+  EXPECT_TRUE(peft::pattern_matches("*.q_proj", "model.layers.0.self_attn.q_proj"));
+  EXPECT_FALSE(peft::pattern_matches("*.q_proj", "q_proj"));
+  EXPECT_TRUE(peft::pattern_matches("*norm", "model.layers.1.input_layernorm"));
+  EXPECT_TRUE(peft::pattern_matches("model.layers.1*", "model.layers.1.mlp.up_proj"));
+  EXPECT_TRUE(peft::pattern_matches("model.layers.1*", "model.layers.12"));
+  EXPECT_FALSE(peft::pattern_matches("model.layers.1.*", "model.layers.12.mlp"));
+  EXPECT_TRUE(peft::pattern_matches("*", "anything.at.all"));
+}
+
+// ---- LoRA on a model ---------------------------------------------------------------------------
+
+d9d::model::Qwen3ForCausalLM tiny_model(bool tied = false) {
+  torch::manual_seed(3);
+  d9d::model::Qwen3ForCausalLM model(
+      d9d::model::Qwen3Config::from_json_text(tiny_qwen3_json(tied)));
+  model->to(at::kDouble);
+  return model;
+}
+
+at::Tensor tokens() {
+  auto generator = at::detail::createCPUGenerator(11);
+  return at::randint(64, {2, 12}, generator, at::kLong);
+}
+
+// Non-zero B (a fresh adapter's B is zero, which would make every comparison trivial).
+void randomize_adapters(torch::nn::Module& model) {
+  const at::NoGradGuard no_grad;
+  auto generator = at::detail::createCPUGenerator(17);
+  for (const auto& layer : peft::lora_layers(model)) {
+    layer.adapter->lora_B->weight.normal_(0.0, 0.1, generator);
+  }
+}
+
+std::map<std::string, at::Tensor> snapshot(const torch::nn::Module& model) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : model.named_parameters()) {
+    out[item.key()] = item.value().detach().clone();
+  }
+  return out;
+}
+
+TEST(Peft_Lora_r4, AddsPeftNamedParametersAndFreezesTheBase) {
+  auto model = tiny_model();
+  const auto base = d9d::peft::count_parameters(*model);
+  peft::apply_stack(*model, peft::stack_spec<QvLora>());
+  int adapters = 0;
+  for (const auto& item : model->named_parameters()) {
+    const bool lora = item.key().find(".lora_") != std::string::npos;
+    EXPECT_EQ(item.value().requires_grad(), lora) << item.key();
+    adapters += lora ? 1 : 0;
+  }
+  EXPECT_EQ(adapters, 2 * 2 * 2);  // (A, B) x (q, v) x 2 layers
+  const auto& a = model->named_parameters()["model.layers.1.self_attn.q_proj.lora_A.weight"];
+  const auto& b = model->named_parameters()["model.layers.1.self_attn.v_proj.lora_B.weight"];
+  EXPECT_EQ(a.sizes(), (c10::IntArrayRef{4, 32}));
+  EXPECT_EQ(b.sizes(), (c10::IntArrayRef{16, 4}));  // 2 KV heads x head_dim 8
+  EXPECT_EQ(a.scalar_type(), at::kDouble);
+  EXPECT_TRUE(at::equal(b, at::zeros_like(b))) << "B starts at zero, as in peft";
+  EXPECT_LE(a.abs().max().item<double>(), 1.0 / std::sqrt(32.0));
+  const auto count = peft::count_parameters(*model);
+  EXPECT_EQ(count.trainable, 2 * (4 * 32 + 32 * 4 + 4 * 32 + 16 * 4));
+  EXPECT_EQ(count.total, base.total + count.trainable);
+  EXPECT_GT(count.trainable_percent(), 0.0);
+  EXPECT_LT(count.trainable_percent(), 10.0);
+}
+
+TEST(Peft_Lora_r4, InitialValuesDependOnSeedAndNameOnly) {
+  auto one = tiny_model();
+  auto two = tiny_model();
+  (void)torch::randn({100});  // the global generator's state must not matter
+  peft::apply_stack(*one, peft::stack_spec<QvLora>(), 7);
+  peft::apply_stack(*two, peft::stack_spec<QvLora>(), 7);
+  auto three = tiny_model();
+  peft::apply_stack(*three, peft::stack_spec<QvLora>(), 8);
+  const auto name = "model.layers.0.self_attn.q_proj.lora_A.weight";
+  EXPECT_TRUE(at::equal(one->named_parameters()[name], two->named_parameters()[name]));
+  EXPECT_FALSE(at::equal(one->named_parameters()[name], three->named_parameters()[name]));
+}
+
+TEST(Peft_Lora_r4, ForwardEqualsTheMergedModelsAndUnmergeRestoresExactly) {
+  auto model = tiny_model();
+  model->eval();
+  const auto ids = tokens();
+  const auto plain = model(ids).detach();
+  peft::apply_stack(*model, peft::stack_spec<peft::Lora<4, 8>>());  // every linear but lm_head
+  EXPECT_EQ(peft::lora_layers(*model).size(), 2U * 7U);
+  EXPECT_TRUE(at::equal(model(ids), plain)) << "a fresh adapter (B = 0) changes nothing";
+  randomize_adapters(*model);
+  const auto before = snapshot(*model);
+  const auto lora = model(ids).detach();
+  EXPECT_GT((lora - plain).abs().max().item<double>(), 1e-3) << "the adapters act";
+
+  peft::merge(*model);
+  const auto q = "model.layers.0.self_attn.q_proj.weight";
+  EXPECT_FALSE(at::equal(model->named_parameters()[q], before.at(q))) << "merge changed W";
+  const auto merged = model(ids).detach();
+  EXPECT_TRUE(at::allclose(merged, lora, 0.0, 1e-12))
+      << "max diff " << (merged - lora).abs().max().item<double>();
+  peft::merge(*model);  // merging twice changes nothing
+  EXPECT_TRUE(at::equal(model(ids), merged));
+
+  peft::unmerge(*model);
+  for (const auto& item : model->named_parameters()) {
+    EXPECT_TRUE(at::equal(item.value(), before.at(item.key()))) << item.key();
+  }
+  EXPECT_TRUE(at::equal(model(ids), lora));
+}
+
+TEST(Peft_Lora_r4, MergeEqualsWPlusScaledBA) {
+  auto model = tiny_model();
+  peft::apply_stack(*model, peft::stack_spec<QvLora>());
+  randomize_adapters(*model);
+  const auto layers = peft::lora_layers(*model);
+  const auto& first = layers.front();
+  const auto w = first.layer->weight.detach().clone();
+  const auto a = first.adapter->lora_A->weight.detach();
+  const auto b = first.adapter->lora_B->weight.detach();
+  EXPECT_DOUBLE_EQ(first.adapter->options().scale(), 2.0);  // alpha 8 / rank 4
+  peft::merge(*model);
+  EXPECT_TRUE(at::allclose(first.layer->weight, w + 2.0 * b.mm(a), 0.0, 1e-15));
+  EXPECT_TRUE(first.adapter->merged());
+  peft::unmerge(*model);
+  EXPECT_TRUE(at::equal(first.layer->weight, w));
+}
+
+// Gradients reach the adapters and what the stack trains, nothing else.
+void expect_gradients_only_on(const torch::nn::Module& model,
+                              const std::function<bool(const std::string&)>& trains) {
+  for (const auto& item : model.named_parameters()) {
+    EXPECT_EQ(item.value().grad().defined(), trains(item.key())) << item.key();
+  }
+}
+
+TEST(Peft_Lora_r4, GradientsOnlyOnTheAdapters) {
+  auto model = tiny_model();
+  peft::apply_stack(*model, peft::stack_spec<QvLora>());
+  randomize_adapters(*model);
+  model(tokens()).pow(2).mean().backward();
+  expect_gradients_only_on(
+      *model, [](const std::string& name) { return name.find(".lora_") != std::string::npos; });
+}
+
+TEST(Peft_Stack_LoraAndNorms, GradientsOnTheAdaptersAndTheNorms) {
+  auto model = tiny_model();
+  peft::apply_stack(*model, peft::stack_spec<LoraAndNorms>());
+  randomize_adapters(*model);
+  model(tokens()).pow(2).mean().backward();
+  expect_gradients_only_on(*model, [](const std::string& name) {
+    return name.find(".lora_") != std::string::npos ||
+           name.find("norm.weight") != std::string::npos;
+  });
+}
+
+TEST(Peft_Stack_FreezeEmbedding, TheRestTrains) {
+  auto model = tiny_model();
+  peft::apply_stack(*model, peft::stack_spec<peft::Freeze<"model.embed_tokens", "*.mlp">>());
+  model(tokens()).pow(2).mean().backward();
+  expect_gradients_only_on(*model, [](const std::string& name) {
+    return name != "model.embed_tokens.weight" && name.find(".mlp.") == std::string::npos;
+  });
+}
+
+TEST(Peft_Stack_LoraAndFullTune, AdaptersAndEverythingButTheWrappedWeights) {
+  auto model = tiny_model();
+  peft::apply_stack(*model,
+                    peft::stack_spec<peft::Stack<peft::Lora<4, 8, "q_proj">, peft::FullTune>>());
+  randomize_adapters(*model);
+  model(tokens()).pow(2).mean().backward();
+  expect_gradients_only_on(*model, [](const std::string& name) {
+    return name.find("q_proj.weight") == std::string::npos;
+  });
+}
+
+TEST(Peft_Lora_LmHead, TheLossRunsTheHeadsAdapter) {
+  // Qwen3's loss fuses the head with the cross-entropy (linear_cross_entropy reads lm_head.weight
+  // alone); with an adapter on the head it must run the layer, adapter included.
+  ASSERT_TRUE(d9d::model::fused_kernels());
+  auto model = tiny_model();
+  peft::apply_stack(*model, peft::stack_spec<peft::Lora<4, 8, "lm_head">>());
+  randomize_adapters(*model);
+  const auto ids = tokens();
+  const auto labels = ids.roll(-1, 1);
+  const auto plain = d9d::model::causal_lm_loss(model(ids), labels);
+  const auto got = model->loss(ids, labels);
+  EXPECT_EQ(got.tokens.item<int64_t>(), plain.tokens.item<int64_t>());
+  EXPECT_TRUE(at::equal(got.loss_sum, plain.loss_sum))
+      << got.loss_sum.item<double>() << " vs " << plain.loss_sum.item<double>();
+  peft::merge(*model);
+  const auto merged = model->loss(ids, labels);  // merged: the adapter adds nothing, W carries it
+  EXPECT_NEAR(merged.loss_sum.item<double>(), plain.loss_sum.item<double>(),
+              1e-12 * std::abs(plain.loss_sum.item<double>()));
+  peft::unmerge(*model);
+  model->loss(ids, labels).loss_sum.backward();
+  expect_gradients_only_on(
+      *model, [](const std::string& name) { return name.rfind("lm_head.lora_", 0) == 0; });
+}
+
+TEST(Peft_Lora_r4, SplitBackwardQueuesTheAdaptersWeightGradients) {
+  // A zero-bubble pipeline's B action computes input gradients, its W action the weights'.
+  auto model = tiny_model();
+  peft::apply_stack(*model, peft::stack_spec<QvLora>());
+  randomize_adapters(*model);
+  const auto ids = tokens();
+  model(ids).pow(2).mean().backward();
+  const auto want = snapshot(*model);
+  std::map<std::string, at::Tensor> want_grads;
+  for (const auto& item : model->named_parameters()) {
+    if (item.value().grad().defined()) {
+      want_grads[item.key()] = item.value().grad().clone();
+      item.value().mutable_grad() = at::Tensor();
+    }
+  }
+  d9d::model::WeightGradQueue queue;
+  at::Tensor out;
+  {
+    const d9d::model::RecordWeightGrads record(queue);
+    out = model(ids).pow(2).mean();
+  }
+  {
+    const d9d::model::DeferWeightGrads defer(queue);
+    out.backward();
+  }
+  EXPECT_FALSE(queue.empty()) << "the adapters' weight gradients wait for W";
+  for (const auto& [name, grad] : want_grads) {
+    EXPECT_FALSE(model->named_parameters()[name].grad().defined()) << name << " before W";
+  }
+  queue.drain();
+  for (const auto& [name, grad] : want_grads) {
+    EXPECT_TRUE(at::allclose(model->named_parameters()[name].grad(), grad, 1e-12, 1e-14)) << name;
+  }
+}
+
+// ---- start-up errors -------------------------------------------------------------------------
+
+TEST(Peft_Errors, APatternThatMatchesNothingListsTheModules) {
+  auto model = tiny_model();
+  const auto message = d9d::testing::error_of<std::invalid_argument>(
+      [&] { peft::apply_stack(*model, peft::stack_spec<peft::Lora<4, 8, "*.qproj">>()); });
+  EXPECT_THAT(message, HasSubstr(R"(the pattern "*.qproj" of d9d::peft::Lora<4, 8, "*.qproj">)"));
+  EXPECT_THAT(message, HasSubstr(R"(did you mean "*.q_proj"?)"));
+  EXPECT_THAT(message, HasSubstr("model.layers.*.self_attn.q_proj (Linear)"));
+  EXPECT_THAT(message, HasSubstr("model.embed_tokens (Embedding)"));
+  EXPECT_THAT(message, HasSubstr("Fix:"));
+  EXPECT_FALSE(peft::has_lora(*model)) << "nothing is changed when the stack is rejected";
+  for (const auto& parameter : model->parameters()) {
+    EXPECT_TRUE(parameter.requires_grad());
+  }
+  const auto freeze = d9d::testing::error_of<std::invalid_argument>(
+      [&] { peft::apply_stack(*model, peft::stack_spec<peft::Freeze<"model.embed">>()); });
+  EXPECT_THAT(freeze,
+              HasSubstr(R"(the pattern "model.embed" of d9d::peft::Freeze<"model.embed">)"));
+}
+
+TEST(Peft_Errors, LoraOnAModuleThatIsNotLinear) {
+  auto model = tiny_model();
+  const auto message = d9d::testing::error_of<std::invalid_argument>(
+      [&] { peft::apply_stack(*model, peft::stack_spec<peft::Lora<4, 8, "*.mlp">>()); });
+  EXPECT_THAT(message, HasSubstr("matches model.layers.0.mlp, a SwiGlu; LoRA wraps linear layers"));
+  EXPECT_THAT(message, HasSubstr("model.layers.*.mlp.up_proj (Linear)"));
+}
+
+TEST(Peft_Errors, TwoMethodsClaimingOneParameter) {
+  auto model = tiny_model();
+  using Overlap = peft::Stack<peft::Lora<4, 8, "*.q_proj">, peft::Freeze<"model.layers.0.*">>;
+  const auto message = d9d::testing::error_of<std::invalid_argument>(
+      [&] { peft::apply_stack(*model, peft::stack_spec<Overlap>()); });
+  EXPECT_THAT(message, HasSubstr("model.layers.0.self_attn.q_proj.weight is claimed by "
+                                 R"(d9d::peft::Lora<4, 8, "*.q_proj"> (pattern "*.q_proj"))"));
+  EXPECT_THAT(message, HasSubstr(R"(d9d::peft::Freeze<"model.layers.0.*">)"));
+  const auto twice = d9d::testing::error_of<std::invalid_argument>([&] {
+    peft::apply_stack(*model, peft::stack_spec<peft::Lora<4, 8, "*.q_proj">>());
+    peft::apply_stack(*model, peft::stack_spec<peft::Lora<4, 8, "*.k_proj", "q_proj">>());
+  });
+  EXPECT_THAT(twice, HasSubstr("already has an adapter"));
+}
+
+// ---- adapter files and the merged export --------------------------------------------------------
+
+std::string scratch(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  return std::string(tmp != nullptr ? tmp : "/tmp") + "/" + name;
+}
+
+TEST(Peft_Adapter, SavedAdapterLoadsIntoTheBaseModelWithTheSameLogits) {
+  auto model = tiny_model();
+  const auto base = snapshot(*model);
+  using Mixed = peft::Stack<peft::Lora<4, 8, "q_proj", "v_proj">,
+                            peft::Lora<2, 6, "*.1.mlp.up_proj">, peft::Train<"model.norm">>;
+  peft::apply_stack(*model, peft::stack_spec<Mixed>());
+  randomize_adapters(*model);
+  {
+    const at::NoGradGuard no_grad;
+    model->model->norm->weight.mul_(1.5);  // a trained module to save
+  }
+  model->eval();
+  const auto ids = tokens();
+  const auto want = model(ids).detach();
+  const auto dir = scratch("peft_adapter");
+  peft::save_adapter(*model, dir, {.base_model_name_or_path = "tiny", .dtype = at::kDouble});
+
+  const auto config =
+      nlohmann::json::parse(d9d::model::read_text_file(dir + "/adapter_config.json"));
+  EXPECT_EQ(config["peft_type"], "LORA");
+  EXPECT_EQ(config["r"], 4);
+  EXPECT_EQ(config["lora_alpha"], 8);
+  EXPECT_EQ(config["target_modules"],
+            nlohmann::json({"q_proj", "v_proj", "model.layers.1.mlp.up_proj"}));
+  EXPECT_EQ(config["rank_pattern"], nlohmann::json({{R"(model\.layers\.1\.mlp\.up_proj)", 2}}));
+  EXPECT_EQ(config["alpha_pattern"], nlohmann::json({{R"(model\.layers\.1\.mlp\.up_proj)", 6}}));
+  EXPECT_EQ(config["modules_to_save"], nlohmann::json({"model.norm"}));
+  EXPECT_EQ(config["base_model_name_or_path"], "tiny");
+  const d9d::state::SafetensorsFile file(dir + "/adapter_model.safetensors");
+  EXPECT_TRUE(file.contains("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"));
+  EXPECT_TRUE(file.contains("base_model.model.model.norm.weight"));
+  EXPECT_EQ(file.entries().size(), 2U * (2 * 2 + 1) + 1);
+
+  auto fresh = tiny_model();
+  fresh->eval();
+  for (const auto& item : fresh->named_parameters()) {
+    ASSERT_TRUE(at::equal(item.value(), base.at(item.key()))) << "the same base model";
+  }
+  peft::load_adapter(*fresh, dir);
+  EXPECT_TRUE(at::equal(fresh(ids), want));
+  for (const auto& parameter : fresh->parameters()) {
+    EXPECT_FALSE(parameter.requires_grad()) << "loaded for inference";
+  }
+  EXPECT_EQ(peft::lora_layers(*fresh).size(), 5U);
+
+  // Into a model that has the same adapters (e.g. one a Trainer built).
+  auto same = tiny_model();
+  same->eval();
+  peft::apply_stack(*same, peft::stack_spec<Mixed>());
+  peft::load_adapter_weights(*same, dir);
+  EXPECT_TRUE(at::equal(same(ids), want));
+  auto other = tiny_model();
+  peft::apply_stack(*other, peft::stack_spec<peft::Lora<8, 8, "q_proj", "v_proj">>());
+  EXPECT_THAT(
+      d9d::testing::error_of<std::runtime_error>([&] { peft::load_adapter_weights(*other, dir); }),
+      HasSubstr("has rank 8 and scale 1.000000, the file rank 4 and scale 2.000000"));
+}
+
+TEST(Peft_Adapter, MergedExportIsAPlainHuggingFaceCheckpoint) {
+  auto model = tiny_model();
+  peft::apply_stack(*model, peft::stack_spec<QvLora>());
+  randomize_adapters(*model);
+  model->eval();
+  const auto ids = tokens();
+  const auto want = model(ids).detach();
+  const auto before = snapshot(*model);
+  const auto dir = scratch("peft_merged");
+  peft::save_merged_hf_checkpoint(*model, dir, model->config().to_hf_json(), at::kDouble);
+  for (const auto& item : model->named_parameters()) {
+    EXPECT_TRUE(at::equal(item.value(), before.at(item.key()))) << "left as it was: " << item.key();
+  }
+  EXPECT_FALSE(peft::lora_layers(*model).front().adapter->merged());
+  const d9d::state::SafetensorsFile file(dir + "/model.safetensors");
+  for (const auto& entry : file.entries()) {
+    EXPECT_EQ(entry.name.find("lora"), std::string::npos) << entry.name;
+  }
+  // A plain Qwen3 in float64 (the file's dtype) takes it; any other tensor would be an error.
+  d9d::model::Qwen3ForCausalLM loaded(model->config());
+  loaded->to(at::kDouble);
+  d9d::model::load_hf_checkpoint(*loaded, dir);
+  loaded->eval();
+  EXPECT_TRUE(at::allclose(loaded(ids), want, 0.0, 1e-12));
+}
+
+TEST(Peft_Adapter, ErrorsNameTheProblem) {
+  auto model = tiny_model();
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>(
+                  [&] { peft::save_adapter(*model, scratch("none")); }),
+              HasSubstr("the model has no LoRA adapter"));
+  const auto dir = scratch("peft_bad");
+  peft::apply_stack(*model, peft::stack_spec<QvLora>());
+  peft::save_adapter(*model, dir);
+  auto config = nlohmann::json::parse(d9d::model::read_text_file(dir + "/adapter_config.json"));
+  config["use_dora"] = true;
+  {
+    std::FILE* out = std::fopen((dir + "/adapter_config.json").c_str(), "w");
+    std::fputs(config.dump().c_str(), out);
+    std::fclose(out);
+  }
+  auto fresh = tiny_model();
+  EXPECT_THAT(d9d::testing::error_of<std::runtime_error>([&] { peft::load_adapter(*fresh, dir); }),
+              HasSubstr(R"("use_dora" = true (a LoRA variant) is not supported by d9d)"));
+  EXPECT_FALSE(peft::has_lora(*fresh));
+  peft::save_adapter(*model, dir);
+  auto narrow = d9d::model::Qwen3ForCausalLM(d9d::model::Qwen3Config::from_json_text(
+      R"({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+          "rms_norm_eps": 1e-6, "rope_theta": 10000.0})"));
+  EXPECT_THAT(
+      d9d::testing::error_of<std::runtime_error>([&] { peft::load_adapter(*narrow, dir); }),
+      HasSubstr("unexpected base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"));
+  EXPECT_FALSE(peft::has_lora(*narrow)) << "a rejected file leaves no adapter behind";
+}
+
+// ---- training
+// ------------------------------------------------------------------------------------
+
+d9d::DistributedContext local() { return d9d::DistributedContext::local({.device = "cpu"}); }
+
+// Windows of a counting sequence (each token is the previous one + 1, mod 64): learnable.
+class CountingWindows {
+ public:
+  explicit CountingWindows(int64_t sequence_length) : length_(sequence_length) {}
+  [[nodiscard]] int64_t size() const { return 64; }
+  [[nodiscard]] d9d::CausalLmBatch get(const std::vector<int64_t>& indices) const {
+    auto starts = at::tensor(indices, at::kLong).unsqueeze(1);
+    return {.tokens = (starts + at::arange(length_ + 1, at::kLong).unsqueeze(0)).remainder(64)};
+  }
+
+ private:
+  int64_t length_;
+};
+
+struct CountingProvider {
+  using dataset_provider_concept = d9d::dataset_provider_tag;
+  [[nodiscard]] CountingWindows build(const d9d::DataBuildContext& context) const {
+    return CountingWindows(context.sequence_length);
+  }
+};
+
+TEST(Peft_Trainer_Lora_r4, TrainsOnlyTheAdaptersAndLowersTheLoss) {
+  using Plan = d9d::Plan<QvLora, Fp64>;
+  auto config = tiny_run(scratch("peft_train"), 24, 8, 4);
+  config.optimizer.lr = 0.03;
+  d9d::Trainer<Plan> trainer(local(), d9d::Qwen3Provider{}, CountingProvider{}, d9d::CausalLmTask{},
+                             config);
+  const auto result = trainer.train();
+  ASSERT_EQ(result.losses.size(), 24U);
+  EXPECT_LT(result.losses.back(), result.losses.front() - 0.1)  // 4.168 -> 3.984 measured
+      << result.losses.front() << " -> " << result.losses.back();
+  auto& parallel = trainer.core().parallel();
+  ASSERT_EQ(parallel.parameters().size(), 8U) << "only the adapters have records";
+  int64_t adapter_bytes = 0;
+  for (const auto& record : parallel.parameters()) {
+    EXPECT_NE(record.name.find(".lora_"), std::string::npos) << record.name;
+    adapter_bytes += static_cast<int64_t>(record.local.nbytes());
+  }
+  for (const auto& item : trainer.core().model()->named_parameters()) {
+    const bool lora = item.key().find(".lora_") != std::string::npos;
+    EXPECT_EQ(item.value().grad().defined(), lora)
+        << "frozen parameters have no .grad: " << item.key();
+  }
+  EXPECT_EQ(parallel.gradient_bytes(), adapter_bytes);
+  EXPECT_EQ(parallel.parameter_bytes(), adapter_bytes);
+}
+
+TEST(Peft_Trainer_Lora_r4, GradientMemoryIsTheAdaptersOnly) {
+  d9d::Trainer<d9d::Plan<Fp64>> full(local(), d9d::Qwen3Provider{},
+                                     d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+                                     tiny_run(scratch("peft_full"), 2, 8, 8));
+  (void)full.train();
+  d9d::Trainer<d9d::Plan<QvLora, Fp64>> lora(
+      local(), d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+      tiny_run(scratch("peft_lora"), 2, 8, 8));
+  (void)lora.train();
+  const int64_t full_bytes = full.core().parallel().gradient_bytes();
+  const int64_t lora_bytes = lora.core().parallel().gradient_bytes();
+  // The tiny Qwen3: 2 layers of q, v adapters of rank 4, float64.
+  EXPECT_EQ(lora_bytes, int64_t{2 * (4 * 32 + 32 * 4 + 4 * 32 + 16 * 4)} * 8);
+  EXPECT_EQ(full_bytes, d9d::peft::count_parameters(*full.core().model()).total * 8);
+  EXPECT_LT(lora_bytes * 10, full_bytes) << "LoRA " << lora_bytes << " B, full " << full_bytes;
+}
+
+TEST(Peft_Trainer_Lora_r4, FullyShardOnOneRankTrainsLikeReplicate) {
+  using Mesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>>;
+  d9d::Trainer<d9d::Plan<QvLora, Fp64>> replicate(
+      local(), d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+      tiny_run(scratch("peft_rep"), 4, 8, 2));
+  const auto want = replicate.train();
+  d9d::Trainer<d9d::Plan<Mesh, d9d::parallel::Fsdp, QvLora, Fp64>> sharded(
+      local(), d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+      tiny_run(scratch("peft_fsdp"), 4, 8, 2));
+  const auto got = sharded.train();
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  for (std::size_t i = 0; i < want.losses.size(); ++i) {
+    EXPECT_NEAR(got.losses[i], want.losses[i], d9d::testing::kLossRtol * want.losses[i]);
+  }
+}
+
+// Raised by a StepEnd handler to stop a run after a given step, as a crash would.
+struct Stop : std::runtime_error {
+  Stop() : std::runtime_error("stopped by the test") {}
+};
+
+TEST(Peft_Trainer_Lora_r4, CheckpointsHoldOnlyTheAdaptersAndResumeExactly) {
+  using Plan = d9d::Plan<QvLora, Fp64>;
+  d9d::Trainer<Plan> straight(local(), d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                              d9d::CausalLmTask{}, tiny_run(scratch("peft_straight"), 6, 8, 4));
+  const auto want = straight.train();
+  const auto dir = scratch("peft_ckpt");
+  auto config = tiny_run(dir, 6, 8, 4);
+  config.checkpoint.every = 3;
+  config.checkpoint.async = false;
+  config.checkpoint.dir = dir + "/checkpoints";
+  {
+    d9d::Trainer<Plan> first(local(), d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                             d9d::CausalLmTask{}, config);
+    first.on<d9d::events::StepEnd>([](const d9d::events::StepEnd& e) {
+      if (e.step == 3) {
+        throw Stop();
+      }
+    });
+    EXPECT_THROW((void)first.train(), Stop);
+  }
+  // The checkpoint holds what trains: the adapters and their AdamW state, not the frozen base.
+  const d9d::state::SafetensorsFile file(dir + "/checkpoints/step-3/rank-0.safetensors");
+  int parameters = 0;
+  for (const auto& entry : file.entries()) {
+    if (entry.name.rfind("rng/", 0) == 0) {
+      continue;
+    }
+    EXPECT_NE(entry.name.find(".lora_"), std::string::npos) << entry.name;
+    parameters += entry.name.rfind("model/", 0) == 0 ? 1 : 0;
+  }
+  EXPECT_EQ(parameters, 8) << "(A, B) x (q, v) x 2 layers";
+  // Resumed on a base the provider builds again: the run continues exactly.
+  d9d::Trainer<Plan> resumed(local(), d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                             d9d::CausalLmTask{}, config);
+  const auto got = resumed.train();
+  EXPECT_EQ(got.start_step, 3);
+  ASSERT_EQ(got.losses.size(), 3U);
+  for (std::size_t i = 0; i < got.losses.size(); ++i) {
+    EXPECT_EQ(got.losses[i], want.losses[i + 3]) << "step " << i + 3;
+  }
+  const auto want_parameters = straight.core().model()->named_parameters();
+  for (const auto& item : resumed.core().model()->named_parameters()) {
+    EXPECT_TRUE(at::equal(item.value(), want_parameters[item.key()])) << item.key();
+  }
+}
+
+TEST(Peft_Trainer_Lora_r4, ExportsTheMergedModelAndTheAdapter) {
+  using Plan = d9d::Plan<QvLora, Fp64>;
+  const auto dir = scratch("peft_export");
+  d9d::Trainer<Plan> trainer(local(), d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                             d9d::CausalLmTask{}, tiny_run(dir, 3, 8, 4, /*outputs=*/true));
+  const auto result = trainer.train();
+  EXPECT_EQ(result.adapter_dir, dir + "/adapter");
+  auto& model = *trainer.core().model();
+  model.eval();
+  const auto ids = tokens();
+  auto& qwen = dynamic_cast<d9d::model::Qwen3ForCausalLMImpl&>(model);
+  const auto want = qwen.forward(ids).detach();
+  auto merged = d9d::model::load_hf_qwen3(result.export_dir);  // float32 export
+  merged->to(at::kDouble);
+  merged->eval();
+  EXPECT_TRUE(at::allclose(merged(ids), want, 1e-5, 1e-5));
+  // The adapter on the base model the provider built (the run's seed, 5): the same logits.
+  torch::manual_seed(5);
+  d9d::model::Qwen3ForCausalLM base(d9d::model::Qwen3Config::from_json_text(tiny_qwen3_json()));
+  base->to(at::kDouble);
+  base->eval();
+  peft::load_adapter(*base, result.adapter_dir);
+  EXPECT_TRUE(at::allclose(base(ids), want, 1e-5, 1e-5));
+}
+
+}  // namespace
