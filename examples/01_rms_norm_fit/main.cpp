@@ -11,8 +11,11 @@
 #include <torch/optim/adam.h>
 
 #include <d9d/kernels/rms_norm.hpp>
+#include <d9d/train/main.hpp>
 
-int main() {
+namespace {
+
+int fit() {
   // ---- configuration -------------------------------------------------------------------------
   constexpr int64_t kHidden = 32;
   constexpr int64_t kBatch = 4096;
@@ -65,3 +68,9 @@ int main() {
               device == torch::kCUDA ? "cuda" : "cpu", first, last, first / last);
   return last * 10.0 < first ? 0 : 1;
 }
+
+}  // namespace
+
+// Any error (a LibTorch one included) is printed as one line and the exit status is 1, not an
+// abort.
+int main(int argc, char** argv) { return d9d::run_main(argc, argv, fit); }

@@ -7,11 +7,7 @@
 // prints its coordinates and group members in every domain, and checks each group by an
 // all-reduce of the members' ranks. A mesh that does not fit the world stops every rank with the
 // same message.
-#include <cstdio>
-#include <exception>
 #include <numeric>
-#include <optional>
-#include <stdexcept>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -20,6 +16,7 @@
 #include <d9d/core/collectives.hpp>
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/plan/plan.hpp>
+#include <d9d/train/main.hpp>
 
 // ---- configuration: one `using` per plan slot -------------------------------------------------
 using Mesh =
@@ -33,9 +30,27 @@ using MyPlan = d9d::Plan<Mesh, DataParallel, Precision>;
 
 namespace {
 
-int run(const d9d::DistributedContext& ctx, int pp, int dp_replicate, int tp, int ep) {
-  const auto shape = d9d::resolve_mesh<MyPlan::mesh>(
-      ctx.world_size(), {.pp = pp, .dp_replicate = dp_replicate, .tp = tp, .ep = ep});
+int show(int argc, char** argv) {
+  CLI::App app{"Print how the plan's mesh places this rank in every domain"};
+  int pp = 1;
+  int dp_replicate = 1;
+  int tp = 1;
+  int ep = 1;
+  app.add_option("--pp", pp, "pipeline-parallel degree");
+  app.add_option("--dp-replicate", dp_replicate, "data-parallel replicas");
+  app.add_option("--tp", tp, "tensor-parallel degree");
+  app.add_option("--ep", ep, "expert-parallel degree");
+  CLI11_PARSE(app, argc, argv);
+
+  const auto ctx = d9d::DistributedContext::from_env();
+  d9d::MeshShape shape;
+  try {
+    shape = d9d::resolve_mesh<MyPlan::mesh>(
+        ctx.world_size(), {.pp = pp, .dp_replicate = dp_replicate, .tp = tp, .ep = ep});
+  } catch (const std::invalid_argument& error) {
+    ctx.logger().error(error.what());
+    return 2;
+  }
   const d9d::DeviceMesh mesh(ctx, shape);
   ctx.logger().info_main("mesh " + shape.describe() + " on " + std::to_string(ctx.world_size()) +
                          " ranks, backend " + ctx.backend_name());
@@ -71,34 +86,5 @@ int run(const d9d::DistributedContext& ctx, int pp, int dp_replicate, int tp, in
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  CLI::App app{"Print how the plan's mesh places this rank in every domain"};
-  int pp = 1;
-  int dp_replicate = 1;
-  int tp = 1;
-  int ep = 1;
-  app.add_option("--pp", pp, "pipeline-parallel degree");
-  app.add_option("--dp-replicate", dp_replicate, "data-parallel replicas");
-  app.add_option("--tp", tp, "tensor-parallel degree");
-  app.add_option("--ep", ep, "expert-parallel degree");
-  CLI11_PARSE(app, argc, argv);
-  // Every library error (the environment, a mesh that does not fit the world, a collective) ends
-  // in one message and a non-zero status (2 for a mesh that does not fit), never std::terminate.
-  std::optional<d9d::DistributedContext> ctx;
-  const auto fail = [&ctx](const std::string& message, int status) {
-    if (ctx) {
-      ctx->logger().error(message);
-    } else {
-      std::fprintf(stderr, "02_mesh_domains: error: %s\n", message.c_str());
-    }
-    return status;
-  };
-  try {
-    ctx.emplace(d9d::DistributedContext::from_env());
-    return run(*ctx, pp, dp_replicate, tp, ep);
-  } catch (const std::invalid_argument& error) {
-    return fail(error.what(), 2);
-  } catch (const std::exception& error) {
-    return fail(error.what(), 1);
-  }
-}
+// Any other error is printed as one line per rank with exit status 1, never an abort.
+int main(int argc, char** argv) { return d9d::run_main(argc, argv, show); }

@@ -119,10 +119,11 @@ int run_pipelined(const std::string& schedule, const d9d::DistributedContext& ct
   return run<PipelinePlan<pipe::ZeroBubbleV<>, Precision>>(ctx, cfg, peak_tflops);
 }
 
-// Everything after the command line: every library error leaves as an exception, caught in main.
-int train(const Options& o, std::optional<d9d::DistributedContext>& ctx_slot) {
+// Everything after the command line: every library error leaves as an exception, reported by
+// d9d::run_main in main (the context, destroyed by it, tells the other ranks first).
+int train(const Options& o) {
   d9d::model::set_fused_kernels(!o.plain_kernels);
-  const auto& ctx = ctx_slot.emplace(d9d::DistributedContext::from_env());
+  const auto ctx = d9d::DistributedContext::from_env();
   // The command line's replacements, applied to the file's JSON before it is validated (so a key
   // given twice in the file is still an error).
   d9d::TrainerConfig::Overrides overrides;
@@ -212,26 +213,6 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   // One clear message and a non-zero status for every error, never std::terminate: 2 for a
-  // configuration error (the same on every rank), 1 for any other.
-  std::optional<d9d::DistributedContext> ctx;
-  const auto fail = [&ctx](const std::string& message, int status) {
-    if (ctx) {
-      if (status != 2) {
-        (void)ctx->report_failure(message);  // the other ranks stop too, naming this one
-      }
-      ctx->logger().error(message);
-    } else {
-      std::fprintf(stderr, "03_qwen3_quickstart: error: %s\n", message.c_str());
-    }
-    return status;
-  };
-  try {
-    return train(o, ctx);
-  } catch (const d9d::ConfigError& error) {
-    return fail(error.what(), 2);
-  } catch (const std::exception& error) {
-    return fail(error.what(), 1);
-  } catch (...) {
-    return fail("an exception that is not a std::exception", 1);
-  }
+  // configuration error, 1 for any other (d9d/train/main.hpp).
+  return d9d::run_main(argc, argv, [&o] { return train(o); });
 }

@@ -90,19 +90,7 @@ std::string config_json(const std::string& output, int steps) {
   })";
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{"Fine-tune a Qwen3 Hugging Face checkpoint with LoRA"};
-  std::string base;
-  std::string output = "runs/lora_finetune";
-  int steps = 60;
-  app.add_option("--base", base, "Hugging Face checkpoint directory (config.json, weights)")
-      ->required();
-  app.add_option("--output", output, "output directory (metrics, adapter/, model/)");
-  app.add_option("--steps", steps, "optimizer steps");
-  CLI11_PARSE(app, argc, argv);
-
+int finetune(const std::string& base, const std::string& output, int steps) {
   const auto ctx = d9d::DistributedContext::from_env();
   const auto cfg = d9d::TrainerConfig::from_json_text(config_json(output, steps));
   const auto base_config =
@@ -138,4 +126,20 @@ int main(int argc, char** argv) {
   const bool ok = diff < 1e-4 && result.losses.back() < result.losses.front();
   std::printf("%s\n", ok ? "ok" : "FAILED: the exports disagree or the loss did not fall");
   return ok ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Fine-tune a Qwen3 Hugging Face checkpoint with LoRA"};
+  std::string base;
+  std::string output = "runs/lora_finetune";
+  int steps = 60;
+  app.add_option("--base", base, "Hugging Face checkpoint directory (config.json, weights)")
+      ->required();
+  app.add_option("--output", output, "output directory (metrics, adapter/, model/)");
+  app.add_option("--steps", steps, "optimizer steps");
+  CLI11_PARSE(app, argc, argv);
+  // Any error: one line per rank and a non-zero status, never an abort (d9d/train/main.hpp).
+  return d9d::run_main(argc, argv, [&] { return finetune(base, output, steps); });
 }

@@ -17,9 +17,7 @@
 // "output_router_logits": true) and "router_bias_update_rate" choose the balancing: the
 // auxiliary loss with global-batch statistics, the auxiliary-loss-free bias, or both.
 #include <cstdio>
-#include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -120,35 +118,26 @@ int main(int argc, char** argv) {
                  "per-device peak for the MFU line (e.g. 989 for H100/H200 bf16)");
   CLI11_PARSE(app, argc, argv);
 
-  const auto ctx = d9d::DistributedContext::from_env();
-  try {
-    std::ifstream in(config_path);
-    if (!in) {
-      throw d9d::ConfigError("d9d config: cannot read \"" + config_path + "\"");
-    }
-    std::stringstream text;
-    text << in.rdbuf();
-    auto json = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-    if (json.is_discarded()) {
-      throw d9d::ConfigError("d9d config: \"" + config_path + "\" is not valid JSON");
-    }
+  // Any error: one line per rank and a non-zero status (2 for the configuration), never an abort
+  // (d9d/train/main.hpp).
+  return d9d::run_main(argc, argv, [&]() -> int {
+    const auto ctx = d9d::DistributedContext::from_env();
+    // The command line's replacements, applied before the file is validated.
+    d9d::TrainerConfig::Overrides overrides;
     if (!data.empty()) {
-      json["data"]["paths"] = {data};
+      overrides.emplace_back("data.paths", nlohmann::json::array({data}).dump());
     }
     if (!output.empty()) {
-      json["run"]["output_dir"] = output;
+      overrides.emplace_back("run.output_dir", nlohmann::json(output).dump());
     }
     if (steps > 0) {
-      json["run"]["total_steps"] = steps;
+      overrides.emplace_back("run.total_steps", std::to_string(steps));
     }
     if (ep > 0) {
-      json["mesh"]["ep"] = ep;
+      overrides.emplace_back("mesh.ep", std::to_string(ep));
     }
-    const auto cfg = d9d::TrainerConfig::from_json_text(json.dump());
+    const auto cfg = d9d::TrainerConfig::from_file(config_path, overrides);
     return bf16 ? run<MoePlan<d9d::precision::Bf16Mixed>>(ctx, cfg, peak_tflops)
                 : run<MoePlan<d9d::precision::Fp32>>(ctx, cfg, peak_tflops);
-  } catch (const d9d::ConfigError& error) {
-    ctx.logger().error(error.what());
-    return 2;
-  }
+  });
 }

@@ -25,4 +25,5 @@
 #include <d9d/recompute/policies.hpp>
 #include <d9d/train/causal_lm.hpp>
 #include <d9d/train/config.hpp>
+#include <d9d/train/main.hpp>
 #include <d9d/train/trainer.hpp>

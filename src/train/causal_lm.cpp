@@ -134,6 +134,12 @@ TokenWindows TokenFilesProvider::build(const DataBuildContext& context) {
     }
     width = value.get<std::string>();
   }
+  if (context.sequence_length < 1) {
+    throw ConfigError(
+        "d9d config: \"batch.sequence_length\" is not given, but d9d::TokenFilesProvider cuts the "
+        "token files into windows of that many tokens. Fix: set \"batch\": {\"sequence_length\": "
+        "N, ...}");
+  }
   // The model's vocabulary, when its section gives one: ids beyond it are caught here, not as an
   // index error (or a device-side assert on a GPU) in the middle of training.
   int64_t vocab_size = 0;

@@ -271,7 +271,7 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text, const Overr
   Section batch = root.child("batch");
   batch.integer("global_batch_size", cfg.batch.global_batch_size, 1, true);
   batch.integer("microbatch_size", cfg.batch.microbatch_size, 1, true);
-  batch.integer("sequence_length", cfg.batch.sequence_length, 1, true);
+  batch.integer("sequence_length", cfg.batch.sequence_length, 1, false);  // language models
   batch.finish();
 
   Section optimizer = root.child("optimizer");

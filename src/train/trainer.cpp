@@ -451,7 +451,14 @@ TrainResult TrainerCore::train() {
         std::to_string(cfg.batch.microbatch_size) + " per rank and step");
   }
 
-  const int64_t tokens_per_step = cfg.batch.global_batch_size * cfg.batch.sequence_length;
+  // Language models count tokens; a model without "batch.sequence_length" counts samples.
+  const int64_t samples_per_step = cfg.batch.global_batch_size;
+  const int64_t tokens_per_step = samples_per_step * cfg.batch.sequence_length;
+  const bool counts_tokens = tokens_per_step > 0;
+  const std::string rate_label = counts_tokens ? "tok/s" : "samples/s";
+  const std::string rate_scalar =
+      counts_tokens ? "train/tokens_per_second" : "train/samples_per_second";
+  const auto per_step = static_cast<double>(counts_tokens ? tokens_per_step : samples_per_step);
   reset_peak_memory(s.context.device());
   const auto start = Clock::now();
   auto after_first = start;
@@ -519,6 +526,7 @@ TrainResult TrainerCore::train() {
                                   .lr = r.lr,
                                   .grad_norm = r.grad_norm,
                                   .tokens = tokens_per_step,
+                                  .samples = samples_per_step,
                                   .seconds = seconds});
     if (spike) {
       result.loss_spikes.push_back(step);
@@ -532,18 +540,18 @@ TrainResult TrainerCore::train() {
       s.events.emit(*spike);
     }
     if (main) {
-      const double tokens_per_second = static_cast<double>(tokens_per_step) / seconds;
+      const double rate = per_step / seconds;
       if (progress) {
         progress->update(step + 1, {{"loss", format_number(r.loss, "%.4f")},
                                     {"lr", format_number(r.lr, "%.2e")},
-                                    {"tok/s", track::format_si(tokens_per_second)}});
+                                    {rate_label, track::format_si(rate)}});
       }
       if (step % cfg.run.log_every == 0 || step + 1 == cfg.run.total_steps) {
         std::vector<std::pair<std::string, double>> scalars = {
             {"train/loss", r.loss},
             {"train/lr", r.lr},
             {"train/grad_norm", r.grad_norm},
-            {"train/tokens_per_second", tokens_per_second}};
+            {rate_scalar, rate}};
         for (auto& metric : s.parallel().metrics()) {  // e.g. the MoE routers' balance
           scalars.push_back(std::move(metric));
         }
@@ -568,6 +576,7 @@ TrainResult TrainerCore::train() {
   const double timed = std::chrono::duration<double>(end - after_first).count();
   if (result.steps > 1 && timed > 0) {
     result.tokens_per_second = static_cast<double>(tokens_per_step * (result.steps - 1)) / timed;
+    result.samples_per_second = static_cast<double>(samples_per_step * (result.steps - 1)) / timed;
   }
   result.peak_memory_bytes = peak_memory(s.context.device());
   if (s.context.world_size() > 1) {
@@ -607,7 +616,9 @@ TrainResult TrainerCore::train() {
       s.context.logger().info("tensorboard: " + result.tensorboard_dir);
     }
     if (!result.export_dir.empty()) {
-      s.context.logger().info("model: " + result.export_dir + " (model.safetensors, config.json)");
+      s.context.logger().info("model: " + result.export_dir +
+                              (s.run.hf_config_json.empty() ? " (model.safetensors)"
+                                                            : " (model.safetensors, config.json)"));
     }
     if (!result.adapter_dir.empty()) {
       s.context.logger().info("adapter: " + result.adapter_dir +

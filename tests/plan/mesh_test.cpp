@@ -94,9 +94,30 @@ TEST(Plan_Mesh_dpDynamic_tp2, InfersDpShardFromWorldSize) {
 TEST(Plan_Mesh_dpDynamic_tp2, TakesDpShardFromConfig) {
   EXPECT_EQ(d9d::resolve_mesh<DpDynamicTp2>(4, {.dp_shard = 2}),
             (d9d::MeshShape{.dp_shard = 2, .tp = 2}));
-  // Given, but not what the world needs: MeshShape::check's rule.
-  EXPECT_THAT(error_of<DpDynamicTp2>(8, {.dp_shard = 2}),
-              HasSubstr("= 4 ranks, but the world has 8"));
+  // Given, but not what the world needs: the message names the config key and the value that fits.
+  EXPECT_EQ(error_of<DpDynamicTp2>(8, {.dp_shard = 2}),
+            "d9d::mesh: pp * dp_replicate * dp_shard * cp_replicate * cp_shard * tp = "
+            "(pp=1 dp_replicate=1 dp_shard=2 cp_replicate=1 cp_shard=1 tp=2 ep=1) = 4 ranks, but "
+            "the world has 8; the config sets \"mesh.dp_shard\" = 2. Fix: set \"mesh.dp_shard\" to "
+            "4, or remove it from the config to infer it from the world size, or launch 4 ranks");
+  // No value fits (7 ranks): only removing the key or launching 4 ranks.
+  EXPECT_THAT(error_of<DpDynamicTp2>(7, {.dp_shard = 2}),
+              HasSubstr("Fix: remove \"mesh.dp_shard\" from the config to infer it from the world "
+                        "size, or launch 4 ranks"));
+}
+
+TEST(Plan_Mesh_dpReplicateDynamic, ConfigDegreeThatDoesNotFitNamesTheKeyNotDynamic) {
+  using DpReplicateDynamic = d9d::mesh<d9d::dp_replicate<d9d::dynamic>>;
+  const auto message = error_of<DpReplicateDynamic>(2, {.dp_replicate = 4});
+  EXPECT_THAT(message, HasSubstr("the config sets \"mesh.dp_replicate\" = 4. Fix: set "
+                                 "\"mesh.dp_replicate\" to 2"));
+  EXPECT_THAT(message, ::testing::Not(HasSubstr("make one degree d9d::dynamic")));
+}
+
+TEST(Plan_Mesh_dpDynamic_tpDynamic, TwoConfigDegreesThatDoNotFitNameBothKeys) {
+  EXPECT_THAT(error_of<DpDynamicTpDynamic>(8, {.dp_shard = 2, .tp = 2}),
+              HasSubstr("the config sets \"mesh.dp_shard\" = 2, \"mesh.tp\" = 2. Fix: set them "
+                        "so that the product is 8, or remove one of them from the config"));
 }
 
 TEST(Plan_Mesh_dpDynamic_tp2, RejectsWorldItCannotDivide) {

@@ -1,25 +1,29 @@
 // d9d/core/batch_tree.hpp — split a batch made of tensors into microbatches and merge it back.
 //
-//   struct Batch { at::Tensor input_ids, labels; int step = 0; };
-//   BOOST_HANA_ADAPT_STRUCT(Batch, input_ids, labels, step);
-//   std::vector<Batch> micro = d9d::split_batch(batch, 4);               // every tensor along dim
-//   0 Batch back = d9d::merge_batches(micro); d9d::split_batch(batch, 4, [](std::string_view path)
-//   -> d9d::LeafSpec {
-//     return path == "position_ids" ? d9d::LeafSpec{d9d::ReplicateLeaf{}} : d9d::ShardAlong{1};
+//   struct Batch { at::Tensor input_ids, labels; int step = 0; };         // a plain aggregate
+//   std::vector<Batch> micro = d9d::split_batch(batch, 4);   // every tensor along dim 0
+//   Batch back = d9d::merge_batches(micro);
+//   d9d::split_batch(batch, 4, [](std::string_view path) -> d9d::LeafSpec {
+//     return path == "1" ? d9d::LeafSpec{d9d::ReplicateLeaf{}} : d9d::ShardAlong{1};
 //   });
 //
-// A batch is a tree: at::Tensor leaves inside std::vector, std::tuple, std::pair,
-// std::map<std::string, ...>, std::optional and structs adapted for Boost.Hana
-// (BOOST_HANA_ADAPT_STRUCT / BOOST_HANA_DEFINE_STRUCT). Other leaves (numbers, strings) are copied
-// into every part and taken from the first part when merging. A spec says per tensor leaf how to
-// split: ShardAlong{d} or ReplicateLeaf; give one spec for all leaves, or a function of the leaf's
-// path ("labels", "inputs.ids", "features[2]", "extra{mask}", "pair.0").
+// A batch is a tree: at::Tensor leaves inside std::vector, std::tuple, std::pair, std::array,
+// std::map<std::string, ...>, std::optional, plain aggregates (structs with public members, no
+// constructors and no base class; up to 16 members, reached by position like Boost.PFR) and
+// structs adapted for Boost.Hana (BOOST_HANA_ADAPT_STRUCT / BOOST_HANA_DEFINE_STRUCT, reached by
+// name). Other leaves (numbers, strings) are copied into every part and taken from the first part
+// when merging. A batch type in which the library finds no tensor (e.g. a class with private
+// members or constructors) is a compile error naming the fix (concept d9d::splittable_batch).
+// A spec says per tensor leaf how to split: ShardAlong{d} or ReplicateLeaf; give one spec for all
+// leaves, or a function of the leaf's path ("labels" for a Hana member, "1" for an aggregate's
+// second member, "inputs.ids", "features[2]", "extra{mask}", "pair.0").
 //
 // Uneven rule: n rows in k parts give the first n % k parts floor(n/k) + 1 rows and the rest
 // floor(n/k) (split_range); a sharded leaf with fewer than k rows is an error. Merging
 // concatenates sharded leaves along their dimension and takes replicated leaves from part 0.
 #pragma once
 
+#include <array>
 #include <concepts>
 #include <cstdint>
 #include <functional>
@@ -43,6 +47,9 @@
 #include <boost/hana/for_each.hpp>
 #include <boost/hana/second.hpp>
 #include <boost/hana/string.hpp>
+#include <boost/hana/tuple.hpp>
+
+#include <d9d/core/detail/aggregate_fields.hpp>
 
 namespace d9d {
 
@@ -89,6 +96,52 @@ template <class... T>
 struct is_tuple_like<std::tuple<T...>> : std::true_type {};
 template <class A, class B>
 struct is_tuple_like<std::pair<A, B>> : std::true_type {};
+template <class T, std::size_t N>
+struct is_tuple_like<std::array<T, N>> : std::true_type {};
+
+// An aggregate reached by position: not one of the containers above and not Hana-adapted.
+template <class U>
+concept positional_aggregate = plain_aggregate<U> && !is_tuple_like<U>::value &&
+                               !boost::hana::Struct<U>::value && aggregate_field_count<U>() > 0;
+
+template <class T>
+consteval bool tree_has_tensor();
+
+template <class U, class... P>
+consteval bool hana_members_have_tensor(const boost::hana::tuple<P...>* /*accessors*/) {
+  return (tree_has_tensor<decltype(boost::hana::second(std::declval<P>())(std::declval<U&>()))>() ||
+          ...);
+}
+
+template <class... F>
+consteval bool fields_have_tensor(const std::tuple<F...>* /*fields*/) {
+  return (tree_has_tensor<F>() || ...);
+}
+
+// Whether a tree of type T can hold a tensor leaf that split_batch reaches.
+template <class T>
+consteval bool tree_has_tensor() {
+  using U = std::remove_cvref_t<T>;
+  if constexpr (std::same_as<U, at::Tensor>) {
+    return true;
+  } else if constexpr (is_vector<U>::value || is_optional<U>::value) {
+    return tree_has_tensor<typename U::value_type>();
+  } else if constexpr (is_string_map<U>::value) {
+    return tree_has_tensor<typename U::mapped_type>();
+  } else if constexpr (is_tuple_like<U>::value) {
+    return []<std::size_t... I>(std::index_sequence<I...>) {
+      return (tree_has_tensor<std::tuple_element_t<I, U>>() || ...);
+    }
+    (std::make_index_sequence<std::tuple_size_v<U>>{});
+  } else if constexpr (boost::hana::Struct<U>::value) {
+    return hana_members_have_tensor<U>(
+        static_cast<const decltype(boost::hana::accessors<U>())*>(nullptr));
+  } else if constexpr (positional_aggregate<U>) {
+    return fields_have_tensor(static_cast<const aggregate_field_types_t<U>*>(nullptr));
+  } else {
+    return false;
+  }
+}
 
 inline std::string join(std::string_view path, std::string_view name) {
   return path.empty() ? std::string(name) : std::string(path) + "." + std::string(name);
@@ -127,7 +180,7 @@ T map_tree(const T& tree, const std::string& path, const Leaf& leaf) {
     return tree ? U(map_tree(*tree, path, leaf)) : U();
   } else if constexpr (is_tuple_like<U>::value) {
     return [&]<std::size_t... I>(std::index_sequence<I...>) {
-      return U(map_tree(std::get<I>(tree), join(path, std::to_string(I)), leaf)...);
+      return U{map_tree(std::get<I>(tree), join(path, std::to_string(I)), leaf)...};
     }
     (std::make_index_sequence<std::tuple_size_v<U>>{});
   } else if constexpr (boost::hana::Struct<U>::value) {
@@ -137,6 +190,15 @@ T map_tree(const T& tree, const std::string& path, const Leaf& leaf) {
       auto get = boost::hana::second(member);
       get(out) = map_tree(get(tree), join(path, name), leaf);
     });
+    return out;
+  } else if constexpr (positional_aggregate<U>) {
+    U out = tree;
+    auto to = aggregate_fields(out);
+    const auto from = aggregate_fields(tree);
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((std::get<I>(to) = map_tree(std::get<I>(from), join(path, std::to_string(I)), leaf)), ...);
+    }
+    (std::make_index_sequence<std::tuple_size_v<decltype(to)>>{});
     return out;
   } else {
     return tree;  // a non-tensor leaf: copied
@@ -199,8 +261,8 @@ T zip_trees(const std::vector<const T*>& trees, const std::string& path, const L
     return U(zip_trees(pick([](const U& t) -> const auto& { return t.value(); }), path, leaf));
   } else if constexpr (is_tuple_like<U>::value) {
     return [&]<std::size_t... I>(std::index_sequence<I...>) {
-      return U(zip_trees(pick([](const U& t) -> const auto& { return std::get<I>(t); }),
-                         join(path, std::to_string(I)), leaf)...);
+      return U{zip_trees(pick([](const U& t) -> const auto& { return std::get<I>(t); }),
+                         join(path, std::to_string(I)), leaf)...};
     }
     (std::make_index_sequence<std::tuple_size_v<U>>{});
   } else if constexpr (boost::hana::Struct<U>::value) {
@@ -211,6 +273,17 @@ T zip_trees(const std::vector<const T*>& trees, const std::string& path, const L
       get(out) = zip_trees(pick([&get](const U& t) -> const auto& { return get(t); }),
                            join(path, name), leaf);
     });
+    return out;
+  } else if constexpr (positional_aggregate<U>) {
+    U out = first;
+    auto to = aggregate_fields(out);
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((std::get<I>(to) = zip_trees(
+            pick([](const U& t) -> const auto& { return std::get<I>(aggregate_fields(t)); }),
+            join(path, std::to_string(I)), leaf)),
+       ...);
+    }
+    (std::make_index_sequence<std::tuple_size_v<decltype(to)>>{});
     return out;
   } else {
     return first;
@@ -226,9 +299,26 @@ inline BatchSpec to_spec(ReplicateLeaf spec) { return to_spec(LeafSpec{spec}); }
 
 }  // namespace detail
 
+/// A batch type split_batch can split: a tree (see the file comment) with at least one tensor leaf.
+template <class T>
+concept splittable_batch = detail::tree_has_tensor<T>();
+
+/// The diagnostic for a batch type that is not splittable_batch, shared by split_batch,
+/// merge_batches and the Trainer.
+// NOLINTNEXTLINE(cppcoreguidelines-macro-usage): static_assert needs a string literal
+#define D9D_UNSPLITTABLE_BATCH_FIX                                                               \
+  "holds no tensor the library can split (the batch type is shown with this error). A batch is " \
+  "an at::Tensor, a std::vector / std::optional / std::array / std::tuple / std::pair / "        \
+  "std::map<std::string, ...> of batches, or a struct of them. Fix: make the struct a plain "    \
+  "aggregate (public members, no constructors, no base class, at most 16 members), or adapt it " \
+  "with BOOST_HANA_ADAPT_STRUCT(MyBatch, member1, member2, ...) from "                           \
+  "<boost/hana/adapt_struct.hpp>"
+
 /// Splits `batch` into `parts` microbatches (see the file comment for the rules).
 template <class Tree, class Spec = ShardAlong>
 std::vector<Tree> split_batch(const Tree& batch, int parts, Spec spec = ShardAlong{0}) {
+  static_assert(splittable_batch<Tree>,
+                "d9d::split_batch: the batch type " D9D_UNSPLITTABLE_BATCH_FIX);
   if (parts < 1) {
     throw std::invalid_argument("d9d::split_batch: parts must be >= 1, got " +
                                 std::to_string(parts));
@@ -262,6 +352,8 @@ std::vector<Tree> split_batch(const Tree& batch, int parts, Spec spec = ShardAlo
 /// Merges microbatches made by split_batch (with the same spec) back into one batch.
 template <class Tree, class Spec = ShardAlong>
 Tree merge_batches(const std::vector<Tree>& parts, Spec spec = ShardAlong{0}) {
+  static_assert(splittable_batch<Tree>,
+                "d9d::merge_batches: the batch type " D9D_UNSPLITTABLE_BATCH_FIX);
   if (parts.empty()) {
     throw std::invalid_argument("d9d::merge_batches: no parts to merge");
   }

@@ -465,12 +465,15 @@ struct strategy<Policy> {
 /// The compile-time rules of every strategy of `Plan` (static_asserts naming the fix).
 template <class Plan>
 constexpr void check_plan() {
-  strategy<typename Plan::peft>::template check<Plan>();
-  strategy<typename Plan::tensor_parallel>::template check<Plan>();
-  strategy<typename Plan::expert_parallel>::template check<Plan>();
-  strategy<typename Plan::context_parallel>::template check<Plan>();
-  strategy<typename Plan::data_parallel>::template check<Plan>();
-  strategy<typename Plan::activation_checkpointing>::template check<Plan>();
+  // A malformed mesh has reported its own error; these rules read it and would add more.
+  if constexpr (Plan::mesh::well_formed) {
+    strategy<typename Plan::peft>::template check<Plan>();
+    strategy<typename Plan::tensor_parallel>::template check<Plan>();
+    strategy<typename Plan::expert_parallel>::template check<Plan>();
+    strategy<typename Plan::context_parallel>::template check<Plan>();
+    strategy<typename Plan::data_parallel>::template check<Plan>();
+    strategy<typename Plan::activation_checkpointing>::template check<Plan>();
+  }
 }
 
 /// The same rules at start-up, for the resolved mesh (std::invalid_argument naming the key).

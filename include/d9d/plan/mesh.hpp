@@ -72,6 +72,14 @@ struct mesh {
                 "tp, the ranks of one pipeline stage (shown with this error as <ep, product>). "
                 "Fix: choose ep among the divisors of that product");
 
+  /// Whether the mesh passes every rule above. When it does not, the rules of the strategies and
+  /// of the trainer that read the mesh are skipped, so each mistake gives one error.
+  static constexpr bool well_formed =
+      facts_.well_formed &&
+      detail::mesh_degrees_multiply_to_world<facts_.static_product, facts_.world_for_product> &&
+      detail::mesh_static_degrees_divide_world<facts_.static_product, facts_.world_for_inference> &&
+      detail::mesh_ep_divides_stage<facts_.ep_for_rule, facts_.stage_for_rule>;
+
   /// The resolved degree types: as written, 1 when missing, or inferred from a static world.
   using pp = ::d9d::pp<facts_.of(detail::mesh_dim::pp)>;
   using dp_replicate = ::d9d::dp_replicate<facts_.of(detail::mesh_dim::dp_replicate)>;

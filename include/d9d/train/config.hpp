@@ -42,7 +42,9 @@ struct RunConfig {
 struct BatchConfig {
   int64_t global_batch_size = 0;  ///< samples per optimizer step over all data-parallel ranks
   int64_t microbatch_size = 0;    ///< samples per forward/backward on one rank
-  int64_t sequence_length = 0;    ///< tokens per sample
+  /// Tokens per sample, for language models (their data and pipeline stages need it); 0 (not
+  /// given) for other models, whose progress then counts samples rather than tokens.
+  int64_t sequence_length = 0;
 };
 
 struct OptimizerConfig {

@@ -37,7 +37,8 @@ struct StepEnd {
   double loss = 0.0;  ///< token-mean loss over all microbatches and data-parallel ranks
   double lr = 0.0;
   double grad_norm = 0.0;  ///< before clipping
-  int64_t tokens = 0;      ///< tokens processed by all ranks in this step
+  int64_t tokens = 0;      ///< tokens processed by all ranks in this step (0: no sequence_length)
+  int64_t samples = 0;     ///< samples processed by all ranks in this step
   double seconds = 0.0;    ///< wall time of the step
 };
 /// A finite loss above numerics.loss_spike_factor x the mean of the previous

@@ -173,10 +173,11 @@ constexpr void check_step_plan() {
   (void)precision_options<Plan>();
   using S = typename Plan::pipeline;
   if constexpr (!is_pipelined_v<Plan>) {
-    static_assert(Plan::mesh::pp::is_dynamic || Plan::mesh::pp::value == 1,
-                  "d9d::TrainStep: the plan's mesh has pp > 1 but no pipeline schedule. Fix: put "
-                  "a schedule in the plan (e.g. d9d::pipeline::OneFOneB<>), or drop d9d::pp from "
-                  "the mesh");
+    static_assert(
+        !Plan::mesh::well_formed || Plan::mesh::pp::is_dynamic || Plan::mesh::pp::value == 1,
+        "d9d::TrainStep: the plan's mesh has pp > 1 but no pipeline schedule. Fix: put "
+        "a schedule in the plan (e.g. d9d::pipeline::OneFOneB<>), or drop d9d::pp from "
+        "the mesh");
   } else {
     static_assert(pipeline::pipeline_schedule<S>,
                   "d9d::Trainer: the plan's pipeline slot holds no schedule. Fix: use one of "

@@ -1,10 +1,18 @@
 // d9d/train/trainer.hpp — Trainer<Plan>: the training loop of a plan around user-provided pieces.
 //
-//   auto ctx = d9d::DistributedContext::from_env();
-//   auto cfg = d9d::TrainerConfig::from_file(argv[1]);
-//   d9d::Trainer<MyPlan> trainer{ctx, MyModelProvider{}, MyDataset{}, MyTask{}, cfg};
-//   trainer.on<d9d::events::StepEnd>([](const auto& e) { ... });
-//   d9d::TrainResult result = trainer.train();
+//   int main(int argc, char** argv) {
+//     return d9d::run_main(argc, argv, [](int, char** argv) {  // errors: one line, exit 2 or 1
+//       auto ctx = d9d::DistributedContext::from_env();
+//       auto cfg = d9d::TrainerConfig::from_file(argv[1]);
+//       d9d::Trainer<MyPlan> trainer{ctx, MyModelProvider{}, MyDataset{}, MyTask{}, cfg};
+//       trainer.on<d9d::events::StepEnd>([](const auto& e) { ... });
+//       d9d::TrainResult result = trainer.train();
+//       return 0;
+//     });
+//   }
+//
+// A whole program of one's own model, data and task: examples/06_classifier/main.cpp. Without
+// d9d::run_main (d9d/train/main.hpp) a d9d::ConfigError escaping main aborts every rank.
 //
 // The constructor resolves the plan's mesh against the world (dynamic degrees from the config),
 // checks the config against it, builds the mesh, the model (same seed on every rank; replicas then
@@ -58,7 +66,8 @@ struct TrainResult {
   std::string checkpoint_dir;        ///< the last checkpoint written (empty when none)
   int64_t steps = 0;                 ///< steps run
   double seconds = 0.0;
-  double tokens_per_second = 0.0;  ///< over all ranks, after the first step
+  double tokens_per_second = 0.0;   ///< over all ranks, after the first step (0 without tokens)
+  double samples_per_second = 0.0;  ///< over all ranks, after the first step
   /// The most device memory any rank's allocator had allocated during train() (CUDA; 0 on CPU).
   int64_t peak_memory_bytes = 0;
   std::string metrics_path;     ///< metrics.jsonl (empty when disabled)
@@ -234,13 +243,16 @@ class Trainer {
     run.load = [dataset](const std::vector<int64_t>& indices) -> std::any {
       return std::any(Batch(dataset->get(indices)));
     };
-    run.split = [](const std::any& batch, int64_t parts) {
-      std::vector<std::any> out;
-      for (auto& part : split_batch(std::any_cast<const Batch&>(batch), static_cast<int>(parts))) {
-        out.emplace_back(std::move(part));
-      }
-      return out;
-    };
+    if constexpr (splittable_batch<Batch>) {  // else the constructor's static_assert says why
+      run.split = [](const std::any& batch, int64_t parts) {
+        std::vector<std::any> out;
+        for (auto& part :
+             split_batch(std::any_cast<const Batch&>(batch), static_cast<int>(parts))) {
+          out.emplace_back(std::move(part));
+        }
+        return out;
+      };
+    }
   }
 
   // The verified program: at compile time when pp and the microbatch count are static.
@@ -271,6 +283,8 @@ class Trainer {
                        Task task, TrainerConfig config) {
     using Batch = batch_of_t<DatasetProvider>;
     using StageModule = stage_of_t<ModelProvider>;
+    static_assert(splittable_batch<Batch>,
+                  "d9d::Trainer: the dataset's batch type " D9D_UNSPLITTABLE_BATCH_FIX);
     static_assert(train_task_opts_in<Task>,
                   "d9d::Trainer: the task does not opt in. Fix: declare "
                   "`using train_task_concept = d9d::train_task_tag;` in it");
@@ -283,6 +297,11 @@ class Trainer {
         throw ConfigError(
             "d9d config: \"export.enabled\" is not supported with a pipeline plan yet (each rank "
             "holds only its stages). Fix: set \"export\": {\"enabled\": false}");
+      }
+      if (config.batch.sequence_length < 1) {
+        throw ConfigError(
+            "d9d config: \"batch.sequence_length\" is not given, but a pipeline plan sizes the "
+            "tensors between stages with it. Fix: set \"batch\": {\"sequence_length\": N, ...}");
       }
       auto mesh = make_mesh(context, config);
       const int dp = mesh->size(MeshDomain::batch, "dp");
@@ -349,6 +368,8 @@ class Trainer {
              TrainerConfig config) {
     using Model = model_of_t<ModelProvider>;
     using Batch = batch_of_t<DatasetProvider>;
+    static_assert(splittable_batch<Batch>,
+                  "d9d::Trainer: the dataset's batch type " D9D_UNSPLITTABLE_BATCH_FIX);
     static_assert(train_task_opts_in<Task>,
                   "d9d::Trainer: the task does not opt in. Fix: declare "
                   "`using train_task_concept = d9d::train_task_tag;` in it");

@@ -223,6 +223,39 @@ inline MeshShape resolve_mesh_spec(const mesh_spec& spec, int world_size, const 
     }
     shape.*mesh_shape_fields[at] = static_cast<int>(world_size / others);
   }
+  // Degrees from the config that do not multiply to the world: name the keys and the fix (the
+  // generic message of MeshShape::check would suggest d9d::dynamic, which they already are).
+  if (shape.world_size() != world_size) {
+    std::string keys;
+    int from_config = 0;
+    int last = 0;
+    for (int i = 0; i < mesh_dim_count; ++i) {
+      if (i != mesh_ep_index && spec.degree[i] == dynamic && given.degree[i]) {
+        keys += std::string(keys.empty() ? "" : ", ") + "\"mesh." + mesh_dim_names[i] +
+                "\" = " + str(*given.degree[i]);
+        ++from_config;
+        last = i;
+      }
+    }
+    if (from_config > 0) {
+      std::string fix;
+      if (from_config == 1) {
+        const std::string key = std::string("\"mesh.") + mesh_dim_names[last] + "\"";
+        const long long others = shape.world_size() / (shape.*mesh_shape_fields[last]);
+        fix = (world_size % others == 0
+                   ? "set " + key + " to " + str(world_size / others) + ", or remove it from the "
+                   : "remove " + key + " from the ") +
+              "config to infer it from the world size, or launch " + str(shape.world_size()) +
+              " ranks";
+      } else {
+        fix = "set them so that the product is " + str(world_size) +
+              ", or remove one of them from the config to infer it from the world size";
+      }
+      fail("pp * dp_replicate * dp_shard * cp_replicate * cp_shard * tp = " + shape.describe() +
+           " = " + str(shape.world_size()) + " ranks, but the world has " + str(world_size) +
+           "; the config sets " + keys + ". Fix: " + fix);
+    }
+  }
   shape.check(world_size);
   return shape;
 }
