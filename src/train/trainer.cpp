@@ -547,11 +547,10 @@ TrainResult TrainerCore::train() {
                                     {rate_label, track::format_si(rate)}});
       }
       if (step % cfg.run.log_every == 0 || step + 1 == cfg.run.total_steps) {
-        std::vector<std::pair<std::string, double>> scalars = {
-            {"train/loss", r.loss},
-            {"train/lr", r.lr},
-            {"train/grad_norm", r.grad_norm},
-            {rate_scalar, rate}};
+        std::vector<std::pair<std::string, double>> scalars = {{"train/loss", r.loss},
+                                                               {"train/lr", r.lr},
+                                                               {"train/grad_norm", r.grad_norm},
+                                                               {rate_scalar, rate}};
         for (auto& metric : s.parallel().metrics()) {  // e.g. the MoE routers' balance
           scalars.push_back(std::move(metric));
         }
