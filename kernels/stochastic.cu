@@ -98,51 +98,37 @@ __global__ void adamw_stochastic_kernel(const Slot* __restrict__ slots,
     store1(v, i, vv, static_cast<std::uint32_t>(r >> 32));
   };
   if constexpr (kVec) {
-    // Two groups of four elements per thread and step, every load issued before any math (more
-    // bytes in flight per thread); a group that runs past the chunk's end goes element-wise.
-    constexpr int kGroups = 2;
-    const std::int64_t step = 4 * static_cast<std::int64_t>(blockDim.x);
-    for (std::int64_t base = start + 4 * static_cast<std::int64_t>(threadIdx.x); base < end;
-         base += kGroups * step) {
-      float p[kGroups][4];
-      float gv[kGroups][4];
-      float mv[kGroups][4];
-      float vv[kGroups][4];
-#pragma unroll
-      for (int q = 0; q < kGroups; ++q) {
-        const std::int64_t i = base + q * step;
-        if (i + 4 <= end) {
-          load4(slot.p, i, p[q]);
-          load4(g, i, gv[q]);
-          load4(m, i, mv[q]);
-          load4(v, i, vv[q]);
+    for (std::int64_t i = start + 4 * static_cast<std::int64_t>(threadIdx.x); i < end;
+         i += 4 * static_cast<std::int64_t>(blockDim.x)) {
+      if (i + 4 > end) {
+        for (std::int64_t k = i; k < end; ++k) {
+          one(k);
         }
+        continue;
       }
+      float p[4];
+      float gv[4];
+      float mv[4];
+      float vv[4];
+      load4(slot.p, i, p);
+      load4(g, i, gv);
+      load4(m, i, mv);
+      load4(v, i, vv);
+      std::uint32_t rp[4];
+      std::uint32_t rm[4];
+      std::uint32_t rv[4];
 #pragma unroll
-      for (int q = 0; q < kGroups; ++q) {
-        const std::int64_t i = base + q * step;
-        if (i + 4 > end) {
-          for (std::int64_t k = i; k < end; ++k) {
-            one(k);
-          }
-          continue;
-        }
-        std::uint32_t rp[4];
-        std::uint32_t rm[4];
-        std::uint32_t rv[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const std::uint64_t r =
-              detail::random_bits(seed, tensor, static_cast<std::uint64_t>(i + k));
-          rp[k] = static_cast<std::uint32_t>(r);
-          rm[k] = static_cast<std::uint32_t>(r >> 16);
-          rv[k] = static_cast<std::uint32_t>(r >> 32);
-          p[q][k] = detail::adamw_element(p[q][k], gv[q][k], mv[q][k], vv[q][k], s);
-        }
-        store4(slot.p, i, p[q], rp);
-        store4(m, i, mv[q], rm);
-        store4(v, i, vv[q], rv);
+      for (int k = 0; k < 4; ++k) {
+        const std::uint64_t r =
+            detail::random_bits(seed, tensor, static_cast<std::uint64_t>(i + k));
+        rp[k] = static_cast<std::uint32_t>(r);
+        rm[k] = static_cast<std::uint32_t>(r >> 16);
+        rv[k] = static_cast<std::uint32_t>(r >> 32);
+        p[k] = detail::adamw_element(p[k], gv[k], mv[k], vv[k], s);
       }
+      store4(slot.p, i, p, rp);
+      store4(m, i, mv, rm);
+      store4(v, i, vv, rv);
     }
   } else {
     for (std::int64_t i = start + threadIdx.x; i < end; i += blockDim.x) {
@@ -265,11 +251,11 @@ void copy_stochastic_cuda(const at::Tensor& dst, const at::Tensor& src_arg, std:
   const auto bits = static_cast<std::uint64_t>(seed);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (aligned(out) && aligned(in)) {
-    copy_stochastic_kernel<true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        out, in, n, bits);
+    copy_stochastic_kernel<true>
+        <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(out, in, n, bits);
   } else {
-    copy_stochastic_kernel<false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        out, in, n, bits);
+    copy_stochastic_kernel<false>
+        <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(out, in, n, bits);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
