@@ -97,10 +97,14 @@ __global__ void silu_mul_backward_kernel(const T* __restrict__ grad, const T* __
 
 bool aligned(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
-int blocks_for(std::int64_t items) {
+// Blocks for `items` threads' work. The forward caps the grid at 32 blocks per SM (grid-stride:
+// 3.67 TiB/s on an H200 at 16384 x 12288, 3.56 without the cap); the backward (three reads, two
+// writes) runs one block per 256 vectors (3.76 TiB/s for forward + backward, 3.67 capped).
+int blocks_for(std::int64_t items, bool capped) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const std::int64_t needed = (items + kThreads - 1) / kThreads;
   return static_cast<int>(std::max<std::int64_t>(
-      1, std::min<std::int64_t>((items + kThreads - 1) / kThreads, std::int64_t{sms} * 32)));
+      1, capped ? std::min<std::int64_t>(needed, std::int64_t{sms} * 32) : needed));
 }
 
 at::Tensor silu_mul_forward_cuda(const at::Tensor& gate_arg, const at::Tensor& up_arg) {
@@ -120,12 +124,12 @@ at::Tensor silu_mul_forward_cuda(const at::Tensor& gate_arg, const at::Tensor& u
                                 aligned(out.const_data_ptr());
         if (vectorised) {
           silu_mul_forward_kernel<scalar_t, kVec>
-              <<<blocks_for(n / kVec + 1), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+              <<<blocks_for(n / kVec + 1, true), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   gate.const_data_ptr<scalar_t>(), up.const_data_ptr<scalar_t>(),
                   out.mutable_data_ptr<scalar_t>(), n);
         } else {
           silu_mul_forward_kernel<scalar_t, 1>
-              <<<blocks_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+              <<<blocks_for(n, true), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   gate.const_data_ptr<scalar_t>(), up.const_data_ptr<scalar_t>(),
                   out.mutable_data_ptr<scalar_t>(), n);
         }
@@ -157,13 +161,13 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward_cuda(const at::Tensor& grad
                                 aligned(grad_up.const_data_ptr());
         if (vectorised) {
           silu_mul_backward_kernel<scalar_t, kVec>
-              <<<blocks_for(n / kVec + 1), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+              <<<blocks_for(n / kVec + 1, false), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   grad.const_data_ptr<scalar_t>(), gate.const_data_ptr<scalar_t>(),
                   up.const_data_ptr<scalar_t>(), grad_gate.mutable_data_ptr<scalar_t>(),
                   grad_up.mutable_data_ptr<scalar_t>(), n);
         } else {
           silu_mul_backward_kernel<scalar_t, 1>
-              <<<blocks_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+              <<<blocks_for(n, false), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   grad.const_data_ptr<scalar_t>(), gate.const_data_ptr<scalar_t>(),
                   up.const_data_ptr<scalar_t>(), grad_gate.mutable_data_ptr<scalar_t>(),
                   grad_up.mutable_data_ptr<scalar_t>(), n);

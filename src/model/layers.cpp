@@ -119,6 +119,9 @@ SwiGluImpl::SwiGluImpl(int64_t hidden_size, int64_t intermediate_size) {
 
 at::Tensor SwiGluImpl::forward(const at::Tensor& x) {
   if (fused_kernels()) {
+    if (!down_proj->bias.defined() && !down_proj->adapter) {
+      return silu_mul_linear(gate_proj(x), up_proj(x), down_proj->weight);
+    }
     return down_proj(kernels::silu_mul(gate_proj(x), up_proj(x)));
   }
   return down_proj(at::silu(gate_proj(x)) * up_proj(x));

@@ -16,7 +16,9 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/adamw.h>
 
+#include <d9d/model/layers.hpp>
 #include <d9d/model/linear_cross_entropy.hpp>
+#include <d9d/model/weight_grad.hpp>
 #include <d9d/optim/adamw.hpp>
 #include <d9d/optim/lr_schedule.hpp>
 #include <d9d/state/safetensors.hpp>
@@ -399,6 +401,52 @@ TEST(Model_LinearCrossEntropy, EqualsTheHeadThenTheLossInDouble) {
   const at::NoGradGuard no_grad;
   EXPECT_NEAR(d9d::model::linear_cross_entropy(hidden, weight, labels).loss_sum.item<double>(),
               want.loss_sum.item<double>(), 1e-12);
+}
+
+TEST(Model_SiluMulLinear, EqualsTheCompositionWithAndWithoutDeferredWeightGradients) {
+  // down(silu(gate) * up) recomputing its input in backward: output and the gradients of gate, up
+  // and W equal the composition's in float64 (to rounding), also with W's gradient deferred to a
+  // d9d::model::WeightGradQueue.
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  at::manual_seed(3);
+  const auto gate0 = at::randn({2, 5, 12}, f64);
+  const auto up0 = at::randn({2, 5, 12}, f64);
+  const auto weight0 = at::randn({7, 12}, f64);
+  const auto grad_out = at::randn({2, 5, 7}, f64);
+  const auto leaves = [&] {
+    return std::vector<at::Tensor>{gate0.clone().requires_grad_(), up0.clone().requires_grad_(),
+                                   weight0.clone().requires_grad_()};
+  };
+  auto want = leaves();
+  const auto want_out = at::linear(at::silu(want[0]) * want[1], want[2]);
+  want_out.backward(grad_out);
+  for (const bool deferred : {false, true}) {
+    auto got = leaves();
+    d9d::model::WeightGradQueue queue;
+    at::Tensor out;
+    {
+      const d9d::model::RecordWeightGrads record(queue);
+      out = d9d::model::silu_mul_linear(got[0], got[1], got[2]);
+    }
+    {
+      const d9d::model::DeferWeightGrads defer(queue);
+      if (deferred) {
+        out.backward(grad_out);
+      }
+    }
+    if (deferred) {
+      EXPECT_FALSE(got[2].grad().defined()) << "W's gradient waits for drain()";
+      queue.drain();
+    } else {
+      out.backward(grad_out);
+    }
+    EXPECT_TRUE(at::allclose(out, want_out, 1e-12, 1e-12)) << deferred;
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_TRUE(got[i].grad().defined()) << i;
+      EXPECT_TRUE(at::allclose(got[i].grad(), want[i].grad(), 1e-12, 1e-12))
+          << "input " << i << ", deferred " << deferred;
+    }
+  }
 }
 
 TEST(Model_Qwen3Loss, FusedAndUnfusedKernelsTrainAlike) {

@@ -119,7 +119,15 @@ class AttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Attention);
 
-/// SwiGLU feed-forward: down(silu(gate(x)) * up(x)), the activation by the d9d::silu_mul op.
+/// down(silu(gate) * up) = (silu(gate) * up) W^T by d9d::silu_mul and a GEMM, with autograd,
+/// without keeping the product silu(gate) * up for backward: backward recomputes it from gate and
+/// up (one more elementwise pass) for W's gradient. Under autocast computes in the autocast dtype;
+/// under a recording d9d::model::WeightGradQueue its weight gradient can be deferred like Linear's.
+at::Tensor silu_mul_linear(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& weight);
+
+/// SwiGLU feed-forward: down(silu(gate(x)) * up(x)), the activation by the d9d::silu_mul op. With
+/// the fused kernels on and a plain down projection (no bias, no adapter), the activation is not
+/// kept for backward (silu_mul_linear).
 class SwiGluImpl : public torch::nn::Module {
  public:
   SwiGluImpl(int64_t hidden_size, int64_t intermediate_size);
