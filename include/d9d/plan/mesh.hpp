@@ -81,16 +81,18 @@ struct mesh {
       detail::mesh_ep_divides_stage<facts_.ep_for_rule, facts_.stage_for_rule>;
 
   /// The resolved degree types: as written, 1 when missing, or inferred from a static world.
-  using pp = ::d9d::pp<facts_.of(detail::mesh_dim::pp)>;
-  using dp_replicate = ::d9d::dp_replicate<facts_.of(detail::mesh_dim::dp_replicate)>;
-  using dp_shard = ::d9d::dp_shard<facts_.of(detail::mesh_dim::dp_shard)>;
-  using cp_replicate = ::d9d::cp_replicate<facts_.of(detail::mesh_dim::cp_replicate)>;
-  using cp_shard = ::d9d::cp_shard<facts_.of(detail::mesh_dim::cp_shard)>;
-  using tp = ::d9d::tp<facts_.of(detail::mesh_dim::tp)>;
-  using ep = ::d9d::ep<facts_.of(detail::mesh_dim::ep)>;
+  using pp = detail::degree_for<::d9d::pp, facts_.of(detail::mesh_dim::pp)>;
+  using dp_replicate =
+      detail::degree_for<::d9d::dp_replicate, facts_.of(detail::mesh_dim::dp_replicate)>;
+  using dp_shard = detail::degree_for<::d9d::dp_shard, facts_.of(detail::mesh_dim::dp_shard)>;
+  using cp_replicate =
+      detail::degree_for<::d9d::cp_replicate, facts_.of(detail::mesh_dim::cp_replicate)>;
+  using cp_shard = detail::degree_for<::d9d::cp_shard, facts_.of(detail::mesh_dim::cp_shard)>;
+  using tp = detail::degree_for<::d9d::tp, facts_.of(detail::mesh_dim::tp)>;
+  using ep = detail::degree_for<::d9d::ep, facts_.of(detail::mesh_dim::ep)>;
   /// The world size: as declared, else the product of the degrees when they are all static, else
   /// d9d::world<d9d::dynamic>.
-  using world = ::d9d::world<facts_.world>;
+  using world = detail::degree_for<::d9d::world, facts_.world>;
 
   /// Every degree (and so the world) is known at compile time.
   static constexpr bool is_static = facts_.is_static;

@@ -107,7 +107,8 @@ consteval mesh_facts make_mesh_facts() {
   for (int i = 0; i < mesh_dim_count; ++i) {
     facts.is_static = facts.is_static && facts.degree[i] != dynamic;
     if (i != static_cast<int>(mesh_dim::pp) && i != mesh_ep_index) {
-      stage = (stage == dynamic || facts.degree[i] == dynamic) ? dynamic : stage * facts.degree[i];
+      stage = (stage == dynamic || facts.degree[i] == dynamic) ? static_cast<long long>(dynamic)
+                                                               : stage * facts.degree[i];
     }
   }
   facts.ep_for_rule = facts.of(mesh_dim::ep);
