@@ -148,20 +148,26 @@ class Group : public model::TensorParallelGroup {
 };
 
 // The per-head q/k norms' gradients summed over tp after the step's backward (each rank's holds
-// the contribution of its heads only).
+// the contribution of its heads only). Runs after the data-parallel strategy's finish (added
+// before it), on the records' locals as they are then: the whole parameters, or FullyShard's
+// shards of them (equal rows on every tp rank).
 class PartialNormSync : public GradientSync {
  public:
-  PartialNormSync(ProcessGroup group, std::vector<at::Tensor> parameters)
-      : group_(std::move(group)), parameters_(std::move(parameters)) {}
+  PartialNormSync(ParallelModel& model, ProcessGroup group, std::vector<std::string> names)
+      : model_(model), group_(std::move(group)), names_(std::move(names)) {}
 
   void finish() override {
+    if (group_.size() <= 1) {
+      return;
+    }
     std::vector<at::Tensor> grads;
-    for (const auto& param : parameters_) {
-      if (param.grad().defined()) {
-        grads.push_back(at::Tensor(param).mutable_grad());
+    for (const auto& name : names_) {
+      const auto* record = model_.find(name);
+      if (record != nullptr && record->local.grad().defined()) {
+        grads.push_back(at::Tensor(record->local).mutable_grad());
       }
     }
-    if (grads.empty() || group_.size() <= 1) {
+    if (grads.empty()) {
       return;
     }
     std::vector<at::Tensor> flat;
@@ -179,8 +185,9 @@ class PartialNormSync : public GradientSync {
   }
 
  private:
+  ParallelModel& model_;
   ProcessGroup group_;
-  std::vector<at::Tensor> parameters_;
+  std::vector<std::string> names_;
 };
 
 void require_divides(int64_t ranks, int64_t size, const std::string& key) {
@@ -306,7 +313,7 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
   }
 
   // The records: split parameters are Shard(dim) on tp, the rest Replicate on tp.
-  std::vector<at::Tensor> partial_trained;
+  std::vector<std::string> partial_trained;
   for (auto& record : model.mutable_parameters()) {
     const auto found = split.find(record.local.unsafeGetTensorImpl());
     record.dims.emplace_back("tp");
@@ -317,12 +324,13 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
     }
     for (const auto& norm : partial_norms) {
       if (norm.unsafeGetTensorImpl() == record.local.unsafeGetTensorImpl()) {
-        partial_trained.push_back(record.local);
+        partial_trained.push_back(record.name);
       }
     }
   }
   model.add_norm_dims({"tp"});
-  model.add_sync(std::make_unique<PartialNormSync>(process_group, std::move(partial_trained)));
+  model.add_sync(
+      std::make_unique<PartialNormSync>(model, process_group, std::move(partial_trained)));
 }
 
 }  // namespace d9d::parallel::detail

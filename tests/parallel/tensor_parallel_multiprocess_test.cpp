@@ -1,9 +1,10 @@
 // Tensor parallelism (d9d::parallel::TensorParallel) on 2 and 4 Gloo ranks against one process
 // training the same global batch, in float64 (tolerances in tests/train/train_test_util.hpp), 6
-// optimizer steps each: tp 2 with an untied and a tied LM head, tp 2 x dp_replicate 2; losses,
-// gradient norms and every (gathered) parameter. Also the loss-parallel cross-entropy against the
-// full one (values and gradients, ignore index included), the model's gathered logits, replicated
-// parameters staying identical over tp, and the start-up rules.
+// optimizer steps each: tp 2, tp 2 x dp_replicate 2 and tp 2 x FullyShard 2 (dp_shard), each with
+// an untied and a tied LM head; losses, gradient norms and every (gathered) parameter. Also the
+// loss-parallel cross-entropy against the full one (values and gradients, ignore index included),
+// the model's gathered logits, replicated parameters staying identical over tp, and the start-up
+// rules.
 #include <cmath>
 #include <string>
 #include <vector>
@@ -29,6 +30,7 @@ using ::testing::HasSubstr;
 using Tp = d9d::parallel::TensorParallel<>;
 using TpMesh = d9d::mesh<d9d::tp<d9d::dynamic>>;
 using TpDpMesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::tp<d9d::dynamic>>;
+using TpShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::tp<d9d::dynamic>>;
 
 // 6 steps, global batch 8 in microbatches of 2 (accumulation on every rank), clipping at 0.5,
 // 2 decoder layers of the tiny Qwen3 (4 heads, 2 KV heads, intermediate 64, vocabulary 64).
@@ -161,7 +163,7 @@ TEST(Parallel_TensorParallel_tp2, MatchesOneProcess) {
   });
 }
 
-TEST(Parallel_TensorParallel_ws4, TimesReplicateMatchesOneProcess) {
+TEST(Parallel_TensorParallel_ws4, TimesReplicateAndFullyShardMatchOneProcess) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
   d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
     const auto ctx = d9d::testing::rank_context(env);
@@ -173,6 +175,20 @@ TEST(Parallel_TensorParallel_ws4, TimesReplicateMatchesOneProcess) {
               ctx, run_config(dir + (tied ? "/tied" : "/untied"), tied, 2,
                               R"({"dp_replicate": 2, "tp": 2})")),
           want, tied ? "tp 2 x dp_replicate 2, tied" : "tp 2 x dp_replicate 2, untied");
+      // FullyShard shards the tp shards over dp_shard (records Shard on tp and dp_shard).
+      d9d::Trainer<d9d::Plan<TpShardMesh, Tp, d9d::parallel::Fsdp, Fp64>> sharded(
+          ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+          run_config(dir + (tied ? "/fsdp_tied" : "/fsdp_untied"), tied, 2,
+                     R"({"dp_shard": 2, "tp": 2})"));
+      RunOutcome got;
+      got.result = sharded.train();
+      got.parameters = d9d::testing::full_parameters(sharded.core());
+      const auto* q = sharded.core().parallel().find("model.layers.0.self_attn.q_proj.weight");
+      ASSERT_NE(q, nullptr);
+      EXPECT_EQ(q->dims, (std::vector<std::string>{"dp_replicate", "tp", "dp_shard"}));
+      EXPECT_EQ(q->local.sizes().vec(), (std::vector<int64_t>{8, 32}));
+      d9d::testing::expect_same_run(
+          got, want, tied ? "tp 2 x FullyShard 2, tied" : "tp 2 x FullyShard 2, untied");
     }
     // tp 4 does not divide the 2 KV heads: a start-up error naming the config key.
     try {
