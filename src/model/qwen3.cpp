@@ -54,11 +54,15 @@ at::Tensor Qwen3ModelImpl::embed(const at::Tensor& input_ids) {
   if (!tp_) {
     return embed_tokens(input_ids);
   }
-  const auto& weight = embed_tokens->weight;
-  const auto local = input_ids - vocab_start_;
+  return vocab_parallel_embedding(embed_tokens->weight, input_ids, vocab_start_, *tp_);
+}
+
+at::Tensor vocab_parallel_embedding(const at::Tensor& weight, const at::Tensor& input_ids,
+                                    int64_t vocab_start, const TensorParallelGroup& group) {
+  const auto local = input_ids - vocab_start;
   const auto outside = (local < 0).logical_or(local >= weight.size(0));
   const auto rows = at::embedding(weight, local.masked_fill(outside, 0));
-  return tp_->reduce_out(rows.masked_fill(outside.unsqueeze(-1), 0.0));
+  return group.reduce_out(rows.masked_fill(outside.unsqueeze(-1), 0.0));
 }
 
 void Qwen3ModelImpl::set_vocab_parallel(std::shared_ptr<const TensorParallelGroup> group,

@@ -217,11 +217,6 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
   const auto process_group = mesh.group(MeshDomain::regular, "tp");
   const int64_t ranks = mesh.size(MeshDomain::regular, "tp");
   const int64_t rank = mesh.coordinate(MeshDomain::regular, "tp");
-  if (model.options().pipelined) {
-    throw std::invalid_argument(
-        "d9d::parallel::TensorParallel: pipeline plans are not supported with tensor parallelism "
-        "yet. Fix: drop the pipeline schedule and d9d::pp from the plan");
-  }
   const auto group = make_tensor_parallel_group(process_group);
 
   // Which tensor (by TensorImpl) is split along which dimension.
@@ -308,8 +303,9 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
   if (vocab_models == 0) {
     throw std::invalid_argument(
         "d9d::parallel::TensorParallel: the model does not split its embedding and LM head over "
-        "the vocabulary (it implements no d9d::model::VocabParallelModel; pipeline stages do "
-        "not yet). Fix: use d9d::model::Qwen3ForCausalLM, or d9d::parallel::NoTensorParallel");
+        "the vocabulary (it implements no d9d::model::VocabParallelModel). Fix: implement it (as "
+        "d9d::model::Qwen3ForCausalLM and Qwen3Stage do), or use "
+        "d9d::parallel::NoTensorParallel");
   }
 
   // The records: split parameters are Shard(dim) on tp, the rest Replicate on tp.

@@ -1,10 +1,10 @@
 // Tensor parallelism (d9d::parallel::TensorParallel) on 2 and 4 Gloo ranks against one process
 // training the same global batch, in float64 (tolerances in tests/train/train_test_util.hpp), 6
 // optimizer steps each: tp 2, tp 2 x dp_replicate 2 and tp 2 x FullyShard 2 (dp_shard), each with
-// an untied and a tied LM head; losses, gradient norms and every (gathered) parameter. Also the
-// loss-parallel cross-entropy against the full one (values and gradients, ignore index included),
-// the model's gathered logits, replicated parameters staying identical over tp, and the start-up
-// rules.
+// an untied and a tied LM head, and tp 2 x pp 2 (1F1B, ZeroBubbleH1); losses, gradient norms and
+// every (gathered) parameter. Also the loss-parallel cross-entropy against the full one (values and
+// gradients, ignore index included), the model's gathered logits, replicated parameters staying
+// identical over tp, and the start-up rules.
 #include <cmath>
 #include <string>
 #include <vector>
@@ -31,6 +31,7 @@ using Tp = d9d::parallel::TensorParallel<>;
 using TpMesh = d9d::mesh<d9d::tp<d9d::dynamic>>;
 using TpDpMesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::tp<d9d::dynamic>>;
 using TpShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::tp<d9d::dynamic>>;
+using TpPpMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::tp<d9d::dynamic>>;
 
 // 6 steps, global batch 8 in microbatches of 2 (accumulation on every rank), clipping at 0.5,
 // 2 decoder layers of the tiny Qwen3 (4 heads, 2 KV heads, intermediate 64, vocabulary 64).
@@ -163,7 +164,7 @@ TEST(Parallel_TensorParallel_tp2, MatchesOneProcess) {
   });
 }
 
-TEST(Parallel_TensorParallel_ws4, TimesReplicateAndFullyShardMatchOneProcess) {
+TEST(Parallel_TensorParallel_ws4, TimesReplicateFullyShardAndPipelineMatchOneProcess) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
   d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
     const auto ctx = d9d::testing::rank_context(env);
@@ -189,6 +190,19 @@ TEST(Parallel_TensorParallel_ws4, TimesReplicateAndFullyShardMatchOneProcess) {
       EXPECT_EQ(q->local.sizes().vec(), (std::vector<int64_t>{8, 32}));
       d9d::testing::expect_same_run(
           got, want, tied ? "tp 2 x FullyShard 2, tied" : "tp 2 x FullyShard 2, untied");
+      if (tied) {
+        continue;  // several pipeline stages need an untied head
+      }
+      // tp 2 x pp 2: each rank compares its stage's parameters; 1F1B, and ZeroBubbleH1 (weight
+      // gradients of the split projections in W actions).
+      d9d::testing::expect_same_run(
+          train_plan<d9d::Plan<TpPpMesh, Tp, d9d::pipeline::OneFOneB<>, Fp64>>(
+              ctx, run_config(dir + "/pp", false, 2, R"({"pp": 2, "tp": 2})")),
+          want, "tp 2 x pp 2, 1F1B");
+      d9d::testing::expect_same_run(
+          train_plan<d9d::Plan<TpPpMesh, Tp, d9d::pipeline::ZeroBubbleH1<>, Fp64>>(
+              ctx, run_config(dir + "/zb", false, 2, R"({"pp": 2, "tp": 2})")),
+          want, "tp 2 x pp 2, ZeroBubbleH1");
     }
     // tp 4 does not divide the 2 KV heads: a start-up error naming the config key.
     try {

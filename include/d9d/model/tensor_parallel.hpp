@@ -8,8 +8,8 @@
 // The layers only call these virtual functions; the collectives and their autograd functions live
 // in the parallel layer (src/parallel/tensor_parallel.cpp), so the model library needs no process
 // group. A model whose embedding and LM head may be split over the vocabulary implements
-// VocabParallelModel (Qwen3ForCausalLM does); attention and SwiGLU blocks are found by their types
-// (d9d::model::Attention, d9d::model::SwiGlu). docs/design/0011-tensor-parallel.md.
+// VocabParallelModel (Qwen3ForCausalLM and Qwen3Stage do); attention and SwiGLU blocks are found by
+// their types (d9d::model::Attention, d9d::model::SwiGlu). docs/design/0011-tensor-parallel.md.
 #pragma once
 
 #include <cstdint>
@@ -53,6 +53,12 @@ class TensorParallelGroup {
                                                      const at::Tensor& labels, int64_t vocab_start,
                                                      int64_t ignore_index) const = 0;
 };
+
+/// The vocab-parallel embedding: `weight` holds rows [vocab_start, vocab_start + rows) of the
+/// embedding; ids outside embed as zeros and the parts are summed over `group` (reduce_out).
+[[nodiscard]] at::Tensor vocab_parallel_embedding(const at::Tensor& weight,
+                                                  const at::Tensor& input_ids, int64_t vocab_start,
+                                                  const TensorParallelGroup& group);
 
 /// A model whose token embedding and LM head tensor parallelism may split over the vocabulary
 /// (rows [rank V / tp, (rank + 1) V / tp) of each). The strategy narrows the parameters named by

@@ -359,7 +359,7 @@ struct strategy<NoTensorParallel> {
 };
 
 /// TensorParallel: static rules — a mesh that fixes tp = 1 has nothing to split; sequence
-/// parallelism and pipelines are not implemented with it yet. The model's sizes are
+/// parallelism is not implemented yet. The model's sizes are
 /// checked when applied (std::invalid_argument naming the config key).
 template <bool SP>
 struct strategy<TensorParallel<SP>> {
@@ -372,9 +372,6 @@ struct strategy<TensorParallel<SP>> {
                   "d9d::parallel::TensorParallel: the plan's mesh fixes tp = 1, so there is "
                   "nothing to split the layers over. Fix: give the mesh d9d::tp<N> with N > 1 (or "
                   "d9d::dynamic), or use d9d::parallel::NoTensorParallel");
-    static_assert(std::same_as<typename Plan::pipeline, pipeline::NoPipeline>,
-                  "d9d::parallel::TensorParallel: pipeline schedules are not supported with "
-                  "tensor parallelism yet. Fix: drop the schedule and d9d::pp from the plan");
   }
   static void check_mesh(const MeshShape& /*shape*/) {}
   template <class Plan>

@@ -87,8 +87,9 @@ struct ExpertParallel {
 /// the embedding's shard). Each column-parallel block's input sums its gradient over tp and each
 /// row-parallel block's output is summed over tp (Megatron's f/g autograd functions). tp must
 /// divide num_attention_heads, num_key_value_heads, intermediate_size and vocab_size (checked when
-/// applied). Composes with Replicate over dp_replicate / dp_shard; FullyShard, pipelines and MoE
-/// models are not supported yet (docs/design/0011-tensor-parallel.md).
+/// applied). Composes with Replicate, with FullyShard (which shards the tp shards over dp_shard)
+/// and with pipeline schedules (the last stage gathers its logits); MoE models and LoRA are not
+/// supported yet (docs/design/0011-tensor-parallel.md).
 ///
 /// `SequenceParallel` (the residual stream and norms split over tp by sequence) is not implemented
 /// yet: true fails to compile.
