@@ -155,8 +155,9 @@ CausalLmLoss Qwen3ForCausalLMImpl::loss(const at::Tensor& input_ids, const at::T
   // the unfused path, which runs the layer and its adapter.
   if (tp_) {
     // Loss-parallel: this rank's logits only; the cross-entropy all-reduces row statistics.
-    const auto hidden = model(input_ids);
-    const auto logits = head_logits(hidden.reshape({-1, hidden.size(-1)}));
+    // The head on [B, T, H]: under sequence parallelism its input gathers along the sequence.
+    auto logits = head_logits(model(input_ids));
+    logits = logits.reshape({-1, logits.size(-1)});
     const auto flat_labels = labels.reshape({-1});
     return {.loss_sum = tp_->cross_entropy_sum(logits, flat_labels, tp_->rank() * logits.size(-1),
                                                ignore_index),

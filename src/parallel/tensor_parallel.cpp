@@ -14,6 +14,7 @@
 // the vocab-parallel embedding. So the residual stream and its gradient are whole and identical on
 // every tp rank, and with them the gradients of the layer norms. The q/k norms act on this rank's
 // heads only: their gradients are partial sums and are summed over tp after the backward.
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -64,6 +65,42 @@ struct ReduceOut : torch::autograd::Function<ReduceOut> {
   }
   static variable_list backward(AutogradContext* /*ctx*/, variable_list grads) {
     return {grads[0], at::Tensor()};
+  }
+};
+
+// Sequence parallelism's f: the sequence shards [B, T / tp, ...] gathered along dim 1 in forward;
+// the gradient summed over the group and scattered back along dim 1 in backward.
+struct GatherSequence : torch::autograd::Function<GatherSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return all_gather_cat(group_at(group), x.contiguous(), 1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& group = group_at(ctx->saved_data["group"].toInt());
+    return {reduce_scatter(group, grads[0].contiguous(), 1), at::Tensor()};
+  }
+};
+
+// Sequence parallelism's g: the partial outputs [B, T, ...] summed over the group and scattered
+// along dim 1 in forward; the gradient's shards gathered along dim 1 in backward.
+struct ScatterSequence : torch::autograd::Function<ScatterSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+    const auto& g = group_at(group);
+    if (x.dim() < 2 || x.size(1) % g.size() != 0) {
+      throw std::invalid_argument(
+          "d9d::parallel::TensorParallel<true>: sequence parallelism splits the sequence over "
+          "tp = " +
+          std::to_string(g.size()) + " ranks, but it has " +
+          std::to_string(x.dim() < 2 ? 0 : x.size(1)) +
+          " tokens. Fix: set \"batch.sequence_length\" to a multiple of " +
+          std::to_string(g.size()));
+    }
+    ctx->saved_data["group"] = group;
+    return reduce_scatter(g, x.contiguous(), 1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& group = group_at(ctx->saved_data["group"].toInt());
+    return {all_gather_cat(group, grads[0].contiguous(), 1), at::Tensor()};
   }
 };
 
@@ -124,15 +161,19 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
 
 class Group : public model::TensorParallelGroup {
  public:
-  explicit Group(ProcessGroup group) : group_(std::move(group)) {}
+  Group(ProcessGroup group, bool sequence_parallel)
+      : group_(std::move(group)), sequence_parallel_(sequence_parallel) {}
   [[nodiscard]] int rank() const override { return group_.rank(); }
   [[nodiscard]] int size() const override { return group_.size(); }
   [[nodiscard]] at::Tensor copy_in(const at::Tensor& x) const override {
-    return CopyIn::apply(x, address_of(group_));
+    return sequence_parallel_ ? GatherSequence::apply(x, address_of(group_))
+                              : CopyIn::apply(x, address_of(group_));
   }
   [[nodiscard]] at::Tensor reduce_out(const at::Tensor& x) const override {
-    return ReduceOut::apply(x, address_of(group_));
+    return sequence_parallel_ ? ScatterSequence::apply(x, address_of(group_))
+                              : ReduceOut::apply(x, address_of(group_));
   }
+  [[nodiscard]] bool sequence_parallel() const override { return sequence_parallel_; }
   [[nodiscard]] at::Tensor gather_last(const at::Tensor& x) const override {
     return GatherLast::apply(x, address_of(group_));
   }
@@ -145,6 +186,7 @@ class Group : public model::TensorParallelGroup {
 
  private:
   ProcessGroup group_;
+  bool sequence_parallel_;
 };
 
 // The per-head q/k norms' gradients summed over tp after the step's backward (each rank's holds
@@ -204,20 +246,21 @@ void require_divides(int64_t ranks, int64_t size, const std::string& key) {
 }  // namespace
 
 std::shared_ptr<const model::TensorParallelGroup> make_tensor_parallel_group(
-    const ProcessGroup& group) {
-  return std::make_shared<const Group>(group);
+    const ProcessGroup& group, bool sequence_parallel) {
+  return std::make_shared<const Group>(group, sequence_parallel);
 }
 
 void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& settings) {
-  if (settings.sequence_parallel) {
-    throw std::logic_error(
-        "d9d::parallel::TensorParallel: sequence parallelism is not implemented");
-  }
   const auto& mesh = model.mesh();
   const auto process_group = mesh.group(MeshDomain::regular, "tp");
   const int64_t ranks = mesh.size(MeshDomain::regular, "tp");
   const int64_t rank = mesh.coordinate(MeshDomain::regular, "tp");
-  const auto group = make_tensor_parallel_group(process_group);
+  if (settings.sequence_parallel && model.options().pipelined) {
+    throw std::invalid_argument(
+        "d9d::parallel::TensorParallel<true>: sequence parallelism under a pipeline schedule is "
+        "not implemented yet. Fix: use d9d::parallel::TensorParallel<>");
+  }
+  const auto group = make_tensor_parallel_group(process_group, settings.sequence_parallel);
 
   // Which tensor (by TensorImpl) is split along which dimension.
   std::map<const void*, int64_t> split;
@@ -318,10 +361,15 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
     } else {
       record.placements.emplace_back(::d9d::Replicate{});
     }
-    for (const auto& norm : partial_norms) {
-      if (norm.unsafeGetTensorImpl() == record.local.unsafeGetTensorImpl()) {
-        partial_trained.push_back(record.name);
-      }
+    // Under sequence parallelism every replicated parameter (the norms) sees this rank's tokens
+    // only: all of their gradients are partial sums.
+    const bool partial =
+        (settings.sequence_parallel && found == split.end()) ||
+        std::any_of(partial_norms.begin(), partial_norms.end(), [&](const at::Tensor& norm) {
+          return norm.unsafeGetTensorImpl() == record.local.unsafeGetTensorImpl();
+        });
+    if (partial) {
+      partial_trained.push_back(record.name);
     }
   }
   model.add_norm_dims({"tp"});

@@ -1,7 +1,8 @@
 // Tensor parallelism (d9d::parallel::TensorParallel) on 2 and 4 Gloo ranks against one process
 // training the same global batch, in float64 (tolerances in tests/train/train_test_util.hpp), 6
 // optimizer steps each: tp 2, tp 2 x dp_replicate 2 and tp 2 x FullyShard 2 (dp_shard), each with
-// an untied and a tied LM head, and tp 2 x pp 2 (1F1B, ZeroBubbleH1); losses, gradient norms and
+// an untied and a tied LM head, tp 2 with sequence parallelism (alone and x FullyShard 2), and
+// tp 2 x pp 2 (1F1B, ZeroBubbleH1); losses, gradient norms and
 // every (gathered) parameter. Also the loss-parallel cross-entropy against the full one (values and
 // gradients, ignore index included), the model's gathered logits, replicated parameters staying
 // identical over tp, and the start-up rules.
@@ -28,6 +29,7 @@ using d9d::testing::train_plan;
 using ::testing::HasSubstr;
 
 using Tp = d9d::parallel::TensorParallel<>;
+using TpSp = d9d::parallel::TensorParallel<true>;
 using TpMesh = d9d::mesh<d9d::tp<d9d::dynamic>>;
 using TpDpMesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::tp<d9d::dynamic>>;
 using TpShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::tp<d9d::dynamic>>;
@@ -160,6 +162,17 @@ TEST(Parallel_TensorParallel_tp2, MatchesOneProcess) {
       expect_records(trainer.core(), tied);
       expect_replicas_identical(trainer.core());
       d9d::testing::expect_same_run(got, want, tied ? "tp 2, tied head" : "tp 2, untied head");
+      // Sequence parallel: the residual stream split by sequence, the norms' gradients summed.
+      d9d::Trainer<d9d::Plan<TpMesh, TpSp, Fp64>> sp(
+          ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+          run_config(dir + (tied ? "/sp_tied" : "/sp_untied"), tied, 2, R"({"tp": 2})"));
+      RunOutcome sp_got;
+      sp_got.result = sp.train();
+      sp_got.parameters = d9d::testing::full_parameters(sp.core());
+      expect_replicas_identical(sp.core());
+      d9d::testing::expect_same_run(
+          sp_got, want,
+          tied ? "tp 2 + sequence parallel, tied head" : "tp 2 + sequence parallel, untied head");
     }
   });
 }
@@ -193,6 +206,11 @@ TEST(Parallel_TensorParallel_ws4, TimesReplicateFullyShardAndPipelineMatchOnePro
       if (tied) {
         continue;  // several pipeline stages need an untied head
       }
+      // Sequence parallel x FullyShard.
+      d9d::testing::expect_same_run(
+          train_plan<d9d::Plan<TpShardMesh, TpSp, d9d::parallel::Fsdp, Fp64>>(
+              ctx, run_config(dir + "/sp_fsdp", false, 2, R"({"dp_shard": 2, "tp": 2})")),
+          want, "tp 2 + sequence parallel x FullyShard 2");
       // tp 2 x pp 2: each rank compares its stage's parameters; 1F1B, and ZeroBubbleH1 (weight
       // gradients of the split projections in W actions).
       d9d::testing::expect_same_run(

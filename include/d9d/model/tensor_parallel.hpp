@@ -36,11 +36,18 @@ class TensorParallelGroup {
   [[nodiscard]] virtual int rank() const = 0;
   [[nodiscard]] virtual int size() const = 0;
   /// "f": identity in forward; backward sums the input's gradient over the group (the input of a
-  /// column-parallel layer gets a partial gradient on each rank).
+  /// column-parallel layer gets a partial gradient on each rank). Under sequence parallelism the
+  /// input [B, T / size, ...] is this rank's sequence shard: gathered along dim 1 in forward, the
+  /// gradient reduce-scattered back.
   [[nodiscard]] virtual at::Tensor copy_in(const at::Tensor& x) const = 0;
   /// "g": sums the partial outputs of a row-parallel layer over the group in forward; identity in
-  /// backward (every rank already holds the whole output's gradient).
+  /// backward (every rank already holds the whole output's gradient). Under sequence parallelism
+  /// the sum is reduce-scattered along dim 1 (this rank keeps its T / size tokens) and the
+  /// gradient all-gathered.
   [[nodiscard]] virtual at::Tensor reduce_out(const at::Tensor& x) const = 0;
+  /// Whether the residual stream between blocks is split by sequence (copy_in / reduce_out
+  /// gather and scatter along dim 1).
+  [[nodiscard]] virtual bool sequence_parallel() const = 0;
   /// Every rank's x concatenated along the last dimension; backward keeps this rank's slice.
   [[nodiscard]] virtual at::Tensor gather_last(const at::Tensor& x) const = 0;
   /// The summed cross-entropy of rows whose logits are split over the group by vocabulary: this

@@ -241,7 +241,7 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
 /// The d9d::model::TensorParallelGroup apply_tensor_parallel gives the layers, over `group` (its
 /// f/g autograd functions and the loss-parallel cross-entropy; exposed for tests).
 std::shared_ptr<const model::TensorParallelGroup> make_tensor_parallel_group(
-    const ProcessGroup& group);
+    const ProcessGroup& group, bool sequence_parallel = false);
 
 /// Recomputes block i when every_nth > 0 and i % every_nth == every_nth - 1.
 void apply_recompute(ParallelModel& model, int every_nth);
@@ -359,21 +359,29 @@ struct strategy<NoTensorParallel> {
 };
 
 /// TensorParallel: static rules — a mesh that fixes tp = 1 has nothing to split; sequence
-/// parallelism is not implemented yet. The model's sizes are
+/// parallelism is not implemented under a pipeline yet; at start-up, sequence parallelism needs
+/// tp > 1. The model's sizes are
 /// checked when applied (std::invalid_argument naming the config key).
 template <bool SP>
 struct strategy<TensorParallel<SP>> {
   template <class Plan>
   static constexpr void check() {
-    static_assert(!SP,
-                  "d9d::parallel::TensorParallel<true>: sequence parallelism is not implemented "
-                  "yet. Fix: use d9d::parallel::TensorParallel<> (SequenceParallel = false)");
+    static_assert(!SP || std::same_as<typename Plan::pipeline, pipeline::NoPipeline>,
+                  "d9d::parallel::TensorParallel<true>: sequence parallelism under a pipeline "
+                  "schedule is not implemented yet. Fix: use d9d::parallel::TensorParallel<> "
+                  "(SequenceParallel = false), or drop the schedule");
     static_assert(!detail::static_degree_is<typename Plan::mesh::tp>(1),
                   "d9d::parallel::TensorParallel: the plan's mesh fixes tp = 1, so there is "
                   "nothing to split the layers over. Fix: give the mesh d9d::tp<N> with N > 1 (or "
                   "d9d::dynamic), or use d9d::parallel::NoTensorParallel");
   }
-  static void check_mesh(const MeshShape& /*shape*/) {}
+  static void check_mesh(const MeshShape& shape) {
+    if (SP && shape.tp == 1) {
+      throw std::invalid_argument(
+          "d9d::parallel::TensorParallel<true>: sequence parallelism needs \"mesh.tp\" > 1 "
+          "(got 1). Fix: set \"mesh.tp\" to 2 or more, or use d9d::parallel::TensorParallel<>");
+    }
+  }
   template <class Plan>
   static void apply(ParallelModel& model) {
     detail::apply_tensor_parallel(model, {.sequence_parallel = SP});

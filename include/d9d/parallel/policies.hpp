@@ -91,8 +91,11 @@ struct ExpertParallel {
 /// and with pipeline schedules (the last stage gathers its logits); MoE models and LoRA are not
 /// supported yet (docs/design/0011-tensor-parallel.md).
 ///
-/// `SequenceParallel` (the residual stream and norms split over tp by sequence) is not implemented
-/// yet: true fails to compile.
+/// `SequenceParallel`: the residual stream, the norms and the residual additions run on this
+/// rank's T / tp tokens; the all-reduces become an all-gather along the sequence before each
+/// column-parallel block and a reduce-scatter after each row-parallel one (and the embedding), so
+/// activations between blocks take 1/tp of the memory. The norms' gradients are then partial and
+/// summed over tp. Needs tp > 1 and a sequence length divisible by tp; not under a pipeline yet.
 ///
 /// Named TensorParallel, not tp::Tensor: d9d::tp<N> is the mesh degree (d9d/plan/degrees.hpp).
 template <bool SequenceParallel = false>
