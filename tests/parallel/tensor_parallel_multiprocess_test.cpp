@@ -142,6 +142,14 @@ void expect_model_matches(const d9d::DistributedContext& ctx, bool tied) {
   EXPECT_NEAR(got.loss_sum.item<double>(), want.loss_sum.item<double>(),
               1e-12 * want.loss_sum.item<double>());
   EXPECT_EQ(got.tokens.item<int64_t>(), want.tokens.item<int64_t>());
+  // Sequence parallel: the hidden states between blocks are this rank's 8 of the 16 tokens.
+  torch::manual_seed(3);
+  d9d::model::Qwen3ForCausalLM sequence(config);
+  auto sp = d9d::parallel::parallelize<d9d::Plan<TpMesh, TpSp, Fp64>>(mesh, {sequence.ptr()});
+  EXPECT_EQ(sequence->model->forward(ids).sizes().vec(), (std::vector<int64_t>{2, 8, 32}));
+  EXPECT_TRUE(at::allclose(sequence->forward(ids), whole->forward(ids), 0.0, 1e-12));
+  EXPECT_NEAR(sequence->loss(ids, labels).loss_sum.item<double>(), want.loss_sum.item<double>(),
+              1e-12 * want.loss_sum.item<double>());
 }
 
 TEST(Parallel_TensorParallel_tp2, MatchesOneProcess) {
