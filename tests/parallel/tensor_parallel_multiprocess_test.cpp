@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <d9d/core/collectives.hpp>
+#include <d9d/model/hf.hpp>
 
 #include "tests/core/core_test_util.hpp"
 #include "tests/parallel/parallel_test_util.hpp"
@@ -182,6 +183,34 @@ TEST(Parallel_TensorParallel_tp2, MatchesOneProcess) {
           sp_got, want,
           tied ? "tp 2 + sequence parallel, tied head" : "tp 2 + sequence parallel, untied head");
     }
+  });
+}
+
+// The export gathers each split parameter (tied head included) and writes the whole model, equal
+// to the gathered shards, which loads as a Qwen3.
+TEST(Parallel_TensorParallel_tp2, ExportsTheWholeModel) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    auto config =
+        tiny_run(env.scratch_dir() + "/run", 2, 8, 2, /*outputs=*/true, 2, R"({"tp": 2})");
+    config.sections["model"] = d9d::testing::tiny_qwen3_json(/*tied=*/true, 2);
+    config.logging.progress = false;
+    d9d::Trainer<d9d::Plan<TpMesh, Tp>> trainer(ctx, d9d::Qwen3Provider{},
+                                                d9d::testing::RandomWindowsProvider{},
+                                                d9d::CausalLmTask{}, config);
+    const auto result = trainer.train();
+    const auto parameters = d9d::testing::full_parameters(trainer.core());
+    if (env.rank() != 0) {
+      return;
+    }
+    auto exported = d9d::model::load_hf_qwen3(result.export_dir);
+    std::size_t compared = 0;
+    for (const auto& item : exported->named_parameters()) {
+      EXPECT_TRUE(at::equal(item.value(), parameters.at(item.key()))) << item.key();
+      ++compared;
+    }
+    EXPECT_EQ(compared, parameters.size());
   });
 }
 
