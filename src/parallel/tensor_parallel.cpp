@@ -14,6 +14,10 @@
 // the vocab-parallel embedding. So the residual stream and its gradient are whole and identical on
 // every tp rank, and with them the gradients of the layer norms. The q/k norms act on this rank's
 // heads only: their gradients are partial sums and are summed over tp after the backward.
+// Sequence parallelism (TensorParallel<true>) swaps the pair for an all-gather along the sequence
+// (backward: reduce-scatter) and a reduce-scatter (backward: all-gather): between the blocks each
+// rank holds its T / R tokens, so every norm's gradient is partial and summed over tp.
+// FullyShard, applied later, shards these shards over dp_shard (src/parallel/fully_shard.cpp).
 #include <algorithm>
 #include <cstdint>
 #include <map>

@@ -236,7 +236,8 @@ struct TensorParallelSettings {
 /// Splits every d9d::model::Attention by heads, every d9d::model::SwiGlu by its intermediate
 /// dimension and the embedding and head of a d9d::model::VocabParallelModel by vocabulary over the
 /// regular domain's tp ranks, records the split parameters as Shard(d) on tp (the rest Replicate)
-/// and sums the per-head q/k norms' gradients over tp (src/parallel/tensor_parallel.cpp).
+/// and sums over tp the gradients that are partial there: the per-head q/k norms', and under
+/// sequence parallelism every replicated parameter's (src/parallel/tensor_parallel.cpp).
 void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& settings);
 /// The d9d::model::TensorParallelGroup apply_tensor_parallel gives the layers, over `group` (its
 /// f/g autograd functions and the loss-parallel cross-entropy; exposed for tests).
