@@ -3,6 +3,8 @@
 #include <cmath>
 #include <optional>
 #include <stdexcept>
+#include <string>
+#include <utility>
 
 #include <ATen/ATen.h>
 
@@ -86,6 +88,32 @@ AttentionImpl::AttentionImpl(const AttentionOptions& options) : options_(options
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x,
                                   const std::pair<at::Tensor, at::Tensor>& cos_sin) {
+  if (tp_) {
+    // The attention of this rank's heads; the input's gradient is summed over the group.
+    const auto out = forward_heads(tp_->copy_in(x), cos_sin);
+    return tp_->reduce_out(out);
+  }
+  return forward_heads(x, cos_sin);
+}
+
+void AttentionImpl::set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) {
+  if (tp_) {
+    throw std::logic_error("d9d::model::Attention: tensor parallelism is already set");
+  }
+  const int64_t ranks = group->size();
+  if (options_.num_heads % ranks != 0 || options_.num_kv_heads % ranks != 0) {
+    throw std::invalid_argument("d9d::model::Attention: tensor parallelism over " +
+                                std::to_string(ranks) + " ranks needs it to divide num_heads (" +
+                                std::to_string(options_.num_heads) + ") and num_kv_heads (" +
+                                std::to_string(options_.num_kv_heads) + ")");
+  }
+  options_.num_heads /= ranks;
+  options_.num_kv_heads /= ranks;
+  tp_ = std::move(group);
+}
+
+at::Tensor AttentionImpl::forward_heads(const at::Tensor& x,
+                                        const std::pair<at::Tensor, at::Tensor>& cos_sin) {
   const int64_t batch = x.size(0);
   const int64_t seq = x.size(1);
   const int64_t heads = options_.num_heads;
@@ -118,13 +146,24 @@ SwiGluImpl::SwiGluImpl(int64_t hidden_size, int64_t intermediate_size) {
 }
 
 at::Tensor SwiGluImpl::forward(const at::Tensor& x) {
-  if (fused_kernels()) {
-    if (!down_proj->bias.defined() && !down_proj->adapter) {
-      return silu_mul_linear(gate_proj(x), up_proj(x), down_proj->weight);
-    }
-    return down_proj(kernels::silu_mul(gate_proj(x), up_proj(x)));
+  const auto in = tp_ ? tp_->copy_in(x) : x;
+  at::Tensor out;
+  if (!fused_kernels()) {
+    out = down_proj(at::silu(gate_proj(in)) * up_proj(in));
+  } else if (!down_proj->bias.defined() && !down_proj->adapter) {
+    // The product silu(gate) * up is recomputed in backward, not kept (silu_mul_linear).
+    out = silu_mul_linear(gate_proj(in), up_proj(in), down_proj->weight);
+  } else {
+    out = down_proj(kernels::silu_mul(gate_proj(in), up_proj(in)));
   }
-  return down_proj(at::silu(gate_proj(x)) * up_proj(x));
+  return tp_ ? tp_->reduce_out(out) : out;
+}
+
+void SwiGluImpl::set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) {
+  if (tp_) {
+    throw std::logic_error("d9d::model::SwiGlu: tensor parallelism is already set");
+  }
+  tp_ = std::move(group);
 }
 
 }  // namespace d9d::model

@@ -1,7 +1,12 @@
 // d9d/model/qwen3.cpp — the Qwen3 dense model and the causal-LM loss (the config:
 // qwen3_config.cpp).
 #include <cstdint>
+#include <memory>
 #include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -45,8 +50,29 @@ Qwen3ModelImpl::Qwen3ModelImpl(const Qwen3Config& config)
   norm = register_module("norm", RmsNorm(config.hidden_size, config.rms_norm_eps));
 }
 
+at::Tensor Qwen3ModelImpl::embed(const at::Tensor& input_ids) {
+  if (!tp_) {
+    return embed_tokens(input_ids);
+  }
+  return vocab_parallel_embedding(embed_tokens->weight, input_ids, vocab_start_, *tp_);
+}
+
+at::Tensor vocab_parallel_embedding(const at::Tensor& weight, const at::Tensor& input_ids,
+                                    int64_t vocab_start, const TensorParallelGroup& group) {
+  const auto local = input_ids - vocab_start;
+  const auto outside = (local < 0).logical_or(local >= weight.size(0));
+  const auto rows = at::embedding(weight, local.masked_fill(outside, 0));
+  return group.reduce_out(rows.masked_fill(outside.unsqueeze(-1), 0.0));
+}
+
+void Qwen3ModelImpl::set_vocab_parallel(std::shared_ptr<const TensorParallelGroup> group,
+                                        int64_t vocab_start) {
+  tp_ = std::move(group);
+  vocab_start_ = vocab_start;
+}
+
 at::Tensor Qwen3ModelImpl::forward(const at::Tensor& input_ids) {
-  auto h = embed_tokens(input_ids);
+  auto h = embed(input_ids);
   const auto cos_sin = rope_.cos_sin(input_ids.size(1), input_ids.device(),
                                      RotaryEmbedding::table_dtype(h.scalar_type()));
   for (const auto& layer : *layers) {
@@ -92,18 +118,51 @@ Qwen3ForCausalLMImpl::Qwen3ForCausalLMImpl(Qwen3Config config) : config_(config)
   init_qwen3_parameters(*this, config_, seed);
 }
 
-at::Tensor Qwen3ForCausalLMImpl::forward(const at::Tensor& input_ids) {
-  const auto hidden = model(input_ids);
+at::Tensor Qwen3ForCausalLMImpl::head_logits(const at::Tensor& hidden) {
+  // Under tensor parallelism the head is column-parallel: its input's gradient is summed.
+  const auto in = tp_ ? tp_->copy_in(hidden) : hidden;
   if (lm_head) {
-    return lm_head(hidden);
+    return lm_head(in);
   }
-  return at::linear(hidden, model->embed_tokens->weight.to(hidden.scalar_type()));
+  return at::linear(in, model->embed_tokens->weight.to(in.scalar_type()));
+}
+
+at::Tensor Qwen3ForCausalLMImpl::forward(const at::Tensor& input_ids) {
+  const auto logits = head_logits(model(input_ids));
+  return tp_ ? tp_->gather_last(logits) : logits;
+}
+
+std::vector<std::string> Qwen3ForCausalLMImpl::vocab_parameters() const {
+  std::vector<std::string> names{"model.embed_tokens.weight"};
+  if (lm_head) {
+    names.emplace_back("lm_head.weight");
+  }
+  return names;
+}
+
+void Qwen3ForCausalLMImpl::set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) {
+  if (tp_) {
+    throw std::logic_error("d9d::model::Qwen3ForCausalLM: tensor parallelism is already set");
+  }
+  const int64_t rows = model->embed_tokens->weight.size(0);
+  model->set_vocab_parallel(group, group->rank() * rows);
+  tp_ = std::move(group);
 }
 
 CausalLmLoss Qwen3ForCausalLMImpl::loss(const at::Tensor& input_ids, const at::Tensor& labels,
                                         int64_t ignore_index) {
   // The fused head reads lm_head's weight alone: a head with an adapter (LoRA on "lm_head") takes
   // the unfused path, which runs the layer and its adapter.
+  if (tp_) {
+    // Loss-parallel: this rank's logits only; the cross-entropy all-reduces row statistics.
+    // The head on [B, T, H]: under sequence parallelism its input gathers along the sequence.
+    auto logits = head_logits(model(input_ids));
+    logits = logits.reshape({-1, logits.size(-1)});
+    const auto flat_labels = labels.reshape({-1});
+    return {.loss_sum = tp_->cross_entropy_sum(logits, flat_labels, tp_->rank() * logits.size(-1),
+                                               ignore_index),
+            .tokens = (flat_labels != ignore_index).sum()};
+  }
   if (!fused_kernels() || (lm_head && lm_head->adapter)) {
     return causal_lm_loss(forward(input_ids), labels, ignore_index);
   }

@@ -1,7 +1,9 @@
 // d9d/model/qwen3_stage.cpp — a pipeline stage of Qwen3.
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -63,7 +65,8 @@ at::Tensor Qwen3StageImpl::forward(const at::Tensor& input) {
       throw std::invalid_argument(
           "d9d::model::Qwen3Stage: the first stage takes token ids [batch, seq] (int64)");
     }
-    h = embed_tokens(input);
+    h = tp_ ? vocab_parallel_embedding(embed_tokens->weight, input, vocab_start_, *tp_)
+            : embed_tokens(input);
   } else {
     if (input.dim() != 3 || input.size(2) != config_.hidden_size) {
       throw std::invalid_argument("d9d::model::Qwen3Stage: stage " + std::to_string(stage_) +
@@ -83,10 +86,39 @@ at::Tensor Qwen3StageImpl::forward(const at::Tensor& input) {
     return h;
   }
   h = norm(h);
+  if (tp_) {
+    // Column-parallel over the vocabulary, the logits gathered (the stage's output is whole).
+    const auto in = tp_->copy_in(h);
+    return tp_->gather_last(lm_head ? lm_head(in)
+                                    : at::linear(in, embed_tokens->weight.to(in.scalar_type())));
+  }
   if (lm_head) {
     return lm_head(h);
   }
   return at::linear(h, embed_tokens->weight.to(h.scalar_type()));
+}
+
+std::vector<std::string> Qwen3StageImpl::vocab_parameters() const {
+  std::vector<std::string> names;
+  if (embed_tokens) {
+    names.emplace_back("model.embed_tokens.weight");
+  }
+  if (lm_head) {
+    names.emplace_back("lm_head.weight");
+  }
+  return names;
+}
+
+void Qwen3StageImpl::set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) {
+  if (tp_) {
+    throw std::logic_error("d9d::model::Qwen3Stage: tensor parallelism is already set");
+  }
+  // Both vocabulary parameters (when present) hold V / tp rows after the strategy's split.
+  const int64_t rows = embed_tokens ? embed_tokens->weight.size(0)
+                       : lm_head    ? lm_head->weight.size(0)
+                                    : 0;
+  vocab_start_ = group->rank() * rows;
+  tp_ = std::move(group);
 }
 
 std::vector<int64_t> Qwen3StageImpl::input_sizes(int64_t batch, int64_t seq) const {

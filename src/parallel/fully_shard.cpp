@@ -398,8 +398,25 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     }
     param.shard.requires_grad_(true);
     record.local = param.shard;
-    record.dims = layout_.dims;
-    record.placements = layout_.placements;
+    // The dims of strategies applied before (tensor parallelism's tp) stay, before the shard dim:
+    // this rank's rows are rows of the tensor that those dims left it.
+    std::vector<std::string> dims;
+    std::vector<Placement> placements;
+    for (std::size_t i = 0; i < layout_.dims.size(); ++i) {
+      if (layout_.dims[i] == layout_.shard_dim) {
+        for (std::size_t j = 0; j < record.dims.size() && j < record.placements.size(); ++j) {
+          if (std::find(layout_.dims.begin(), layout_.dims.end(), record.dims[j]) ==
+              layout_.dims.end()) {
+            dims.push_back(record.dims[j]);
+            placements.push_back(record.placements[j]);
+          }
+        }
+      }
+      dims.push_back(layout_.dims[i]);
+      placements.push_back(layout_.placements[i]);
+    }
+    record.dims = std::move(dims);
+    record.placements = std::move(placements);
     unit.params.push_back(params_.size());
     params_.push_back(std::move(param));
   }
@@ -653,6 +670,12 @@ void apply_fully_shard(ParallelModel& model, const FullyShardSettings& settings)
   state->build();
   state->install_hooks();
   model.add_norm_dims({"dp_shard"});
+  // Shards of tensor-parallel shards: sharded on dp_shard and tp (every rank has the same sets).
+  for (const auto& record : model.parameters()) {
+    if (record.domain == MeshDomain::regular) {
+      model.add_norm_dims(record.sharded_dims());
+    }
+  }
   model.add_sync(std::make_unique<FullyShardSync>(std::move(state)));
   // ExpertParallel's experts (expert domain, split over ep_shard): sharded over the expert-data
   // ranks as well when there are several; ExpertParallel's all-reduce then finds them sharded.

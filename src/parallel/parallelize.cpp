@@ -328,12 +328,13 @@ std::unique_ptr<GradientSync> make_replicate_sync(const ProcessGroup& group,
                                          options.pipelined);
 }
 
-void require_degree_one(const char* degree, int value, const char* policy, const char* fix) {
+void require_degree_one(const char* degree, int value, const char* policy, const char* fix,
+                        const char* alternative) {
   if (value != 1) {
     throw std::invalid_argument(std::string("d9d::parallel: the mesh has ") + degree + " = " +
                                 std::to_string(value) + ", but the plan's " + policy +
-                                " does not split anything over it. Fix: " + fix +
-                                ", or choose a policy that uses it");
+                                " does not split anything over it. Fix: " + fix + ", or " +
+                                alternative);
   }
 }
 

@@ -2,7 +2,7 @@
 // D9D_TEST_BACKEND=nccl) against one process training the same global batch: FullyShard on 2 and 4
 // ranks in each reshard mode, HSDP 2 x 2, FullyShard 2 x pp 2, with gradient accumulation,
 // clipping and recompute; the memory each rank holds under FullyShard; training checkpoints saved
-// on one mesh and resumed on another.
+// on one mesh and resumed on another (tensor-parallel layouts among them).
 #include <string>
 
 #include <gtest/gtest.h>
@@ -242,6 +242,9 @@ using HsdpPlan = d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::dp_sh
 using FsdpPpPlan = d9d::Plan<d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_shard<d9d::dynamic>>,
                              d9d::parallel::Fsdp, d9d::pipeline::OneFOneB<>>;
 constexpr const char* kHsdp22 = R"({"dp_replicate": 2, "dp_shard": 2})";
+using TpPlan = d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>>, d9d::parallel::TensorParallel<>>;
+using TpFsdpPlan = d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::tp<d9d::dynamic>>,
+                             d9d::parallel::TensorParallel<>, d9d::parallel::Fsdp>;
 
 TEST(Parallel_Checkpoint_ws2, FsdpTwoToOneProcessAndBack) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
@@ -268,6 +271,21 @@ TEST(Parallel_Checkpoint_ws4, FsdpTwoByPipelineTwoToFsdpFourAndBack) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
   d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
     expect_lossless_reshard<FsdpPpPlan, FsdpPlan>(env, R"({"pp": 2, "dp_shard": 2})", "", false);
+  });
+}
+
+// Tensor-parallel shards (Shard on tp, and on tp then dp_shard) saved and assembled elsewhere.
+TEST(Parallel_Checkpoint_ws2, TensorParallelTwoToOneProcessAndBack) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    expect_lossless_reshard<TpPlan, d9d::Plan<>>(env, R"({"tp": 2})", "", true);
+  });
+}
+
+TEST(Parallel_Checkpoint_ws4, TensorParallelTwoByFsdpTwoToFsdpFourAndBack) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    expect_lossless_reshard<TpFsdpPlan, FsdpPlan>(env, R"({"dp_shard": 2, "tp": 2})", "", false);
   });
 }
 

@@ -145,6 +145,12 @@ TEST(Parallel_MeshRules, DegreesNoPolicyUsesAreErrorsNamingTheKey) {
                   [] { d9d::detail::check_step_mesh<Dynamic>(d9d::MeshShape{.pp = 2}); }),
               HasSubstr("pp = 2, but the plan's d9d::pipeline::NoPipeline"));
   EXPECT_NO_THROW(d9d::detail::check_step_mesh<Dynamic>(d9d::MeshShape{}));
+  using SequenceParallel =
+      d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>>, d9d::parallel::TensorParallel<true>>;
+  EXPECT_THAT(d9d::testing::error_of(
+                  [] { d9d::detail::check_step_mesh<SequenceParallel>(d9d::MeshShape{}); }),
+              HasSubstr("sequence parallelism needs \"mesh.tp\" > 1 (got 1)"));
+  EXPECT_NO_THROW(d9d::detail::check_step_mesh<SequenceParallel>(d9d::MeshShape{.tp = 2}));
 }
 
 TEST(Parallel_Config, DataParallelKeysAreValidated) {

@@ -21,6 +21,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <d9d/model/tensor_parallel.hpp>
+
 namespace d9d::model {
 
 /// Whether the layers run the d9d custom ops (d9d::rope, d9d::silu_mul, the fused head and loss of
@@ -110,12 +112,22 @@ class AttentionImpl : public torch::nn::Module {
   explicit AttentionImpl(const AttentionOptions& options);
   /// x: [B, T, hidden]; cos_sin from RotaryEmbedding::cos_sin(T, ...).
   at::Tensor forward(const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& cos_sin);
+  /// Tensor parallelism over `group` (d9d::parallel::TensorParallel): the caller has narrowed
+  /// q/k/v_proj to this rank's num_heads / size query and num_kv_heads / size KV heads (rows) and
+  /// o_proj to the matching columns; the input then passes through group->copy_in and the output
+  /// through group->reduce_out. The per-head q/k norms stay whole (replicated).
+  void set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group);
+  /// The query and KV heads this module computes (all of them without tensor parallelism).
+  [[nodiscard]] int64_t local_heads() const { return options_.num_heads; }
+  [[nodiscard]] int64_t local_kv_heads() const { return options_.num_kv_heads; }
 
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RmsNorm q_norm{nullptr}, k_norm{nullptr};
 
  private:
+  at::Tensor forward_heads(const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& cos_sin);
   AttentionOptions options_;
+  std::shared_ptr<const TensorParallelGroup> tp_;
 };
 TORCH_MODULE(Attention);
 
@@ -132,8 +144,14 @@ class SwiGluImpl : public torch::nn::Module {
  public:
   SwiGluImpl(int64_t hidden_size, int64_t intermediate_size);
   at::Tensor forward(const at::Tensor& x);
+  /// Tensor parallelism over `group`: the caller has narrowed gate/up_proj to this rank's rows of
+  /// the intermediate dimension and down_proj to the matching columns (column- then row-parallel).
+  void set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group);
 
   Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+
+ private:
+  std::shared_ptr<const TensorParallelGroup> tp_;
 };
 TORCH_MODULE(SwiGlu);
 

@@ -39,6 +39,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -48,6 +49,7 @@
 
 #include <d9d/model/block.hpp>
 #include <d9d/model/layers.hpp>
+#include <d9d/model/tensor_parallel.hpp>
 
 namespace d9d::model {
 
@@ -103,6 +105,11 @@ class Qwen3ModelImpl : public torch::nn::Module {
   explicit Qwen3ModelImpl(const Qwen3Config& config);
   /// input_ids [B, T] (int64) -> hidden states [B, T, hidden].
   at::Tensor forward(const at::Tensor& input_ids);
+  /// The token embedding of `input_ids`; vocab-parallel under tensor parallelism (this rank's
+  /// rows start at id `vocab_start`, other ids embed as zeros, the parts summed over the group).
+  at::Tensor embed(const at::Tensor& input_ids);
+  /// Tensor parallelism of the embedding (set by Qwen3ForCausalLM::set_tensor_parallel).
+  void set_vocab_parallel(std::shared_ptr<const TensorParallelGroup> group, int64_t vocab_start);
 
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
@@ -110,6 +117,8 @@ class Qwen3ModelImpl : public torch::nn::Module {
 
  private:
   RotaryEmbedding rope_;
+  std::shared_ptr<const TensorParallelGroup> tp_;
+  int64_t vocab_start_ = 0;
 };
 TORCH_MODULE(Qwen3Model);
 
@@ -120,15 +129,22 @@ struct CausalLmLoss {
   at::Tensor tokens;    ///< scalar, int64
 };
 /// The causal LM: Qwen3Model + LM head (tied to embed_tokens when tie_word_embeddings).
-class Qwen3ForCausalLMImpl : public torch::nn::Module {
+/// Under tensor parallelism (VocabParallelModel, d9d/model/tensor_parallel.hpp) the embedding and
+/// the head hold this rank's slice of the vocabulary and loss() is the loss-parallel
+/// cross-entropy; forward() gathers the logits.
+class Qwen3ForCausalLMImpl : public torch::nn::Module, public VocabParallelModel {
  public:
   explicit Qwen3ForCausalLMImpl(Qwen3Config config);
   /// input_ids [B, T] -> logits [B, T, vocab].
   at::Tensor forward(const at::Tensor& input_ids);
+  [[nodiscard]] int64_t vocab_size() const override { return config_.vocab_size; }
+  [[nodiscard]] std::vector<std::string> vocab_parameters() const override;
+  void set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) override;
   /// The causal-LM loss of predicting `labels` [B, T] from `input_ids` [B, T]: the head and the
   /// cross-entropy fused and chunked (d9d::model::linear_cross_entropy) when fused_kernels(), so
   /// the logits never exist whole; else (or when lm_head has an adapter, d9d/peft/lora.hpp)
-  /// causal_lm_loss(forward(input_ids), labels).
+  /// causal_lm_loss(forward(input_ids), labels). Under tensor parallelism: this rank's logits
+  /// (of its vocabulary slice) through TensorParallelGroup::cross_entropy_sum.
   [[nodiscard]] CausalLmLoss loss(const at::Tensor& input_ids, const at::Tensor& labels,
                                   int64_t ignore_index = -100);
   [[nodiscard]] const Qwen3Config& config() const { return config_; }
@@ -137,7 +153,11 @@ class Qwen3ForCausalLMImpl : public torch::nn::Module {
   Linear lm_head{nullptr};  ///< null when tied
 
  private:
+  /// The head's logits of `hidden` [..., hidden]: this rank's vocabulary slice under tensor
+  /// parallelism.
+  at::Tensor head_logits(const at::Tensor& hidden);
   Qwen3Config config_;
+  std::shared_ptr<const TensorParallelGroup> tp_;
 };
 TORCH_MODULE(Qwen3ForCausalLM);
 

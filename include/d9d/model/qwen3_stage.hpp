@@ -13,23 +13,32 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include <torch/nn/modules/embedding.h>
 
 #include <d9d/model/layers.hpp>
 #include <d9d/model/qwen3.hpp>
+#include <d9d/model/tensor_parallel.hpp>
 #include <d9d/pipeline/stages.hpp>
 
 namespace d9d::model {
 
-/// A contiguous slice of Qwen3ForCausalLM for pipeline stage `stage` of `stages`.
-class Qwen3StageImpl : public torch::nn::Module {
+/// A contiguous slice of Qwen3ForCausalLM for pipeline stage `stage` of `stages`. Under tensor
+/// parallelism (VocabParallelModel) the first stage's embedding and the last stage's head hold
+/// this rank's vocabulary slice; the last stage gathers the logits over tp (its output stays
+/// [B, T, vocab]).
+class Qwen3StageImpl : public torch::nn::Module, public VocabParallelModel {
  public:
   Qwen3StageImpl(const Qwen3Config& config, int stage, int stages, pipeline::LayerRange layers);
   /// Stage 0: input_ids [B, T] (int64); others: hidden [B, T, hidden]. Returns hidden states, or
   /// logits [B, T, vocab] on the last stage.
   at::Tensor forward(const at::Tensor& input);
+  [[nodiscard]] int64_t vocab_size() const override { return config_.vocab_size; }
+  [[nodiscard]] std::vector<std::string> vocab_parameters() const override;
+  void set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) override;
 
   [[nodiscard]] bool is_first() const { return stage_ == 0; }
   [[nodiscard]] bool is_last() const { return stage_ == stages_ - 1; }
@@ -47,6 +56,8 @@ class Qwen3StageImpl : public torch::nn::Module {
 
  private:
   Qwen3Config config_;
+  std::shared_ptr<const TensorParallelGroup> tp_;
+  int64_t vocab_start_ = 0;
   int stage_;
   int stages_;
   pipeline::LayerRange range_;

@@ -37,6 +37,7 @@
 
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/core/sharded_tensor.hpp>
+#include <d9d/model/tensor_parallel.hpp>
 #include <d9d/parallel/policies.hpp>
 #include <d9d/peft/policies.hpp>
 #include <d9d/peft/stack.hpp>
@@ -168,11 +169,11 @@ struct strategy {
     static_assert(
         ::d9d::detail::plan_dependent_false<Policy>,
         "d9d::parallel::parallelize: no strategy implements this policy (shown with this error). "
-        "Implemented: data_parallel Replicate, FullyShard<...>; expert_parallel "
-        "NoExpertParallel, ExpertParallel<E>; tensor/context parallel None; peft FullTune, "
-        "Freeze<...>, Train<...>, Lora<...>, Stack<...>; recompute None, Full, EveryNth<K>. Fix: "
-        "use one of those, or "
-        "specialise d9d::parallel::strategy<YourPolicy>");
+        "Implemented: data_parallel Replicate, FullyShard<...>; tensor_parallel "
+        "NoTensorParallel, TensorParallel<>; expert_parallel NoExpertParallel, "
+        "ExpertParallel<E>; context_parallel NoContextParallel; peft FullTune, Freeze<...>, "
+        "Train<...>, Lora<...>, Stack<...>; recompute None, Full, EveryNth<K>. Fix: use one of "
+        "those, or specialise d9d::parallel::strategy<YourPolicy>");
   }
 };
 
@@ -228,11 +229,28 @@ void apply_expert_parallel(ParallelModel& model, const ExpertParallelSettings& s
 /// bookkeeping: loads summed over dp, the auxiliary-loss-free bias update, router metrics.
 void apply_moe_balance(ParallelModel& model);
 
+/// TensorParallel's run-time choices.
+struct TensorParallelSettings {
+  bool sequence_parallel = false;
+};
+/// Splits every d9d::model::Attention by heads, every d9d::model::SwiGlu by its intermediate
+/// dimension and the embedding and head of a d9d::model::VocabParallelModel by vocabulary over the
+/// regular domain's tp ranks, records the split parameters as Shard(d) on tp (the rest Replicate)
+/// and sums over tp the gradients that are partial there: the per-head q/k norms', and under
+/// sequence parallelism every replicated parameter's (src/parallel/tensor_parallel.cpp).
+void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& settings);
+/// The d9d::model::TensorParallelGroup apply_tensor_parallel gives the layers, over `group` (its
+/// f/g autograd functions and the loss-parallel cross-entropy; exposed for tests).
+std::shared_ptr<const model::TensorParallelGroup> make_tensor_parallel_group(
+    const ProcessGroup& group, bool sequence_parallel = false);
+
 /// Recomputes block i when every_nth > 0 and i % every_nth == every_nth - 1.
 void apply_recompute(ParallelModel& model, int every_nth);
 
-/// std::invalid_argument naming `degree`, its value and `policy` unless the degree is 1.
-void require_degree_one(const char* degree, int value, const char* policy, const char* fix);
+/// std::invalid_argument naming `degree`, its value and `policy` unless the degree is 1: "Fix:
+/// <fix>, or <alternative>".
+void require_degree_one(const char* degree, int value, const char* policy, const char* fix,
+                        const char* alternative = "choose a policy that uses it");
 
 /// std::invalid_argument unless `name` is "after_forward", "never" or "all_but_last".
 void check_reshard_name(const std::string& name);
@@ -329,14 +347,46 @@ struct strategy<NoTensorParallel> {
   static constexpr void check() {
     static_assert(!detail::static_degree_exceeds_one<typename Plan::mesh::tp>(),
                   "d9d::parallel::NoTensorParallel: the plan's mesh has tp > 1 but no tensor "
-                  "parallel policy splits the layers. Fix: drop d9d::tp from the mesh");
+                  "parallel policy splits the layers. Fix: drop d9d::tp from the mesh, or put "
+                  "d9d::parallel::TensorParallel<> in the plan");
   }
   static void check_mesh(const MeshShape& shape) {
     detail::require_degree_one("tp", shape.tp, "d9d::parallel::NoTensorParallel",
-                               "set \"mesh.tp\" to 1");
+                               "set \"mesh.tp\" to 1",
+                               "put d9d::parallel::TensorParallel<> in the plan");
   }
   template <class Plan>
   static void apply(ParallelModel& /*model*/) {}
+};
+
+/// TensorParallel: static rules — a mesh that fixes tp = 1 has nothing to split; sequence
+/// parallelism is not implemented under a pipeline yet; at start-up, sequence parallelism needs
+/// tp > 1. The model's sizes are
+/// checked when applied (std::invalid_argument naming the config key).
+template <bool SP>
+struct strategy<TensorParallel<SP>> {
+  template <class Plan>
+  static constexpr void check() {
+    static_assert(!SP || std::same_as<typename Plan::pipeline, pipeline::NoPipeline>,
+                  "d9d::parallel::TensorParallel<true>: sequence parallelism under a pipeline "
+                  "schedule is not implemented yet. Fix: use d9d::parallel::TensorParallel<> "
+                  "(SequenceParallel = false), or drop the schedule");
+    static_assert(!detail::static_degree_is<typename Plan::mesh::tp>(1),
+                  "d9d::parallel::TensorParallel: the plan's mesh fixes tp = 1, so there is "
+                  "nothing to split the layers over. Fix: give the mesh d9d::tp<N> with N > 1 (or "
+                  "d9d::dynamic), or use d9d::parallel::NoTensorParallel");
+  }
+  static void check_mesh(const MeshShape& shape) {
+    if (SP && shape.tp == 1) {
+      throw std::invalid_argument(
+          "d9d::parallel::TensorParallel<true>: sequence parallelism needs \"mesh.tp\" > 1 "
+          "(got 1). Fix: set \"mesh.tp\" to 2 or more, or use d9d::parallel::TensorParallel<>");
+    }
+  }
+  template <class Plan>
+  static void apply(ParallelModel& model) {
+    detail::apply_tensor_parallel(model, {.sequence_parallel = SP});
+  }
 };
 
 template <>
@@ -349,7 +399,8 @@ struct strategy<NoExpertParallel> {
   }
   static void check_mesh(const MeshShape& shape) {
     detail::require_degree_one("ep", shape.ep, "d9d::parallel::NoExpertParallel",
-                               "set \"mesh.ep\" to 1");
+                               "set \"mesh.ep\" to 1",
+                               "put d9d::parallel::ExpertParallel<> in the plan");
   }
   template <class Plan>
   static void apply(ParallelModel& /*model*/) {}

@@ -11,7 +11,9 @@
 // FullyShard (ZeRO-3): parameters, gradients and optimizer state sharded over dp_shard, gathered
 // per unit around its use; with dp_replicate > 1 as well it is HSDP (shards all-reduced across the
 // replicas). ExpertParallel (the expert_parallel slot; default NoExpertParallel): MoE experts split
-// over the mesh's ep ranks.
+// over the mesh's ep ranks. TensorParallel (the tensor_parallel slot; default NoTensorParallel):
+// attention heads, the MLP's intermediate dimension and the vocabulary split over the mesh's tp
+// ranks.
 #pragma once
 
 #include <d9d/plan/defaults.hpp>  // Replicate, the default; precision::Dtype
@@ -74,6 +76,32 @@ struct ExpertParallel {
   static_assert(NumExperts == dynamic || NumExperts >= 1,
                 "d9d::parallel::ExpertParallel<NumExperts>: NumExperts must be >= 1 or "
                 "d9d::dynamic. Fix: d9d::parallel::ExpertParallel<> leaves it to the model");
+};
+
+/// Tensor parallelism (the tensor_parallel slot) over the regular domain's tp ranks, Megatron's
+/// layout: attention q/k/v column-parallel by heads (num_heads / tp query and num_kv_heads / tp KV
+/// heads per rank; the per-head q/k norms stay whole), o_proj row-parallel; the MLP's gate/up
+/// column-parallel and down row-parallel; the token embedding split by vocabulary (ids outside a
+/// rank's slice embed as zeros, the parts are summed) and the LM head column-parallel over the
+/// vocabulary with the loss-parallel cross-entropy, which never gathers the logits (a tied head is
+/// the embedding's shard). Each column-parallel block's input sums its gradient over tp and each
+/// row-parallel block's output is summed over tp (Megatron's f/g autograd functions). tp must
+/// divide num_attention_heads, num_key_value_heads, intermediate_size and vocab_size (checked when
+/// applied). Composes with Replicate, with FullyShard (which shards the tp shards over dp_shard)
+/// and with pipeline schedules (the last stage gathers its logits); MoE models and LoRA are not
+/// supported yet (docs/design/0011-tensor-parallel.md).
+///
+/// `SequenceParallel`: the residual stream, the norms and the residual additions run on this
+/// rank's T / tp tokens; the all-reduces become an all-gather along the sequence before each
+/// column-parallel block and a reduce-scatter after each row-parallel one (and the embedding), so
+/// activations between blocks take 1/tp of the memory. The norms' gradients are then partial and
+/// summed over tp. Needs tp > 1 and a sequence length divisible by tp; not under a pipeline yet.
+///
+/// Named TensorParallel, not tp::Tensor: d9d::tp<N> is the mesh degree (d9d/plan/degrees.hpp).
+template <bool SequenceParallel = false>
+struct TensorParallel {
+  using d9d_slot = slot::tensor_parallel;
+  static constexpr bool sequence_parallel = SequenceParallel;
 };
 
 }  // namespace d9d::parallel

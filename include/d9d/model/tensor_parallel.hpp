@@ -1,0 +1,93 @@
+// d9d/model/tensor_parallel.hpp — what a model's layers call when tensor parallelism splits them,
+// and how a model tells the strategy where its vocabulary lives.
+//
+//   attention->set_tensor_parallel(group);          // d9d::parallel::TensorParallel does this
+//   auto x_in = group->copy_in(x);                 // before a column-parallel layer ("f")
+//   auto y = group->reduce_out(o_proj(attended));  // after a row-parallel layer ("g")
+//
+// The layers only call these virtual functions; the collectives and their autograd functions live
+// in the parallel layer (src/parallel/tensor_parallel.cpp), so the model library needs no process
+// group. A model whose embedding and LM head may be split over the vocabulary implements
+// VocabParallelModel (Qwen3ForCausalLM and Qwen3Stage do); attention and SwiGLU blocks are found by
+// their types (d9d::model::Attention, d9d::model::SwiGlu). docs/design/0011-tensor-parallel.md.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace d9d::model {
+
+/// The tensor-parallel group as the layers see it (Megatron's f/g pair and the loss-parallel
+/// cross-entropy). Implemented by d9d::parallel; every rank of the group calls the same functions
+/// in the same order.
+class TensorParallelGroup {
+ public:
+  TensorParallelGroup() = default;
+  virtual ~TensorParallelGroup() = default;
+  TensorParallelGroup(const TensorParallelGroup&) = delete;
+  TensorParallelGroup& operator=(const TensorParallelGroup&) = delete;
+  TensorParallelGroup(TensorParallelGroup&&) = delete;
+  TensorParallelGroup& operator=(TensorParallelGroup&&) = delete;
+
+  [[nodiscard]] virtual int rank() const = 0;
+  [[nodiscard]] virtual int size() const = 0;
+  /// "f": identity in forward; backward sums the input's gradient over the group (the input of a
+  /// column-parallel layer gets a partial gradient on each rank). Under sequence parallelism the
+  /// input [B, T / size, ...] is this rank's sequence shard: gathered along dim 1 in forward, the
+  /// gradient reduce-scattered back.
+  [[nodiscard]] virtual at::Tensor copy_in(const at::Tensor& x) const = 0;
+  /// "g": sums the partial outputs of a row-parallel layer over the group in forward; identity in
+  /// backward (every rank already holds the whole output's gradient). Under sequence parallelism
+  /// the sum is reduce-scattered along dim 1 (this rank keeps its T / size tokens) and the
+  /// gradient all-gathered.
+  [[nodiscard]] virtual at::Tensor reduce_out(const at::Tensor& x) const = 0;
+  /// Whether the residual stream between blocks is split by sequence (copy_in / reduce_out
+  /// gather and scatter along dim 1).
+  [[nodiscard]] virtual bool sequence_parallel() const = 0;
+  /// Every rank's x concatenated along the last dimension; backward keeps this rank's slice.
+  [[nodiscard]] virtual at::Tensor gather_last(const at::Tensor& x) const = 0;
+  /// The summed cross-entropy of rows whose logits are split over the group by vocabulary: this
+  /// rank holds `local_logits` [N, V / size] for ids [vocab_start, vocab_start + V / size); labels
+  /// [N] hold global ids (ignore_index rows count nothing). The full logits are never gathered:
+  /// the row maxima and sums of exponentials are all-reduced, the target logit comes from the
+  /// rank that holds it. A scalar (float32, float64 for float64 logits), the same on every rank;
+  /// its gradient reaches only this rank's logits.
+  [[nodiscard]] virtual at::Tensor cross_entropy_sum(const at::Tensor& local_logits,
+                                                     const at::Tensor& labels, int64_t vocab_start,
+                                                     int64_t ignore_index) const = 0;
+};
+
+/// The vocab-parallel embedding: `weight` holds rows [vocab_start, vocab_start + rows) of the
+/// embedding; ids outside embed as zeros and the parts are summed over `group` (reduce_out).
+[[nodiscard]] at::Tensor vocab_parallel_embedding(const at::Tensor& weight,
+                                                  const at::Tensor& input_ids, int64_t vocab_start,
+                                                  const TensorParallelGroup& group);
+
+/// A model whose token embedding and LM head tensor parallelism may split over the vocabulary
+/// (rows [rank V / tp, (rank + 1) V / tp) of each). The strategy narrows the parameters named by
+/// vocab_parameters() along dim 0 and then calls set_tensor_parallel; from then on the model
+/// embeds out-of-slice ids as zeros (summed over the group) and computes its loss with
+/// TensorParallelGroup::cross_entropy_sum. A tied head is the embedding itself: one name.
+class VocabParallelModel {
+ public:
+  VocabParallelModel() = default;
+  virtual ~VocabParallelModel() = default;
+  VocabParallelModel(const VocabParallelModel&) = default;
+  VocabParallelModel& operator=(const VocabParallelModel&) = default;
+  VocabParallelModel(VocabParallelModel&&) = default;
+  VocabParallelModel& operator=(VocabParallelModel&&) = default;
+
+  /// The vocabulary size (the rows of the embedding and of the head).
+  [[nodiscard]] virtual int64_t vocab_size() const = 0;
+  /// Names (as in the module's named_parameters()) of the [vocab, hidden] parameters: the
+  /// embedding and, when untied, the head.
+  [[nodiscard]] virtual std::vector<std::string> vocab_parameters() const = 0;
+  /// Called after the strategy narrowed those parameters and the model's attention and MLP blocks.
+  virtual void set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) = 0;
+};
+
+}  // namespace d9d::model

@@ -1,0 +1,384 @@
+// d9d/parallel/tensor_parallel.cpp — TensorParallel: attention by heads, SwiGLU by its
+// intermediate dimension, embedding and LM head by vocabulary over the regular domain's tp ranks
+// (Megatron's layout), with the loss-parallel cross-entropy.
+//
+// Layout (tp ranks R, this rank r; every split even, checked first):
+//   q/k/v_proj.weight [heads·d, H]   Shard(0): rows of query heads [r h/R, (r+1) h/R) and KV heads
+//                                    [r kv/R, (r+1) kv/R) (GQA groups stay on one rank)
+//   o_proj.weight [H, heads·d]       Shard(1): the matching columns
+//   gate/up_proj.weight [I, H]       Shard(0);  down_proj.weight [H, I]  Shard(1)
+//   embed_tokens / lm_head [V, H]    Shard(0): ids [r V/R, (r+1) V/R) (tied: one tensor)
+//   norms (incl. per-head q/k norms) Replicate
+// Communication (autograd functions below): "f" (identity, all-reduce of the gradient) before each
+// column-parallel block, "g" (all-reduce, identity backward) after each row-parallel one and after
+// the vocab-parallel embedding. So the residual stream and its gradient are whole and identical on
+// every tp rank, and with them the gradients of the layer norms. The q/k norms act on this rank's
+// heads only: their gradients are partial sums and are summed over tp after the backward.
+// Sequence parallelism (TensorParallel<true>) swaps the pair for an all-gather along the sequence
+// (backward: reduce-scatter) and a reduce-scatter (backward: all-gather): between the blocks each
+// rank holds its T / R tokens, so every norm's gradient is partial and summed over tp.
+// FullyShard, applied later, shards these shards over dp_shard (src/parallel/fully_shard.cpp).
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <d9d/core/collectives.hpp>
+#include <d9d/model/layers.hpp>
+#include <d9d/model/moe.hpp>
+#include <d9d/model/tensor_parallel.hpp>
+#include <d9d/parallel/parallelize.hpp>
+
+namespace d9d::parallel::detail {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// NOLINTBEGIN(performance-no-int-to-ptr): the group outlives the model's graphs (the model holds
+// it)
+const ProcessGroup& group_at(int64_t address) {
+  return *reinterpret_cast<const ProcessGroup*>(address);
+}
+int64_t address_of(const ProcessGroup& group) { return reinterpret_cast<int64_t>(&group); }
+// NOLINTEND(performance-no-int-to-ptr)
+
+// f: identity forward, gradient summed over the group.
+struct CopyIn : torch::autograd::Function<CopyIn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& group = group_at(ctx->saved_data["group"].toInt());
+    return {all_reduce(group, grads[0].contiguous()), at::Tensor()};
+  }
+};
+
+// g: sum over the group forward, identity backward.
+struct ReduceOut : torch::autograd::Function<ReduceOut> {
+  static at::Tensor forward(AutogradContext* /*ctx*/, const at::Tensor& x, int64_t group) {
+    return all_reduce(group_at(group), x.contiguous());
+  }
+  static variable_list backward(AutogradContext* /*ctx*/, variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+// Sequence parallelism's f: the sequence shards [B, T / tp, ...] gathered along dim 1 in forward;
+// the gradient summed over the group and scattered back along dim 1 in backward.
+struct GatherSequence : torch::autograd::Function<GatherSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return all_gather_cat(group_at(group), x.contiguous(), 1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& group = group_at(ctx->saved_data["group"].toInt());
+    return {reduce_scatter(group, grads[0].contiguous(), 1), at::Tensor()};
+  }
+};
+
+// Sequence parallelism's g: the partial outputs [B, T, ...] summed over the group and scattered
+// along dim 1 in forward; the gradient's shards gathered along dim 1 in backward.
+struct ScatterSequence : torch::autograd::Function<ScatterSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+    const auto& g = group_at(group);
+    if (x.dim() < 2 || x.size(1) % g.size() != 0) {
+      throw std::invalid_argument(
+          "d9d::parallel::TensorParallel<true>: sequence parallelism splits the sequence over "
+          "tp = " +
+          std::to_string(g.size()) + " ranks, but it has " +
+          std::to_string(x.dim() < 2 ? 0 : x.size(1)) +
+          " tokens. Fix: set \"batch.sequence_length\" to a multiple of " +
+          std::to_string(g.size()));
+    }
+    ctx->saved_data["group"] = group;
+    return reduce_scatter(g, x.contiguous(), 1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& group = group_at(ctx->saved_data["group"].toInt());
+    return {all_gather_cat(group, grads[0].contiguous(), 1), at::Tensor()};
+  }
+};
+
+// Concatenation over the group along the last dimension; backward keeps this rank's slice.
+struct GatherLast : torch::autograd::Function<GatherLast> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+    const auto& g = group_at(group);
+    ctx->saved_data["start"] = x.size(-1) * g.rank();
+    ctx->saved_data["length"] = x.size(-1);
+    return all_gather_cat(g, x.contiguous(), x.dim() - 1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const int64_t start = ctx->saved_data["start"].toInt();
+    const int64_t length = ctx->saved_data["length"].toInt();
+    return {grads[0].narrow(-1, start, length).contiguous(), at::Tensor()};
+  }
+};
+
+// The loss-parallel cross-entropy (Megatron's vocab-parallel cross-entropy): per row, the maximum
+// logit and the sum of exponentials are all-reduced over the group, the target's logit comes from
+// the rank whose slice holds it. The gradient (softmax − one-hot over this rank's columns, zero on
+// ignored rows) is computed in the forward and scaled by the incoming gradient in backward.
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& labels, int64_t vocab_start, int64_t ignore_index,
+                            int64_t group) {
+    const auto& g = group_at(group);
+    // At least float32 (bf16 logits are upcast; float64 stays float64), as causal_lm_loss.
+    const auto x = logits.to(at::promote_types(logits.scalar_type(), at::kFloat));
+    const int64_t columns = x.size(1);
+    const auto targets = labels.to(at::kLong);
+    auto shifted = x - all_reduce(g, std::get<0>(x.max(1)), ReduceOp::max).unsqueeze(1);
+    const auto valid = targets != ignore_index;
+    const auto local = targets - vocab_start;
+    const auto mine = valid.logical_and(local >= 0).logical_and(local < columns);
+    const auto column = local.masked_fill(mine.logical_not(), 0).unsqueeze(1);
+    const auto target_logit =
+        shifted.gather(1, column).squeeze(1).masked_fill(mine.logical_not(), 0.0);
+    auto exps = shifted.exp_();
+    // One collective for both row statistics: [2, N] summed.
+    const auto summed = all_reduce(g, at::stack({exps.sum(1), target_logit}));
+    const auto sum_exp = summed[0];
+    const auto rows = (sum_exp.log() - summed[1]).masked_fill(valid.logical_not(), 0.0);
+    // softmax − one-hot on this rank's columns, zero on ignored rows.
+    auto grad = exps.div_(sum_exp.unsqueeze(1));
+    grad.scatter_add_(1, column, mine.to(grad.scalar_type()).neg().unsqueeze(1));
+    grad.masked_fill_(valid.logical_not().unsqueeze(1), 0.0);
+    ctx->saved_data["grad"] = grad;
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    return rows.sum();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto grad = ctx->saved_data["grad"].toTensor();
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {(grad * grads[0]).to(dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+class Group : public model::TensorParallelGroup {
+ public:
+  Group(ProcessGroup group, bool sequence_parallel)
+      : group_(std::move(group)), sequence_parallel_(sequence_parallel) {}
+  [[nodiscard]] int rank() const override { return group_.rank(); }
+  [[nodiscard]] int size() const override { return group_.size(); }
+  [[nodiscard]] at::Tensor copy_in(const at::Tensor& x) const override {
+    return sequence_parallel_ ? GatherSequence::apply(x, address_of(group_))
+                              : CopyIn::apply(x, address_of(group_));
+  }
+  [[nodiscard]] at::Tensor reduce_out(const at::Tensor& x) const override {
+    return sequence_parallel_ ? ScatterSequence::apply(x, address_of(group_))
+                              : ReduceOut::apply(x, address_of(group_));
+  }
+  [[nodiscard]] bool sequence_parallel() const override { return sequence_parallel_; }
+  [[nodiscard]] at::Tensor gather_last(const at::Tensor& x) const override {
+    return GatherLast::apply(x, address_of(group_));
+  }
+  [[nodiscard]] at::Tensor cross_entropy_sum(const at::Tensor& local_logits,
+                                             const at::Tensor& labels, int64_t vocab_start,
+                                             int64_t ignore_index) const override {
+    return VocabParallelCrossEntropy::apply(local_logits, labels, vocab_start, ignore_index,
+                                            address_of(group_));
+  }
+
+ private:
+  ProcessGroup group_;
+  bool sequence_parallel_;
+};
+
+// The per-head q/k norms' gradients summed over tp after the step's backward (each rank's holds
+// the contribution of its heads only). Runs after the data-parallel strategy's finish (added
+// before it), on the records' locals as they are then: the whole parameters, or FullyShard's
+// shards of them (equal rows on every tp rank).
+class PartialNormSync : public GradientSync {
+ public:
+  PartialNormSync(ParallelModel& model, ProcessGroup group, std::vector<std::string> names)
+      : model_(model), group_(std::move(group)), names_(std::move(names)) {}
+
+  void finish() override {
+    if (group_.size() <= 1) {
+      return;
+    }
+    std::vector<at::Tensor> grads;
+    for (const auto& name : names_) {
+      const auto* record = model_.find(name);
+      if (record != nullptr && record->local.grad().defined()) {
+        grads.push_back(at::Tensor(record->local).mutable_grad());
+      }
+    }
+    if (grads.empty()) {
+      return;
+    }
+    std::vector<at::Tensor> flat;
+    flat.reserve(grads.size());
+    for (const auto& grad : grads) {
+      flat.push_back(grad.reshape({-1}));
+    }
+    const auto summed = all_reduce(group_, at::cat(flat));
+    int64_t offset = 0;
+    const at::NoGradGuard no_grad;
+    for (auto& grad : grads) {
+      grad.copy_(summed.narrow(0, offset, grad.numel()).view_as(grad));
+      offset += grad.numel();
+    }
+  }
+
+ private:
+  ParallelModel& model_;
+  ProcessGroup group_;
+  std::vector<std::string> names_;
+};
+
+void require_divides(int64_t ranks, int64_t size, const std::string& key) {
+  if (size % ranks != 0) {
+    throw std::invalid_argument(
+        "d9d::parallel::TensorParallel: \"mesh.tp\" = " + std::to_string(ranks) +
+        " does not divide the model's \"" + key + "\" = " + std::to_string(size) +
+        ". Fix: set \"mesh.tp\" to a common divisor of "
+        "num_attention_heads, num_key_value_heads, intermediate_size and "
+        "vocab_size");
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<const model::TensorParallelGroup> make_tensor_parallel_group(
+    const ProcessGroup& group, bool sequence_parallel) {
+  return std::make_shared<const Group>(group, sequence_parallel);
+}
+
+void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& settings) {
+  const auto& mesh = model.mesh();
+  const auto process_group = mesh.group(MeshDomain::regular, "tp");
+  const int64_t ranks = mesh.size(MeshDomain::regular, "tp");
+  const int64_t rank = mesh.coordinate(MeshDomain::regular, "tp");
+  if (settings.sequence_parallel && model.options().pipelined) {
+    throw std::invalid_argument(
+        "d9d::parallel::TensorParallel<true>: sequence parallelism under a pipeline schedule is "
+        "not implemented yet. Fix: use d9d::parallel::TensorParallel<>");
+  }
+  const auto group = make_tensor_parallel_group(process_group, settings.sequence_parallel);
+
+  // Which tensor (by TensorImpl) is split along which dimension.
+  std::map<const void*, int64_t> split;
+  const at::NoGradGuard no_grad;
+  const auto narrow = [&](at::Tensor& param, int64_t dim) {
+    if (split.count(param.unsafeGetTensorImpl()) != 0) {
+      return;  // a tied parameter, narrowed once
+    }
+    const int64_t part = param.size(dim) / ranks;
+    param.set_data(param.detach().narrow(dim, rank * part, part).clone());
+    split[param.unsafeGetTensorImpl()] = dim;
+  };
+  const auto narrow_linear = [&](model::LinearImpl& linear, int64_t dim) {
+    narrow(linear.weight, dim);
+    if (linear.bias.defined()) {
+      if (dim != 0) {
+        throw std::invalid_argument(
+            "d9d::parallel::TensorParallel: a row-parallel projection with a bias is not "
+            "supported (the bias would be added on every tp rank)");
+      }
+      narrow(linear.bias, 0);
+    }
+  };
+
+  std::vector<at::Tensor> partial_norms;
+  int vocab_models = 0;
+  for (const auto& root : model.modules()) {
+    // Nothing else may rewrite a projection that this strategy splits.
+    for (const auto& module : root->modules()) {
+      if (std::dynamic_pointer_cast<model::GroupedExpertsImpl>(module) ||
+          std::dynamic_pointer_cast<model::MoeLayerImpl>(module)) {
+        throw std::invalid_argument(
+            "d9d::parallel::TensorParallel: mixture-of-experts models are not supported with "
+            "tensor parallelism yet (dense Qwen3 only). Fix: use d9d::parallel::NoTensorParallel "
+            "and set \"mesh.tp\" to 1");
+      }
+      const auto linear = std::dynamic_pointer_cast<model::LinearImpl>(module);
+      if (linear && linear->adapter) {
+        throw std::invalid_argument(
+            "d9d::parallel::TensorParallel: LoRA adapters are not supported with tensor "
+            "parallelism yet. Fix: use d9d::peft::FullTune, Freeze or Train, or set \"mesh.tp\" "
+            "to 1");
+      }
+    }
+    for (const auto& module : root->modules()) {
+      if (auto attention = std::dynamic_pointer_cast<model::AttentionImpl>(module)) {
+        require_divides(ranks, attention->local_heads(), "num_attention_heads");
+        require_divides(ranks, attention->local_kv_heads(), "num_key_value_heads");
+        narrow_linear(*attention->q_proj, 0);
+        narrow_linear(*attention->k_proj, 0);
+        narrow_linear(*attention->v_proj, 0);
+        narrow_linear(*attention->o_proj, 1);
+        for (const auto& norm : {attention->q_norm, attention->k_norm}) {
+          if (norm) {
+            partial_norms.push_back(norm->weight);
+          }
+        }
+        attention->set_tensor_parallel(group);
+      } else if (auto mlp = std::dynamic_pointer_cast<model::SwiGluImpl>(module)) {
+        require_divides(ranks, mlp->gate_proj->out_features(), "intermediate_size");
+        narrow_linear(*mlp->gate_proj, 0);
+        narrow_linear(*mlp->up_proj, 0);
+        narrow_linear(*mlp->down_proj, 1);
+        mlp->set_tensor_parallel(group);
+      }
+    }
+    if (auto* vocab = dynamic_cast<model::VocabParallelModel*>(root.get())) {
+      require_divides(ranks, vocab->vocab_size(), "vocab_size");
+      const auto params = root->named_parameters();
+      for (const auto& name : vocab->vocab_parameters()) {
+        const auto* found = params.find(name);
+        if (found == nullptr) {
+          throw std::logic_error("d9d::parallel::TensorParallel: the model names \"" + name +
+                                 "\" as a vocabulary parameter but has none");
+        }
+        auto param = *found;
+        narrow(param, 0);
+      }
+      vocab->set_tensor_parallel(group);
+      ++vocab_models;
+    }
+  }
+  if (vocab_models == 0) {
+    throw std::invalid_argument(
+        "d9d::parallel::TensorParallel: the model does not split its embedding and LM head over "
+        "the vocabulary (it implements no d9d::model::VocabParallelModel). Fix: implement it (as "
+        "d9d::model::Qwen3ForCausalLM and Qwen3Stage do), or use "
+        "d9d::parallel::NoTensorParallel");
+  }
+
+  // The records: split parameters are Shard(dim) on tp, the rest Replicate on tp.
+  std::vector<std::string> partial_trained;
+  for (auto& record : model.mutable_parameters()) {
+    const auto found = split.find(record.local.unsafeGetTensorImpl());
+    record.dims.emplace_back("tp");
+    if (found != split.end()) {
+      record.placements.emplace_back(::d9d::Shard{found->second});
+    } else {
+      record.placements.emplace_back(::d9d::Replicate{});
+    }
+    // Under sequence parallelism every replicated parameter (the norms) sees this rank's tokens
+    // only: all of their gradients are partial sums.
+    const bool partial =
+        (settings.sequence_parallel && found == split.end()) ||
+        std::any_of(partial_norms.begin(), partial_norms.end(), [&](const at::Tensor& norm) {
+          return norm.unsafeGetTensorImpl() == record.local.unsafeGetTensorImpl();
+        });
+    if (partial) {
+      partial_trained.push_back(record.name);
+    }
+  }
+  model.add_norm_dims({"tp"});
+  model.add_sync(
+      std::make_unique<PartialNormSync>(model, process_group, std::move(partial_trained)));
+}
+
+}  // namespace d9d::parallel::detail
