@@ -129,13 +129,7 @@ TEST(Parallel_FullyShard_ws2, ExportsTheWholeModel) {
       return;
     }
     ASSERT_EQ(result.export_dir, env.scratch_dir() + "/run/model");
-    auto exported = d9d::model::load_hf_qwen3(result.export_dir);
-    std::size_t compared = 0;
-    for (const auto& item : exported->named_parameters()) {
-      EXPECT_TRUE(at::equal(item.value(), parameters.at(item.key()))) << item.key();
-      ++compared;
-    }
-    EXPECT_EQ(compared, parameters.size());
+    d9d::testing::expect_exported_equals(*d9d::model::load_hf_qwen3(result.export_dir), parameters);
   });
 }
 

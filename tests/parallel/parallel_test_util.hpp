@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <map>
 #include <string>
 
@@ -23,6 +24,18 @@ inline std::map<std::string, at::Tensor> full_parameters(detail::TrainerCore& co
     out[record.name] = record.sharded(core.mesh()).full_tensor().cpu();
   }
   return out;
+}
+
+/// An exported model holds exactly the trained parameters: every one of its parameters equals the
+/// tensor of that name in `parameters`, and there are as many.
+inline void expect_exported_equals(const torch::nn::Module& exported,
+                                   const std::map<std::string, at::Tensor>& parameters) {
+  std::size_t compared = 0;
+  for (const auto& item : exported.named_parameters()) {
+    EXPECT_TRUE(at::equal(item.value(), parameters.at(item.key()))) << item.key();
+    ++compared;
+  }
+  EXPECT_EQ(compared, parameters.size());
 }
 
 /// A run's losses and final parameters.

@@ -204,13 +204,7 @@ TEST(Parallel_TensorParallel_tp2, ExportsTheWholeModel) {
     if (env.rank() != 0) {
       return;
     }
-    auto exported = d9d::model::load_hf_qwen3(result.export_dir);
-    std::size_t compared = 0;
-    for (const auto& item : exported->named_parameters()) {
-      EXPECT_TRUE(at::equal(item.value(), parameters.at(item.key()))) << item.key();
-      ++compared;
-    }
-    EXPECT_EQ(compared, parameters.size());
+    d9d::testing::expect_exported_equals(*d9d::model::load_hf_qwen3(result.export_dir), parameters);
   });
 }
 
