@@ -279,6 +279,17 @@ void BM_AdamW_D9dStochastic_Fp32Moments(benchmark::State& state) {
         torch::optim::AdamWOptions(1e-4).weight_decay(0.1));
   });
 }
+// The same update on one large tensor (the "large tensors" figure; the list above mixes
+// the 155M-element embedding with 1024-element norms): 600 Mi elements on the GPU.
+void BM_AdamW_D9dStochastic_Fp32Moments_OneTensor(benchmark::State& state) {
+  const int64_t n = on_cuda() ? int64_t{600} << 20 : int64_t{1} << 20;
+  std::vector<at::Tensor> params{at::randn({n}, options().dtype(at::kBFloat16))};
+  params[0].requires_grad_(true);
+  params[0].mutable_grad() = at::randn_like(params[0]);
+  d9d::optim::StochasticAdamW optimizer(std::vector{torch::optim::OptimizerParamGroup(params)},
+                                        torch::optim::AdamWOptions(1e-4).weight_decay(0.1));
+  run(state, 22.0 * static_cast<double>(n), 3, [&] { optimizer.step(); });
+}
 void BM_AdamW_D9dStochastic_Bf16Moments(benchmark::State& state) {
   adamw_bf16(state, 14, [](std::vector<at::Tensor>& p) {
     return std::make_unique<d9d::optim::StochasticAdamW>(
@@ -369,6 +380,9 @@ BENCHMARK(BM_Attention_EnableGqa)->Arg(8)->Arg(16)->UseManualTime()->Unit(benchm
 BENCHMARK(BM_AdamW_Torch)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AdamW_D9dFused)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AdamW_D9dStochastic_Fp32Moments)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AdamW_D9dStochastic_Fp32Moments_OneTensor)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AdamW_D9dStochastic_Bf16Moments)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AdamW_AtenFused_Bf16Nearest)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CrossEntropyRows_D9d)

@@ -5,6 +5,7 @@
 //   03_qwen3_quickstart quickstart.json --data corpus.bin --output runs/quickstart [--bf16]
 //   tools/d9drun -n 4 03_qwen3_quickstart cfg.json --pipeline zbh1 --pp 2   # dp 2 x pp 2
 //   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --fsdp [--recompute]      # ZeRO-3
+//   03_qwen3_quickstart cfg.json --bf16-params sr --lora   # LoRA fine-tuning, base frozen
 //
 // The configuration block below is the plan: the mesh's data-parallel degree comes from the world
 // size (d9d::dynamic), gradients are all-reduced in buckets during backward (Replicate), and the
@@ -14,11 +15,13 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <d9d/d9d.hpp>
+#include <d9d/peft/lora.hpp>
 
 // ---- configuration: one `using` per plan slot -------------------------------------------------
 using Mesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>>;  // or d9d::mesh<d9d::dp_replicate<2>>
@@ -33,6 +36,10 @@ using SrBf16MomentsPlan = d9d::Plan<Mesh, DataParallel,
                                                                d9d::precision::Dtype::bfloat16>>;
 using NearestPlan =
     d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Params<d9d::precision::NearestRounding>>;
+// --lora (with --bf16-params sr): rank-16 LoRA adapters (alpha 32) on every linear layer but the
+// LM head, the base frozen in bfloat16; the fine-tuning comparison of tools/gpu/speed-bench.
+using LoraPlan =
+    d9d::Plan<Mesh, DataParallel, d9d::peft::Lora<16, 32>, d9d::precision::Bf16Params<>>;
 // --fsdp: parameters, gradients and AdamW state sharded over the ranks (ZeRO-3); --recompute:
 // every decoder layer recomputes its activations in backward.
 using ShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>>;
@@ -48,13 +55,17 @@ namespace {
 
 // Model FLOPs per token for training (forward + backward): 6 per parameter outside the embedding
 // plus attention's 12 * layers * (heads * head_dim) * sequence (causal masking not discounted).
-double flops_per_token(const d9d::model::Qwen3Config& c, int64_t sequence_length) {
+// With a frozen base (LoRA) the weights' gradients are not computed: 4 per parameter (the small
+// adapters' own FLOPs are not counted).
+double flops_per_token(const d9d::model::Qwen3Config& c, int64_t sequence_length,
+                       bool frozen_base = false) {
   // The LM head is a vocab x hidden matmul whether or not it shares the embedding's weight.
   const double matmul_params = static_cast<double>(c.non_embedding_parameter_count()) +
                                static_cast<double>(c.vocab_size * c.hidden_size);
-  return 6.0 * matmul_params + 12.0 * static_cast<double>(c.num_hidden_layers) *
-                                   static_cast<double>(c.num_attention_heads * c.head_dim) *
-                                   static_cast<double>(sequence_length);
+  return (frozen_base ? 4.0 : 6.0) * matmul_params +
+         12.0 * static_cast<double>(c.num_hidden_layers) *
+             static_cast<double>(c.num_attention_heads * c.head_dim) *
+             static_cast<double>(sequence_length);
 }
 
 struct Options {
@@ -70,17 +81,28 @@ struct Options {
   bool recompute = false;
   bool plain_kernels = false;
   std::string bf16_params;
+  bool lora = false;
 };
 
 template <class Plan>
 int run(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, double peak_tflops) {
   d9d::Qwen3Provider models;
   d9d::Trainer<Plan> trainer{ctx, models, d9d::TokenFilesProvider{}, d9d::CausalLmTask{}, cfg};
+  constexpr bool kFrozenBase = !std::is_same_v<typename Plan::peft, d9d::peft::FullTune>;
+  if constexpr (kFrozenBase) {
+    const auto count = d9d::peft::count_parameters(*trainer.core().model());
+    if (ctx.is_main_process()) {
+      std::printf("trainable params: %ld || all params: %ld || trainable%%: %.4f\n",
+                  static_cast<long>(count.trainable), static_cast<long>(count.total),
+                  count.trainable_percent());
+      std::fflush(stdout);
+    }
+  }
   const auto result = trainer.train();
   if (ctx.is_main_process()) {
     const auto config = d9d::model::Qwen3Config::from_json_text(cfg.section("model"));
-    const double tflops =
-        result.tokens_per_second * flops_per_token(config, cfg.batch.sequence_length) / 1e12;
+    const double tflops = result.tokens_per_second *
+                          flops_per_token(config, cfg.batch.sequence_length, kFrozenBase) / 1e12;
     std::printf(
         "model: %.1fM parameters; throughput: %.0f tokens/s over %d rank(s), %.2f TFLOP/s per rank",
         static_cast<double>(config.parameter_count()) / 1e6, result.tokens_per_second,
@@ -151,6 +173,13 @@ int train(const Options& o) {
                            " needs a pipeline schedule. Fix: add --pipeline gpipe|1f1b|zbh1|zbv");
   }
   const double peak = o.peak_tflops;
+  if (o.lora) {
+    if (o.bf16_params != "sr" || o.fsdp || o.bf16 || o.recompute || o.pipeline != "none") {
+      throw d9d::ConfigError(
+          "--lora is compiled with --bf16-params sr alone. Fix: use --lora --bf16-params sr");
+    }
+    return run<LoraPlan>(ctx, cfg, peak);
+  }
   if (!o.bf16_params.empty()) {
     if (o.bf16 || o.recompute || o.pipeline != "none" || (o.fsdp && o.bf16_params != "sr")) {
       throw d9d::ConfigError(
@@ -207,6 +236,9 @@ int main(int argc, char** argv) {
                  "bfloat16 parameters, AdamW rounding stochastically (sr, also with --fsdp; "
                  "sr-bf16-moments) or to nearest (d9d::precision::Bf16Params)")
       ->check(CLI::IsMember({"sr", "sr-bf16-moments", "nearest"}));
+  app.add_flag("--lora", o.lora,
+               "LoRA fine-tuning: rank-16 adapters on every linear layer but the head, the rest "
+               "frozen (d9d::peft::Lora<16, 32>; with --bf16-params sr)");
   app.add_flag("--fsdp", o.fsdp, "fully sharded data parallelism (d9d::parallel::FullyShard<>)");
   app.add_flag("--recompute", o.recompute,
                "recompute every decoder layer's activations in backward (with --fsdp)");

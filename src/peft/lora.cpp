@@ -210,7 +210,9 @@ at::Tensor LoraAdapter::forward(const at::Tensor& x) {
   if (options_.dropout > 0.0 && lora_A->is_training()) {
     input = at::dropout(x, options_.dropout, /*train=*/true);
   }
-  return lora_B(lora_A(input)) * options_.scale();
+  // The scale multiplies the [tokens, rank] product, not the [tokens, out] delta: the same value,
+  // a pass over rank columns instead of out columns, forward and backward.
+  return lora_B(lora_A(input) * options_.scale());
 }
 
 at::Tensor LoraAdapter::delta_weight() const {
