@@ -130,6 +130,15 @@ class ParallelModel {
   [[nodiscard]] std::vector<at::Tensor> locals() const;
   [[nodiscard]] const ParameterRecord* find(const std::string& name) const;
 
+  /// Parameters that do not train but that a strategy split over the mesh (TensorParallel narrows
+  /// the frozen base weights of LoRA layers, and whatever Freeze froze): records with the same
+  /// fields, but no optimizer state, gradient, norm, sync or checkpoint part. Export gathers them.
+  [[nodiscard]] const std::vector<ParameterRecord>& frozen_split_parameters() const;
+  [[nodiscard]] std::vector<ParameterRecord>& mutable_frozen_split_parameters();
+  /// Where the parameter `name` sits on the mesh: its record when it trains, else its entry in
+  /// frozen_split_parameters(), else null (a frozen parameter that is whole on every rank).
+  [[nodiscard]] const ParameterRecord* layout(const std::string& name) const;
+
   /// Adds a strategy's gradient path (run in the order added; finish in reverse).
   void add_sync(std::unique_ptr<GradientSync> sync);
   /// Registers mesh dims of `domain` that shard parameters: normalize_and_clip sums the squares
