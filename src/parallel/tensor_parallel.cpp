@@ -9,11 +9,14 @@
 //   gate/up_proj.weight [I, H]       Shard(0);  down_proj.weight [H, I]  Shard(1)
 //   embed_tokens / lm_head [V, H]    Shard(0): ids [r V/R, (r+1) V/R) (tied: one tensor)
 //   norms (incl. per-head q/k norms) Replicate
+//   LoRA on a column-parallel layer  lora_B [out, r] Shard(0) like the weight, lora_A Replicate
+//   LoRA on a row-parallel layer     lora_A [r, in] Shard(1) like the weight, lora_B Replicate
 // Communication (autograd functions below): "f" (identity, all-reduce of the gradient) before each
 // column-parallel block, "g" (all-reduce, identity backward) after each row-parallel one and after
 // the vocab-parallel embedding. So the residual stream and its gradient are whole and identical on
 // every tp rank, and with them the gradients of the layer norms. The q/k norms act on this rank's
-// heads only: their gradients are partial sums and are summed over tp after the backward.
+// heads only: their gradients are partial sums and are summed over tp after the backward, as are
+// the gradients of the adapters' whole factors (derived where the adapters are split).
 // Sequence parallelism (TensorParallel<true>) swaps the pair for an all-gather along the sequence
 // (backward: reduce-scatter) and a reduce-scatter (backward: all-gather): between the blocks each
 // rank holds its T / R tokens, so every norm's gradient is partial and summed over tp.

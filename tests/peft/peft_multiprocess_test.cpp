@@ -140,15 +140,16 @@ TEST(Peft_Lora_ws2, APatternMatchingOnNoStageFailsEveryRank) {
   });
 }
 
-// ---- LoRA under tensor parallelism ---------------------------------------------------------------
+// ---- LoRA under tensor parallelism
+// ---------------------------------------------------------------
 
 using Tp = d9d::parallel::TensorParallel<>;
 using TpSp = d9d::parallel::TensorParallel<true>;
 using TpMesh = d9d::mesh<d9d::tp<d9d::dynamic>>;
 
-// Adapters on every projection (column- and row-parallel) and on the untied LM head (column-parallel
-// over the vocabulary); the embedding (split by vocabulary) and every norm (the per-head q/k norms'
-// gradients are partial over tp) train too.
+// Adapters on every projection (column- and row-parallel) and on the untied LM head
+// (column-parallel over the vocabulary); the embedding (split by vocabulary) and every norm (the
+// per-head q/k norms' gradients are partial over tp) train too.
 using TpLoraStack =
     peft::Stack<peft::Lora<4, 8, "*_proj", "lm_head">, peft::Train<"model.embed_tokens", "*norm">>;
 
@@ -203,11 +204,10 @@ void expect_adapter_gradients(const d9d::DistributedContext& ctx, bool sequence_
   d9d::model::Qwen3ForCausalLM split(config);
   const auto mesh = d9d::DeviceMesh(ctx, d9d::MeshShape{.tp = 2});
   const auto parallel =
-      sequence_parallel
-          ? d9d::parallel::parallelize<d9d::Plan<TpMesh, TpSp, TpLoraStack, Fp64>>(mesh,
-                                                                                   {split.ptr()})
-          : d9d::parallel::parallelize<d9d::Plan<TpMesh, Tp, TpLoraStack, Fp64>>(mesh,
-                                                                                 {split.ptr()});
+      sequence_parallel ? d9d::parallel::parallelize<d9d::Plan<TpMesh, TpSp, TpLoraStack, Fp64>>(
+                              mesh, {split.ptr()})
+                        : d9d::parallel::parallelize<d9d::Plan<TpMesh, Tp, TpLoraStack, Fp64>>(
+                              mesh, {split.ptr()});
   const auto tp = mesh.group(d9d::MeshDomain::regular, "tp");
   auto whole_parameters = whole->named_parameters();
   {
@@ -348,10 +348,10 @@ void expect_lora_records(d9d::detail::TrainerCore& core) {
         << name;
   };
   const std::string attention = "model.layers.0.self_attn.";
-  expect(attention + "q_proj.lora_B.weight", {32, 4}, {16, 4}, true);    // Shard(0)
-  expect(attention + "q_proj.lora_A.weight", {4, 32}, {4, 32}, false);   // whole
-  expect(attention + "o_proj.lora_A.weight", {4, 32}, {4, 16}, true);    // Shard(1)
-  expect(attention + "o_proj.lora_B.weight", {32, 4}, {32, 4}, false);   // whole
+  expect(attention + "q_proj.lora_B.weight", {32, 4}, {16, 4}, true);   // Shard(0)
+  expect(attention + "q_proj.lora_A.weight", {4, 32}, {4, 32}, false);  // whole
+  expect(attention + "o_proj.lora_A.weight", {4, 32}, {4, 16}, true);   // Shard(1)
+  expect(attention + "o_proj.lora_B.weight", {32, 4}, {32, 4}, false);  // whole
   expect("model.layers.1.mlp.down_proj.lora_A.weight", {4, 64}, {4, 32}, true);
   expect("lm_head.lora_B.weight", {64, 4}, {32, 4}, true);
   EXPECT_EQ(parallel.find(attention + "q_proj.weight"), nullptr) << "the frozen base is recorded";
@@ -369,9 +369,8 @@ void expect_same_exports(const LoraRun& got, const LoraRun& want) {
   ASSERT_FALSE(got.outcome.result.adapter_dir.empty());
   expect_same_file(got.outcome.result.adapter_dir + "/adapter_model.safetensors",
                    want.outcome.result.adapter_dir + "/adapter_model.safetensors");
-  EXPECT_EQ(
-      d9d::model::read_text_file(got.outcome.result.adapter_dir + "/adapter_config.json"),
-      d9d::model::read_text_file(want.outcome.result.adapter_dir + "/adapter_config.json"));
+  EXPECT_EQ(d9d::model::read_text_file(got.outcome.result.adapter_dir + "/adapter_config.json"),
+            d9d::model::read_text_file(want.outcome.result.adapter_dir + "/adapter_config.json"));
   expect_same_file(got.outcome.result.export_dir + "/model.safetensors",
                    want.outcome.result.export_dir + "/model.safetensors");
 }
@@ -437,8 +436,8 @@ TEST(Peft_Lora_ws4, TensorParallelTimesFullyShardAndPipelineMatchOneProcess) {
 
 // A training checkpoint of LoRA under tp 2 (the adapters' records, Shard on tp or whole) saved
 // after 2 of 4 steps, resumed in one process and saved there, resumed under tp 2 again and run to
-// the end: steps 2 and 3 and the final adapters are bit-identical to the uninterrupted run (float32:
-// every piece is copied as stored).
+// the end: steps 2 and 3 and the final adapters are bit-identical to the uninterrupted run
+// (float32: every piece is copied as stored).
 TEST(Peft_Lora_tp2, CheckpointResumesInOneProcessAndBack) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
@@ -455,17 +454,15 @@ TEST(Peft_Lora_tp2, CheckpointResumesInOneProcessAndBack) {
       return cfg;
     };
     using TpPlan = d9d::Plan<TpMesh, Tp, TpLoraStack>;
-    d9d::Trainer<TpPlan> straight(ctx, d9d::Qwen3Provider{},
-                                  d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
-                                  config("b", R"({"tp": 2})", "B", ""));
+    d9d::Trainer<TpPlan> straight(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                  d9d::CausalLmTask{}, config("b", R"({"tp": 2})", "B", ""));
     const auto want = straight.train();
     const auto want_parameters = d9d::testing::full_parameters(straight.core());
     if (env.rank() == 0) {
       const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
-      d9d::Trainer<d9d::Plan<TpLoraStack>> one(local, d9d::Qwen3Provider{},
-                                               d9d::testing::RandomWindowsProvider{},
-                                               d9d::CausalLmTask{},
-                                               config("a", "", "A", root + "/B/step-2"));
+      d9d::Trainer<d9d::Plan<TpLoraStack>> one(
+          local, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+          config("a", "", "A", root + "/B/step-2"));
       EXPECT_EQ(one.core().save_checkpoint(), root + "/A/step-2");
     }
     ctx.barrier();
