@@ -36,6 +36,7 @@ struct ParallelModel::Impl {
   std::vector<std::shared_ptr<torch::nn::Module>> modules;
   ParallelizeOptions options;
   std::vector<ParameterRecord> records;
+  std::vector<ParameterRecord> frozen_split;
   std::vector<std::unique_ptr<GradientSync>> syncs;
   // (domain, sorted dim set), in registration order
   std::vector<std::pair<MeshDomain, std::vector<std::string>>> norm_dims;
@@ -74,6 +75,25 @@ std::vector<at::Tensor> ParallelModel::locals() const {
 
 const ParameterRecord* ParallelModel::find(const std::string& name) const {
   for (const auto& record : impl_->records) {
+    if (record.name == name) {
+      return &record;
+    }
+  }
+  return nullptr;
+}
+
+const std::vector<ParameterRecord>& ParallelModel::frozen_split_parameters() const {
+  return impl_->frozen_split;
+}
+std::vector<ParameterRecord>& ParallelModel::mutable_frozen_split_parameters() {
+  return impl_->frozen_split;
+}
+
+const ParameterRecord* ParallelModel::layout(const std::string& name) const {
+  if (const auto* record = find(name); record != nullptr) {
+    return record;
+  }
+  for (const auto& record : impl_->frozen_split) {
     if (record.name == name) {
       return &record;
     }

@@ -9,11 +9,14 @@
 //   gate/up_proj.weight [I, H]       Shard(0);  down_proj.weight [H, I]  Shard(1)
 //   embed_tokens / lm_head [V, H]    Shard(0): ids [r V/R, (r+1) V/R) (tied: one tensor)
 //   norms (incl. per-head q/k norms) Replicate
+//   LoRA on a column-parallel layer  lora_B [out, r] Shard(0) like the weight, lora_A Replicate
+//   LoRA on a row-parallel layer     lora_A [r, in] Shard(1) like the weight, lora_B Replicate
 // Communication (autograd functions below): "f" (identity, all-reduce of the gradient) before each
 // column-parallel block, "g" (all-reduce, identity backward) after each row-parallel one and after
 // the vocab-parallel embedding. So the residual stream and its gradient are whole and identical on
 // every tp rank, and with them the gradients of the layer norms. The q/k norms act on this rank's
-// heads only: their gradients are partial sums and are summed over tp after the backward.
+// heads only: their gradients are partial sums and are summed over tp after the backward, as are
+// the gradients of the adapters' whole factors (derived where the adapters are split).
 // Sequence parallelism (TensorParallel<true>) swaps the pair for an all-gather along the sequence
 // (backward: reduce-scatter) and a reduce-scatter (backward: all-gather): between the blocks each
 // rank holds its T / R tokens, so every norm's gradient is partial and summed over tp.
@@ -35,6 +38,7 @@
 #include <d9d/model/moe.hpp>
 #include <d9d/model/tensor_parallel.hpp>
 #include <d9d/parallel/parallelize.hpp>
+#include <d9d/peft/lora.hpp>
 
 namespace d9d::parallel::detail {
 namespace {
@@ -301,13 +305,6 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
             "tensor parallelism yet (dense Qwen3 only). Fix: use d9d::parallel::NoTensorParallel "
             "and set \"mesh.tp\" to 1");
       }
-      const auto linear = std::dynamic_pointer_cast<model::LinearImpl>(module);
-      if (linear && linear->adapter) {
-        throw std::invalid_argument(
-            "d9d::parallel::TensorParallel: LoRA adapters are not supported with tensor "
-            "parallelism yet. Fix: use d9d::peft::FullTune, Freeze or Train, or set \"mesh.tp\" "
-            "to 1");
-      }
     }
     for (const auto& module : root->modules()) {
       if (auto attention = std::dynamic_pointer_cast<model::AttentionImpl>(module)) {
@@ -347,6 +344,43 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
       ++vocab_models;
     }
   }
+  // LoRA adapters split with their layer (the adapter's output is added to the base layer's, so it
+  // takes the same slice of it): under a column-parallel layer (weight [out / R, in]) lora_B is
+  // split on dim 0 like the weight and lora_A [rank, in] stays whole; under a row-parallel one
+  // (weight [out, in / R]) lora_A is split on dim 1 and lora_B [out, rank] stays whole, so the
+  // partial outputs B A_r x_r join the base layer's before its reduce_out (no collective of their
+  // own). The whole factor's gradient is a partial sum on each rank in both cases: A's is
+  // sum_r (B_r^T dy_r) x^T, this rank's output columns only (copy_in sums the input's gradient,
+  // not A's); B's is dy (A_r x_r)^T, this rank's part of A x only. Both are summed over tp below.
+  std::vector<at::Tensor> partial_adapters;
+  for (const auto& root : model.modules()) {
+    for (const auto& item : root->named_modules()) {
+      const auto linear = std::dynamic_pointer_cast<model::LinearImpl>(item.value());
+      if (!linear || !linear->adapter) {
+        continue;
+      }
+      const auto found = split.find(linear->weight.unsafeGetTensorImpl());
+      if (found == split.end()) {
+        continue;  // a whole layer keeps its whole adapter
+      }
+      auto* lora = dynamic_cast<peft::LoraAdapter*>(linear->adapter.get());
+      if (lora == nullptr || lora->merged()) {
+        throw std::invalid_argument(
+            "d9d::parallel::TensorParallel: the split layer " + item.key() +
+            " carries an adapter that is not an unmerged d9d::peft::LoraAdapter; tensor "
+            "parallelism splits LoRA adapters only. Fix: apply the adapters through the plan's "
+            "peft slot (d9d::peft::Lora), or unmerge them first");
+      }
+      if (found->second == 0) {
+        narrow(lora->lora_B->weight, 0);
+        partial_adapters.push_back(lora->lora_A->weight);
+      } else {
+        narrow(lora->lora_A->weight, 1);
+        partial_adapters.push_back(lora->lora_B->weight);
+      }
+    }
+  }
+
   if (vocab_models == 0) {
     throw std::invalid_argument(
         "d9d::parallel::TensorParallel: the model does not split its embedding and LM head over "
@@ -367,13 +401,38 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
     }
     // Under sequence parallelism every replicated parameter (the norms) sees this rank's tokens
     // only: all of their gradients are partial sums.
-    const bool partial =
-        (settings.sequence_parallel && found == split.end()) ||
-        std::any_of(partial_norms.begin(), partial_norms.end(), [&](const at::Tensor& norm) {
-          return norm.unsafeGetTensorImpl() == record.local.unsafeGetTensorImpl();
-        });
+    const auto listed = [&](const std::vector<at::Tensor>& list) {
+      return std::any_of(list.begin(), list.end(), [&](const at::Tensor& tensor) {
+        return tensor.unsafeGetTensorImpl() == record.local.unsafeGetTensorImpl();
+      });
+    };
+    const bool partial = (settings.sequence_parallel && found == split.end()) ||
+                         listed(partial_norms) || listed(partial_adapters);
     if (partial) {
       partial_trained.push_back(record.name);
+    }
+  }
+  // The split parameters that do not train (LoRA's frozen base weights): their layout, so that
+  // export gathers them.
+  for (const auto& record : model.parameters()) {
+    split.erase(record.local.unsafeGetTensorImpl());
+  }
+  for (const auto& root : model.modules()) {
+    for (const auto& item : root->named_parameters()) {
+      const auto found = split.find(item.value().unsafeGetTensorImpl());
+      if (found == split.end()) {
+        continue;
+      }
+      auto whole = item.value().sizes().vec();
+      whole[found->second] *= ranks;
+      model.mutable_frozen_split_parameters().push_back(ParameterRecord{
+          .name = item.key(),
+          .local = item.value(),
+          .global_shape = std::move(whole),
+          .domain = MeshDomain::regular,
+          .dims = {"dp_replicate", "dp_shard", "tp"},
+          .placements = {::d9d::Replicate{}, ::d9d::Replicate{}, ::d9d::Shard{found->second}}});
+      split.erase(found);  // a tied parameter, recorded once
     }
   }
   model.add_norm_dims({"tp"});

@@ -176,11 +176,11 @@ struct TrainerCore::Impl {
 
 namespace {
 
-// A parameter's whole value: gathered from its parts when the parallelize layer sharded it
-// (collective: every rank calls it for the same parameters in the same order).
+// A parameter's whole value: gathered from its parts when the parallelize layer sharded it, trained
+// or frozen (collective: every rank calls it for the same parameters in the same order).
 at::Tensor whole_parameter(const TrainerCore::Impl& s, const std::string& name,
                            const at::Tensor& value) {
-  const auto* record = s.parallel().find(name);
+  const auto* record = s.parallel().layout(name);
   if (record == nullptr) {
     return value;
   }
@@ -226,7 +226,7 @@ void export_model(TrainerCore::Impl& s, const std::string& dir, const std::strin
     }
   }
   const auto global_shape = [&](const std::string& name, const at::Tensor& value) {
-    const auto* record = s.parallel().find(name);
+    const auto* record = s.parallel().layout(name);
     return record != nullptr ? record->global_shape : value.sizes().vec();
   };
   // The whole value of a parameter, merged with its adapter.

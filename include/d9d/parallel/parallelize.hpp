@@ -48,7 +48,8 @@
 
 namespace d9d::parallel {
 
-/// One trained parameter after parallelize.
+/// One trained parameter after parallelize (or, in ParallelModel::frozen_split_parameters, the
+/// layout of a frozen one that a strategy split).
 struct ParameterRecord {
   std::string name;  ///< its name in the whole model ("model.layers.0.mlp.up_proj.weight")
   /// What this rank's optimizer updates: a leaf tensor, the whole parameter or this rank's part of
@@ -129,6 +130,15 @@ class ParallelModel {
   /// The records' local tensors, in record order (what the optimizer updates).
   [[nodiscard]] std::vector<at::Tensor> locals() const;
   [[nodiscard]] const ParameterRecord* find(const std::string& name) const;
+
+  /// Parameters that do not train but that a strategy split over the mesh (TensorParallel narrows
+  /// the frozen base weights of LoRA layers, and whatever Freeze froze): records with the same
+  /// fields, but no optimizer state, gradient, norm, sync or checkpoint part. Export gathers them.
+  [[nodiscard]] const std::vector<ParameterRecord>& frozen_split_parameters() const;
+  [[nodiscard]] std::vector<ParameterRecord>& mutable_frozen_split_parameters();
+  /// Where the parameter `name` sits on the mesh: its record when it trains, else its entry in
+  /// frozen_split_parameters(), else null (a frozen parameter that is whole on every rank).
+  [[nodiscard]] const ParameterRecord* layout(const std::string& name) const;
 
   /// Adds a strategy's gradient path (run in the order added; finish in reverse).
   void add_sync(std::unique_ptr<GradientSync> sync);
@@ -235,9 +245,12 @@ struct TensorParallelSettings {
 };
 /// Splits every d9d::model::Attention by heads, every d9d::model::SwiGlu by its intermediate
 /// dimension and the embedding and head of a d9d::model::VocabParallelModel by vocabulary over the
-/// regular domain's tp ranks, records the split parameters as Shard(d) on tp (the rest Replicate)
-/// and sums over tp the gradients that are partial there: the per-head q/k norms', and under
-/// sequence parallelism every replicated parameter's (src/parallel/tensor_parallel.cpp).
+/// regular domain's tp ranks, and the LoRA adapters of split layers with them (lora_B on dim 0
+/// under a column-parallel layer, lora_A on dim 1 under a row-parallel one); records the split
+/// parameters as Shard(d) on tp (the rest Replicate; split frozen ones in
+/// frozen_split_parameters) and sums over tp the gradients that are partial there: the per-head
+/// q/k norms', the adapters' whole factors', and under sequence parallelism every replicated
+/// parameter's (src/parallel/tensor_parallel.cpp).
 void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& settings);
 /// The d9d::model::TensorParallelGroup apply_tensor_parallel gives the layers, over `group` (its
 /// f/g autograd functions and the loss-parallel cross-entropy; exposed for tests).
