@@ -211,49 +211,96 @@ TEST(Parallel_LoadState_tp2, MapperOperationsComposeWithTheSlices) {
   });
 }
 
-// tp 2 x FullyShard 2 on 4 ranks: each rank holds its dp_shard rows of its tp slice and reads
-// only those; training from there follows one process trained from the same checkpoint (losses,
-// gradient norms and parameters within the float64 tolerances of the other parallel tests).
-TEST(Parallel_LoadState_ws4, HfCheckpointIntoTpTimesFullyShardTrainsAsOneProcess) {
+// tp 2 x FullyShard 2 on 4 ranks, through the trainer's "checkpoint.init_from": each rank holds
+// its dp_shard rows of its tp slice and reads only those; training from there follows one process
+// trained from the same checkpoint (losses, gradient norms and parameters within the float64
+// tolerances of the other parallel tests). Then tp 2 x pp 2 (1F1B): each stage loads its own
+// parameters (the other stages' tensors are not read) and follows the same one-process run.
+TEST(Parallel_LoadState_ws4, HfCheckpointIntoTpTimesFullyShardAndPipelineTrainsAsOneProcess) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
   d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
     const auto ctx = d9d::testing::rank_context(env);
-    const std::string dir = env.scratch_dir() + "/hf";
-    const auto tensors = write_hf_checkpoint(ctx, dir, /*tied=*/true);
-    const auto config = [&](const std::string& out, const std::string& mesh) {
-      auto cfg = d9d::testing::tiny_run(env.scratch_dir() + "/" + out + std::to_string(env.rank()),
-                                        6, 8, 2, false, kLayers, mesh);
-      cfg.sections["model"] = d9d::testing::tiny_qwen3_json(true, kLayers);
-      return cfg;
-    };
-    const auto source = st::StateSource::open(dir);
+    for (const bool tied : {true, false}) {
+      const std::string dir = env.scratch_dir() + (tied ? "/hf_tied" : "/hf_untied");
+      const auto tensors = write_hf_checkpoint(ctx, dir, tied);
+      const auto config = [&](const std::string& out, const std::string& mesh) {
+        auto cfg = d9d::testing::tiny_run(
+            env.scratch_dir() + "/" + out + (tied ? "_tied" : "_untied") + std::to_string(env.rank()),
+            6, 8, 2, false, kLayers, mesh);
+        cfg.sections["model"] = d9d::testing::tiny_qwen3_json(tied, kLayers);
+        cfg.checkpoint.init_from = dir;
+        return cfg;
+      };
 
-    d9d::Trainer<d9d::Plan<TpShardMesh, Tp, d9d::parallel::Fsdp, Fp64>> sharded(
-        ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
-        config("sharded", R"({"dp_shard": 2, "tp": 2})"));
-    auto& parallel = sharded.core().parallel();
-    const auto stats = d9d::parallel::load_state(parallel, source, {.ignore = {"lm_head.weight"}});
-    expect_parameters_are(parallel, tensors);
-    // This rank's parts only: a quarter of each tp-split parameter, half of each norm (FullyShard
-    // splits those over dp_shard; they are replicated over tp).
-    EXPECT_EQ(static_cast<int64_t>(stats.output_bytes), parallel.parameter_bytes());
-    const Bytes bytes = bytes_of(parallel);
-    EXPECT_EQ(stats.output_bytes, bytes.split / 4 + (bytes.whole - bytes.split) / 2);
-    RunOutcome got;
-    got.result = sharded.train();
-    got.parameters = d9d::testing::full_parameters(sharded.core());
+      // One process, loaded by hand (the whole model: every record whole).
+      const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
+      auto single_config = config("one", "");
+      single_config.checkpoint.init_from.clear();
+      d9d::Trainer<d9d::Plan<Fp64>> single(local, d9d::Qwen3Provider{},
+                                           d9d::testing::RandomWindowsProvider{},
+                                           d9d::CausalLmTask{}, single_config);
+      const auto single_stats = d9d::parallel::load_state(
+          single.core().parallel(), st::StateSource::open(dir), {.ignore = {"lm_head.weight"}});
+      EXPECT_EQ(single_stats.output_bytes, bytes_of(single.core().parallel()).whole);
+      RunOutcome want;
+      want.result = single.train();
+      want.parameters = d9d::testing::full_parameters(single.core());
 
-    const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
-    d9d::Trainer<d9d::Plan<Fp64>> single(local, d9d::Qwen3Provider{},
-                                         d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
-                                         config("one", ""));
-    (void)d9d::parallel::load_state(single.core().parallel(), source,
-                                    {.ignore = {"lm_head.weight"}});
-    RunOutcome want;
-    want.result = single.train();
-    want.parameters = d9d::testing::full_parameters(single.core());
-    d9d::testing::expect_same_run(got, want, "HF checkpoint into tp 2 x FullyShard 2");
+      d9d::Trainer<d9d::Plan<TpShardMesh, Tp, d9d::parallel::Fsdp, Fp64>> sharded(
+          ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+          config("sharded", R"({"dp_shard": 2, "tp": 2})"));
+      auto& parallel = sharded.core().parallel();
+      expect_parameters_are(parallel, tensors);
+      // This rank's parts only: a quarter of each tp-split parameter, half of each norm
+      // (FullyShard splits those over dp_shard; they are replicated over tp).
+      const Bytes bytes = bytes_of(parallel);
+      EXPECT_EQ(parallel.parameter_bytes(),
+                static_cast<int64_t>(bytes.split / 4 + (bytes.whole - bytes.split) / 2));
+      RunOutcome got;
+      got.result = sharded.train();
+      EXPECT_TRUE(got.result.resumed_from.empty());
+      got.parameters = d9d::testing::full_parameters(sharded.core());
+      d9d::testing::expect_same_run(got, want,
+                                    tied ? "init_from into tp 2 x FullyShard 2, tied"
+                                         : "init_from into tp 2 x FullyShard 2, untied");
+      if (tied) {
+        continue;  // several pipeline stages need an untied head
+      }
+      d9d::testing::expect_same_run(
+          d9d::testing::train_plan<
+              d9d::Plan<d9d::mesh<d9d::pp<d9d::dynamic>, d9d::tp<d9d::dynamic>>, Tp,
+                        d9d::pipeline::OneFOneB<>, Fp64>>(ctx,
+                                                          config("pp", R"({"pp": 2, "tp": 2})")),
+          want, "init_from into tp 2 x pp 2");
+    }
   });
+}
+
+// "checkpoint.init_from" errors are configuration errors naming the key, raised when the trainer
+// is built: no checkpoint there; a checkpoint that does not fit the model (an untied model from a
+// tied checkpoint: its head is missing).
+TEST(Parallel_LoadState, InitFromErrorsNameTheKey) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  const std::string root = ::testing::TempDir() + "/d9d_init_from";
+  const auto train = [&](const std::string& from) {
+    auto cfg = d9d::testing::tiny_run(root + "/run", 2, 8, 8, false, kLayers);
+    cfg.checkpoint.init_from = from;
+    d9d::Trainer<d9d::Plan<Fp64>> trainer(ctx, d9d::Qwen3Provider{},
+                                          d9d::testing::RandomWindowsProvider{},
+                                          d9d::CausalLmTask{}, cfg);
+  };
+  EXPECT_THAT(d9d::testing::error_of<d9d::ConfigError>([&] { train(root + "/nothing"); }),
+              HasSubstr("\"checkpoint.init_from\" = \"" + root + "/nothing\""));
+  (void)write_hf_checkpoint(ctx, root + "/fits", /*tied=*/false);
+  const std::string tied = root + "/tied_only";
+  d9d::files::create_directories(tied, "test");
+  auto tensors = checkpoint_tensors(true);
+  st::save_safetensors(d9d::files::join(tied, "model.safetensors"),
+                       st::NamedTensors(tensors.begin(), tensors.end()), {{"format", "pt"}});
+  EXPECT_THAT(d9d::testing::error_of<d9d::ConfigError>([&] { train(tied); }),
+              AllOf(HasSubstr("\"checkpoint.init_from\""), HasSubstr("missing input"),
+                    HasSubstr("\"lm_head.weight\"")));
+  EXPECT_EQ(d9d::testing::error_of<d9d::ConfigError>([&] { train(root + "/fits"); }), "no error");
 }
 
 }  // namespace
