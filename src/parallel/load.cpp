@@ -33,9 +33,8 @@ state::StreamStats load_state(ParallelModel& model, const state::StateSource& so
   for (const auto& root : model.modules()) {
     for (const auto& item : root->named_parameters(/*recurse=*/true)) {
       const auto* record = model.find(item.key());
-      targets.emplace(item.key(),
-                      Target{.tensor = record != nullptr ? record->local : item.value(),
-                             .record = record});
+      targets.emplace(item.key(), Target{.tensor = record != nullptr ? record->local : item.value(),
+                                         .record = record});
     }
   }
   const bool pipelined = model.options().pipelined;
@@ -68,11 +67,10 @@ state::StreamStats load_state(ParallelModel& model, const state::StateSource& so
     }
   }
   if (!extra.empty()) {
-    throw std::invalid_argument(who + ": extra: the mapper produces " +
-                                std::to_string(extra.size()) +
-                                " key(s) the model has no parameter for: " +
-                                state::detail::quoted_keys(extra) + " (the model has " +
-                                std::to_string(targets.size()) + ")");
+    throw std::invalid_argument(
+        who + ": extra: the mapper produces " + std::to_string(extra.size()) +
+        " key(s) the model has no parameter for: " + state::detail::quoted_keys(extra) +
+        " (the model has " + std::to_string(targets.size()) + ")");
   }
   const auto outputs = base.outputs();
   std::vector<std::string> missing;
@@ -127,16 +125,15 @@ state::StreamStats load_state(ParallelModel& model, const state::StateSource& so
     }
   }
   const at::NoGradGuard no_grad;
-  return state::stream_state(
-      source, mapper,
-      [&](const std::string& name, const at::Tensor& tensor) {
-        Target& target = targets.at(name);
-        if (target.tensor.sizes() != tensor.sizes()) {
-          throw shape_error(name, tensor.sizes(), target);
-        }
-        target.tensor.copy_(tensor);
-      },
-      {.allow_unused_inputs = allow_unused, .check_shapes = false});
+  return state::stream_state(source, mapper,
+                             [&](const std::string& name, const at::Tensor& tensor) {
+                               Target& target = targets.at(name);
+                               if (target.tensor.sizes() != tensor.sizes()) {
+                                 throw shape_error(name, tensor.sizes(), target);
+                               }
+                               target.tensor.copy_(tensor);
+                             },
+                             {.allow_unused_inputs = allow_unused, .check_shapes = false});
 }
 
 }  // namespace d9d::parallel

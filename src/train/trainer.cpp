@@ -304,18 +304,17 @@ void load_initial_weights(TrainerCore::Impl& s) {
     }
     stats = parallel::load_state(
         parallel, source,
-        {.mapper = s.run.hf_load_mapper ? s.run.hf_load_mapper(source.keys(), names)
-                                        : state::Mapper(),
+        {.mapper =
+             s.run.hf_load_mapper ? s.run.hf_load_mapper(source.keys(), names) : state::Mapper(),
          .ignore = {},
          .allow_unused_inputs = parallel.options().pipelined});
   } catch (const std::exception& error) {
     throw ConfigError("d9d config: \"checkpoint.init_from\" = \"" + from + "\": " + error.what());
   }
   if (s.context.is_main_process()) {
-    s.context.logger().info("initial weights from " + from + ": " +
-                            std::to_string(stats.outputs) + " tensors, " +
-                            format_number(static_cast<double>(stats.output_bytes) / 1e6, "%.3g") +
-                            " MB on this rank");
+    s.context.logger().info(
+        "initial weights from " + from + ": " + std::to_string(stats.outputs) + " tensors, " +
+        format_number(static_cast<double>(stats.output_bytes) / 1e6, "%.3g") + " MB on this rank");
   }
 }
 

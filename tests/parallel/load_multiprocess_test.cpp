@@ -95,7 +95,8 @@ void expect_parameters_are(const d9d::parallel::ParallelModel& parallel,
                            const std::map<std::string, at::Tensor>& want) {
   ASSERT_EQ(parallel.parameters().size(), want.size());
   for (const auto& record : parallel.parameters()) {
-    EXPECT_TRUE(at::equal(record.sharded(parallel.mesh()).full_tensor().cpu(), want.at(record.name)))
+    EXPECT_TRUE(
+        at::equal(record.sharded(parallel.mesh()).full_tensor().cpu(), want.at(record.name)))
         << record.name;
   }
 }
@@ -111,8 +112,7 @@ d9d::model::Qwen3ForCausalLM one_process(const std::string& dir, bool tied) {
 // tp 2 from the checkpoint: each rank streams its slices; the gathered logits and the
 // loss-parallel loss equal the one-process model's (the same products, the row-parallel sums
 // split in two: float64 rounding, ~1e-16 of values of order 1; 1e-12 as in the tp tests).
-void expect_tp_load_matches(const d9d::DistributedContext& ctx, const std::string& dir,
-                            bool tied) {
+void expect_tp_load_matches(const d9d::DistributedContext& ctx, const std::string& dir, bool tied) {
   const auto tensors = write_hf_checkpoint(ctx, dir, tied);
   torch::manual_seed(3);
   d9d::model::Qwen3ForCausalLM split(tiny_config(tied));
@@ -177,8 +177,7 @@ TEST(Parallel_LoadState_tp2, MapperOperationsComposeWithTheSlices) {
       if (at != std::string::npos) {
         const std::string layer = name.substr(0, at);
         const std::string fused = layer + ".mlp.gate_up_proj.weight";
-        file.emplace_back(fused,
-                          at::cat({tensors.at(layer + ".mlp.gate_proj.weight"), tensor}, 0));
+        file.emplace_back(fused, at::cat({tensors.at(layer + ".mlp.gate_proj.weight"), tensor}, 0));
         parts.push_back(
             st::chunk(fused, {layer + ".mlp.gate_proj.weight", layer + ".mlp.up_proj.weight"}, 0));
         continue;
@@ -205,8 +204,9 @@ TEST(Parallel_LoadState_tp2, MapperOperationsComposeWithTheSlices) {
 
     // The identity mapper does not fit this checkpoint: the error names what is missing, before
     // anything is read.
-    EXPECT_THAT(d9d::testing::error_of(
-                    [&] { (void)d9d::parallel::load_state(*parallel, st::StateSource::open(dir)); }),
+    EXPECT_THAT(d9d::testing::error_of([&] {
+                  (void)d9d::parallel::load_state(*parallel, st::StateSource::open(dir));
+                }),
                 AllOf(HasSubstr("missing input"), HasSubstr("mlp.gate_proj.weight")));
   });
 }
@@ -224,9 +224,10 @@ TEST(Parallel_LoadState_ws4, HfCheckpointIntoTpTimesFullyShardAndPipelineTrainsA
       const std::string dir = env.scratch_dir() + (tied ? "/hf_tied" : "/hf_untied");
       const auto tensors = write_hf_checkpoint(ctx, dir, tied);
       const auto config = [&](const std::string& out, const std::string& mesh) {
-        auto cfg = d9d::testing::tiny_run(
-            env.scratch_dir() + "/" + out + (tied ? "_tied" : "_untied") + std::to_string(env.rank()),
-            6, 8, 2, false, kLayers, mesh);
+        auto cfg =
+            d9d::testing::tiny_run(env.scratch_dir() + "/" + out + (tied ? "_tied" : "_untied") +
+                                       std::to_string(env.rank()),
+                                   6, 8, 2, false, kLayers, mesh);
         cfg.sections["model"] = d9d::testing::tiny_qwen3_json(tied, kLayers);
         cfg.checkpoint.init_from = dir;
         return cfg;
@@ -285,9 +286,8 @@ TEST(Parallel_LoadState, InitFromErrorsNameTheKey) {
   const auto train = [&](const std::string& from) {
     auto cfg = d9d::testing::tiny_run(root + "/run", 2, 8, 8, false, kLayers);
     cfg.checkpoint.init_from = from;
-    d9d::Trainer<d9d::Plan<Fp64>> trainer(ctx, d9d::Qwen3Provider{},
-                                          d9d::testing::RandomWindowsProvider{},
-                                          d9d::CausalLmTask{}, cfg);
+    d9d::Trainer<d9d::Plan<Fp64>> trainer(
+        ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{}, cfg);
   };
   EXPECT_THAT(d9d::testing::error_of<d9d::ConfigError>([&] { train(root + "/nothing"); }),
               HasSubstr("\"checkpoint.init_from\" = \"" + root + "/nothing\""));

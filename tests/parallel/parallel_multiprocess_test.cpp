@@ -296,8 +296,7 @@ TEST(Parallel_Checkpoint_ws4, TensorParallelTwoByFsdpTwoToFsdpFourAndBack) {
 //    A's steps 2 and 3 follow B's uninterrupted ones (same state, the sums split otherwise).
 // `got` (steps 2 and 3 after a resume) equals `same_state` bit for bit and follows `want`'s
 // uninterrupted steps 2 and 3 within the float64 tolerances.
-void expect_continues(const RunOutcome& got, const RunOutcome& same_state,
-                      const RunOutcome& want) {
+void expect_continues(const RunOutcome& got, const RunOutcome& same_state, const RunOutcome& want) {
   ASSERT_EQ(got.result.losses.size(), 2U);
   ASSERT_EQ(same_state.result.losses.size(), 2U);
   for (std::size_t i = 0; i < 2; ++i) {
@@ -370,9 +369,8 @@ void expect_resume_continues(RankEnv& env, const std::string& mesh_b, const std:
 }
 
 using TpPlan64 = d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>>, d9d::parallel::TensorParallel<>, Fp64>;
-using TpFsdpPlan64 =
-    d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::tp<d9d::dynamic>>,
-              d9d::parallel::TensorParallel<>, d9d::parallel::Fsdp, Fp64>;
+using TpFsdpPlan64 = d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::tp<d9d::dynamic>>,
+                               d9d::parallel::TensorParallel<>, d9d::parallel::Fsdp, Fp64>;
 
 // tp 2 -> tp 1: the one process continues the tp 2 run.
 TEST(Parallel_Checkpoint_ws2, TensorParallelTwoResumedInOneProcessContinues) {
