@@ -1,4 +1,6 @@
 // d9d/train/causal_lm.cpp — Qwen3 provider, token-file dataset provider, causal-LM task.
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
@@ -61,6 +63,19 @@ model::Qwen3Stage Qwen3Provider::build_stage(const StageBuildContext& context) {
 
 std::string Qwen3Provider::hf_config_json() const { return config_.to_hf_json("float32"); }
 
+state::Mapper Qwen3Provider::hf_load_mapper(const std::vector<std::string>& source_keys,
+                                            const std::vector<std::string>& names) const {
+  const auto has = [](const std::vector<std::string>& keys, const std::string& key) {
+    return std::find(keys.begin(), keys.end(), key) != keys.end();
+  };
+  if (config_.tie_word_embeddings && has(source_keys, "lm_head.weight") &&
+      !has(names, "lm_head.weight")) {
+    // Some tied checkpoints store the shared weight twice.
+    return state::parallel({state::identity(names), state::drop({"lm_head.weight"})});
+  }
+  return state::identity(names);
+}
+
 model::Qwen3MoeForCausalLM Qwen3MoeProvider::build(const ModelBuildContext& context) {
   config_ = read_moe_config(context.config_json);
   model::Qwen3MoeForCausalLM model(config_);
@@ -77,6 +92,11 @@ std::string Qwen3MoeProvider::hf_config_json() const { return config_.to_hf_json
 
 state::Mapper Qwen3MoeProvider::hf_export_mapper(const std::vector<std::string>& names) const {
   return model::qwen3_moe_hf_export_mapper(config_, names);
+}
+
+state::Mapper Qwen3MoeProvider::hf_load_mapper(const std::vector<std::string>& source_keys,
+                                               const std::vector<std::string>& names) const {
+  return model::qwen3_moe_hf_load_mapper(config_, source_keys, names);
 }
 
 struct TokenWindows::State {

@@ -361,6 +361,7 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text, const Overr
   checkpoint.boolean("resume", cfg.checkpoint.resume);
   checkpoint.string("dir", cfg.checkpoint.dir, {}, false);
   checkpoint.string("resume_from", cfg.checkpoint.resume_from, {}, false);
+  checkpoint.string("init_from", cfg.checkpoint.init_from, {}, false);
   checkpoint.finish();
   if (cfg.checkpoint.dir.empty()) {
     cfg.checkpoint.dir = files::join(cfg.run.output_dir, "checkpoints");

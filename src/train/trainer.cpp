@@ -19,6 +19,7 @@
 #include <d9d/core/collectives.hpp>
 #include <d9d/data/sampler.hpp>
 #include <d9d/model/hf.hpp>
+#include <d9d/parallel/load.hpp>
 #include <d9d/peft/lora.hpp>
 #include <d9d/track/jsonl.hpp>
 #include <d9d/track/progress.hpp>
@@ -287,6 +288,36 @@ void export_model(TrainerCore::Impl& s, const std::string& dir, const std::strin
   s.context.barrier();
 }
 
+// "checkpoint.init_from": the Hugging Face checkpoint streamed into the parallelised model, each
+// rank reading and copying only its parts (through the provider's hf_load_mapper, if any).
+void load_initial_weights(TrainerCore::Impl& s) {
+  const std::string& from = s.config.checkpoint.init_from;
+  state::StreamStats stats;
+  try {
+    const auto source = state::StateSource::open(from);
+    auto& parallel = s.parallel();
+    std::vector<std::string> names;
+    for (const auto& module : parallel.modules()) {
+      for (const auto& item : module->named_parameters()) {
+        names.push_back(item.key());
+      }
+    }
+    stats = parallel::load_state(
+        parallel, source,
+        {.mapper =
+             s.run.hf_load_mapper ? s.run.hf_load_mapper(source.keys(), names) : state::Mapper(),
+         .ignore = {},
+         .allow_unused_inputs = parallel.options().pipelined});
+  } catch (const std::exception& error) {
+    throw ConfigError("d9d config: \"checkpoint.init_from\" = \"" + from + "\": " + error.what());
+  }
+  if (s.context.is_main_process()) {
+    s.context.logger().info(
+        "initial weights from " + from + ": " + std::to_string(stats.outputs) + " tensors, " +
+        format_number(static_cast<double>(stats.output_bytes) / 1e6, "%.3g") + " MB on this rank");
+  }
+}
+
 // "step 8 of 300 (index 7): loss nan, gradient norm 1.234"
 std::string describe_step(int64_t step, int64_t total, const StepResult& r) {
   return "step " + std::to_string(step + 1) + " of " + std::to_string(total) + " (index " +
@@ -381,6 +412,9 @@ TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const Devic
                                 std::to_string(s.start_step) + ")");
       }
     }
+  }
+  if (s.resumed_from.empty() && !checkpoint.init_from.empty()) {
+    load_initial_weights(s);
   }
 }
 

@@ -2,7 +2,10 @@
 // D9D_TEST_BACKEND=nccl) against one process training the same global batch: FullyShard on 2 and 4
 // ranks in each reshard mode, HSDP 2 x 2, FullyShard 2 x pp 2, with gradient accumulation,
 // clipping and recompute; the memory each rank holds under FullyShard; training checkpoints saved
-// on one mesh and resumed on another (tensor-parallel layouts among them).
+// on one mesh and resumed on another (tensor-parallel layouts among them), and resumed runs
+// continuing from a tensor-parallel checkpoint on another layout (tp 2 -> one process, tp 2 x
+// FullyShard 2 -> FullyShard 4).
+#include <cmath>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -280,6 +283,109 @@ TEST(Parallel_Checkpoint_ws4, TensorParallelTwoByFsdpTwoToFsdpFourAndBack) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
   d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
     expect_lossless_reshard<TpFsdpPlan, FsdpPlan>(env, R"({"dp_shard": 2, "tp": 2})", "", false);
+  });
+}
+
+// ---- resuming on another tensor-parallel layout and training on -------------------------------
+
+// Mesh B trains 4 steps in float64, saving after step 2; mesh A (all ranks, or one process on rank
+// 0) resumes from B's step 2 and trains steps 2 and 3. "Continues exactly" is checked two ways:
+//  - bit for bit: A's run equals A resumed from a checkpoint in A's own layout holding the same
+//    state (B's step 2 loaded on A and saved there), so nothing of B's layout is left over;
+//  - within the float64 tolerances of the tp-against-one-process tests (train_test_util.hpp):
+//    A's steps 2 and 3 follow B's uninterrupted ones (same state, the sums split otherwise).
+// `got` (steps 2 and 3 after a resume) equals `same_state` bit for bit and follows `want`'s
+// uninterrupted steps 2 and 3 within the float64 tolerances.
+void expect_continues(const RunOutcome& got, const RunOutcome& same_state, const RunOutcome& want) {
+  ASSERT_EQ(got.result.losses.size(), 2U);
+  ASSERT_EQ(same_state.result.losses.size(), 2U);
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(got.result.losses[i], same_state.result.losses[i]) << "step " << i + 2;
+    EXPECT_EQ(got.result.grad_norms[i], same_state.result.grad_norms[i]) << "step " << i + 2;
+    EXPECT_NEAR(got.result.losses[i], want.result.losses[i + 2],
+                d9d::testing::kLossRtol * std::abs(want.result.losses[i + 2]))
+        << "step " << i + 2;
+    EXPECT_NEAR(got.result.grad_norms[i], want.result.grad_norms[i + 2],
+                d9d::testing::kLossRtol * std::abs(want.result.grad_norms[i + 2]))
+        << "step " << i + 2;
+  }
+  ASSERT_EQ(got.parameters.size(), want.parameters.size());
+  for (const auto& [name, value] : got.parameters) {
+    const at::Tensor& uninterrupted = want.parameters.at(name);
+    EXPECT_TRUE(at::equal(value, same_state.parameters.at(name))) << name;
+    EXPECT_TRUE(at::allclose(value, uninterrupted, 0.0, d9d::testing::kParameterAtol))
+        << name << " max diff " << (value - uninterrupted).abs().max().item<double>();
+  }
+}
+
+template <class PlanB, class PlanA>
+void expect_resume_continues(RankEnv& env, const std::string& mesh_b, const std::string& mesh_a,
+                             bool a_is_one_process) {
+  const auto ctx = d9d::testing::rank_context(env);
+  const std::string& root = env.scratch_dir();
+  const auto r = std::to_string(env.rank());
+  const auto config = [&](const std::string& out, const std::string& mesh,
+                          const std::string& checkpoints) {
+    return checkpointed(tiny_run(root + "/" + out + r, 4, 8, 2, false, 4, mesh),
+                        root + "/" + checkpoints);
+  };
+  d9d::Trainer<PlanB> straight(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                               d9d::CausalLmTask{}, config("b", mesh_b, "B"));
+  RunOutcome want;
+  want.result = straight.train();
+  want.parameters = d9d::testing::full_parameters(straight.core());
+  ctx.barrier();
+  if (a_is_one_process && env.rank() != 0) {
+    ctx.barrier();
+    return;
+  }
+  const auto a_ctx =
+      a_is_one_process ? d9d::DistributedContext::local({.device = ctx.device().str()}) : ctx;
+  const auto resume_on_a = [&](const std::string& from, const std::string& name) {
+    auto cfg = config(name, mesh_a, name);
+    cfg.checkpoint.resume_from = from;
+    cfg.checkpoint.every = 0;
+    d9d::Trainer<PlanA> trainer(a_ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                d9d::CausalLmTask{}, cfg);
+    RunOutcome out;
+    out.result = trainer.train();
+    out.parameters = d9d::testing::full_parameters(trainer.core());
+    return out;
+  };
+  const RunOutcome got = resume_on_a(root + "/B/step-2", "A1");
+  EXPECT_EQ(got.result.start_step, 2);
+  {
+    auto cfg = config("a0", mesh_a, "A0");
+    cfg.checkpoint.resume_from = root + "/B/step-2";
+    d9d::Trainer<PlanA> copy(a_ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                             d9d::CausalLmTask{}, cfg);
+    EXPECT_EQ(copy.core().save_checkpoint(), root + "/A0/step-2");
+  }
+  const RunOutcome same_state = resume_on_a(root + "/A0/step-2", "A2");
+  expect_continues(got, same_state, want);
+  if (a_is_one_process) {
+    ctx.barrier();
+  }
+}
+
+using TpPlan64 = d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>>, d9d::parallel::TensorParallel<>, Fp64>;
+using TpFsdpPlan64 = d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::tp<d9d::dynamic>>,
+                               d9d::parallel::TensorParallel<>, d9d::parallel::Fsdp, Fp64>;
+
+// tp 2 -> tp 1: the one process continues the tp 2 run.
+TEST(Parallel_Checkpoint_ws2, TensorParallelTwoResumedInOneProcessContinues) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    expect_resume_continues<TpPlan64, OneProcess>(env, R"({"tp": 2})", "", true);
+  });
+}
+
+// tp 2 x FullyShard 2 -> FullyShard 4: the pieces (rows of tp slices) reassembled as rows.
+TEST(Parallel_Checkpoint_ws4, TensorParallelTwoByFsdpTwoResumedOnFsdpFourContinues) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    expect_resume_continues<TpFsdpPlan64, d9d::Plan<ShardMesh, d9d::parallel::Fsdp, Fp64>>(
+        env, R"({"dp_shard": 2, "tp": 2})", "", false);
   });
 }
 

@@ -1,8 +1,9 @@
 // Tensor parallelism (d9d::parallel::TensorParallel) on 2 and 4 Gloo ranks against one process
 // training the same global batch, in float64 (tolerances in tests/train/train_test_util.hpp), 6
 // optimizer steps each: tp 2, tp 2 x dp_replicate 2 and tp 2 x FullyShard 2 (dp_shard), each with
-// an untied and a tied LM head, tp 2 with sequence parallelism (alone and x FullyShard 2), and
-// tp 2 x pp 2 (1F1B, ZeroBubbleH1); losses, gradient norms and
+// an untied and a tied LM head, tp 2 with sequence parallelism (alone and x FullyShard 2),
+// tp 2 x pp 2 (1F1B, ZeroBubbleH1) and, on 8 ranks, tp 2 x FullyShard 2 x pp 2 (1F1B, ~3 s here);
+// losses, gradient norms and
 // every (gathered) parameter. Also the loss-parallel cross-entropy against the full one (values and
 // gradients, ignore index included), the model's gathered logits, replicated parameters staying
 // identical over tp, and the start-up rules.
@@ -35,6 +36,8 @@ using TpMesh = d9d::mesh<d9d::tp<d9d::dynamic>>;
 using TpDpMesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::tp<d9d::dynamic>>;
 using TpShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::tp<d9d::dynamic>>;
 using TpPpMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::tp<d9d::dynamic>>;
+using TpShardPpMesh =
+    d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_shard<d9d::dynamic>, d9d::tp<d9d::dynamic>>;
 
 // 6 steps, global batch 8 in microbatches of 2 (accumulation on every rank), clipping at 0.5,
 // 2 decoder layers of the tiny Qwen3 (4 heads, 2 KV heads, intermediate 64, vocabulary 64).
@@ -262,6 +265,21 @@ TEST(Parallel_TensorParallel_ws4, TimesReplicateFullyShardAndPipelineMatchOnePro
       EXPECT_THAT(error.what(), HasSubstr("\"mesh.tp\" = 4 does not divide the model's "
                                           "\"num_key_value_heads\" = 2"));
     }
+  });
+}
+
+// All three on 8 ranks: tp 2 x FullyShard 2 x pp 2 (1F1B), each rank its stage's rows of its tp
+// slices, against one process over the 6 steps.
+TEST(Parallel_TensorParallel_ws8, TimesFullyShardTimesPipelineMatchesOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(8);
+  d9d::testing::run_on_ranks({.world_size = 8}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
+    d9d::testing::expect_same_run(
+        train_plan<
+            d9d::Plan<TpShardPpMesh, Tp, d9d::parallel::Fsdp, d9d::pipeline::OneFOneB<>, Fp64>>(
+            ctx, run_config(dir + "/all", false, 2, R"({"pp": 2, "dp_shard": 2, "tp": 2})")),
+        reference(env, ctx, false), "tp 2 x FullyShard 2 x pp 2, 1F1B");
   });
 }
 

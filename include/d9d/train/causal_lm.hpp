@@ -41,6 +41,10 @@ class Qwen3Provider {
   model::Qwen3Stage build_stage(const StageBuildContext& context);
   /// The exported config.json (after build()).
   [[nodiscard]] std::string hf_config_json() const;
+  /// Checkpoint keys -> `names` ("checkpoint.init_from"): the same names; a tied model's stored
+  /// "lm_head.weight" dropped.
+  [[nodiscard]] state::Mapper hf_load_mapper(const std::vector<std::string>& source_keys,
+                                             const std::vector<std::string>& names) const;
   [[nodiscard]] const model::Qwen3Config& config() const { return config_; }
 
  private:
@@ -58,6 +62,10 @@ class Qwen3MoeProvider {
   [[nodiscard]] std::string hf_config_json() const;
   /// Model parameter names -> transformers' tensor names (the stacked experts unstacked).
   [[nodiscard]] state::Mapper hf_export_mapper(const std::vector<std::string>& names) const;
+  /// transformers' tensor names -> `names` (the experts stacked; d9d::model::
+  /// qwen3_moe_hf_load_mapper), for "checkpoint.init_from".
+  [[nodiscard]] state::Mapper hf_load_mapper(const std::vector<std::string>& source_keys,
+                                             const std::vector<std::string>& names) const;
   [[nodiscard]] const model::Qwen3MoeConfig& config() const { return config_; }
 
  private:

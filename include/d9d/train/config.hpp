@@ -91,6 +91,11 @@ struct CheckpointConfig {
   /// A checkpoint directory (a step-<N> of any run, on any mesh) to start from instead of the
   /// latest one in `dir`; empty: none.
   std::string resume_from;
+  /// A Hugging Face checkpoint (a directory with model.safetensors, or with
+  /// model.safetensors.index.json and its shards; or a safetensors file) whose weights the run
+  /// starts from when it resumes no training checkpoint. Each rank reads only its parts of the
+  /// parameters (d9d::parallel::load_state). Empty: the model provider's initialisation.
+  std::string init_from;
 };
 
 /// Numerical faults (docs/train.md, "Numerical faults"). A step whose global loss or gradient norm

@@ -88,6 +88,10 @@ struct ErasedRun {
   std::string hf_config_json;  ///< from the provider's hf_config_json(), if it has one
   /// From the provider's hf_export_mapper(names), if it has one: model names -> checkpoint names.
   std::function<state::Mapper(const std::vector<std::string>&)> hf_export_mapper;
+  /// From the provider's hf_load_mapper(source_keys, names), if it has one: checkpoint keys ->
+  /// this rank's parameter names, for "checkpoint.init_from" (else the names map as they are).
+  std::function<state::Mapper(const std::vector<std::string>&, const std::vector<std::string>&)>
+      hf_load_mapper;
   std::optional<PipelineParts> pipeline;  ///< pipeline plans: the stages instead of `model`
   /// The parallelize layer's result for `model` (or the pipeline's stages).
   std::unique_ptr<parallel::ParallelModel> parallel;
@@ -255,6 +259,19 @@ class Trainer {
     }
   }
 
+  // The provider's hf_load_mapper, if it has one (after build: it may need the model's config).
+  template <class ModelProvider>
+  static void add_hf_load_mapper(const ModelProvider& models, detail::ErasedRun& run) {
+    if constexpr (requires(const std::vector<std::string>& keys) {
+                    { models.hf_load_mapper(keys, keys) } -> std::convertible_to<state::Mapper>;
+                  }) {
+      run.hf_load_mapper = [models](const std::vector<std::string>& source_keys,
+                                    const std::vector<std::string>& names) {
+        return models.hf_load_mapper(source_keys, names);
+      };
+    }
+  }
+
   // The verified program: at compile time when pp and the microbatch count are static.
   static pipeline::Program make_program(const MeshShape& shape, int microbatches) {
     using S = typename Plan::pipeline;
@@ -356,6 +373,7 @@ class Trainer {
       run.parallel = parallel::parallelize<Plan>(*mesh, std::move(modules),
                                                  detail::parallelize_options(config, true));
       run.pipeline = std::move(parts);
+      add_hf_load_mapper(models, run);
       add_data<DatasetProvider, Batch>(datasets, *mesh, config, run);
       core_ = std::make_unique<detail::TrainerCore>(
           std::move(context), std::move(mesh), std::move(config), detail::precision_options<Plan>(),
@@ -400,6 +418,7 @@ class Trainer {
           return models.hf_export_mapper(names);
         };
       }
+      add_hf_load_mapper(models, run);
       core_ = std::make_unique<detail::TrainerCore>(
           std::move(context), std::move(mesh), std::move(config), detail::precision_options<Plan>(),
           std::move(run));
