@@ -32,7 +32,12 @@ state::StreamStats load_state(ParallelModel& model, const state::StateSource& so
   std::map<std::string, Target> targets;
   for (const auto& root : model.modules()) {
     for (const auto& item : root->named_parameters(/*recurse=*/true)) {
-      const auto* record = model.find(item.key());
+      if (std::find(options.keep.begin(), options.keep.end(), item.key()) != options.keep.end()) {
+        continue;
+      }
+      // A trained parameter's record, or the layout a strategy kept of a frozen one it split
+      // (LoRA's base under tensor parallelism); null for a parameter whole on every rank.
+      const auto* record = model.layout(item.key());
       targets.emplace(item.key(), Target{.tensor = record != nullptr ? record->local : item.value(),
                                          .record = record});
     }
@@ -113,7 +118,7 @@ state::StreamStats load_state(ParallelModel& model, const state::StateSource& so
                           state::detail::shape_string(target.tensor.sizes());
     if (target.record == nullptr) {
       message +=
-          " (a parameter without a record, e.g. frozen, loads whole: a strategy that splits it "
+          " (a parameter without a record or a kept layout loads whole: a strategy that splits it "
           "does not say how)";
     }
     return std::invalid_argument(message);

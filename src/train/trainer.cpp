@@ -288,8 +288,28 @@ void export_model(TrainerCore::Impl& s, const std::string& dir, const std::strin
   s.context.barrier();
 }
 
+// The parameters of the linear layers' adapters (LoRA's lora_A and lora_B, child modules of the
+// layer they adapt): a base checkpoint does not hold them, and they keep their initial values.
+bool is_adapter_parameter(const torch::nn::Module& root, const std::string& name) {
+  for (const auto& item : root.named_modules("", /*include_self=*/true)) {
+    const auto* layer = dynamic_cast<const model::LinearImpl*>(item.value().get());
+    if (layer == nullptr || !layer->adapter) {
+      continue;
+    }
+    const std::string prefix = item.key().empty() ? "" : item.key() + ".";
+    for (const auto& child : layer->named_children()) {
+      const std::string child_prefix = prefix + child.key() + ".";
+      if (name.starts_with(child_prefix)) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
 // "checkpoint.init_from": the Hugging Face checkpoint streamed into the parallelised model, each
-// rank reading and copying only its parts (through the provider's hf_load_mapper, if any).
+// rank reading and copying only its parts (through the provider's hf_load_mapper, if any). The
+// adapters of a LoRA plan keep their initial values (the checkpoint is the base).
 void load_initial_weights(TrainerCore::Impl& s) {
   const std::string& from = s.config.checkpoint.init_from;
   state::StreamStats stats;
@@ -297,17 +317,19 @@ void load_initial_weights(TrainerCore::Impl& s) {
     const auto source = state::StateSource::open(from);
     auto& parallel = s.parallel();
     std::vector<std::string> names;
+    std::vector<std::string> adapters;
     for (const auto& module : parallel.modules()) {
       for (const auto& item : module->named_parameters()) {
-        names.push_back(item.key());
+        (is_adapter_parameter(*module, item.key()) ? adapters : names).push_back(item.key());
       }
     }
-    stats = parallel::load_state(
-        parallel, source,
-        {.mapper =
-             s.run.hf_load_mapper ? s.run.hf_load_mapper(source.keys(), names) : state::Mapper(),
-         .ignore = {},
-         .allow_unused_inputs = parallel.options().pipelined});
+    const auto mapper =
+        s.run.hf_load_mapper ? s.run.hf_load_mapper(source.keys(), names) : state::Mapper();
+    stats = parallel::load_state(parallel, source,
+                                 {.mapper = mapper,
+                                  .ignore = {},
+                                  .allow_unused_inputs = parallel.options().pipelined,
+                                  .keep = adapters});
   } catch (const std::exception& error) {
     throw ConfigError("d9d config: \"checkpoint.init_from\" = \"" + from + "\": " + error.what());
   }

@@ -16,6 +16,7 @@
 
 #include <d9d/model/hf.hpp>
 #include <d9d/parallel/load.hpp>
+#include <d9d/peft/policies.hpp>
 #include <d9d/state/safetensors.hpp>
 #include <d9d/state/safetensors_sharded.hpp>
 #include <d9d/util/files.hpp>
@@ -153,6 +154,78 @@ TEST(Parallel_LoadState_tp2, HfCheckpointLoadsIntoShardsWithOneProcessLogits) {
     const auto ctx = d9d::testing::rank_context(env);
     expect_tp_load_matches(ctx, env.scratch_dir() + "/untied", false);
     expect_tp_load_matches(ctx, env.scratch_dir() + "/tied", true);
+  });
+}
+
+// LoRA fine-tuning from a Hugging Face base under tp 2: the base is frozen, so tensor
+// parallelism keeps its split as a layout (ParallelModel::layout) rather than a record; the load
+// slices it by that layout, the adapters keep their initial values (lora_B is zero, so the model
+// is the base), and the logits are the one-process base model's. Once through load_state, once
+// through the trainer's "checkpoint.init_from" (which keeps the adapters by itself).
+TEST(Parallel_LoadState_tp2, LoraBaseLoadsIntoTheFrozenShards) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  using LoraPlan = d9d::Plan<TpMesh, Tp, d9d::peft::Lora<4, 8>, Fp64>;
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const std::string dir = env.scratch_dir() + "/base";
+    const auto tensors = write_hf_checkpoint(ctx, dir, /*tied=*/false);
+    auto whole = one_process(dir, /*tied=*/false);
+    auto generator = at::detail::createCPUGenerator(29);
+    const auto ids = at::randint(64, {2, 16}, generator, at::kLong);
+    const auto expect_base = [&](d9d::parallel::ParallelModel& parallel, torch::nn::Module& model,
+                                 const std::string& what) {
+      // Split frozen weights by their kept layout (gathered: the file's tensor); the others, whole
+      // on every rank, as they are.
+      const auto own = model.named_parameters();
+      int64_t split = 0;
+      for (const auto& [name, want] : tensors) {
+        if (const auto* layout = parallel.layout(name); layout != nullptr) {
+          EXPECT_TRUE(at::equal(layout->sharded(parallel.mesh()).full_tensor().cpu(), want))
+              << what << ": " << name;
+          split += layout->local.numel() < want.numel() ? 1 : 0;
+        } else {
+          ASSERT_NE(own.find(name), nullptr) << what << ": " << name;
+          EXPECT_TRUE(at::equal(own[name], want)) << what << ": " << name;
+        }
+      }
+      EXPECT_GT(split, 0) << what << ": tensor parallelism split no frozen weight";
+      int64_t adapters = 0;
+      for (const auto& item : model.named_parameters()) {
+        if (item.key().find("lora_B") != std::string::npos) {
+          EXPECT_TRUE(at::equal(item.value(), at::zeros_like(item.value()))) << item.key();
+          ++adapters;
+        }
+      }
+      EXPECT_GT(adapters, 0) << what;
+      const at::NoGradGuard no_grad;
+      const auto got = model.as<d9d::model::Qwen3ForCausalLMImpl>()->forward(ids);
+      const auto want = whole->forward(ids);
+      EXPECT_TRUE(at::allclose(got, want, 0.0, 1e-12))
+          << what << ": " << (got - want).abs().max().item<double>();
+    };
+
+    torch::manual_seed(3);
+    d9d::model::Qwen3ForCausalLM split(tiny_config(false));
+    const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{.tp = 2});
+    auto parallel = d9d::parallel::parallelize<LoraPlan>(mesh, {split.ptr()});
+    std::vector<std::string> adapters;
+    for (const auto& item : split->named_parameters()) {
+      if (item.key().find(".lora_") != std::string::npos) {
+        adapters.push_back(item.key());
+      }
+    }
+    const auto stats =
+        d9d::parallel::load_state(*parallel, st::StateSource::open(dir), {.keep = adapters});
+    EXPECT_EQ(stats.outputs, tensors.size());
+    expect_base(*parallel, *split, "load_state");
+
+    auto cfg = d9d::testing::tiny_run(env.scratch_dir() + "/run" + std::to_string(env.rank()), 2, 8,
+                                      2, false, kLayers, R"({"tp": 2})");
+    cfg.sections["model"] = d9d::testing::tiny_qwen3_json(false, kLayers);
+    cfg.checkpoint.init_from = dir;
+    d9d::Trainer<LoraPlan> trainer(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                   d9d::CausalLmTask{}, cfg);
+    expect_base(trainer.core().parallel(), *trainer.core().model(), "checkpoint.init_from");
   });
 }
 

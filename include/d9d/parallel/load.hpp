@@ -37,6 +37,10 @@ struct LoadStateOptions {
   /// Accept every source key that no group reads (set by itself under a pipeline with the
   /// default mapper: the other stages' parameters).
   bool allow_unused_inputs = false;
+  /// Model parameters the source does not hold: not loaded, they keep their values (LoRA's
+  /// adapters when a base checkpoint is loaded). Names as in the model; the mapper must not
+  /// produce them.
+  std::vector<std::string> keep{};
 };
 
 /// Streams `source` into `model`'s parameters: every recorded parameter gets its local part
