@@ -34,8 +34,9 @@ void BinnedAuroc::update(const at::Tensor& scores, const at::Tensor& labels) {
                                 detail::shape_text(labels) + "); pass one label per score");
   }
   if (!at::isFloatingType(scores.scalar_type())) {
-    throw std::invalid_argument(kind() + "::update: scores must be real (probabilities in [0, 1]), "
-                                         "got dtype " +
+    throw std::invalid_argument(kind() +
+                                "::update: scores must be real (probabilities in [0, 1]), "
+                                "got dtype " +
                                 std::string(c10::toString(scores.scalar_type())));
   }
   const auto s = scores.reshape({-1}).to(at::kDouble);
@@ -63,10 +64,8 @@ void BinnedAuroc::update(const at::Tensor& scores, const at::Tensor& labels) {
     }
   }
   const auto bins = options_.num_bins;
-  const auto index = (s * static_cast<double>(bins))
-                         .floor()
-                         .clamp(0, static_cast<double>(bins - 1))
-                         .to(at::kLong);
+  const auto index =
+      (s * static_cast<double>(bins)).floor().clamp(0, static_cast<double>(bins - 1)).to(at::kLong);
   const auto positive = l.ne(0);
   state(0).add_(at::bincount(index.masked_select(positive), {}, bins).to(at::kDouble));
   state(1).add_(

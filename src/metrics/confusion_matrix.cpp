@@ -24,9 +24,9 @@ ConfusionMatrixOptions normalised(ConfusionMatrixOptions options) {
     options.num_classes = 2;
   }
   if (options.num_classes < 2) {
-    throw std::invalid_argument("d9d::metrics::ConfusionMatrix: num_classes = " +
-                                std::to_string(options.num_classes) +
-                                "; needs at least 2 (use the binary task for two classes)");
+    throw std::invalid_argument(
+        "d9d::metrics::ConfusionMatrix: num_classes = " + std::to_string(options.num_classes) +
+        "; needs at least 2 (use the binary task for two classes)");
   }
   if (!(options.threshold >= 0 && options.threshold <= 1)) {
     throw std::invalid_argument("d9d::metrics::ConfusionMatrix: threshold = " +
@@ -36,8 +36,7 @@ ConfusionMatrixOptions normalised(ConfusionMatrixOptions options) {
 }
 
 // Throws when any id is outside [0, classes): names the count, the first offender and the range.
-void check_ids(const at::Tensor& ids, int64_t classes, const std::string& who,
-               const char* what) {
+void check_ids(const at::Tensor& ids, int64_t classes, const std::string& who, const char* what) {
   if (ids.numel() == 0) {
     return;
   }
@@ -45,9 +44,8 @@ void check_ids(const at::Tensor& ids, int64_t classes, const std::string& who,
   const auto count = bad.sum().item<int64_t>();
   if (count > 0) {
     std::ostringstream msg;
-    msg << who << "::update: " << count << " of " << ids.numel() << " " << what
-        << " outside [0, " << classes << ") (first: " << ids.masked_select(bad)[0].item<int64_t>()
-        << ")";
+    msg << who << "::update: " << count << " of " << ids.numel() << " " << what << " outside [0, "
+        << classes << ") (first: " << ids.masked_select(bad)[0].item<int64_t>() << ")";
     throw std::invalid_argument(msg.str());
   }
 }
@@ -90,9 +88,8 @@ void ConfusionMatrix::update(const at::Tensor& predictions, const at::Tensor& la
                                   ") for " + std::to_string(labels.numel()) + " labels (shape " +
                                   detail::shape_text(labels) + "); pass one per label");
     }
-    predicted = real_predictions
-                    ? predictions.reshape({-1}).ge(options_.threshold).to(at::kLong)
-                    : predictions.reshape({-1}).to(at::kLong);
+    predicted = real_predictions ? predictions.reshape({-1}).ge(options_.threshold).to(at::kLong)
+                                 : predictions.reshape({-1}).to(at::kLong);
   }
   auto truth = labels.reshape({-1}).to(at::kLong).to(predicted.device());
   if (options_.ignore_index) {

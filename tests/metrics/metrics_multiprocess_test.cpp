@@ -130,8 +130,7 @@ TEST(Metrics_Collection_Gloo_ws3, SyncedValuesEqualSingleProcessValues) {
     const double weight = data.weights.sum().item<double>();
     const double weighted_tol =
         n * kEps *
-        (abs_sum(data.values * data.weights) + std::abs(expected.at("weighted")) * weight) /
-        weight;
+        (abs_sum(data.values * data.weights) + std::abs(expected.at("weighted")) * weight) / weight;
     EXPECT_NEAR(synced.at("weighted"), expected.at("weighted"), weighted_tol);
     for (const auto& [key, value] : expected) {
       if (key == "sum" || key == "mean" || key == "weighted") {

@@ -29,9 +29,7 @@ using ::testing::HasSubstr;
 constexpr double kEps = std::numeric_limits<double>::epsilon();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-at::Tensor doubles(const std::vector<double>& values) {
-  return at::tensor(values, at::kDouble);
-}
+at::Tensor doubles(const std::vector<double>& values) { return at::tensor(values, at::kDouble); }
 at::Tensor longs(const std::vector<int64_t>& values) { return at::tensor(values, at::kLong); }
 
 std::vector<double> random_values(std::size_t n, unsigned seed, double lo = -3, double hi = 5) {

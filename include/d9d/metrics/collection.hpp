@@ -40,8 +40,7 @@ class MetricCollection {
   /// lives). std::invalid_argument for an empty name, a name with '/' at either end, or a name
   /// already present.
   template <class M>
-    requires std::is_base_of_v<Metric, M>
-  M& add(std::string name, M metric) {
+  requires std::is_base_of_v<Metric, M> M& add(std::string name, M metric) {
     check_new_name(name);
     auto owned = std::make_unique<M>(std::move(metric));
     M& ref = *owned;
@@ -52,7 +51,7 @@ class MetricCollection {
   /// The metric `name` as its kind M. std::out_of_range naming the present metrics when absent,
   /// std::invalid_argument naming both kinds when it is not an M.
   template <class M>
-    requires std::is_base_of_v<Metric, M>
+  requires std::is_base_of_v<Metric, M>
   [[nodiscard]] M& get(const std::string& name) {
     Metric& metric = at(name);
     auto* typed = dynamic_cast<M*>(&metric);

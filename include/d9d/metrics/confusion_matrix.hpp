@@ -50,13 +50,13 @@ struct ConfusionMatrixOptions {
 
 /// Everything the confusion matrix gives (see the file comment for the definitions).
 struct ClassificationReport {
-  at::Tensor matrix;               ///< [C, C] float64 on cpu
-  double samples = 0;              ///< total count
-  double accuracy = 0;             ///< trace / total
-  std::vector<double> precision;   ///< per class
-  std::vector<double> recall;      ///< per class
-  std::vector<double> f1;          ///< per class
-  std::vector<double> support;     ///< per class: samples whose label is the class
+  at::Tensor matrix;              ///< [C, C] float64 on cpu
+  double samples = 0;             ///< total count
+  double accuracy = 0;            ///< trace / total
+  std::vector<double> precision;  ///< per class
+  std::vector<double> recall;     ///< per class
+  std::vector<double> f1;         ///< per class
+  std::vector<double> support;    ///< per class: samples whose label is the class
   double precision_micro = 0;
   double recall_micro = 0;
   double f1_micro = 0;
