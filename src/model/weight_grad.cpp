@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
@@ -187,6 +188,101 @@ struct SiluMulLinear : torch::autograd::Function<SiluMulLinear> {
   }
 };
 
+// x W^T + s (x A^T) B^T (layers.hpp, low_rank_linear). Saves the autocast copies of x, W, A and B
+// and h = s x A^T [rows, rank]; the weights' gradients are W's (when it trains), A's = dh^T x with
+// dh = s g B, and B's = g^T h, split off under a deferring queue.
+struct LowRankLinear : torch::autograd::Function<LowRankLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, const at::Tensor& a, const at::Tensor& b,
+                            double scale, int64_t queue_address) {
+    at::Tensor xc = x;
+    at::Tensor wc = weight;
+    at::Tensor ac = a;
+    at::Tensor bc = b;
+    const auto device_type = x.device().type();
+    if (at::autocast::is_autocast_enabled(device_type) && x.is_floating_point()) {
+      const auto dtype = at::autocast::get_autocast_dtype(device_type);
+      xc = x.to(dtype);
+      wc = weight.to(dtype);
+      ac = a.to(dtype);
+      bc = b.to(dtype);
+    }
+    const int64_t out_features = wc.size(0);
+    const auto rows = xc.reshape({-1, wc.size(1)});
+    const auto h = at::mm(rows, ac.t()).mul_(scale);
+    auto y = at::mm(rows, wc.t());
+    y.addmm_(h, bc.t());  // the GEMM adds into y (beta = 1): no [rows, out] temporary
+    ctx->save_for_backward({xc, wc, ac, bc, h});
+    ctx->saved_data["queue"] = queue_address;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["weight"] = weight;
+    ctx->saved_data["a"] = a;
+    ctx->saved_data["b"] = b;
+    auto sizes = xc.sizes().vec();
+    sizes.back() = out_features;
+    return y.view(sizes);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& xc = saved[0];
+    const auto& wc = saved[1];
+    const auto& ac = saved[2];
+    const auto& bc = saved[3];
+    const auto& h = saved[4];
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const auto g = grads[0].reshape({-1, wc.size(0)});
+    const auto rows = xc.reshape({-1, wc.size(1)});
+    // One entry per forward argument: x, weight, a, b, scale, queue address.
+    torch::autograd::variable_list out(6);
+    const bool need_x = ctx->needs_input_grad(0);
+    const bool need_a = ctx->needs_input_grad(2);
+    at::Tensor dh;  // the gradient of x A^T
+    if (need_x || need_a) {
+      dh = at::mm(g, bc).mul_(scale);
+    }
+    if (need_x) {
+      auto dx = at::mm(g, wc);
+      dx.addmm_(dh, ac);
+      out[0] = dx.view(xc.sizes());
+    }
+    // W's, A's and B's gradients, each as Linear's weight gradient of its own (input, output).
+    std::vector<std::pair<int, WeightGrad>> jobs;
+    if (ctx->needs_input_grad(1)) {
+      jobs.emplace_back(1, WeightGrad{.grad_out = g,
+                                      .input = rows,
+                                      .weight = ctx->saved_data["weight"].toTensor(),
+                                      .bias = at::Tensor()});
+    }
+    if (need_a) {
+      jobs.emplace_back(2, WeightGrad{.grad_out = dh,
+                                      .input = rows,
+                                      .weight = ctx->saved_data["a"].toTensor(),
+                                      .bias = at::Tensor()});
+    }
+    if (ctx->needs_input_grad(3)) {
+      jobs.emplace_back(3, WeightGrad{.grad_out = g,
+                                      .input = h,
+                                      .weight = ctx->saved_data["b"].toTensor(),
+                                      .bias = at::Tensor()});
+    }
+    // NOLINTNEXTLINE(performance-no-int-to-ptr): the queue's address, stored by forward()
+    auto* queue = reinterpret_cast<WeightGradQueue*>(ctx->saved_data["queue"].toInt());
+    if (queue != nullptr && queue->deferring() && !jobs.empty()) {
+      queue->push([jobs = std::move(jobs)]() mutable {
+        for (auto& job : jobs) {
+          job.second.run();
+        }
+      });
+      return out;
+    }
+    for (const auto& [index, job] : jobs) {
+      out[static_cast<size_t>(index)] = job.compute().first;
+    }
+    return out;
+  }
+};
+
 }  // namespace
 
 void WeightGradQueue::drain() {
@@ -206,6 +302,13 @@ RecordWeightGrads::~RecordWeightGrads() { recording = previous_; }
 
 WeightGradQueue* recording_weight_grads() { return recording; }
 
+at::Tensor low_rank_linear(const at::Tensor& x, const at::Tensor& weight,
+                           const LowRankUpdate& update) {
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
+  const auto address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(recording));
+  return LowRankLinear::apply(x, weight, update.a, update.b, update.scale, address);
+}
+
 at::Tensor silu_mul_linear(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& weight) {
   // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
   const auto address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(recording));
@@ -224,6 +327,11 @@ LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool bias) {
 }
 
 at::Tensor LinearImpl::forward(const at::Tensor& x) {
+  if (adapter && !bias.defined() && fused_kernels()) {
+    if (const auto update = adapter->low_rank(); update.a.defined()) {
+      return low_rank_linear(x, weight, update);
+    }
+  }
   at::Tensor y;
   auto* queue = recording_weight_grads();
   if (queue == nullptr) {

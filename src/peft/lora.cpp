@@ -215,6 +215,13 @@ at::Tensor LoraAdapter::forward(const at::Tensor& x) {
   return lora_B(lora_A(input) * options_.scale());
 }
 
+model::LowRankUpdate LoraAdapter::low_rank() const {
+  if (merged() || (options_.dropout > 0.0 && lora_A->is_training())) {
+    return {};
+  }
+  return {.a = lora_A->weight, .b = lora_B->weight, .scale = options_.scale()};
+}
+
 at::Tensor LoraAdapter::delta_weight() const {
   const at::NoGradGuard no_grad;
   const auto& a = lora_A->weight;

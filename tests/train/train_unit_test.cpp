@@ -449,6 +449,65 @@ TEST(Model_SiluMulLinear, EqualsTheCompositionWithAndWithoutDeferredWeightGradie
   }
 }
 
+TEST(Model_LowRankLinear, EqualsTheCompositionWithAndWithoutDeferredWeightGradients) {
+  // x W^T + s (x A^T) B^T as one autograd function: output and the gradients of x, W, A and B
+  // equal the composition's in float64 (to rounding), with the weight gradients computed at once
+  // or deferred to a d9d::model::WeightGradQueue, and with W frozen (no gradient, as under LoRA).
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  at::manual_seed(5);
+  const auto x0 = at::randn({2, 5, 12}, f64);
+  const auto w0 = at::randn({7, 12}, f64);
+  const auto a0 = at::randn({3, 12}, f64);
+  const auto b0 = at::randn({7, 3}, f64);
+  const auto grad_out = at::randn({2, 5, 7}, f64);
+  constexpr double kScale = 0.75;
+  for (const bool frozen : {false, true}) {
+    const auto leaves = [&] {
+      return std::vector<at::Tensor>{x0.clone().requires_grad_(),
+                                     w0.clone().requires_grad_(!frozen),
+                                     a0.clone().requires_grad_(), b0.clone().requires_grad_()};
+    };
+    auto want = leaves();
+    const auto want_out =
+        at::linear(want[0], want[1]) + at::linear(at::linear(want[0], want[2]), want[3]) * kScale;
+    want_out.backward(grad_out);
+    for (const bool deferred : {false, true}) {
+      auto got = leaves();
+      d9d::model::WeightGradQueue queue;
+      at::Tensor out;
+      {
+        const d9d::model::RecordWeightGrads record(queue);
+        out = d9d::model::low_rank_linear(got[0], got[1],
+                                          {.a = got[2], .b = got[3], .scale = kScale});
+      }
+      {
+        const d9d::model::DeferWeightGrads defer(queue);
+        if (deferred) {
+          out.backward(grad_out);
+        }
+      }
+      if (deferred) {
+        EXPECT_TRUE(got[0].grad().defined()) << "x's gradient comes at once";
+        EXPECT_FALSE(got[2].grad().defined()) << "A's gradient waits for drain()";
+        EXPECT_FALSE(got[3].grad().defined()) << "B's gradient waits for drain()";
+        queue.drain();
+      } else {
+        out.backward(grad_out);
+      }
+      EXPECT_TRUE(at::allclose(out, want_out, 1e-12, 1e-12)) << deferred;
+      for (int i = 0; i < 4; ++i) {
+        if (i == 1 && frozen) {
+          EXPECT_FALSE(got[1].grad().defined()) << "a frozen W gets no gradient";
+          continue;
+        }
+        ASSERT_TRUE(got[i].grad().defined()) << i;
+        EXPECT_TRUE(at::allclose(got[i].grad(), want[i].grad(), 1e-12, 1e-12))
+            << "input " << i << ", deferred " << deferred << ", frozen W " << frozen;
+      }
+    }
+  }
+}
+
 TEST(Model_Qwen3Loss, FusedAndUnfusedKernelsTrainAlike) {
   // The same run with the fused ops (rope, silu_mul, linear_cross_entropy) and without, in
   // float64: equal to rounding.

@@ -44,6 +44,14 @@ class RmsNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RmsNorm);
 
+/// A low-rank addition to a linear layer's output in factored form: scale (x A^T) B^T, with
+/// A [rank, in] and B [out, rank] (LoRA's lora_A and lora_B weights).
+struct LowRankUpdate {
+  at::Tensor a;
+  at::Tensor b;
+  double scale = 1.0;
+};
+
 /// What a parameter-efficient method adds to a linear layer's output (d9d/peft/lora.hpp: LoRA).
 /// Its parameters live in child modules of the layer, so they are named after it
 /// ("...q_proj.lora_A.weight").
@@ -58,11 +66,24 @@ class LinearAdapter {
   /// The addition to the layer's output for input x, or an undefined tensor for none (e.g. while
   /// the adapter is merged into the weight).
   virtual at::Tensor forward(const at::Tensor& x) = 0;
+  /// The addition as a low-rank update when it is exactly one for this forward (LoRA without
+  /// active dropout, not merged), so the layer can fold it into its own GEMMs
+  /// (low_rank_linear); undefined factors otherwise, and the layer calls forward(x).
+  [[nodiscard]] virtual LowRankUpdate low_rank() const { return {}; }
 };
+
+/// x W^T + scale (x A^T) B^T as one autograd function: the base GEMM, then the adapter's thin
+/// GEMMs accumulating into its output, and in backward the two terms of x's gradient summed the
+/// same way. Keeps x and the [rows, rank] product for backward, never the [rows, out] addition.
+/// Under autocast computes in the autocast dtype; under a recording d9d::model::WeightGradQueue
+/// the weight gradients (A's, B's and W's when it trains) can be deferred like Linear's.
+at::Tensor low_rank_linear(const at::Tensor& x, const at::Tensor& weight,
+                           const LowRankUpdate& update);
 
 /// y = x W^T (+ b), with split backward under a recording d9d::model::WeightGradQueue. The same
 /// parameter names ("weight", "bias") and initialisation as torch::nn::Linear. With an adapter,
-/// y = x W^T (+ b) + adapter->forward(x).
+/// y = x W^T (+ b) + adapter->forward(x); by low_rank_linear when the adapter is a low-rank
+/// update, the layer has no bias and the fused kernels are on (fused_kernels()).
 class LinearImpl : public torch::nn::Module {
  public:
   LinearImpl(int64_t in_features, int64_t out_features, bool bias = false);

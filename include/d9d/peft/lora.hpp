@@ -61,6 +61,9 @@ class LoraAdapter final : public model::LinearAdapter {
               const std::string& name);
   /// scale * B A dropout(x), or undefined while merged.
   at::Tensor forward(const at::Tensor& x) override;
+  /// {A, B, scale} for the layer to fuse (model::low_rank_linear); none while merged or while
+  /// dropout is active (training with dropout > 0).
+  [[nodiscard]] model::LowRankUpdate low_rank() const override;
 
   [[nodiscard]] const LoraOptions& options() const { return options_; }
   [[nodiscard]] bool merged() const { return original_.defined(); }
