@@ -31,6 +31,25 @@ void accumulate(at::Tensor& parameter, const at::Tensor& gradient) {
   }
 }
 
+// `t` as at::linear would compute with it when `x` is its input: in autocast's dtype while autocast
+// is on for x's device (and x is floating point), else as it is. The autograd functions below cast
+// their inputs so, so that backward sees the tensors forward used. Undefined stays undefined.
+at::Tensor autocast_like(const at::Tensor& t, const at::Tensor& x) {
+  const auto device_type = x.device().type();
+  if (t.defined() && at::autocast::is_autocast_enabled(device_type) && x.is_floating_point()) {
+    return t.to(at::autocast::get_autocast_dtype(device_type));
+  }
+  return t;
+}
+
+// The queue forward bound this node to (its address in saved_data["queue"]) while it defers, else
+// null: backward then computes the weight gradients at once.
+WeightGradQueue* deferring_queue(torch::autograd::AutogradContext* ctx) {
+  // NOLINTNEXTLINE(performance-no-int-to-ptr): the queue's address, stored by forward()
+  auto* queue = reinterpret_cast<WeightGradQueue*>(ctx->saved_data["queue"].toInt());
+  return queue != nullptr && queue->deferring() ? queue : nullptr;
+}
+
 struct WeightGrad {
   at::Tensor grad_out;  // [rows, out]
   at::Tensor input;     // [rows, in]
@@ -66,17 +85,9 @@ struct SplitLinear : torch::autograd::Function<SplitLinear<HasBias>> {
   static at::Tensor run_forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                                 const at::Tensor& weight, const at::Tensor& bias,
                                 int64_t queue_address) {
-    // Autocast casts at::linear's inputs to its dtype; do the same so backward sees those tensors.
-    at::Tensor xc = x;
-    at::Tensor wc = weight;
-    at::Tensor bc = bias;
-    const auto device_type = x.device().type();
-    if (at::autocast::is_autocast_enabled(device_type) && x.is_floating_point()) {
-      const auto dtype = at::autocast::get_autocast_dtype(device_type);
-      xc = x.to(dtype);
-      wc = weight.to(dtype);
-      bc = bias.defined() ? bias.to(dtype) : bias;
-    }
+    const auto xc = autocast_like(x, x);
+    const auto wc = autocast_like(weight, x);
+    const auto bc = autocast_like(bias, x);
     ctx->save_for_backward({xc, wc});
     ctx->saved_data["queue"] = queue_address;
     ctx->saved_data["weight"] = weight;
@@ -119,9 +130,7 @@ struct SplitLinear : torch::autograd::Function<SplitLinear<HasBias>> {
                    .input = xc.reshape({-1, in_features}),
                    .weight = need_w ? ctx->saved_data["weight"].toTensor() : at::Tensor(),
                    .bias = need_b ? ctx->saved_data["bias"].toTensor() : at::Tensor()};
-    // NOLINTNEXTLINE(performance-no-int-to-ptr): the queue's address, stored by forward()
-    auto* queue = reinterpret_cast<WeightGradQueue*>(ctx->saved_data["queue"].toInt());
-    if (queue != nullptr && queue->deferring()) {
+    if (auto* queue = deferring_queue(ctx); queue != nullptr) {
       queue->push([job = std::move(job)]() mutable { job.run(); });
       return out;
     }
@@ -142,11 +151,7 @@ struct SplitLinear : torch::autograd::Function<SplitLinear<HasBias>> {
 struct SiluMulLinear : torch::autograd::Function<SiluMulLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate,
                             const at::Tensor& up, const at::Tensor& weight, int64_t queue_address) {
-    at::Tensor wc = weight;
-    const auto device_type = gate.device().type();
-    if (at::autocast::is_autocast_enabled(device_type) && gate.is_floating_point()) {
-      wc = weight.to(at::autocast::get_autocast_dtype(device_type));
-    }
+    const auto wc = autocast_like(weight, gate);
     // gate and up come from linear layers, so they already have the autocast dtype.
     ctx->save_for_backward({gate, up, wc});
     ctx->saved_data["queue"] = queue_address;
@@ -177,9 +182,7 @@ struct SiluMulLinear : torch::autograd::Function<SiluMulLinear> {
                    .input = kernels::silu_mul_forward(gate, up).reshape({-1, in_features}),
                    .weight = ctx->saved_data["weight"].toTensor(),
                    .bias = at::Tensor()};
-    // NOLINTNEXTLINE(performance-no-int-to-ptr): the queue's address, stored by forward()
-    auto* queue = reinterpret_cast<WeightGradQueue*>(ctx->saved_data["queue"].toInt());
-    if (queue != nullptr && queue->deferring()) {
+    if (auto* queue = deferring_queue(ctx); queue != nullptr) {
       queue->push([job = std::move(job)]() mutable { job.run(); });
       return out;
     }
@@ -195,18 +198,10 @@ struct LowRankLinear : torch::autograd::Function<LowRankLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& weight, const at::Tensor& a, const at::Tensor& b,
                             double scale, int64_t queue_address) {
-    at::Tensor xc = x;
-    at::Tensor wc = weight;
-    at::Tensor ac = a;
-    at::Tensor bc = b;
-    const auto device_type = x.device().type();
-    if (at::autocast::is_autocast_enabled(device_type) && x.is_floating_point()) {
-      const auto dtype = at::autocast::get_autocast_dtype(device_type);
-      xc = x.to(dtype);
-      wc = weight.to(dtype);
-      ac = a.to(dtype);
-      bc = b.to(dtype);
-    }
+    const auto xc = autocast_like(x, x);
+    const auto wc = autocast_like(weight, x);
+    const auto ac = autocast_like(a, x);
+    const auto bc = autocast_like(b, x);
     const int64_t out_features = wc.size(0);
     const auto rows = xc.reshape({-1, wc.size(1)});
     const auto h = at::mm(rows, ac.t()).mul_(scale);
@@ -266,9 +261,7 @@ struct LowRankLinear : torch::autograd::Function<LowRankLinear> {
                                       .weight = ctx->saved_data["b"].toTensor(),
                                       .bias = at::Tensor()});
     }
-    // NOLINTNEXTLINE(performance-no-int-to-ptr): the queue's address, stored by forward()
-    auto* queue = reinterpret_cast<WeightGradQueue*>(ctx->saved_data["queue"].toInt());
-    if (queue != nullptr && queue->deferring() && !jobs.empty()) {
+    if (auto* queue = deferring_queue(ctx); queue != nullptr && !jobs.empty()) {
       queue->push([jobs = std::move(jobs)]() mutable {
         for (auto& job : jobs) {
           job.second.run();
