@@ -288,23 +288,19 @@ void export_model(TrainerCore::Impl& s, const std::string& dir, const std::strin
   s.context.barrier();
 }
 
-// The parameters of the linear layers' adapters (LoRA's lora_A and lora_B, child modules of the
-// layer they adapt): a base checkpoint does not hold them, and they keep their initial values.
-bool is_adapter_parameter(const torch::nn::Module& root, const std::string& name) {
-  for (const auto& item : root.named_modules("", /*include_self=*/true)) {
-    const auto* layer = dynamic_cast<const model::LinearImpl*>(item.value().get());
-    if (layer == nullptr || !layer->adapter) {
-      continue;
-    }
-    const std::string prefix = item.key().empty() ? "" : item.key() + ".";
-    for (const auto& child : layer->named_children()) {
-      const std::string child_prefix = prefix + child.key() + ".";
-      if (name.starts_with(child_prefix)) {
-        return true;
+// The parameters of the LoRA adapters (lora_A and lora_B, child modules of the layers they adapt),
+// by their names under `root`: a base checkpoint does not hold them, and they keep their initial
+// values.
+std::set<std::string> adapter_parameters(const torch::nn::Module& root) {
+  std::set<std::string> out;
+  for (const auto& lora : peft::lora_layers(root)) {
+    for (const auto& child : lora.layer->named_children()) {
+      for (const auto& item : child.value()->named_parameters()) {
+        out.insert(lora.name + "." + child.key() + "." + item.key());
       }
     }
   }
-  return false;
+  return out;
 }
 
 // "checkpoint.init_from": the Hugging Face checkpoint streamed into the parallelised model, each
@@ -319,8 +315,9 @@ void load_initial_weights(TrainerCore::Impl& s) {
     std::vector<std::string> names;
     std::vector<std::string> adapters;
     for (const auto& module : parallel.modules()) {
+      const auto adapted = adapter_parameters(*module);
       for (const auto& item : module->named_parameters()) {
-        (is_adapter_parameter(*module, item.key()) ? adapters : names).push_back(item.key());
+        (adapted.contains(item.key()) ? adapters : names).push_back(item.key());
       }
     }
     const auto mapper =
