@@ -1,5 +1,5 @@
 // examples/06_classifier — Trainer<Plan> around a model, a dataset and a task of one's own: a
-// small classifier of points drawn around class centres, with an accuracy metric.
+// small classifier of points drawn around class centres, with its metrics (accuracy, F1).
 //
 //   bazel build //examples/06_classifier
 //   tools/d9drun -n 2 bazel-bin/examples/06_classifier/06_classifier
@@ -8,7 +8,9 @@
 // The reference for instantiating d9d::Trainer<Plan> in user code: a TORCH_MODULE model built by
 // a model provider from the config's "model" section, a dataset provider whose batches are a
 // plain struct (split into microbatches and data-parallel shares without any adaptation), a task
-// that turns a microbatch into a loss sum and its weight, and main() under d9d::run_main, so a
+// that turns a microbatch into a loss sum and its weight and declares metrics (a confusion matrix
+// updated per microbatch, synced over the ranks and logged as "metrics/cls/..." next to the
+// loss), and main() under d9d::run_main, so a
 // configuration mistake prints one error line per rank and exits with status 2 instead of
 // aborting. No language-model settings: the config has no "batch.sequence_length", the progress
 // line counts samples/s and the export writes model.safetensors only.
@@ -27,6 +29,8 @@
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/d9d.hpp>
+#include <d9d/metrics/collection.hpp>
+#include <d9d/metrics/confusion_matrix.hpp>
 
 // ---- configuration: one `using` per plan slot -------------------------------------------------
 using Mesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>>;  // or d9d::mesh<d9d::dp_replicate<2>>
@@ -130,25 +134,31 @@ struct ClustersProvider {
   }
 };
 
-// ---- the task: loss and metric of one microbatch ----------------------------------------------
-struct Accuracy {
-  int64_t correct = 0;
-  int64_t seen = 0;
-};
-
+// ---- the task: loss and metrics of one microbatch ---------------------------------------------
 struct ClassifyTask {
   using train_task_concept = d9d::train_task_tag;
-  std::shared_ptr<Accuracy> accuracy = std::make_shared<Accuracy>();  // this rank's, this step
+  int64_t classes = 4;
 
   d9d::LossOutput compute_loss(Classifier& model, const Batch& batch) const {
     const auto logits = model->forward(batch.features);
     const auto labels = batch.labels.to(logits.device());
-    accuracy->correct += logits.argmax(1).eq(labels).sum().item<int64_t>();
-    accuracy->seen += labels.size(0);
     namespace F = torch::nn::functional;
     return {.loss_sum = F::cross_entropy(logits, labels,
                                          F::CrossEntropyFuncOptions().reduction(torch::kSum)),
-            .weight = at::scalar_tensor(static_cast<double>(labels.size(0)), logits.options())};
+            .weight = at::scalar_tensor(static_cast<double>(labels.size(0)), logits.options()),
+            .output = logits};
+  }
+
+  // Built once by the trainer; logged as metrics/cls/accuracy, metrics/cls/f1_macro, ...
+  [[nodiscard]] d9d::metrics::MetricCollection metrics() const {
+    d9d::metrics::MetricCollection metrics;
+    metrics.add("cls", d9d::metrics::ConfusionMatrix({.num_classes = classes}));
+    return metrics;
+  }
+  // After each microbatch's loss, without gradients: the logits' argmax against the labels.
+  void update_metrics(const d9d::LossOutput& out, const Batch& batch,
+                      d9d::metrics::MetricCollection& metrics) const {
+    metrics.get<d9d::metrics::ConfusionMatrix>("cls").update(out.output, batch.labels);
   }
 };
 
@@ -192,19 +202,8 @@ int run(int argc, char** argv) {
     cfg.profile.dir = output + "/profile";
   }
   const Shape shape = Shape::from_json(cfg.section("model"));
-  ClassifyTask task;
-  const auto accuracy = task.accuracy;
-  d9d::Trainer<ClassifierPlan> trainer{ctx, ClassifierProvider{}, ClustersProvider{shape}, task,
-                                       cfg};
-  trainer.on<d9d::events::StepEnd>([&](const d9d::events::StepEnd& step) {
-    if (ctx.is_main_process() && (step.step + 1) % cfg.run.log_every == 0) {
-      ctx.logger().info("step " + std::to_string(step.step + 1) + ": train accuracy " +
-                        std::to_string(static_cast<double>(accuracy->correct) /
-                                       static_cast<double>(accuracy->seen)) +
-                        " (rank 0's share)");
-    }
-    *accuracy = {};
-  });
+  d9d::Trainer<ClassifierPlan> trainer{ctx, ClassifierProvider{}, ClustersProvider{shape},
+                                       ClassifyTask{.classes = shape.classes}, cfg};
   const d9d::TrainResult result = trainer.train();
 
   auto model = std::dynamic_pointer_cast<ClassifierImpl>(trainer.core().model());
@@ -215,7 +214,10 @@ int run(int argc, char** argv) {
       "accuracy " + std::to_string(final_accuracy) + " over " + std::to_string(data.size()) +
       " samples; loss " + std::to_string(result.losses.front()) + " -> " +
       std::to_string(result.losses.back()) + "; " +
-      std::to_string(static_cast<int64_t>(result.samples_per_second)) + " samples/s");
+      std::to_string(static_cast<int64_t>(result.samples_per_second)) +
+      " samples/s; train accuracy " + std::to_string(result.metrics.at("metrics/cls/accuracy")) +
+      ", macro F1 " + std::to_string(result.metrics.at("metrics/cls/f1_macro")) +
+      " (the last logging window, all ranks)");
   return final_accuracy >= min_accuracy ? 0 : 3;
 }
 

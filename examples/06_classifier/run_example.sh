@@ -21,6 +21,16 @@ for ranks in 1 2; do
   grep -qF '"train/samples_per_second"' "$work/run$ranks/metrics.jsonl" ||
     fail "$ranks rank(s): metrics.jsonl lacks train/samples_per_second"
   ! grep -qF 'tok/s' <<<"$out" || fail "$ranks rank(s): tokens counted for a model without tokens"
+  # The task's metrics, synced over the ranks: in metrics.jsonl and on the result line.
+  grep -qF '"metrics/cls/accuracy"' "$work/run$ranks/metrics.jsonl" ||
+    fail "$ranks rank(s): metrics.jsonl lacks metrics/cls/accuracy"
+  grep -qF '"metrics/cls/f1_macro"' "$work/run$ranks/metrics.jsonl" ||
+    fail "$ranks rank(s): metrics.jsonl lacks metrics/cls/f1_macro"
+  grep -qE "train accuracy (0\.9|1\.0)[0-9]*, macro F1 (0\.9|1\.0)" <<<"$out" ||
+    fail "$ranks rank(s): no train accuracy and F1 line"
+  for picture in lr_schedule loss; do
+    grep -qF '</svg>' "$work/run$ranks/$picture.svg" || fail "$ranks rank(s): no $picture.svg"
+  done
 done
 
 # A typo in the config: every rank reports the ConfigError once and exits 2, nothing aborts.

@@ -331,6 +331,7 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text, const Overr
   logging.boolean("progress", cfg.logging.progress);
   logging.boolean("jsonl", cfg.logging.jsonl);
   logging.boolean("tensorboard", cfg.logging.tensorboard);
+  logging.boolean("pictures", cfg.logging.pictures);
   logging.finish();
 
   Section exporting = root.child("export");

@@ -8,6 +8,10 @@
 #include <numeric>
 #include <optional>
 #include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -19,6 +23,7 @@
 #include <d9d/core/collectives.hpp>
 #include <d9d/data/sampler.hpp>
 #include <d9d/model/hf.hpp>
+#include <d9d/optim/lr_schedule.hpp>
 #include <d9d/parallel/load.hpp>
 #include <d9d/peft/lora.hpp>
 #include <d9d/track/jsonl.hpp>
@@ -337,6 +342,32 @@ void load_initial_weights(TrainerCore::Impl& s) {
   }
 }
 
+// "logging.pictures": the learning rate of every step of the run and the loss of every step run,
+// as SVG line charts next to metrics.jsonl (main rank). Returns the two paths.
+std::pair<std::string, std::string> write_pictures(const TrainerConfig& cfg,
+                                                   const TrainResult& result) {
+  const auto schedule = optim::PiecewiseSchedule::build(cfg.lr_schedule, cfg.run.total_steps);
+  track::ChartSeries lr{.label = "", .x = {}, .y = {}};
+  for (int64_t step = 0; step < cfg.run.total_steps; ++step) {
+    lr.y.push_back(cfg.optimizer.lr * schedule.multiplier(step));
+  }
+  track::ChartSeries loss{.label = "", .x = {}, .y = result.losses};
+  for (std::size_t i = 0; i < result.losses.size(); ++i) {
+    loss.x.push_back(static_cast<double>(result.start_step + static_cast<int64_t>(i)));
+  }
+  const auto lr_path = files::join(cfg.run.output_dir, "lr_schedule.svg");
+  const auto loss_path = files::join(cfg.run.output_dir, "loss.svg");
+  track::write_text_file(lr_path, track::line_chart({.title = "learning rate",
+                                                     .x_label = "step",
+                                                     .y_label = "lr",
+                                                     .series = {std::move(lr)}}));
+  track::write_text_file(loss_path, track::line_chart({.title = "training loss",
+                                                       .x_label = "step",
+                                                       .y_label = "loss",
+                                                       .series = {std::move(loss)}}));
+  return {lr_path, loss_path};
+}
+
 // "step 8 of 300 (index 7): loss nan, gradient norm 1.234"
 std::string describe_step(int64_t step, int64_t total, const StepResult& r) {
   return "step " + std::to_string(step + 1) + " of " + std::to_string(total) + " (index " +
@@ -531,6 +562,12 @@ TrainResult TrainerCore::train() {
       s.context.logger().info("profile: " + trace + " (steps " + std::to_string(cfg.profile.start) +
                               ".." + std::to_string(step) + ")");
     }
+    // The task's metrics: their all-reduce starts now (every rank, at a step that is logged) and
+    // is waited for when the step's record is written; the next window starts at once.
+    const bool logged = step % cfg.run.log_every == 0 || step + 1 == cfg.run.total_steps;
+    if (s.run.metrics && logged) {
+      s.run.metrics->sync_start(s.context.world());
+    }
     std::optional<events::LossSpike> spike;
     if (!r.finite) {
       ++skipped_in_a_row;
@@ -592,6 +629,14 @@ TrainResult TrainerCore::train() {
       }
       s.events.emit(*spike);
     }
+    std::vector<std::pair<std::string, double>> metric_scalars;
+    if (s.run.metrics && logged) {
+      result.metrics.clear();
+      for (const auto& [key, value] : s.run.metrics->synced()) {
+        metric_scalars.emplace_back("metrics/" + key, value);
+        result.metrics["metrics/" + key] = value;
+      }
+    }
     if (main) {
       const double rate = per_step / seconds;
       if (progress) {
@@ -599,12 +644,15 @@ TrainResult TrainerCore::train() {
                                     {"lr", format_number(r.lr, "%.2e")},
                                     {rate_label, track::format_si(rate)}});
       }
-      if (step % cfg.run.log_every == 0 || step + 1 == cfg.run.total_steps) {
+      if (logged) {
         std::vector<std::pair<std::string, double>> scalars = {{"train/loss", r.loss},
                                                                {"train/lr", r.lr},
                                                                {"train/grad_norm", r.grad_norm},
                                                                {rate_scalar, rate}};
         for (auto& metric : s.parallel().metrics()) {  // e.g. the MoE routers' balance
+          scalars.push_back(std::move(metric));
+        }
+        for (auto& metric : metric_scalars) {  // the task's metrics
           scalars.push_back(std::move(metric));
         }
         if (jsonl) {
@@ -644,6 +692,9 @@ TrainResult TrainerCore::train() {
   if (tensorboard) {
     tensorboard->flush();
   }
+  if (main && cfg.logging.pictures) {
+    std::tie(result.lr_schedule_svg, result.loss_svg) = write_pictures(cfg, result);
+  }
 
   if (cfg.export_model.enabled) {
     if (main) {
@@ -666,6 +717,9 @@ TrainResult TrainerCore::train() {
     }
     if (!result.tensorboard_dir.empty()) {
       s.context.logger().info("tensorboard: " + result.tensorboard_dir);
+    }
+    if (!result.loss_svg.empty()) {
+      s.context.logger().info("pictures: " + result.lr_schedule_svg + ", " + result.loss_svg);
     }
     if (!result.export_dir.empty()) {
       s.context.logger().info("model: " + result.export_dir +

@@ -119,7 +119,8 @@ inline TrainerConfig tiny_run(const std::string& output_dir, int64_t steps, int6
     "data_parallel": {"bucket_size_mb": 0.01},
     "logging": {"progress": )" + (outputs ? "true" : "false") +
                                        R"(, "jsonl": )" + (outputs ? "true" : "false") +
-                                       R"(, "tensorboard": )" + (outputs ? "true" : "false") + R"(},
+                                       R"(, "tensorboard": )" + (outputs ? "true" : "false") +
+                                       R"(, "pictures": )" + (outputs ? "true" : "false") + R"(},
     "export": {"enabled": )" + (outputs ? "true" : "false") +
                                        R"(},
     "model": )" + tiny_qwen3_json(false, layers) +

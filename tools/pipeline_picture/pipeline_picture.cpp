@@ -11,13 +11,13 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
 #include <d9d/pipeline/builders.hpp>
 #include <d9d/pipeline/verify.hpp>
+#include <d9d/track/progress.hpp>
 
 namespace {
 
@@ -66,6 +66,7 @@ const char* colour(pl::Op op) {
   }
 }
 
+// The timeline drawn with d9d::track::Svg (the writer of the training run's pictures).
 std::string svg(const pl::Timeline& timeline, const std::string& title) {
   constexpr double kUnit = 28;
   constexpr double kRow = 34;
@@ -73,23 +74,18 @@ std::string svg(const pl::Timeline& timeline, const std::string& title) {
   constexpr double kTop = 40;
   const double width = kLeft + timeline.makespan * kUnit + 20;
   const double height = kTop + static_cast<double>(timeline.ranks.size()) * kRow + 30;
-  std::ostringstream out;
-  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
-      << "\" font-family=\"monospace\" font-size=\"11\">\n";
-  out << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  out << "<text x=\"10\" y=\"22\" font-size=\"14\">" << title << "</text>\n";
+  d9d::track::Svg out(width, height, R"(font-family="monospace" font-size="11")");
+  out.rect(0, 0, width, height, "white");
+  out.text(10, 22, title, R"(font-size="14")");
   for (std::size_t r = 0; r < timeline.ranks.size(); ++r) {
     const double y = kTop + static_cast<double>(r) * kRow;
-    out << "<text x=\"10\" y=\"" << y + 20 << "\">rank " << r << "</text>\n";
-    out << "<rect x=\"" << kLeft << "\" y=\"" << y << "\" width=\"" << timeline.makespan * kUnit
-        << "\" height=\"" << kRow - 6 << "\" fill=\"#f2f2f2\"/>\n";
+    out.text(10, y + 20, "rank " + std::to_string(r));
+    out.rect(kLeft, y, timeline.makespan * kUnit, kRow - 6, "#f2f2f2");
     for (const auto& slot : timeline.ranks[r]) {
       const double x = kLeft + slot.start * kUnit;
       const double w = (slot.end - slot.start) * kUnit;
-      out << "<rect x=\"" << x << "\" y=\"" << y << "\" width=\"" << w << "\" height=\"" << kRow - 6
-          << "\" fill=\"" << colour(slot.action.op) << "\" stroke=\"white\"/>\n";
-      out << "<text x=\"" << x + 3 << "\" y=\"" << y + 18 << "\" fill=\"white\">"
-          << pl::to_string(slot.action) << "</text>\n";
+      out.rect(x, y, w, kRow - 6, colour(slot.action.op), R"(stroke="white")");
+      out.text(x + 3, y + 18, pl::to_string(slot.action), R"(fill="white")");
     }
   }
   const double legend = kTop + static_cast<double>(timeline.ranks.size()) * kRow + 16;
@@ -99,12 +95,10 @@ std::string svg(const pl::Timeline& timeline, const std::string& title) {
                                      {"B backward", pl::Op::backward},
                                      {"I input grad", pl::Op::backward_input},
                                      {"W weight grad", pl::Op::backward_weight}}) {
-    out << "<rect x=\"" << x << "\" y=\"" << legend - 10 << "\" width=\"12\" height=\"12\" fill=\""
-        << colour(op) << "\"/><text x=\"" << x + 16 << "\" y=\"" << legend << "\">" << label
-        << "</text>\n";
+    out.rect(x, legend - 10, 12, 12, colour(op));
+    out.text(x + 16, legend, label);
     x += 130;
   }
-  out << "</svg>\n";
   return out.str();
 }
 

@@ -1,4 +1,5 @@
-// d9d/track/progress.hpp — a console progress line for the main rank of a training loop.
+// d9d/track/progress.hpp — a console progress line for the main rank of a training loop, and
+// the pictures of a run (SVG: a small writer and line charts of per-step curves).
 //
 //   d9d::track::ProgressBar bar(total_steps, "train");           // stderr; redraws when a TTY
 //   bar.update(step, {{"loss", "2.134"}, {"lr", "3.0e-04"}});     // fields are preformatted
@@ -13,6 +14,9 @@
 // redraw_interval_s, within max_width bytes (fields are dropped from the right to fit). Plain mode
 // (CI logs, files) prints a full line on the first update, then at most every print_interval_s,
 // and on the last step. Not thread-safe: drive it from the loop of the main rank.
+//
+//   d9d::track::LineChart chart{.title = "loss", .x_label = "step", .series = {{.y = losses}}};
+//   d9d::track::write_text_file("runs/exp1/loss.svg", d9d::track::line_chart(chart));
 #pragma once
 
 #include <cstdint>
@@ -102,6 +106,57 @@ class ProgressBar {
 /// Three significant digits and an SI prefix: 12345 -> "12.3k", 2.5e6 -> "2.50M", 999 -> "999",
 /// 0.5 -> "0.500"; negative values get a '-', NaN / ±inf read "nan" / "inf" / "-inf".
 [[nodiscard]] std::string format_si(double value);
+
+// ---- pictures --------------------------------------------------------------------------------
+
+/// An SVG document built element by element; numbers are written with up to 6 significant digits
+/// and text is escaped (&, <, >, "). `attributes` are extra raw attributes of an element.
+class Svg {
+ public:
+  Svg(double width, double height, std::string_view attributes = {});
+  Svg& rect(double x, double y, double width, double height, std::string_view fill,
+            std::string_view attributes = {});
+  Svg& line(double x1, double y1, double x2, double y2, std::string_view stroke,
+            std::string_view attributes = {});
+  /// One <polyline> through the points, stroked, not filled.
+  Svg& polyline(const std::vector<std::pair<double, double>>& points, std::string_view stroke,
+                std::string_view attributes = {});
+  Svg& text(double x, double y, std::string_view content, std::string_view attributes = {});
+  /// The document, closed.
+  [[nodiscard]] std::string str() const;
+
+ private:
+  std::string body_;
+};
+
+/// `text` with &, <, >, " and ' replaced by their XML entities.
+[[nodiscard]] std::string xml_escape(std::string_view text);
+
+/// One curve of a LineChart: y per point; x per point, or 0, 1, 2, ... when empty.
+struct ChartSeries {
+  std::string label = {};
+  std::vector<double> x = {};
+  std::vector<double> y = {};
+  std::string colour = "#4C78A8";
+};
+
+/// A line chart: axes with ticks, one polyline per series (points whose x or y is not finite are
+/// left out), a legend when a series has a label.
+struct LineChart {
+  std::string title = {};
+  std::string x_label = {};
+  std::string y_label = {};
+  std::vector<ChartSeries> series = {};
+  double width = 640;
+  double height = 360;
+};
+
+/// The chart as an SVG document. std::invalid_argument when a series' x and y differ in length.
+[[nodiscard]] std::string line_chart(const LineChart& chart);
+
+/// Writes `text` to `path` (replacing it, through a temporary file and a rename; parent
+/// directories created); std::runtime_error naming the path and the reason.
+void write_text_file(const std::string& path, std::string_view text);
 
 /// Whole seconds as "mm:ss" below an hour, else "h:mm:ss" (3725 -> "1:02:05"); "--:--" when
 /// negative or not finite.

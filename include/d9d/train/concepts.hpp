@@ -10,14 +10,23 @@
 //                   d9d::LossOutput compute_loss(d9d::model::Qwen3ForCausalLM& m, const Batch& b);
 //                   };
 //
+// A task may also declare metrics (d9d/metrics/collection.hpp, library //src/metrics): the
+// collection it logs, built once, and its per-microbatch update (train_task_declares_metrics):
+//
+//   d9d::metrics::MetricCollection metrics() const;
+//   void update_metrics(const d9d::LossOutput& out, const Batch& b,
+//                       d9d::metrics::MetricCollection& metrics) const;
+//
 // Each concept needs an explicit opt-in tag plus its operations (nothing satisfies one by
 // accident), and its parts are named so a compiler error names the part that is missing.
 #pragma once
 
 #include <concepts>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -25,6 +34,7 @@
 #include <torch/nn/module.h>
 
 #include <d9d/core/device_mesh.hpp>
+#include <d9d/core/process_group.hpp>
 
 namespace d9d {
 
@@ -69,6 +79,10 @@ struct DataBuildContext {
 struct LossOutput {
   at::Tensor loss_sum;
   at::Tensor weight;
+  /// Optional: what the model produced (e.g. the logits), for the task's update_metrics. Under a
+  /// pipeline plan the trainer gives update_metrics the last stage's output when this is unset.
+  /// (`{}`: initialisers that leave it out stay free of -Wmissing-field-initializers.)
+  at::Tensor output{};  // NOLINT(readability-redundant-member-init)
 };
 
 /// A LibTorch module holder (what TORCH_MODULE defines): ptr() gives the module.
@@ -168,6 +182,43 @@ concept train_task_computes_loss = requires(T& t, Model& model, const Batch& bat
 /// returning d9d::LossOutput.
 template <class T, class Model, class Batch>
 concept train_task = train_task_opts_in<T> && train_task_computes_loss<T, Model, Batch>;
+
+// ---- a train task's metrics (optional) --------------------------------------------------------
+
+/// What the trainer does with a task's metrics: d9d::metrics::MetricCollection models it.
+template <class C>
+concept synced_metric_collection = requires(C& c, const ProcessGroup& group) {
+  c.reset();
+  c.sync_start(group);
+  c.sync_wait();
+  { c.compute_synced() } -> std::convertible_to<std::map<std::string, double>>;
+};
+
+/// The task declares metrics: `metrics()` builds the collection (called once, when the trainer is
+/// built; every rank must build the same metrics in the same order).
+template <class T>
+concept train_task_declares_metrics = requires(const T& t) {
+  t.metrics();
+};
+
+template <train_task_declares_metrics T>
+using task_metrics_t = std::remove_cvref_t<decltype(std::declval<const T&>().metrics())>;
+
+/// The task has a member named update_metrics (whatever its signature).
+template <class T>
+concept train_task_names_update_metrics = requires {
+  &T::update_metrics;
+};
+
+/// The task's metrics, complete: `metrics()` returns a collection, and `update_metrics(const
+/// LossOutput&, const Batch&, Collection&)` adds a microbatch to it (the trainer calls it after
+/// each microbatch's loss, without gradients, on one rank per data share).
+template <class T, class Batch>
+concept train_task_updates_metrics = train_task_declares_metrics<T> &&
+    synced_metric_collection<task_metrics_t<T>> &&
+    requires(T& t, const LossOutput& out, const Batch& batch, task_metrics_t<T>& metrics) {
+  t.update_metrics(out, batch, metrics);
+};
 
 /// For pipeline plans the model runs in stages, so the task splits its work in two: the first
 /// stage's input of a microbatch (`stage_input(batch)`) and the loss of the last stage's output

@@ -74,6 +74,7 @@ struct LoggingConfig {
   bool progress = true;     ///< console progress bar on the main rank
   bool jsonl = true;        ///< <output_dir>/metrics.jsonl
   bool tensorboard = true;  ///< <output_dir>/tensorboard/events.out.tfevents.*
+  bool pictures = true;     ///< <output_dir>/lr_schedule.svg and loss.svg (SVG line charts)
 };
 
 struct ExportConfig {

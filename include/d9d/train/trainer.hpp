@@ -23,7 +23,9 @@
 // TensorBoard event file; at the end it exports the model (safetensors + config.json; with LoRA
 // adapters, the merged model and the adapter in Hugging Face peft's format). With the
 // config's "checkpoint" section it saves training checkpoints and resumes from the latest one
-// (d9d/train/checkpoint.hpp).
+// (d9d/train/checkpoint.hpp). A task that declares metrics (d9d/train/concepts.hpp) has them
+// updated per microbatch, synchronised over the ranks at the end of each logged step and written
+// next to the loss as "metrics/<name>".
 #pragma once
 
 #include <any>
@@ -37,7 +39,10 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
+
+#include <ATen/core/grad_mode.h>
 
 #include <d9d/core/batch_tree.hpp>
 #include <d9d/core/device_mesh.hpp>
@@ -70,13 +75,29 @@ struct TrainResult {
   double samples_per_second = 0.0;  ///< over all ranks, after the first step
   /// The most device memory any rank's allocator had allocated during train() (CUDA; 0 on CPU).
   int64_t peak_memory_bytes = 0;
+  /// The task's metrics (train_task_declares_metrics) as last logged, synced over every rank:
+  /// keys "metrics/<name>" or "metrics/<name>/<key>", the same on every rank (empty without).
+  std::map<std::string, double> metrics;
   std::string metrics_path;     ///< metrics.jsonl (empty when disabled)
   std::string tensorboard_dir;  ///< (empty when disabled)
-  std::string export_dir;       ///< the exported model (empty when disabled); LoRA merged in
-  std::string adapter_dir;      ///< the exported LoRA adapter, peft's format (empty when none)
+  /// The run's pictures (logging.pictures, main rank): the learning rate of every step and the
+  /// loss of every step run, as SVG line charts next to metrics.jsonl (empty when disabled).
+  std::string lr_schedule_svg;
+  std::string loss_svg;
+  std::string export_dir;   ///< the exported model (empty when disabled); LoRA merged in
+  std::string adapter_dir;  ///< the exported LoRA adapter, peft's format (empty when none)
 };
 
 namespace detail {
+
+/// A task's metrics behind type erasure (the collection lives in the trainer's closures).
+struct ErasedMetrics {
+  /// Launches the all-reduce of a snapshot of the state over `group`, then resets the state (the
+  /// next logging window starts at once).
+  std::function<void(const ProcessGroup&)> sync_start;
+  /// Waits for the pending sync and computes the snapshot's values ("<name>" / "<name>/<key>").
+  std::function<std::map<std::string, double>()> synced;
+};
 
 /// The user's model, data and task behind type erasure, so the loop is compiled once.
 struct ErasedRun {
@@ -95,6 +116,7 @@ struct ErasedRun {
   std::optional<PipelineParts> pipeline;  ///< pipeline plans: the stages instead of `model`
   /// The parallelize layer's result for `model` (or the pipeline's stages).
   std::unique_ptr<parallel::ParallelModel> parallel;
+  std::optional<ErasedMetrics> metrics;  ///< the task's metrics, when it declares them
 };
 
 /// The parallelize layer's knobs from the config.
@@ -259,6 +281,53 @@ class Trainer {
     }
   }
 
+  // The task's metrics, if it declares them: the collection goes into `run` (synced and logged
+  // by the loop); the returned function adds a microbatch to it (empty when there is nothing to
+  // update on this rank). Tensor- and context-parallel ranks read the same samples, so only their
+  // group's first rank counts them: one sum over the world then counts every sample once.
+  template <class Task, class Batch>
+  static std::function<void(const LossOutput&, const std::any&)> add_metrics(
+      const std::shared_ptr<Task>& task, const DeviceMesh& mesh, detail::ErasedRun& run) {
+    static_assert(train_task_declares_metrics<Task> || !train_task_names_update_metrics<Task>,
+                  "d9d::Trainer: the task has update_metrics but no `metrics() const`. Fix: add "
+                  "`d9d::metrics::MetricCollection metrics() const` building the collection "
+                  "update_metrics adds to (d9d/metrics/collection.hpp, library //src/metrics)");
+    if constexpr (train_task_declares_metrics<Task>) {
+      static_assert(synced_metric_collection<task_metrics_t<Task>>,
+                    "d9d::Trainer: the task's metrics() must return a "
+                    "d9d::metrics::MetricCollection (d9d/metrics/collection.hpp, library "
+                    "//src/metrics) or a type with reset, sync_start, sync_wait, compute_synced");
+      static_assert(train_task_updates_metrics<Task, Batch>,
+                    "d9d::Trainer: the task declares metrics() but has no `void "
+                    "update_metrics(const d9d::LossOutput& out, const Batch& batch, "
+                    "d9d::metrics::MetricCollection& metrics)` for the dataset's batch type. "
+                    "Fix: add it (the trainer calls it after each microbatch's loss; put the "
+                    "model's output into LossOutput::output), or remove metrics()");
+      if constexpr (train_task_updates_metrics<Task, Batch>) {
+        using Collection = task_metrics_t<Task>;
+        auto collection = std::make_shared<Collection>(std::as_const(*task).metrics());
+        run.metrics =
+            detail::ErasedMetrics{.sync_start =
+                                      [collection](const ProcessGroup& group) {
+                                        collection->sync_start(group);
+                                        collection->reset();
+                                      },
+                                  .synced = [collection]() -> std::map<std::string, double> {
+                                    return collection->compute_synced();
+                                  }};
+        if (mesh.coordinate(MeshDomain::batch, "tp") != 0 ||
+            mesh.coordinate(MeshDomain::batch, "cp") != 0) {
+          return {};
+        }
+        return [task, collection](const LossOutput& out, const std::any& microbatch) {
+          const at::NoGradGuard no_grad;
+          task->update_metrics(out, std::any_cast<const Batch&>(microbatch), *collection);
+        };
+      }
+    }
+    return {};
+  }
+
   // The provider's hf_load_mapper, if it has one (after build: it may need the model's config).
   template <class ModelProvider>
   static void add_hf_load_mapper(const ModelProvider& models, detail::ErasedRun& run) {
@@ -363,8 +432,17 @@ class Trainer {
       parts.input = [shared_task](const std::any& microbatch) {
         return shared_task->stage_input(std::any_cast<const Batch&>(microbatch));
       };
-      parts.loss = [shared_task](const at::Tensor& output, const std::any& microbatch) {
-        return shared_task->output_loss(output, std::any_cast<const Batch&>(microbatch));
+      const auto update = add_metrics<Task, Batch>(shared_task, *mesh, run);
+      parts.loss = [shared_task, update](const at::Tensor& output, const std::any& microbatch) {
+        auto out = shared_task->output_loss(output, std::any_cast<const Batch&>(microbatch));
+        if (update) {
+          LossOutput seen = out;
+          if (!seen.output.defined()) {
+            seen.output = output;
+          }
+          update(seen, microbatch);
+        }
+        return out;
       };
       std::vector<std::shared_ptr<torch::nn::Module>> modules;
       for (const auto& item : parts.stages) {
@@ -403,9 +481,14 @@ class Trainer {
       run.model = model.ptr();
       run.parallel = parallel::parallelize<Plan>(*mesh, {run.model},
                                                  detail::parallelize_options(config, false));
-      run.loss = [model, task = std::make_shared<Task>(std::move(task))](
-                     const std::any& microbatch) mutable {
-        return task->compute_loss(model, std::any_cast<const Batch&>(microbatch));
+      auto shared_task = std::make_shared<Task>(std::move(task));
+      const auto update = add_metrics<Task, Batch>(shared_task, *mesh, run);
+      run.loss = [model, shared_task, update](const std::any& microbatch) mutable {
+        auto out = shared_task->compute_loss(model, std::any_cast<const Batch&>(microbatch));
+        if (update) {
+          update(out, microbatch);
+        }
+        return out;
       };
       add_data<DatasetProvider, Batch>(datasets, *mesh, config, run);
       if constexpr (requires { models.hf_config_json(); }) {
