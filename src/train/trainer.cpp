@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <deque>
 #include <map>
@@ -72,6 +73,53 @@ int64_t peak_memory(c10::Device device) {
   return stats.allocated_bytes[0].peak;  // aggregate over pools
 }
 
+// Per d9d phase (the RECORD_USER_SCOPE ranges "d9d::step", "d9d::forward", ...): how far the
+// memory the profiler saw allocated on `device` rose above its level at the phase's start, at the
+// most, over every occurrence of the phase; from the trace's allocation events ("[memory]", bytes
+// allocated > 0 or freed < 0; CPU allocations too, so the summary is real on CPU runs).
+nlohmann::json phase_memory(const std::vector<torch::autograd::profiler::KinetoEvent>& events,
+                            c10::Device device) {
+  struct Change {
+    uint64_t at;
+    int64_t bytes;
+  };
+  std::vector<Change> changes;
+  for (const auto& event : events) {
+    if (event.name() == "[memory]" && event.deviceType() == device.type()) {
+      changes.push_back({event.startNs(), event.nBytes()});
+    }
+  }
+  std::stable_sort(changes.begin(), changes.end(),
+                   [](const Change& a, const Change& b) { return a.at < b.at; });
+  std::vector<int64_t> live(changes.size() + 1, 0);  // live[i]: before change i
+  for (std::size_t i = 0; i < changes.size(); ++i) {
+    live[i + 1] = live[i] + changes[i].bytes;
+  }
+  std::map<std::string, std::pair<int64_t, int64_t>> phases;  // name -> (peak rise, occurrences)
+  for (const auto& event : events) {
+    const auto name = event.name();
+    if (name.rfind("d9d::", 0) != 0) {
+      continue;
+    }
+    const auto first =
+        std::lower_bound(changes.begin(), changes.end(), event.startNs(),
+                         [](const Change& change, uint64_t at) { return change.at < at; });
+    const auto begin = static_cast<std::size_t>(first - changes.begin());
+    int64_t rise = 0;
+    for (std::size_t i = begin; i < changes.size() && changes[i].at <= event.endNs(); ++i) {
+      rise = std::max(rise, live[i + 1] - live[begin]);
+    }
+    auto& [peak, count] = phases[name];
+    peak = std::max(peak, rise);
+    ++count;
+  }
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [name, value] : phases) {
+    out[name] = {{"peak_rise_bytes", value.first}, {"occurrences", value.second}};
+  }
+  return out;
+}
+
 // The profiler around the configured steps (Kineto; CUDA kernels when the run is on a GPU).
 class StepProfiler {
  public:
@@ -115,10 +163,13 @@ class StepProfiler {
     const auto rank = std::to_string(context_.rank());
     const auto path = files::join(config_.dir, "rank-" + rank + ".trace.json");
     result->save(path);
-    const nlohmann::json memory = {{"rank", context_.rank()},
-                                   {"device", context_.device().str()},
-                                   {"steps", {config_.start, config_.start + config_.steps}},
-                                   {"peak_allocated_bytes", peak_memory(context_.device())}};
+    const nlohmann::json memory = {
+        {"rank", context_.rank()},
+        {"device", context_.device().str()},
+        {"steps", {config_.start, config_.start + config_.steps}},
+        // The caching allocator's peak over the traced steps (CUDA; 0 on CPU, which has none).
+        {"peak_allocated_bytes", peak_memory(context_.device())},
+        {"phases", phase_memory(result->events(), context_.device())}};
     std::FILE* out =
         std::fopen(files::join(config_.dir, "rank-" + rank + ".memory.json").c_str(), "w");
     if (out != nullptr) {

@@ -731,8 +731,20 @@ TEST(Train_Profile, TracesTheChosenStepsWithTheirPhases) {
     ++forwards;
   }
   EXPECT_EQ(forwards, 2U);
+  // A Chrome trace: one JSON document with its events.
+  const auto json = nlohmann::json::parse(text);
+  EXPECT_FALSE(json.at("traceEvents").empty());
   const auto memory = nlohmann::json::parse(std::ifstream(dir + "/trace/rank-0.memory.json"));
   EXPECT_EQ(memory.at("steps"), nlohmann::json::array({1, 2}));
+  // Per phase, the highest rise of allocated memory above the phase's start (CPU allocations are
+  // in the trace too): forward keeps activations for backward, so it rises; one step traced.
+  const auto& phases = memory.at("phases");
+  EXPECT_EQ(phases.at("d9d::step").at("occurrences"), 1);
+  EXPECT_EQ(phases.at("d9d::forward").at("occurrences"), 2);
+  EXPECT_EQ(phases.at("d9d::backward").at("occurrences"), 2);
+  EXPECT_EQ(phases.at("d9d::optimizer").at("occurrences"), 1);
+  EXPECT_GT(phases.at("d9d::forward").at("peak_rise_bytes").get<int64_t>(), 0);
+  EXPECT_GT(phases.at("d9d::step").at("peak_rise_bytes").get<int64_t>(), 0);
 }
 
 TEST(Train_Checkpoint, ResumedRunContinuesExactlyAsTheUninterruptedOne) {
