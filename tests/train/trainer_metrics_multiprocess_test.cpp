@@ -61,8 +61,7 @@ struct TokenMetricsTask : d9d::CausalLmTask {
   void update_metrics(const d9d::LossOutput& out, const d9d::CausalLmBatch& batch,
                       d9d::metrics::MetricCollection& metrics) const {
     ASSERT_TRUE(out.output.defined());
-    const auto labels =
-        batch.tokens.narrow(1, 1, batch.tokens.size(1) - 1).to(out.output.device());
+    const auto labels = batch.tokens.narrow(1, 1, batch.tokens.size(1) - 1).to(out.output.device());
     const auto hits = out.output.argmax(-1).eq(labels).to(at::kDouble);
     metrics.get<d9d::metrics::Sum>("tokens").update(static_cast<double>(labels.numel()));
     metrics.get<d9d::metrics::Sum>("samples").update(static_cast<double>(labels.size(0)));
@@ -118,17 +117,16 @@ void expect_metrics_match_one_process(RankEnv& env, const d9d::DistributedContex
   const auto result = distributed.train();
 
   const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
-  auto one = d9d::testing::tiny_run(dir + "/one", kSteps, kGlobalBatch, kMicrobatch, false,
-                                    kLayers);
+  auto one =
+      d9d::testing::tiny_run(dir + "/one", kSteps, kGlobalBatch, kMicrobatch, false, kLayers);
   one.logging.jsonl = true;
-  d9d::Trainer<OneProcessPlan> single(local, d9d::Qwen3Provider{},
-                                      d9d::testing::RandomWindowsProvider{}, TokenMetricsTask{},
-                                      one);
+  d9d::Trainer<OneProcessPlan> single(
+      local, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, TokenMetricsTask{}, one);
   const auto reference = single.train();
 
   // Every rank holds the synced values of the last window.
-  expect_same_metrics(result.metrics, reference.metrics, name + " rank " +
-                                                             std::to_string(env.rank()));
+  expect_same_metrics(result.metrics, reference.metrics,
+                      name + " rank " + std::to_string(env.rank()));
   // Each window counts the global batch of each of its steps once: 1, 2 and 2 steps.
   const double tokens_per_step = static_cast<double>(kGlobalBatch * 16);
   EXPECT_EQ(result.metrics.at("metrics/tokens"), 2 * tokens_per_step) << name;

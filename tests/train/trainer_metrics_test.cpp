@@ -91,10 +91,10 @@ struct MetricTask {
                       d9d::metrics::MetricCollection& metrics) const {
     const auto ids = batch.ids.contiguous();
     const auto outputs = out.output.detach().to(at::kDouble).contiguous();
-    calls->push_back({.ids = {ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel()},
-                      .outputs = {outputs.data_ptr<double>(),
-                                  outputs.data_ptr<double>() + outputs.numel()},
-                      .grad_mode = at::GradMode::is_enabled()});
+    calls->push_back(
+        {.ids = {ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel()},
+         .outputs = {outputs.data_ptr<double>(), outputs.data_ptr<double>() + outputs.numel()},
+         .grad_mode = at::GradMode::is_enabled()});
     metrics.get<d9d::metrics::Sum>("samples").update(static_cast<double>(batch.ids.size(0)));
     metrics.get<d9d::metrics::Sum>("ids").update(batch.ids);
     metrics.get<d9d::metrics::Mean>("output").update(out.output);

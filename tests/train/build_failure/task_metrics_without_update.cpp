@@ -1,5 +1,6 @@
 // Build-failure test: a task that declares metrics() but has no update_metrics for its batch.
-// expect-error: d9d::Trainer: the task declares metrics() but has no `void update_metrics(const d9d::LossOutput& out, const Batch& batch, d9d::metrics::MetricCollection& metrics)`
+// expect-error: d9d::Trainer: the task declares metrics() but has no `void update_metrics(
+// expect-error: d9d::metrics::MetricCollection& metrics)` for the dataset's batch type
 #include <map>
 #include <string>
 
