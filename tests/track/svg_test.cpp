@@ -63,9 +63,9 @@ TEST(Track_Svg, WritesElementsAndEscapesText) {
 }
 
 TEST(Track_Svg, LineChartHasOnePointPerFiniteValue) {
-  std::vector<double> loss;
-  for (int i = 0; i < 30; ++i) {
-    loss.push_back(5.0 * std::exp(-0.1 * i));
+  std::vector<double> loss(30);
+  for (std::size_t i = 0; i < loss.size(); ++i) {
+    loss[i] = 5.0 * std::exp(-0.1 * static_cast<double>(i));
   }
   const std::string svg = d9d::track::line_chart(
       {.title = "loss <train>", .x_label = "step", .y_label = "loss", .series = {{.y = loss}}});
