@@ -197,13 +197,15 @@ void Qwen3ForCausalLMImpl::set_tensor_parallel(std::shared_ptr<const TensorParal
 }
 
 CausalLmLoss Qwen3ForCausalLMImpl::loss(const at::Tensor& input_ids, const at::Tensor& labels,
-                                        int64_t ignore_index) {
+                                        int64_t ignore_index, const TokenPlacement* where) {
+  const auto hidden =
+      where != nullptr ? model->forward_placed(input_ids, *where, nullptr) : model(input_ids);
   // The fused head reads lm_head's weight alone: a head with an adapter (LoRA on "lm_head") takes
   // the unfused path, which runs the layer and its adapter.
   if (tp_) {
     // Loss-parallel: this rank's logits only; the cross-entropy all-reduces row statistics.
     // The head on [B, T, H]: under sequence parallelism its input gathers along the sequence.
-    auto logits = head_logits(model(input_ids));
+    auto logits = head_logits(hidden);
     logits = logits.reshape({-1, logits.size(-1)});
     const auto flat_labels = labels.reshape({-1});
     return {.loss_sum = tp_->cross_entropy_sum(logits, flat_labels, tp_->rank() * logits.size(-1),
@@ -211,9 +213,8 @@ CausalLmLoss Qwen3ForCausalLMImpl::loss(const at::Tensor& input_ids, const at::T
             .tokens = (flat_labels != ignore_index).sum()};
   }
   if (!fused_kernels() || (lm_head && lm_head->adapter)) {
-    return causal_lm_loss(forward(input_ids), labels, ignore_index);
+    return causal_lm_loss(head_logits(hidden), labels, ignore_index);
   }
-  const auto hidden = model(input_ids);
   const auto& head = lm_head ? lm_head->weight : model->embed_tokens->weight;
   return linear_cross_entropy(hidden.reshape({-1, hidden.size(-1)}), head, labels.reshape({-1}),
                               ignore_index);

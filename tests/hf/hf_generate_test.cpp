@@ -2,7 +2,8 @@
 // placements under it (include/d9d/model/layers.hpp): greedy continuations equal transformers'
 // (tests/hf/make_generation_fixture.py, committed), the KV cache gives what recomputing the whole
 // sequence gives, a left-padded batch continues each row as it would alone, sampling follows the
-// distribution it claims, and packed documents compute what separate forwards do.
+// distribution it claims, and packed documents compute what separate forwards do (also through
+// d9d::CausalLmTask's document_separator, include/d9d/train/causal_lm.hpp).
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -17,6 +18,7 @@
 #include <d9d/model/hf.hpp>
 #include <d9d/model/qwen3.hpp>
 #include <d9d/state/safetensors.hpp>
+#include <d9d/train/causal_lm.hpp>
 #include <d9d/util/files.hpp>
 
 #include "tests/support/error_of.hpp"
@@ -193,6 +195,49 @@ TEST(Generate_Placement, PackedDocumentsComputeWhatSeparateForwardsDo) {
                     rope, at::tensor({0, 0, 1, 0}, at::kLong).unsqueeze(0), at::kDouble);
               }),
               HasSubstr("contiguous"));
+}
+
+// Two windows of packed documents (separator 63): the task's loss is the sum of each document's
+// own next-token losses, and its weight counts their targets; gradients match too.
+TEST(Generate_Placement, CausalLmTaskKeepsPackedDocumentsApart) {
+  auto model = small_model();
+  const int64_t sep = 63;
+  const std::vector<int64_t> tokens{5, 6, 7, sep, 40, 41, 42, 43, 9, sep, 1, 2, 3, 4, 5, 6, 7, 8};
+  const auto windows = at::tensor(tokens, at::kLong).view({2, 9});
+  d9d::CausalLmTask task(d9d::CausalLmOptions{.document_separator = sep});
+  const auto packed = task.compute_loss(model, d9d::CausalLmBatch{windows});
+  packed.loss_sum.backward();
+  std::map<std::string, at::Tensor> packed_grads;
+  for (const auto& item : model->named_parameters()) {
+    packed_grads[item.key()] = item.value().grad().clone();
+    item.value().mutable_grad().zero_();
+  }
+  // The documents alone: [5 6 7 sep] [40 41 42 43 9] | [sep 1] [2 ... 8]: a window's tokens after
+  // its last separator are the start of a document; a document's loss covers its own targets.
+  const std::vector<std::vector<int64_t>> documents = {
+      {5, 6, 7, sep}, {40, 41, 42, 43, 9}, {sep}, {1, 2, 3, 4, 5, 6, 7, 8}};
+  at::Tensor loss_sum = at::zeros({}, at::kDouble);
+  int64_t targets = 0;
+  for (const auto& document : documents) {
+    if (document.size() < 2) {
+      continue;
+    }
+    const auto ids = at::tensor(document, at::kLong).unsqueeze(0);
+    const auto size = ids.size(1);
+    const auto loss = model->loss(ids.narrow(1, 0, size - 1), ids.narrow(1, 1, size - 1));
+    loss_sum = loss_sum + loss.loss_sum;
+    targets += loss.tokens.item<int64_t>();
+  }
+  loss_sum.backward();
+  EXPECT_EQ(packed.weight.item<int64_t>(), targets);
+  EXPECT_NEAR(packed.loss_sum.item<double>(), loss_sum.item<double>(), 1e-10);
+  for (const auto& item : model->named_parameters()) {
+    EXPECT_TRUE(at::allclose(packed_grads[item.key()], item.value().grad(), 1e-10, 1e-12))
+        << item.key();
+  }
+  // Without the separator the windows are single sequences: another loss.
+  const auto plain = d9d::CausalLmTask{}.compute_loss(model, d9d::CausalLmBatch{windows});
+  EXPECT_GT(plain.weight.item<int64_t>(), targets);
 }
 
 TEST(Generate_Placement, PlainPlacementEqualsTheCausalForward) {

@@ -83,6 +83,10 @@ int run(Options options) {
   const auto continuations = d9d::model::generate(*model, prompts, options.generation);
   for (std::size_t i = 0; i < prompts.size(); ++i) {
     if (text) {
+      // Continuations span lines: each gets a header when there are several.
+      if (prompts.size() > 1) {
+        std::cout << "--- " << (i + 1) << "/" << prompts.size() << "\n";
+      }
       const std::vector<uint32_t> ids(continuations[i].begin(), continuations[i].end());
       std::cout << options.prompts[i] << tokenizer.decode(ids) << "\n";
     } else {

@@ -163,8 +163,10 @@ class Qwen3ForCausalLMImpl : public torch::nn::Module, public VocabParallelModel
   /// the logits never exist whole; else (or when lm_head has an adapter, d9d/peft/lora.hpp)
   /// causal_lm_loss(forward(input_ids), labels). Under tensor parallelism: this rank's logits
   /// (of its vocabulary slice) through TensorParallelGroup::cross_entropy_sum.
+  /// With `where` (e.g. place_documents for packed documents) the tokens are placed by it.
   [[nodiscard]] CausalLmLoss loss(const at::Tensor& input_ids, const at::Tensor& labels,
-                                  int64_t ignore_index = -100);
+                                  int64_t ignore_index = -100,
+                                  const TokenPlacement* where = nullptr);
   [[nodiscard]] const Qwen3Config& config() const { return config_; }
 
   Qwen3Model model{nullptr};
