@@ -27,8 +27,7 @@ at::Tensor CausalLmScoreTask::infer(model::Qwen3ForCausalLM& model, const Causal
   const auto logits = model->forward(tokens.narrow(1, 0, length));
   const auto log_probs = at::log_softmax(logits.to(at::kDouble), -1);
   const auto chosen = log_probs.gather(-1, tokens.narrow(1, 1, length).unsqueeze(-1)).squeeze(-1);
-  const auto count = at::full({tokens.size(0)}, static_cast<double>(length),
-                              chosen.options());
+  const auto count = at::full({tokens.size(0)}, static_cast<double>(length), chosen.options());
   return at::stack({chosen.sum(1), count}, 1);
 }
 
@@ -47,8 +46,9 @@ int64_t read_progress(const std::string& path) {
   const auto json = nlohmann::json::parse(text.str(), nullptr, false);
   if (!json.is_object() || !json.contains("samples_done") ||
       !json.at("samples_done").is_number_integer() || json.at("samples_done").get<int64_t>() < 0) {
-    throw std::runtime_error(path + " is not an inference progress file (want {\"samples_done\": "
-                                    "N}); delete it to start over");
+    throw std::runtime_error(path +
+                             " is not an inference progress file (want {\"samples_done\": "
+                             "N}); delete it to start over");
   }
   return json.at("samples_done").get<int64_t>();
 }
@@ -68,11 +68,11 @@ void write_progress(const std::string& path, int64_t samples_done, int64_t datas
 
 }  // namespace
 
-void load_inference_weights(const DistributedContext& context, parallel::ParallelModel& parallel,
-                            const TrainerConfig& config,
-                            const std::function<state::Mapper(const std::vector<std::string>&,
-                                                              const std::vector<std::string>&)>&
-                                mapper) {
+void load_inference_weights(
+    const DistributedContext& context, parallel::ParallelModel& parallel,
+    const TrainerConfig& config,
+    const std::function<state::Mapper(const std::vector<std::string>&,
+                                      const std::vector<std::string>&)>& mapper) {
   const std::string& from = config.checkpoint.init_from;
   state::StreamStats stats;
   try {
@@ -98,8 +98,8 @@ void load_inference_weights(const DistributedContext& context, parallel::Paralle
 }
 
 InferenceResult run_inference(const DistributedContext& context, const DeviceMesh& mesh,
-                              const TrainerConfig& config, bool bf16_autocast,
-                              ErasedInference& run, const InferenceSink& sink) {
+                              const TrainerConfig& config, bool bf16_autocast, ErasedInference& run,
+                              const InferenceSink& sink) {
   const auto start = std::chrono::steady_clock::now();
   const int dp = mesh.size(MeshDomain::batch, "dp");
   const int dp_rank = mesh.coordinate(MeshDomain::batch, "dp");
@@ -160,8 +160,8 @@ InferenceResult run_inference(const DistributedContext& context, const DeviceMes
     const auto all = at::cat(rows, 0);
     if (all.size(0) != per_rank) {
       throw std::logic_error("d9d::Inference: the task's infer gave " +
-                             std::to_string(all.size(0)) + " rows for " +
-                             std::to_string(per_rank) + " samples; it must give one per sample");
+                             std::to_string(all.size(0)) + " rows for " + std::to_string(per_rank) +
+                             " samples; it must give one per sample");
     }
     if (writes && valid > 0) {
       sink(std::vector<int64_t>(indices.begin(), indices.begin() + valid), all.narrow(0, 0, valid));
@@ -180,8 +180,7 @@ InferenceResult run_inference(const DistributedContext& context, const DeviceMes
   if (bar) {
     bar->finish();
   }
-  result.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return result;
 }
 

@@ -142,21 +142,19 @@ std::vector<std::vector<int64_t>> generate(Qwen3ForCausalLMImpl& model,
     const int64_t seen = longest + step;  // slots filled before this step's forward
     if (!options.use_cache) {
       const auto positions = (valid.narrow(1, 0, seen).cumsum(1) - 1).clamp_min(0);
-      logits = model.forward_placed(sequence, place_tokens(rope, positions, valid.narrow(1, 0, seen), 0,
-                                                    table_dtype),
-                             nullptr, 1);
+      logits = model.forward_placed(
+          sequence, place_tokens(rope, positions, valid.narrow(1, 0, seen), 0, table_dtype),
+          nullptr, 1);
     } else if (step == 0) {
-      logits = model.forward_placed(ids,
-                             place_tokens(rope, prompt_positions, valid.narrow(1, 0, longest), 0,
-                                          table_dtype),
-                             &cache, 1);
+      logits = model.forward_placed(
+          ids, place_tokens(rope, prompt_positions, valid.narrow(1, 0, longest), 0, table_dtype),
+          &cache, 1);
       cache.length = longest;
     } else {
       const auto positions = (lengths + (step - 1)).unsqueeze(1);
-      logits = model.forward_placed(next,
-                             place_tokens(rope, positions, valid.narrow(1, 0, seen), seen - 1,
-                                          table_dtype),
-                             &cache, 1);
+      logits = model.forward_placed(
+          next, place_tokens(rope, positions, valid.narrow(1, 0, seen), seen - 1, table_dtype),
+          &cache, 1);
       cache.length = seen;
     }
     next = choose(logits.select(1, -1), options, generator).unsqueeze(1);

@@ -97,21 +97,19 @@ at::Tensor RotaryEmbedding::apply_per_token(const at::Tensor& x, const at::Tenso
 }
 
 TokenPlacement place_tokens(const RotaryEmbedding& rope, const at::Tensor& positions,
-                            const at::Tensor& key_valid, int64_t past,
-                            at::ScalarType table_dtype) {
+                            const at::Tensor& key_valid, int64_t past, at::ScalarType table_dtype) {
   const int64_t batch = positions.size(0);
   const int64_t tokens = positions.size(1);
   if (key_valid.dim() != 2 || key_valid.size(0) != batch || key_valid.size(1) != past + tokens) {
     throw std::invalid_argument("d9d::model::place_tokens: key_valid must be [B, past + T] = [" +
-                                std::to_string(batch) + ", " + std::to_string(past + tokens) +
-                                "]");
+                                std::to_string(batch) + ", " + std::to_string(past + tokens) + "]");
   }
   TokenPlacement where;
   std::tie(where.cos, where.sin) = rope.cos_sin_at(positions, table_dtype);
   const auto options = at::TensorOptions().dtype(at::kLong).device(positions.device());
   const auto slot = at::arange(past, past + tokens, options).unsqueeze(1);  // [T, 1]
   const auto key = at::arange(past + tokens, options).unsqueeze(0);         // [1, S]
-  const auto causal = key.le(slot);                                          // [T, S]
+  const auto causal = key.le(slot);                                         // [T, S]
   const auto visible = causal.unsqueeze(0).logical_and(key_valid.to(at::kBool).unsqueeze(1));
   where.visible = visible.logical_or(key.eq(slot).unsqueeze(0)).unsqueeze(1);
   where.past = past;

@@ -89,8 +89,8 @@ at::Tensor Qwen3ModelImpl::forward(const at::Tensor& input_ids) {
   return norm(h);
 }
 
-at::Tensor Qwen3ModelImpl::forward_placed(const at::Tensor& input_ids,
-                                          const TokenPlacement& where, KvCache* cache) {
+at::Tensor Qwen3ModelImpl::forward_placed(const at::Tensor& input_ids, const TokenPlacement& where,
+                                          KvCache* cache) {
   if (cache != nullptr && cache->layers.size() != layers->size()) {
     throw std::invalid_argument("d9d::model::Qwen3Model: the KV cache has " +
                                 std::to_string(cache->layers.size()) + " layers, the model " +

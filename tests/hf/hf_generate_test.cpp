@@ -147,10 +147,11 @@ TEST(Generate_Cache, StepLogitsEqualTheWholeSequencesLogits) {
   cache.length = prompt;
   EXPECT_TRUE(at::allclose(logits, whole.narrow(1, 0, prompt), 1e-12, 1e-12));
   for (int64_t t = prompt; t < total; ++t) {
-    logits = model->forward_placed(sequence.narrow(1, t, 1),
-                            d9d::model::place_tokens(rope, at::full({1, 1}, t, at::kLong),
-                                                     valid.narrow(1, 0, t + 1), t, at::kDouble),
-                            &cache);
+    logits =
+        model->forward_placed(sequence.narrow(1, t, 1),
+                              d9d::model::place_tokens(rope, at::full({1, 1}, t, at::kLong),
+                                                       valid.narrow(1, 0, t + 1), t, at::kDouble),
+                              &cache);
     cache.length = t + 1;
     EXPECT_TRUE(at::allclose(logits.squeeze(1), whole.select(1, t), 1e-12, 1e-12)) << "step " << t;
   }
@@ -244,11 +245,11 @@ TEST(Generate_Placement, PlainPlacementEqualsTheCausalForward) {
   auto model = small_model();
   const at::NoGradGuard no_grad;
   const auto input = at::tensor({1, 2, 3, 4, 5, 6, 7, 8}, at::kLong).view({2, 4});
-  const auto where = d9d::model::place_tokens(
-      model->model->rope(), at::arange(4, at::kLong).expand({2, 4}).contiguous(),
-      at::ones({2, 4}, at::kBool), 0, at::kDouble);
-  EXPECT_TRUE(at::allclose(model->forward_placed(input, where, nullptr), model->forward(input), 1e-12,
-                           1e-12));
+  const auto where = d9d::model::place_tokens(model->model->rope(),
+                                              at::arange(4, at::kLong).expand({2, 4}).contiguous(),
+                                              at::ones({2, 4}, at::kBool), 0, at::kDouble);
+  EXPECT_TRUE(at::allclose(model->forward_placed(input, where, nullptr), model->forward(input),
+                           1e-12, 1e-12));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -296,11 +297,9 @@ TEST(Generate_Sampling, FirstTokensFollowTheNucleusDistribution) {
     }
   }
   // The same seed gives the same tokens; a tiny nucleus is greedy.
-  EXPECT_EQ(d9d::model::generate(*model, Tokens(draws, prompt),
-                                 {.max_new_tokens = 1,
-                                  .temperature = temperature,
-                                  .top_p = top_p,
-                                  .seed = 11}),
+  EXPECT_EQ(d9d::model::generate(
+                *model, Tokens(draws, prompt),
+                {.max_new_tokens = 1, .temperature = temperature, .top_p = top_p, .seed = 11}),
             tokens);
   EXPECT_EQ(d9d::model::generate(*model, {prompt},
                                  {.max_new_tokens = 6, .temperature = 2.0, .top_p = 1e-9}),

@@ -29,8 +29,7 @@ using ::testing::HasSubstr;
 
 constexpr int64_t kSamples = 13;
 
-using ShardPlan =
-    d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>>, d9d::parallel::Fsdp, Fp64>;
+using ShardPlan = d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>>, d9d::parallel::Fsdp, Fp64>;
 using TpPlan = d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>>, d9d::parallel::TensorParallel<>, Fp64>;
 using TpShardPlan = d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::tp<d9d::dynamic>>,
                               d9d::parallel::TensorParallel<>, d9d::parallel::Fsdp, Fp64>;
@@ -89,8 +88,8 @@ std::vector<int64_t> run_and_check(const d9d::DistributedContext& ctx, d9d::Trai
           seen.push_back(samples[i]);
           const auto expected = want[samples[i]];
           EXPECT_TRUE(at::allclose(rows[static_cast<int64_t>(i)].cpu(), expected, 1e-10, 1e-10))
-              << what << ": sample " << samples[i] << " " << rows[static_cast<int64_t>(i)]
-              << " vs " << expected;
+              << what << ": sample " << samples[i] << " " << rows[static_cast<int64_t>(i)] << " vs "
+              << expected;
         }
       });
   const auto result = inference.run();
@@ -115,8 +114,7 @@ TEST(Inference_ws2, ShardedAndTensorParallelScoresEqualOneProcessAndResume) {
     const auto want = write_checkpoint(ctx, checkpoint);
     run_and_check<ShardPlan>(ctx, config_for(env, "shard", R"({"dp_shard": 2})", checkpoint), want,
                              0, "FullyShard 2");
-    run_and_check<TpPlan>(ctx, config_for(env, "tp", R"({"tp": 2})", checkpoint), want, 0,
-                          "tp 2");
+    run_and_check<TpPlan>(ctx, config_for(env, "tp", R"({"tp": 2})", checkpoint), want, 0, "tp 2");
 
     // A run that stopped after 8 samples: the next one starts there.
     const std::string out = env.scratch_dir() + "/shard";
@@ -147,10 +145,9 @@ TEST(Inference_ws4, TensorParallelTimesFullyShardScoresEqualOneProcess) {
     const auto ctx = d9d::testing::rank_context(env);
     const std::string checkpoint = env.scratch_dir() + "/hf";
     const auto want = write_checkpoint(ctx, checkpoint);
-    run_and_check<TpShardPlan>(ctx,
-                               config_for(env, "tp_shard", R"({"dp_shard": 2, "tp": 2})",
-                                          checkpoint),
-                               want, 0, "tp 2 x FullyShard 2");
+    run_and_check<TpShardPlan>(
+        ctx, config_for(env, "tp_shard", R"({"dp_shard": 2, "tp": 2})", checkpoint), want, 0,
+        "tp 2 x FullyShard 2");
   });
 }
 

@@ -4,7 +4,8 @@
 //   auto cfg = d9d::TrainerConfig::from_file("infer.json");   // "checkpoint.init_from": the model
 //   d9d::Inference<MyPlan> inference{ctx, d9d::Qwen3Provider{}, d9d::TokenFilesProvider{},
 //                                    d9d::CausalLmScoreTask{}, cfg,
-//                                    [](const std::vector<int64_t>& samples, const at::Tensor& rows) {
+//                                    [](const std::vector<int64_t>& samples, const at::Tensor&
+//                                    rows) {
 //                                      // rows[i] belongs to dataset sample samples[i]
 //                                    }};
 //   d9d::InferenceResult result = inference.run();
@@ -54,9 +55,9 @@ using InferenceSink =
 
 /// What run() did (the same on every rank).
 struct InferenceResult {
-  int64_t samples = 0;       ///< dataset samples computed by this run (all ranks together)
-  int64_t resumed_at = 0;    ///< samples done before it (from inference_progress.json)
-  int64_t steps = 0;         ///< global batches run
+  int64_t samples = 0;     ///< dataset samples computed by this run (all ranks together)
+  int64_t resumed_at = 0;  ///< samples done before it (from inference_progress.json)
+  int64_t steps = 0;       ///< global batches run
   double seconds = 0.0;
   std::string progress_path;  ///< inference_progress.json (empty without run.output_dir)
 };
@@ -82,16 +83,16 @@ struct ErasedInference {
 
 /// The loop (src/infer/inference.cpp).
 InferenceResult run_inference(const DistributedContext& context, const DeviceMesh& mesh,
-                              const TrainerConfig& config, bool bf16_autocast,
-                              ErasedInference& run, const InferenceSink& sink);
+                              const TrainerConfig& config, bool bf16_autocast, ErasedInference& run,
+                              const InferenceSink& sink);
 
 /// "checkpoint.init_from" into the parallelized model (every rank its slices), through `mapper`
 /// when given.
-void load_inference_weights(const DistributedContext& context, parallel::ParallelModel& parallel,
-                            const TrainerConfig& config,
-                            const std::function<state::Mapper(const std::vector<std::string>&,
-                                                              const std::vector<std::string>&)>&
-                                mapper);
+void load_inference_weights(
+    const DistributedContext& context, parallel::ParallelModel& parallel,
+    const TrainerConfig& config,
+    const std::function<state::Mapper(const std::vector<std::string>&,
+                                      const std::vector<std::string>&)>& mapper);
 
 }  // namespace detail
 
@@ -117,7 +118,7 @@ class Inference {
     static_assert(splittable_batch<Batch>,
                   "d9d::Inference: the dataset's batch type " D9D_UNSPLITTABLE_BATCH_FIX);
     static_assert(
-        requires(Task& t, Model& m, const Batch& b) {
+        requires(Task & t, Model & m, const Batch& b) {
           { t.infer(m, b) } -> std::convertible_to<at::Tensor>;
         },
         "d9d::Inference: the task needs `at::Tensor infer(Model&, const Batch&)` giving one row "

@@ -113,8 +113,8 @@ class RotaryEmbedding {
   [[nodiscard]] static at::ScalarType table_dtype(at::ScalarType activations);
   /// The half tables at given positions: `positions` [B, T] (int64, >= 0) -> cos and sin, each
   /// [B * T, head_dim / 2], row b * T + t at positions[b][t] (for apply_per_token).
-  [[nodiscard]] std::pair<at::Tensor, at::Tensor> cos_sin_at(const at::Tensor& positions,
-                                                             at::ScalarType dtype = at::kFloat) const;
+  [[nodiscard]] std::pair<at::Tensor, at::Tensor> cos_sin_at(
+      const at::Tensor& positions, at::ScalarType dtype = at::kFloat) const;
   /// Rotates x [B, T, heads, head_dim] by the tables (d9d::kernels::rope, with autograd).
   [[nodiscard]] static at::Tensor apply(const at::Tensor& x, const at::Tensor& cos,
                                         const at::Tensor& sin);
