@@ -4,6 +4,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -48,6 +49,27 @@ std::pair<at::Tensor, at::Tensor> RotaryEmbedding::cos_sin(int64_t seq_len, c10:
   return {angles.cos().to(dtype), angles.sin().to(dtype)};
 }
 
+std::pair<at::Tensor, at::Tensor> RotaryEmbedding::cos_sin_at(const at::Tensor& positions,
+                                                              at::ScalarType dtype) const {
+  if (positions.dim() != 2 || positions.scalar_type() != at::kLong) {
+    throw std::invalid_argument(
+        "d9d::model::RotaryEmbedding::cos_sin_at: positions must be [B, T] int64, got " +
+        std::to_string(positions.dim()) + " dimensions of " +
+        std::string(c10::toString(positions.scalar_type())));
+  }
+  const auto flat = positions.reshape({-1});
+  if (flat.numel() == 0) {
+    return cos_sin(0, positions.device(), dtype);
+  }
+  const int64_t first = flat.min().item<int64_t>();
+  if (first < 0) {
+    throw std::invalid_argument("d9d::model::RotaryEmbedding::cos_sin_at: position " +
+                                std::to_string(first) + " is negative");
+  }
+  const auto [cos, sin] = cos_sin(flat.max().item<int64_t>() + 1, positions.device(), dtype);
+  return {cos.index_select(0, flat), sin.index_select(0, flat)};
+}
+
 at::ScalarType RotaryEmbedding::table_dtype(at::ScalarType activations) {
   return activations == at::kDouble ? at::kDouble : at::kFloat;
 }
@@ -63,6 +85,66 @@ at::Tensor RotaryEmbedding::apply(const at::Tensor& x, const at::Tensor& cos,
   const auto s = at::cat({sin, sin}, -1).unsqueeze(1).to(x.scalar_type());
   const auto rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
   return x * c + rotated * s;
+}
+
+at::Tensor RotaryEmbedding::apply_per_token(const at::Tensor& x, const at::Tensor& cos,
+                                            const at::Tensor& sin) {
+  // The kernels take the position of a row from its index along dim -3: as one sequence of
+  // B * T tokens, token b * T + t reads table row b * T + t.
+  const auto sizes = x.sizes().vec();
+  const auto flat = x.reshape({1, sizes[0] * sizes[1], sizes[2], sizes[3]});
+  return apply(flat, cos, sin).view(sizes);
+}
+
+TokenPlacement place_tokens(const RotaryEmbedding& rope, const at::Tensor& positions,
+                            const at::Tensor& key_valid, int64_t past, at::ScalarType table_dtype) {
+  const int64_t batch = positions.size(0);
+  const int64_t tokens = positions.size(1);
+  if (key_valid.dim() != 2 || key_valid.size(0) != batch || key_valid.size(1) != past + tokens) {
+    throw std::invalid_argument("d9d::model::place_tokens: key_valid must be [B, past + T] = [" +
+                                std::to_string(batch) + ", " + std::to_string(past + tokens) + "]");
+  }
+  TokenPlacement where;
+  std::tie(where.cos, where.sin) = rope.cos_sin_at(positions, table_dtype);
+  const auto options = at::TensorOptions().dtype(at::kLong).device(positions.device());
+  const auto slot = at::arange(past, past + tokens, options).unsqueeze(1);  // [T, 1]
+  const auto key = at::arange(past + tokens, options).unsqueeze(0);         // [1, S]
+  const auto causal = key.le(slot);                                         // [T, S]
+  const auto visible = causal.unsqueeze(0).logical_and(key_valid.to(at::kBool).unsqueeze(1));
+  where.visible = visible.logical_or(key.eq(slot).unsqueeze(0)).unsqueeze(1);
+  where.past = past;
+  return where;
+}
+
+TokenPlacement place_documents(const RotaryEmbedding& rope, const at::Tensor& document_ids,
+                               at::ScalarType table_dtype) {
+  if (document_ids.dim() != 2 || document_ids.scalar_type() != at::kLong) {
+    throw std::invalid_argument("d9d::model::place_documents: document_ids must be [B, T] int64");
+  }
+  const int64_t tokens = document_ids.size(1);
+  const auto options = at::TensorOptions().dtype(at::kLong).device(document_ids.device());
+  const auto index = at::arange(tokens, options).expand_as(document_ids);
+  // A document starts where its id differs from the previous token's; positions count from there.
+  auto starts = at::ones_like(document_ids, at::kBool);
+  if (tokens > 1) {
+    starts.narrow(1, 1, tokens - 1)
+        .copy_(document_ids.narrow(1, 1, tokens - 1).ne(document_ids.narrow(1, 0, tokens - 1)));
+  }
+  const auto start_index = std::get<0>(at::where(starts, index, 0).cummax(1));
+  const auto positions = index - start_index;
+  // Contiguous documents: a token's start must be its id's first occurrence in the row.
+  const auto same = document_ids.unsqueeze(2).eq(document_ids.unsqueeze(1));  // [B, T, T]
+  const auto same_start = start_index.unsqueeze(2).eq(start_index.unsqueeze(1));
+  if (!same.eq(same_start).all().item<bool>()) {
+    throw std::invalid_argument(
+        "d9d::model::place_documents: a document id appears in two separate runs of a row; each "
+        "document's tokens must be contiguous");
+  }
+  TokenPlacement where;
+  std::tie(where.cos, where.sin) = rope.cos_sin_at(positions, table_dtype);
+  const auto causal = at::ones({tokens, tokens}, options.dtype(at::kBool)).tril();
+  where.visible = same.logical_and(causal.unsqueeze(0)).unsqueeze(1);
+  return where;
 }
 
 AttentionImpl::AttentionImpl(const AttentionOptions& options) : options_(options) {
@@ -112,6 +194,61 @@ void AttentionImpl::set_tensor_parallel(std::shared_ptr<const TensorParallelGrou
   tp_ = std::move(group);
 }
 
+at::Tensor AttentionImpl::forward_placed(const at::Tensor& x, const TokenPlacement& where,
+                                         KvCacheLayer* cache) {
+  if (tp_) {
+    const auto out = placed_heads(tp_->copy_in(x), where, cache);
+    return tp_->reduce_out(out);
+  }
+  return placed_heads(x, where, cache);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> AttentionImpl::project(const at::Tensor& x) {
+  const int64_t batch = x.size(0);
+  const int64_t seq = x.size(1);
+  const int64_t dim = options_.head_dim;
+  auto q = q_proj(x).view({batch, seq, options_.num_heads, dim});
+  auto k = k_proj(x).view({batch, seq, options_.num_kv_heads, dim});
+  auto v = v_proj(x).view({batch, seq, options_.num_kv_heads, dim}).transpose(1, 2);
+  if (options_.qk_norm) {
+    q = q_norm(q);
+    k = k_norm(k);
+  }
+  return {std::move(q), std::move(k), std::move(v)};
+}
+
+at::Tensor AttentionImpl::placed_heads(const at::Tensor& x, const TokenPlacement& where,
+                                       KvCacheLayer* cache) {
+  const int64_t batch = x.size(0);
+  const int64_t seq = x.size(1);
+  const int64_t heads = options_.num_heads;
+  const int64_t kv_heads = options_.num_kv_heads;
+  const int64_t dim = options_.head_dim;
+  if (!where.visible.defined() && where.past != 0) {
+    throw std::invalid_argument(
+        "d9d::model::Attention: tokens after cached ones need TokenPlacement::visible");
+  }
+  auto [q, k, v] = project(x);
+  q = RotaryEmbedding::apply_per_token(q, where.cos, where.sin).transpose(1, 2);
+  k = RotaryEmbedding::apply_per_token(k, where.cos, where.sin).transpose(1, 2);
+  if (cache != nullptr) {
+    const int64_t end = where.past + seq;
+    if (end > cache->keys.size(2)) {
+      throw std::invalid_argument("d9d::model::Attention: the KV cache holds " +
+                                  std::to_string(cache->keys.size(2)) + " positions, " +
+                                  std::to_string(end) + " are needed");
+    }
+    cache->keys.narrow(2, where.past, seq).copy_(k);
+    cache->values.narrow(2, where.past, seq).copy_(v);
+    k = cache->keys.narrow(2, 0, end);
+    v = cache->values.narrow(2, 0, end);
+  }
+  const auto attended = at::scaled_dot_product_attention(
+      q, k, v, where.visible, /*dropout_p=*/0.0, /*is_causal=*/!where.visible.defined(),
+      /*scale=*/std::nullopt, /*enable_gqa=*/kv_heads != heads);
+  return o_proj(attended.transpose(1, 2).reshape({batch, seq, heads * dim}));
+}
+
 at::Tensor AttentionImpl::forward_heads(const at::Tensor& x,
                                         const std::pair<at::Tensor, at::Tensor>& cos_sin) {
   const int64_t batch = x.size(0);
@@ -119,13 +256,7 @@ at::Tensor AttentionImpl::forward_heads(const at::Tensor& x,
   const int64_t heads = options_.num_heads;
   const int64_t kv_heads = options_.num_kv_heads;
   const int64_t dim = options_.head_dim;
-  auto q = q_proj(x).view({batch, seq, heads, dim});
-  auto k = k_proj(x).view({batch, seq, kv_heads, dim});
-  auto v = v_proj(x).view({batch, seq, kv_heads, dim}).transpose(1, 2);
-  if (options_.qk_norm) {
-    q = q_norm(q);
-    k = k_norm(k);
-  }
+  auto [q, k, v] = project(x);
   // The rotation runs on [batch, seq, heads, dim] (the projections' layout); SDPA takes the head
   // transpose as a view.
   q = RotaryEmbedding::apply(q, cos_sin.first, cos_sin.second).transpose(1, 2);

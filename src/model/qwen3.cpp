@@ -39,6 +39,14 @@ at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x,
   });
 }
 
+at::Tensor Qwen3DecoderLayerImpl::forward_placed(const at::Tensor& x, const TokenPlacement& where,
+                                                 KvCacheLayer* cache) {
+  return run_block(x, [this, where, cache](const at::Tensor& in) {
+    const auto h = in + self_attn->forward_placed(input_layernorm(in), where, cache);
+    return h + mlp(post_attention_layernorm(h));
+  });
+}
+
 Qwen3ModelImpl::Qwen3ModelImpl(const Qwen3Config& config)
     : rope_(config.head_dim, config.rope_theta) {
   embed_tokens =
@@ -77,6 +85,21 @@ at::Tensor Qwen3ModelImpl::forward(const at::Tensor& input_ids) {
                                      RotaryEmbedding::table_dtype(h.scalar_type()));
   for (const auto& layer : *layers) {
     h = layer->as<Qwen3DecoderLayer>()->forward(h, cos_sin);
+  }
+  return norm(h);
+}
+
+at::Tensor Qwen3ModelImpl::forward_placed(const at::Tensor& input_ids, const TokenPlacement& where,
+                                          KvCache* cache) {
+  if (cache != nullptr && cache->layers.size() != layers->size()) {
+    throw std::invalid_argument("d9d::model::Qwen3Model: the KV cache has " +
+                                std::to_string(cache->layers.size()) + " layers, the model " +
+                                std::to_string(layers->size()));
+  }
+  auto h = embed(input_ids);
+  for (std::size_t i = 0; i < layers->size(); ++i) {
+    h = (*layers)[i]->as<Qwen3DecoderLayer>()->forward_placed(
+        h, where, cache != nullptr ? &cache->layers[i] : nullptr);
   }
   return norm(h);
 }
@@ -132,6 +155,30 @@ at::Tensor Qwen3ForCausalLMImpl::forward(const at::Tensor& input_ids) {
   return tp_ ? tp_->gather_last(logits) : logits;
 }
 
+at::Tensor Qwen3ForCausalLMImpl::forward_placed(const at::Tensor& input_ids,
+                                                const TokenPlacement& where, KvCache* cache,
+                                                int64_t last) {
+  auto hidden = model->forward_placed(input_ids, where, cache);
+  if (last > 0 && last < hidden.size(1)) {
+    hidden = hidden.narrow(1, hidden.size(1) - last, last);
+  }
+  const auto logits = head_logits(hidden);
+  return tp_ ? tp_->gather_last(logits) : logits;
+}
+
+KvCache Qwen3ForCausalLMImpl::make_cache(int64_t batch, int64_t capacity,
+                                         const at::TensorOptions& options) const {
+  KvCache cache;
+  cache.capacity = capacity;
+  for (const auto& layer : *model->layers) {
+    const auto& attention = layer->as<Qwen3DecoderLayer>()->self_attn;
+    const std::vector<int64_t> shape{batch, attention->local_kv_heads(), capacity,
+                                     config_.head_dim};
+    cache.layers.push_back({at::empty(shape, options), at::empty(shape, options)});
+  }
+  return cache;
+}
+
 std::vector<std::string> Qwen3ForCausalLMImpl::vocab_parameters() const {
   std::vector<std::string> names{"model.embed_tokens.weight"};
   if (lm_head) {
@@ -150,13 +197,15 @@ void Qwen3ForCausalLMImpl::set_tensor_parallel(std::shared_ptr<const TensorParal
 }
 
 CausalLmLoss Qwen3ForCausalLMImpl::loss(const at::Tensor& input_ids, const at::Tensor& labels,
-                                        int64_t ignore_index) {
+                                        int64_t ignore_index, const TokenPlacement* where) {
+  const auto hidden =
+      where != nullptr ? model->forward_placed(input_ids, *where, nullptr) : model(input_ids);
   // The fused head reads lm_head's weight alone: a head with an adapter (LoRA on "lm_head") takes
   // the unfused path, which runs the layer and its adapter.
   if (tp_) {
     // Loss-parallel: this rank's logits only; the cross-entropy all-reduces row statistics.
     // The head on [B, T, H]: under sequence parallelism its input gathers along the sequence.
-    auto logits = head_logits(model(input_ids));
+    auto logits = head_logits(hidden);
     logits = logits.reshape({-1, logits.size(-1)});
     const auto flat_labels = labels.reshape({-1});
     return {.loss_sum = tp_->cross_entropy_sum(logits, flat_labels, tp_->rank() * logits.size(-1),
@@ -164,9 +213,8 @@ CausalLmLoss Qwen3ForCausalLMImpl::loss(const at::Tensor& input_ids, const at::T
             .tokens = (flat_labels != ignore_index).sum()};
   }
   if (!fused_kernels() || (lm_head && lm_head->adapter)) {
-    return causal_lm_loss(forward(input_ids), labels, ignore_index);
+    return causal_lm_loss(head_logits(hidden), labels, ignore_index);
   }
-  const auto hidden = model(input_ids);
   const auto& head = lm_head ? lm_head->weight : model->embed_tokens->weight;
   return linear_cross_entropy(hidden.reshape({-1, hidden.size(-1)}), head, labels.reshape({-1}),
                               ignore_index);

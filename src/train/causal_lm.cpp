@@ -1,5 +1,6 @@
 // d9d/train/causal_lm.cpp — Qwen3 provider, token-file dataset provider, causal-LM task.
 #include <algorithm>
+#include <stdexcept>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -180,13 +181,29 @@ LossOutput CausalLmTask::compute_loss(model::Qwen3ForCausalLM& model, const Caus
   const auto tokens = batch.tokens.to(device);
   const int64_t length = tokens.size(1) - 1;
   const auto inputs = tokens.narrow(1, 0, length);
-  const auto labels = tokens.narrow(1, 1, length);
-  const auto loss = model->loss(inputs, labels);
+  auto labels = tokens.narrow(1, 1, length);
+  if (options_.document_separator < 0) {
+    const auto loss = model->loss(inputs, labels);
+    return {.loss_sum = loss.loss_sum, .weight = loss.tokens};
+  }
+  // A document ends with its separator: the tokens after one belong to the next document.
+  const auto separator = inputs.eq(options_.document_separator);
+  const auto documents = separator.cumsum(1) - separator.to(at::kLong);
+  const auto where = model::place_documents(
+      model->model->rope(), documents,
+      model::RotaryEmbedding::table_dtype(model->model->embed_tokens->weight.scalar_type()));
+  labels = labels.masked_fill(separator, -100);
+  const auto loss = model->loss(inputs, labels, -100, &where);
   return {.loss_sum = loss.loss_sum, .weight = loss.tokens};
 }
 
 LossOutput CausalLmTask::compute_loss(model::Qwen3MoeForCausalLM& model,
                                       const CausalLmBatch& batch) {
+  if (options_.document_separator >= 0) {
+    throw std::invalid_argument(
+        "d9d::CausalLmTask: document_separator (documents kept apart) is built for dense Qwen3 "
+        "only, not Qwen3-MoE. Fix: leave CausalLmOptions::document_separator at -1");
+  }
   const auto& device = model->model->embed_tokens->weight.device();
   const auto tokens = batch.tokens.to(device);
   const int64_t length = tokens.size(1) - 1;
@@ -195,6 +212,12 @@ LossOutput CausalLmTask::compute_loss(model::Qwen3MoeForCausalLM& model,
 }
 
 at::Tensor CausalLmTask::stage_input(const CausalLmBatch& batch) {
+  if (options_.document_separator >= 0) {
+    throw std::invalid_argument(
+        "d9d::CausalLmTask: document_separator (documents kept apart) does not pass through "
+        "pipeline stages yet. Fix: leave CausalLmOptions::document_separator at -1 with a "
+        "pipeline plan");
+  }
   return batch.tokens.narrow(1, 0, batch.tokens.size(1) - 1);
 }
 

@@ -3,6 +3,7 @@
 //   d9d::model::RmsNorm norm(1024, 1e-6);                 // d9d::rms_norm custom op inside
 //   d9d::model::Attention attn(AttentionOptions{.hidden_size = 1024, .num_heads = 16, ...});
 //   auto y = attn(x, rope.cos_sin(seq_len, x.device()));   // causal GQA through SDPA
+//   auto z = attn->forward_placed(x, placement, &layer_cache);  // placed tokens, KV cache
 //
 // Linear layers are d9d::model::Linear: at::linear normally, split backward (input gradient now,
 // weight gradient queued) when a d9d::model::WeightGradQueue records them
@@ -16,7 +17,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -108,9 +111,17 @@ class RotaryEmbedding {
                                                           at::ScalarType dtype = at::kFloat) const;
   /// The tables' dtype for activations of `activations` (float64 stays float64, else float32).
   [[nodiscard]] static at::ScalarType table_dtype(at::ScalarType activations);
+  /// The half tables at given positions: `positions` [B, T] (int64, >= 0) -> cos and sin, each
+  /// [B * T, head_dim / 2], row b * T + t at positions[b][t] (for apply_per_token).
+  [[nodiscard]] std::pair<at::Tensor, at::Tensor> cos_sin_at(
+      const at::Tensor& positions, at::ScalarType dtype = at::kFloat) const;
   /// Rotates x [B, T, heads, head_dim] by the tables (d9d::kernels::rope, with autograd).
   [[nodiscard]] static at::Tensor apply(const at::Tensor& x, const at::Tensor& cos,
                                         const at::Tensor& sin);
+  /// Rotates x [B, T, heads, head_dim] by per-token tables [B * T, head_dim / 2] (cos_sin_at):
+  /// the same kernel over x seen as one sequence of B * T positions.
+  [[nodiscard]] static at::Tensor apply_per_token(const at::Tensor& x, const at::Tensor& cos,
+                                                  const at::Tensor& sin);
 
  private:
   int64_t head_dim_;
@@ -126,6 +137,52 @@ struct AttentionOptions {
   bool qk_norm = true;
 };
 
+/// Where the tokens of one forward sit when they are not one causal sequence per row starting at
+/// position 0: decoding after cached tokens, left-padded batches, packed documents.
+/// d9d::model::place_tokens builds one from positions and a key mask.
+struct TokenPlacement {
+  /// The rotary tables at every token's position, [B * T, head_dim / 2] each
+  /// (RotaryEmbedding::cos_sin_at).
+  at::Tensor cos, sin;
+  /// [B, 1, T, past + T] bool: whether query t may attend key s (the `past` cached keys first).
+  /// Every query must see at least one key. Undefined: causal, which needs past == 0.
+  at::Tensor visible;
+  /// Keys already in the KV cache before these tokens (0 without a cache).
+  int64_t past = 0;
+};
+
+/// One attention layer's cached keys and values, [B, kv_heads, capacity, head_dim] each; the
+/// first `past` positions hold the tokens seen so far (TokenPlacement::past).
+struct KvCacheLayer {
+  at::Tensor keys, values;
+};
+
+/// The keys and values of every layer of a model, for incremental decoding: `length` positions
+/// of `capacity` are filled. Built by the model (Qwen3ForCausalLMImpl::make_cache); a forward
+/// with it writes its tokens' keys and values at [length, length + T) of each layer, and the
+/// caller advances `length` by T after it.
+struct KvCache {
+  std::vector<KvCacheLayer> layers;
+  int64_t length = 0;
+  int64_t capacity = 0;
+};
+
+/// The placement of tokens [B, T] that follow `past` cached ones: `positions` [B, T] (int64) give
+/// the rotary angles, `key_valid` [B, past + T] (bool) which keys exist (false: padding), and a
+/// query sees the valid keys at or before its own slot, and always itself (so padding queries see
+/// something; their outputs are meaningless and ignored). Tables in `table_dtype`.
+[[nodiscard]] TokenPlacement place_tokens(const RotaryEmbedding& rope, const at::Tensor& positions,
+                                          const at::Tensor& key_valid, int64_t past,
+                                          at::ScalarType table_dtype = at::kFloat);
+
+/// The placement of packed documents: `document_ids` [B, T] (int64) numbers the documents of each
+/// row (equal ids are one document, which must be contiguous); positions restart at 0 with each
+/// document and a query sees only earlier tokens of its own document, so the row computes what
+/// separate forwards of its documents would.
+[[nodiscard]] TokenPlacement place_documents(const RotaryEmbedding& rope,
+                                             const at::Tensor& document_ids,
+                                             at::ScalarType table_dtype = at::kFloat);
+
 /// Causal grouped-query attention with per-head QK RMSNorm and rotary embeddings, computed by
 /// at::scaled_dot_product_attention (flash / cuDNN kernels on GPU).
 class AttentionImpl : public torch::nn::Module {
@@ -133,6 +190,11 @@ class AttentionImpl : public torch::nn::Module {
   explicit AttentionImpl(const AttentionOptions& options);
   /// x: [B, T, hidden]; cos_sin from RotaryEmbedding::cos_sin(T, ...).
   at::Tensor forward(const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& cos_sin);
+  /// x: [B, T, hidden] placed by `where` (per-token rotary tables, which keys each query sees);
+  /// with `cache`, these tokens' keys and values are written at [where.past, where.past + T) of
+  /// it and the queries attend over its first where.past + T positions.
+  /// (Not an overload of forward: ModuleHolder's call operator needs a single forward.)
+  at::Tensor forward_placed(const at::Tensor& x, const TokenPlacement& where, KvCacheLayer* cache);
   /// Tensor parallelism over `group` (d9d::parallel::TensorParallel): the caller has narrowed
   /// q/k/v_proj to this rank's num_heads / size query and num_kv_heads / size KV heads (rows) and
   /// o_proj to the matching columns; the input then passes through group->copy_in and the output
@@ -147,6 +209,9 @@ class AttentionImpl : public torch::nn::Module {
 
  private:
   at::Tensor forward_heads(const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& cos_sin);
+  at::Tensor placed_heads(const at::Tensor& x, const TokenPlacement& where, KvCacheLayer* cache);
+  /// q and k [B, T, heads, dim] (normed, not rotated) and v [B, kv_heads, T, dim].
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> project(const at::Tensor& x);
   AttentionOptions options_;
   std::shared_ptr<const TensorParallelGroup> tp_;
 };

@@ -3,6 +3,7 @@
 //   auto config = d9d::model::Qwen3Config::from_json_text(config_json_text);  // throws if unsure
 //   d9d::model::Qwen3ForCausalLM model(config);
 //   at::Tensor logits = model(input_ids);                     // [B, T] -> [B, T, vocab]
+//   auto out = d9d::model::generate(*model, {{1, 2, 3}}, {.max_new_tokens = 8});  // KV cache
 //
 // Embedding, decoder layers (RMSNorm -> GQA with QK-norm and RoPE -> residual, RMSNorm -> SwiGLU
 // -> residual), final RMSNorm and an LM head that is tied to the embedding or separate. Parameter
@@ -92,6 +93,8 @@ class Qwen3DecoderLayerImpl : public torch::nn::Module, public Block {
  public:
   explicit Qwen3DecoderLayerImpl(const Qwen3Config& config);
   at::Tensor forward(const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& cos_sin);
+  /// Placed tokens (d9d::model::TokenPlacement), reading and extending `cache` (may be null).
+  at::Tensor forward_placed(const at::Tensor& x, const TokenPlacement& where, KvCacheLayer* cache);
 
   RmsNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Attention self_attn{nullptr};
@@ -105,6 +108,12 @@ class Qwen3ModelImpl : public torch::nn::Module {
   explicit Qwen3ModelImpl(const Qwen3Config& config);
   /// input_ids [B, T] (int64) -> hidden states [B, T, hidden].
   at::Tensor forward(const at::Tensor& input_ids);
+  /// input_ids [B, T] placed by `where` (place_tokens / place_documents with rope()), writing their
+  /// keys and values into `cache` (may be null; its length is not advanced here).
+  at::Tensor forward_placed(const at::Tensor& input_ids, const TokenPlacement& where,
+                            KvCache* cache);
+  /// The rotary embedding of the layers (for placements).
+  [[nodiscard]] const RotaryEmbedding& rope() const { return rope_; }
   /// The token embedding of `input_ids`; vocab-parallel under tensor parallelism (this rank's
   /// rows start at id `vocab_start`, other ids embed as zeros, the parts summed over the group).
   at::Tensor embed(const at::Tensor& input_ids);
@@ -137,6 +146,15 @@ class Qwen3ForCausalLMImpl : public torch::nn::Module, public VocabParallelModel
   explicit Qwen3ForCausalLMImpl(Qwen3Config config);
   /// input_ids [B, T] -> logits [B, T, vocab].
   at::Tensor forward(const at::Tensor& input_ids);
+  /// input_ids [B, T] placed by `where`, reading and writing `cache` (may be null; the caller
+  /// advances cache->length): the logits of the last `last` positions [B, last, vocab] (all T when
+  /// `last` is 0), so decoding never computes the head over a whole prompt.
+  at::Tensor forward_placed(const at::Tensor& input_ids, const TokenPlacement& where,
+                            KvCache* cache, int64_t last = 0);
+  /// An empty KV cache for `batch` rows of up to `capacity` positions, in `options` (the dtype and
+  /// device of the activations).
+  [[nodiscard]] KvCache make_cache(int64_t batch, int64_t capacity,
+                                   const at::TensorOptions& options) const;
   [[nodiscard]] int64_t vocab_size() const override { return config_.vocab_size; }
   [[nodiscard]] std::vector<std::string> vocab_parameters() const override;
   void set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) override;
@@ -145,8 +163,10 @@ class Qwen3ForCausalLMImpl : public torch::nn::Module, public VocabParallelModel
   /// the logits never exist whole; else (or when lm_head has an adapter, d9d/peft/lora.hpp)
   /// causal_lm_loss(forward(input_ids), labels). Under tensor parallelism: this rank's logits
   /// (of its vocabulary slice) through TensorParallelGroup::cross_entropy_sum.
+  /// With `where` (e.g. place_documents for packed documents) the tokens are placed by it.
   [[nodiscard]] CausalLmLoss loss(const at::Tensor& input_ids, const at::Tensor& labels,
-                                  int64_t ignore_index = -100);
+                                  int64_t ignore_index = -100,
+                                  const TokenPlacement* where = nullptr);
   [[nodiscard]] const Qwen3Config& config() const { return config_; }
 
   Qwen3Model model{nullptr};
@@ -160,6 +180,34 @@ class Qwen3ForCausalLMImpl : public torch::nn::Module, public VocabParallelModel
   std::shared_ptr<const TensorParallelGroup> tp_;
 };
 TORCH_MODULE(Qwen3ForCausalLM);
+
+/// How d9d::model::generate continues prompts.
+struct GenerationOptions {
+  /// New tokens per prompt at most.
+  int64_t max_new_tokens = 32;
+  /// 0: greedy (the most likely token); > 0: sampling from softmax(logits / temperature).
+  double temperature = 0.0;
+  /// Sampling only from the smallest set of most likely tokens whose probability reaches top_p
+  /// (nucleus sampling); 1: all tokens. In (0, 1].
+  double top_p = 1.0;
+  /// A row ends after producing one of these (it is included in its continuation).
+  std::vector<int64_t> stop_tokens{};
+  /// The seed of the sampling generator (the same seed, prompts and model give the same tokens).
+  uint64_t seed = 0;
+  /// false: the whole sequence runs again for every new token, without a KV cache (the reference
+  /// the cache is tested against).
+  bool use_cache = true;
+};
+
+/// Continuations of `prompts` (token ids, each at least one; lengths may differ: the batch is
+/// left-padded, padding masked out and positions counted per row, so each row continues exactly as
+/// it would alone): per prompt its new tokens, at most max_new_tokens, ending with a stop token
+/// when one came. Runs without gradients, in eval mode (restored after), on the model's device and
+/// in its parameters' dtype. std::invalid_argument for an empty prompt, ids outside the
+/// vocabulary or options out of range.
+[[nodiscard]] std::vector<std::vector<int64_t>> generate(
+    Qwen3ForCausalLMImpl& model, const std::vector<std::vector<int64_t>>& prompts,
+    const GenerationOptions& options);
 
 /// One 64-bit draw of the default CPU generator: the seed of init_qwen3_parameters. The model and
 /// stage constructors draw it first, before their submodules draw anything.

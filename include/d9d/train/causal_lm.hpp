@@ -96,18 +96,34 @@ class TokenFilesProvider {
   TokenWindows build(const DataBuildContext& context);
 };
 
+/// How CausalLmTask treats the documents inside a window.
+struct CausalLmOptions {
+  /// The id that ends every document (d9d::data::ByteTokenizer::end_of_text for tools/tokenize's
+  /// files), or -1: a window is one sequence, attention crosses document boundaries. With a
+  /// separator the documents packed into a window are kept apart: positions restart after each
+  /// separator, a token attends only to its own document (d9d::model::place_documents), and the
+  /// separator's own prediction (the next document's first token) is not a target. Dense Qwen3
+  /// without a pipeline plan.
+  int64_t document_separator = -1;
+};
+
 /// Next-token prediction with the summed loss and the number of target tokens as its weight.
 /// Under a pipeline plan the first stage reads stage_input (tokens[:, :-1]) and the last stage's
 /// logits go to output_loss (against tokens[:, 1:]).
 class CausalLmTask {
  public:
   using train_task_concept = train_task_tag;
+  CausalLmTask() = default;
+  explicit CausalLmTask(CausalLmOptions options) : options_(options) {}
   LossOutput compute_loss(model::Qwen3ForCausalLM& model, const CausalLmBatch& batch);
   /// The cross-entropy only: the MoE auxiliary loss adds its gradient inside the model
   /// (d9d/model/moe.hpp), and its value is a metric ("moe/aux_loss").
   LossOutput compute_loss(model::Qwen3MoeForCausalLM& model, const CausalLmBatch& batch);
   at::Tensor stage_input(const CausalLmBatch& batch);
   LossOutput output_loss(const at::Tensor& logits, const CausalLmBatch& batch);
+
+ private:
+  CausalLmOptions options_;
 };
 
 }  // namespace d9d
