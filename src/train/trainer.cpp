@@ -291,7 +291,7 @@ void export_model(TrainerCore::Impl& s, const std::string& dir, const std::strin
 
 // The whole model from a pipelined run, as export_model writes it: each rank holds only its
 // stages, so the stages' owners map their parameters (the provider's hf_export_mapper, per stage)
-// and the main rank writes every tensor, streamed one mapper group at a time in stage order. A
+// and the main rank writes every tensor, streamed one mapper group at a time in key order. A
 // group is computed by every rank of its stage's pp coordinate (gathering FullyShard or tensor
 // parallel parts is collective over those), then the owner on the main rank's pp group sends its
 // outputs (in the export dtype) to pp rank 0. A tensor an earlier stage already wrote (a tied
@@ -366,19 +366,28 @@ void export_pipelined(TrainerCore::Impl& s, const std::string& dir, at::ScalarTy
     }
   }
   std::vector<Entry> entries;
-  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
   std::set<std::string> written;
   for (auto& [stage, stage_entries] : by_stage) {
     for (auto& entry : stage_entries) {
       bool fresh = false;
       for (const auto& output : entry.outputs) {
-        if (written.insert(output.first).second) {
-          shapes.push_back(output);
-          fresh = true;
-        }
+        fresh = written.insert(output.first).second || fresh;
       }
       if (fresh) {  // else every output is a tied copy's, written by an earlier stage
         entries.push_back(std::move(entry));
+      }
+    }
+  }
+  // In the order of the export without a pipeline (a mapper's groups come sorted by their keys).
+  std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return a.outputs.front().first < b.outputs.front().first;
+  });
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  written.clear();
+  for (const auto& entry : entries) {
+    for (const auto& output : entry.outputs) {
+      if (written.insert(output.first).second) {
+        shapes.push_back(output);
       }
     }
   }
