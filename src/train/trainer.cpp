@@ -20,8 +20,8 @@
 #include <d9d/data/sampler.hpp>
 #include <d9d/model/hf.hpp>
 #include <d9d/parallel/load.hpp>
-#include <d9d/pipeline/program.hpp>
 #include <d9d/peft/lora.hpp>
+#include <d9d/pipeline/program.hpp>
 #include <d9d/track/jsonl.hpp>
 #include <d9d/track/progress.hpp>
 #include <d9d/track/tensorboard.hpp>
@@ -326,8 +326,9 @@ void export_pipelined(TrainerCore::Impl& s, const std::string& dir, at::ScalarTy
       for (const auto& key : mapper_groups[g].inputs) {
         const auto& value = part.named[key];
         const auto* record = s.parallel().layout(key);
-        inputs.emplace(key, at::empty(record != nullptr ? record->global_shape : value.sizes().vec(),
-                                      value.options().device(at::kMeta)));
+        inputs.emplace(key,
+                       at::empty(record != nullptr ? record->global_shape : value.sizes().vec(),
+                                 value.options().device(at::kMeta)));
       }
       nlohmann::json outputs = nlohmann::json::array();
       for (const auto& [name, tensor] : part.mapper.apply(g, std::move(inputs))) {
@@ -355,8 +356,8 @@ void export_pipelined(TrainerCore::Impl& s, const std::string& dir, at::ScalarTy
       const int index = stage.at("stage").get<int>();
       std::size_t g = 0;
       for (const auto& outputs : stage.at("groups")) {
-        Entry entry{.stage = index, .owner = stage.at("owner").get<int>(), .group = g++,
-                    .outputs = {}};
+        Entry entry{
+            .stage = index, .owner = stage.at("owner").get<int>(), .group = g++, .outputs = {}};
         for (const auto& output : outputs) {
           entry.outputs.emplace_back(output.at(0).get<std::string>(),
                                      output.at(1).get<std::vector<int64_t>>());

@@ -107,8 +107,8 @@ TEST(Pipeline_Qwen3Stage, TiedLastStageHoldsACopyOfTheEmbedding) {
   EXPECT_EQ(last_params.find("lm_head.weight"), nullptr);
   EXPECT_TRUE(at::equal(last_params["model.embed_tokens.weight"],
                         first_params["model.embed_tokens.weight"]));
-  EXPECT_TRUE(at::equal(last_params["model.embed_tokens.weight"],
-                        whole->model->embed_tokens->weight));
+  EXPECT_TRUE(
+      at::equal(last_params["model.embed_tokens.weight"], whole->model->embed_tokens->weight));
   // The last stage's logits are those of the whole tied model's head on the same hidden states.
   const auto hidden = at::randn({2, 5, config.hidden_size});
   const auto want = at::linear(whole->model->norm(hidden), whole->model->embed_tokens->weight);

@@ -2,8 +2,8 @@
 // ranks against one process without a pipeline (float64, d9d::precision::Fp64).
 //
 // Tolerances (tests/train/train_test_util.hpp): a pipelined run and the single process differ only
-// in the order of sums — here also the tied embedding's gradient, one sum of the embedding's and the
-// head's parts in the single process, the same two parts added after the reductions in the
+// in the order of sums — here also the tied embedding's gradient, one sum of the embedding's and
+// the head's parts in the single process, the same two parts added after the reductions in the
 // pipeline — so losses and gradient norms agree to kLossRtol and parameters to kParameterAtol.
 // The export writes float32: each tensor of the pipelined export is its run's own parameter
 // rounded to float32 (bit for bit), and it differs from the single process's export by at most
@@ -32,10 +32,10 @@
 
 namespace {
 
+using d9d::precision::Fp64;
 using d9d::testing::kLossRtol;
 using d9d::testing::kParameterAtol;
 using d9d::testing::RankEnv;
-using d9d::precision::Fp64;
 
 using PipelineMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_replicate<d9d::dynamic>>;
 using ShardMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_shard<d9d::dynamic>>;
@@ -63,8 +63,8 @@ Run tiny(const std::string& name, const std::string& mesh, bool tied = true) {
 }
 
 d9d::TrainerConfig config_of(const Run& run, const std::string& out) {
-  auto cfg = d9d::testing::tiny_run(out, kSteps, 8, run.mesh.empty() ? 8 : 2, false, kLayers,
-                                    run.mesh);
+  auto cfg =
+      d9d::testing::tiny_run(out, kSteps, 8, run.mesh.empty() ? 8 : 2, false, kLayers, run.mesh);
   cfg.sections["model"] =
       run.model_json.empty() ? d9d::testing::tiny_qwen3_json(run.tied, kLayers) : run.model_json;
   cfg.export_model.enabled = true;
@@ -260,8 +260,9 @@ TEST(Trainer_PipelineTied_Gloo_ws4, DataParallelAndPp4MatchOneProcess) {
   });
 }
 
-// A tied checkpoint saved by transformers ("checkpoint.init_from"), trained under pp 2: both holders
-// of the embedding load it, and the run follows one process started from the same checkpoint.
+// A tied checkpoint saved by transformers ("checkpoint.init_from"), trained under pp 2: both
+// holders of the embedding load it, and the run follows one process started from the same
+// checkpoint.
 TEST(Trainer_PipelineTied_Gloo_ws2, TiedHfCheckpointTrainsUnderPp2) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
   const char* fixtures = std::getenv("D9D_HF_FIXTURES");
@@ -273,7 +274,10 @@ TEST(Trainer_PipelineTied_Gloo_ws2, TiedHfCheckpointTrainsUnderPp2) {
     ASSERT_FALSE(model.empty()) << fixture;
     expect_matches_one_process<d9d::Plan<PipelineMesh, d9d::pipeline::OneFOneB<>, Fp64>>(
         env, ctx,
-        {.name = "hf", .mesh = R"({"pp": 2})", .tied = true, .model_json = model,
+        {.name = "hf",
+         .mesh = R"({"pp": 2})",
+         .tied = true,
+         .model_json = model,
          .init_from = fixture});
   });
 }
@@ -339,8 +343,7 @@ TEST(Trainer_PipelineTied_Gloo_ws2, TiedCheckpointResumesOnOtherSplits) {
     check(whole.train(), whole.core(), "zbv pp2 -> 1");
     ctx.barrier();
     d9d::Trainer<d9d::Plan<PipelineMesh, d9d::pipeline::OneFOneB<>, Fp64>> staged(
-        ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
-        [&] {
+        ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{}, [&] {
           auto cfg = config(dir + "/staged", R"({"pp": 2})", 0);
           cfg.checkpoint.resume = true;
           return cfg;

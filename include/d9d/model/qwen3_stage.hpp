@@ -56,9 +56,9 @@ class Qwen3StageImpl : public torch::nn::Module, public VocabParallelModel {
 
   /// Stage 0, and a tied last stage ("model.embed_tokens")
   torch::nn::Embedding embed_tokens{nullptr};
-  std::vector<Qwen3DecoderLayer> layers;       ///< "model.layers.<global index>"
-  RmsNorm norm{nullptr};                       ///< last stage only ("model.norm")
-  Linear lm_head{nullptr};  ///< last stage only, untied ("lm_head")
+  std::vector<Qwen3DecoderLayer> layers;  ///< "model.layers.<global index>"
+  RmsNorm norm{nullptr};                  ///< last stage only ("model.norm")
+  Linear lm_head{nullptr};                ///< last stage only, untied ("lm_head")
 
  private:
   Qwen3Config config_;
