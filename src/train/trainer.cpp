@@ -315,6 +315,7 @@ void export_pipelined(TrainerCore::Impl& s, const std::string& dir, at::ScalarTy
   for (std::size_t i = 0; i < modules.size() && i < indices.size(); ++i) {
     Part part{.named = modules[i]->named_parameters(), .mapper = {}};
     std::vector<std::string> names;
+    names.reserve(part.named.size());
     for (const auto& item : part.named) {
       names.push_back(item.key());
     }
@@ -404,6 +405,7 @@ void export_pipelined(TrainerCore::Impl& s, const std::string& dir, at::ScalarTy
   written.clear();
   for (const auto& entry : entries) {
     std::vector<at::Tensor> tensors;
+    tensors.reserve(entry.outputs.size());
     if (entry.owner == pp_rank) {
       auto& part = parts.at(entry.stage);
       const auto& group = part.mapper.groups()[entry.group];
@@ -418,6 +420,7 @@ void export_pipelined(TrainerCore::Impl& s, const std::string& dir, at::ScalarTy
     }
     if (main_line && entry.owner != 0 && (entry.owner == pp_rank || pp_rank == 0)) {
       std::vector<P2POp> ops;
+      ops.reserve(entry.outputs.size());
       for (std::size_t i = 0; i < entry.outputs.size(); ++i) {
         if (entry.owner == pp_rank) {
           ops.push_back({.kind = P2POp::Kind::send,

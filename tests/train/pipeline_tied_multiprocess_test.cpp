@@ -190,6 +190,8 @@ void expect_matches_one_process(RankEnv& env, const d9d::DistributedContext& ctx
   const d9d::state::SafetensorsFile one_file(d9d::files::join(one, "model.safetensors"));
   std::vector<std::string> pp_keys;
   std::vector<std::string> one_keys;
+  pp_keys.reserve(pp_file.entries().size());
+  one_keys.reserve(one_file.entries().size());
   for (const auto& entry : pp_file.entries()) {
     pp_keys.push_back(entry.name);
   }
