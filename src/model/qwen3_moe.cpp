@@ -120,15 +120,12 @@ Qwen3MoeStageImpl::Qwen3MoeStageImpl(const Qwen3MoeConfig& config, int stage, in
                                 ") are not within the " +
                                 std::to_string(config_.num_hidden_layers) + " decoder layers");
   }
-  if (config_.tie_word_embeddings && stages > 1) {
-    throw std::invalid_argument(
-        "d9d::model::Qwen3MoeStage: tie_word_embeddings = true needs the embedding on the last "
-        "stage; with " +
-        std::to_string(stages) +
-        " pipeline stages set \"tie_word_embeddings\": false (an untied LM head)");
-  }
   auto body = std::make_shared<torch::nn::Module>();
-  if (is_first()) {
+  // A tied LM head on a last stage that is not the first holds its own copy of the embedding,
+  // under the embedding's name: it starts with the same values (initialised by name), the
+  // parallelize layer sums the two holders' gradients (d9d::parallel::detail::tie_stage_parameters)
+  // and checkpoints, export and init_from see one "model.embed_tokens.weight".
+  if (is_first() || (is_last() && config_.tie_word_embeddings)) {
     embed_tokens = body->register_module(
         "embed_tokens", torch::nn::Embedding(config_.vocab_size, config_.hidden_size));
   }

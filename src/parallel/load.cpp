@@ -22,6 +22,9 @@ constexpr const char* kWho = "d9d::parallel::load_state";
 struct Target {
   at::Tensor tensor;
   const ParameterRecord* record = nullptr;
+  /// Further holders of the same name on this rank (a parameter tied across this rank's pipeline
+  /// stages): the same part of the same tensor, copied there too.
+  std::vector<at::Tensor> copies;
 };
 
 }  // namespace
@@ -38,8 +41,29 @@ state::StreamStats load_state(ParallelModel& model, const state::StateSource& so
       // A trained parameter's record, or the layout a strategy kept of a frozen one it split
       // (LoRA's base under tensor parallelism); null for a parameter whole on every rank.
       const auto* record = model.layout(item.key());
+      const auto found = targets.find(item.key());
+      if (found != targets.end()) {
+        // A second holder of a tied parameter (ParameterRecord::tied_copy): the records of one
+        // name come in module order, like the modules' parameters.
+        const ParameterRecord* copy = nullptr;
+        const std::size_t occurrence = found->second.copies.size() + 1;  // 0 is the first holder
+        std::size_t seen = 0;
+        for (const auto& candidate : model.parameters()) {
+          if (candidate.name != item.key()) {
+            continue;
+          }
+          if (seen == occurrence) {
+            copy = &candidate;
+            break;
+          }
+          ++seen;
+        }
+        found->second.copies.push_back(copy != nullptr ? copy->local : item.value());
+        continue;
+      }
       targets.emplace(item.key(), Target{.tensor = record != nullptr ? record->local : item.value(),
-                                         .record = record});
+                                         .record = record,
+                                         .copies = {}});
     }
   }
   const bool pipelined = model.options().pipelined;
@@ -137,6 +161,9 @@ state::StreamStats load_state(ParallelModel& model, const state::StateSource& so
                                  throw shape_error(name, tensor.sizes(), target);
                                }
                                target.tensor.copy_(tensor);
+                               for (auto& copy : target.copies) {
+                                 copy.copy_(tensor);
+                               }
                              },
                              {.allow_unused_inputs = allow_unused, .check_shapes = false});
 }

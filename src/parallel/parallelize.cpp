@@ -4,7 +4,9 @@
 #include <map>
 #include <set>
 #include <stdexcept>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -105,6 +107,10 @@ void ParallelModel::add_sync(std::unique_ptr<GradientSync> sync) {
   impl_->syncs.push_back(std::move(sync));
 }
 
+void ParallelModel::add_final_sync(std::unique_ptr<GradientSync> sync) {
+  impl_->syncs.insert(impl_->syncs.begin(), std::move(sync));  // finish runs them in reverse
+}
+
 void ParallelModel::add_norm_dims(std::vector<std::string> dims, MeshDomain domain) {
   std::sort(dims.begin(), dims.end());
   auto key = std::make_pair(domain, std::move(dims));
@@ -146,6 +152,9 @@ double ParallelModel::normalize_and_clip(double total_weight, std::optional<doub
     }
     auto grad = at::Tensor(record.local).mutable_grad();
     grads.push_back(grad);
+    if (record.tied_copy) {
+      continue;  // divided and clipped like its first holder, counted once (there)
+    }
     auto dims = record.sharded_dims();
     std::sort(dims.begin(), dims.end());
     // Replicated parameters count once, whatever their domain.
@@ -346,6 +355,126 @@ std::unique_ptr<GradientSync> make_replicate_sync(const ProcessGroup& group,
                                                   const ParallelizeOptions& options) {
   return std::make_unique<ReplicateSync>(group, std::move(parameters), options.bucket_bytes,
                                          options.pipelined);
+}
+
+namespace {
+
+// The gradients of parameters tied across pipeline stages, summed over their holders after every
+// other reduction (ParallelModel::add_final_sync), so that each holder gets the whole gradient.
+class TiedSync : public GradientSync {
+ public:
+  struct Tie {
+    std::string name;
+    ProcessGroup group;  ///< the holding pp ranks; invalid when this rank holds every copy
+  };
+  TiedSync(const ParallelModel& model, std::vector<Tie> ties)
+      : model_(model), ties_(std::move(ties)) {}
+
+  void finish() override {
+    const at::NoGradGuard no_grad;
+    for (const auto& tie : ties_) {
+      // The records' local tensors are looked up now: strategies may have replaced them (shards).
+      std::vector<at::Tensor> holders;
+      for (const auto& record : model_.parameters()) {
+        if (record.name == tie.name) {
+          holders.push_back(record.local);
+        }
+      }
+      at::Tensor sum;
+      for (const auto& local : holders) {
+        const auto& grad = local.grad();
+        const auto part = grad.defined() ? grad : at::zeros_like(local);
+        sum = sum.defined() ? sum + part : part.clone();
+      }
+      if (!sum.defined()) {
+        continue;
+      }
+      if (tie.group.valid() && tie.group.size() > 1) {
+        sum = all_reduce(tie.group, sum);
+      }
+      for (auto& local : holders) {
+        auto& grad = local.mutable_grad();
+        if (grad.defined()) {
+          grad.copy_(sum);
+        } else {
+          grad = sum.clone();
+        }
+      }
+    }
+  }
+
+ private:
+  const ParallelModel& model_;
+  std::vector<Tie> ties_;
+};
+
+}  // namespace
+
+void tie_stage_parameters(ParallelModel& model) {
+  auto& records = model.mutable_parameters();
+  const auto& mesh = model.mesh();
+  std::map<std::string, int> local_count;  // this rank's records per name
+  for (const auto& record : records) {
+    ++local_count[record.name];
+  }
+  // The pp ranks holding each name (this rank alone without a pipeline across ranks).
+  std::map<std::string, std::vector<int>> holders;
+  ProcessGroup pp;
+  int pp_rank = 0;
+  if (mesh.size(MeshDomain::regular, "pp") > 1) {
+    pp = mesh.group(MeshDomain::regular, "pp");
+    pp_rank = pp.rank();
+    std::string names;
+    for (const auto& item : local_count) {
+      names += item.first;
+      names += '\n';
+    }
+    const auto all = all_gather_bytes(pp, names);
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      std::size_t begin = 0;
+      for (std::size_t end = all[r].find('\n'); end != std::string::npos;
+           begin = end + 1, end = all[r].find('\n', begin)) {
+        holders[all[r].substr(begin, end - begin)].push_back(static_cast<int>(r));
+      }
+    }
+  } else {
+    for (const auto& item : local_count) {
+      holders[item.first] = {0};
+    }
+  }
+  // In name order on every rank: the holders of a name create its group in the same order.
+  std::vector<TiedSync::Tie> ties;
+  for (const auto& [name, ranks] : holders) {
+    const auto found = local_count.find(name);
+    if (found == local_count.end() || (ranks.size() < 2 && found->second < 2)) {
+      continue;  // not held here, or held once
+    }
+    bool first = ranks.front() == pp_rank;
+    for (auto& record : records) {
+      if (record.name == name) {
+        record.tied_copy = !first;
+        first = false;
+      }
+    }
+    TiedSync::Tie tie{.name = name, .group = {}};
+    if (ranks.size() > 1) {
+      if (static_cast<int>(ranks.size()) == pp.size()) {
+        tie.group = pp;
+      } else {
+        std::vector<int> global;
+        global.reserve(ranks.size());
+        for (const int r : ranks) {
+          global.push_back(pp.ranks()[static_cast<std::size_t>(r)]);
+        }
+        std::sort(global.begin(), global.end());
+        tie.group = mesh.context().group(global, "tied[" + name + "]");
+      }
+    }
+    ties.push_back(std::move(tie));
+  }
+  if (!ties.empty()) {
+    model.add_final_sync(std::make_unique<TiedSync>(model, std::move(ties)));
+  }
 }
 
 void require_degree_one(const char* degree, int value, const char* policy, const char* fix,

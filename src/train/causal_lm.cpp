@@ -31,15 +31,10 @@ model::Qwen3MoeConfig read_moe_config(const std::string& json) {
 }
 
 // A pipeline stage of a Qwen3-family model (dense or MoE): the layers distributed over the stages
-// (the embedding and the head weigh as one and two layers), on the context's device.
+// (the embedding and the head weigh as one and two layers), on the context's device. A tied head on
+// a last stage other than the first holds a copy of the embedding (d9d/model/qwen3_stage.hpp).
 template <class Stage, class Config>
 Stage build_stage_of(const Config& config, const StageBuildContext& context) {
-  if (context.stages > 1 && config.tie_word_embeddings) {
-    throw ConfigError(
-        "d9d config: \"model.tie_word_embeddings\" = true needs the embedding on the last "
-        "pipeline stage; with " +
-        std::to_string(context.stages) + " stages set it to false (an untied LM head)");
-  }
   const auto ranges = pipeline::distribute_layers(static_cast<int>(config.num_hidden_layers),
                                                   context.stages, {.embedding = 1, .head = 2});
   Stage stage(config, context.stage, context.stages,

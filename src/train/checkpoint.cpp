@@ -385,8 +385,8 @@ void Checkpointer::save(int64_t step, int64_t samples_seen,
   state::NamedTensors snapshot;
   for (const auto& record : parameters) {
     const auto& param = record.local;
-    if (!writes(record, s.mesh) || param.numel() == 0) {
-      continue;  // another replica writes it, or this rank's shard is empty
+    if (record.tied_copy || !writes(record, s.mesh) || param.numel() == 0) {
+      continue;  // its first holder, or another replica writes it, or this rank's shard is empty
     }
     const auto ranges = local_ranges(record, s.mesh);
     const auto key = [&](const std::string& prefix) {

@@ -27,6 +27,7 @@
 #include <d9d/optim/lr_schedule.hpp>
 #include <d9d/parallel/load.hpp>
 #include <d9d/peft/lora.hpp>
+#include <d9d/pipeline/program.hpp>
 #include <d9d/track/jsonl.hpp>
 #include <d9d/track/progress.hpp>
 #include <d9d/track/tensorboard.hpp>
@@ -344,6 +345,169 @@ void export_model(TrainerCore::Impl& s, const std::string& dir, const std::strin
   s.context.barrier();
 }
 
+// The whole model from a pipelined run, as export_model writes it: each rank holds only its
+// stages, so the stages' owners map their parameters (the provider's hf_export_mapper, per stage)
+// and the main rank writes every tensor, streamed one mapper group at a time in key order. A
+// group is computed by every rank of its stage's pp coordinate (gathering FullyShard or tensor
+// parallel parts is collective over those), then the owner on the main rank's pp group sends its
+// outputs (in the export dtype) to pp rank 0. A tensor an earlier stage already wrote (a tied
+// embedding's copy on the last stage) is skipped: the checkpoint holds it once.
+void export_pipelined(TrainerCore::Impl& s, const std::string& dir, at::ScalarType dtype) {
+  const auto& program = s.pipeline_step->program();
+  const auto modules = s.pipeline_step->stages();
+  const auto pp = s.mesh->group(MeshDomain::regular, "pp");
+  const int pp_rank = s.mesh->coordinate(MeshDomain::regular, "pp");
+  const auto indices =
+      pipeline::rank_stages(program.placement, program.pp, program.stages_per_rank, pp_rank);
+  const at::NoGradGuard no_grad;
+
+  // This rank's stages: their mappers and the shapes of every group's outputs.
+  struct Part {
+    torch::OrderedDict<std::string, at::Tensor> named;
+    state::Mapper mapper;
+  };
+  std::map<int, Part> parts;
+  nlohmann::json mine = nlohmann::json::array();
+  for (std::size_t i = 0; i < modules.size() && i < indices.size(); ++i) {
+    Part part{.named = modules[i]->named_parameters(), .mapper = {}};
+    std::vector<std::string> names;
+    names.reserve(part.named.size());
+    for (const auto& item : part.named) {
+      names.push_back(item.key());
+    }
+    part.mapper = s.run.hf_export_mapper ? s.run.hf_export_mapper(names) : state::identity(names);
+    nlohmann::json groups = nlohmann::json::array();
+    const auto& mapper_groups = part.mapper.groups();
+    for (std::size_t g = 0; g < mapper_groups.size(); ++g) {
+      state::TensorMap inputs;
+      for (const auto& key : mapper_groups[g].inputs) {
+        const auto& value = part.named[key];
+        const auto* record = s.parallel().layout(key);
+        inputs.emplace(key,
+                       at::empty(record != nullptr ? record->global_shape : value.sizes().vec(),
+                                 value.options().device(at::kMeta)));
+      }
+      nlohmann::json outputs = nlohmann::json::array();
+      for (const auto& [name, tensor] : part.mapper.apply(g, std::move(inputs))) {
+        outputs.push_back({name, tensor.sizes().vec()});
+      }
+      groups.push_back(std::move(outputs));
+    }
+    mine.push_back({{"stage", indices[i]}, {"owner", pp_rank}, {"groups", std::move(groups)}});
+    parts.emplace(indices[i], std::move(part));
+  }
+  std::vector<std::string> every = {mine.dump()};
+  if (pp.size() > 1) {
+    every = all_gather_bytes(pp, every.front());
+  }
+  // Every stage's groups in stage order (the same list on every rank).
+  struct Entry {
+    int stage = 0;
+    int owner = 0;
+    std::size_t group = 0;
+    std::vector<std::pair<std::string, std::vector<int64_t>>> outputs;
+  };
+  std::map<int, std::vector<Entry>> by_stage;
+  for (const auto& bytes : every) {
+    for (const auto& stage : nlohmann::json::parse(bytes)) {
+      const int index = stage.at("stage").get<int>();
+      std::size_t g = 0;
+      for (const auto& outputs : stage.at("groups")) {
+        Entry entry{
+            .stage = index, .owner = stage.at("owner").get<int>(), .group = g++, .outputs = {}};
+        for (const auto& output : outputs) {
+          entry.outputs.emplace_back(output.at(0).get<std::string>(),
+                                     output.at(1).get<std::vector<int64_t>>());
+        }
+        by_stage[index].push_back(std::move(entry));
+      }
+    }
+  }
+  std::vector<Entry> entries;
+  std::set<std::string> written;
+  for (auto& [stage, stage_entries] : by_stage) {
+    for (auto& entry : stage_entries) {
+      bool fresh = false;
+      for (const auto& output : entry.outputs) {
+        fresh = written.insert(output.first).second || fresh;
+      }
+      if (fresh) {  // else every output is a tied copy's, written by an earlier stage
+        entries.push_back(std::move(entry));
+      }
+    }
+  }
+  // In the order of the export without a pipeline (a mapper's groups come sorted by their keys).
+  std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return a.outputs.front().first < b.outputs.front().first;
+  });
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  written.clear();
+  for (const auto& entry : entries) {
+    for (const auto& output : entry.outputs) {
+      if (written.insert(output.first).second) {
+        shapes.push_back(output);
+      }
+    }
+  }
+
+  const bool main = s.context.is_main_process();
+  // The pp group of the main rank: its owners send what the main rank writes.
+  const bool main_line =
+      pp.size() <= 1 || std::find(pp.ranks().begin(), pp.ranks().end(), 0) != pp.ranks().end();
+  std::unique_ptr<model::HfCheckpointWriter> out;
+  if (main) {
+    out = std::make_unique<model::HfCheckpointWriter>(dir, s.run.hf_config_json, shapes, dtype);
+  }
+  written.clear();
+  for (const auto& entry : entries) {
+    std::vector<at::Tensor> tensors;
+    tensors.reserve(entry.outputs.size());
+    if (entry.owner == pp_rank) {
+      auto& part = parts.at(entry.stage);
+      const auto& group = part.mapper.groups()[entry.group];
+      state::TensorMap inputs;
+      for (const auto& key : group.inputs) {
+        inputs.emplace(key, whole_parameter(s, key, part.named[key]));
+      }
+      auto outputs = part.mapper.apply(entry.group, std::move(inputs));
+      for (const auto& output : entry.outputs) {
+        tensors.push_back(outputs.at(output.first).to(dtype).contiguous());
+      }
+    }
+    if (main_line && entry.owner != 0 && (entry.owner == pp_rank || pp_rank == 0)) {
+      std::vector<P2POp> ops;
+      ops.reserve(entry.outputs.size());
+      for (std::size_t i = 0; i < entry.outputs.size(); ++i) {
+        if (entry.owner == pp_rank) {
+          ops.push_back({.kind = P2POp::Kind::send,
+                         .tensor = tensors[i],
+                         .peer = 0,
+                         .tag = static_cast<int>(i)});
+        } else {
+          tensors.push_back(at::empty(entry.outputs[i].second,
+                                      at::TensorOptions().dtype(dtype).device(pp.device())));
+          ops.push_back({.kind = P2POp::Kind::recv,
+                         .tensor = tensors.back(),
+                         .peer = entry.owner,
+                         .tag = static_cast<int>(i)});
+        }
+      }
+      batch_isend_irecv(pp, ops).wait();
+    }
+    if (out) {
+      for (std::size_t i = 0; i < entry.outputs.size(); ++i) {
+        if (written.insert(entry.outputs[i].first).second) {
+          out->write(entry.outputs[i].first, tensors[i]);
+        }
+      }
+    }
+  }
+  if (out) {
+    out->commit();
+  }
+  s.context.barrier();
+}
+
 // The parameters of the LoRA adapters (lora_A and lora_B, child modules of the layers they adapt),
 // by their names under `root`: a base checkpoint does not hold them, and they keep their initial
 // values.
@@ -370,10 +534,13 @@ void load_initial_weights(TrainerCore::Impl& s) {
     auto& parallel = s.parallel();
     std::vector<std::string> names;
     std::vector<std::string> adapters;
+    std::set<std::string> seen;  // a parameter tied across this rank's stages is one name
     for (const auto& module : parallel.modules()) {
       const auto adapted = adapter_parameters(*module);
       for (const auto& item : module->named_parameters()) {
-        (adapted.contains(item.key()) ? adapters : names).push_back(item.key());
+        if (seen.insert(item.key()).second) {
+          (adapted.contains(item.key()) ? adapters : names).push_back(item.key());
+        }
       }
     }
     const auto mapper =
@@ -481,6 +648,17 @@ TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const Devic
                            .seed = s.config.run.seed,
                            .events = &s.events};
   precision.apply_to(options);
+  if (s.run.pipeline && s.config.export_model.enabled) {
+    for (const auto& stage : s.run.pipeline->stages) {
+      if (peft::has_lora(*stage.first)) {
+        throw ConfigError(
+            "d9d config: \"export.enabled\" with LoRA adapters under a pipeline plan is not "
+            "supported yet (the merged model and the adapter are written from the whole model). "
+            "Fix: set \"export\": {\"enabled\": false} and save training checkpoints, or "
+            "train the adapters without a pipeline schedule");
+      }
+    }
+  }
   if (s.run.pipeline) {
     s.pipeline_step = std::make_unique<PipelineStepCore>(
         std::move(s.run.parallel), std::move(*s.run.pipeline), std::move(options));
@@ -747,7 +925,13 @@ TrainResult TrainerCore::train() {
     std::tie(result.lr_schedule_svg, result.loss_svg) = write_pictures(cfg, result);
   }
 
-  if (cfg.export_model.enabled) {
+  if (cfg.export_model.enabled && s.pipeline_step) {
+    if (main) {
+      result.export_dir = files::join(cfg.run.output_dir, "model");
+    }
+    export_pipelined(s, files::join(cfg.run.output_dir, "model"),
+                     cfg.export_model.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat);
+  } else if (cfg.export_model.enabled) {
     if (main) {
       result.export_dir = files::join(cfg.run.output_dir, "model");
     }

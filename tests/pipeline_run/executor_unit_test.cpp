@@ -90,14 +90,33 @@ TEST(Pipeline_Qwen3Stage, StagesStartWithTheWholeModelsValues) {
                          want["model.layers.3.mlp.gate_proj.weight"]));
 }
 
-TEST(Pipeline_Qwen3Stage, ErrorsNameTheFix) {
+// A tied head on a last stage that is not the first: the stage holds its own copy of the
+// embedding under the embedding's name, with the first stage's values, and uses it as the head.
+TEST(Pipeline_Qwen3Stage, TiedLastStageHoldsACopyOfTheEmbedding) {
   auto config = d9d::testing::pipeline_config();
   config.tie_word_embeddings = true;
-  EXPECT_THAT(d9d::testing::error_of([&] {
-                d9d::model::Qwen3Stage(config, 0, 2, LayerRange{0, 4});
-              }),
-              HasSubstr("\"tie_word_embeddings\": false"));
-  config.tie_word_embeddings = false;
+  at::manual_seed(7);
+  const d9d::model::Qwen3Stage first(config, 0, 2, LayerRange{0, 4});
+  at::manual_seed(7);
+  d9d::model::Qwen3Stage last(config, 1, 2, LayerRange{8, 8});  // the norm and the head only
+  at::manual_seed(7);
+  d9d::model::Qwen3ForCausalLM whole(config);
+  const auto first_params = first->named_parameters();
+  const auto last_params = last->named_parameters();
+  ASSERT_NE(last_params.find("model.embed_tokens.weight"), nullptr);
+  EXPECT_EQ(last_params.find("lm_head.weight"), nullptr);
+  EXPECT_TRUE(at::equal(last_params["model.embed_tokens.weight"],
+                        first_params["model.embed_tokens.weight"]));
+  EXPECT_TRUE(
+      at::equal(last_params["model.embed_tokens.weight"], whole->model->embed_tokens->weight));
+  // The last stage's logits are those of the whole tied model's head on the same hidden states.
+  const auto hidden = at::randn({2, 5, config.hidden_size});
+  const auto want = at::linear(whole->model->norm(hidden), whole->model->embed_tokens->weight);
+  EXPECT_TRUE(at::allclose(last(hidden), want, 1e-6, 1e-7));
+}
+
+TEST(Pipeline_Qwen3Stage, ErrorsNameTheFix) {
+  auto config = d9d::testing::pipeline_config();
   EXPECT_THAT(d9d::testing::error_of([&] {
                 d9d::model::Qwen3Stage(config, 2, 2, LayerRange{0, 4});
               }),

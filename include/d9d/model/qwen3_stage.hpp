@@ -8,8 +8,13 @@
 // Stage 0 holds the embedding, the last stage the final norm and the LM head, every stage its
 // range of decoder layers. Parameter names are those of the whole Qwen3ForCausalLM
 // ("model.layers.5.mlp.up_proj.weight", "lm_head.weight"), so checkpoints and a full model's
-// parameters map onto stages by name (copy_parameters). A tied LM head needs the embedding on the
-// last stage, so several stages require tie_word_embeddings = false.
+// parameters map onto stages by name (copy_parameters). With tie_word_embeddings = true the last
+// stage (when it is not also the first) holds its own copy of the embedding, registered under the
+// same name "model.embed_tokens.weight" and used as the LM head: it starts with the first stage's
+// values (init_qwen3_parameters draws by name), and the parallelize layer sums the two holders'
+// gradients after each step (d9d::parallel::detail::tie_stage_parameters), so both stay
+// bit-identical. Checkpoints, export and "checkpoint.init_from" see one
+// "model.embed_tokens.weight" (the copy is marked ParameterRecord::tied_copy).
 #pragma once
 
 #include <cstdint>
@@ -49,10 +54,11 @@ class Qwen3StageImpl : public torch::nn::Module, public VocabParallelModel {
   [[nodiscard]] std::vector<int64_t> input_sizes(int64_t batch, int64_t seq) const;
   [[nodiscard]] std::vector<int64_t> output_sizes(int64_t batch, int64_t seq) const;
 
-  torch::nn::Embedding embed_tokens{nullptr};  ///< stage 0 only ("model.embed_tokens")
-  std::vector<Qwen3DecoderLayer> layers;       ///< "model.layers.<global index>"
-  RmsNorm norm{nullptr};                       ///< last stage only ("model.norm")
-  Linear lm_head{nullptr};                     ///< last stage only ("lm_head")
+  /// Stage 0, and a tied last stage ("model.embed_tokens")
+  torch::nn::Embedding embed_tokens{nullptr};
+  std::vector<Qwen3DecoderLayer> layers;  ///< "model.layers.<global index>"
+  RmsNorm norm{nullptr};                  ///< last stage only ("model.norm")
+  Linear lm_head{nullptr};                ///< last stage only, untied ("lm_head")
 
  private:
   Qwen3Config config_;

@@ -60,6 +60,11 @@ struct ParameterRecord {
   MeshDomain domain = MeshDomain::regular;
   std::vector<std::string> dims;      ///< mesh dimensions of `domain` it is laid out on
   std::vector<Placement> placements;  ///< one per dim: Replicate{} or Shard{d}
+  /// A second holder of a parameter tied across pipeline stages (the tied LM head's copy of
+  /// "model.embed_tokens.weight" on the last stage): the same name, values and gradient as the
+  /// first holder (the stage with the lowest index), trained alongside it, but left out of the
+  /// gradient norm, checkpoints and export, which count the first holder only.
+  bool tied_copy = false;
 
   /// The dims whose ranks hold different parts (Shard placements).
   [[nodiscard]] std::vector<std::string> sharded_dims() const;
@@ -142,6 +147,9 @@ class ParallelModel {
 
   /// Adds a strategy's gradient path (run in the order added; finish in reverse).
   void add_sync(std::unique_ptr<GradientSync> sync);
+  /// Adds a gradient path whose finish() runs after every other one's (on the reduced gradients:
+  /// the sum of tied parameters over their holders).
+  void add_final_sync(std::unique_ptr<GradientSync> sync);
   /// Registers mesh dims of `domain` that shard parameters: normalize_and_clip sums the squares
   /// of parameters sharded on exactly these dims (of that domain) over their group. Every rank
   /// registers the same sets in the same order (strategies do it in apply).
@@ -256,6 +264,17 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
 /// f/g autograd functions and the loss-parallel cross-entropy; exposed for tests).
 std::shared_ptr<const model::TensorParallelGroup> make_tensor_parallel_group(
     const ProcessGroup& group, bool sequence_parallel = false);
+
+/// Parameters tied across pipeline stages: a name that more than one of the modules holds (this
+/// rank's stages, or the stages of other ranks of its pp group; found by one all-gather of names
+/// over pp). The first holder (lowest pp rank, then first module) keeps its record; the others are
+/// marked ParameterRecord::tied_copy. A final GradientSync sums the holders' gradients after the
+/// other reductions (data parallel, FullyShard's reduce-scatter: on this rank's part): locally
+/// when one rank holds them all, else by an all-reduce over the group of the holding pp ranks
+/// (for each pp group, i.e. each coordinate of the other mesh dims). Every holder then has the
+/// same gradient and, with the same optimizer, the same values. Nothing to do without pp > 1 and
+/// without repeated names (a model that shares one Parameter between two modules has one record).
+void tie_stage_parameters(ParallelModel& model);
 
 /// Recomputes block i when every_nth > 0 and i % every_nth == every_nth - 1.
 void apply_recompute(ParallelModel& model, int every_nth);
@@ -571,6 +590,7 @@ std::unique_ptr<ParallelModel> parallelize(const DeviceMesh& mesh,
   strategy<typename Plan::context_parallel>::template apply<Plan>(*model);
   strategy<typename Plan::data_parallel>::template apply<Plan>(*model);
   strategy<typename Plan::activation_checkpointing>::template apply<Plan>(*model);
+  detail::tie_stage_parameters(*model);
   return model;
 }
 

@@ -5,7 +5,8 @@
 // A checkpoint is a directory <output_dir>/checkpoints/step-<N> (N = optimizer steps done):
 //   rank-<r>.safetensors  one per rank. Each trained parameter's part on this rank (the whole
 //                         parameter, or its shard under FullyShard; a pipeline rank's stages: the
-//                         names are the whole model's) is stored by one rank among its replicas
+//                         names are the whole model's; a parameter tied across stages once, by
+//                         its first holder) is stored by one rank among its replicas
 //                         (coordinate 0 on every mesh dim it is replicated on) as "model/<name>",
 //                         or "model/<name>@<o0>,<o1>,..." (its offsets) when it is a part, with
 //                         AdamW's state beside it: "optim/<name>/exp_avg[@...]", ".../exp_avg_sq",

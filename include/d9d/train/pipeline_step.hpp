@@ -9,8 +9,10 @@
 // data-parallel rank), the gradient norm is summed over the pipeline ranks and clipped, and AdamW
 // updates this rank's parameters. The gradient path is the parallelize layer's (built with
 // ParallelizeOptions::pipelined: weight gradients may come from W actions, so strategies reduce
-// after the program). Losses and gradients equal a single-process step over the
-// same global batch (tests/train: Trainer_Pipeline_Gloo).
+// after the program); its last part sums the gradients of a parameter tied across stages (a tied
+// embedding's two holders) over the ranks that hold it. Losses and gradients equal a
+// single-process step over the same global batch (tests/train: Trainer_Pipeline_Gloo,
+// Trainer_PipelineTied_Gloo).
 #pragma once
 
 #include <any>

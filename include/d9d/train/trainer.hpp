@@ -21,7 +21,9 @@
 // batch (d9d::data::DistributedSampler), splits it into microbatches, and the step accumulates,
 // reduces, clips and updates. The main rank shows a progress bar and writes metrics.jsonl and a
 // TensorBoard event file; at the end it exports the model (safetensors + config.json; with LoRA
-// adapters, the merged model and the adapter in Hugging Face peft's format). With the
+// adapters, the merged model and the adapter in Hugging Face peft's format; under a pipeline plan
+// the stages' owners send their parameters to the main rank, one tensor group at a time, and a
+// tied embedding is written once — LoRA export under a pipeline is rejected). With the
 // config's "checkpoint" section it saves training checkpoints and resumes from the latest one
 // (d9d/train/checkpoint.hpp). A task that declares metrics (d9d/train/concepts.hpp) has them
 // updated per microbatch, synchronised over the ranks at the end of each logged step and written
@@ -328,6 +330,21 @@ class Trainer {
     return {};
   }
 
+  // The provider's hf_config_json and hf_export_mapper, if it has them (after build).
+  template <class ModelProvider>
+  static void add_hf_export(const ModelProvider& models, detail::ErasedRun& run) {
+    if constexpr (requires { models.hf_config_json(); }) {
+      run.hf_config_json = models.hf_config_json();
+    }
+    if constexpr (requires(const std::vector<std::string>& names) {
+                    { models.hf_export_mapper(names) } -> std::convertible_to<state::Mapper>;
+                  }) {
+      run.hf_export_mapper = [models](const std::vector<std::string>& names) {
+        return models.hf_export_mapper(names);
+      };
+    }
+  }
+
   // The provider's hf_load_mapper, if it has one (after build: it may need the model's config).
   template <class ModelProvider>
   static void add_hf_load_mapper(const ModelProvider& models, detail::ErasedRun& run) {
@@ -379,11 +396,6 @@ class Trainer {
                   "Batch&)` (the first stage's input) and `d9d::LossOutput output_loss(const "
                   "at::Tensor& output, const Batch&)` (the loss of the last stage's output)");
     if constexpr (pipeline_train_task<Task, Batch>) {
-      if (config.export_model.enabled) {
-        throw ConfigError(
-            "d9d config: \"export.enabled\" is not supported with a pipeline plan yet (each rank "
-            "holds only its stages). Fix: set \"export\": {\"enabled\": false}");
-      }
       if (config.batch.sequence_length < 1) {
         throw ConfigError(
             "d9d config: \"batch.sequence_length\" is not given, but a pipeline plan sizes the "
@@ -451,6 +463,7 @@ class Trainer {
       run.parallel = parallel::parallelize<Plan>(*mesh, std::move(modules),
                                                  detail::parallelize_options(config, true));
       run.pipeline = std::move(parts);
+      add_hf_export(models, run);
       add_hf_load_mapper(models, run);
       add_data<DatasetProvider, Batch>(datasets, *mesh, config, run);
       core_ = std::make_unique<detail::TrainerCore>(
@@ -491,16 +504,7 @@ class Trainer {
         return out;
       };
       add_data<DatasetProvider, Batch>(datasets, *mesh, config, run);
-      if constexpr (requires { models.hf_config_json(); }) {
-        run.hf_config_json = models.hf_config_json();
-      }
-      if constexpr (requires(const std::vector<std::string>& names) {
-                      { models.hf_export_mapper(names) } -> std::convertible_to<state::Mapper>;
-                    }) {
-        run.hf_export_mapper = [models](const std::vector<std::string>& names) {
-          return models.hf_export_mapper(names);
-        };
-      }
+      add_hf_export(models, run);
       add_hf_load_mapper(models, run);
       core_ = std::make_unique<detail::TrainerCore>(
           std::move(context), std::move(mesh), std::move(config), detail::precision_options<Plan>(),
