@@ -4,11 +4,14 @@
 //   bazel run //tools/generate -- --model runs/quickstart/model --prompt "The trainer"
 //   bazel run //tools/generate -- --model M --prompt "a" --prompt "b" --temperature 0.8 --top-p 0.9
 //   bazel run //tools/generate -- --model Qwen3-0.6B --ids "785 3974 13876" --device cuda
+//   ... --time     # also a warm-up run, then the generation's seconds and tokens/s on stderr
 //
 // Text prompts are encoded with d9d::data::ByteTokenizer (the tokenizer of tools/tokenize and the
 // demo), so they need a model whose vocabulary is that tokenizer's (258 ids); a continuation
 // stops at <|endoftext|> and prints as text. --ids takes token ids of any tokenizer (space
 // separated) and prints ids. All prompts of a run form one batch.
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <iostream>
 #include <sstream>
@@ -31,6 +34,7 @@ struct Options {
   std::vector<std::string> ids;
   std::string dtype = "float32";
   std::string device = "cpu";
+  bool time = false;
   d9d::model::GenerationOptions generation;
 };
 
@@ -80,7 +84,24 @@ int run(Options options) {
       prompts.push_back(parse_ids(ids));
     }
   }
+  if (options.time) {  // kernels loaded and caches warm before the timed run
+    auto warm_up = options.generation;
+    warm_up.max_new_tokens = std::min<int64_t>(8, warm_up.max_new_tokens);
+    (void)d9d::model::generate(*model, prompts, warm_up);
+  }
+  const auto start = std::chrono::steady_clock::now();
   const auto continuations = d9d::model::generate(*model, prompts, options.generation);
+  if (options.time) {
+    // generate() copies every step's tokens to the host, so the device is done when it returns.
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::size_t tokens = 0;
+    for (const auto& row : continuations) {
+      tokens += row.size();
+    }
+    std::cerr << "generate: " << prompts.size() << " prompts, " << tokens << " new tokens in "
+              << seconds << " s (" << static_cast<double>(tokens) / seconds << " tokens/s)\n";
+  }
   for (std::size_t i = 0; i < prompts.size(); ++i) {
     if (text) {
       // Continuations span lines: each gets a header when there are several.
@@ -127,6 +148,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"float32", "float64", "bfloat16"}))
       ->capture_default_str();
   app.add_option("--device", options.device, "cpu, cuda, cuda:1, ...")->capture_default_str();
+  app.add_flag("--time", options.time, "warm up, then print the generation's speed to stderr");
   CLI11_PARSE(app, argc, argv);
   if (options.prompts.empty() && options.ids.empty()) {
     std::cerr << "generate: error: give --prompt TEXT or --ids \"ID ID ...\"\n";
