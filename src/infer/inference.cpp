@@ -23,8 +23,16 @@ namespace d9d {
 
 at::Tensor CausalLmScoreTask::infer(model::Qwen3ForCausalLM& model, const CausalLmBatch& batch) {
   const auto tokens = batch.tokens.to(model->model->embed_tokens->weight.device());
+  return output(model->forward(tokens.narrow(1, 0, tokens.size(1) - 1)), batch);
+}
+
+at::Tensor CausalLmScoreTask::stage_input(const CausalLmBatch& batch) {
+  return batch.tokens.narrow(1, 0, batch.tokens.size(1) - 1);
+}
+
+at::Tensor CausalLmScoreTask::output(const at::Tensor& logits, const CausalLmBatch& batch) {
+  const auto tokens = batch.tokens.to(logits.device());
   const int64_t length = tokens.size(1) - 1;
-  const auto logits = model->forward(tokens.narrow(1, 0, length));
   const auto log_probs = at::log_softmax(logits.to(at::kDouble), -1);
   const auto chosen = log_probs.gather(-1, tokens.narrow(1, 1, length).unsqueeze(-1)).squeeze(-1);
   const auto count = at::full({tokens.size(0)}, static_cast<double>(length), chosen.options());
@@ -68,6 +76,31 @@ void write_progress(const std::string& path, int64_t samples_done, int64_t datas
 
 }  // namespace
 
+std::shared_ptr<pipeline::Executor> make_inference_executor(
+    const DeviceMesh& mesh, const pipeline::Program& program,
+    const std::vector<std::pair<std::shared_ptr<torch::nn::Module>, pipeline::Stage>>& stages,
+    std::function<pipeline::TensorSpec(int)> activation) {
+  // Activations cross stages in the dtype of the stages' parameters (see pipeline_step.cpp).
+  at::ScalarType dtype = at::kFloat;
+  std::vector<pipeline::Stage> handles;
+  for (const auto& [module, stage] : stages) {
+    handles.push_back(stage);
+    for (const auto& param : module->parameters()) {
+      if (at::isFloatingType(param.scalar_type())) {
+        dtype = param.scalar_type();
+        break;
+      }
+    }
+  }
+  return std::make_shared<pipeline::Executor>(
+      program, mesh.group(MeshDomain::regular, "pp"), std::move(handles),
+      [activation = std::move(activation), dtype](int stage) {
+        auto spec = activation(stage);
+        spec.dtype = dtype;
+        return spec;
+      });
+}
+
 void load_inference_weights(
     const DistributedContext& context, parallel::ParallelModel& parallel,
     const TrainerConfig& config,
@@ -80,13 +113,16 @@ void load_inference_weights(
     std::vector<std::string> names;
     for (const auto& module : parallel.modules()) {
       for (const auto& item : module->named_parameters()) {
-        names.push_back(item.key());
+        // A name held twice on this rank (a tied embedding's two stages) is loaded once.
+        if (std::find(names.begin(), names.end(), item.key()) == names.end()) {
+          names.push_back(item.key());
+        }
       }
     }
     stats = parallel::load_state(parallel, source,
                                  {.mapper = mapper ? mapper(source.keys(), names) : state::Mapper(),
                                   .ignore = {},
-                                  .allow_unused_inputs = false,
+                                  .allow_unused_inputs = parallel.options().pipelined,
                                   .keep = {}});
   } catch (const std::exception& error) {
     throw ConfigError("d9d config: \"checkpoint.init_from\" = \"" + from + "\": " + error.what());
@@ -146,25 +182,23 @@ InferenceResult run_inference(const DistributedContext& context, const DeviceMes
       valid += first + i < size ? 1 : 0;
     }
     const auto batch = run.load(indices);
-    std::vector<at::Tensor> rows;
+    at::Tensor rows;
     {
       // The strategies' step brackets: FullyShard gathers the loose parameters (embedding, head)
       // for the step and reshards everything after it; no backward, so nothing is reduced.
       run.parallel->begin_step();
       const AutocastScope autocast(bf16_autocast, context.device().type());
-      for (const auto& microbatch : run.split(batch, microbatches)) {
-        rows.push_back(run.infer(microbatch));
-      }
+      rows = run.step(run.split(batch, microbatches));
       run.parallel->finish();
     }
-    const auto all = at::cat(rows, 0);
-    if (all.size(0) != per_rank) {
-      throw std::logic_error("d9d::Inference: the task's infer gave " +
-                             std::to_string(all.size(0)) + " rows for " + std::to_string(per_rank) +
+    if (rows.defined() && rows.size(0) != per_rank) {
+      throw std::logic_error("d9d::Inference: the task gave " + std::to_string(rows.size(0)) +
+                             " rows for " + std::to_string(per_rank) +
                              " samples; it must give one per sample");
     }
-    if (writes && valid > 0) {
-      sink(std::vector<int64_t>(indices.begin(), indices.begin() + valid), all.narrow(0, 0, valid));
+    if (writes && rows.defined() && valid > 0) {
+      sink(std::vector<int64_t>(indices.begin(), indices.begin() + valid),
+           rows.narrow(0, 0, valid));
     }
     context.barrier();  // every rank's sink has its rows before the progress moves on
     const int64_t samples_done = std::min(size, result.resumed_at + (step + 1) * global);

@@ -1,6 +1,7 @@
 // d9d::Inference (include/d9d/infer/inference.hpp) on 2 and 4 Gloo ranks: per-sample scores of a
 // causal LM loaded from a Hugging Face checkpoint (float64, written by the test) under FullyShard,
-// tensor parallelism and both, equal the one-process model's on every sample; each sample reaches
+// tensor parallelism, both, a pipeline (pp 2) and a pipeline with FullyShard (pp 2 x 2), equal the
+// one-process model's on every sample; each sample reaches
 // exactly one sink once (13 samples, so the last global batch is padded), and a run started again
 // after recorded progress continues after it.
 #include <map>
@@ -14,6 +15,7 @@
 #include <d9d/core/collectives.hpp>
 #include <d9d/infer/inference.hpp>
 #include <d9d/model/hf.hpp>
+#include <d9d/pipeline/schedules.hpp>
 #include <d9d/state/safetensors.hpp>
 #include <d9d/util/files.hpp>
 
@@ -31,6 +33,9 @@ constexpr int64_t kSamples = 13;
 
 using ShardPlan = d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>>, d9d::parallel::Fsdp, Fp64>;
 using TpPlan = d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>>, d9d::parallel::TensorParallel<>, Fp64>;
+using PipelinePlan = d9d::Plan<d9d::mesh<d9d::pp<d9d::dynamic>>, d9d::pipeline::OneFOneB<>, Fp64>;
+using PipelineShardPlan = d9d::Plan<d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_shard<d9d::dynamic>>,
+                                    d9d::pipeline::OneFOneB<>, d9d::parallel::Fsdp, Fp64>;
 using TpShardPlan = d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::tp<d9d::dynamic>>,
                               d9d::parallel::TensorParallel<>, d9d::parallel::Fsdp, Fp64>;
 
@@ -116,6 +121,9 @@ TEST(Inference_ws2, ShardedAndTensorParallelScoresEqualOneProcessAndResume) {
                              0, "FullyShard 2");
     run_and_check<TpPlan>(ctx, config_for(env, "tp", R"({"tp": 2})", checkpoint), want, 0, "tp 2");
 
+    run_and_check<PipelinePlan>(ctx, config_for(env, "pp", R"({"pp": 2})", checkpoint), want, 0,
+                                "pp 2");
+
     // A run that stopped after 8 samples: the next one starts there.
     const std::string out = env.scratch_dir() + "/shard";
     if (ctx.rank() == 0) {
@@ -139,7 +147,7 @@ TEST(Inference_ws2, ShardedAndTensorParallelScoresEqualOneProcessAndResume) {
   });
 }
 
-TEST(Inference_ws4, TensorParallelTimesFullyShardScoresEqualOneProcess) {
+TEST(Inference_ws4, TensorParallelAndPipelineTimesFullyShardScoresEqualOneProcess) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
   d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
     const auto ctx = d9d::testing::rank_context(env);

@@ -22,12 +22,16 @@
 // written where they are computed. After every step the main rank records the samples done in
 // `<run.output_dir>/inference_progress.json`; a run started again over the same output directory
 // continues after them (the sink may see the step that was in flight when a run stopped again:
-// at-least-once). Pipeline plans are not supported yet (a compile-time error says so).
+// at-least-once). Under a pipeline plan every rank builds its stage (one per pp rank) and the
+// executor runs the forward-only program (d9d::pipeline::inference) over the microbatches; the task
+// gives `at::Tensor stage_input(const Batch&)` and `at::Tensor output(const at::Tensor&
+// last_stage_output, const Batch&)` instead of infer, and the last stage's ranks call the sink.
 #pragma once
 
 #include <any>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -40,6 +44,9 @@
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/parallel/load.hpp>
 #include <d9d/parallel/parallelize.hpp>
+#include <d9d/pipeline/builders.hpp>
+#include <d9d/pipeline/executor.hpp>
+#include <d9d/pipeline/program.hpp>
 #include <d9d/plan/plan.hpp>
 #include <d9d/train/causal_lm.hpp>
 #include <d9d/train/concepts.hpp>
@@ -68,6 +75,10 @@ struct InferenceResult {
 class CausalLmScoreTask {
  public:
   at::Tensor infer(model::Qwen3ForCausalLM& model, const CausalLmBatch& batch);
+  /// Under a pipeline plan: the first stage's input (tokens[:, :-1]) and the rows from the last
+  /// stage's logits.
+  at::Tensor stage_input(const CausalLmBatch& batch);
+  at::Tensor output(const at::Tensor& logits, const CausalLmBatch& batch);
 };
 
 namespace detail {
@@ -77,9 +88,19 @@ struct ErasedInference {
   int64_t dataset_size = 0;
   std::function<std::any(const std::vector<int64_t>&)> load;
   std::function<std::vector<std::any>(const std::any&, int64_t)> split;
-  std::function<at::Tensor(const std::any&)> infer;  ///< one microbatch -> its rows
+  /// One step's microbatches -> this rank's rows [samples, ...], in sample order; undefined on a
+  /// rank without outputs (a pipeline rank that does not hold the last stage).
+  std::function<at::Tensor(const std::vector<std::any>&)> step;
   std::unique_ptr<parallel::ParallelModel> parallel;
+  std::shared_ptr<pipeline::Executor> executor;  ///< pipeline plans
 };
+
+/// The executor of a forward-only program over this rank's stages (activations in the stages'
+/// parameter dtype).
+std::shared_ptr<pipeline::Executor> make_inference_executor(
+    const DeviceMesh& mesh, const pipeline::Program& program,
+    const std::vector<std::pair<std::shared_ptr<torch::nn::Module>, pipeline::Stage>>& stages,
+    std::function<pipeline::TensorSpec(int)> activation);
 
 /// The loop (src/infer/inference.cpp).
 InferenceResult run_inference(const DistributedContext& context, const DeviceMesh& mesh,
@@ -104,9 +125,6 @@ class Inference {
   Inference(DistributedContext context, ModelProvider models, DatasetProvider datasets, Task task,
             TrainerConfig config, InferenceSink sink)
       : context_(std::move(context)), config_(std::move(config)), sink_(std::move(sink)) {
-    static_assert(!detail::is_pipelined_v<Plan>,
-                  "d9d::Inference: pipeline plans are not supported yet. Fix: use the Plan "
-                  "without its pipeline schedule (pp = 1) for inference");
     static_assert(model_provider<ModelProvider>,
                   "d9d::Inference: the model provider needs `using model_provider_concept = "
                   "d9d::model_provider_tag;` and `build(const d9d::ModelBuildContext&)`");
@@ -117,12 +135,26 @@ class Inference {
     using Batch = batch_of_t<DatasetProvider>;
     static_assert(splittable_batch<Batch>,
                   "d9d::Inference: the dataset's batch type " D9D_UNSPLITTABLE_BATCH_FIX);
-    static_assert(
-        requires(Task & t, Model & m, const Batch& b) {
-          { t.infer(m, b) } -> std::convertible_to<at::Tensor>;
-        },
-        "d9d::Inference: the task needs `at::Tensor infer(Model&, const Batch&)` giving one row "
-        "per sample of the batch");
+    if constexpr (kPipelined) {
+      static_assert(
+          requires(Task & t, const Batch& b, const at::Tensor& out) {
+            { t.stage_input(b) } -> std::convertible_to<at::Tensor>;
+            { t.output(out, b) } -> std::convertible_to<at::Tensor>;
+          },
+          "d9d::Inference: a pipeline plan needs the task's `at::Tensor stage_input(const Batch&)` "
+          "(the first stage's input) and `at::Tensor output(const at::Tensor& last_stage_output, "
+          "const Batch&)` (one row per sample)");
+      static_assert(model_provider_builds_stages<ModelProvider>,
+                    "d9d::Inference: a pipeline plan needs the model provider's `build_stage(const "
+                    "d9d::StageBuildContext&)` (d9d::Qwen3Provider has it)");
+    } else {
+      static_assert(
+          requires(Task & t, Model & m, const Batch& b) {
+            { t.infer(m, b) } -> std::convertible_to<at::Tensor>;
+          },
+          "d9d::Inference: the task needs `at::Tensor infer(Model&, const Batch&)` giving one row "
+          "per sample of the batch");
+    }
     if (config_.checkpoint.init_from.empty()) {
       throw ConfigError(
           "d9d config: inference needs the model's weights. Fix: set \"checkpoint\": "
@@ -140,12 +172,25 @@ class Inference {
     mesh_ = std::make_shared<const DeviceMesh>(context_, shape);
     config_.check_against_data_parallel(mesh_->size(MeshDomain::batch, "dp"));
 
-    torch::manual_seed(config_.run.seed);
-    Model model = models.build(ModelBuildContext{
-        .device = context_.device(), .mesh = mesh_.get(), .config_json = config_.section("model")});
-    run_.parallel = parallel::parallelize<Plan>(
-        *mesh_, {model.ptr()},
-        {.reshard = config_.data_parallel.reshard, .seed = config_.run.seed});
+    auto shared_task = std::make_shared<Task>(std::move(task));
+    if constexpr (kPipelined) {
+      build_stages<ModelProvider, Batch>(models, shared_task);
+    } else {
+      torch::manual_seed(config_.run.seed);
+      Model model = models.build(ModelBuildContext{.device = context_.device(),
+                                                   .mesh = mesh_.get(),
+                                                   .config_json = config_.section("model")});
+      run_.parallel = parallel::parallelize<Plan>(
+          *mesh_, {model.ptr()},
+          {.reshard = config_.data_parallel.reshard, .seed = config_.run.seed});
+      run_.step = [model, shared_task](const std::vector<std::any>& microbatches) mutable {
+        std::vector<at::Tensor> rows;
+        for (const auto& microbatch : microbatches) {
+          rows.push_back(shared_task->infer(model, std::any_cast<const Batch&>(microbatch)));
+        }
+        return at::cat(rows, 0);
+      };
+    }
     std::function<state::Mapper(const std::vector<std::string>&, const std::vector<std::string>&)>
         mapper;
     if constexpr (requires(const std::vector<std::string>& keys) {
@@ -177,10 +222,6 @@ class Inference {
       }
       return out;
     };
-    run_.infer = [model, task = std::make_shared<Task>(std::move(task))](
-                     const std::any& microbatch) mutable -> at::Tensor {
-      return task->infer(model, std::any_cast<const Batch&>(microbatch));
-    };
   }
 
   /// Runs over the dataset from where the output directory's progress says (collective).
@@ -196,6 +237,68 @@ class Inference {
   [[nodiscard]] const DeviceMesh& mesh() const { return *mesh_; }
 
  private:
+  static constexpr bool kPipelined = detail::is_pipelined_v<Plan>;
+
+  // One stage per pp rank (the forward-only program; any split loads by name), parallelized with
+  // the Plan, and the executor over them.
+  template <class ModelProvider, class Batch, class Task>
+  void build_stages(ModelProvider& models, const std::shared_ptr<Task>& task) {
+    using StageModule = stage_of_t<ModelProvider>;
+    const int pp = mesh_->size(MeshDomain::regular, "pp");
+    const int dp = mesh_->size(MeshDomain::batch, "dp");
+    const auto microbatches = static_cast<int>(config_.microbatches_per_step(dp));
+    const auto program = pipeline::inference(pp, microbatches);
+    if (config_.batch.sequence_length < 1) {
+      throw ConfigError(
+          "d9d config: \"batch.sequence_length\" is not given, but a pipeline plan sizes the "
+          "tensors between stages with it. Fix: set \"batch\": {\"sequence_length\": N, ...}");
+    }
+    const int64_t b = config_.batch.microbatch_size;
+    const int64_t t = config_.batch.sequence_length;
+    std::vector<std::pair<std::shared_ptr<torch::nn::Module>, pipeline::Stage>> stages;
+    std::map<int, pipeline::TensorSpec> specs;
+    std::vector<std::shared_ptr<torch::nn::Module>> modules;
+    const int rank = mesh_->coordinate(MeshDomain::regular, "pp");
+    for (const int s :
+         pipeline::rank_stages(program.placement, program.pp, program.stages_per_rank, rank)) {
+      torch::manual_seed(config_.run.seed);
+      StageModule stage =
+          models.build_stage(StageBuildContext{.device = context_.device(),
+                                               .mesh = mesh_.get(),
+                                               .config_json = config_.section("model"),
+                                               .stage = s,
+                                               .stages = program.stages()});
+      specs[s] = {.sizes = stage->input_sizes(b, t)};
+      specs[s + 1] = {.sizes = stage->output_sizes(b, t)};
+      modules.push_back(stage.ptr());
+      stages.emplace_back(
+          stage.ptr(), pipeline::Stage{.index = s, .forward = [stage](const at::Tensor& x) mutable {
+                                         return stage->forward(x);
+                                       }});
+    }
+    run_.parallel = parallel::parallelize<Plan>(
+        *mesh_, std::move(modules),
+        {.reshard = config_.data_parallel.reshard, .pipelined = true, .seed = config_.run.seed});
+    run_.executor = detail::make_inference_executor(*mesh_, program, stages,
+                                                    [specs](int s) { return specs.at(s); });
+    run_.step = [executor = run_.executor, task](const std::vector<std::any>& microbatches) {
+      std::vector<at::Tensor> inputs;
+      for (const auto& microbatch : microbatches) {
+        inputs.push_back(task->stage_input(std::any_cast<const Batch&>(microbatch)));
+      }
+      const auto result = executor->run(inputs, {});
+      if (result.outputs.empty()) {
+        return at::Tensor();
+      }
+      std::vector<at::Tensor> rows;
+      for (std::size_t i = 0; i < microbatches.size(); ++i) {
+        rows.push_back(
+            task->output(result.outputs[i], std::any_cast<const Batch&>(microbatches[i])));
+      }
+      return at::cat(rows, 0);
+    };
+  }
+
   DistributedContext context_;
   TrainerConfig config_;
   InferenceSink sink_;
