@@ -23,9 +23,10 @@
 // `<run.output_dir>/inference_progress.json`; a run started again over the same output directory
 // continues after them (the sink may see the step that was in flight when a run stopped again:
 // at-least-once). Under a pipeline plan every rank builds its stage (one per pp rank) and the
-// executor runs the forward-only program (d9d::pipeline::inference) over the microbatches; the task
-// gives `at::Tensor stage_input(const Batch&)` and `at::Tensor output(const at::Tensor&
-// last_stage_output, const Batch&)` instead of infer, and the last stage's ranks call the sink.
+// executor runs the forward-only program (d9d::pipeline::Inference, with its sends and receives)
+// over the microbatches; the task gives `at::Tensor stage_input(const Batch&)` and `at::Tensor
+// output(const at::Tensor& last_stage_output, const Batch&)` instead of infer, and the last stage's
+// ranks call the sink.
 #pragma once
 
 #include <any>
@@ -44,9 +45,9 @@
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/parallel/load.hpp>
 #include <d9d/parallel/parallelize.hpp>
-#include <d9d/pipeline/builders.hpp>
 #include <d9d/pipeline/executor.hpp>
 #include <d9d/pipeline/program.hpp>
+#include <d9d/pipeline/schedules.hpp>
 #include <d9d/plan/plan.hpp>
 #include <d9d/train/causal_lm.hpp>
 #include <d9d/train/concepts.hpp>
@@ -247,7 +248,7 @@ class Inference {
     const int pp = mesh_->size(MeshDomain::regular, "pp");
     const int dp = mesh_->size(MeshDomain::batch, "dp");
     const auto microbatches = static_cast<int>(config_.microbatches_per_step(dp));
-    const auto program = pipeline::inference(pp, microbatches);
+    const auto program = pipeline::build_program<pipeline::Inference<>>(pp, microbatches);
     if (config_.batch.sequence_length < 1) {
       throw ConfigError(
           "d9d config: \"batch.sequence_length\" is not given, but a pipeline plan sizes the "
