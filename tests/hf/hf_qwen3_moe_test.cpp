@@ -20,6 +20,7 @@
 #include <d9d/state/safetensors.hpp>
 #include <d9d/util/files.hpp>
 
+#include "tests/hf/hf_test_util.hpp"
 #include "tests/support/error_of.hpp"
 
 namespace {
@@ -27,20 +28,8 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-std::string fixture(const std::string& name) {
-  const char* dir = std::getenv("D9D_HF_FIXTURES");
-  return d9d::files::join(dir != nullptr ? dir : "tests/hf/fixtures", name);
-}
-
-at::Tensor named(const d9d::state::NamedTensors& tensors, const std::string& name) {
-  for (const auto& [key, tensor] : tensors) {
-    if (key == name) {
-      return tensor;
-    }
-  }
-  ADD_FAILURE() << "no tensor " << name;
-  return {};
-}
+using hf_test::fixture;
+using hf_test::named;
 
 struct MoeFixture {
   std::string name;
