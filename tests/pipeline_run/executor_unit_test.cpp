@@ -192,6 +192,24 @@ TEST(Pipeline_Executor, TimelineHasOneEntryPerComputeActionInProgramOrder) {
   d9d::testing::expect_timeline_of(one.timeline(), program, 0, "GPipe m=2");
 }
 
+// On CUDA the timeline comes from events on the current stream, resolved by timeline(): still
+// one entry per compute action, in program order, one after the other. Skips without a GPU.
+TEST(Pipeline_Executor_Cuda, TimelineFromDeviceEvents) {
+  if (!at::hasCUDA()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  for (const auto& program : {d9d::pipeline::build_program<d9d::pipeline::OneFOneB<>>(1, 3),
+                              d9d::pipeline::build_program<d9d::pipeline::ZeroBubbleV<>>(1, 3)}) {
+    const auto run =
+        d9d::testing::pipeline_step(program, d9d::ProcessGroup(), 0, false,
+                                    c10::Device(at::kCUDA, 0), {}, {.record_timeline = true});
+    d9d::testing::expect_matches(run, d9d::testing::reference_step(program.microbatches, false),
+                                 "cuda");
+    d9d::testing::expect_timeline_of(run.timeline, program, 0, "cuda");
+    EXPECT_GT(run.timeline.back().end, 0.0);
+  }
+}
+
 TEST(Pipeline_Executor, ErrorsAreClear) {
   const auto program = d9d::pipeline::build_program<d9d::pipeline::GPipe<>>(2, 2);
   const auto forward = [](const at::Tensor& x) { return x; };
