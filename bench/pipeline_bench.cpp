@@ -52,7 +52,6 @@
 
 namespace {
 
-using d9d::pipeline::Action;
 using d9d::pipeline::Op;
 using d9d::pipeline::Program;
 
@@ -208,6 +207,7 @@ int main(int argc, char** argv) {
       modes.push_back(false);
     }
     std::vector<d9d::pipeline::Executor> executors;
+    executors.reserve(modes.size());
     for (const bool on : modes) {
       executors.emplace_back(
           program, group, handles,
@@ -284,6 +284,7 @@ int main(int argc, char** argv) {
       return out;
     };
     std::vector<Measured> measured;
+    measured.reserve(executors.size());
     for (auto& executor : executors) {
       measured.push_back(measure(executor));
     }
