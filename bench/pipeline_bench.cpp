@@ -6,11 +6,15 @@
 //
 // Each rank builds only its stages (d9d::model::Qwen3Stage over d9d::pipeline::distribute_layers),
 // runs warm-up steps, then times `--steps` steps of the schedule (forward + backward of every
-// microbatch; no optimizer). Compute actions are timed with device events (CUDA) or the clock (CPU)
-// through the executor's compute hook, so each rank's busy time is measured, not assumed:
-//   measured bubble = 1 - mean over ranks of (busy time / step time)
+// microbatch; no optimizer). Compute actions are timed by the executor's timeline (device events
+// on CUDA, the clock on CPU), so each rank's busy time is measured, not assumed:
+//   measured bubble = 1 - mean over ranks of (busy time / step time, the median over steps)
 // and printed next to the bubble the schedule's program has under the measured F, I and W costs
-// and under equal costs. Results also go to --json.
+// and under equal costs. `--overlap both` (the default) measures the executor with its
+// point-to-point batches in flight until compute needs them (ExecutorOptions::overlap_p2p) and
+// with each batch waited for before the next compute action, one after the other, and prints
+// both. `--timeline FILE.svg` draws the last step of each as every rank ran it, under the
+// program's plan (d9d/pipeline/picture.hpp). Results also go to --json.
 //
 // Stages start with the values of the whole model built after the same seed (d9d::model::
 // init_qwen3_parameters initialises by name). With --check every rank then builds that whole model,
@@ -31,7 +35,6 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <CLI/CLI.hpp>
-#include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <nlohmann/json.hpp>
 
@@ -42,12 +45,13 @@
 #include <d9d/model/qwen3.hpp>
 #include <d9d/model/qwen3_stage.hpp>
 #include <d9d/pipeline/executor.hpp>
+#include <d9d/pipeline/picture.hpp>
 #include <d9d/pipeline/schedules.hpp>
 #include <d9d/pipeline/stages.hpp>
+#include <d9d/track/progress.hpp>
 
 namespace {
 
-using d9d::pipeline::Action;
 using d9d::pipeline::Op;
 using d9d::pipeline::Program;
 
@@ -101,57 +105,6 @@ d9d::model::Qwen3Config preset(const std::string& name) {
   return c;
 }
 
-// Times compute actions: device events on CUDA (no synchronisation inside the step), the clock on
-// CPU.
-class ActionTimer {
- public:
-  explicit ActionTimer(c10::Device device) : device_(device) {}
-
-  void mark(const Action& action, bool done) {
-    if (!done) {
-      current_ = action;
-    }
-    if (device_.is_cuda()) {
-      const c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
-      events_.push_back(
-          std::make_unique<c10::Event>(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT));
-      events_.back()->record(guard.getStream(device_));
-    } else {
-      times_.push_back(std::chrono::steady_clock::now());
-    }
-    if (done) {
-      actions_.push_back(current_);
-    }
-  }
-  void reset() {
-    events_.clear();
-    times_.clear();
-    actions_.clear();
-  }
-  // Milliseconds of each timed action, in order (synchronises).
-  std::vector<std::pair<Action, double>> durations() const {
-    std::vector<std::pair<Action, double>> out;
-    for (std::size_t i = 0; i < actions_.size(); ++i) {
-      double ms = 0;
-      if (device_.is_cuda()) {
-        events_[2 * i + 1]->synchronize();
-        ms = events_[2 * i]->elapsedTime(*events_[2 * i + 1]);
-      } else {
-        ms = std::chrono::duration<double, std::milli>(times_[2 * i + 1] - times_[2 * i]).count();
-      }
-      out.emplace_back(actions_[i], ms);
-    }
-    return out;
-  }
-
- private:
-  c10::Device device_;
-  Action current_{};
-  std::vector<std::unique_ptr<c10::Event>> events_;
-  std::vector<std::chrono::steady_clock::time_point> times_;
-  std::vector<Action> actions_;
-};
-
 constexpr uint64_t kModelSeed = 1234;
 
 // The step without a pipeline on this rank: the whole model (same seed, so the same values), every
@@ -194,6 +147,8 @@ int main(int argc, char** argv) {
   int warmup = 2;
   bool bf16 = false;
   bool check = false;
+  std::string overlap = "both";
+  std::string timeline_path;
   double check_tolerance = 0;
   app.add_option("--schedule", schedule, "gpipe, 1f1b, interleaved, zbh1, zbv, dualpipev");
   app.add_option("--preset", preset_name, "model shape: 0.6b or tiny");
@@ -204,6 +159,12 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed steps first");
   app.add_flag("--bf16", bf16, "bf16 autocast in the stages' forward (fp32 weights)");
   app.add_option("--json", json_path, "also write the figures here (rank 0)");
+  app.add_option("--overlap", overlap,
+                 "on: batches of sends/receives in flight until compute needs them; off: each "
+                 "waited for before the next compute action; both (one after the other)")
+      ->check(CLI::IsMember({"on", "off", "both"}));
+  app.add_option("--timeline", timeline_path,
+                 "draw the last step as every rank ran it, under the program's plan (SVG)");
   app.add_flag("--check", check,
                "compare gradients and loss with the whole model run without a pipeline");
   app.add_option("--check-tolerance", check_tolerance,
@@ -237,12 +198,25 @@ int main(int argc, char** argv) {
              return stage(x);
            }});
     }
-    d9d::pipeline::Executor executor(program, group, std::move(handles), [&](int) {
-      return d9d::pipeline::TensorSpec{.sizes = {microbatch_size, seq, config.hidden_size},
-                                       .dtype = at::kFloat};
-    });
-    ActionTimer timer(device);
-    executor.on_compute([&](const Action& a, bool done) { timer.mark(a, done); });
+    // One executor per mode compared (constructing one is collective).
+    std::vector<bool> modes;
+    if (overlap != "off") {
+      modes.push_back(true);
+    }
+    if (overlap != "on") {
+      modes.push_back(false);
+    }
+    std::vector<d9d::pipeline::Executor> executors;
+    executors.reserve(modes.size());
+    for (const bool on : modes) {
+      executors.emplace_back(
+          program, group, handles,
+          [&](int) {
+            return d9d::pipeline::TensorSpec{.sizes = {microbatch_size, seq, config.hidden_size},
+                                             .dtype = at::kFloat};
+          },
+          d9d::pipeline::ExecutorOptions{.overlap_p2p = on, .record_timeline = true});
+    }
 
     // The same tokens on every rank (the first stage reads the inputs, the last the labels).
     auto token_generator = at::detail::createCPUGenerator(kModelSeed + 1);
@@ -261,45 +235,61 @@ int main(int argc, char** argv) {
              tokens;
     };
 
+    // What one mode measured on this rank.
+    struct Measured {
+      double median_step = 0;  // ms
+      double busy_share = 0;   // the median over steps of busy time / step time
+      std::map<Op, std::vector<double>> costs;
+      std::vector<d9d::pipeline::Timeline::Slot> last;  // the last step's timeline
+    };
     double last_loss = 0;  // this rank's share of the last step's loss (the last stage's rank)
-    std::vector<double> step_ms;
-    std::vector<double> busy_ms;
-    std::map<Op, std::vector<double>> costs;
-    for (int step = 0; step < warmup + steps; ++step) {
-      for (auto& stage : stages) {
-        stage->zero_grad();
+    const auto measure = [&](d9d::pipeline::Executor& executor) {
+      Measured out;
+      std::vector<double> step_ms;
+      std::vector<double> shares;
+      for (int step = 0; step < warmup + steps; ++step) {
+        for (auto& stage : stages) {
+          stage->zero_grad();
+        }
+        synchronize(device);
+        group.barrier();
+        const auto start = std::chrono::steady_clock::now();
+        const auto result = executor.run(inputs, loss);
+        last_loss = 0;
+        for (const auto& value : result.losses) {
+          last_loss += value.defined() ? value.item<double>() : 0.0;
+        }
+        synchronize(device);
+        group.barrier();
+        const double ms =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                .count();
+        if (step < warmup) {
+          continue;
+        }
+        step_ms.push_back(ms);
+        out.last = executor.timeline();
+        double busy = 0;
+        for (const auto& slot : out.last) {
+          const double duration = 1e3 * (slot.end - slot.start);
+          busy += duration;
+          out.costs[slot.action.op].push_back(duration);
+        }
+        shares.push_back(busy / ms);
       }
-      timer.reset();
-      synchronize(device);
-      group.barrier();
-      const auto start = std::chrono::steady_clock::now();
-      const auto result = executor.run(inputs, loss);
-      last_loss = 0;
-      for (const auto& value : result.losses) {
-        last_loss += value.defined() ? value.item<double>() : 0.0;
-      }
-      synchronize(device);
-      group.barrier();
-      const double ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-              .count();
-      if (step < warmup) {
-        continue;
-      }
-      step_ms.push_back(ms);
-      double busy = 0;
-      for (const auto& [action, duration] : timer.durations()) {
-        busy += duration;
-        costs[action.op].push_back(duration);
-      }
-      busy_ms.push_back(busy);
+      std::sort(step_ms.begin(), step_ms.end());
+      std::sort(shares.begin(), shares.end());
+      out.median_step = step_ms[step_ms.size() / 2];
+      out.busy_share = shares[shares.size() / 2];
+      return out;
+    };
+    std::vector<Measured> measured;
+    measured.reserve(executors.size());
+    for (auto& executor : executors) {
+      measured.push_back(measure(executor));
     }
-    std::sort(step_ms.begin(), step_ms.end());
-    const double median_step = step_ms[step_ms.size() / 2];
-    const double mean_busy =
-        std::accumulate(busy_ms.begin(), busy_ms.end(), 0.0) / static_cast<double>(busy_ms.size());
     const auto mean = [&](Op op) {
-      const auto& v = costs[op];
+      const auto& v = measured.front().costs[op];
       return v.empty() ? 0.0
                        : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
     };
@@ -322,38 +312,57 @@ int main(int argc, char** argv) {
         }
       }
     }
-    // Every rank's busy share, compute costs and check figures, gathered on rank 0.
+    // Every rank's busy share per mode, compute costs and check figures, gathered on rank 0.
+    std::vector<double> figures = {mean(Op::forward),
+                                   mean(Op::backward),
+                                   mean(Op::backward_input),
+                                   mean(Op::backward_weight),
+                                   worst_error,
+                                   last_loss,
+                                   reference_loss};
+    for (const auto& m : measured) {
+      figures.push_back(m.median_step);
+      figures.push_back(m.busy_share);
+    }
     const auto per_rank = d9d::all_gather_cat(
-        group, at::tensor({median_step, mean_busy, mean(Op::forward), mean(Op::backward),
-                           mean(Op::backward_input), mean(Op::backward_weight), worst_error,
-                           last_loss, reference_loss},
-                          at::kDouble)
-                   .unsqueeze(0)
-                   .to(group.device()));
+        group, at::tensor(figures, at::kDouble).unsqueeze(0).to(group.device()));
+    // --timeline: every rank's last step of each mode, drawn under the plan on rank 0.
+    std::vector<d9d::pipeline::TimelinePanel> panels;
+    if (!timeline_path.empty()) {
+      for (std::size_t i = 0; i < modes.size(); ++i) {
+        panels.push_back(
+            {.title = modes[i] ? "measured, P2P overlapped" : "measured, each batch waited for",
+             .timeline = d9d::pipeline::gather_timeline(group, measured[i].last)});
+      }
+    }
     bool check_failed = false;
     if (rank == 0) {
-      double busy_share = 0;
+      std::vector<double> busy_share(modes.size(), 0.0);
+      std::vector<double> mode_step(modes.size(), 0.0);
       double f = 0;
       double b = 0;
       double i = 0;
       double w = 0;
-      double step = 0;
       double max_error = 0;
       double pipeline_loss = 0;
       double whole_loss = 0;
       for (int r = 0; r < pp; ++r) {
         const auto row = per_rank.narrow(0, r, 1).squeeze(0).cpu();
         const auto* v = row.const_data_ptr<double>();
-        step = std::max(step, v[0]);
-        busy_share += v[1] / v[0] / pp;
-        f += v[2] / pp;
-        b += v[3] / pp;
-        i += v[4] / pp;
-        w += v[5] / pp;
-        max_error = std::max(max_error, v[6]);
-        pipeline_loss += v[7];  // only the last stage's rank holds losses
-        whole_loss = v[8];
+        f += v[0] / pp;
+        b += v[1] / pp;
+        i += v[2] / pp;
+        w += v[3] / pp;
+        max_error = std::max(max_error, v[4]);
+        pipeline_loss += v[5];  // only the last stage's rank holds losses
+        whole_loss = v[6];
+        for (std::size_t k = 0; k < modes.size(); ++k) {
+          const double step_ms = v[7 + 2 * k];
+          mode_step[k] = std::max(mode_step[k], step_ms);
+          busy_share[k] += v[8 + 2 * k] / pp;
+        }
       }
+      const double step = mode_step.front();
       const auto unit = d9d::pipeline::simulate(
           program, {.forward = 1, .backward_input = 1, .backward_weight = 1});
       // For an unsplit program B's measured cost is split evenly between I and W in the model.
@@ -361,16 +370,28 @@ int main(int argc, char** argv) {
       const double measured_w = program.split_backward ? w : b / 2;
       const auto modelled = d9d::pipeline::simulate(
           program, {.forward = f, .backward_input = measured_i, .backward_weight = measured_w});
-      const double bubble = 1.0 - busy_share;
+      const double bubble = 1.0 - busy_share.front();
+      std::printf("pipeline_bench: %s pp=%d m=%d preset=%s microbatch=%ldx%ld %s on %s\n",
+                  schedule.c_str(), pp, microbatches, preset_name.c_str(),
+                  static_cast<long>(microbatch_size), static_cast<long>(seq),
+                  bf16 ? "bf16" : "fp32", device.str().c_str());
+      for (std::size_t k = 0; k < modes.size(); ++k) {
+        std::printf("  P2P %s: step %.2f ms (median of %d), measured bubble %.2f%%\n",
+                    modes[k] ? "overlapped     " : "waited at once ", mode_step[k], steps,
+                    100 * (1.0 - busy_share[k]));
+      }
       std::printf(
-          "pipeline_bench: %s pp=%d m=%d preset=%s microbatch=%ldx%ld %s on %s\n"
-          "  step %.2f ms (median of %d), measured bubble %.2f%%\n"
           "  mean costs F %.3f ms, B %.3f ms, I %.3f ms, W %.3f ms\n"
           "  program's bubble: %.2f%% at the measured costs, %.2f%% at equal F/I/W costs\n",
-          schedule.c_str(), pp, microbatches, preset_name.c_str(),
-          static_cast<long>(microbatch_size), static_cast<long>(seq), bf16 ? "bf16" : "fp32",
-          device.str().c_str(), step, steps, 100 * bubble, f, b, i, w,
-          100 * modelled.bubble_fraction(), 100 * unit.bubble_fraction());
+          f, b, i, w, 100 * modelled.bubble_fraction(), 100 * unit.bubble_fraction());
+      if (!timeline_path.empty()) {
+        const std::string title = schedule + " pp=" + std::to_string(pp) +
+                                  " m=" + std::to_string(microbatches) + " " + preset_name +
+                                  " on " + device.str();
+        d9d::track::write_text_file(
+            timeline_path, d9d::pipeline::planned_and_measured_svg(program, panels, title));
+        std::printf("  timeline: %s\n", timeline_path.c_str());
+      }
       const double tolerance = check_tolerance > 0 ? check_tolerance : (bf16 ? 2e-2 : 1e-4);
       if (check) {
         check_failed = !(max_error <= tolerance);
@@ -387,11 +408,16 @@ int main(int argc, char** argv) {
                               {"microbatch_size", microbatch_size},
                               {"seq", seq},
                               {"bf16", bf16},
+                              {"overlap_p2p", modes.front()},
                               {"step_ms", step},
                               {"measured_bubble", bubble},
                               {"cost_ms", {{"F", f}, {"B", b}, {"I", i}, {"W", w}}},
                               {"program_bubble_measured_costs", modelled.bubble_fraction()},
                               {"program_bubble_equal_costs", unit.bubble_fraction()}};
+        for (std::size_t k = 0; k < modes.size(); ++k) {
+          out[modes[k] ? "overlapped" : "waited_at_once"] = {
+              {"step_ms", mode_step[k]}, {"measured_bubble", 1.0 - busy_share[k]}};
+        }
         if (check) {
           out["check"] = {{"loss", pipeline_loss},
                           {"reference_loss", whole_loss},

@@ -1,14 +1,20 @@
-// d9d/pipeline/executor.cpp — the pipeline "VM": one rank's actions over LibTorch stages.
+// d9d/pipeline/executor.cpp — the pipeline "VM": one rank's actions over LibTorch stages, with
+// its point-to-point batches in flight until compute needs what they receive (design 0015).
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <mutex>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <d9d/core/collectives.hpp>
@@ -30,6 +36,88 @@ std::string describe(const at::Tensor& t) {
   return out + "] " + std::string(c10::toString(t.scalar_type()));
 }
 
+// A posted batch of sends and receives and the tensors it reads from or writes into, kept alive
+// until it is waited for.
+struct Pending {
+  P2PRequests requests;
+  std::vector<at::Tensor> tensors;
+  bool done = false;
+};
+
+// Batches a failed step left in flight: neither c10d nor Gloo can cancel a posted send or
+// receive, so their tensors must outlive them; they are kept until the process exits (a failed
+// pipeline step normally ends the job, design 0008), at most one step's messages per failure.
+void keep_until_exit(std::vector<Pending> batches) {
+  static std::mutex mutex;
+  static auto* kept = new std::vector<Pending>();  // NOLINT(cppcoreguidelines-owning-memory)
+  const std::lock_guard<std::mutex> lock(mutex);
+  for (auto& batch : batches) {
+    if (!batch.done) {
+      kept->push_back(std::move(batch));
+    }
+  }
+}
+
+// When each compute action of a step ran: the clock on the CPU, events on the current stream on
+// CUDA (resolved only when asked for).
+struct Recorder {
+  c10::Device device{at::kCPU};
+  std::chrono::steady_clock::time_point start;
+  std::unique_ptr<c10::Event> start_event;
+  std::vector<Action> actions;
+  std::vector<double> seconds;                      // CPU: start, end per action
+  std::vector<std::unique_ptr<c10::Event>> events;  // CUDA: start, end per action
+
+  void begin(c10::Device on) {
+    device = on;
+    actions.clear();
+    seconds.clear();
+    events.clear();
+    start_event = nullptr;
+    if (device.is_cuda()) {
+      start_event = mark_event();
+    } else {
+      start = std::chrono::steady_clock::now();
+    }
+  }
+  [[nodiscard]] std::unique_ptr<c10::Event> mark_event() const {
+    const c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+    auto event =
+        std::make_unique<c10::Event>(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
+    event->record(guard.getStream(device));
+    return event;
+  }
+  void mark(const Action& action, bool done) {
+    if (!done) {
+      actions.push_back(action);
+    }
+    if (device.is_cuda()) {
+      events.push_back(mark_event());
+    } else {
+      seconds.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+  }
+  [[nodiscard]] std::vector<Timeline::Slot> slots() const {
+    std::vector<Timeline::Slot> out;
+    for (std::size_t i = 0;
+         i < actions.size() && 2 * i + 1 < std::max(events.size(), seconds.size()); ++i) {
+      double begin = 0;
+      double end = 0;
+      if (device.is_cuda()) {
+        events[2 * i + 1]->synchronize();
+        begin = start_event->elapsedTime(*events[2 * i]) / 1e3;
+        end = start_event->elapsedTime(*events[2 * i + 1]) / 1e3;
+      } else {
+        begin = seconds[2 * i];
+        end = seconds[2 * i + 1];
+      }
+      out.push_back({.action = actions[i], .start = begin, .end = end});
+    }
+    return out;
+  }
+};
+
 }  // namespace
 
 struct Executor::Impl {
@@ -38,6 +126,9 @@ struct Executor::Impl {
   std::map<int, Stage> stages;
   std::function<TensorSpec(int)> activation;
   std::function<void(const Action&, bool)> hook;
+  ExecutorOptions options;
+  Recorder recorder;
+  bool recorded = false;  // the last run() recorded its timeline
   bool trace = std::getenv("D9D_PIPELINE_TRACE") != nullptr;  // each action on stderr
   int rank = 0;
 
@@ -48,7 +139,10 @@ struct Executor::Impl {
   std::map<Key, at::Tensor> grad_output;  // gradients received for the output of (stage, mb)
   std::map<Key, at::Tensor> grad_input;   // the gradient of (stage, mb)'s input, after B / I
   std::map<Key, std::unique_ptr<model::WeightGradQueue>> queues;
-  std::vector<P2POp> batch;
+  std::vector<P2POp> batch;                     // the run of sends and receives not posted yet
+  std::vector<Pending> pending;                 // posted batches, in posting order
+  std::map<Key, std::size_t> activation_batch;  // (stage, mb) -> the batch receiving its input
+  std::map<Key, std::size_t> gradient_batch;    // (stage, mb) -> the batch receiving its grad
   StepResult result;
 
   [[nodiscard]] int last_stage() const { return program.stages() - 1; }
@@ -60,12 +154,58 @@ struct Executor::Impl {
     return 2 * (receiving_stage * program.microbatches + mb) + (gradient ? 1 : 0);
   }
 
-  void flush() {
+  // Posts the run of sends and receives collected since the last compute action as one batch;
+  // without overlap, waits for it at once.
+  void post() {
     if (batch.empty()) {
       return;
     }
-    batch_isend_irecv(group, batch).wait();
+    Pending posted{.requests = batch_isend_irecv(group, batch), .tensors = {}, .done = false};
+    for (auto& op : batch) {
+      posted.tensors.push_back(std::move(op.tensor));
+    }
     batch.clear();
+    pending.push_back(std::move(posted));
+    if (!options.overlap_p2p) {
+      wait_batch(pending.size() - 1);
+    }
+  }
+
+  void wait_batch(std::size_t index) {
+    auto& posted = pending[index];
+    if (posted.done) {
+      return;
+    }
+    if (trace) {
+      std::fprintf(stderr, "[d9d pipeline rank %d] wait for batch %zu\n", rank, index);
+    }
+    posted.requests.wait();
+    posted.done = true;
+    posted.tensors.clear();  // received tensors live on in `received` / `grad_output`
+  }
+
+  // Waits for the batch that receives what compute action `a` takes from another rank.
+  void await_inputs(const Action& a) {
+    const Key key{a.stage, a.microbatch};
+    const std::map<Key, std::size_t>* from = nullptr;
+    if (a.op == Op::forward && a.stage > 0 && !local(a.stage - 1)) {
+      from = &activation_batch;
+    } else if ((a.op == Op::backward || a.op == Op::backward_input) && a.stage < last_stage() &&
+               !local(a.stage + 1)) {
+      from = &gradient_batch;
+    }
+    if (from != nullptr) {
+      const auto it = from->find(key);
+      if (it != from->end()) {
+        wait_batch(it->second);  // a missing receive is reported when the tensor is taken
+      }
+    }
+  }
+
+  void wait_all() {
+    for (std::size_t i = 0; i < pending.size(); ++i) {
+      wait_batch(i);
+    }
   }
 
   void clear_step() {
@@ -76,6 +216,10 @@ struct Executor::Impl {
     grad_input.clear();
     queues.clear();
     batch.clear();
+    keep_until_exit(std::move(pending));  // only what a failed step left in flight
+    pending.clear();
+    activation_batch.clear();
+    gradient_batch.clear();
   }
 
   at::Tensor take(std::map<Key, at::Tensor>& from, const Key& key, const Action& action,
@@ -214,10 +358,12 @@ struct Executor::Impl {
       const auto& out = outputs.at(key);
       buffer = at::empty(out.sizes(), out.options().device(group.device()));
       grad_output[key] = buffer;
+      gradient_batch[key] = pending.size();  // the index the current batch gets when posted
     } else {
       const auto spec = activation(a.stage);
       buffer = at::empty(spec.sizes, at::TensorOptions().dtype(spec.dtype).device(group.device()));
       received[key] = buffer;
+      activation_batch[key] = pending.size();
     }
     batch.push_back({.kind = P2POp::Kind::recv,
                      .tensor = buffer,
@@ -225,9 +371,25 @@ struct Executor::Impl {
                      .tag = tag(gradient, a.stage, a.microbatch)});
   }
 
+  [[nodiscard]] c10::Device timing_device(const std::vector<at::Tensor>& step_inputs) const {
+    if (group.valid()) {
+      return group.device();
+    }
+    for (const auto& t : step_inputs) {
+      if (t.defined()) {
+        return t.device();
+      }
+    }
+    return at::kCPU;
+  }
+
   StepResult run(const std::vector<at::Tensor>& step_inputs, const LossFn& loss) {
     clear_step();
     result = {};
+    recorded = options.record_timeline;
+    if (recorded) {
+      recorder.begin(timing_device(step_inputs));
+    }
     const auto m = static_cast<std::size_t>(program.microbatches);
     if (local(last_stage())) {
       (program.forward_only ? result.outputs : result.losses).resize(m);
@@ -253,9 +415,13 @@ struct Executor::Impl {
           default:
             break;
         }
-        flush();
+        post();
+        await_inputs(a);
         if (hook) {
           hook(a, false);
+        }
+        if (recorded) {
+          recorder.mark(a, false);
         }
         switch (a.op) {
           case Op::forward:
@@ -273,11 +439,15 @@ struct Executor::Impl {
           default:
             break;
         }
+        if (recorded) {
+          recorder.mark(a, true);
+        }
         if (hook) {
           hook(a, true);
         }
       }
-      flush();
+      post();
+      wait_all();
     } catch (...) {
       clear_step();
       throw;
@@ -288,9 +458,10 @@ struct Executor::Impl {
 };
 
 Executor::Executor(Program program, ProcessGroup group, std::vector<Stage> stages,
-                   std::function<TensorSpec(int stage)> activation)
+                   std::function<TensorSpec(int stage)> activation, ExecutorOptions options)
     : impl_(std::make_unique<Impl>()) {
   auto& impl = *impl_;
+  impl.options = options;
   impl.rank = group.valid() ? group.rank() : 0;
   if (group.valid() && group.size() != program.pp) {
     throw std::invalid_argument("d9d::pipeline::Executor: the program is for " +
@@ -377,8 +548,61 @@ void Executor::on_compute(std::function<void(const Action&, bool)> hook) {
   impl_->hook = std::move(hook);
 }
 
+void Executor::record_timeline(bool on) { impl_->options.record_timeline = on; }
+
+std::vector<Timeline::Slot> Executor::timeline() const {
+  return impl_->recorded ? impl_->recorder.slots() : std::vector<Timeline::Slot>{};
+}
+
+const ExecutorOptions& Executor::options() const { return impl_->options; }
+
 const Program& Executor::program() const { return impl_->program; }
 
 int Executor::rank() const { return impl_->rank; }
+
+namespace {
+
+// One slot per line: op stage microbatch start end (text, so no byte order is involved).
+std::string encode(const std::vector<Timeline::Slot>& slots) {
+  std::ostringstream out;
+  out.precision(17);
+  for (const auto& slot : slots) {
+    out << static_cast<int>(slot.action.op) << ' ' << slot.action.stage << ' '
+        << slot.action.microbatch << ' ' << slot.start << ' ' << slot.end << '\n';
+  }
+  return out.str();
+}
+
+std::vector<Timeline::Slot> decode(const std::string& bytes) {
+  std::istringstream in(bytes);
+  std::vector<Timeline::Slot> out;
+  int op = 0;
+  Timeline::Slot slot;
+  while (in >> op >> slot.action.stage >> slot.action.microbatch >> slot.start >> slot.end) {
+    slot.action.op = static_cast<Op>(op);
+    slot.action.peer = -1;
+    out.push_back(slot);
+  }
+  return out;
+}
+
+}  // namespace
+
+Timeline gather_timeline(const ProcessGroup& group, const std::vector<Timeline::Slot>& mine) {
+  Timeline out;
+  if (!group.valid() || group.size() == 1) {
+    out.ranks.push_back(mine);
+  } else {
+    for (const auto& bytes : all_gather_bytes(group, encode(mine))) {
+      out.ranks.push_back(decode(bytes));
+    }
+  }
+  for (const auto& rank : out.ranks) {
+    for (const auto& slot : rank) {
+      out.makespan = std::max(out.makespan, slot.end);
+    }
+  }
+  return out;
+}
 
 }  // namespace d9d::pipeline

@@ -10,6 +10,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <d9d/pipeline/picture.hpp>
 #include <d9d/pipeline/schedules.hpp>
 
 #include "tests/support/error_of.hpp"
@@ -229,6 +230,36 @@ TEST(Pipeline_Memory, OneFOneBAndZeroBubbleKeepItsActivationBound) {
       EXPECT_EQ(pl::verify(pl::with_communication(pl::gpipe(pp, m))).peak_activations[0], m);
     }
   }
+}
+
+// The picture of a timeline: one rect per compute action per rank, in the panels given.
+TEST(Pipeline_Picture, OneRectPerActionPerRankAndPanel) {
+  const auto program = pl::with_communication(pl::zero_bubble_h1(4, 8));
+  const auto timeline = pl::simulate(program, {});
+  const auto count = [](const std::string& text, const std::string& needle) {
+    int n = 0;
+    for (auto at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) {
+      ++n;
+    }
+    return n;
+  };
+  const auto svg = pl::timeline_svg(
+      {.title = "zb",
+       .panels = {{.title = "", .timeline = timeline}, {.title = "again", .timeline = timeline}},
+       .unit_width = 28});
+  EXPECT_EQ(count(svg, R"(class="action")"), 2 * 4 * 8 * 3);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(count(svg, R"(data-panel="1" data-rank=")" + std::to_string(r) + "\""), 8 * 3);
+  }
+  EXPECT_EQ(count(svg, R"(data-action="3W7")"), 2);
+  EXPECT_THAT(svg, ::testing::HasSubstr(">again<"));
+  // Mean costs of a timeline: a full B counts half as I and half as W.
+  const auto costs =
+      pl::measured_costs(pl::simulate(pl::with_communication(pl::one_f_one_b(2, 4)),
+                                      {.forward = 2, .backward_input = 3, .backward_weight = 1}));
+  EXPECT_DOUBLE_EQ(costs.forward, 2.0);
+  EXPECT_DOUBLE_EQ(costs.backward_input, 2.0);
+  EXPECT_DOUBLE_EQ(costs.backward_weight, 2.0);
 }
 
 TEST(Pipeline_Program, ActionsPrintAsStageOpMicrobatch) {

@@ -1,11 +1,14 @@
 // The executor and stage models in one process: layer distribution, stages that compose to the
-// whole model, every schedule with all its stages on one rank (local hand-over), and the errors.
+// whole model, every schedule with all its stages on one rank (local hand-over), the recorded
+// timeline and its picture, and the errors.
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <d9d/pipeline/picture.hpp>
 
 #include "tests/pipeline_run/pipeline_fixture.hpp"
 #include "tests/support/error_of.hpp"
@@ -145,6 +148,65 @@ TEST(Pipeline_Executor, EveryScheduleOnOneRankEqualsTheReference) {
           ASSERT_EQ(run.result.losses.size(), static_cast<std::size_t>(program.microbatches));
         });
     EXPECT_GE(ran, 15);
+  }
+}
+
+// With all stages on one rank there is no communication; the timeline and the options still hold.
+TEST(Pipeline_Executor, TimelineHasOneEntryPerComputeActionInProgramOrder) {
+  int ran = 0;
+  for (const bool overlap : {true, false}) {
+    ran += d9d::testing::for_each_program(
+        1, {4}, [&](const std::string& what, const d9d::pipeline::Program& program) {
+          const auto reference = d9d::testing::reference_step(program.microbatches, false);
+          const auto run =
+              d9d::testing::pipeline_step(program, d9d::ProcessGroup(), 0, false, at::kCPU, {},
+                                          {.overlap_p2p = overlap, .record_timeline = true});
+          d9d::testing::expect_matches(run, reference, what);
+          d9d::testing::expect_timeline_of(run.timeline, program, 0, what);
+          const auto gathered = d9d::pipeline::gather_timeline(d9d::ProcessGroup(), run.timeline);
+          ASSERT_EQ(gathered.ranks.size(), 1U);
+          EXPECT_DOUBLE_EQ(gathered.makespan, run.timeline.back().end);
+          const auto svg = d9d::pipeline::planned_and_measured_svg(
+              program, {{.title = "measured", .timeline = gathered}}, what);
+          const int actions = static_cast<int>(run.timeline.size());
+          EXPECT_EQ(d9d::testing::occurrences(svg, R"(class="action")"), 2 * actions) << what;
+          EXPECT_EQ(d9d::testing::occurrences(svg, R"(data-panel="1" data-rank="0")"), actions)
+              << what;
+          EXPECT_THAT(svg, HasSubstr("measured:"));
+          EXPECT_THAT(svg, HasSubstr("planned (the program at the measured mean costs):"));
+        });
+  }
+  EXPECT_GE(ran, 10);
+  // Without recording, nothing is recorded; record_timeline(true) switches it on.
+  const auto program = d9d::pipeline::build_program<d9d::pipeline::GPipe<>>(1, 2);
+  d9d::pipeline::Executor one(program, d9d::ProcessGroup(),
+                              {{.index = 0, .forward = [](const at::Tensor& x) { return x * 2; }}},
+                              nullptr);
+  EXPECT_TRUE(one.options().overlap_p2p);
+  const auto x = at::ones({2, 3}, at::kFloat).requires_grad_(true);
+  const auto loss = [](const at::Tensor& out, int) { return out.sum(); };
+  (void)one.run({x, x}, loss);
+  EXPECT_TRUE(one.timeline().empty());
+  one.record_timeline(true);
+  (void)one.run({x, x}, loss);
+  d9d::testing::expect_timeline_of(one.timeline(), program, 0, "GPipe m=2");
+}
+
+// On CUDA the timeline comes from events on the current stream, resolved by timeline(): still
+// one entry per compute action, in program order, one after the other. Skips without a GPU.
+TEST(Pipeline_Executor_Cuda, TimelineFromDeviceEvents) {
+  if (!at::hasCUDA()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  for (const auto& program : {d9d::pipeline::build_program<d9d::pipeline::OneFOneB<>>(1, 3),
+                              d9d::pipeline::build_program<d9d::pipeline::ZeroBubbleV<>>(1, 3)}) {
+    const auto run =
+        d9d::testing::pipeline_step(program, d9d::ProcessGroup(), 0, false,
+                                    c10::Device(at::kCUDA, 0), {}, {.record_timeline = true});
+    d9d::testing::expect_matches(run, d9d::testing::reference_step(program.microbatches, false),
+                                 "cuda");
+    d9d::testing::expect_timeline_of(run.timeline, program, 0, "cuda");
+    EXPECT_GT(run.timeline.back().end, 0.0);
   }
 }
 

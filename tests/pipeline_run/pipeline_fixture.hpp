@@ -129,7 +129,8 @@ inline std::vector<model::Qwen3Stage> build_stages(const pipeline::Program& prog
 
 struct PipelineRun {
   pipeline::StepResult result;
-  std::map<std::string, at::Tensor> grads;  // of this rank's stages
+  std::map<std::string, at::Tensor> grads;         // of this rank's stages
+  std::vector<pipeline::Timeline::Slot> timeline;  // when options.record_timeline
 };
 
 /// The data of one pipelined step: token rows (m * kMicrobatchSize of them) and the token count
@@ -140,10 +141,13 @@ struct StepData {
 };
 
 /// One step of `program` on this rank (group may be invalid when pp == 1); results on the CPU.
-/// Without `data`, step_tokens(m) normalised by its own token count.
+/// Without `data`, step_tokens(m) normalised by its own token count. `before_run` is called with
+/// the executor right before its step.
 inline PipelineRun pipeline_step(const pipeline::Program& program, const ProcessGroup& group,
                                  int rank, bool frozen, c10::Device device = at::kCPU,
-                                 const StepData& data = {}) {
+                                 const StepData& data = {},
+                                 const pipeline::ExecutorOptions& options = {},
+                                 const std::function<void(pipeline::Executor&)>& before_run = {}) {
   auto stages = build_stages(program, rank, frozen, device);
   std::vector<pipeline::Stage> handles;
   handles.reserve(stages.size());
@@ -152,10 +156,13 @@ inline PipelineRun pipeline_step(const pipeline::Program& program, const Process
                        .forward = [stage](const at::Tensor& x) mutable { return stage(x); }});
   }
   const auto config = pipeline_config();
-  pipeline::Executor executor(program, group, std::move(handles), [&](int) {
-    return pipeline::TensorSpec{.sizes = {kMicrobatchSize, kSeq, config.hidden_size},
-                                .dtype = kDtype};
-  });
+  pipeline::Executor executor(
+      program, group, std::move(handles),
+      [&](int) {
+        return pipeline::TensorSpec{.sizes = {kMicrobatchSize, kSeq, config.hidden_size},
+                                    .dtype = kDtype};
+      },
+      options);
   const auto tokens =
       (data.tokens.defined() ? data.tokens : step_tokens(program.microbatches)).to(device);
   const double total = data.total_tokens > 0
@@ -169,9 +176,13 @@ inline PipelineRun pipeline_step(const pipeline::Program& program, const Process
     labels.push_back(rows.narrow(1, 1, kSeq).contiguous());
   }
   PipelineRun out;
+  if (before_run) {
+    before_run(executor);
+  }
   out.result = executor.run(inputs, [&](const at::Tensor& logits, int mb) {
     return model::causal_lm_loss(logits, labels[static_cast<std::size_t>(mb)]).loss_sum / total;
   });
+  out.timeline = executor.timeline();
   for (auto& stage : stages) {
     for (const auto& item : stage->named_parameters()) {
       const auto& grad = item.value().grad();
@@ -226,6 +237,46 @@ inline int for_each_program(
     }
   }
   return ran;
+}
+
+/// The compute actions of one rank's program, in order.
+inline std::vector<pipeline::Action> compute_actions(const pipeline::Program& program, int rank) {
+  std::vector<pipeline::Action> out;
+  for (const auto& a : program.ranks[static_cast<std::size_t>(rank)]) {
+    if (a.is_compute()) {
+      out.push_back(a);
+    }
+  }
+  return out;
+}
+
+/// A rank's timeline holds one entry per compute action of its program, in program order, each
+/// with start <= end, one after the other (none before the step's start, none overlapping).
+inline void expect_timeline_of(const std::vector<pipeline::Timeline::Slot>& timeline,
+                               const pipeline::Program& program, int rank,
+                               const std::string& what) {
+  const auto actions = compute_actions(program, rank);
+  ASSERT_EQ(timeline.size(), actions.size()) << what << ": rank " << rank;
+  double previous_end = 0;
+  for (std::size_t i = 0; i < actions.size(); ++i) {
+    const auto& slot = timeline[i];
+    EXPECT_EQ(slot.action.op, actions[i].op) << what << ": rank " << rank << " entry " << i;
+    EXPECT_EQ(slot.action.stage, actions[i].stage) << what << ": rank " << rank << " entry " << i;
+    EXPECT_EQ(slot.action.microbatch, actions[i].microbatch)
+        << what << ": rank " << rank << " entry " << i;
+    EXPECT_LE(previous_end, slot.start) << what << ": rank " << rank << " entry " << i;
+    EXPECT_LE(slot.start, slot.end) << what << ": rank " << rank << " entry " << i;
+    previous_end = slot.end;
+  }
+}
+
+/// How many times `needle` occurs in `text`.
+inline int occurrences(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (auto at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) {
+    ++n;
+  }
+  return n;
 }
 
 /// Gradients and losses of a pipelined step equal the reference's (float64: see kDtype).

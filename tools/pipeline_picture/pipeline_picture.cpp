@@ -4,20 +4,20 @@
 //   pipeline_picture --schedule 1f1b --pp 4 --microbatches 8 --costs 1,2,0   # B = 2 F, no split
 //   pipeline_picture --schedule dual_pipe_v --pp 4 --microbatches 8 --svg dualpipev.svg
 //
-// One row per rank; F, B, I and W are coloured, idle time is left blank. The timing comes from
-// d9d::pipeline::simulate (each rank runs its program in order; a step starts when the rank is free
-// and its inputs exist; communication is free). Prints the bubble fraction and each rank's peak
-// number of live activations.
+// One row per rank; F, B, I and W are coloured, idle time is left blank
+// (d9d::pipeline::timeline_svg, which also draws the executor's measured timelines under their
+// plan). The timing comes from d9d::pipeline::simulate (each rank runs its program in order; a step
+// starts when the rank is free and its inputs exist; communication is free). Prints the bubble
+// fraction and each rank's peak number of live activations.
 #include <cstdio>
 #include <fstream>
-#include <map>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
 #include <d9d/pipeline/builders.hpp>
+#include <d9d/pipeline/picture.hpp>
 #include <d9d/pipeline/verify.hpp>
-#include <d9d/track/progress.hpp>
 
 namespace {
 
@@ -49,57 +49,6 @@ pl::Program build(const std::string& name, int pp, int v, int m) {
     return pl::inference(pp, m, v);
   }
   throw CLI::ValidationError("--schedule", "unknown schedule \"" + name + "\"");
-}
-
-const char* colour(pl::Op op) {
-  switch (op) {
-    case pl::Op::forward:
-      return "#4C78A8";
-    case pl::Op::backward:
-      return "#B279A2";
-    case pl::Op::backward_input:
-      return "#54A24B";
-    case pl::Op::backward_weight:
-      return "#F58518";
-    default:
-      return "#999999";
-  }
-}
-
-// The timeline drawn with d9d::track::Svg (the writer of the training run's pictures).
-std::string svg(const pl::Timeline& timeline, const std::string& title) {
-  constexpr double kUnit = 28;
-  constexpr double kRow = 34;
-  constexpr double kLeft = 70;
-  constexpr double kTop = 40;
-  const double width = kLeft + timeline.makespan * kUnit + 20;
-  const double height = kTop + static_cast<double>(timeline.ranks.size()) * kRow + 30;
-  d9d::track::Svg out(width, height, R"(font-family="monospace" font-size="11")");
-  out.rect(0, 0, width, height, "white");
-  out.text(10, 22, title, R"(font-size="14")");
-  for (std::size_t r = 0; r < timeline.ranks.size(); ++r) {
-    const double y = kTop + static_cast<double>(r) * kRow;
-    out.text(10, y + 20, "rank " + std::to_string(r));
-    out.rect(kLeft, y, timeline.makespan * kUnit, kRow - 6, "#f2f2f2");
-    for (const auto& slot : timeline.ranks[r]) {
-      const double x = kLeft + slot.start * kUnit;
-      const double w = (slot.end - slot.start) * kUnit;
-      out.rect(x, y, w, kRow - 6, colour(slot.action.op), R"(stroke="white")");
-      out.text(x + 3, y + 18, pl::to_string(slot.action), R"(fill="white")");
-    }
-  }
-  const double legend = kTop + static_cast<double>(timeline.ranks.size()) * kRow + 16;
-  double x = kLeft;
-  for (const auto& [label, op] :
-       std::map<std::string, pl::Op>{{"F forward", pl::Op::forward},
-                                     {"B backward", pl::Op::backward},
-                                     {"I input grad", pl::Op::backward_input},
-                                     {"W weight grad", pl::Op::backward_weight}}) {
-    out.rect(x, legend - 10, 12, 12, colour(op));
-    out.text(x + 16, legend, label);
-    x += 130;
-  }
-  return out.str();
 }
 
 }  // namespace
@@ -152,7 +101,9 @@ int main(int argc, char** argv) {
       char title[160];
       std::snprintf(title, sizeof(title), "%s  pp=%d  microbatches=%d  bubble %.1f%%",  // NOLINT
                     schedule.c_str(), pp, microbatches, 100 * timeline.bubble_fraction());
-      std::ofstream(svg_path) << svg(timeline, title);
+      // 28 pixels per unit of cost (d9d/pipeline/picture.hpp draws measured timelines the same).
+      std::ofstream(svg_path) << pl::timeline_svg(
+          {.title = title, .panels = {{.title = "", .timeline = timeline}}, .unit_width = 28});
     }
   } catch (const std::exception& error) {
     std::fprintf(stderr, "%s\n", error.what());
