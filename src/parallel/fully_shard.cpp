@@ -147,8 +147,9 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     auto& records = model_.mutable_parameters();
     std::vector<std::pair<model::Block*, std::string>> blocks;
     // Outermost blocks, in registration (= forward) order, with their parameters' name prefixes.
-    for (const auto& module : model_.modules()) {
-      for (const auto& item : module->named_modules()) {
+    const auto& modules = model_.modules();
+    for (std::size_t m = 0; m < modules.size(); ++m) {
+      for (const auto& item : modules[m]->named_modules()) {
         auto* block = dynamic_cast<model::Block*>(item.value().get());
         if (block == nullptr) {
           continue;
@@ -159,6 +160,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
         });
         if (!inside) {
           blocks.emplace_back(block, prefix);
+          block_module_.push_back(m);
         }
       }
     }
@@ -240,6 +242,13 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
   void begin_step() {
     const std::lock_guard<std::mutex> lock(mutex_);
     if (model_.options().pipelined) {
+      // Reductions start from module_done() and finish() only, never from the gradient hooks
+      // (pending counts are per microbatch, which a program does not announce).
+      armed_ = false;
+      for (auto& unit : units_) {
+        unit.reduced = false;
+      }
+      started_early_ = 0;
       // Program order is not forward order: every unit stays gathered for the step.
       for (std::size_t u = 0; u < units_.size(); ++u) {
         start_gather(u);
@@ -276,10 +285,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
   void finish() {
     const std::lock_guard<std::mutex> lock(mutex_);
     if (model_.options().pipelined) {
-      armed_ = true;
-      for (auto& unit : units_) {
-        unit.reduced = false;
-      }
+      // The units module_done() did not start (reduced is reset in begin_step).
       for (const auto u : reduce_order_) {
         launch_reduction(u);
       }
@@ -291,6 +297,24 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
       reshard(u);
     }
   }
+
+  // Under a pipeline program: the blocks of module `module` have their step's gradients; their
+  // reductions start now, in the fixed reduction order (the loose parameters, which may span
+  // modules, wait for finish()).
+  void module_done(std::size_t module) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (!model_.options().pipelined) {
+      return;
+    }
+    for (const auto u : reduce_order_) {
+      if (u < block_module_.size() && block_module_[u] == module && !units_[u].reduced) {
+        launch_reduction(u);
+        started_early_ += units_[u].params.empty() ? 0 : 1;
+      }
+    }
+  }
+
+  [[nodiscard]] std::size_t started_early() const { return started_early_; }
 
   [[nodiscard]] int64_t extra_bytes() const {
     int64_t bytes = 0;
@@ -627,7 +651,9 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
   std::vector<Param> params_;
   std::vector<Unit> units_;  // the blocks in forward order, then the loose parameters
   std::vector<std::pair<model::Block*, std::string>> blocks_;
+  std::vector<std::size_t> block_module_;  // block -> index of its module in model_.modules()
   std::vector<std::size_t> reduce_order_;
+  std::size_t started_early_ = 0;
   std::vector<Reduction> reductions_;
   std::size_t next_reduce_ = 0;
   bool armed_ = false;
@@ -655,7 +681,9 @@ class FullyShardSync : public GradientSync {
   void before_backward(int microbatch, int microbatches) override {
     state_->before_backward(microbatch, microbatches);
   }
+  void module_done(std::size_t module) override { state_->module_done(module); }
   void finish() override { state_->finish(); }
+  [[nodiscard]] std::size_t started_early() const override { return state_->started_early(); }
   [[nodiscard]] int64_t extra_bytes() const override { return state_->extra_bytes(); }
 
  private:

@@ -132,6 +132,25 @@ void ParallelModel::before_backward(int microbatch, int microbatches) {
   }
 }
 
+void ParallelModel::module_done(std::size_t module) {
+  if (module >= impl_->modules.size()) {
+    throw std::out_of_range("d9d::parallel::ParallelModel::module_done: module " +
+                            std::to_string(module) + " of " +
+                            std::to_string(impl_->modules.size()));
+  }
+  for (auto it = impl_->syncs.rbegin(); it != impl_->syncs.rend(); ++it) {
+    (*it)->module_done(module);
+  }
+}
+
+std::size_t ParallelModel::reductions_started_early() const {
+  std::size_t started = 0;
+  for (const auto& sync : impl_->syncs) {
+    started += sync->started_early();
+  }
+  return started;
+}
+
 void ParallelModel::finish() {
   for (auto it = impl_->syncs.rbegin(); it != impl_->syncs.rend(); ++it) {
     (*it)->finish();
@@ -308,53 +327,97 @@ void rerecord_parameters(ParallelModel& model) {
 
 namespace {
 
-// Replicate's gradient path: the bucketed all-reduce of the last microbatch's backward.
+// Replicate's gradient path: the bucketed all-reduce of the last microbatch's backward. Under a
+// pipeline program with the parameters split by module (`by_module`), one reducer per module
+// starts when the program has finished that module's gradients (module_done), so its all-reduce
+// overlaps the rest of the program; finish() starts the others and waits for all.
 class ReplicateSync : public GradientSync {
  public:
-  ReplicateSync(const ProcessGroup& group, std::vector<at::Tensor> parameters, int64_t bucket_bytes,
-                bool pipelined)
-      : reducer_(group, std::move(parameters),
-                 parallel::GradientReducerOptions{.bucket_bytes = bucket_bytes}),
-        pipelined_(pipelined) {}
+  ReplicateSync(const ProcessGroup& group, std::vector<std::vector<at::Tensor>> parts,
+                int64_t bucket_bytes, bool pipelined, bool by_module)
+      : pipelined_(pipelined), by_module_(by_module) {
+    for (auto& part : parts) {
+      reducers_.push_back(std::make_unique<GradientReducer>(
+          group, std::move(part), parallel::GradientReducerOptions{.bucket_bytes = bucket_bytes}));
+    }
+    done_.assign(reducers_.size(), false);
+  }
 
+  void begin_step() override {
+    std::fill(done_.begin(), done_.end(), false);
+    started_ = 0;
+  }
   void before_backward(int microbatch, int microbatches) override {
     if (microbatch + 1 == microbatches) {
-      reducer_.arm();
+      for (auto& reducer : reducers_) {
+        reducer->arm();
+      }
     }
+  }
+  void module_done(std::size_t module) override {
+    if (!pipelined_ || !by_module_ || module >= reducers_.size() || done_[module]) {
+      return;
+    }
+    done_[module] = true;
+    reducers_[module]->arm();
+    reducers_[module]->launch_all();
+    started_ += reducers_[module]->bucket_count();
   }
   void finish() override {
-    if (pipelined_) {
-      // Weight gradients may come from W actions, outside autograd's hooks: reduce them now.
-      reducer_.arm();
+    for (std::size_t m = 0; m < reducers_.size(); ++m) {
+      if (pipelined_ && !done_[m]) {
+        // Weight gradients may come from W actions, outside autograd's hooks: reduce them now.
+        reducers_[m]->arm();
+      }
+      reducers_[m]->finish();
     }
-    reducer_.finish();
   }
+  [[nodiscard]] std::size_t started_early() const override { return started_; }
 
  private:
-  GradientReducer reducer_;
+  std::vector<std::unique_ptr<GradientReducer>> reducers_;
+  std::vector<bool> done_;
+  std::size_t started_ = 0;
   bool pipelined_;
+  bool by_module_;
 };
 
 }  // namespace
 
 void apply_replicate(ParallelModel& model) {
   // The parameters on the regular domain; others (experts) are reduced by their own strategy.
-  std::vector<at::Tensor> params;
-  for (const auto& record : model.parameters()) {
-    if (record.domain == MeshDomain::regular) {
-      params.push_back(record.local);
+  // Under a pipeline program they are split by the module (stage) holding them.
+  const bool pipelined = model.options().pipelined;
+  const auto& modules = model.modules();
+  std::map<const c10::TensorImpl*, std::size_t> module_of;
+  if (pipelined) {
+    for (std::size_t m = 0; m < modules.size(); ++m) {
+      for (const auto& param : modules[m]->parameters()) {
+        module_of.emplace(param.unsafeGetTensorImpl(), m);
+      }
     }
   }
+  std::vector<std::vector<at::Tensor>> parts(pipelined ? std::max<std::size_t>(modules.size(), 1)
+                                                       : 1);
+  for (const auto& record : model.parameters()) {
+    if (record.domain != MeshDomain::regular) {
+      continue;
+    }
+    const auto it = module_of.find(record.local.unsafeGetTensorImpl());
+    parts[it == module_of.end() ? parts.size() - 1 : it->second].push_back(record.local);
+  }
   model.add_sync(std::make_unique<ReplicateSync>(model.mesh().group(MeshDomain::batch, "dp"),
-                                                 std::move(params), model.options().bucket_bytes,
-                                                 model.options().pipelined));
+                                                 std::move(parts), model.options().bucket_bytes,
+                                                 pipelined, /*by_module=*/pipelined));
 }
 
 std::unique_ptr<GradientSync> make_replicate_sync(const ProcessGroup& group,
                                                   std::vector<at::Tensor> parameters,
                                                   const ParallelizeOptions& options) {
-  return std::make_unique<ReplicateSync>(group, std::move(parameters), options.bucket_bytes,
-                                         options.pipelined);
+  std::vector<std::vector<at::Tensor>> parts;
+  parts.push_back(std::move(parameters));
+  return std::make_unique<ReplicateSync>(group, std::move(parts), options.bucket_bytes,
+                                         options.pipelined, /*by_module=*/false);
 }
 
 namespace {

@@ -151,6 +151,18 @@ void GradientReducer::arm() {
   }
 }
 
+void GradientReducer::launch_all() {
+  auto& s = *state_;
+  const std::lock_guard<std::mutex> lock(s.mutex);
+  if (!s.armed || s.group.size() <= 1) {
+    return;
+  }
+  for (auto& bucket : s.buckets) {
+    bucket.pending = 0;
+  }
+  s.launch_ready(/*from_hook=*/false);
+}
+
 void GradientReducer::finish() {
   auto& s = *state_;
   const std::lock_guard<std::mutex> lock(s.mutex);

@@ -1,4 +1,5 @@
 // d9d/train/pipeline_step.cpp — the pipelined optimizer step: program, dp reduction, clipping.
+#include <map>
 #include <stdexcept>
 #include <string>
 
@@ -69,6 +70,30 @@ PipelineStepCore::PipelineStepCore(std::unique_ptr<parallel::ParallelModel> mode
   };
   s.executor = std::make_unique<pipeline::Executor>(s.parts.program, s.pp, std::move(handles),
                                                     std::move(activation));
+  // Each local stage's gradients are final after its last action that adds to them (B, I or W):
+  // its data-parallel reductions start there and overlap the rest of the program.
+  std::map<int, pipeline::Action> last_gradient;  // stage -> that action
+  for (const auto& a : s.parts.program.ranks[static_cast<std::size_t>(s.executor->rank())]) {
+    if (a.op == pipeline::Op::backward || a.op == pipeline::Op::backward_input ||
+        a.op == pipeline::Op::backward_weight) {
+      last_gradient[a.stage] = a;
+    }
+  }
+  std::map<int, std::size_t> module_of;  // stage -> its module's index in the parallel model
+  for (std::size_t k = 0; k < s.parts.stages.size(); ++k) {
+    module_of[s.parts.stages[k].second.index] = k;
+  }
+  s.executor->on_compute([parallel = s.parallel.get(), last_gradient = std::move(last_gradient),
+                          module_of = std::move(module_of)](const pipeline::Action& a, bool done) {
+    if (!done) {
+      return;
+    }
+    const auto it = last_gradient.find(a.stage);
+    if (it != last_gradient.end() && it->second == a) {
+      RECORD_USER_SCOPE("d9d::gradient_sync_start");
+      parallel->module_done(module_of.at(a.stage));
+    }
+  });
   s.optimizer = make_adamw(s.parallel->parameters(), s.options);
 }
 

@@ -103,15 +103,20 @@ TEST(Parallel_FullyShard_ws4, HsdpAndPipelineMatchOneProcess) {
             ctx, run_config(dir + "/hsdp", R"({"dp_replicate": 2, "dp_shard": 2})")),
         want, "HSDP 2x2");
     // FullyShard 2 x pipeline 2 (each rank compares its stages' parameters).
+    // The reduce-scatters of each stage's blocks start after the stage's last gradient action,
+    // inside the program (ParallelModel::module_done), on every rank and step.
     using PpMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_shard<d9d::dynamic>>;
-    d9d::testing::expect_same_run(
+    const auto one_f_one_b =
         train_plan<d9d::Plan<PpMesh, d9d::parallel::Fsdp, d9d::pipeline::OneFOneB<>, Fp64>>(
-            ctx, run_config(dir + "/pp", R"({"pp": 2, "dp_shard": 2})")),
-        want, "FSDP 2 x pp 2");
-    d9d::testing::expect_same_run(
+            ctx, run_config(dir + "/pp", R"({"pp": 2, "dp_shard": 2})"));
+    d9d::testing::expect_same_run(one_f_one_b, want, "FSDP 2 x pp 2");
+    EXPECT_GT(one_f_one_b.reductions_started_early, 0U);
+    const auto zero_bubble =
         train_plan<d9d::Plan<PpMesh, d9d::parallel::Fsdp, d9d::pipeline::ZeroBubbleH1<>, Fp64>>(
-            ctx, run_config(dir + "/zb", R"({"pp": 2, "dp_shard": 2})")),
-        want, "FSDP 2 x pp 2, ZeroBubbleH1 (weight gradients in W actions)");
+            ctx, run_config(dir + "/zb", R"({"pp": 2, "dp_shard": 2})"));
+    d9d::testing::expect_same_run(zero_bubble, want,
+                                  "FSDP 2 x pp 2, ZeroBubbleH1 (weight gradients in W actions)");
+    EXPECT_GT(zero_bubble.reductions_started_early, 0U);
   });
 }
 

@@ -42,6 +42,8 @@ inline void expect_exported_equals(const torch::nn::Module& exported,
 struct RunOutcome {
   TrainResult result;
   std::map<std::string, at::Tensor> parameters;
+  /// Reductions the last step started before the end of its pipeline program.
+  std::size_t reductions_started_early = 0;
 };
 
 template <class Plan>
@@ -50,6 +52,7 @@ RunOutcome train_plan(const DistributedContext& ctx, const TrainerConfig& config
   RunOutcome out;
   out.result = trainer.train();
   out.parameters = full_parameters(trainer.core());
+  out.reductions_started_early = trainer.core().parallel().reductions_started_early();
   return out;
 }
 

@@ -159,6 +159,13 @@ void expect_pipeline_matches_one_process(RankEnv& env, const d9d::DistributedCon
     }
   }
   EXPECT_GT(compared, 0U) << name;
+  if (pipelined.mesh().size(d9d::MeshDomain::batch, "dp") > 1) {
+    // Replicate's all-reduce of the stage starts after its last gradient action, inside the
+    // program (ParallelModel::module_done): at least one bucket per step on every rank.
+    EXPECT_GT(pipelined.core().parallel().reductions_started_early(), 0U) << name;
+  } else {
+    EXPECT_EQ(pipelined.core().parallel().reductions_started_early(), 0U) << name;
+  }
   ctx.barrier();  // every rank is done with the pipelined trainer's groups before they go
 }
 

@@ -76,7 +76,8 @@ struct ParameterRecord {
 
 /// What a strategy adds to the step's gradient path. The steps call, per optimizer step:
 /// begin_step(); for each microbatch i of n: before_backward(i, n), backward; then finish().
-/// Under a pipeline program (ParallelizeOptions::pipelined) only begin_step() and finish().
+/// Under a pipeline program (ParallelizeOptions::pipelined) begin_step(), module_done(m) for each
+/// module as the program finishes its gradients, and finish().
 class GradientSync {
  public:
   GradientSync() = default;
@@ -88,8 +89,15 @@ class GradientSync {
 
   virtual void begin_step() {}
   virtual void before_backward(int /*microbatch*/, int /*microbatches*/) {}
+  /// Under a pipeline program: module `module` (its index in ParallelModel::modules()) has every
+  /// gradient of this step, so the strategy may start reducing them while the rest of the program
+  /// runs. Every rank of the strategy's groups runs the same program, so they call it for the same
+  /// modules in the same order; finish() completes what was started and reduces the rest.
+  virtual void module_done(std::size_t /*module*/) {}
   /// Completes every reduction of the step (collective over the strategy's groups).
   virtual void finish() {}
+  /// Reductions (buckets, units) module_done() started in the current or last step.
+  [[nodiscard]] virtual std::size_t started_early() const { return 0; }
   /// Bytes this rank holds for the strategy beyond the records' tensors (e.g. gathered units).
   [[nodiscard]] virtual int64_t extra_bytes() const { return 0; }
   /// Scalars for the step's log (name, value), e.g. the MoE routers' balance after finish().
@@ -157,7 +165,14 @@ class ParallelModel {
 
   void begin_step();
   void before_backward(int microbatch, int microbatches);
+  /// Under a pipeline program: module `module` of modules() got its last gradient of the step
+  /// (this rank ran its stage's last backward or weight-gradient action); the strategies start
+  /// reducing its gradients (GradientSync::module_done). Optional: finish() reduces whatever was
+  /// not started.
+  void module_done(std::size_t module);
   void finish();
+  /// Reductions started by module_done() in the current or last step, over every strategy.
+  [[nodiscard]] std::size_t reductions_started_early() const;
 
   /// Divides every local gradient by `total_weight`, computes the global 2-norm of the gradient
   /// (each element counted once: squares summed over the dims a parameter is sharded on and over

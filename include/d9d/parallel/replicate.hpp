@@ -41,6 +41,9 @@ class GradientReducer {
 
   /// The next backward pass reduces gradients as they become ready.
   void arm();
+  /// Starts every bucket not started yet (after arm(); a parameter without a gradient adds
+  /// zeros), e.g. when the caller knows that the step's gradients are complete; finish() waits.
+  void launch_all();
   /// Completes the reduction armed by arm(): afterwards each .grad holds the group's sum.
   void finish();
   /// Number of buckets, and how many were launched from hooks (during backward) last time.
