@@ -17,10 +17,11 @@
 // SiLU-mul forward (6 bytes per element: read gate and up, write h): threads per block, blocks per
 // SM (0: one block per `threads` vectors of 16 bytes), FAST (__expf and __frcp_rn), UNROLL vectors
 // per thread with every load issued first.
-// Each list of variants runs interleaved rounds and prints medians: at the 700 W power cap an H200's
-// figures drift by several points within a minute, so variants are compared under the same drift.
-// Findings (docs/kernels.md): shorter AdamW blocks and the uncapped, fast-math SiLU-mul grid are in
-// the library; the random bits and the divisions cost nothing measurable with float32 moments.
+// Each list of variants runs interleaved rounds and prints medians: at the 700 W power cap an
+// H200's figures drift by several points within a minute, so variants are compared under the same
+// drift. Findings (docs/kernels.md): shorter AdamW blocks and the uncapped, fast-math SiLU-mul grid
+// are in the library; the random bits and the divisions cost nothing measurable with float32
+// moments.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
