@@ -332,6 +332,7 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text, const Overr
   logging.boolean("jsonl", cfg.logging.jsonl);
   logging.boolean("tensorboard", cfg.logging.tensorboard);
   logging.boolean("pictures", cfg.logging.pictures);
+  logging.integer("pipeline_timeline_step", cfg.logging.pipeline_timeline_step, 0, false);
   logging.finish();
 
   Section exporting = root.child("export");

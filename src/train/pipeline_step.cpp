@@ -9,6 +9,8 @@
 
 #include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/optim/lr_schedule.hpp>
+#include <d9d/pipeline/picture.hpp>
+#include <d9d/track/progress.hpp>
 #include <d9d/train/detail/step_parts.hpp>
 #include <d9d/train/pipeline_step.hpp>
 
@@ -132,6 +134,8 @@ StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int6
   }
   at::Tensor loss_sum;
   at::Tensor weight_sum;
+  const bool draw = step == s.options.timeline_step;
+  s.executor->record_timeline(draw);
   (void)s.executor->run(inputs, [&](const at::Tensor& output, int mb) {
     LossOutput out;
     {
@@ -144,6 +148,24 @@ StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int6
   {
     RECORD_USER_SCOPE("d9d::gradient_sync");
     s.parallel->finish();
+  }
+  if (draw) {
+    // "logging.pipeline_timeline_step": every pipeline rank's actions of this step, gathered
+    // (collective over pp) and drawn under the program as planned at the measured costs.
+    const auto measured = pipeline::gather_timeline(s.pp, s.executor->timeline());
+    const auto& context = s.parallel->mesh().context();
+    if (context.rank() == 0) {
+      const auto& program = s.parts.program;
+      track::write_text_file(
+          s.options.timeline_path,
+          pipeline::planned_and_measured_svg(
+              program,
+              {{.title = "measured, step " + std::to_string(step + 1), .timeline = measured}},
+              "pipeline pp=" + std::to_string(program.pp) + ", " +
+                  std::to_string(program.stages()) + " stages, " +
+                  std::to_string(program.microbatches) + " microbatches"));
+      context.logger().info("pipeline timeline: " + s.options.timeline_path);
+    }
   }
 
   // Only the last stage's ranks hold loss sums: sum over the pipeline, then over the replicas.

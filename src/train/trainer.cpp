@@ -648,6 +648,21 @@ TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const Devic
                            .seed = s.config.run.seed,
                            .events = &s.events};
   precision.apply_to(options);
+  if (const int64_t n = s.config.logging.pipeline_timeline_step; n > 0) {
+    if (!s.run.pipeline) {
+      throw ConfigError(
+          "d9d config: \"logging.pipeline_timeline_step\" draws a pipeline program's timeline, "
+          "but the plan has no pipeline schedule. Fix: remove it, or train with a pipeline plan");
+    }
+    if (n > s.config.run.total_steps) {
+      throw ConfigError(
+          "d9d config: \"logging.pipeline_timeline_step\" = " + std::to_string(n) +
+          " is past \"run.total_steps\" = " + std::to_string(s.config.run.total_steps) +
+          ". Fix: a step from 1 to run.total_steps, or 0 for none");
+    }
+    options.timeline_step = n - 1;
+    options.timeline_path = files::join(s.config.run.output_dir, "pipeline_timeline.svg");
+  }
   if (s.run.pipeline && s.config.export_model.enabled) {
     for (const auto& stage : s.run.pipeline->stages) {
       if (peft::has_lora(*stage.first)) {

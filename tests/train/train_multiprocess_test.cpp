@@ -3,6 +3,8 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -192,6 +194,47 @@ TEST(Trainer_Pipeline_Gloo_ws2, EverySchedulePlanMatchesOneProcess) {
     expect_pipeline_matches_one_process<d9d::Plan<
         d9d::mesh<d9d::pp<2>>, d9d::pipeline::OneFOneB<d9d::pipeline::microbatches<4>>, Fp64>>(
         env, ctx, "static", 2, 8, 2, 4);
+  });
+}
+
+// "logging.pipeline_timeline_step": step 2 of a 1F1B run on pp 2 drawn under its plan by world
+// rank 0, one rect per compute action per rank in each of the two panels (planned, measured).
+TEST(Trainer_Pipeline_Gloo_ws2, TimelinePictureOfAStep) {
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const std::string dir = env.scratch_dir() + "/timeline" + std::to_string(env.rank());
+    using Plan = d9d::Plan<PipelineMesh, d9d::pipeline::OneFOneB<>, Fp64>;
+    auto config = d9d::testing::tiny_run(dir, 3, 8, 2, false, 4, R"({"pp": 2})");
+    config.logging.pipeline_timeline_step = 2;
+    d9d::Trainer<Plan> trainer(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                               d9d::CausalLmTask{}, config);
+    (void)trainer.train();
+    const std::string path = dir + "/pipeline_timeline.svg";
+    std::ifstream file(path);
+    if (env.rank() == 0) {
+      ASSERT_TRUE(file.good()) << path;
+      const std::string svg((std::istreambuf_iterator<char>(file)),
+                            std::istreambuf_iterator<char>());
+      std::size_t rects = 0;
+      for (auto at = svg.find(R"(class="action")"); at != std::string::npos;
+           at = svg.find(R"(class="action")", at + 1)) {
+        ++rects;
+      }
+      // 4 microbatches of 2 on pp 2: 4 F and 4 B per rank.
+      EXPECT_EQ(rects, 2U * 2U * 8U);
+      EXPECT_THAT(svg, HasSubstr("measured, step 2"));
+    } else {
+      EXPECT_FALSE(file.good()) << "only world rank 0 writes " << path;
+    }
+    // A plan without a pipeline, and a step past the run, are config errors.
+    auto flat = d9d::testing::tiny_run(dir + "/flat", 3, 8, 8, false, 4);
+    flat.logging.pipeline_timeline_step = 1;
+    const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
+    EXPECT_THROW(d9d::Trainer<OneProcessPlan>(local, d9d::Qwen3Provider{},
+                                              d9d::testing::RandomWindowsProvider{},
+                                              d9d::CausalLmTask{}, flat),
+                 d9d::ConfigError);
+    ctx.barrier();
   });
 }
 

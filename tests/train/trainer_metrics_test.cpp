@@ -249,6 +249,11 @@ TEST(Trainer_Pictures, ConfigKeyIsChecked) {
   }
   EXPECT_FALSE(config("/tmp/unused", R"({"pictures": false})").logging.pictures);
   EXPECT_TRUE(config("/tmp/unused", "{}").logging.pictures);
+  // The pipeline timeline's step (its picture: train_multiprocess_test).
+  EXPECT_EQ(config("/tmp/unused", "{}").logging.pipeline_timeline_step, 0);
+  EXPECT_EQ(
+      config("/tmp/unused", R"({"pipeline_timeline_step": 3})").logging.pipeline_timeline_step, 3);
+  EXPECT_THROW((void)config("/tmp/unused", R"({"pipeline_timeline_step": -1})"), d9d::ConfigError);
 }
 
 }  // namespace

@@ -75,6 +75,10 @@ struct LoggingConfig {
   bool jsonl = true;        ///< <output_dir>/metrics.jsonl
   bool tensorboard = true;  ///< <output_dir>/tensorboard/events.out.tfevents.*
   bool pictures = true;     ///< <output_dir>/lr_schedule.svg and loss.svg (SVG line charts)
+  /// Pipeline plans: step N (from 1) is recorded per action on every pipeline rank and drawn as
+  /// it ran, under the program as planned at the measured costs, in
+  /// <output_dir>/pipeline_timeline.svg; 0: never.
+  int64_t pipeline_timeline_step = 0;
 };
 
 struct ExportConfig {

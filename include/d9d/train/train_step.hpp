@@ -24,6 +24,7 @@
 #include <memory>
 #include <optional>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -57,6 +58,10 @@ struct TrainStepOptions {
   at::ScalarType optimizer_state = at::ScalarType::Undefined;
   uint64_t seed = 0;                 ///< the stochastic rounding's seed (the run's seed)
   const EventBus* events = nullptr;  ///< receives BeforeOptimizer / AfterOptimizer
+  /// Pipelined steps: the step index (from 0) whose per-action timeline is gathered over the
+  /// pipeline ranks and drawn under the plan into `timeline_path` (by world rank 0); -1: none.
+  int64_t timeline_step = -1;
+  std::string timeline_path = {};
 };
 
 /// Global results of one step (identical on every rank).
