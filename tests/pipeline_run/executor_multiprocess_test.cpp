@@ -82,6 +82,7 @@ TEST_P(Pipeline_Gloo, WithoutOverlapEverySchedulesGradientsEqualTheReference) {
 // overlap rank 0 would wait for the first send, rank 1 for rank 0: the store wait below would
 // time out. The step still equals the reference.
 TEST(Pipeline_Gloo_pp2, ComputeDoesNotWaitForSends) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
     const auto ctx = d9d::testing::rank_context(env);
     const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{.pp = 2});

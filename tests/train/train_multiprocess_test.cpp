@@ -200,6 +200,7 @@ TEST(Trainer_Pipeline_Gloo_ws2, EverySchedulePlanMatchesOneProcess) {
 // "logging.pipeline_timeline_step": step 2 of a 1F1B run on pp 2 drawn under its plan by world
 // rank 0, one rect per compute action per rank in each of the two panels (planned, measured).
 TEST(Trainer_Pipeline_Gloo_ws2, TimelinePictureOfAStep) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
     const auto ctx = d9d::testing::rank_context(env);
     const std::string dir = env.scratch_dir() + "/timeline" + std::to_string(env.rank());
