@@ -15,7 +15,6 @@
 #include <d9d/core/collectives.hpp>
 #include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/infer/inference.hpp>
-#include <d9d/state/stream.hpp>
 #include <d9d/track/progress.hpp>
 #include <d9d/util/files.hpp>
 
@@ -80,17 +79,12 @@ std::shared_ptr<pipeline::Executor> make_inference_executor(
     const DeviceMesh& mesh, const pipeline::Program& program,
     const std::vector<std::pair<std::shared_ptr<torch::nn::Module>, pipeline::Stage>>& stages,
     std::function<pipeline::TensorSpec(int)> activation) {
-  // Activations cross stages in the dtype of the stages' parameters (see pipeline_step.cpp).
-  at::ScalarType dtype = at::kFloat;
+  // Activations cross stages in the dtype of the stages' parameters, as in training.
+  const at::ScalarType dtype = stage_activation_dtype(stages);
   std::vector<pipeline::Stage> handles;
-  for (const auto& [module, stage] : stages) {
-    handles.push_back(stage);
-    for (const auto& param : module->parameters()) {
-      if (at::isFloatingType(param.scalar_type())) {
-        dtype = param.scalar_type();
-        break;
-      }
-    }
+  handles.reserve(stages.size());
+  for (const auto& item : stages) {
+    handles.push_back(item.second);
   }
   return std::make_shared<pipeline::Executor>(
       program, mesh.group(MeshDomain::regular, "pp"), std::move(handles),
@@ -99,38 +93,6 @@ std::shared_ptr<pipeline::Executor> make_inference_executor(
         spec.dtype = dtype;
         return spec;
       });
-}
-
-void load_inference_weights(
-    const DistributedContext& context, parallel::ParallelModel& parallel,
-    const TrainerConfig& config,
-    const std::function<state::Mapper(const std::vector<std::string>&,
-                                      const std::vector<std::string>&)>& mapper) {
-  const std::string& from = config.checkpoint.init_from;
-  state::StreamStats stats;
-  try {
-    const auto source = state::StateSource::open(from);
-    std::vector<std::string> names;
-    for (const auto& module : parallel.modules()) {
-      for (const auto& item : module->named_parameters()) {
-        // A name held twice on this rank (a tied embedding's two stages) is loaded once.
-        if (std::find(names.begin(), names.end(), item.key()) == names.end()) {
-          names.push_back(item.key());
-        }
-      }
-    }
-    stats = parallel::load_state(parallel, source,
-                                 {.mapper = mapper ? mapper(source.keys(), names) : state::Mapper(),
-                                  .ignore = {},
-                                  .allow_unused_inputs = parallel.options().pipelined,
-                                  .keep = {}});
-  } catch (const std::exception& error) {
-    throw ConfigError("d9d config: \"checkpoint.init_from\" = \"" + from + "\": " + error.what());
-  }
-  if (context.is_main_process()) {
-    context.logger().info("inference weights from " + from + ": " + std::to_string(stats.outputs) +
-                          " tensors on this rank");
-  }
 }
 
 InferenceResult run_inference(const DistributedContext& context, const DeviceMesh& mesh,

@@ -11,10 +11,25 @@
 #include <d9d/optim/lr_schedule.hpp>
 #include <d9d/pipeline/picture.hpp>
 #include <d9d/track/progress.hpp>
+#include <d9d/train/detail/build.hpp>
 #include <d9d/train/detail/step_parts.hpp>
 #include <d9d/train/pipeline_step.hpp>
 
 namespace d9d::detail {
+
+at::ScalarType stage_activation_dtype(
+    const std::vector<std::pair<std::shared_ptr<torch::nn::Module>, pipeline::Stage>>& stages) {
+  at::ScalarType dtype = at::kFloat;
+  for (const auto& [module, stage] : stages) {
+    for (const auto& param : module->parameters()) {
+      if (at::isFloatingType(param.scalar_type())) {
+        dtype = param.scalar_type();
+        break;
+      }
+    }
+  }
+  return dtype;
+}
 
 struct PipelineStepCore::Impl {
   std::unique_ptr<parallel::ParallelModel> parallel;
@@ -53,18 +68,8 @@ PipelineStepCore::PipelineStepCore(std::unique_ptr<parallel::ParallelModel> mode
                          return forward(x);
                        }});
   }
-  // Activations cross stages in the dtype of the modules' parameters (what the residual stream
-  // computes in; bf16 autocast keeps it there too): the precision's parameter dtype, or the compute
-  // dtype of parameters gathered by a sharding strategy.
-  at::ScalarType dtype = at::kFloat;
-  for (const auto& [module, stage] : s.parts.stages) {
-    for (const auto& param : module->parameters()) {
-      if (at::isFloatingType(param.scalar_type())) {
-        dtype = param.scalar_type();
-        break;
-      }
-    }
-  }
+  // Activations cross stages in the dtype of the modules' parameters (stage_activation_dtype).
+  const at::ScalarType dtype = stage_activation_dtype(s.parts.stages);
   auto activation = [spec_of = s.parts.activation, dtype](int stage) {
     auto spec = spec_of(stage);
     spec.dtype = dtype;

@@ -523,43 +523,6 @@ std::set<std::string> adapter_parameters(const torch::nn::Module& root) {
   return out;
 }
 
-// "checkpoint.init_from": the Hugging Face checkpoint streamed into the parallelised model, each
-// rank reading and copying only its parts (through the provider's hf_load_mapper, if any). The
-// adapters of a LoRA plan keep their initial values (the checkpoint is the base).
-void load_initial_weights(TrainerCore::Impl& s) {
-  const std::string& from = s.config.checkpoint.init_from;
-  state::StreamStats stats;
-  try {
-    const auto source = state::StateSource::open(from);
-    auto& parallel = s.parallel();
-    std::vector<std::string> names;
-    std::vector<std::string> adapters;
-    std::set<std::string> seen;  // a parameter tied across this rank's stages is one name
-    for (const auto& module : parallel.modules()) {
-      const auto adapted = adapter_parameters(*module);
-      for (const auto& item : module->named_parameters()) {
-        if (seen.insert(item.key()).second) {
-          (adapted.contains(item.key()) ? adapters : names).push_back(item.key());
-        }
-      }
-    }
-    const auto mapper =
-        s.run.hf_load_mapper ? s.run.hf_load_mapper(source.keys(), names) : state::Mapper();
-    stats = parallel::load_state(parallel, source,
-                                 {.mapper = mapper,
-                                  .ignore = {},
-                                  .allow_unused_inputs = parallel.options().pipelined,
-                                  .keep = adapters});
-  } catch (const std::exception& error) {
-    throw ConfigError("d9d config: \"checkpoint.init_from\" = \"" + from + "\": " + error.what());
-  }
-  if (s.context.is_main_process()) {
-    s.context.logger().info(
-        "initial weights from " + from + ": " + std::to_string(stats.outputs) + " tensors, " +
-        format_number(static_cast<double>(stats.output_bytes) / 1e6, "%.3g") + " MB on this rank");
-  }
-}
-
 // "logging.pictures": the learning rate of every step of the run and the loss of every step run,
 // as SVG line charts next to metrics.jsonl (main rank). Returns the two paths.
 std::pair<std::string, std::string> write_pictures(const TrainerConfig& cfg,
@@ -626,6 +589,56 @@ std::string describe_step(int64_t step, int64_t total, const StepResult& r) {
 }
 
 }  // namespace
+
+// d9d/train/detail/build.hpp: what Trainer<Plan> and Inference<Plan> both build.
+
+void require_sequence_length(const TrainerConfig& config) {
+  if (config.batch.sequence_length < 1) {
+    throw ConfigError(
+        "d9d config: \"batch.sequence_length\" is not given, but a pipeline plan sizes the "
+        "tensors between stages with it. Fix: set \"batch\": {\"sequence_length\": N, ...}");
+  }
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> RankStages::modules() const {
+  std::vector<std::shared_ptr<torch::nn::Module>> out;
+  out.reserve(stages.size());
+  for (const auto& item : stages) {
+    out.push_back(item.first);
+  }
+  return out;
+}
+
+void load_init_from(const DistributedContext& context, parallel::ParallelModel& parallel,
+                    const std::string& from, const HfLoadMapper& mapper, const std::string& what) {
+  state::StreamStats stats;
+  try {
+    const auto source = state::StateSource::open(from);
+    std::vector<std::string> names;
+    std::vector<std::string> adapters;
+    std::set<std::string> seen;  // a parameter tied across this rank's stages is one name
+    for (const auto& module : parallel.modules()) {
+      const auto adapted = adapter_parameters(*module);
+      for (const auto& item : module->named_parameters()) {
+        if (seen.insert(item.key()).second) {
+          (adapted.contains(item.key()) ? adapters : names).push_back(item.key());
+        }
+      }
+    }
+    stats = parallel::load_state(parallel, source,
+                                 {.mapper = mapper ? mapper(source.keys(), names) : state::Mapper(),
+                                  .ignore = {},
+                                  .allow_unused_inputs = parallel.options().pipelined,
+                                  .keep = adapters});
+  } catch (const std::exception& error) {
+    throw ConfigError("d9d config: \"checkpoint.init_from\" = \"" + from + "\": " + error.what());
+  }
+  if (context.is_main_process()) {
+    context.logger().info(
+        what + " from " + from + ": " + std::to_string(stats.outputs) + " tensors, " +
+        format_number(static_cast<double>(stats.output_bytes) / 1e6, "%.3g") + " MB on this rank");
+  }
+}
 
 TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const DeviceMesh> mesh,
                          TrainerConfig config, PrecisionOptions precision, ErasedRun run)
@@ -708,7 +721,8 @@ TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const Devic
     }
   }
   if (s.resumed_from.empty() && !checkpoint.init_from.empty()) {
-    load_initial_weights(s);
+    load_init_from(s.context, s.parallel(), checkpoint.init_from, s.run.hf_load_mapper,
+                   "initial weights");
   }
 }
 

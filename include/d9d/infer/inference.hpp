@@ -32,7 +32,6 @@
 #include <any>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -43,7 +42,6 @@
 
 #include <d9d/core/batch_tree.hpp>
 #include <d9d/core/device_mesh.hpp>
-#include <d9d/parallel/load.hpp>
 #include <d9d/parallel/parallelize.hpp>
 #include <d9d/pipeline/executor.hpp>
 #include <d9d/pipeline/program.hpp>
@@ -52,6 +50,7 @@
 #include <d9d/train/causal_lm.hpp>
 #include <d9d/train/concepts.hpp>
 #include <d9d/train/config.hpp>
+#include <d9d/train/detail/build.hpp>
 #include <d9d/train/train_step.hpp>
 
 namespace d9d {
@@ -108,14 +107,6 @@ InferenceResult run_inference(const DistributedContext& context, const DeviceMes
                               const TrainerConfig& config, bool bf16_autocast, ErasedInference& run,
                               const InferenceSink& sink);
 
-/// "checkpoint.init_from" into the parallelized model (every rank its slices), through `mapper`
-/// when given.
-void load_inference_weights(
-    const DistributedContext& context, parallel::ParallelModel& parallel,
-    const TrainerConfig& config,
-    const std::function<state::Mapper(const std::vector<std::string>&,
-                                      const std::vector<std::string>&)>& mapper);
-
 }  // namespace detail
 
 /// The forward-only loop of `Plan` (see the file comment).
@@ -161,17 +152,7 @@ class Inference {
           "d9d config: inference needs the model's weights. Fix: set \"checkpoint\": "
           "{\"init_from\": \"<Hugging Face checkpoint directory, e.g. runs/x/model>\"}");
     }
-    MeshShape shape;
-    try {
-      shape = resolve_mesh<typename Plan::mesh>(context_.world_size(), config_.mesh);
-      detail::check_step_mesh<Plan>(shape);
-    } catch (const ConfigError&) {
-      throw;
-    } catch (const std::invalid_argument& error) {
-      throw ConfigError(std::string("d9d config: ") + error.what());
-    }
-    mesh_ = std::make_shared<const DeviceMesh>(context_, shape);
-    config_.check_against_data_parallel(mesh_->size(MeshDomain::batch, "dp"));
+    mesh_ = detail::make_plan_mesh<Plan>(context_, config_);
 
     auto shared_task = std::make_shared<Task>(std::move(task));
     if constexpr (kPipelined) {
@@ -192,17 +173,8 @@ class Inference {
         return at::cat(rows, 0);
       };
     }
-    std::function<state::Mapper(const std::vector<std::string>&, const std::vector<std::string>&)>
-        mapper;
-    if constexpr (requires(const std::vector<std::string>& keys) {
-                    { models.hf_load_mapper(keys, keys) } -> std::convertible_to<state::Mapper>;
-                  }) {
-      mapper = [models](const std::vector<std::string>& source_keys,
-                        const std::vector<std::string>& names) {
-        return models.hf_load_mapper(source_keys, names);
-      };
-    }
-    detail::load_inference_weights(context_, *run_.parallel, config_, mapper);
+    detail::load_init_from(context_, *run_.parallel, config_.checkpoint.init_from,
+                           detail::hf_load_mapper_of(models), "inference weights");
 
     using Dataset = dataset_of_t<DatasetProvider>;
     auto dataset = std::make_shared<Dataset>(
@@ -244,44 +216,17 @@ class Inference {
   // the Plan, and the executor over them.
   template <class ModelProvider, class Batch, class Task>
   void build_stages(ModelProvider& models, const std::shared_ptr<Task>& task) {
-    using StageModule = stage_of_t<ModelProvider>;
     const int pp = mesh_->size(MeshDomain::regular, "pp");
     const int dp = mesh_->size(MeshDomain::batch, "dp");
     const auto microbatches = static_cast<int>(config_.microbatches_per_step(dp));
     const auto program = pipeline::build_program<pipeline::Inference<>>(pp, microbatches);
-    if (config_.batch.sequence_length < 1) {
-      throw ConfigError(
-          "d9d config: \"batch.sequence_length\" is not given, but a pipeline plan sizes the "
-          "tensors between stages with it. Fix: set \"batch\": {\"sequence_length\": N, ...}");
-    }
-    const int64_t b = config_.batch.microbatch_size;
-    const int64_t t = config_.batch.sequence_length;
-    std::vector<std::pair<std::shared_ptr<torch::nn::Module>, pipeline::Stage>> stages;
-    std::map<int, pipeline::TensorSpec> specs;
-    std::vector<std::shared_ptr<torch::nn::Module>> modules;
-    const int rank = mesh_->coordinate(MeshDomain::regular, "pp");
-    for (const int s :
-         pipeline::rank_stages(program.placement, program.pp, program.stages_per_rank, rank)) {
-      torch::manual_seed(config_.run.seed);
-      StageModule stage =
-          models.build_stage(StageBuildContext{.device = context_.device(),
-                                               .mesh = mesh_.get(),
-                                               .config_json = config_.section("model"),
-                                               .stage = s,
-                                               .stages = program.stages()});
-      specs[s] = {.sizes = stage->input_sizes(b, t)};
-      specs[s + 1] = {.sizes = stage->output_sizes(b, t)};
-      modules.push_back(stage.ptr());
-      stages.emplace_back(
-          stage.ptr(), pipeline::Stage{.index = s, .forward = [stage](const at::Tensor& x) mutable {
-                                         return stage->forward(x);
-                                       }});
-    }
+    detail::require_sequence_length(config_);
+    auto built = detail::build_rank_stages(models, context_, *mesh_, config_, program);
     run_.parallel = parallel::parallelize<Plan>(
-        *mesh_, std::move(modules),
+        *mesh_, built.modules(),
         {.reshard = config_.data_parallel.reshard, .pipelined = true, .seed = config_.run.seed});
-    run_.executor = detail::make_inference_executor(*mesh_, program, stages,
-                                                    [specs](int s) { return specs.at(s); });
+    run_.executor =
+        detail::make_inference_executor(*mesh_, program, built.stages, std::move(built.activation));
     run_.step = [executor = run_.executor, task](const std::vector<std::any>& microbatches) {
       std::vector<at::Tensor> inputs;
       for (const auto& microbatch : microbatches) {

@@ -53,6 +53,7 @@
 #include <d9d/state/mapper.hpp>
 #include <d9d/train/concepts.hpp>
 #include <d9d/train/config.hpp>
+#include <d9d/train/detail/build.hpp>
 #include <d9d/train/events.hpp>
 #include <d9d/train/pipeline_step.hpp>
 #include <d9d/train/train_step.hpp>
@@ -236,25 +237,6 @@ class Trainer {
  private:
   static constexpr bool kPipelined = detail::is_pipelined_v<Plan>;
 
-  // The mesh against the world, the batch against the mesh: checked before anything is allocated.
-  static std::shared_ptr<const DeviceMesh> make_mesh(const DistributedContext& context,
-                                                     const TrainerConfig& config) {
-    MeshShape shape;
-    try {
-      // The dynamic degrees come from the config's "mesh" section: a mesh that does not fit the
-      // world is a configuration error.
-      shape = resolve_mesh<typename Plan::mesh>(context.world_size(), config.mesh);
-      detail::check_step_mesh<Plan>(shape);
-    } catch (const ConfigError&) {
-      throw;
-    } catch (const std::invalid_argument& error) {
-      throw ConfigError(std::string("d9d config: ") + error.what());
-    }
-    auto mesh = std::make_shared<const DeviceMesh>(context, shape);
-    config.check_against_data_parallel(mesh->size(MeshDomain::batch, "dp"));
-    return mesh;
-  }
-
   // The dataset and its loading, type-erased into `run`.
   template <class DatasetProvider, class Batch>
   static void add_data(DatasetProvider& datasets, const DeviceMesh& mesh,
@@ -345,19 +327,6 @@ class Trainer {
     }
   }
 
-  // The provider's hf_load_mapper, if it has one (after build: it may need the model's config).
-  template <class ModelProvider>
-  static void add_hf_load_mapper(const ModelProvider& models, detail::ErasedRun& run) {
-    if constexpr (requires(const std::vector<std::string>& keys) {
-                    { models.hf_load_mapper(keys, keys) } -> std::convertible_to<state::Mapper>;
-                  }) {
-      run.hf_load_mapper = [models](const std::vector<std::string>& source_keys,
-                                    const std::vector<std::string>& names) {
-        return models.hf_load_mapper(source_keys, names);
-      };
-    }
-  }
-
   // The verified program: at compile time when pp and the microbatch count are static.
   static pipeline::Program make_program(const MeshShape& shape, int microbatches) {
     using S = typename Plan::pipeline;
@@ -385,7 +354,6 @@ class Trainer {
   void build_pipelined(DistributedContext context, ModelProvider models, DatasetProvider datasets,
                        Task task, TrainerConfig config) {
     using Batch = batch_of_t<DatasetProvider>;
-    using StageModule = stage_of_t<ModelProvider>;
     static_assert(splittable_batch<Batch>,
                   "d9d::Trainer: the dataset's batch type " D9D_UNSPLITTABLE_BATCH_FIX);
     static_assert(train_task_opts_in<Task>,
@@ -396,12 +364,8 @@ class Trainer {
                   "Batch&)` (the first stage's input) and `d9d::LossOutput output_loss(const "
                   "at::Tensor& output, const Batch&)` (the loss of the last stage's output)");
     if constexpr (pipeline_train_task<Task, Batch>) {
-      if (config.batch.sequence_length < 1) {
-        throw ConfigError(
-            "d9d config: \"batch.sequence_length\" is not given, but a pipeline plan sizes the "
-            "tensors between stages with it. Fix: set \"batch\": {\"sequence_length\": N, ...}");
-      }
-      auto mesh = make_mesh(context, config);
+      detail::require_sequence_length(config);
+      auto mesh = detail::make_plan_mesh<Plan>(context, config);
       const int dp = mesh->size(MeshDomain::batch, "dp");
       const auto program =
           make_program(mesh->shape(), static_cast<int>(config.microbatches_per_step(dp)));
@@ -409,37 +373,10 @@ class Trainer {
       detail::ErasedRun run;
       detail::PipelineParts parts;
       parts.program = program;
-      const int rank = mesh->coordinate(MeshDomain::regular, "pp");
-      std::map<int, pipeline::TensorSpec> specs;
-      const int64_t b = config.batch.microbatch_size;
-      const int64_t t = config.batch.sequence_length;
-      for (const int s :
-           pipeline::rank_stages(program.placement, program.pp, program.stages_per_rank, rank)) {
-        // Each stage starts from the run's seed, as the whole model does: with a provider whose
-        // initialisation depends on that and the names only (d9d::model::init_qwen3_parameters),
-        // each stage starts with the whole model's values.
-        torch::manual_seed(config.run.seed);
-        StageModule stage =
-            models.build_stage(StageBuildContext{.device = context.device(),
-                                                 .mesh = mesh.get(),
-                                                 .config_json = config.section("model"),
-                                                 .stage = s,
-                                                 .stages = program.stages()});
-        specs[s] = {.sizes = stage->input_sizes(b, t)};
-        specs[s + 1] = {.sizes = stage->output_sizes(b, t)};
-        parts.stages.emplace_back(
-            stage.ptr(),
-            pipeline::Stage{.index = s, .forward = [stage](const at::Tensor& x) mutable {
-                              return stage->forward(x);
-                            }});
-      }
-      parts.activation = [specs](int s) {
-        const auto it = specs.find(s);
-        if (it == specs.end()) {
-          throw std::logic_error("d9d::Trainer: no activation spec for stage " + std::to_string(s));
-        }
-        return it->second;
-      };
+      auto built = detail::build_rank_stages(models, context, *mesh, config, program);
+      auto modules = built.modules();
+      parts.stages = std::move(built.stages);
+      parts.activation = std::move(built.activation);
       auto shared_task = std::make_shared<Task>(std::move(task));
       parts.input = [shared_task](const std::any& microbatch) {
         return shared_task->stage_input(std::any_cast<const Batch&>(microbatch));
@@ -456,15 +393,11 @@ class Trainer {
         }
         return out;
       };
-      std::vector<std::shared_ptr<torch::nn::Module>> modules;
-      for (const auto& item : parts.stages) {
-        modules.push_back(item.first);
-      }
       run.parallel = parallel::parallelize<Plan>(*mesh, std::move(modules),
                                                  detail::parallelize_options(config, true));
       run.pipeline = std::move(parts);
       add_hf_export(models, run);
-      add_hf_load_mapper(models, run);
+      run.hf_load_mapper = detail::hf_load_mapper_of(models);
       add_data<DatasetProvider, Batch>(datasets, *mesh, config, run);
       core_ = std::make_unique<detail::TrainerCore>(
           std::move(context), std::move(mesh), std::move(config), detail::precision_options<Plan>(),
@@ -486,7 +419,7 @@ class Trainer {
                   "d9d::Trainer: the task needs `d9d::LossOutput compute_loss(Model&, const "
                   "Batch&)` for the provider's model and the dataset's batch type");
     if constexpr (train_task<Task, Model, Batch>) {
-      auto mesh = make_mesh(context, config);
+      auto mesh = detail::make_plan_mesh<Plan>(context, config);
       torch::manual_seed(config.run.seed);  // the same initialisation on every rank
       Model model = models.build(ModelBuildContext{
           .device = context.device(), .mesh = mesh.get(), .config_json = config.section("model")});
@@ -505,7 +438,7 @@ class Trainer {
       };
       add_data<DatasetProvider, Batch>(datasets, *mesh, config, run);
       add_hf_export(models, run);
-      add_hf_load_mapper(models, run);
+      run.hf_load_mapper = detail::hf_load_mapper_of(models);
       core_ = std::make_unique<detail::TrainerCore>(
           std::move(context), std::move(mesh), std::move(config), detail::precision_options<Plan>(),
           std::move(run));
