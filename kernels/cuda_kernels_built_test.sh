@@ -25,4 +25,5 @@ for entry in cross_entropy_rows_cuda adamw_stochastic_cuda copy_stochastic_cuda 
   silu_mul_backward_cuda; do
   grep -q "$entry" <<<"$symbols" || fail "host entry point $entry missing"
 done
-echo "ok: sm_90 device code and the RMSNorm, RoPE and SiLU-mul kernels for 4 dtypes the stochastic-rounding and cross-entropy ones are in $lib"
+grep -q "CudaMicrobatchGraph::capture" <<<"$symbols" || fail "the CUDA-graph capture is missing"
+echo "ok: sm_90 device code and the RMSNorm, RoPE and SiLU-mul kernels for 4 dtypes the stochastic-rounding and cross-entropy ones and the CUDA-graph capture are in $lib"

@@ -82,6 +82,7 @@ struct Options {
   bool plain_kernels = false;
   std::string bf16_params;
   bool lora = false;
+  bool cuda_graphs = false;
 };
 
 template <class Plan>
@@ -110,6 +111,12 @@ int run(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, doubl
     if (peak_tflops > 0) {
       std::printf(", MFU %.1f%% of %.0f TFLOP/s", 100.0 * tflops / ctx.world_size() / peak_tflops,
                   peak_tflops);
+    }
+    std::printf("\nhost time issuing forward + backward: %.2f ms per step",
+                result.issue_seconds_per_step * 1e3);
+    if (result.graph_replays > 0) {
+      std::printf(" (CUDA graphs: %ld microbatches replayed)",
+                  static_cast<long>(result.graph_replays));
     }
     if (result.peak_memory_bytes > 0) {
       std::printf("\npeak memory: %.2f GiB (the most any rank allocated)",
@@ -157,6 +164,9 @@ int train(const Options& o) {
   }
   if (o.steps > 0) {
     overrides.emplace_back("run.total_steps", std::to_string(o.steps));
+  }
+  if (o.cuda_graphs) {
+    overrides.emplace_back("cuda_graphs.enabled", "true");
   }
   if (o.pp > 0) {
     overrides.emplace_back("mesh.pp", std::to_string(o.pp));
@@ -242,6 +252,9 @@ int main(int argc, char** argv) {
   app.add_flag("--fsdp", o.fsdp, "fully sharded data parallelism (d9d::parallel::FullyShard<>)");
   app.add_flag("--recompute", o.recompute,
                "recompute every decoder layer's activations in backward (with --fsdp)");
+  app.add_flag("--cuda-graphs", o.cuda_graphs,
+               "capture each microbatch's forward and backward once and replay it (one GPU, no "
+               "pipeline; config \"cuda_graphs\")");
   CLI11_PARSE(app, argc, argv);
 
   // One clear message and a non-zero status for every error, never std::terminate: 2 for a

@@ -151,6 +151,15 @@ std::size_t ParallelModel::reductions_started_early() const {
   return started;
 }
 
+std::string ParallelModel::graph_blocker() const {
+  for (const auto& sync : impl_->syncs) {
+    if (auto reason = sync->graph_blocker(); !reason.empty()) {
+      return reason;
+    }
+  }
+  return "";
+}
+
 void ParallelModel::finish() {
   for (auto it = impl_->syncs.rbegin(); it != impl_->syncs.rend(); ++it) {
     (*it)->finish();
@@ -335,7 +344,7 @@ class ReplicateSync : public GradientSync {
  public:
   ReplicateSync(const ProcessGroup& group, std::vector<std::vector<at::Tensor>> parts,
                 int64_t bucket_bytes, bool pipelined, bool by_module)
-      : pipelined_(pipelined), by_module_(by_module) {
+      : pipelined_(pipelined), by_module_(by_module), ranks_(group.size()) {
     for (auto& part : parts) {
       reducers_.push_back(std::make_unique<GradientReducer>(
           group, std::move(part), parallel::GradientReducerOptions{.bucket_bytes = bucket_bytes}));
@@ -373,6 +382,12 @@ class ReplicateSync : public GradientSync {
     }
   }
   [[nodiscard]] std::size_t started_early() const override { return started_; }
+  // One rank reduces nothing and registers no hooks (GradientReducer).
+  [[nodiscard]] std::string graph_blocker() const override {
+    return ranks_ <= 1 ? std::string()
+                       : "Replicate over " + std::to_string(ranks_) +
+                             " ranks launches its all-reduces from gradient hooks";
+  }
 
  private:
   std::vector<std::unique_ptr<GradientReducer>> reducers_;
@@ -380,6 +395,7 @@ class ReplicateSync : public GradientSync {
   std::size_t started_ = 0;
   bool pipelined_;
   bool by_module_;
+  int ranks_;
 };
 
 }  // namespace

@@ -347,6 +347,11 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text, const Overr
   numerics.integer("loss_spike_window", cfg.numerics.loss_spike_window, 1, false);
   numerics.finish();
 
+  Section graphs = root.child("cuda_graphs");
+  graphs.boolean("enabled", cfg.cuda_graphs.enabled);
+  graphs.integer("warmup_steps", cfg.cuda_graphs.warmup_steps, 0, false);
+  graphs.finish();
+
   Section profile = root.child("profile");
   profile.integer("start", cfg.profile.start, -1, false);
   profile.integer("steps", cfg.profile.steps, 1, false);

@@ -1,4 +1,5 @@
 // d9d/train/train_step.cpp — gradient accumulation, replicate reduction, clipping, AdamW.
+#include <chrono>
 #include <cmath>
 #include <stdexcept>
 
@@ -9,6 +10,7 @@
 #include <d9d/core/collectives.hpp>
 #include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/optim/adamw.hpp>
+#include <d9d/train/detail/microbatch_graph.hpp>
 #include <d9d/train/detail/step_parts.hpp>
 #include <d9d/train/train_step.hpp>
 
@@ -46,11 +48,11 @@ std::unique_ptr<torch::optim::Optimizer> make_adamw(
   return std::make_unique<optim::FusedAdamW>(std::move(groups), adamw);
 }
 
-void begin_step(torch::optim::Optimizer& optimizer, double lr) {
+void begin_step(torch::optim::Optimizer& optimizer, double lr, bool keep_gradients) {
   for (auto& group : optimizer.param_groups()) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
   }
-  optimizer.zero_grad(/*set_to_none=*/true);
+  optimizer.zero_grad(/*set_to_none=*/!keep_gradients);
 }
 
 void accumulate_loss(const LossOutput& out, at::Tensor& loss_sum, at::Tensor& weight_sum,
@@ -125,7 +127,59 @@ struct TrainStepCore::Impl {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   optim::PiecewiseSchedule schedule;
   c10::DeviceType device_type = c10::kCPU;
+  c10::Device device = c10::Device(c10::kCPU);
+
+  // CUDA graphs: the captured microbatch (its tensors are the graph's inputs), the loss output the
+  // graph recomputes on each replay, and where the gradients were when it was captured (the graph
+  // accumulates into that memory; a step that finds them elsewhere stops with an error).
+  std::unique_ptr<MicrobatchGraph> graph;
+  std::any captured;
+  LossOutput captured_out;
+  std::vector<const void*> gradient_addresses;
+  bool warned_eager = false;
+  int64_t steps_run = 0;
+
+  LossOutput forward(const std::any& microbatch) const {
+    RECORD_USER_SCOPE("d9d::forward");
+    const AutocastScope autocast(options.bf16_autocast, device_type);
+    return loss(microbatch);
+  }
+  void capture(const std::any& microbatch);
+  [[nodiscard]] std::vector<const void*> gradient_memory() const;
 };
+
+std::vector<const void*> TrainStepCore::Impl::gradient_memory() const {
+  std::vector<const void*> out;
+  for (const auto& record : parallel->parameters()) {
+    out.push_back(record.local.grad().defined() ? record.local.grad().const_data_ptr() : nullptr);
+  }
+  return out;
+}
+
+void TrainStepCore::Impl::capture(const std::any& microbatch) {
+  // The graph adds each microbatch's gradients into .grad in place (autograd accumulates into a
+  // defined gradient), so every trainable parameter has one before the capture.
+  for (const auto& record : parallel->parameters()) {
+    if (record.local.requires_grad() && !record.local.grad().defined()) {
+      at::Tensor(record.local).mutable_grad() = at::zeros_like(record.local);
+    }
+  }
+  // The graph's inputs live on the device: the task's copies to the device become no-ops inside
+  // the graph, and each replay's inputs arrive by copy_batch_ before it.
+  captured = options.copier.clone(microbatch, device);
+  graph = make_microbatch_graph(device);
+  graph->capture([&] {
+    captured_out = forward(captured);
+    if (!captured_out.loss_sum.defined() || captured_out.loss_sum.numel() != 1 ||
+        !captured_out.weight.defined()) {
+      throw std::invalid_argument("the task's compute_loss must return a scalar loss_sum and a "
+                                  "weight");
+    }
+    RECORD_USER_SCOPE("d9d::backward");
+    captured_out.loss_sum.backward();
+  });
+  gradient_addresses = gradient_memory();
+}
 
 TrainStepCore::TrainStepCore(std::unique_ptr<parallel::ParallelModel> model, MicrobatchLoss loss,
                              TrainStepOptions options)
@@ -140,8 +194,28 @@ TrainStepCore::TrainStepCore(std::unique_ptr<parallel::ParallelModel> model, Mic
   s.loss = std::move(loss);
   s.options = std::move(options);
   s.schedule = optim::PiecewiseSchedule::build(s.options.lr_schedule, s.options.total_steps);
-  s.device_type = s.parallel->mesh().context().device().type();
+  s.device = s.parallel->mesh().context().device();
+  s.device_type = s.device.type();
   s.optimizer = make_adamw(s.parallel->parameters(), s.options);
+  if (s.options.cuda_graphs) {
+    if (const auto blocker = s.parallel->graph_blocker(); !blocker.empty()) {
+      throw std::invalid_argument(
+          "d9d::TrainStep: CUDA graphs replay the kernels of a microbatch, not the host code "
+          "around them, but " +
+          blocker +
+          ". Fix: set \"cuda_graphs\": {\"enabled\": false}, or train on one rank with a plan "
+          "whose strategies add no such path (Replicate)");
+    }
+    if (!s.options.copier.clone || !s.options.copier.copy) {
+      throw std::invalid_argument(
+          "d9d::TrainStep: CUDA graphs need TrainStepOptions::copier (d9d::microbatch_copier<"
+          "Batch>())");
+    }
+    if (s.options.graph_warmup_steps < 0) {
+      throw std::invalid_argument("d9d::TrainStep: graph_warmup_steps must be >= 0");
+    }
+    (void)make_microbatch_graph(s.device);  // a CUDA device and a CUDA build, or a clear error
+  }
 }
 
 TrainStepCore::~TrainStepCore() = default;
@@ -156,27 +230,64 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
     throw std::invalid_argument("d9d::TrainStep::run: no microbatches");
   }
   const double lr = s.options.optimizer.lr * s.schedule.multiplier(step);
-  begin_step(*s.optimizer, lr);
+  // Warm-up counts the steps this object ran (a resumed run warms up too).
+  const bool graphs = s.options.cuda_graphs && s.steps_run++ >= s.options.graph_warmup_steps;
+  // Under CUDA graphs the gradients keep their memory from step to step (zeroed in place).
+  begin_step(*s.optimizer, lr, /*keep_gradients=*/s.options.cuda_graphs);
+  if (s.graph && s.gradient_memory() != s.gradient_addresses) {
+    throw std::logic_error(
+        "d9d::TrainStep: a parameter's gradient moved to other memory after the CUDA graph was "
+        "captured (something replaced .grad); the graph would accumulate into the old memory");
+  }
   s.parallel->begin_step();
 
   // Sums stay on the loss's device (no synchronisation per microbatch).
   at::Tensor loss_sum;
   at::Tensor weight_sum;
   const int count = static_cast<int>(microbatches.size());
+  int replayed = 0;
+  const auto issue_start = std::chrono::steady_clock::now();
   for (int i = 0; i < count; ++i) {
-    LossOutput out;
-    {
-      RECORD_USER_SCOPE("d9d::forward");
-      const AutocastScope autocast(s.options.bf16_autocast, s.device_type);
-      out = s.loss(microbatches[static_cast<std::size_t>(i)]);
+    const std::any& microbatch = microbatches[static_cast<std::size_t>(i)];
+    std::string difference = "no graph";
+    if (graphs) {
+      if (!s.graph) {
+        s.capture(microbatch);
+      }
+      difference = s.options.copier.copy(s.captured, microbatch);
+      if (!difference.empty() && !s.warned_eager) {
+        s.warned_eager = true;
+        s.parallel->mesh().context().logger().warning(
+            "CUDA graphs: a microbatch differs from the captured one (" + difference +
+            "); such microbatches run eagerly (said once)");
+      }
     }
+    if (difference.empty()) {
+      s.parallel->before_backward(i, count);
+      {
+        RECORD_USER_SCOPE("d9d::graph_replay");
+        s.graph->replay();
+      }
+      accumulate_loss(s.captured_out, loss_sum, weight_sum, "compute_loss");
+      ++replayed;
+      if (s.options.after_microbatch) {
+        s.options.after_microbatch(s.captured_out, s.captured);
+      }
+      continue;
+    }
+    LossOutput out = s.forward(microbatch);
     accumulate_loss(out, loss_sum, weight_sum, "compute_loss");
     s.parallel->before_backward(i, count);
     {
       RECORD_USER_SCOPE("d9d::backward");
       out.loss_sum.backward();
     }
+    if (s.options.after_microbatch) {
+      s.options.after_microbatch(out, microbatch);
+    }
   }
+  const double issue_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - issue_start).count();
   {
     RECORD_USER_SCOPE("d9d::gradient_sync");
     s.parallel->finish();
@@ -186,8 +297,11 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
   const auto totals = global_totals(loss_sum, weight_sum, {&dp}, loss_sum.device(), step);
   // Token-mean gradients, their norm over the mesh, clipping.
   const double grad_norm = s.parallel->normalize_and_clip(totals.second, s.options.max_grad_norm);
-  return finish_step(*s.optimizer, s.options, step, lr, totals, grad_norm,
-                     s.parallel->mesh().context().world());
+  auto result = finish_step(*s.optimizer, s.options, step, lr, totals, grad_norm,
+                            s.parallel->mesh().context().world());
+  result.issue_seconds = issue_seconds;
+  result.replayed_microbatches = replayed;
+  return result;
 }
 
 }  // namespace detail

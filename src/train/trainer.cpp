@@ -74,6 +74,14 @@ int64_t peak_memory(c10::Device device) {
   return stats.allocated_bytes[0].peak;  // aggregate over pools
 }
 
+// A host call that launches device work: a kernel, or a whole CUDA graph.
+bool is_launch(const torch::autograd::profiler::KinetoEvent& event) {
+  static const std::set<std::string> names = {"cudaLaunchKernel",      "cudaLaunchKernelExC",
+                                              "cuLaunchKernel",        "cuLaunchKernelEx",
+                                              "cudaLaunchCooperativeKernel", "cudaGraphLaunch"};
+  return event.deviceType() == c10::kCPU && names.contains(event.name());
+}
+
 // Per d9d phase (the RECORD_USER_SCOPE ranges "d9d::step", "d9d::forward", ...): how far the
 // memory the profiler saw allocated on `device` rose above its level at the phase's start, at the
 // most, over every occurrence of the phase; from the trace's allocation events ("[memory]", bytes
@@ -97,11 +105,24 @@ nlohmann::json phase_memory(const std::vector<torch::autograd::profiler::KinetoE
     live[i + 1] = live[i] + changes[i].bytes;
   }
   std::map<std::string, std::pair<int64_t, int64_t>> phases;  // name -> (peak rise, occurrences)
+  // Host time and kernel launches (CUDA runtime calls that start inside the phase, any thread).
+  std::map<std::string, std::pair<uint64_t, int64_t>> costs;   // name -> (host ns, launches)
+  std::vector<uint64_t> launches;
+  for (const auto& event : events) {
+    if (is_launch(event)) {
+      launches.push_back(event.startNs());
+    }
+  }
+  std::sort(launches.begin(), launches.end());
   for (const auto& event : events) {
     const auto name = event.name();
-    if (name.rfind("d9d::", 0) != 0) {
+    if (name.rfind("d9d::", 0) != 0 || event.deviceType() != c10::kCPU) {
       continue;
     }
+    auto& [host_ns, launched] = costs[name];
+    host_ns += event.durationNs();
+    launched += std::upper_bound(launches.begin(), launches.end(), event.endNs()) -
+                std::lower_bound(launches.begin(), launches.end(), event.startNs());
     const auto first =
         std::lower_bound(changes.begin(), changes.end(), event.startNs(),
                          [](const Change& change, uint64_t at) { return change.at < at; });
@@ -116,9 +137,26 @@ nlohmann::json phase_memory(const std::vector<torch::autograd::profiler::KinetoE
   }
   nlohmann::json out = nlohmann::json::object();
   for (const auto& [name, value] : phases) {
-    out[name] = {{"peak_rise_bytes", value.first}, {"occurrences", value.second}};
+    const auto& [host_ns, launched] = costs[name];
+    out[name] = {{"peak_rise_bytes", value.first},
+                 {"occurrences", value.second},
+                 {"host_ms", static_cast<double>(host_ns) / 1e6},
+                 {"launches", launched}};
   }
   return out;
+}
+
+// Device kernels in the trace (CUDA activity that is not a copy, a set or an annotation).
+int64_t device_kernels(const std::vector<torch::autograd::profiler::KinetoEvent>& events) {
+  int64_t count = 0;
+  for (const auto& event : events) {
+    const auto name = event.name();
+    if (event.deviceType() == c10::kCUDA && name != "[memory]" && name.rfind("Memcpy", 0) != 0 &&
+        name.rfind("Memset", 0) != 0 && name.rfind("d9d::", 0) != 0) {
+      ++count;
+    }
+  }
+  return count;
 }
 
 // The profiler around the configured steps (Kineto; CUDA kernels when the run is on a GPU).
@@ -170,6 +208,10 @@ class StepProfiler {
         {"steps", {config_.start, config_.start + config_.steps}},
         // The caching allocator's peak over the traced steps (CUDA; 0 on CPU, which has none).
         {"peak_allocated_bytes", peak_memory(context_.device())},
+        // Host launches of device work (kernels, graphs) and device kernels over the traced
+        // steps: what CUDA graphs cut (0 on CPU).
+        {"launches", std::count_if(result->events().begin(), result->events().end(), is_launch)},
+        {"device_kernels", device_kernels(result->events())},
         {"phases", phase_memory(result->events(), context_.device())}};
     std::FILE* out =
         std::fopen(files::join(config_.dir, "rank-" + rank + ".memory.json").c_str(), "w");
@@ -687,13 +729,38 @@ TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const Devic
       }
     }
   }
+  if (s.config.cuda_graphs.enabled && s.run.pipeline) {
+    throw ConfigError(
+        "d9d config: \"cuda_graphs\" captures the microbatches of a step without a pipeline "
+        "schedule; a pipeline program interleaves stages, sends and receives on the host. Fix: "
+        "set \"cuda_graphs\": {\"enabled\": false}, or train without a pipeline schedule");
+  }
   if (s.run.pipeline) {
     s.pipeline_step = std::make_unique<PipelineStepCore>(
         std::move(s.run.parallel), std::move(*s.run.pipeline), std::move(options));
     s.run.pipeline.reset();
   } else {
-    s.step =
-        std::make_unique<TrainStepCore>(std::move(s.run.parallel), s.run.loss, std::move(options));
+    options.after_microbatch = s.run.after_microbatch;
+    options.cuda_graphs = s.config.cuda_graphs.enabled;
+    options.graph_warmup_steps = s.config.cuda_graphs.warmup_steps;
+    options.copier = s.run.copier;
+    try {
+      s.step = std::make_unique<TrainStepCore>(std::move(s.run.parallel), s.run.loss,
+                                               std::move(options));
+    } catch (const ConfigError&) {
+      throw;
+    } catch (const std::invalid_argument& e) {
+      if (!s.config.cuda_graphs.enabled) {
+        throw;
+      }
+      std::string why = e.what();
+      for (const std::string prefix : {"d9d::TrainStep: ", "d9d: "}) {
+        if (why.rfind(prefix, 0) == 0) {
+          why.erase(0, prefix.size());
+        }
+      }
+      throw ConfigError("d9d config: \"cuda_graphs\": " + why);
+    }
   }
 
   // Randomness after initialisation differs per rank (dropout and the like).
@@ -869,6 +936,10 @@ TrainResult TrainerCore::train() {
     }
     result.losses.push_back(r.loss);
     result.grad_norms.push_back(r.grad_norm);
+    result.graph_replays += r.replayed_microbatches;
+    if (step > s.start_step) {
+      result.issue_seconds_per_step += r.issue_seconds;
+    }
     s.events.emit(events::StepEnd{.step = step,
                                   .loss = r.loss,
                                   .lr = r.lr,
@@ -932,6 +1003,11 @@ TrainResult TrainerCore::train() {
   result.steps = cfg.run.total_steps - s.start_step;
   result.seconds = std::chrono::duration<double>(end - start).count();
   const double timed = std::chrono::duration<double>(end - after_first).count();
+  if (result.steps > 1) {
+    result.issue_seconds_per_step /= static_cast<double>(result.steps - 1);
+  } else {
+    result.issue_seconds_per_step = 0.0;
+  }
   if (result.steps > 1 && timed > 0) {
     result.tokens_per_second = static_cast<double>(tokens_per_step * (result.steps - 1)) / timed;
     result.samples_per_second = static_cast<double>(samples_per_step * (result.steps - 1)) / timed;

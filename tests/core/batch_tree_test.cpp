@@ -190,4 +190,54 @@ TEST(Core_BatchTree_Array, EachMicrobatchHoldsExactlyItsRows) {
   }
 }
 
+// CUDA graphs keep one microbatch's tensors and copy the next ones into them: the copy reaches
+// every tensor leaf in place, and batches of another layout are told apart, naming the leaf.
+TEST(Core_BatchTree_Copy, CopiesEveryTensorInPlaceAndNamesLayoutDifferences) {
+  Nested a{.inner = {.features = rows(4), .labels = rows(4, 1)},
+           .extra = {{"w", rows(4, 2)}},
+           .mask = rows(4, 5)};
+  Nested b{.inner = {.features = rows(4, 3, 100), .labels = rows(4, 1, 200)},
+           .extra = {{"w", rows(4, 2, 300)}},
+           .mask = rows(4, 5, 400)};
+  EXPECT_EQ(d9d::batch_layout_difference(a, b), "");
+  const void* features = a.inner.features.data_ptr();
+  d9d::copy_batch_(a, b);
+  EXPECT_EQ(a.inner.features.data_ptr(), features);  // in place: the captured memory stays
+  EXPECT_TRUE(at::equal(a.inner.features, b.inner.features));
+  EXPECT_TRUE(at::equal(a.inner.labels, b.inner.labels));
+  EXPECT_TRUE(at::equal(a.extra.at("w"), b.extra.at("w")));
+  EXPECT_TRUE(at::equal(*a.mask, *b.mask));
+  EXPECT_FALSE(a.inner.features.is_same(b.inner.features));
+
+  auto shorter = b;
+  shorter.inner.labels = rows(3, 1);
+  EXPECT_EQ(d9d::batch_layout_difference(a, shorter),
+            "\"0.1\" has sizes [4, 1] Long against [3, 1] Long");
+  auto other_dtype = b;
+  other_dtype.extra["w"] = rows(4, 2).to(at::kFloat);
+  EXPECT_NE(d9d::batch_layout_difference(a, other_dtype).find("\"1{w}\""), std::string::npos);
+  auto other_key = b;
+  other_key.extra = {{"v", rows(4, 2)}};
+  EXPECT_EQ(d9d::batch_layout_difference(a, other_key), "\"1\" has key \"w\" in one batch only");
+  auto no_mask = b;
+  no_mask.mask.reset();
+  EXPECT_EQ(d9d::batch_layout_difference(a, no_mask), "\"2\" is set in one batch only");
+  auto other_value = b;
+  other_value.inner.step = 8;  // a value the task may read on the host: a graph would keep 7
+  EXPECT_EQ(d9d::batch_layout_difference(a, other_value),
+            "\"0.2\" differs (a value that is not a tensor)");
+  // Nothing is copied when the layouts differ.
+  const auto before = a.inner.features.clone();
+  EXPECT_THROW(d9d::copy_batch_(a, shorter), std::invalid_argument);
+  EXPECT_TRUE(at::equal(a.inner.features, before));
+
+  Named x{.ids = rows(2), .step = 1};
+  Named y{.ids = rows(2, 3, 5), .step = 1};
+  d9d::copy_batch_(x, y);
+  EXPECT_TRUE(at::equal(x.ids, y.ids));
+  std::vector<at::Tensor> u = {rows(2)};
+  std::vector<at::Tensor> v = {rows(2), rows(2)};
+  EXPECT_EQ(d9d::batch_layout_difference(u, v), "\"(the batch)\" has 1 elements against 2");
+}
+
 }  // namespace

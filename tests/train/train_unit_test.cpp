@@ -186,6 +186,12 @@ INSTANTIATE_TEST_SUITE_P(
         BadConfig{"NegativeSeed",
                   base_config(R"({"output_dir": "o", "total_steps": 1, "seed": -1})", kBatch, ""),
                   "\"run.seed\" = -1 is invalid"},
+        BadConfig{"GraphsNegativeWarmup",
+                  base_config(kRun, kBatch, R"(, "cuda_graphs": {"warmup_steps": -1})"),
+                  "\"cuda_graphs.warmup_steps\" = -1 is invalid"},
+        BadConfig{"GraphsMisspelled",
+                  base_config(kRun, kBatch, R"(, "cuda_graphs": {"enable": true})"),
+                  "unknown key \"cuda_graphs.enable\" (did you mean \"cuda_graphs.enabled\"?)"},
         BadConfig{"HugeSteps",
                   base_config(R"({"output_dir": "o", "total_steps": 1e999})", kBatch, ""),
                   "number overflow"}),
@@ -745,6 +751,93 @@ TEST(Train_Profile, TracesTheChosenStepsWithTheirPhases) {
   EXPECT_EQ(phases.at("d9d::optimizer").at("occurrences"), 1);
   EXPECT_GT(phases.at("d9d::forward").at("peak_rise_bytes").get<int64_t>(), 0);
   EXPECT_GT(phases.at("d9d::step").at("peak_rise_bytes").get<int64_t>(), 0);
+  // Host time per phase; no device work on CPU, so no launches and no device kernels.
+  EXPECT_GT(phases.at("d9d::forward").at("host_ms").get<double>(), 0.0);
+  EXPECT_GE(phases.at("d9d::step").at("host_ms").get<double>(),
+            phases.at("d9d::forward").at("host_ms").get<double>());
+  EXPECT_EQ(phases.at("d9d::forward").at("launches"), 0);
+  EXPECT_EQ(memory.at("launches"), 0);
+  EXPECT_EQ(memory.at("device_kernels"), 0);
+}
+
+// "cuda_graphs" needs a CUDA device and a gradient path without host code in backward (one rank);
+// each rule is a ConfigError naming the fix. (Pipeline plans are refused by the trainer too.)
+TEST(Train_CudaGraphs, NeedACudaDeviceAndNoHostCodeInBackward) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  auto cfg = d9d::testing::tiny_run(tmp_dir("graphs_cpu"), 2, 8, 4);
+  EXPECT_FALSE(cfg.cuda_graphs.enabled);
+  EXPECT_EQ(cfg.cuda_graphs.warmup_steps, 1);
+  cfg.cuda_graphs.enabled = true;
+  const auto message = d9d::testing::error_of<d9d::ConfigError>([&] {
+    d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                d9d::CausalLmTask{}, cfg);
+  });
+  EXPECT_THAT(message, HasSubstr("\"cuda_graphs\": CUDA graphs capture work on a CUDA device; "
+                                 "this run is on cpu"));
+  // FullyShard gathers and frees its units from hooks, on one rank too.
+  using ShardPlan =
+      d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>>, d9d::parallel::FullyShard<>>;
+  EXPECT_THAT(d9d::testing::error_of<d9d::ConfigError>([&] {
+                d9d::Trainer<ShardPlan> run(ctx, d9d::Qwen3Provider{},
+                                            d9d::testing::RandomWindowsProvider{},
+                                            d9d::CausalLmTask{}, cfg);
+              }),
+              AllOf(HasSubstr("runs host code"), HasSubstr("Fix:")));
+}
+
+// On a GPU: the replayed microbatches give the eager run's losses, gradient norms and parameters
+// (float64: the same kernels in the same order, so only the order of atomic additions may differ,
+// ~1e-16 relative; the training tests' float64 tolerances hold), and the step's forward and backward
+// launch one graph per microbatch instead of hundreds of kernels (the profile's summary).
+TEST(Train_CudaGraphs, ReplayedStepsEqualEagerSteps) {
+  if (!at::hasCUDA()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const auto ctx = d9d::DistributedContext::local({.device = "cuda"});
+  using Fp64Plan = d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>>, d9d::precision::Fp64>;
+  struct Run {
+    d9d::TrainResult result;
+    std::vector<at::Tensor> parameters;
+    nlohmann::json profile;
+  };
+  const auto train = [&](bool graphs) {
+    const auto dir = tmp_dir(graphs ? "graphs_on" : "graphs_off");
+    auto cfg = d9d::testing::tiny_run(dir, 5, 8, 2);  // 4 microbatches per step
+    cfg.cuda_graphs.enabled = graphs;
+    cfg.profile.start = 3;
+    cfg.profile.dir = dir + "/trace";
+    d9d::Trainer<Fp64Plan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                               d9d::CausalLmTask{}, cfg);
+    Run out{.result = run.train(), .parameters = parameters_of(run.core()), .profile = {}};
+    out.profile = nlohmann::json::parse(std::ifstream(dir + "/trace/rank-0.memory.json"));
+    return out;
+  };
+  const auto eager = train(false);
+  const auto graphed = train(true);
+  EXPECT_EQ(eager.result.graph_replays, 0);
+  EXPECT_EQ(graphed.result.graph_replays, 4 * 4);  // steps 1 to 4 (step 0 warms up)
+  ASSERT_EQ(graphed.result.losses.size(), eager.result.losses.size());
+  for (std::size_t i = 0; i < eager.result.losses.size(); ++i) {
+    EXPECT_NEAR(graphed.result.losses[i], eager.result.losses[i],
+                d9d::testing::kLossRtol * std::abs(eager.result.losses[i]))
+        << "step " << i;
+    EXPECT_NEAR(graphed.result.grad_norms[i], eager.result.grad_norms[i],
+                d9d::testing::kLossRtol * eager.result.grad_norms[i])
+        << "step " << i;
+  }
+  for (std::size_t i = 0; i < eager.parameters.size(); ++i) {
+    EXPECT_TRUE(at::allclose(graphed.parameters[i].cpu(), eager.parameters[i].cpu(), 0.0,
+                             d9d::testing::kParameterAtol))
+        << "parameter " << i;
+  }
+  const auto& replay = graphed.profile.at("phases").at("d9d::graph_replay");
+  EXPECT_EQ(replay.at("occurrences"), 4);
+  EXPECT_EQ(replay.at("launches"), 4);  // one cudaGraphLaunch per microbatch
+  const auto& phases = eager.profile.at("phases");
+  EXPECT_GT(phases.at("d9d::forward").at("launches").get<int64_t>() +
+                phases.at("d9d::backward").at("launches").get<int64_t>(),
+            100);
+  EXPECT_LT(graphed.profile.at("launches").get<int64_t>(), eager.profile.at("launches"));
 }
 
 TEST(Train_Checkpoint, ResumedRunContinuesExactlyAsTheUninterruptedOne) {

@@ -18,6 +18,9 @@
 // leaves, or a function of the leaf's path ("labels" for a Hana member, "1" for an aggregate's
 // second member, "inputs.ids", "features[2]", "extra{mask}", "pair.0").
 //
+// batch_layout_difference(a, b) says where two batches differ in layout, and copy_batch_(dst, src)
+// copies one batch's tensors into another of the same layout (CUDA graphs' static inputs).
+//
 // Uneven rule: n rows in k parts give the first n % k parts floor(n/k) + 1 rows and the rest
 // floor(n/k) (split_range); a sharded leaf with fewer than k rows is an error. Merging
 // concatenates sharded leaves along their dimension and takes replicated leaves from part 0.
@@ -40,6 +43,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
+#include <c10/util/StringUtil.h>
 #include <boost/hana/accessors.hpp>
 #include <boost/hana/at_key.hpp>
 #include <boost/hana/concept/struct.hpp>
@@ -297,7 +301,122 @@ inline BatchSpec to_spec(BatchSpec spec) { return spec; }
 inline BatchSpec to_spec(ShardAlong spec) { return to_spec(LeafSpec{spec}); }
 inline BatchSpec to_spec(ReplicateLeaf spec) { return to_spec(LeafSpec{spec}); }
 
+// The first difference between the layouts of `a` and `b` ("" when there is none): container
+// lengths and keys, tensor leaves' definedness, sizes and dtypes (not devices: a copy moves data),
+// and the values of the other leaves (a leaf type without == differs, as nothing can say it is
+// the same).
+template <class T>
+std::string layout_difference(const T& a, const T& b, const std::string& path) {
+  using U = std::remove_cvref_t<T>;
+  const auto where = [&] { return "\"" + (path.empty() ? std::string("(the batch)") : path) + "\""; };
+  if constexpr (std::same_as<U, at::Tensor>) {
+    if (a.defined() != b.defined()) {
+      return where() + " is defined in one batch only";
+    }
+    if (a.defined() && (a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type())) {
+      return where() + " has sizes " + c10::str(a.sizes()) + " " + c10::str(a.scalar_type()) +
+             " against " + c10::str(b.sizes()) + " " + c10::str(b.scalar_type());
+    }
+    return "";
+  } else if constexpr (is_vector<U>::value) {
+    if (a.size() != b.size()) {
+      return where() + " has " + std::to_string(a.size()) + " elements against " +
+             std::to_string(b.size());
+    }
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      auto d = layout_difference(a[i], b[i], path + "[" + std::to_string(i) + "]");
+      if (!d.empty()) {
+        return d;
+      }
+    }
+    return "";
+  } else if constexpr (is_string_map<U>::value) {
+    if (a.size() != b.size()) {
+      return where() + " has " + std::to_string(a.size()) + " keys against " +
+             std::to_string(b.size());
+    }
+    for (const auto& [key, value] : a) {
+      const auto other = b.find(key);
+      if (other == b.end()) {
+        return where() + " has key \"" + key + "\" in one batch only";
+      }
+      auto d = layout_difference(value, other->second, path + "{" + key + "}");
+      if (!d.empty()) {
+        return d;
+      }
+    }
+    return "";
+  } else if constexpr (is_optional<U>::value) {
+    if (a.has_value() != b.has_value()) {
+      return where() + " is set in one batch only";
+    }
+    return a ? layout_difference(*a, *b, path) : std::string();
+  } else if constexpr (is_tuple_like<U>::value) {
+    std::string d;
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((d.empty() ? (void)(d = layout_difference(std::get<I>(a), std::get<I>(b),
+                                                 join(path, std::to_string(I))))
+                  : (void)0),
+       ...);
+    }
+    (std::make_index_sequence<std::tuple_size_v<U>>{});
+    return d;
+  } else if constexpr (boost::hana::Struct<U>::value) {
+    std::string d;
+    boost::hana::for_each(boost::hana::accessors<U>(), [&](auto member) {
+      if (d.empty()) {
+        const std::string name = boost::hana::to<char const*>(boost::hana::first(member));
+        auto get = boost::hana::second(member);
+        d = layout_difference(get(a), get(b), join(path, name));
+      }
+    });
+    return d;
+  } else if constexpr (positional_aggregate<U>) {
+    const auto fa = aggregate_fields(a);
+    const auto fb = aggregate_fields(b);
+    std::string d;
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((d.empty() ? (void)(d = layout_difference(std::get<I>(fa), std::get<I>(fb),
+                                                 join(path, std::to_string(I))))
+                  : (void)0),
+       ...);
+    }
+    (std::make_index_sequence<std::tuple_size_v<decltype(fa)>>{});
+    return d;
+  } else if constexpr (std::equality_comparable<U>) {
+    return a == b ? std::string() : where() + " differs (a value that is not a tensor)";
+  } else {
+    return where() + " has no operator== (a value that is not a tensor)";
+  }
+}
+
 }  // namespace detail
+
+/// Why one batch cannot be copied into another of its type ("" when it can): the first
+/// difference in their trees (lengths, keys, tensor sizes or dtypes, other values; devices may
+/// differ).
+/// CUDA graphs replay a captured microbatch only for batches with its layout.
+template <class Tree>
+[[nodiscard]] std::string batch_layout_difference(const Tree& a, const Tree& b) {
+  return detail::layout_difference(a, b, "");
+}
+
+/// Copies every tensor leaf of `src` into the same leaf of `dst` in place, across devices too
+/// (`non_blocking` as at::Tensor::copy_); the batches must have the same layout (std::invalid_argument naming the
+/// difference, before anything is copied).
+template <class Tree>
+void copy_batch_(Tree& dst, const Tree& src, bool non_blocking = false) {
+  if (auto d = batch_layout_difference(dst, src); !d.empty()) {
+    throw std::invalid_argument("d9d::copy_batch_: the batches differ: " + d);
+  }
+  (void)detail::zip_trees(std::vector<const Tree*>{&dst, &src}, "",
+                          [&](const std::string& /*path*/, const std::vector<at::Tensor>& leaves) {
+                            if (leaves[0].defined()) {
+                              leaves[0].copy_(leaves[1], non_blocking);
+                            }
+                            return leaves[0];
+                          });
+}
 
 /// A batch type split_batch can split: a tree (see the file comment) with at least one tensor leaf.
 template <class T>

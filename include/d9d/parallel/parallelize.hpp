@@ -102,6 +102,12 @@ class GradientSync {
   [[nodiscard]] virtual int64_t extra_bytes() const { return 0; }
   /// Scalars for the step's log (name, value), e.g. the MoE routers' balance after finish().
   [[nodiscard]] virtual std::vector<std::pair<std::string, double>> metrics() const { return {}; }
+  /// Why a CUDA graph cannot capture a microbatch's forward and backward under this path ("" when
+  /// it can): a graph replays the kernels only, so a path that runs host code inside forward or
+  /// backward (hooks that launch collectives, gather or free units) would not run on replays.
+  [[nodiscard]] virtual std::string graph_blocker() const {
+    return "a strategy's gradient path runs host code during forward and backward";
+  }
 };
 
 /// The knobs of the strategies that are not part of the plan type (from the trainer config).
@@ -173,6 +179,9 @@ class ParallelModel {
   void finish();
   /// Reductions started by module_done() in the current or last step, over every strategy.
   [[nodiscard]] std::size_t reductions_started_early() const;
+  /// The first strategy's GradientSync::graph_blocker() that is not empty ("": a CUDA graph may
+  /// capture the step's forward and backward).
+  [[nodiscard]] std::string graph_blocker() const;
 
   /// Divides every local gradient by `total_weight`, computes the global 2-norm of the gradient
   /// (each element counted once: squares summed over the dims a parameter is sharded on and over

@@ -127,6 +127,16 @@ struct ProfileConfig {
   std::string dir;     ///< default <run.output_dir>/profile
 };
 
+/// CUDA graphs (docs/train.md, "CUDA graphs"): each microbatch's forward and backward is captured
+/// once and replayed with the next microbatches' tensors copied into the captured ones, which
+/// removes the per-kernel launch cost from the step. Single-rank plans without a pipeline schedule,
+/// on a CUDA device, with microbatches of one shape.
+struct CudaGraphsConfig {
+  bool enabled = false;
+  /// Steps run eagerly before the capture (lazy initialisation: cuBLAS, autocast, kernel caches).
+  int64_t warmup_steps = 1;
+};
+
 /// Every knob of a run.
 struct TrainerConfig {
   RunConfig run;
@@ -141,6 +151,7 @@ struct TrainerConfig {
   CheckpointConfig checkpoint;
   ProfileConfig profile;
   NumericsConfig numerics;
+  CudaGraphsConfig cuda_graphs;
   std::map<std::string, std::string> sections;  ///< "model", "data": raw JSON for the providers
 
   /// A command line's replacements, applied after parsing and before validation: a dotted key

@@ -31,6 +31,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <d9d/core/batch_tree.hpp>
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/optim/lr_schedule.hpp>
 #include <d9d/parallel/parallelize.hpp>
@@ -45,6 +46,38 @@ class Optimizer;
 }  // namespace torch::optim
 
 namespace d9d {
+
+/// How a step copies microbatches of a type-erased batch: CUDA graphs keep one captured
+/// microbatch and copy the next ones' tensors into it. microbatch_copier<Batch>() makes it for a
+/// batch tree (d9d/core/batch_tree.hpp).
+struct MicrobatchCopier {
+  /// A copy with its own tensors on `device` (the captured microbatch).
+  std::function<std::any(const std::any& microbatch, c10::Device device)> clone;
+  /// Copies `from`'s tensors into `into`'s: "" when done, else why the two differ in layout
+  /// (sizes, dtypes, lengths, other values) and nothing was copied.
+  std::function<std::string(std::any& into, const std::any& from)> copy;
+};
+
+template <class Batch>
+MicrobatchCopier microbatch_copier() {
+  return {.clone = [](const std::any& microbatch, c10::Device device) -> std::any {
+            return detail::map_tree(std::any_cast<const Batch&>(microbatch), "",
+                                    [device](const std::string& /*path*/, const at::Tensor& t) {
+                                      return t.defined() ? t.to(device, /*non_blocking=*/false,
+                                                                /*copy=*/true)
+                                                         : t;
+                                    });
+          },
+          .copy = [](std::any& into, const std::any& from) -> std::string {
+            auto& dst = std::any_cast<Batch&>(into);
+            const auto& src = std::any_cast<const Batch&>(from);
+            auto difference = batch_layout_difference(dst, src);
+            if (difference.empty()) {
+              copy_batch_(dst, src, /*non_blocking=*/true);
+            }
+            return difference;
+          }};
+}
 
 /// The knobs of a TrainStep (normally taken from a TrainerConfig).
 struct TrainStepOptions {
@@ -62,9 +95,20 @@ struct TrainStepOptions {
   /// pipeline ranks and drawn under the plan into `timeline_path` (by world rank 0); -1: none.
   int64_t timeline_step = -1;
   std::string timeline_path = {};
+  /// Called after each microbatch's loss with the loss output and the microbatch, outside any
+  /// CUDA graph (the trainer updates the task's metrics here); empty: nothing.
+  std::function<void(const LossOutput&, const std::any& microbatch)> after_microbatch = {};
+  /// CUDA graphs (TrainerConfig::cuda_graphs, docs/train.md "CUDA graphs"): from step
+  /// `graph_warmup_steps` on, the first microbatch's forward and backward are captured once and
+  /// replayed for every microbatch of the same layout (`copier` copies its tensors into the
+  /// captured one; others run eagerly). Needs a CUDA device, a single-rank gradient path
+  /// (ParallelModel::graph_blocker) and `copier`; std::invalid_argument otherwise.
+  bool cuda_graphs = false;
+  int64_t graph_warmup_steps = 1;
+  MicrobatchCopier copier = {};
 };
 
-/// Global results of one step (identical on every rank).
+/// Global results of one step (identical on every rank, but for the host timings).
 struct StepResult {
   double loss = 0.0;       ///< sum(loss_sum) / sum(weight) over microbatches and dp ranks
   double weight = 0.0;     ///< sum(weight)
@@ -73,6 +117,11 @@ struct StepResult {
   /// False when the loss or the gradient norm was NaN or infinite on some rank: then no rank's
   /// optimizer stepped (every rank agrees, through one all-reduce over the world).
   bool finite = true;
+  /// Seconds the host spent issuing the microbatches' forward and backward (up to the gradient
+  /// sync, before the step's first wait for the device): the launch cost that CUDA graphs cut.
+  double issue_seconds = 0.0;
+  /// Microbatches that replayed a CUDA graph (the rest ran eagerly).
+  int replayed_microbatches = 0;
 };
 
 /// Training stopped on a NaN or infinite loss or gradient norm (config "numerics.on_nonfinite");

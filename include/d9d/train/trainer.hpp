@@ -78,6 +78,11 @@ struct TrainResult {
   double samples_per_second = 0.0;  ///< over all ranks, after the first step
   /// The most device memory any rank's allocator had allocated during train() (CUDA; 0 on CPU).
   int64_t peak_memory_bytes = 0;
+  /// This rank's host time issuing a step's forward and backward (StepResult::issue_seconds),
+  /// averaged over the steps after the first; 0 under pipeline plans, which do not measure it.
+  double issue_seconds_per_step = 0.0;
+  /// Microbatches that replayed a CUDA graph on this rank (config "cuda_graphs"; 0 without).
+  int64_t graph_replays = 0;
   /// The task's metrics (train_task_declares_metrics) as last logged, synced over every rank:
   /// keys "metrics/<name>" or "metrics/<name>/<key>", the same on every rank (empty without).
   std::map<std::string, double> metrics;
@@ -106,6 +111,9 @@ struct ErasedMetrics {
 struct ErasedRun {
   std::shared_ptr<torch::nn::Module> model;
   MicrobatchLoss loss;
+  /// After each microbatch's loss (the task's metrics), outside CUDA graphs; may be empty.
+  std::function<void(const LossOutput&, const std::any&)> after_microbatch;
+  MicrobatchCopier copier;  ///< for CUDA graphs' captured microbatch (the dataset's batch type)
   int64_t dataset_size = 0;
   std::function<std::any(const std::vector<int64_t>&)> load;
   std::function<std::vector<std::any>(const std::any&, int64_t)> split;
@@ -428,14 +436,11 @@ class Trainer {
       run.parallel = parallel::parallelize<Plan>(*mesh, {run.model},
                                                  detail::parallelize_options(config, false));
       auto shared_task = std::make_shared<Task>(std::move(task));
-      const auto update = add_metrics<Task, Batch>(shared_task, *mesh, run);
-      run.loss = [model, shared_task, update](const std::any& microbatch) mutable {
-        auto out = shared_task->compute_loss(model, std::any_cast<const Batch&>(microbatch));
-        if (update) {
-          update(out, microbatch);
-        }
-        return out;
+      run.after_microbatch = add_metrics<Task, Batch>(shared_task, *mesh, run);
+      run.loss = [model, shared_task](const std::any& microbatch) mutable {
+        return shared_task->compute_loss(model, std::any_cast<const Batch&>(microbatch));
       };
+      run.copier = microbatch_copier<Batch>();
       add_data<DatasetProvider, Batch>(datasets, *mesh, config, run);
       add_hf_export(models, run);
       run.hf_load_mapper = detail::hf_load_mapper_of(models);
