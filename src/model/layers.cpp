@@ -42,9 +42,9 @@ std::pair<at::Tensor, at::Tensor> RotaryEmbedding::cos_sin(int64_t seq_len, c10:
                                                            at::ScalarType dtype) const {
   const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
   // inv_freq[i] = theta^(-2i/d) and the angles, computed in double for an exact table.
-  const auto exponents = at::arange(0, head_dim_, 2, at::TensorOptions().dtype(at::kDouble)) /
-                         static_cast<double>(head_dim_);
-  const auto inv_freq = at::pow(theta_, -exponents).to(options);
+  // On `device` from the start: no host-to-device copy, so a CUDA graph can capture the forward.
+  const auto exponents = at::arange(0, head_dim_, 2, options) / static_cast<double>(head_dim_);
+  const auto inv_freq = at::pow(theta_, -exponents);
   const auto angles = at::outer(at::arange(seq_len, options), inv_freq);  // [T, d/2]
   return {angles.cos().to(dtype), angles.sin().to(dtype)};
 }

@@ -61,9 +61,11 @@ void accumulate_loss(const LossOutput& out, at::Tensor& loss_sum, at::Tensor& we
     throw std::invalid_argument(std::string("d9d::TrainStep: the task's ") + who +
                                 " must return a scalar loss_sum and a weight");
   }
+  // New tensors, never views of `out`: a CUDA graph rewrites its outputs on the next replay (and
+  // .to() returns the tensor itself when it already is float64).
   const auto loss_value = out.loss_sum.detach().to(at::kDouble).reshape({});
   const auto weight_value = out.weight.detach().to(loss_value.device(), at::kDouble).sum();
-  loss_sum = loss_sum.defined() ? loss_sum + loss_value : loss_value;
+  loss_sum = loss_sum.defined() ? loss_sum + loss_value : loss_value.clone();
   weight_sum = weight_sum.defined() ? weight_sum + weight_value : weight_value;
 }
 
@@ -172,8 +174,9 @@ void TrainStepCore::Impl::capture(const std::any& microbatch) {
     captured_out = forward(captured);
     if (!captured_out.loss_sum.defined() || captured_out.loss_sum.numel() != 1 ||
         !captured_out.weight.defined()) {
-      throw std::invalid_argument("the task's compute_loss must return a scalar loss_sum and a "
-                                  "weight");
+      throw std::invalid_argument(
+          "the task's compute_loss must return a scalar loss_sum and a "
+          "weight");
     }
     RECORD_USER_SCOPE("d9d::backward");
     captured_out.loss_sum.backward();

@@ -76,9 +76,9 @@ int64_t peak_memory(c10::Device device) {
 
 // A host call that launches device work: a kernel, or a whole CUDA graph.
 bool is_launch(const torch::autograd::profiler::KinetoEvent& event) {
-  static const std::set<std::string> names = {"cudaLaunchKernel",      "cudaLaunchKernelExC",
-                                              "cuLaunchKernel",        "cuLaunchKernelEx",
-                                              "cudaLaunchCooperativeKernel", "cudaGraphLaunch"};
+  static const std::set<std::string> names = {
+      "cudaLaunchKernel", "cudaLaunchKernelExC",         "cuLaunchKernel",
+      "cuLaunchKernelEx", "cudaLaunchCooperativeKernel", "cudaGraphLaunch"};
   return event.deviceType() == c10::kCPU && names.contains(event.name());
 }
 
@@ -106,7 +106,7 @@ nlohmann::json phase_memory(const std::vector<torch::autograd::profiler::KinetoE
   }
   std::map<std::string, std::pair<int64_t, int64_t>> phases;  // name -> (peak rise, occurrences)
   // Host time and kernel launches (CUDA runtime calls that start inside the phase, any thread).
-  std::map<std::string, std::pair<uint64_t, int64_t>> costs;   // name -> (host ns, launches)
+  std::map<std::string, std::pair<uint64_t, int64_t>> costs;  // name -> (host ns, launches)
   std::vector<uint64_t> launches;
   for (const auto& event : events) {
     if (is_launch(event)) {

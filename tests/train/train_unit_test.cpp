@@ -775,8 +775,7 @@ TEST(Train_CudaGraphs, NeedACudaDeviceAndNoHostCodeInBackward) {
   EXPECT_THAT(message, HasSubstr("\"cuda_graphs\": CUDA graphs capture work on a CUDA device; "
                                  "this run is on cpu"));
   // FullyShard gathers and frees its units from hooks, on one rank too.
-  using ShardPlan =
-      d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>>, d9d::parallel::FullyShard<>>;
+  using ShardPlan = d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>>, d9d::parallel::FullyShard<>>;
   EXPECT_THAT(d9d::testing::error_of<d9d::ConfigError>([&] {
                 d9d::Trainer<ShardPlan> run(ctx, d9d::Qwen3Provider{},
                                             d9d::testing::RandomWindowsProvider{},
@@ -787,8 +786,8 @@ TEST(Train_CudaGraphs, NeedACudaDeviceAndNoHostCodeInBackward) {
 
 // On a GPU: the replayed microbatches give the eager run's losses, gradient norms and parameters
 // (float64: the same kernels in the same order, so only the order of atomic additions may differ,
-// ~1e-16 relative; the training tests' float64 tolerances hold), and the step's forward and backward
-// launch one graph per microbatch instead of hundreds of kernels (the profile's summary).
+// ~1e-16 relative; the training tests' float64 tolerances hold), and the step's forward and
+// backward launch one graph per microbatch instead of hundreds of kernels (the profile's summary).
 TEST(Train_CudaGraphs, ReplayedStepsEqualEagerSteps) {
   if (!at::hasCUDA()) {
     GTEST_SKIP() << "no CUDA device";

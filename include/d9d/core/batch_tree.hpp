@@ -43,7 +43,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
-#include <c10/util/StringUtil.h>
 #include <boost/hana/accessors.hpp>
 #include <boost/hana/at_key.hpp>
 #include <boost/hana/concept/struct.hpp>
@@ -52,6 +51,7 @@
 #include <boost/hana/second.hpp>
 #include <boost/hana/string.hpp>
 #include <boost/hana/tuple.hpp>
+#include <c10/util/StringUtil.h>
 
 #include <d9d/core/detail/aggregate_fields.hpp>
 
@@ -308,7 +308,9 @@ inline BatchSpec to_spec(ReplicateLeaf spec) { return to_spec(LeafSpec{spec}); }
 template <class T>
 std::string layout_difference(const T& a, const T& b, const std::string& path) {
   using U = std::remove_cvref_t<T>;
-  const auto where = [&] { return "\"" + (path.empty() ? std::string("(the batch)") : path) + "\""; };
+  const auto where = [&] {
+    return "\"" + (path.empty() ? std::string("(the batch)") : path) + "\"";
+  };
   if constexpr (std::same_as<U, at::Tensor>) {
     if (a.defined() != b.defined()) {
       return where() + " is defined in one batch only";
@@ -402,8 +404,8 @@ template <class Tree>
 }
 
 /// Copies every tensor leaf of `src` into the same leaf of `dst` in place, across devices too
-/// (`non_blocking` as at::Tensor::copy_); the batches must have the same layout (std::invalid_argument naming the
-/// difference, before anything is copied).
+/// (`non_blocking` as at::Tensor::copy_); the batches must have the same layout
+/// (std::invalid_argument naming the difference, before anything is copied).
 template <class Tree>
 void copy_batch_(Tree& dst, const Tree& src, bool non_blocking = false) {
   if (auto d = batch_layout_difference(dst, src); !d.empty()) {
