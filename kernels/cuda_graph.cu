@@ -25,7 +25,7 @@ class CudaMicrobatchGraph final : public detail::MicrobatchGraph {
  public:
   explicit CudaMicrobatchGraph(c10::Device device) : device_(device) {}
 
-  void capture(const std::function<void()>& body) override {
+  void capture(const std::function<void()>& body, detail::MicrobatchGraph* share_pool_with) override {
     const c10::cuda::CUDAGuard guard(device_);
     const auto current = c10::cuda::getCurrentCUDAStream(device_.index());
     const auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index());
@@ -34,7 +34,9 @@ class CudaMicrobatchGraph final : public detail::MicrobatchGraph {
     ready.block(side);
     {
       const c10::cuda::CUDAStreamGuard on_side(side);
-      graph_.capture_begin();
+      // Graphs of this library are all CudaMicrobatchGraph.
+      auto* other = static_cast<CudaMicrobatchGraph*>(share_pool_with);
+      graph_.capture_begin(other != nullptr ? other->graph_.pool() : c10::MempoolId_t{0, 0});
       try {
         body();
       } catch (const std::exception& e) {

@@ -48,11 +48,13 @@ std::unique_ptr<torch::optim::Optimizer> make_adamw(
   return std::make_unique<optim::FusedAdamW>(std::move(groups), adamw);
 }
 
-void begin_step(torch::optim::Optimizer& optimizer, double lr, bool keep_gradients) {
+void begin_step(torch::optim::Optimizer& optimizer, double lr, bool drop_gradients) {
   for (auto& group : optimizer.param_groups()) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
   }
-  optimizer.zero_grad(/*set_to_none=*/!keep_gradients);
+  if (drop_gradients) {
+    optimizer.zero_grad(/*set_to_none=*/true);
+  }
 }
 
 void accumulate_loss(const LossOutput& out, at::Tensor& loss_sum, at::Tensor& weight_sum,
@@ -131,12 +133,17 @@ struct TrainStepCore::Impl {
   c10::DeviceType device_type = c10::kCPU;
   c10::Device device = c10::Device(c10::kCPU);
 
-  // CUDA graphs: the captured microbatch (its tensors are the graph's inputs), the loss output the
-  // graph recomputes on each replay, and where the gradients were when it was captured (the graph
-  // accumulates into that memory; a step that finds them elsewhere stops with an error).
-  std::unique_ptr<MicrobatchGraph> graph;
+  // CUDA graphs: the captured microbatch (its tensors are the graphs' inputs) and two graphs of
+  // its forward and backward with the loss outputs they recompute on each replay. `first` was
+  // captured without gradients, so autograd gave each parameter a gradient from the graph's pool
+  // and the replay overwrites it (a step's first microbatch needs no zeroing); `rest` was captured
+  // with them, so its replays add into them in place. `gradient_addresses`: where the gradients
+  // were at the capture (a step that finds them elsewhere stops with an error).
   std::any captured;
-  LossOutput captured_out;
+  std::unique_ptr<MicrobatchGraph> first;
+  std::unique_ptr<MicrobatchGraph> rest;
+  LossOutput first_out;
+  LossOutput rest_out;
   std::vector<const void*> gradient_addresses;
   bool warned_eager = false;
   int64_t steps_run = 0;
@@ -146,7 +153,7 @@ struct TrainStepCore::Impl {
     const AutocastScope autocast(options.bf16_autocast, device_type);
     return loss(microbatch);
   }
-  void capture(const std::any& microbatch);
+  std::unique_ptr<MicrobatchGraph> capture(LossOutput& out, MicrobatchGraph* share_pool_with);
   [[nodiscard]] std::vector<const void*> gradient_memory() const;
 };
 
@@ -158,30 +165,22 @@ std::vector<const void*> TrainStepCore::Impl::gradient_memory() const {
   return out;
 }
 
-void TrainStepCore::Impl::capture(const std::any& microbatch) {
-  // The graph adds each microbatch's gradients into .grad in place (autograd accumulates into a
-  // defined gradient), so every trainable parameter has one before the capture.
-  for (const auto& record : parallel->parameters()) {
-    if (record.local.requires_grad() && !record.local.grad().defined()) {
-      at::Tensor(record.local).mutable_grad() = at::zeros_like(record.local);
-    }
-  }
-  // The graph's inputs live on the device: the task's copies to the device become no-ops inside
-  // the graph, and each replay's inputs arrive by copy_batch_ before it.
-  captured = options.copier.clone(microbatch, device);
-  graph = make_microbatch_graph(device);
-  graph->capture([&] {
-    captured_out = forward(captured);
-    if (!captured_out.loss_sum.defined() || captured_out.loss_sum.numel() != 1 ||
-        !captured_out.weight.defined()) {
-      throw std::invalid_argument(
-          "the task's compute_loss must return a scalar loss_sum and a "
-          "weight");
-    }
-    RECORD_USER_SCOPE("d9d::backward");
-    captured_out.loss_sum.backward();
-  });
+std::unique_ptr<MicrobatchGraph> TrainStepCore::Impl::capture(LossOutput& out,
+                                                              MicrobatchGraph* share_pool_with) {
+  auto graph = make_microbatch_graph(device);
+  graph->capture(
+      [&] {
+        out = forward(captured);
+        if (!out.loss_sum.defined() || out.loss_sum.numel() != 1 || !out.weight.defined()) {
+          throw std::invalid_argument(
+              "the task's compute_loss must return a scalar loss_sum and a weight");
+        }
+        RECORD_USER_SCOPE("d9d::backward");
+        out.loss_sum.backward();
+      },
+      share_pool_with);
   gradient_addresses = gradient_memory();
+  return graph;
 }
 
 TrainStepCore::TrainStepCore(std::unique_ptr<parallel::ParallelModel> model, MicrobatchLoss loss,
@@ -235,9 +234,10 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
   const double lr = s.options.optimizer.lr * s.schedule.multiplier(step);
   // Warm-up counts the steps this object ran (a resumed run warms up too).
   const bool graphs = s.options.cuda_graphs && s.steps_run++ >= s.options.graph_warmup_steps;
-  // Under CUDA graphs the gradients keep their memory from step to step (zeroed in place).
-  begin_step(*s.optimizer, lr, /*keep_gradients=*/s.options.cuda_graphs);
-  if (s.graph && s.gradient_memory() != s.gradient_addresses) {
+  // Once captured, the graphs own the gradients' memory: the step keeps them (the first
+  // microbatch's replay overwrites them).
+  begin_step(*s.optimizer, lr, /*drop_gradients=*/!s.first);
+  if (s.first && s.gradient_memory() != s.gradient_addresses) {
     throw std::logic_error(
         "d9d::TrainStep: a parameter's gradient moved to other memory after the CUDA graph was "
         "captured (something replaced .grad); the graph would accumulate into the old memory");
@@ -254,10 +254,17 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
     const std::any& microbatch = microbatches[static_cast<std::size_t>(i)];
     std::string difference = "no graph";
     if (graphs) {
-      if (!s.graph) {
-        s.capture(microbatch);
+      if (!s.first) {
+        // The capture step: its start dropped the gradients. The graphs' inputs live on the
+        // device: the task's copies to the device are no-ops inside them, and each replay's
+        // inputs arrive by copy_batch_ before it.
+        s.captured = s.options.copier.clone(microbatch, s.device);
+        s.first = s.capture(s.first_out, nullptr);
       }
       difference = s.options.copier.copy(s.captured, microbatch);
+      if (difference.empty() && i > 0 && !s.rest) {
+        s.rest = s.capture(s.rest_out, s.first.get());  // one memory pool: replays never overlap
+      }
       if (!difference.empty() && !s.warned_eager) {
         s.warned_eager = true;
         s.parallel->mesh().context().logger().warning(
@@ -266,17 +273,27 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
       }
     }
     if (difference.empty()) {
+      const LossOutput& out = i == 0 ? s.first_out : s.rest_out;
       s.parallel->before_backward(i, count);
       {
         RECORD_USER_SCOPE("d9d::graph_replay");
-        s.graph->replay();
+        (i == 0 ? s.first : s.rest)->replay();
       }
-      accumulate_loss(s.captured_out, loss_sum, weight_sum, "compute_loss");
+      accumulate_loss(out, loss_sum, weight_sum, "compute_loss");
       ++replayed;
       if (s.options.after_microbatch) {
-        s.options.after_microbatch(s.captured_out, s.captured);
+        s.options.after_microbatch(out, s.captured);
       }
       continue;
+    }
+    if (i == 0 && s.first) {
+      // An eager first microbatch: the gradients still hold the last step's (kept for the graphs).
+      const at::NoGradGuard no_grad;
+      for (const auto& record : s.parallel->parameters()) {
+        if (record.local.grad().defined()) {
+          at::Tensor(record.local).mutable_grad().zero_();
+        }
+      }
     }
     LossOutput out = s.forward(microbatch);
     accumulate_loss(out, loss_sum, weight_sum, "compute_loss");

@@ -24,10 +24,12 @@ class MicrobatchGraph {
   MicrobatchGraph(MicrobatchGraph&&) = delete;
   MicrobatchGraph& operator=(MicrobatchGraph&&) = delete;
 
-  /// Records what `body` launches on the device (on a side stream, in a private memory pool);
-  /// nothing runs until replay(). An exception from `body` or from the capture ends the capture
-  /// and propagates.
-  virtual void capture(const std::function<void()>& body) = 0;
+  /// Records what `body` launches on the device (on a side stream, in a private memory pool, or in
+  /// `share_pool_with`'s when given: graphs replayed one after the other may share one); nothing
+  /// runs until replay(). An exception from `body` or from the capture ends the capture and
+  /// propagates.
+  virtual void capture(const std::function<void()>& body,
+                       MicrobatchGraph* share_pool_with = nullptr) = 0;
   /// Runs the recorded work once, on the device's current stream.
   virtual void replay() = 0;
 };

@@ -33,8 +33,8 @@ std::unique_ptr<torch::optim::Optimizer> make_adamw(
     const std::vector<parallel::ParameterRecord>& params, const TrainStepOptions& options);
 
 /// The start of a step: sets the learning rate of every parameter group (AdamW options) and drops
-/// the previous step's gradients (`keep_gradients`: zeroes them in place, keeping their memory).
-void begin_step(torch::optim::Optimizer& optimizer, double lr, bool keep_gradients = false);
+/// the previous step's gradients (unless `drop_gradients` is false: CUDA graphs own their memory).
+void begin_step(torch::optim::Optimizer& optimizer, double lr, bool drop_gradients = true);
 
 /// Checks a task's LossOutput (`who` names the task method in the error) and adds it to the
 /// running sums (double, on the loss's device; no synchronisation).
