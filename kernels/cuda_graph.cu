@@ -25,7 +25,8 @@ class CudaMicrobatchGraph final : public detail::MicrobatchGraph {
  public:
   explicit CudaMicrobatchGraph(c10::Device device) : device_(device) {}
 
-  void capture(const std::function<void()>& body, detail::MicrobatchGraph* share_pool_with) override {
+  void capture(const std::function<void()>& body,
+               detail::MicrobatchGraph* share_pool_with) override {
     const c10::cuda::CUDAGuard guard(device_);
     const auto current = c10::cuda::getCurrentCUDAStream(device_.index());
     const auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index());

@@ -6,13 +6,13 @@
 // `span` elements each, four elements per thread and step with 8- or 16-byte loads when every
 // pointer is 16-byte aligned. With float32 moments the blocks are short (256 threads, 2048
 // elements: two steps per thread, both steps' loads issued before any arithmetic, 88.8% -> 89.6%
-// of an H100's 3.35 TB/s in bench/bandwidth_variants.cu): on an H200 the one-tensor update took 3.43 ms instead of
-// 3.48-3.52 with one 512-thread block looping over the whole 65,536-element chunk (1,024 or 512
-// elements per block: 3.57-3.61 ms; bench/kernels_bench, and bench/bandwidth_variants.cu outside
-// LibTorch). With bfloat16 moments the update costs more arithmetic per byte and the long blocks
-// stay ahead (2.76 ms against 3.06 with 1,024 per block). Per element it reads
-// the parameter, the gradient and both moments and writes the parameter and the moments: memory
-// bound (22 bytes per element with bfloat16 gradients and float32 moments).
+// of an H100's 3.35 TB/s in bench/bandwidth_variants.cu): on an H200 the one-tensor update
+// took 3.43 ms instead of 3.48-3.52 with one 512-thread block looping over the whole 65,536-element
+// chunk (1,024 or 512 elements per block: 3.57-3.61 ms; bench/kernels_bench, and
+// bench/bandwidth_variants.cu outside LibTorch). With bfloat16 moments the update costs more
+// arithmetic per byte and the long blocks stay ahead (2.76 ms against 3.06 with 1,024 per block).
+// Per element it reads the parameter, the gradient and both moments and writes the parameter and
+// the moments: memory bound (22 bytes per element with bfloat16 gradients and float32 moments).
 #include <algorithm>
 #include <cstdint>
 #include <vector>
