@@ -57,12 +57,21 @@ void begin_step(torch::optim::Optimizer& optimizer, double lr, bool drop_gradien
   }
 }
 
-void accumulate_loss(const LossOutput& out, at::Tensor& loss_sum, at::Tensor& weight_sum,
-                     const char* who) {
+namespace {
+
+// A task's LossOutput has a scalar loss_sum and a weight (`who` names the task's method).
+void require_loss_output(const LossOutput& out, const char* who) {
   if (!out.loss_sum.defined() || out.loss_sum.numel() != 1 || !out.weight.defined()) {
     throw std::invalid_argument(std::string("d9d::TrainStep: the task's ") + who +
                                 " must return a scalar loss_sum and a weight");
   }
+}
+
+}  // namespace
+
+void accumulate_loss(const LossOutput& out, at::Tensor& loss_sum, at::Tensor& weight_sum,
+                     const char* who) {
+  require_loss_output(out, who);
   // New tensors, never views of `out`: a CUDA graph rewrites its outputs on the next replay (and
   // .to() returns the tensor itself when it already is float64).
   const auto loss_value = out.loss_sum.detach().to(at::kDouble).reshape({});
@@ -130,7 +139,6 @@ struct TrainStepCore::Impl {
   TrainStepOptions options;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   optim::PiecewiseSchedule schedule;
-  c10::DeviceType device_type = c10::kCPU;
   c10::Device device = c10::Device(c10::kCPU);
 
   // CUDA graphs: the captured microbatch (its tensors are the graphs' inputs) and two graphs of
@@ -150,7 +158,7 @@ struct TrainStepCore::Impl {
 
   LossOutput forward(const std::any& microbatch) const {
     RECORD_USER_SCOPE("d9d::forward");
-    const AutocastScope autocast(options.bf16_autocast, device_type);
+    const AutocastScope autocast(options.bf16_autocast, device.type());
     return loss(microbatch);
   }
   std::unique_ptr<MicrobatchGraph> capture(LossOutput& out, MicrobatchGraph* share_pool_with);
@@ -171,10 +179,7 @@ std::unique_ptr<MicrobatchGraph> TrainStepCore::Impl::capture(LossOutput& out,
   graph->capture(
       [&] {
         out = forward(captured);
-        if (!out.loss_sum.defined() || out.loss_sum.numel() != 1 || !out.weight.defined()) {
-          throw std::invalid_argument(
-              "the task's compute_loss must return a scalar loss_sum and a weight");
-        }
+        require_loss_output(out, "compute_loss");
         RECORD_USER_SCOPE("d9d::backward");
         out.loss_sum.backward();
       },
@@ -197,7 +202,6 @@ TrainStepCore::TrainStepCore(std::unique_ptr<parallel::ParallelModel> model, Mic
   s.options = std::move(options);
   s.schedule = optim::PiecewiseSchedule::build(s.options.lr_schedule, s.options.total_steps);
   s.device = s.parallel->mesh().context().device();
-  s.device_type = s.device.type();
   s.optimizer = make_adamw(s.parallel->parameters(), s.options);
   if (s.options.cuda_graphs) {
     if (const auto blocker = s.parallel->graph_blocker(); !blocker.empty()) {
@@ -287,13 +291,9 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
       continue;
     }
     if (i == 0 && s.first) {
-      // An eager first microbatch: the gradients still hold the last step's (kept for the graphs).
-      const at::NoGradGuard no_grad;
-      for (const auto& record : s.parallel->parameters()) {
-        if (record.local.grad().defined()) {
-          at::Tensor(record.local).mutable_grad().zero_();
-        }
-      }
+      // An eager first microbatch: the gradients still hold the last step's (kept for the graphs;
+      // the optimizer's parameters are the records' tensors).
+      s.optimizer->zero_grad(/*set_to_none=*/false);
     }
     LossOutput out = s.forward(microbatch);
     accumulate_loss(out, loss_sum, weight_sum, "compute_loss");

@@ -74,20 +74,29 @@ int64_t peak_memory(c10::Device device) {
   return stats.allocated_bytes[0].peak;  // aggregate over pools
 }
 
-// A host call that launches device work: a kernel, or a whole CUDA graph.
-bool is_launch(const torch::autograd::profiler::KinetoEvent& event) {
+// When the host launched device work (a kernel, or a whole CUDA graph), sorted.
+std::vector<uint64_t> launch_times(
+    const std::vector<torch::autograd::profiler::KinetoEvent>& events) {
   static const std::set<std::string> names = {
       "cudaLaunchKernel", "cudaLaunchKernelExC",         "cuLaunchKernel",
       "cuLaunchKernelEx", "cudaLaunchCooperativeKernel", "cudaGraphLaunch"};
-  return event.deviceType() == c10::kCPU && names.contains(event.name());
+  std::vector<uint64_t> out;
+  for (const auto& event : events) {
+    if (event.deviceType() == c10::kCPU && names.contains(event.name())) {
+      out.push_back(event.startNs());
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 // Per d9d phase (the RECORD_USER_SCOPE ranges "d9d::step", "d9d::forward", ...): how far the
 // memory the profiler saw allocated on `device` rose above its level at the phase's start, at the
 // most, over every occurrence of the phase; from the trace's allocation events ("[memory]", bytes
-// allocated > 0 or freed < 0; CPU allocations too, so the summary is real on CPU runs).
+// allocated > 0 or freed < 0; CPU allocations too, so the summary is real on CPU runs). Also the
+// phase's host time and the `launches` (launch_times) that start inside it.
 nlohmann::json phase_memory(const std::vector<torch::autograd::profiler::KinetoEvent>& events,
-                            c10::Device device) {
+                            c10::Device device, const std::vector<uint64_t>& launches) {
   struct Change {
     uint64_t at;
     int64_t bytes;
@@ -107,13 +116,6 @@ nlohmann::json phase_memory(const std::vector<torch::autograd::profiler::KinetoE
   std::map<std::string, std::pair<int64_t, int64_t>> phases;  // name -> (peak rise, occurrences)
   // Host time and kernel launches (CUDA runtime calls that start inside the phase, any thread).
   std::map<std::string, std::pair<uint64_t, int64_t>> costs;  // name -> (host ns, launches)
-  std::vector<uint64_t> launches;
-  for (const auto& event : events) {
-    if (is_launch(event)) {
-      launches.push_back(event.startNs());
-    }
-  }
-  std::sort(launches.begin(), launches.end());
   for (const auto& event : events) {
     const auto name = event.name();
     if (name.rfind("d9d::", 0) != 0 || event.deviceType() != c10::kCPU) {
@@ -202,6 +204,7 @@ class StepProfiler {
     const auto rank = std::to_string(context_.rank());
     const auto path = files::join(config_.dir, "rank-" + rank + ".trace.json");
     result->save(path);
+    const auto launches = launch_times(result->events());
     const nlohmann::json memory = {
         {"rank", context_.rank()},
         {"device", context_.device().str()},
@@ -210,9 +213,9 @@ class StepProfiler {
         {"peak_allocated_bytes", peak_memory(context_.device())},
         // Host launches of device work (kernels, graphs) and device kernels over the traced
         // steps: what CUDA graphs cut (0 on CPU).
-        {"launches", std::count_if(result->events().begin(), result->events().end(), is_launch)},
+        {"launches", launches.size()},
         {"device_kernels", device_kernels(result->events())},
-        {"phases", phase_memory(result->events(), context_.device())}};
+        {"phases", phase_memory(result->events(), context_.device(), launches)}};
     std::FILE* out =
         std::fopen(files::join(config_.dir, "rank-" + rank + ".memory.json").c_str(), "w");
     if (out != nullptr) {
