@@ -5,6 +5,7 @@
 //   03_qwen3_quickstart quickstart.json --data corpus.bin --output runs/quickstart [--bf16]
 //   tools/d9drun -n 4 03_qwen3_quickstart cfg.json --pipeline zbh1 --pp 2   # dp 2 x pp 2
 //   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --fsdp [--recompute]      # ZeRO-3
+//   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --tp          # tensor + sequence parallel
 //   03_qwen3_quickstart cfg.json --bf16-params sr --lora   # LoRA fine-tuning, base frozen
 //
 // The configuration block below is the plan: the mesh's data-parallel degree comes from the world
@@ -45,6 +46,11 @@ using LoraPlan =
 using ShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>>;
 template <class Precision, class Recompute = d9d::recompute::None>
 using FsdpPlan = d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Precision, Recompute>;
+// --tp: every rank one tensor-parallel shard (Megatron's layout) with sequence parallelism
+// between the blocks; the world is the tp degree, the batch is not split over ranks.
+template <class Precision>
+using TpPlan = d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>>, d9d::parallel::TensorParallel<true>,
+                         Precision>;
 // --pipeline: pp from the config, data parallel over the rest of the world.
 using PipelineMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_replicate<d9d::dynamic>>;
 template <class Schedule, class Precision>
@@ -78,6 +84,7 @@ struct Options {
   std::string pipeline = "none";
   int pp = 0;
   bool fsdp = false;
+  bool tp = false;
   bool recompute = false;
   bool plain_kernels = false;
   std::string bf16_params;
@@ -183,6 +190,15 @@ int train(const Options& o) {
                            " needs a pipeline schedule. Fix: add --pipeline gpipe|1f1b|zbh1|zbv");
   }
   const double peak = o.peak_tflops;
+  if (o.tp) {
+    if (o.fsdp || o.recompute || o.lora || !o.bf16_params.empty() || o.pipeline != "none") {
+      throw d9d::ConfigError(
+          "--tp is compiled alone or with --bf16 in this example. Fix: drop --fsdp, --recompute, "
+          "--lora, --bf16-params and --pipeline");
+    }
+    return o.bf16 ? run<TpPlan<d9d::precision::Bf16Mixed>>(ctx, cfg, peak)
+                  : run<TpPlan<d9d::precision::Fp32>>(ctx, cfg, peak);
+  }
   if (o.lora) {
     if (o.bf16_params != "sr" || o.fsdp || o.bf16 || o.recompute || o.pipeline != "none") {
       throw d9d::ConfigError(
@@ -250,6 +266,9 @@ int main(int argc, char** argv) {
                "LoRA fine-tuning: rank-16 adapters on every linear layer but the head, the rest "
                "frozen (d9d::peft::Lora<16, 32>; with --bf16-params sr)");
   app.add_flag("--fsdp", o.fsdp, "fully sharded data parallelism (d9d::parallel::FullyShard<>)");
+  app.add_flag("--tp", o.tp,
+               "tensor parallelism with sequence parallelism over all ranks "
+               "(d9d::parallel::TensorParallel<true>)");
   app.add_flag("--recompute", o.recompute,
                "recompute every decoder layer's activations in backward (with --fsdp)");
   app.add_flag("--cuda-graphs", o.cuda_graphs,

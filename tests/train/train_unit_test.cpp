@@ -371,6 +371,7 @@ TEST(Train_Config_Model, TheExampleConfigsRead) {
            {"03_qwen3_quickstart/quickstart.json", true},
            {"03_qwen3_quickstart/qwen3_0p6b_gpu.json", true},
            {"03_qwen3_quickstart/qwen3_0p6b_gpu_pp.json", false},
+           {"03_qwen3_quickstart/qwen3_1p7b_gpu.json", true},
            {"03_qwen3_quickstart/qwen3_8b_gpu.json", false}}) {
     const auto cfg = d9d::TrainerConfig::from_file(
         d9d::files::join(examples != nullptr ? examples : "examples", file));
