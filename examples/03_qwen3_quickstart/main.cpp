@@ -49,8 +49,8 @@ using FsdpPlan = d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Precision, Re
 // --tp: every rank one tensor-parallel shard (Megatron's layout) with sequence parallelism
 // between the blocks; the world is the tp degree, the batch is not split over ranks.
 template <class Precision>
-using TpPlan = d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>>, d9d::parallel::TensorParallel<true>,
-                         Precision>;
+using TpPlan =
+    d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>>, d9d::parallel::TensorParallel<true>, Precision>;
 // --pipeline: pp from the config, data parallel over the rest of the world.
 using PipelineMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_replicate<d9d::dynamic>>;
 template <class Schedule, class Precision>
