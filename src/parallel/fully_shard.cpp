@@ -18,9 +18,11 @@
 // Gradients. A post-accumulate-grad hook on each gathered parameter counts a unit's gradients; once
 // all are there (every node that used the unit's parameters has run), the whole gradients are
 // packed as the gather's layout in the reduce dtype and reduce-scattered (summed), the unit may be
-// freed, and the result is added to the shards' .grad when the step finishes (after an all-reduce
-// over dp_replicate for HSDP). Units are reduced in one fixed order on every rank (reverse forward
-// order, the unit of loose parameters last), so collectives match across ranks.
+// freed, and the result is added to the shards' .grad (after an all-reduce over dp_replicate for
+// HSDP) once two later units' reductions are launched, or when the microbatch's backward ends: at
+// most three units' whole gradients wait in the reduce dtype. Units are reduced in one fixed order
+// on every rank (reverse forward order, the unit of loose parameters last), so collectives match
+// across ranks.
 //
 // Experts. Under ExpertParallel the routed experts are records of the expert domain, already split
 // over ep_shard; when ep_replicate > 1 a second state shards them (their ep_shard slices) the same
@@ -28,6 +30,7 @@
 // a block's forward gathers its regular parameters over dp_shard and its experts over
 // ep_replicate. Their records nest: Shard(0) on ep_shard, then Shard(0) on ep_replicate.
 #include <algorithm>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -105,6 +108,9 @@ struct ShardLayout {
   std::vector<std::string> dims = {"dp_replicate", "dp_shard"};
   std::vector<Placement> placements = {::d9d::Replicate{}, ::d9d::Shard{0}};
 };
+
+// Reductions launched and not yet added to the shards' gradients, at most (launch_reduction).
+constexpr std::size_t kReductionsInFlight = 2;
 
 struct Reduction {
   std::size_t unit = 0;
@@ -607,37 +613,50 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     if (unit.reshard_after_forward && !model_.options().pipelined) {
       reshard(u);
     }
+    // Each reduction holds its unit's whole gradient in the reduce dtype until it is completed:
+    // kept for a whole backward, that is twice the model in float32 (an 8B model's 33 GB per rank
+    // on 2 ranks). The oldest is completed once more than kReductionsInFlight wait; launched two
+    // units ago, it has usually finished, and NCCL's wait only orders the compute stream after it.
+    while (reductions_.size() > kReductionsInFlight) {
+      complete_oldest();
+    }
   }
 
-  // Waits for the launched reductions and adds them to the shards' gradients.
-  void complete_reductions() {
+  // Waits for the oldest launched reduction and adds it to the shards' gradients.
+  void complete_oldest() {
     const at::NoGradGuard no_grad;
-    for (auto& reduction : reductions_) {
-      if (reduction.work) {
-        reduction.work->wait();
+    const Reduction reduction = std::move(reductions_.front());
+    reductions_.pop_front();
+    if (reduction.work) {
+      reduction.work->wait();
+    }
+    auto out = reduction.output;
+    if (replicate_group_.valid() && replicate_group_.size() > 1) {
+      out = all_reduce(replicate_group_, out);  // HSDP: the replicas' sums
+    }
+    const auto& unit = units_[reduction.unit];
+    for (const auto p : unit.params) {
+      auto& param = params_[p];
+      if (!param.full.requires_grad()) {
+        continue;
       }
-      auto out = reduction.output;
-      if (replicate_group_.valid() && replicate_group_.size() > 1) {
-        out = all_reduce(replicate_group_, out);  // HSDP: the replicas' sums
-      }
-      const auto& unit = units_[reduction.unit];
-      for (const auto p : unit.params) {
-        auto& param = params_[p];
-        if (!param.full.requires_grad()) {
-          continue;
-        }
-        const auto part = out.narrow(0, param.segment_offset, param.held.length * param.row_numel)
-                              .view(param.shard.sizes())
-                              .to(param.shard.scalar_type());
-        auto& grad = param.shard.mutable_grad();
-        if (grad.defined()) {
-          grad.add_(part);
-        } else {
-          grad = part.clone();
-        }
+      const auto part = out.narrow(0, param.segment_offset, param.held.length * param.row_numel)
+                            .view(param.shard.sizes())
+                            .to(param.shard.scalar_type());
+      auto& grad = param.shard.mutable_grad();
+      if (grad.defined()) {
+        grad.add_(part);
+      } else {
+        grad = part.clone();
       }
     }
-    reductions_.clear();
+  }
+
+  // Waits for the launched reductions, oldest first, and adds them to the shards' gradients.
+  void complete_reductions() {
+    while (!reductions_.empty()) {
+      complete_oldest();
+    }
   }
 
   ParallelModel& model_;
@@ -654,7 +673,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
   std::vector<std::size_t> block_module_;  // block -> index of its module in model_.modules()
   std::vector<std::size_t> reduce_order_;
   std::size_t started_early_ = 0;
-  std::vector<Reduction> reductions_;
+  std::deque<Reduction> reductions_;  // launched, oldest first
   std::size_t next_reduce_ = 0;
   bool armed_ = false;
   std::mutex mutex_;
