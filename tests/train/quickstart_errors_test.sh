@@ -67,6 +67,9 @@ expect 2 "cannot open" "$dir/good.json" --data "$dir/missing.bin"
 expect 2 "is not divisible by data-parallel ranks" "$dir/indivisible.json" --data "$dir/good.bin"
 # A pipeline of 2 stages in a world of 1 rank: the mesh does not fit the world.
 expect 2 "d9d config: d9d::mesh: " "$dir/good.json" --data "$dir/good.bin" --pipeline 1f1b --pp 2
+# Tensor parallelism: one rank cannot hold a sequence-parallel tp mesh; --tp is compiled alone.
+expect 2 "sequence parallelism needs \"mesh.tp\" > 1 (got 1)" "$dir/good.json" --data "$dir/good.bin" --tp
+expect 2 "--tp is compiled alone or with --bf16" "$dir/good.json" --data "$dir/good.bin" --tp --fsdp
 # The command line's own errors (CLI11): status 105 for a value out of range.
 expect 105 "--pp" "$dir/good.json" --pp 0
 
