@@ -122,6 +122,19 @@ bool writes(const parallel::ParameterRecord& record, const DeviceMesh& mesh) {
   return true;
 }
 
+// One rank per pipeline stage writes the model's buffers: coordinate 0 on every regular mesh dim
+// but pp (a stage's buffers are the same on all its ranks).
+bool writes_buffers(const DeviceMesh& mesh) {
+  const auto dims = DeviceMesh::layout(mesh.shape(), MeshDomain::regular);
+  const auto coordinates = mesh.coordinates(MeshDomain::regular);
+  for (std::size_t i = 0; i < dims.size() && i < coordinates.size(); ++i) {
+    if (dims[i].name != "pp" && coordinates[i] != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // The stored key of a part: "<prefix>" when it is the whole tensor, else "<prefix>@<offsets>".
 std::string piece_key(const std::string& prefix, const std::vector<ShardRange>& ranges,
                       const std::vector<int64_t>& shape) {
@@ -283,7 +296,8 @@ std::string Checkpointer::check(const std::string& path) const {
 
 int64_t Checkpointer::load(const std::string& path,
                            const std::vector<parallel::ParameterRecord>& parameters,
-                           torch::optim::Optimizer& optimizer) {
+                           torch::optim::Optimizer& optimizer, const NamedBuffers& buffers,
+                           std::vector<std::string>* missing_buffers) {
   auto& s = *impl_;
   // trainer.json as written by a save: a step >= 0 and a world of at least one rank.
   const auto trainer_json = files::join(path, "trainer.json");
@@ -341,6 +355,19 @@ int64_t Checkpointer::load(const std::string& path,
       optimizer.state().erase(local.unsafeGetTensorImpl());
     }
   }
+  for (const auto& [name, buffer] : buffers) {
+    if (index.count("buffer/" + name) == 0) {
+      if (missing_buffers != nullptr) {
+        missing_buffers->push_back(name);
+      }
+      continue;
+    }
+    std::vector<ShardRange> whole;
+    for (const auto size : buffer.sizes()) {
+      whole.push_back({.offset = 0, .length = size});
+    }
+    assemble(index, "buffer/" + name, buffer.sizes().vec(), whole, buffer, path);
+  }
   // Random generators: restored on the same world, reseeded from (seed, rank, step) otherwise.
   const int rank = s.context.rank();
   const auto& own = files[static_cast<std::size_t>(std::min(rank, saved_world - 1))];
@@ -361,7 +388,7 @@ int64_t Checkpointer::load(const std::string& path,
 
 void Checkpointer::save(int64_t step, int64_t samples_seen,
                         const std::vector<parallel::ParameterRecord>& parameters,
-                        const torch::optim::Optimizer& optimizer) {
+                        const torch::optim::Optimizer& optimizer, const NamedBuffers& buffers) {
   auto& s = *impl_;
   if (pending()) {
     (void)complete(/*wait=*/true);
@@ -400,6 +427,11 @@ void Checkpointer::save(int64_t step, int64_t samples_seen,
       }
       snapshot.emplace_back(key(prefix + "exp_avg"), host_copy(state->exp_avg()));
       snapshot.emplace_back(key(prefix + "exp_avg_sq"), host_copy(state->exp_avg_sq()));
+    }
+  }
+  if (writes_buffers(s.mesh)) {
+    for (const auto& [name, buffer] : buffers) {
+      snapshot.emplace_back("buffer/" + name, host_copy(buffer));
     }
   }
   snapshot.emplace_back("rng/cpu", at::detail::getDefaultCPUGenerator().get_state());

@@ -232,6 +232,19 @@ class StepProfiler {
   bool active_ = false;
 };
 
+// The buffers of the rank's modules, by their names in the whole model: what training changes
+// outside the parameters (every registered buffer; today the MoE routers' selection bias), saved
+// and restored with the checkpoints.
+NamedBuffers model_buffers(const parallel::ParallelModel& model) {
+  NamedBuffers out;
+  for (const auto& module : model.modules()) {
+    for (const auto& item : module->named_buffers()) {
+      out.emplace_back(item.key(), item.value());
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 struct TrainerCore::Impl {
@@ -778,7 +791,16 @@ TrainerCore::TrainerCore(DistributedContext context, std::shared_ptr<const Devic
     s.resumed_from = checkpoint.resume_from.empty() ? s.checkpointer->latest()
                                                     : s.checkpointer->check(checkpoint.resume_from);
     if (!s.resumed_from.empty()) {
-      s.start_step = s.checkpointer->load(s.resumed_from, s.parallel().parameters(), s.optimizer());
+      std::vector<std::string> missing;
+      s.start_step = s.checkpointer->load(s.resumed_from, s.parallel().parameters(), s.optimizer(),
+                                          model_buffers(s.parallel()), &missing);
+      if (!missing.empty() && s.context.is_main_process()) {
+        s.context.logger().warning("the checkpoint " + s.resumed_from + " has no \"" +
+                                   missing.front() + "\" (and " +
+                                   std::to_string(missing.size() - 1) +
+                                   " more buffers: saved before checkpoints stored buffers); they "
+                                   "keep their initial values");
+      }
       if (s.start_step > s.config.run.total_steps) {
         throw ConfigError("d9d config: the checkpoint \"" + s.resumed_from + "\" is at step " +
                           std::to_string(s.start_step) + ", past \"run.total_steps\" = " +
@@ -807,7 +829,7 @@ std::string TrainerCore::save_checkpoint() {
   }
   const int64_t step = std::max(s.done_steps, s.start_step);
   s.checkpointer->save(step, step * s.config.batch.global_batch_size, s.parallel().parameters(),
-                       s.optimizer());
+                       s.optimizer(), model_buffers(s.parallel()));
   if (s.checkpointer->pending()) {
     (void)s.checkpointer->complete(/*wait=*/true);  // async: wait for every rank's writer
   }
@@ -932,7 +954,7 @@ TrainResult TrainerCore::train() {
       if (cfg.checkpoint.every > 0 &&
           (done % cfg.checkpoint.every == 0 || done == cfg.run.total_steps)) {
         s.checkpointer->save(done, done * cfg.batch.global_batch_size, s.parallel().parameters(),
-                             s.optimizer());
+                             s.optimizer(), model_buffers(s.parallel()));
       } else if (s.checkpointer->pending()) {
         (void)s.checkpointer->complete(/*wait=*/false);
       }

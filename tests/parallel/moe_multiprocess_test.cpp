@@ -162,19 +162,26 @@ TEST(Moe_ExpertParallel_ws2, ExportsTransformersTensors) {
   });
 }
 
+// The model's buffers (the routers' selection biases), copied to the host.
+std::map<std::string, at::Tensor> buffers_of(d9d::detail::TrainerCore& core) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& module : core.parallel().modules()) {
+    for (const auto& item : module->named_buffers()) {
+      out[item.key()] = item.value().detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    }
+  }
+  return out;
+}
+
 // The router's metrics reach the step's log; a checkpoint saved under ep 2 resumes in one process
-// (the records say where each expert shard belongs).
+// (the records say where each expert shard belongs), selection biases included: the resumed run
+// ends with the uninterrupted run's biases.
 TEST(Moe_ExpertParallel_ws2, MetricsAndACheckpointResumedInOneProcess) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
     const auto ctx = d9d::testing::rank_context(env);
     const std::string root = env.scratch_dir() + "/ckpt";
-    // No bias: the selection bias is a buffer, which training checkpoints do not store yet.
-    const auto no_bias = [](d9d::TrainerConfig config) {
-      config.sections["model"] = moe_json(true, 0.0);
-      return config;
-    };
-    auto config = no_bias(moe_run(root + "/ep", 2, R"({"ep": 2})"));
+    auto config = moe_run(root + "/ep", 2, R"({"ep": 2})");
     config.checkpoint.dir = root + "/ep/checkpoints";
     config.checkpoint.every = 2;
     config.checkpoint.keep = 4;
@@ -192,17 +199,37 @@ TEST(Moe_ExpertParallel_ws2, MetricsAndACheckpointResumedInOneProcess) {
     // 8 samples x 16 tokens x top 2 x 3 sparse layers, over both ranks.
     EXPECT_EQ(metrics.at("moe/routed_per_step"), 8 * 16 * 2 * 3);
     EXPECT_GT(metrics.at("moe/aux_loss"), 0.0);
+    const auto biases = buffers_of(trainer.core());
+    ASSERT_EQ(biases.size(), 3U);  // the 3 sparse layers' routers
     ctx.barrier();
+    // The checkpoint stores the biases after 2 steps (one rank writes them), which have moved off
+    // zero (a layer's +rate and -rate steps may cancel: not every one).
+    const d9d::state::SafetensorsFile stored(root + "/ep/checkpoints/step-2/rank-0.safetensors");
+    double moved = 0;
+    for (const auto& [name, bias] : biases) {
+      ASSERT_TRUE(stored.contains("buffer/" + name)) << name;
+      moved += stored.tensor("buffer/" + name).abs().sum().item<double>();
+    }
+    EXPECT_GT(moved, 0.0);
+    EXPECT_FALSE(d9d::state::SafetensorsFile(root + "/ep/checkpoints/step-2/rank-1.safetensors")
+                     .contains("buffer/" + biases.begin()->first));
     const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
-    auto resumed = no_bias(moe_run(root + "/one" + std::to_string(env.rank()), 4));
+    auto resumed = moe_run(root + "/one" + std::to_string(env.rank()), 4);
     resumed.checkpoint.resume_from = root + "/ep/checkpoints/step-2";
     resumed.checkpoint.dir = root + "/one" + std::to_string(env.rank()) + "/checkpoints";
-    const auto again = train_moe<d9d::Plan<Fp64>>(local, resumed);
+    std::map<std::string, at::Tensor> resumed_biases;
+    const auto again = train_moe<d9d::Plan<Fp64>>(
+        local, resumed, [&](d9d::detail::TrainerCore& core) { resumed_biases = buffers_of(core); });
     ASSERT_EQ(again.result.start_step, 2);
     for (std::size_t i = 0; i < again.result.losses.size(); ++i) {
       EXPECT_NEAR(again.result.losses[i], result.losses[i + 2],
                   d9d::testing::kLossRtol * result.losses[i + 2])
           << "step " << i + 2;
+    }
+    // Each update moves a bias by +-rate from the step's summed loads: equal loads, equal biases.
+    ASSERT_EQ(resumed_biases.size(), biases.size());
+    for (const auto& [name, bias] : biases) {
+      EXPECT_TRUE(at::equal(resumed_biases.at(name), bias)) << name;
     }
   });
 }

@@ -10,8 +10,11 @@
 //                         (coordinate 0 on every mesh dim it is replicated on) as "model/<name>",
 //                         or "model/<name>@<o0>,<o1>,..." (its offsets) when it is a part, with
 //                         AdamW's state beside it: "optim/<name>/exp_avg[@...]", ".../exp_avg_sq",
-//                         ".../step"; every rank stores its random generators ("rng/cpu",
-//                         "rng/cuda").
+//                         ".../step"; the model's buffers that training changes (the
+//                         MoE routers' selection bias), whole, as "buffer/<name>" by one rank per
+//                         pipeline stage (coordinate 0 on every other mesh dim: they are the same
+//                         on every rank of a stage); every rank stores its random generators
+//                         ("rng/cpu", "rng/cuda").
 //   trainer.json          written last by rank 0: step, samples seen, world size, mesh.
 // <output_dir>/checkpoints/checkpoints.json names the latest complete checkpoint and the kept
 // ones. Ranks write into step-<N>.tmp; after every rank has written, rank 0 writes trainer.json,
@@ -50,6 +53,9 @@ class Optimizer;
 
 namespace d9d::detail {
 
+/// A model's buffers by name (torch::nn::Module::named_buffers of the rank's modules).
+using NamedBuffers = std::vector<std::pair<std::string, at::Tensor>>;
+
 /// One rank's view of the training checkpoints of a run (collective operations are marked).
 class Checkpointer {
  public:
@@ -66,16 +72,20 @@ class Checkpointer {
   [[nodiscard]] std::string check(const std::string& path) const;
 
   /// Loads `path` (a step-<N> directory) into the records' local tensors (by name, each its part
-  /// on this rank's mesh) and the optimizer's state; returns N. std::runtime_error names a missing
-  /// tensor, a shape mismatch or a part the stored pieces do not cover.
+  /// on this rank's mesh), the optimizer's state and `buffers`; returns N. std::runtime_error
+  /// names a missing parameter, a shape mismatch or a part the stored pieces do not cover. A
+  /// buffer the checkpoint lacks (saved before buffers were stored) keeps its value; its name is
+  /// added to `missing_buffers` when given.
   int64_t load(const std::string& path, const std::vector<parallel::ParameterRecord>& parameters,
-               torch::optim::Optimizer& optimizer);
+               torch::optim::Optimizer& optimizer, const NamedBuffers& buffers = {},
+               std::vector<std::string>* missing_buffers = nullptr);
 
-  /// Collective: snapshots this rank's state after `step` optimizer steps and writes it (in the
-  /// background when async). A pending save is completed first.
+  /// Collective: snapshots this rank's state (parameters, optimizer state, `buffers`) after `step`
+  /// optimizer steps and writes it (in the background when async). A pending save is completed
+  /// first.
   void save(int64_t step, int64_t samples_seen,
             const std::vector<parallel::ParameterRecord>& parameters,
-            const torch::optim::Optimizer& optimizer);
+            const torch::optim::Optimizer& optimizer, const NamedBuffers& buffers = {});
 
   /// Collective: completes a pending save once every rank has written (`wait`: waits for that).
   /// Returns the completed checkpoint's directory, or "".
