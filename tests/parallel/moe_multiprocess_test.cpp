@@ -234,4 +234,29 @@ TEST(Moe_ExpertParallel_ws2, MetricsAndACheckpointResumedInOneProcess) {
   });
 }
 
+// A checkpoint without the model's buffers (written before checkpoints stored them; here: by a
+// model without the selection bias) still resumes a model that has them: they keep their initial
+// values, the log warns, and training goes on from the checkpoint's step.
+TEST(Moe_Checkpoint, ResumesACheckpointWithoutBuffers) {
+  const auto local = d9d::DistributedContext::local({.device = "cpu"});
+  const std::string root = ::testing::TempDir() + "/d9d_moe_without_buffers";
+  d9d::files::remove_tree(root);
+  auto config = moe_run(root + "/no_bias", 4);
+  config.sections["model"] = moe_json(true, 0.0);
+  config.checkpoint.dir = root + "/no_bias/checkpoints";
+  config.checkpoint.every = 2;
+  config.checkpoint.keep = 4;
+  config.checkpoint.async = false;
+  (void)train_moe<d9d::Plan<Fp64>>(local, config);
+  auto resumed = moe_run(root + "/bias", 4);  // router_bias_update_rate 0.001: the buffers exist
+  resumed.checkpoint.resume_from = root + "/no_bias/checkpoints/step-2";
+  resumed.checkpoint.dir = root + "/bias/checkpoints";
+  std::map<std::string, at::Tensor> biases;
+  const auto again = train_moe<d9d::Plan<Fp64>>(
+      local, resumed, [&](d9d::detail::TrainerCore& core) { biases = buffers_of(core); });
+  EXPECT_EQ(again.result.start_step, 2);
+  EXPECT_EQ(again.result.losses.size(), 4U);
+  EXPECT_EQ(biases.size(), 3U);
+}
+
 }  // namespace
