@@ -97,15 +97,20 @@ std::vector<int64_t> parse_numbers(const std::string& text) {
   return out;
 }
 
+// The ranges of a whole tensor of `shape`: offset 0, the full length, per dim.
+std::vector<ShardRange> whole_ranges(at::IntArrayRef shape) {
+  std::vector<ShardRange> whole;
+  for (const auto size : shape) {
+    whole.push_back({.offset = 0, .length = size});
+  }
+  return whole;
+}
+
 // Where this rank's part of a record sits in the whole parameter: offset and length per dim.
 std::vector<ShardRange> local_ranges(const parallel::ParameterRecord& record,
                                      const DeviceMesh& mesh) {
   if (record.sharded_dims().empty()) {
-    std::vector<ShardRange> whole;
-    for (const auto size : record.global_shape) {
-      whole.push_back({.offset = 0, .length = size});
-    }
-    return whole;
+    return whole_ranges(record.global_shape);
   }
   return record.sharded(mesh).local_ranges();
 }
@@ -362,11 +367,8 @@ int64_t Checkpointer::load(const std::string& path,
       }
       continue;
     }
-    std::vector<ShardRange> whole;
-    for (const auto size : buffer.sizes()) {
-      whole.push_back({.offset = 0, .length = size});
-    }
-    assemble(index, "buffer/" + name, buffer.sizes().vec(), whole, buffer, path);
+    assemble(index, "buffer/" + name, buffer.sizes().vec(), whole_ranges(buffer.sizes()), buffer,
+             path);
   }
   // Random generators: restored on the same world, reseeded from (seed, rank, step) otherwise.
   const int rank = s.context.rank();
