@@ -50,7 +50,8 @@ using FsdpPlan = d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Precision, Re
 // between the blocks; the world is the tp degree, the batch is not split over ranks.
 template <class Precision>
 using TpPlan =
-    d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>>, d9d::parallel::TensorParallel<true>, Precision>;
+    d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>>,
+              d9d::parallel::TensorParallel<d9d::parallel::SequenceParallel::on>, Precision>;
 // --pipeline: pp from the config, data parallel over the rest of the world.
 using PipelineMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_replicate<d9d::dynamic>>;
 template <class Schedule, class Precision>
@@ -268,7 +269,7 @@ int main(int argc, char** argv) {
   app.add_flag("--fsdp", o.fsdp, "fully sharded data parallelism (d9d::parallel::FullyShard<>)");
   app.add_flag("--tp", o.tp,
                "tensor parallelism with sequence parallelism over all ranks "
-               "(d9d::parallel::TensorParallel<true>)");
+               "(d9d::parallel::TensorParallel<SequenceParallel::on>)");
   app.add_flag("--recompute", o.recompute,
                "recompute every decoder layer's activations in backward (with --fsdp)");
   app.add_flag("--cuda-graphs", o.cuda_graphs,

@@ -73,46 +73,15 @@ void write_progress(const std::string& path, int64_t samples_done, int64_t datas
   files::rename(tmp, path);
 }
 
-}  // namespace
-
-std::shared_ptr<pipeline::Executor> make_inference_executor(
-    const DeviceMesh& mesh, const pipeline::Program& program,
-    const std::vector<std::pair<std::shared_ptr<torch::nn::Module>, pipeline::Stage>>& stages,
-    std::function<pipeline::TensorSpec(int)> activation) {
-  // Activations cross stages in the dtype of the stages' parameters, as in training.
-  const at::ScalarType dtype = stage_activation_dtype(stages);
-  std::vector<pipeline::Stage> handles;
-  handles.reserve(stages.size());
-  for (const auto& item : stages) {
-    handles.push_back(item.second);
-  }
-  return std::make_shared<pipeline::Executor>(
-      program, mesh.group(MeshDomain::regular, "pp"), std::move(handles),
-      [activation = std::move(activation), dtype](int stage) {
-        auto spec = activation(stage);
-        spec.dtype = dtype;
-        return spec;
-      });
-}
-
-InferenceResult run_inference(const DistributedContext& context, const DeviceMesh& mesh,
-                              const TrainerConfig& config, bool bf16_autocast, ErasedInference& run,
-                              const InferenceSink& sink) {
-  const auto start = std::chrono::steady_clock::now();
-  const int dp = mesh.size(MeshDomain::batch, "dp");
-  const int dp_rank = mesh.coordinate(MeshDomain::batch, "dp");
-  const bool writes = mesh.coordinate(MeshDomain::regular, "tp") == 0;
-  const int64_t global = config.batch.global_batch_size;
-  const int64_t per_rank = global / dp;
-  const int64_t microbatches = config.microbatches_per_step(dp);
-  const int64_t size = run.dataset_size;
-
+// Where the output directory's progress file says to continue (the main rank's, for every rank;
+// 0 without one), with its path in the result.
+InferenceResult resume_point(const DistributedContext& context, const TrainerConfig& config,
+                             int64_t size) {
   InferenceResult result;
   if (!config.run.output_dir.empty()) {
     files::create_directories(config.run.output_dir, "d9d inference");
     result.progress_path = files::join(config.run.output_dir, kProgressFile);
   }
-  // The main rank's progress, for every rank.
   auto done = at::zeros({1}, at::kLong);
   if (context.is_main_process()) {
     done[0] = read_progress(result.progress_path);
@@ -123,6 +92,24 @@ InferenceResult run_inference(const DistributedContext& context, const DeviceMes
     context.logger().info("inference continues after " + std::to_string(result.resumed_at) +
                           " samples (" + result.progress_path + ")");
   }
+  return result;
+}
+
+}  // namespace
+
+InferenceResult run_inference(const DistributedContext& context, const DeviceMesh& mesh,
+                              const TrainerConfig& config, bool bf16_autocast,
+                              const ErasedData& data, ForwardStep& forward,
+                              parallel::StepContributions::Share samples, int64_t microbatches,
+                              const InferenceSink& sink) {
+  const auto start = std::chrono::steady_clock::now();
+  const int dp_rank = samples.index;
+  const bool writes = mesh.coordinate(MeshDomain::regular, "tp") == 0;
+  const int64_t global = config.batch.global_batch_size;
+  const int64_t per_rank = global / samples.count;
+  const int64_t size = data.size;
+
+  InferenceResult result = resume_point(context, config, size);
 
   const int64_t remaining = size - result.resumed_at;
   const int64_t steps = (remaining + global - 1) / global;
@@ -130,7 +117,7 @@ InferenceResult run_inference(const DistributedContext& context, const DeviceMes
   if (context.is_main_process() && steps > 0) {
     bar = std::make_unique<track::ProgressBar>(steps, "infer");
   }
-  for (auto& module : run.parallel->modules()) {
+  for (auto& module : forward.parallel->modules()) {
     module->eval();
   }
   const at::NoGradGuard no_grad;
@@ -143,15 +130,15 @@ InferenceResult run_inference(const DistributedContext& context, const DeviceMes
       indices[static_cast<std::size_t>(i)] = std::min(first + i, size - 1);
       valid += first + i < size ? 1 : 0;
     }
-    const auto batch = run.load(indices);
+    const auto batch = data.load(indices);
     at::Tensor rows;
     {
       // The strategies' step brackets: FullyShard gathers the loose parameters (embedding, head)
       // for the step and reshards everything after it; no backward, so nothing is reduced.
-      run.parallel->begin_step();
+      forward.parallel->begin_step();
       const AutocastScope autocast(bf16_autocast, context.device().type());
-      rows = run.step(run.split(batch, microbatches));
-      run.parallel->finish();
+      rows = forward.run(data.split(batch, microbatches));
+      forward.parallel->finish();
     }
     if (rows.defined() && rows.size(0) != per_rank) {
       throw std::logic_error("d9d::Inference: the task gave " + std::to_string(rows.size(0)) +

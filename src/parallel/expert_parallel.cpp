@@ -127,7 +127,7 @@ class AllToAllDispatcher : public model::ExpertDispatcher {
 // reduces them itself.
 class ExpertReplicaSync : public GradientSync {
  public:
-  explicit ExpertReplicaSync(ParallelModel& model) : model_(model) {}
+  ExpertReplicaSync(ParallelModel& model, GradientTiming timing) : model_(model), timing_(timing) {}
 
   void begin_step() override { inner().begin_step(); }
   void before_backward(int microbatch, int microbatches) override {
@@ -152,14 +152,16 @@ class ExpertReplicaSync : public GradientSync {
         }
       }
     }
-    inner_ = replicated.empty()
-                 ? std::make_unique<GradientSync>()
-                 : make_replicate_sync(model_.mesh().group(MeshDomain::expert, "ep_replicate"),
-                                       std::move(replicated), model_.options());
+    inner_ =
+        replicated.empty()
+            ? std::make_unique<GradientSync>()
+            : make_replicate_sync(model_.mesh().group(MeshDomain::expert, "ep_replicate"),
+                                  std::move(replicated), model_.options().bucket_bytes, timing_);
     return *inner_;
   }
 
   ParallelModel& model_;
+  GradientTiming timing_;
   std::unique_ptr<GradientSync> inner_;
 };
 
@@ -219,7 +221,7 @@ void apply_expert_parallel(ParallelModel& model, const ExpertParallelSettings& s
         "Fix: use d9d::parallel::NoExpertParallel for dense models");
   }
   model.add_norm_dims({"ep_shard"}, MeshDomain::expert);
-  model.add_sync(std::make_unique<ExpertReplicaSync>(model));
+  model.add_sync(std::make_unique<ExpertReplicaSync>(model, settings.timing));
 }
 
 }  // namespace d9d::parallel::detail

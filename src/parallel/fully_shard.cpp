@@ -148,6 +148,10 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
         rank_(shard_group_.size() > 1 ? shard_group_.rank() : 0),
         device_(model.mesh().context().device()) {}
 
+  // Under a pipeline program (GradientTiming::program) every unit stays gathered for the step and
+  // reductions start from module_done() and finish(), never from the gradient hooks.
+  [[nodiscard]] bool program_order() const { return settings_.timing == GradientTiming::program; }
+
   // Sorts the records into units, shards them and points the modules at the units' storages.
   void build() {
     auto& records = model_.mutable_parameters();
@@ -192,7 +196,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     const std::size_t last_block = blocks.empty() ? 0 : blocks.size() - 1;
     for (std::size_t u = 0; u < units_.size(); ++u) {
       auto& unit = units_[u];
-      unit.reshard_after_forward = unit.block && !model_.options().pipelined &&
+      unit.reshard_after_forward = unit.block && !program_order() &&
                                    (settings_.reshard == "after_forward" ||
                                     (settings_.reshard == "all_but_last" && u != last_block));
       place(unit);
@@ -247,7 +251,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
 
   void begin_step() {
     const std::lock_guard<std::mutex> lock(mutex_);
-    if (model_.options().pipelined) {
+    if (program_order()) {
       // Reductions start from module_done() and finish() only, never from the gradient hooks
       // (pending counts are per microbatch, which a program does not announce).
       armed_ = false;
@@ -290,7 +294,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
 
   void finish() {
     const std::lock_guard<std::mutex> lock(mutex_);
-    if (model_.options().pipelined) {
+    if (program_order()) {
       // The units module_done() did not start (reduced is reset in begin_step).
       for (const auto u : reduce_order_) {
         launch_reduction(u);
@@ -309,7 +313,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
   // modules, wait for finish()).
   void module_done(std::size_t module) {
     const std::lock_guard<std::mutex> lock(mutex_);
-    if (!model_.options().pipelined) {
+    if (!program_order()) {
       return;
     }
     for (const auto u : reduce_order_) {
@@ -335,7 +339,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
 
   void before_forward(std::size_t b) {
     const std::lock_guard<std::mutex> lock(mutex_);
-    if (model_.options().pipelined) {
+    if (program_order()) {
       return;
     }
     ensure_gathered(b);
@@ -610,7 +614,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
       reduction.work = shard_group_.backend()->_reduce_scatter_base(reduction.output, input);
     }
     reductions_.push_back(std::move(reduction));
-    if (unit.reshard_after_forward && !model_.options().pipelined) {
+    if (unit.reshard_after_forward && !program_order()) {
       reshard(u);
     }
     // Each reduction holds its unit's whole gradient in the reduce dtype until it is completed:

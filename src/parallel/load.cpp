@@ -66,7 +66,7 @@ state::StreamStats load_state(ParallelModel& model, const state::StateSource& so
                                          .copies = {}});
     }
   }
-  const bool pipelined = model.options().pipelined;
+  const bool elsewhere_ok = options.stages_elsewhere;
   const bool default_mapper = options.mapper.groups().empty();
   std::vector<std::string> names;
   names.reserve(targets.size());
@@ -82,7 +82,7 @@ state::StreamStats load_state(ParallelModel& model, const state::StateSource& so
   for (const auto& key : base.outputs()) {
     const auto found = targets.find(key);
     if (found == targets.end()) {
-      (pipelined ? elsewhere : extra).push_back(key);
+      (elsewhere_ok ? elsewhere : extra).push_back(key);
       continue;
     }
     const auto* record = found->second.record;
@@ -132,7 +132,7 @@ state::StreamStats load_state(ParallelModel& model, const state::StateSource& so
     whole.push_back(state::drop(ignored));
   }
   const state::Mapper mapper = state::parallel(whole);
-  const bool allow_unused = options.allow_unused_inputs || (pipelined && default_mapper);
+  const bool allow_unused = options.allow_unused_inputs || (elsewhere_ok && default_mapper);
   state::validate(mapper, source.keys(), {.allow_unused_inputs = allow_unused});
 
   const auto shape_error = [&](const std::string& name, at::IntArrayRef got, const Target& target) {

@@ -343,8 +343,8 @@ namespace {
 class ReplicateSync : public GradientSync {
  public:
   ReplicateSync(const ProcessGroup& group, std::vector<std::vector<at::Tensor>> parts,
-                int64_t bucket_bytes, bool pipelined, bool by_module)
-      : pipelined_(pipelined), by_module_(by_module), ranks_(group.size()) {
+                int64_t bucket_bytes, GradientTiming timing, bool by_module)
+      : program_(timing == GradientTiming::program), by_module_(by_module), ranks_(group.size()) {
     for (auto& part : parts) {
       reducers_.push_back(std::make_unique<GradientReducer>(
           group, std::move(part), parallel::GradientReducerOptions{.bucket_bytes = bucket_bytes}));
@@ -364,7 +364,7 @@ class ReplicateSync : public GradientSync {
     }
   }
   void module_done(std::size_t module) override {
-    if (!pipelined_ || !by_module_ || module >= reducers_.size() || done_[module]) {
+    if (!program_ || !by_module_ || module >= reducers_.size() || done_[module]) {
       return;
     }
     done_[module] = true;
@@ -374,7 +374,7 @@ class ReplicateSync : public GradientSync {
   }
   void finish() override {
     for (std::size_t m = 0; m < reducers_.size(); ++m) {
-      if (pipelined_ && !done_[m]) {
+      if (program_ && !done_[m]) {
         // Weight gradients may come from W actions, outside autograd's hooks: reduce them now.
         reducers_[m]->arm();
       }
@@ -393,27 +393,27 @@ class ReplicateSync : public GradientSync {
   std::vector<std::unique_ptr<GradientReducer>> reducers_;
   std::vector<bool> done_;
   std::size_t started_ = 0;
-  bool pipelined_;
+  bool program_;  // GradientTiming::program
   bool by_module_;
   int ranks_;
 };
 
 }  // namespace
 
-void apply_replicate(ParallelModel& model) {
+void apply_replicate(ParallelModel& model, GradientTiming timing) {
   // The parameters on the regular domain; others (experts) are reduced by their own strategy.
   // Under a pipeline program they are split by the module (stage) holding them.
-  const bool pipelined = model.options().pipelined;
+  const bool by_module = timing == GradientTiming::program;
   const auto& modules = model.modules();
   std::map<const c10::TensorImpl*, std::size_t> module_of;
-  if (pipelined) {
+  if (by_module) {
     for (std::size_t m = 0; m < modules.size(); ++m) {
       for (const auto& param : modules[m]->parameters()) {
         module_of.emplace(param.unsafeGetTensorImpl(), m);
       }
     }
   }
-  std::vector<std::vector<at::Tensor>> parts(pipelined ? std::max<std::size_t>(modules.size(), 1)
+  std::vector<std::vector<at::Tensor>> parts(by_module ? std::max<std::size_t>(modules.size(), 1)
                                                        : 1);
   for (const auto& record : model.parameters()) {
     if (record.domain != MeshDomain::regular) {
@@ -424,16 +424,16 @@ void apply_replicate(ParallelModel& model) {
   }
   model.add_sync(std::make_unique<ReplicateSync>(model.mesh().group(MeshDomain::batch, "dp"),
                                                  std::move(parts), model.options().bucket_bytes,
-                                                 pipelined, /*by_module=*/pipelined));
+                                                 timing, by_module));
 }
 
 std::unique_ptr<GradientSync> make_replicate_sync(const ProcessGroup& group,
                                                   std::vector<at::Tensor> parameters,
-                                                  const ParallelizeOptions& options) {
+                                                  int64_t bucket_bytes, GradientTiming timing) {
   std::vector<std::vector<at::Tensor>> parts;
   parts.push_back(std::move(parameters));
-  return std::make_unique<ReplicateSync>(group, std::move(parts), options.bucket_bytes,
-                                         options.pipelined, /*by_module=*/false);
+  return std::make_unique<ReplicateSync>(group, std::move(parts), bucket_bytes, timing,
+                                         /*by_module=*/false);
 }
 
 namespace {

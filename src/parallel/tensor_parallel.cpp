@@ -17,10 +17,11 @@
 // every tp rank, and with them the gradients of the layer norms. The q/k norms act on this rank's
 // heads only: their gradients are partial sums and are summed over tp after the backward, as are
 // the gradients of the adapters' whole factors (derived where the adapters are split).
-// Sequence parallelism (TensorParallel<true>) swaps the pair for an all-gather along the sequence
-// (backward: reduce-scatter) and a reduce-scatter (backward: all-gather): between the blocks each
-// rank holds its T / R tokens, so every norm's gradient is partial and summed over tp.
-// FullyShard, applied later, shards these shards over dp_shard (src/parallel/fully_shard.cpp).
+// Sequence parallelism (TensorParallel<SequenceParallel::on>) swaps the pair for an all-gather
+// along the sequence (backward: reduce-scatter) and a reduce-scatter (backward: all-gather):
+// between the blocks each rank holds its T / R tokens, so every norm's gradient is partial and
+// summed over tp. FullyShard, applied later, shards these shards over dp_shard
+// (src/parallel/fully_shard.cpp).
 #include <algorithm>
 #include <cstdint>
 #include <map>
@@ -96,7 +97,8 @@ struct ScatterSequence : torch::autograd::Function<ScatterSequence> {
     const auto& g = group_at(group);
     if (x.dim() < 2 || x.size(1) % g.size() != 0) {
       throw std::invalid_argument(
-          "d9d::parallel::TensorParallel<true>: sequence parallelism splits the sequence over "
+          "d9d::parallel::TensorParallel<SequenceParallel::on>: sequence parallelism splits the "
+          "sequence over "
           "tp = " +
           std::to_string(g.size()) + " ranks, but it has " +
           std::to_string(x.dim() < 2 ? 0 : x.size(1)) +
@@ -263,11 +265,6 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
   const auto process_group = mesh.group(MeshDomain::regular, "tp");
   const int64_t ranks = mesh.size(MeshDomain::regular, "tp");
   const int64_t rank = mesh.coordinate(MeshDomain::regular, "tp");
-  if (settings.sequence_parallel && model.options().pipelined) {
-    throw std::invalid_argument(
-        "d9d::parallel::TensorParallel<true>: sequence parallelism under a pipeline schedule is "
-        "not implemented yet. Fix: use d9d::parallel::TensorParallel<>");
-  }
   const auto group = make_tensor_parallel_group(process_group, settings.sequence_parallel);
 
   // Which tensor (by TensorImpl) is split along which dimension.

@@ -254,7 +254,48 @@ struct Checkpointer::Impl {
       writer.join();
     }
   }
+  /// Rank 0: makes the pending checkpoint `final_dir` visible (trainer.json, the rename, the
+  /// index of kept checkpoints) and drops those past `keep`.
+  void commit(const std::string& final_dir) const;
 };
+
+void Checkpointer::Impl::commit(const std::string& final_dir) const {
+  const nlohmann::json trainer = {{"step", pending_step},
+                                  {"samples_seen", pending_samples},
+                                  {"world_size", context.world_size()},
+                                  {"mesh", mesh_description}};
+  // Every rank file is in (each fsynced by its writer); their directory entries and trainer.json
+  // reach the disk before the rename that makes the checkpoint visible, and the rename after.
+  state::detail::sync_directory(pending_tmp);
+  write_atomically(files::join(pending_tmp, "trainer.json"), trainer.dump(2) + "\n");
+  state::detail::sync_directory(pending_tmp);
+  files::remove_tree(final_dir);
+  files::rename(pending_tmp, final_dir);
+  state::detail::sync_directory(dir);
+  // The index: the new checkpoint first, then the previous ones up to `keep`.
+  std::vector<std::string> kept = {step_name(pending_step)};
+  std::vector<std::string> dropped;
+  const auto index = files::join(dir, "checkpoints.json");
+  if (files::exists(index)) {
+    const auto old = nlohmann::json::parse(model::read_text_file(index), nullptr, false);
+    if (!old.is_discarded() && old.contains("kept") && old["kept"].is_array()) {
+      for (const auto& name : old["kept"]) {
+        if (name.is_string() && name.get<std::string>() != kept.front()) {
+          (static_cast<int64_t>(kept.size()) < config.keep ? kept : dropped)
+              .push_back(name.get<std::string>());
+        }
+      }
+    }
+  }
+  write_atomically(index, nlohmann::json{{"latest", kept.front()}, {"kept", kept}}.dump(2) + "\n");
+  state::detail::sync_directory(dir);
+  for (const auto& name : dropped) {
+    files::remove_tree(files::join(dir, name));
+  }
+  context.logger().info("checkpoint: " + final_dir + " complete (step " +
+                        std::to_string(pending_step) + ", " + std::to_string(kept.size()) +
+                        " kept)");
+}
 
 Checkpointer::Checkpointer(const DeviceMesh& mesh, CheckpointConfig config, std::string dir,
                            uint64_t seed)
@@ -299,27 +340,30 @@ std::string Checkpointer::check(const std::string& path) const {
   return path;
 }
 
-int64_t Checkpointer::load(const std::string& path,
-                           const std::vector<parallel::ParameterRecord>& parameters,
-                           torch::optim::Optimizer& optimizer, const NamedBuffers& buffers,
-                           std::vector<std::string>* missing_buffers) {
-  auto& s = *impl_;
-  // trainer.json as written by a save: a step >= 0 and a world of at least one rank.
-  const auto trainer_json = files::join(path, "trainer.json");
+namespace {
+
+// What a checkpoint's trainer.json says: its step, the world and mesh it was saved on.
+struct SavedRun {
   int64_t step = 0;
-  int saved_world = 0;
-  std::string saved_mesh = "?";
+  int world = 0;
+  std::string mesh = "?";
+};
+
+// trainer.json as written by a save: a step >= 0 and a world of at least one rank.
+SavedRun read_trainer_json(const std::string& path) {
+  const auto trainer_json = files::join(path, "trainer.json");
+  SavedRun out;
   try {
     const auto trainer = nlohmann::json::parse(model::read_text_file(trainer_json));
-    step = trainer.at("step").get<int64_t>();
+    out.step = trainer.at("step").get<int64_t>();
     const auto world = trainer.at("world_size").get<int64_t>();
-    if (step < 0 || world < 1 || world > (int64_t{1} << 20)) {
-      throw std::out_of_range("step " + std::to_string(step) + ", world_size " +
+    if (out.step < 0 || world < 1 || world > (int64_t{1} << 20)) {
+      throw std::out_of_range("step " + std::to_string(out.step) + ", world_size " +
                               std::to_string(world));
     }
-    saved_world = static_cast<int>(world);
+    out.world = static_cast<int>(world);
     if (trainer.contains("mesh") && trainer.at("mesh").is_string()) {
-      saved_mesh = trainer.at("mesh").get<std::string>();
+      out.mesh = trainer.at("mesh").get<std::string>();
     }
   } catch (const std::exception& error) {
     throw std::runtime_error(std::string(kWho) + ": \"" + trainer_json +
@@ -327,6 +371,49 @@ int64_t Checkpointer::load(const std::string& path,
                              "). Fix: point \"checkpoint.resume_from\" at a checkpoint a run "
                              "completed, or remove this one");
   }
+  return out;
+}
+
+// One record's part on this rank and its AdamW state (step, moments) from the checkpoint.
+void load_record(const PieceIndex& index, const parallel::ParameterRecord& record,
+                 const DeviceMesh& mesh, torch::optim::Optimizer& optimizer,
+                 const std::string& path, const std::string& saved_mesh) {
+  const auto& name = record.name;
+  if (index.count("model/" + name) == 0) {
+    throw std::runtime_error(std::string(kWho) + ": \"" + path + "\" has no parameter \"" + name +
+                             "\" (saved on mesh " + saved_mesh + ")");
+  }
+  const auto ranges = local_ranges(record, mesh);
+  at::Tensor local = record.local;
+  assemble(index, "model/" + name, record.global_shape, ranges, local, path);
+  const std::string prefix = "optim/" + name + "/";
+  const auto step_piece = index.find(prefix + "step");
+  if (step_piece == index.end()) {
+    optimizer.state().erase(local.unsafeGetTensorImpl());
+    return;
+  }
+  auto state = std::make_unique<torch::optim::AdamWParamState>();
+  const auto& piece = step_piece->second.front();
+  state->step(piece.file->tensor(piece.key).item<int64_t>());
+  auto exp_avg = at::empty_like(local);
+  auto exp_avg_sq = at::empty_like(local);
+  assemble(index, prefix + "exp_avg", record.global_shape, ranges, exp_avg, path);
+  assemble(index, prefix + "exp_avg_sq", record.global_shape, ranges, exp_avg_sq, path);
+  state->exp_avg(exp_avg);
+  state->exp_avg_sq(exp_avg_sq);
+  optimizer.state()[local.unsafeGetTensorImpl()] = std::move(state);
+}
+
+}  // namespace
+
+int64_t Checkpointer::load(const std::string& path,
+                           const std::vector<parallel::ParameterRecord>& parameters,
+                           torch::optim::Optimizer& optimizer, const NamedBuffers& buffers,
+                           std::vector<std::string>* missing_buffers) {
+  auto& s = *impl_;
+  const auto saved = read_trainer_json(path);
+  const int64_t step = saved.step;
+  const int saved_world = saved.world;
   std::vector<state::SafetensorsFile> files;
   files.reserve(static_cast<std::size_t>(saved_world));
   for (int r = 0; r < saved_world; ++r) {
@@ -335,30 +422,7 @@ int64_t Checkpointer::load(const std::string& path,
   const auto index = index_pieces(files);
   const at::NoGradGuard no_grad;
   for (const auto& record : parameters) {
-    const auto& name = record.name;
-    if (index.count("model/" + name) == 0) {
-      throw std::runtime_error(std::string(kWho) + ": \"" + path + "\" has no parameter \"" + name +
-                               "\" (saved on mesh " + saved_mesh + ")");
-    }
-    const auto ranges = local_ranges(record, s.mesh);
-    at::Tensor local = record.local;
-    assemble(index, "model/" + name, record.global_shape, ranges, local, path);
-    const std::string prefix = "optim/" + name + "/";
-    const auto step_piece = index.find(prefix + "step");
-    if (step_piece != index.end()) {
-      auto state = std::make_unique<torch::optim::AdamWParamState>();
-      const auto& piece = step_piece->second.front();
-      state->step(piece.file->tensor(piece.key).item<int64_t>());
-      auto exp_avg = at::empty_like(local);
-      auto exp_avg_sq = at::empty_like(local);
-      assemble(index, prefix + "exp_avg", record.global_shape, ranges, exp_avg, path);
-      assemble(index, prefix + "exp_avg_sq", record.global_shape, ranges, exp_avg_sq, path);
-      state->exp_avg(exp_avg);
-      state->exp_avg_sq(exp_avg_sq);
-      optimizer.state()[local.unsafeGetTensorImpl()] = std::move(state);
-    } else {
-      optimizer.state().erase(local.unsafeGetTensorImpl());
-    }
+    load_record(index, record, s.mesh, optimizer, path, saved.mesh);
   }
   for (const auto& [name, buffer] : buffers) {
     if (index.count("buffer/" + name) == 0) {
@@ -499,48 +563,10 @@ std::string Checkpointer::complete(bool wait) {
   }
   const auto final_dir = files::join(s.dir, step_name(s.pending_step));
   // Rank 0 commits; every rank learns whether that worked (instead of a barrier).
-  const auto commit = [&] {
-    const nlohmann::json trainer = {{"step", s.pending_step},
-                                    {"samples_seen", s.pending_samples},
-                                    {"world_size", s.context.world_size()},
-                                    {"mesh", s.mesh_description}};
-    // Every rank file is in (each fsynced by its writer); their directory entries and trainer.json
-    // reach the disk before the rename that makes the checkpoint visible, and the rename after.
-    state::detail::sync_directory(s.pending_tmp);
-    write_atomically(files::join(s.pending_tmp, "trainer.json"), trainer.dump(2) + "\n");
-    state::detail::sync_directory(s.pending_tmp);
-    files::remove_tree(final_dir);
-    files::rename(s.pending_tmp, final_dir);
-    state::detail::sync_directory(s.dir);
-    // The index: the new checkpoint first, then the previous ones up to `keep`.
-    std::vector<std::string> kept = {step_name(s.pending_step)};
-    std::vector<std::string> dropped;
-    const auto index = files::join(s.dir, "checkpoints.json");
-    if (files::exists(index)) {
-      const auto old = nlohmann::json::parse(model::read_text_file(index), nullptr, false);
-      if (!old.is_discarded() && old.contains("kept") && old["kept"].is_array()) {
-        for (const auto& name : old["kept"]) {
-          if (name.is_string() && name.get<std::string>() != kept.front()) {
-            (static_cast<int64_t>(kept.size()) < s.config.keep ? kept : dropped)
-                .push_back(name.get<std::string>());
-          }
-        }
-      }
-    }
-    write_atomically(index,
-                     nlohmann::json{{"latest", kept.front()}, {"kept", kept}}.dump(2) + "\n");
-    state::detail::sync_directory(s.dir);
-    for (const auto& name : dropped) {
-      files::remove_tree(files::join(s.dir, name));
-    }
-    s.context.logger().info("checkpoint: " + final_dir + " complete (step " +
-                            std::to_string(s.pending_step) + ", " + std::to_string(kept.size()) +
-                            " kept)");
-  };
   try {
     agreed(s.context, who, [&] {
       if (s.context.rank() == 0) {
-        commit();
+        s.commit(final_dir);
       }
     });
   } catch (...) {

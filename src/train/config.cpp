@@ -234,11 +234,13 @@ void apply_override(Json& json, const std::string& dotted, const std::string& va
 
 }  // namespace
 
-TrainerConfig TrainerConfig::from_json_text(const std::string& text, const Overrides& overrides) {
+namespace {
+
+// The config's JSON, strictly: nlohmann keeps the last of a key given twice without a word, and a
+// duplicate inside "model" would silently change the model.
+Json parse_config(const std::string& text) {
   Json json;
   try {
-    // The strict parser first: nlohmann keeps the last of a key given twice without a word, and a
-    // duplicate inside "model" would silently change the model.
     (void)state::detail::parse_strict_json(text, 64);
     json = Json::parse(text);
   } catch (const state::detail::JsonError& error) {
@@ -249,12 +251,10 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text, const Overr
     throw ConfigError("d9d config: \"" + error.top_key() + "\"" +
                       (what.rfind("appears twice", 0) == 0 ? " " : ": ") + what);
   }
-  for (const auto& [key, value] : overrides) {
-    apply_override(json, key, value);
-  }
-  TrainerConfig cfg;
-  Section root(json, "");
+  return json;
+}
 
+void read_run(Section& root, TrainerConfig& cfg) {
   Section run = root.child("run");
   run.string("output_dir", cfg.run.output_dir, {}, /*required=*/true);
   run.integer("total_steps", cfg.run.total_steps, 1, /*required=*/true);
@@ -267,7 +267,10 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text, const Overr
     cfg.run.failure_timeout_s = seconds;
   }
   run.finish();
+}
 
+// batch, optimizer, lr_schedule, gradient_clipping.
+void read_training(Section& root, const Json& json, TrainerConfig& cfg) {
   Section batch = root.child("batch");
   batch.integer("global_batch_size", cfg.batch.global_batch_size, 1, true);
   batch.integer("microbatch_size", cfg.batch.microbatch_size, 1, true);
@@ -297,11 +300,14 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text, const Overr
     }
     cfg.gradient_clipping.max_norm = max_norm->get<double>();
   } else if (root.find("gradient_clipping") != nullptr &&
-             json["gradient_clipping"].contains("max_norm")) {
+             json.at("gradient_clipping").contains("max_norm")) {
     cfg.gradient_clipping.max_norm = std::nullopt;  // explicit null
   }
   clipping.finish();
+}
 
+// data_parallel, mesh.
+void read_parallel(Section& root, TrainerConfig& cfg) {
   Section dp = root.child("data_parallel");
   dp.number("bucket_size_mb", cfg.data_parallel.bucket_size_mb, 0.0, false, INFINITY);
   dp.string("reshard", cfg.data_parallel.reshard, {"after_forward", "never", "all_but_last"});
@@ -326,7 +332,10 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text, const Overr
   degree("tp", cfg.mesh.tp);
   degree("ep", cfg.mesh.ep);
   mesh.finish();
+}
 
+// logging, export, numerics, cuda_graphs, profile.
+void read_outputs(Section& root, TrainerConfig& cfg) {
   Section logging = root.child("logging");
   logging.boolean("progress", cfg.logging.progress);
   logging.boolean("jsonl", cfg.logging.jsonl);
@@ -360,7 +369,9 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text, const Overr
   if (cfg.profile.dir.empty()) {
     cfg.profile.dir = cfg.run.output_dir + "/profile";
   }
+}
 
+void read_checkpoint(Section& root, TrainerConfig& cfg) {
   Section checkpoint = root.child("checkpoint");
   checkpoint.integer("every", cfg.checkpoint.every, 0, false);
   checkpoint.integer("keep", cfg.checkpoint.keep, 1, false);
@@ -373,7 +384,22 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text, const Overr
   if (cfg.checkpoint.dir.empty()) {
     cfg.checkpoint.dir = files::join(cfg.run.output_dir, "checkpoints");
   }
+}
 
+}  // namespace
+
+TrainerConfig TrainerConfig::from_json_text(const std::string& text, const Overrides& overrides) {
+  Json json = parse_config(text);
+  for (const auto& [key, value] : overrides) {
+    apply_override(json, key, value);
+  }
+  TrainerConfig cfg;
+  Section root(json, "");
+  read_run(root, cfg);
+  read_training(root, json, cfg);
+  read_parallel(root, cfg);
+  read_outputs(root, cfg);
+  read_checkpoint(root, cfg);
   for (const char* name : {"model", "data"}) {
     if (const Json* section = root.find(name)) {
       if (!section->is_object()) {

@@ -9,13 +9,69 @@
 
 #include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/optim/lr_schedule.hpp>
+#include <d9d/peft/lora.hpp>
 #include <d9d/pipeline/picture.hpp>
 #include <d9d/track/progress.hpp>
-#include <d9d/train/detail/build.hpp>
+#include <d9d/train/detail/export.hpp>
 #include <d9d/train/detail/step_parts.hpp>
 #include <d9d/train/pipeline_step.hpp>
 
 namespace d9d::detail {
+
+std::vector<std::shared_ptr<torch::nn::Module>> RankStages::list() const {
+  std::vector<std::shared_ptr<torch::nn::Module>> out;
+  out.reserve(stages.size());
+  for (const auto& item : stages) {
+    out.push_back(item.first);
+  }
+  return out;
+}
+
+void require_sequence_length(const TrainerConfig& config) {
+  if (config.batch.sequence_length < 1) {
+    throw ConfigError(
+        "d9d config: \"batch.sequence_length\" is not given, but a pipeline plan sizes the "
+        "tensors between stages with it. Fix: set \"batch\": {\"sequence_length\": N, ...}");
+  }
+}
+
+void check_pipeline_config(const TrainerConfig& config, const RankStages& stages) {
+  if (config.export_model.enabled) {
+    for (const auto& stage : stages.stages) {
+      if (peft::has_lora(*stage.first)) {
+        throw ConfigError(
+            "d9d config: \"export.enabled\" with LoRA adapters under a pipeline plan is not "
+            "supported yet (the merged model and the adapter are written from the whole model). "
+            "Fix: set \"export\": {\"enabled\": false} and save training checkpoints, or "
+            "train the adapters without a pipeline schedule");
+      }
+    }
+  }
+  if (config.cuda_graphs.enabled) {
+    throw ConfigError(
+        "d9d config: \"cuda_graphs\" captures the microbatches of a step without a pipeline "
+        "schedule; a pipeline program interleaves stages, sends and receives on the host. Fix: "
+        "set \"cuda_graphs\": {\"enabled\": false}, or train without a pipeline schedule");
+  }
+}
+
+std::shared_ptr<pipeline::Executor> make_forward_executor(const DeviceMesh& mesh,
+                                                          const RankStages& stages) {
+  // Activations cross stages in the dtype of the stages' parameters, as in training.
+  const at::ScalarType dtype = stage_activation_dtype(stages.stages);
+  std::vector<pipeline::Stage> handles;
+  handles.reserve(stages.stages.size());
+  for (const auto& item : stages.stages) {
+    handles.push_back(item.second);
+  }
+  return std::make_shared<pipeline::Executor>(stages.program, mesh.group(MeshDomain::regular, "pp"),
+                                              std::move(handles),
+                                              [activation = stages.activation, dtype](int stage) {
+                                                auto spec = activation(stage);
+                                                spec.dtype = dtype;
+                                                return spec;
+                                              });
+}
 
 at::ScalarType stage_activation_dtype(
     const std::vector<std::pair<std::shared_ptr<torch::nn::Module>, pipeline::Stage>>& stages) {
@@ -36,7 +92,9 @@ struct PipelineStepCore::Impl {
   PipelineParts parts;
   TrainStepOptions options;
   ProcessGroup pp;
-  ProcessGroup dp;
+  /// The loss totals' groups: pp (only the last stage's ranks hold loss sums), then the
+  /// strategies' loss dims (dp).
+  std::vector<ProcessGroup> loss_groups;
   std::unique_ptr<pipeline::Executor> executor;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   optim::PiecewiseSchedule schedule;
@@ -44,54 +102,49 @@ struct PipelineStepCore::Impl {
   bool holds_first = false;
 };
 
-PipelineStepCore::PipelineStepCore(std::unique_ptr<parallel::ParallelModel> model,
-                                   PipelineParts parts, TrainStepOptions options)
-    : impl_(std::make_unique<Impl>()) {
-  auto& s = *impl_;
-  s.parallel = std::move(model);
-  const auto& mesh = s.parallel->mesh();
-  s.parts = std::move(parts);
-  s.options = std::move(options);
-  s.pp = mesh.group(MeshDomain::regular, "pp");
-  s.dp = mesh.group(MeshDomain::batch, "dp");
-  s.device = mesh.context().device();
-  s.schedule = optim::PiecewiseSchedule::build(s.options.lr_schedule, s.options.total_steps);
+namespace {
 
+// The executor of the program over this rank's stages, each forward under the plan's precision
+// (its backward follows autograd's record); activations cross stages in the dtype of the
+// modules' parameters (stage_activation_dtype).
+std::unique_ptr<pipeline::Executor> make_executor(const RankStages& stages, const ProcessGroup& pp,
+                                                  bool bf16_autocast, c10::Device device) {
   std::vector<pipeline::Stage> handles;
-  for (auto& [module, stage] : s.parts.stages) {
-    s.holds_first = s.holds_first || stage.index == 0;
-    // The stage's forward under the plan's precision (its backward follows autograd's record).
+  for (const auto& [module, stage] : stages.stages) {
     handles.push_back({.index = stage.index,
-                       .forward = [forward = stage.forward, bf16 = s.options.bf16_autocast,
-                                   type = s.device.type()](const at::Tensor& x) {
+                       .forward = [forward = stage.forward, bf16 = bf16_autocast,
+                                   type = device.type()](const at::Tensor& x) {
                          const AutocastScope autocast(bf16, type);
                          return forward(x);
                        }});
   }
-  // Activations cross stages in the dtype of the modules' parameters (stage_activation_dtype).
-  const at::ScalarType dtype = stage_activation_dtype(s.parts.stages);
-  auto activation = [spec_of = s.parts.activation, dtype](int stage) {
+  const at::ScalarType dtype = stage_activation_dtype(stages.stages);
+  auto activation = [spec_of = stages.activation, dtype](int stage) {
     auto spec = spec_of(stage);
     spec.dtype = dtype;
     return spec;
   };
-  s.executor = std::make_unique<pipeline::Executor>(s.parts.program, s.pp, std::move(handles),
-                                                    std::move(activation));
-  // Each local stage's gradients are final after its last action that adds to them (B, I or W):
-  // its data-parallel reductions start there and overlap the rest of the program.
+  return std::make_unique<pipeline::Executor>(stages.program, pp, std::move(handles),
+                                              std::move(activation));
+}
+
+// Each local stage's gradients are final after its last action that adds to them (B, I or W):
+// its data-parallel reductions start there and overlap the rest of the program.
+void reduce_after_last_gradient(pipeline::Executor& executor, const RankStages& stages,
+                                parallel::ParallelModel* parallel) {
   std::map<int, pipeline::Action> last_gradient;  // stage -> that action
-  for (const auto& a : s.parts.program.ranks[static_cast<std::size_t>(s.executor->rank())]) {
+  for (const auto& a : stages.program.ranks[static_cast<std::size_t>(executor.rank())]) {
     if (a.op == pipeline::Op::backward || a.op == pipeline::Op::backward_input ||
         a.op == pipeline::Op::backward_weight) {
       last_gradient[a.stage] = a;
     }
   }
   std::map<int, std::size_t> module_of;  // stage -> its module's index in the parallel model
-  for (std::size_t k = 0; k < s.parts.stages.size(); ++k) {
-    module_of[s.parts.stages[k].second.index] = k;
+  for (std::size_t k = 0; k < stages.stages.size(); ++k) {
+    module_of[stages.stages[k].second.index] = k;
   }
-  s.executor->on_compute([parallel = s.parallel.get(), last_gradient = std::move(last_gradient),
-                          module_of = std::move(module_of)](const pipeline::Action& a, bool done) {
+  executor.on_compute([parallel, last_gradient = std::move(last_gradient),
+                       module_of = std::move(module_of)](const pipeline::Action& a, bool done) {
     if (!done) {
       return;
     }
@@ -101,26 +154,59 @@ PipelineStepCore::PipelineStepCore(std::unique_ptr<parallel::ParallelModel> mode
       parallel->module_done(module_of.at(a.stage));
     }
   });
+}
+
+}  // namespace
+
+PipelineStepCore::PipelineStepCore(std::unique_ptr<parallel::ParallelModel> model,
+                                   PipelineParts parts, TrainStepOptions options,
+                                   parallel::StepContributions contributions)
+    : impl_(std::make_unique<Impl>()) {
+  auto& s = *impl_;
+  s.parallel = std::move(model);
+  const auto& mesh = s.parallel->mesh();
+  s.parts = std::move(parts);
+  s.options = std::move(options);
+  s.pp = mesh.group(MeshDomain::regular, "pp");
+  s.loss_groups.push_back(s.pp);
+  for (auto& group : contributions.loss_groups(mesh)) {
+    s.loss_groups.push_back(std::move(group));
+  }
+  s.device = mesh.context().device();
+  s.schedule = optim::PiecewiseSchedule::build(s.options.lr_schedule, s.options.total_steps);
+  for (const auto& item : s.parts.stages.stages) {
+    s.holds_first = s.holds_first || item.second.index == 0;
+  }
+  s.executor = make_executor(s.parts.stages, s.pp, s.options.bf16_autocast, s.device);
+  reduce_after_last_gradient(*s.executor, s.parts.stages, s.parallel.get());
   s.optimizer = make_adamw(s.parallel->parameters(), s.options);
 }
 
 PipelineStepCore::~PipelineStepCore() = default;
 
-std::vector<std::shared_ptr<torch::nn::Module>> PipelineStepCore::stages() const {
-  std::vector<std::shared_ptr<torch::nn::Module>> out;
-  for (const auto& item : impl_->parts.stages) {
-    out.push_back(item.first);
-  }
-  return out;
+std::vector<std::shared_ptr<torch::nn::Module>> PipelineStepCore::modules() const {
+  return impl_->parts.stages.list();
 }
 
 parallel::ParallelModel& PipelineStepCore::parallel() { return *impl_->parallel; }
-const pipeline::Program& PipelineStepCore::program() const { return impl_->parts.program; }
+const pipeline::Program& PipelineStepCore::program() const { return impl_->parts.stages.program; }
 torch::optim::Optimizer& PipelineStepCore::optimizer() { return *impl_->optimizer; }
+
+ExportResult PipelineStepCore::export_model(const ExportRequest& request) {
+  return export_stages(*impl_->parallel, modules(), program(), request);
+}
+
+std::string PipelineStepCore::describe() const {
+  const auto& program = impl_->parts.stages.program;
+  return ", pipeline of " + std::to_string(program.stages()) + " stages (" +
+         std::to_string(program.stages_per_rank) + " per rank, " +
+         (program.placement == pipeline::Placement::v ? "V" : "loop") + " placement" +
+         (program.split_backward ? ", split backward" : "") + ")";
+}
 
 StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int64_t step) {
   auto& s = *impl_;
-  const auto m = static_cast<std::size_t>(s.parts.program.microbatches);
+  const auto m = static_cast<std::size_t>(s.parts.stages.program.microbatches);
   if (microbatches.size() != m) {
     throw std::invalid_argument("d9d::Trainer: the pipeline program runs " + std::to_string(m) +
                                 " microbatches per step, the step has " +
@@ -160,7 +246,7 @@ StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int6
     const auto measured = pipeline::gather_timeline(s.pp, s.executor->timeline());
     const auto& context = s.parallel->mesh().context();
     if (context.rank() == 0) {
-      const auto& program = s.parts.program;
+      const auto& program = s.parts.stages.program;
       track::write_text_file(
           s.options.timeline_path,
           pipeline::planned_and_measured_svg(
@@ -174,7 +260,7 @@ StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int6
   }
 
   // Only the last stage's ranks hold loss sums: sum over the pipeline, then over the replicas.
-  const auto totals = global_totals(loss_sum, weight_sum, {&s.pp, &s.dp}, s.device, step);
+  const auto totals = global_totals(loss_sum, weight_sum, s.loss_groups, s.device, step);
   // Each pipeline rank holds its stages' gradients: the layer sums the norm's squares over pp too.
   const double grad_norm = s.parallel->normalize_and_clip(totals.second, s.options.max_grad_norm);
   return finish_step(*s.optimizer, s.options, step, lr, totals, grad_norm,

@@ -10,6 +10,7 @@
 #include <d9d/core/collectives.hpp>
 #include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/optim/adamw.hpp>
+#include <d9d/train/detail/export.hpp>
 #include <d9d/train/detail/microbatch_graph.hpp>
 #include <d9d/train/detail/step_parts.hpp>
 #include <d9d/train/train_step.hpp>
@@ -81,13 +82,13 @@ void accumulate_loss(const LossOutput& out, at::Tensor& loss_sum, at::Tensor& we
 }
 
 std::pair<double, double> global_totals(const at::Tensor& loss_sum, const at::Tensor& weight_sum,
-                                        const std::vector<const ProcessGroup*>& groups,
-                                        c10::Device device, int64_t step) {
+                                        const std::vector<ProcessGroup>& groups, c10::Device device,
+                                        int64_t step) {
   const auto zero = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
   auto totals = at::stack({loss_sum.defined() ? loss_sum.to(device) : zero,
                            weight_sum.defined() ? weight_sum.to(device) : zero});
-  for (const auto* group : groups) {
-    totals = all_reduce(*group, totals);
+  for (const auto& group : groups) {
+    totals = all_reduce(group, totals);
   }
   totals = totals.cpu();
   const double total_loss = totals[0].item<double>();
@@ -137,6 +138,7 @@ struct TrainStepCore::Impl {
   std::shared_ptr<torch::nn::Module> model;
   MicrobatchLoss loss;
   TrainStepOptions options;
+  std::vector<ProcessGroup> loss_groups;  ///< the strategies' loss dims (dp)
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   optim::PiecewiseSchedule schedule;
   c10::Device device = c10::Device(c10::kCPU);
@@ -163,6 +165,12 @@ struct TrainStepCore::Impl {
   }
   std::unique_ptr<MicrobatchGraph> capture(LossOutput& out, MicrobatchGraph* share_pool_with);
   [[nodiscard]] std::vector<const void*> gradient_memory() const;
+  /// Under CUDA graphs: captures them at the first use and copies `microbatch` into the captured
+  /// one; "" when it can replay, else why it runs eagerly.
+  std::string graph_for(const std::any& microbatch, int i);
+  /// Microbatch i of `count`: replayed (returns true) or run eagerly, its loss added to the sums.
+  bool microbatch(const std::any& mb, int i, int count, bool graphs, at::Tensor& loss_sum,
+                  at::Tensor& weight_sum);
 };
 
 std::vector<const void*> TrainStepCore::Impl::gradient_memory() const {
@@ -189,7 +197,7 @@ std::unique_ptr<MicrobatchGraph> TrainStepCore::Impl::capture(LossOutput& out,
 }
 
 TrainStepCore::TrainStepCore(std::unique_ptr<parallel::ParallelModel> model, MicrobatchLoss loss,
-                             TrainStepOptions options)
+                             TrainStepOptions options, parallel::StepContributions contributions)
     : impl_(std::make_unique<Impl>()) {
   auto& s = *impl_;
   s.parallel = std::move(model);
@@ -202,6 +210,7 @@ TrainStepCore::TrainStepCore(std::unique_ptr<parallel::ParallelModel> model, Mic
   s.options = std::move(options);
   s.schedule = optim::PiecewiseSchedule::build(s.options.lr_schedule, s.options.total_steps);
   s.device = s.parallel->mesh().context().device();
+  s.loss_groups = contributions.loss_groups(s.parallel->mesh());
   s.optimizer = make_adamw(s.parallel->parameters(), s.options);
   if (s.options.cuda_graphs) {
     if (const auto blocker = s.parallel->graph_blocker(); !blocker.empty()) {
@@ -226,9 +235,100 @@ TrainStepCore::TrainStepCore(std::unique_ptr<parallel::ParallelModel> model, Mic
 
 TrainStepCore::~TrainStepCore() = default;
 
-const std::shared_ptr<torch::nn::Module>& TrainStepCore::model() const { return impl_->model; }
+std::vector<std::shared_ptr<torch::nn::Module>> TrainStepCore::modules() const {
+  return {impl_->model};
+}
+std::shared_ptr<torch::nn::Module> TrainStepCore::whole_model() const { return impl_->model; }
 parallel::ParallelModel& TrainStepCore::parallel() { return *impl_->parallel; }
 torch::optim::Optimizer& TrainStepCore::optimizer() { return *impl_->optimizer; }
+ExportResult TrainStepCore::export_model(const ExportRequest& request) {
+  return export_whole_model(*impl_->parallel, *impl_->model, request);
+}
+
+void check_whole_model_config(const TrainerConfig& config) {
+  if (config.logging.pipeline_timeline_step > 0) {
+    throw ConfigError(
+        "d9d config: \"logging.pipeline_timeline_step\" draws a pipeline program's timeline, "
+        "but the plan has no pipeline schedule. Fix: remove it, or train with a pipeline plan");
+  }
+}
+
+std::unique_ptr<StepCore> make_whole_model_step(std::unique_ptr<parallel::ParallelModel> model,
+                                                MicrobatchLoss loss, TrainStepOptions options,
+                                                parallel::StepContributions contributions) {
+  const bool graphs = options.cuda_graphs;
+  try {
+    return std::make_unique<TrainStepCore>(std::move(model), std::move(loss), std::move(options),
+                                           std::move(contributions));
+  } catch (const ConfigError&) {
+    throw;
+  } catch (const std::invalid_argument& e) {
+    if (!graphs) {
+      throw;
+    }
+    std::string why = e.what();
+    for (const std::string prefix : {"d9d::TrainStep: ", "d9d: "}) {
+      if (why.rfind(prefix, 0) == 0) {
+        why.erase(0, prefix.size());
+      }
+    }
+    throw ConfigError("d9d config: \"cuda_graphs\": " + why);
+  }
+}
+
+std::string TrainStepCore::Impl::graph_for(const std::any& microbatch, int i) {
+  if (!first) {
+    // The capture step: its start dropped the gradients. The graphs' inputs live on the device:
+    // the task's copies to the device are no-ops inside them, and each replay's inputs arrive by
+    // copy_batch_ before it.
+    captured = options.copier.clone(microbatch, device);
+    first = capture(first_out, nullptr);
+  }
+  auto difference = options.copier.copy(captured, microbatch);
+  if (difference.empty() && i > 0 && !rest) {
+    rest = capture(rest_out, first.get());  // one memory pool: replays never overlap
+  }
+  if (!difference.empty() && !warned_eager) {
+    warned_eager = true;
+    parallel->mesh().context().logger().warning(
+        "CUDA graphs: a microbatch differs from the captured one (" + difference +
+        "); such microbatches run eagerly (said once)");
+  }
+  return difference;
+}
+
+bool TrainStepCore::Impl::microbatch(const std::any& mb, int i, int count, bool graphs,
+                                     at::Tensor& loss_sum, at::Tensor& weight_sum) {
+  if (graphs && graph_for(mb, i).empty()) {
+    const LossOutput& out = i == 0 ? first_out : rest_out;
+    parallel->before_backward(i, count);
+    {
+      RECORD_USER_SCOPE("d9d::graph_replay");
+      (i == 0 ? first : rest)->replay();
+    }
+    accumulate_loss(out, loss_sum, weight_sum, "compute_loss");
+    if (options.after_microbatch) {
+      options.after_microbatch(out, captured);
+    }
+    return true;
+  }
+  if (i == 0 && first) {
+    // An eager first microbatch: the gradients still hold the last step's (kept for the graphs;
+    // the optimizer's parameters are the records' tensors).
+    optimizer->zero_grad(/*set_to_none=*/false);
+  }
+  LossOutput out = forward(mb);
+  accumulate_loss(out, loss_sum, weight_sum, "compute_loss");
+  parallel->before_backward(i, count);
+  {
+    RECORD_USER_SCOPE("d9d::backward");
+    out.loss_sum.backward();
+  }
+  if (options.after_microbatch) {
+    options.after_microbatch(out, mb);
+  }
+  return false;
+}
 
 StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t step) {
   auto& s = *impl_;
@@ -255,56 +355,10 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
   int replayed = 0;
   const auto issue_start = std::chrono::steady_clock::now();
   for (int i = 0; i < count; ++i) {
-    const std::any& microbatch = microbatches[static_cast<std::size_t>(i)];
-    std::string difference = "no graph";
-    if (graphs) {
-      if (!s.first) {
-        // The capture step: its start dropped the gradients. The graphs' inputs live on the
-        // device: the task's copies to the device are no-ops inside them, and each replay's
-        // inputs arrive by copy_batch_ before it.
-        s.captured = s.options.copier.clone(microbatch, s.device);
-        s.first = s.capture(s.first_out, nullptr);
-      }
-      difference = s.options.copier.copy(s.captured, microbatch);
-      if (difference.empty() && i > 0 && !s.rest) {
-        s.rest = s.capture(s.rest_out, s.first.get());  // one memory pool: replays never overlap
-      }
-      if (!difference.empty() && !s.warned_eager) {
-        s.warned_eager = true;
-        s.parallel->mesh().context().logger().warning(
-            "CUDA graphs: a microbatch differs from the captured one (" + difference +
-            "); such microbatches run eagerly (said once)");
-      }
-    }
-    if (difference.empty()) {
-      const LossOutput& out = i == 0 ? s.first_out : s.rest_out;
-      s.parallel->before_backward(i, count);
-      {
-        RECORD_USER_SCOPE("d9d::graph_replay");
-        (i == 0 ? s.first : s.rest)->replay();
-      }
-      accumulate_loss(out, loss_sum, weight_sum, "compute_loss");
-      ++replayed;
-      if (s.options.after_microbatch) {
-        s.options.after_microbatch(out, s.captured);
-      }
-      continue;
-    }
-    if (i == 0 && s.first) {
-      // An eager first microbatch: the gradients still hold the last step's (kept for the graphs;
-      // the optimizer's parameters are the records' tensors).
-      s.optimizer->zero_grad(/*set_to_none=*/false);
-    }
-    LossOutput out = s.forward(microbatch);
-    accumulate_loss(out, loss_sum, weight_sum, "compute_loss");
-    s.parallel->before_backward(i, count);
-    {
-      RECORD_USER_SCOPE("d9d::backward");
-      out.loss_sum.backward();
-    }
-    if (s.options.after_microbatch) {
-      s.options.after_microbatch(out, microbatch);
-    }
+    replayed += s.microbatch(microbatches[static_cast<std::size_t>(i)], i, count, graphs, loss_sum,
+                             weight_sum)
+                    ? 1
+                    : 0;
   }
   const double issue_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - issue_start).count();
@@ -313,8 +367,7 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
     s.parallel->finish();
   }
 
-  const auto dp = s.parallel->mesh().group(MeshDomain::batch, "dp");
-  const auto totals = global_totals(loss_sum, weight_sum, {&dp}, loss_sum.device(), step);
+  const auto totals = global_totals(loss_sum, weight_sum, s.loss_groups, loss_sum.device(), step);
   // Token-mean gradients, their norm over the mesh, clipping.
   const double grad_norm = s.parallel->normalize_and_clip(totals.second, s.options.max_grad_norm);
   auto result = finish_step(*s.optimizer, s.options, step, lr, totals, grad_norm,

@@ -132,25 +132,27 @@ TEST(Parallel_MeshRules, DegreesNoPolicyUsesAreErrorsNamingTheKey) {
   using Dynamic = d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>, d9d::ep<d9d::dynamic>,
                                       d9d::cp_shard<d9d::dynamic>, d9d::pp<d9d::dynamic>>>;
   EXPECT_THAT(d9d::testing::error_of(
-                  [] { d9d::detail::check_step_mesh<Dynamic>(d9d::MeshShape{.tp = 2}); }),
+                  [] { d9d::detail::check_composition_mesh<Dynamic>(d9d::MeshShape{.tp = 2}); }),
               HasSubstr("the mesh has tp = 2, but the plan's d9d::parallel::NoTensorParallel does "
                         "not split anything over it. Fix: set \"mesh.tp\" to 1"));
   EXPECT_THAT(d9d::testing::error_of(
-                  [] { d9d::detail::check_step_mesh<Dynamic>(d9d::MeshShape{.ep = 2}); }),
+                  [] { d9d::detail::check_composition_mesh<Dynamic>(d9d::MeshShape{.ep = 2}); }),
               HasSubstr("ep = 2"));
-  EXPECT_THAT(d9d::testing::error_of(
-                  [] { d9d::detail::check_step_mesh<Dynamic>(d9d::MeshShape{.cp_shard = 2}); }),
+  EXPECT_THAT(d9d::testing::error_of([] {
+                d9d::detail::check_composition_mesh<Dynamic>(d9d::MeshShape{.cp_shard = 2});
+              }),
               HasSubstr("cp_shard = 2"));
   EXPECT_THAT(d9d::testing::error_of(
-                  [] { d9d::detail::check_step_mesh<Dynamic>(d9d::MeshShape{.pp = 2}); }),
+                  [] { d9d::detail::check_composition_mesh<Dynamic>(d9d::MeshShape{.pp = 2}); }),
               HasSubstr("pp = 2, but the plan's d9d::pipeline::NoPipeline"));
-  EXPECT_NO_THROW(d9d::detail::check_step_mesh<Dynamic>(d9d::MeshShape{}));
+  EXPECT_NO_THROW(d9d::detail::check_composition_mesh<Dynamic>(d9d::MeshShape{}));
   using SequenceParallel =
-      d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>>, d9d::parallel::TensorParallel<true>>;
+      d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>>,
+                d9d::parallel::TensorParallel<d9d::parallel::SequenceParallel::on>>;
   EXPECT_THAT(d9d::testing::error_of(
-                  [] { d9d::detail::check_step_mesh<SequenceParallel>(d9d::MeshShape{}); }),
+                  [] { d9d::detail::check_composition_mesh<SequenceParallel>(d9d::MeshShape{}); }),
               HasSubstr("sequence parallelism needs \"mesh.tp\" > 1 (got 1)"));
-  EXPECT_NO_THROW(d9d::detail::check_step_mesh<SequenceParallel>(d9d::MeshShape{.tp = 2}));
+  EXPECT_NO_THROW(d9d::detail::check_composition_mesh<SequenceParallel>(d9d::MeshShape{.tp = 2}));
 }
 
 TEST(Parallel_Config, DataParallelKeysAreValidated) {

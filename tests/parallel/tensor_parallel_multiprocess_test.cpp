@@ -31,7 +31,7 @@ using d9d::testing::train_plan;
 using ::testing::HasSubstr;
 
 using Tp = d9d::parallel::TensorParallel<>;
-using TpSp = d9d::parallel::TensorParallel<true>;
+using TpSp = d9d::parallel::TensorParallel<d9d::parallel::SequenceParallel::on>;
 using TpMesh = d9d::mesh<d9d::tp<d9d::dynamic>>;
 using TpDpMesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::tp<d9d::dynamic>>;
 using TpShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::tp<d9d::dynamic>>;

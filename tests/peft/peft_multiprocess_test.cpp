@@ -144,7 +144,7 @@ TEST(Peft_Lora_ws2, APatternMatchingOnNoStageFailsEveryRank) {
 // ---------------------------------------------------------------
 
 using Tp = d9d::parallel::TensorParallel<>;
-using TpSp = d9d::parallel::TensorParallel<true>;
+using TpSp = d9d::parallel::TensorParallel<d9d::parallel::SequenceParallel::on>;
 using TpMesh = d9d::mesh<d9d::tp<d9d::dynamic>>;
 
 // Adapters on every projection (column- and row-parallel) and on the untied LM head

@@ -1170,3 +1170,125 @@ TEST(Train_Config_Numerics, KeysAreReadAndChecked) {
 }
 
 }  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// A strategy's contributions to the data and the loss (d9d/parallel/strategy.hpp)
+
+namespace train_test {
+
+// A policy of the context_parallel slot whose strategy keeps the first half of every sequence of
+// each microbatch (the tokens [B, T + 1] become [B, T / 2 + 1]) and sums the loss over "cp" too.
+struct FirstHalfOfSequence {
+  using d9d_slot = d9d::slot::context_parallel;
+};
+
+// The same samples cut to their first half by the dataset: what the strategy's sharding must give.
+struct FirstHalfWindowsProvider {
+  using dataset_provider_concept = d9d::dataset_provider_tag;
+  struct Windows {
+    d9d::testing::RandomWindows whole;
+    [[nodiscard]] int64_t size() const { return whole.size(); }
+    [[nodiscard]] d9d::CausalLmBatch get(const std::vector<int64_t>& indices) const {
+      auto batch = whole.get(indices);
+      batch.tokens = batch.tokens.narrow(1, 0, batch.tokens.size(1) / 2 + 1);
+      return batch;
+    }
+  };
+  Windows build(const d9d::DataBuildContext& context) const {
+    return {d9d::testing::RandomWindowsProvider{}.build(context)};
+  }
+};
+
+}  // namespace train_test
+
+template <>
+struct d9d::parallel::strategy<train_test::FirstHalfOfSequence> {
+  using strategy_concept = d9d::parallel::strategy_tag;
+  template <class Plan>
+  static constexpr void check() {}
+  static void check_mesh(const d9d::MeshShape& /*shape*/) {}
+  template <class Plan>
+  static void apply(d9d::parallel::ParallelModel& /*model*/) {}
+  template <class Plan>
+  static void contribute(d9d::parallel::StepContributions& contributions) {
+    contributions.loss_dims.emplace_back("cp");
+    contributions.microbatch.emplace_back([](const std::string& path, const at::Tensor& t) {
+      EXPECT_EQ(path, "tokens");
+      return t.narrow(1, 0, t.size(1) / 2 + 1);
+    });
+  }
+};
+
+namespace {
+
+TEST(Train_StrategyContributions, InStrategyOrderAfterTheOtherSlots) {
+  using Plan = d9d::Plan<train_test::FirstHalfOfSequence>;
+  static_assert(
+      d9d::parallel::parallel_strategy<d9d::parallel::strategy<train_test::FirstHalfOfSequence>,
+                                       Plan>);
+  static_assert(
+      d9d::parallel::strategy_contributes<d9d::parallel::strategy<train_test::FirstHalfOfSequence>,
+                                          Plan>);
+  const auto c = d9d::parallel::step_contributions<Plan>();
+  // context_parallel comes before data_parallel (Replicate: samples split and losses summed on dp).
+  EXPECT_EQ(c.loss_dims, (std::vector<std::string>{"cp", "dp"}));
+  EXPECT_EQ(c.sample_dims, (std::vector<std::string>{"dp"}));
+  ASSERT_EQ(c.microbatch.size(), 1U);
+  const auto plain = d9d::parallel::step_contributions<d9d::Plan<>>();
+  EXPECT_EQ(plain.loss_dims, (std::vector<std::string>{"dp"}));
+  EXPECT_TRUE(plain.microbatch.empty());
+}
+
+TEST(Train_StrategyContributions, TheModelSeesTheShardedMicrobatches) {
+  // The strategy's sharding runs on every microbatch before the task's compute_loss: the run equals
+  // one whose dataset gives the same samples already cut (float64; same sums in the same order).
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  const std::string dir =
+      std::string(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp");  // NOLINT
+  using Base = d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>>, d9d::precision::Fp64>;
+  using Sharded = d9d::plan_with_t<Base, train_test::FirstHalfOfSequence>;
+  d9d::Trainer<Sharded> sharded(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                d9d::CausalLmTask{},
+                                d9d::testing::tiny_run(dir + "/sharded", 3, 8, 4));
+  d9d::Trainer<Base> cut(ctx, d9d::Qwen3Provider{}, train_test::FirstHalfWindowsProvider{},
+                         d9d::CausalLmTask{}, d9d::testing::tiny_run(dir + "/cut", 3, 8, 4));
+  const auto a = sharded.train();
+  const auto b = cut.train();
+  ASSERT_EQ(a.losses.size(), 3U);
+  for (std::size_t i = 0; i < a.losses.size(); ++i) {
+    EXPECT_NEAR(a.losses[i], b.losses[i], d9d::testing::kLossRtol * std::abs(b.losses[i])) << i;
+  }
+  const auto pa = parameters_of(sharded.core());
+  const auto pb = parameters_of(cut.core());
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_TRUE(at::allclose(pa[i], pb[i], 0.0, d9d::testing::kParameterAtol)) << i;
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// Trainer's constructor is constrained (d9d::trainer_inputs): std::is_constructible tells whether
+// the inputs fit, and each build-failure test of tests/train/build_failure shows the part's message.
+struct UntaggedProvider {
+  d9d::model::Qwen3ForCausalLM build(const d9d::ModelBuildContext& context);
+};
+struct WholeModelOnlyTask {
+  using train_task_concept = d9d::train_task_tag;
+  d9d::LossOutput compute_loss(d9d::model::Qwen3ForCausalLM& model, const d9d::CausalLmBatch& b);
+};
+template <class Plan, class Models, class Task>
+constexpr bool constructible = std::is_constructible_v<
+    d9d::Trainer<Plan>, d9d::DistributedContext, Models, d9d::TokenFilesProvider, Task,
+    d9d::TrainerConfig>;
+using Pipelined = d9d::Plan<d9d::mesh<d9d::pp<d9d::dynamic>>, d9d::pipeline::OneFOneB<>>;
+static_assert(constructible<d9d::Plan<>, d9d::Qwen3Provider, d9d::CausalLmTask>);
+static_assert(constructible<Pipelined, d9d::Qwen3Provider, d9d::CausalLmTask>);
+static_assert(!constructible<d9d::Plan<>, UntaggedProvider, d9d::CausalLmTask>);
+static_assert(constructible<d9d::Plan<>, d9d::Qwen3Provider, WholeModelOnlyTask>);
+static_assert(!constructible<Pipelined, d9d::Qwen3Provider, WholeModelOnlyTask>);
+static_assert(!d9d::trainer_inputs<Pipelined, d9d::Qwen3Provider, d9d::TokenFilesProvider,
+                                   WholeModelOnlyTask>);
+
+}  // namespace

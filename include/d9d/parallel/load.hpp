@@ -28,15 +28,19 @@ namespace d9d::parallel {
 /// How a checkpoint maps onto the model (load_state).
 struct LoadStateOptions {
   /// Checkpoint keys -> the whole model's parameter names (Hugging Face names for Qwen3: none to
-  /// change). Empty: identity on this rank's parameter names. Under a pipeline the outputs that
-  /// are not this rank's parameters are dropped, and their inputs never read.
+  /// change). Empty: identity on this rank's parameter names. With `stages_elsewhere` the outputs
+  /// that are not this rank's parameters are dropped, and their inputs never read.
   state::Mapper mapper{};
   /// Source keys that nothing reads and that may stay unread (e.g. "lm_head.weight" of a
   /// checkpoint with a tied head); keys the source lacks are skipped.
   std::vector<std::string> ignore{};
-  /// Accept every source key that no group reads (set by itself under a pipeline with the
+  /// Accept every source key that no group reads (set by itself with `stages_elsewhere` and the
   /// default mapper: the other stages' parameters).
   bool allow_unused_inputs = false;
+  /// The model is this rank's pipeline stages and other ranks hold the others: the mapper's
+  /// outputs that are not this rank's parameters are dropped (their inputs never read) instead of
+  /// being an error (Trainer and Inference set it when their step holds pipeline stages).
+  bool stages_elsewhere = false;
   /// Model parameters the source does not hold: not loaded, they keep their values (LoRA's
   /// adapters when a base checkpoint is loaded). Names as in the model; the mapper must not
   /// produce them.

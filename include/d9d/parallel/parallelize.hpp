@@ -2,19 +2,22 @@
 // a model in one fixed order, and the record of every trained parameter that the step reads.
 //
 //   auto parallel = d9d::parallel::parallelize<MyPlan>(mesh, {model.ptr()}, {.bucket_bytes = ...});
-//   for (auto& r : parallel->parameters()) { r.local; r.placements; }  // what the optimizer
-//   updates parallel->begin_step(); ... loss.backward(); ... parallel->finish();  // gradients
-//   reduced double norm = parallel->normalize_and_clip(total_weight, max_norm);  // correct on any
-//   mesh
+//   for (auto& r : parallel->parameters()) { r.local; r.placements; }  // the optimizer's tensors
+//   parallel->begin_step(); ... loss.backward(); ... parallel->finish();  // gradients reduced
+//   double norm = parallel->normalize_and_clip(total_weight, max_norm);  // on any mesh
 //
-// Order (DESIGN.md): peft -> tensor/sequence -> expert -> context -> data sharding -> recompute.
-// Before the strategies, floating-point parameters are cast to the precision policy's dtype and
-// every data-parallel replica takes dp rank 0's values. Each strategy is the component
-// d9d::parallel::strategy<Policy>, specialised on the policy type of its slot. It has
+// Order (DESIGN.md; d9d::parallel::strategy_order): peft -> tensor/sequence -> expert -> context
+// -> data sharding -> recompute. Before the strategies, floating-point parameters are cast to the
+// precision policy's dtype and every data-parallel replica takes dp rank 0's values. Each strategy
+// is the component d9d::parallel::strategy<Policy>, specialised on the policy type of its slot,
+// modelling d9d::parallel::parallel_strategy (d9d/parallel/strategy.hpp):
 //   - check<Plan>():           compile-time rules (static degrees, other slots), static_asserts;
 //   - check_mesh(shape):       the same rules at start-up for d9d::dynamic degrees;
-//   - apply(model, options):   what it does to the modules and to the parameter records, and the
-//                              GradientSync it adds to the step's gradient path.
+//   - apply<Plan>(model):      what it does to the modules and to the parameter records, and the
+//                              GradientSync it adds to the step's gradient path;
+//   - contribute<Plan>(c):     optional: what it does to the data and the loss.
+// Facts of the rest of the Plan (its pipeline slot: GradientTiming; its precision) come from the
+// Plan each part is given.
 // A parameter record says what this rank's optimizer updates (`local`: the whole parameter, or its
 // shard), where it sits on the mesh (dims + placements, as in d9d::ShardedTensor) and so how its
 // gradient norm is summed and how checkpoints store it. The train steps, the optimizer, grad-norm
@@ -39,9 +42,11 @@
 #include <d9d/core/sharded_tensor.hpp>
 #include <d9d/model/tensor_parallel.hpp>
 #include <d9d/parallel/policies.hpp>
+#include <d9d/parallel/strategy.hpp>
 #include <d9d/peft/policies.hpp>
 #include <d9d/peft/stack.hpp>
 #include <d9d/plan/defaults.hpp>
+#include <d9d/plan/plan.hpp>
 #include <d9d/plan/slots.hpp>
 #include <d9d/precision/policies.hpp>
 #include <d9d/recompute/policies.hpp>
@@ -74,9 +79,26 @@ struct ParameterRecord {
   [[nodiscard]] ShardedTensor sharded(const DeviceMesh& mesh) const;
 };
 
+/// When a step's gradients are complete, as the Plan's pipeline slot says: what a strategy's
+/// gradient path adapts to (each strategy reads it from the Plan in apply<Plan>).
+enum class GradientTiming {
+  /// Each rank runs the whole model, microbatch by microbatch: a microbatch's gradients are
+  /// complete at the end of its backward (reductions may start from autograd's hooks).
+  backward,
+  /// A pipeline program over this rank's stages: forwards and backwards of microbatches
+  /// interleave in program order and weight gradients may come in W actions outside autograd, so
+  /// reductions start from ParallelModel::module_done and finish().
+  program,
+};
+
+/// The GradientTiming of `Plan`'s step.
+template <class Plan>
+inline constexpr GradientTiming gradient_timing_of =
+    plan_has_pipeline<Plan> ? GradientTiming::program : GradientTiming::backward;
+
 /// What a strategy adds to the step's gradient path. The steps call, per optimizer step:
 /// begin_step(); for each microbatch i of n: before_backward(i, n), backward; then finish().
-/// Under a pipeline program (ParallelizeOptions::pipelined) begin_step(), module_done(m) for each
+/// Under a pipeline program (GradientTiming::program) begin_step(), module_done(m) for each
 /// module as the program finishes its gradients, and finish().
 class GradientSync {
  public:
@@ -121,9 +143,6 @@ struct ParallelizeOptions {
   /// FullyShard: reduce-scatter after every microbatch's backward (false: accumulate the whole
   /// gradients over the step's microbatches and reduce once, after the last).
   bool reduce_every_microbatch = true;
-  /// The step runs a pipeline program (stages' weight gradients may come in W actions, outside
-  /// autograd): reductions run in finish().
-  bool pipelined = false;
   /// peft: new adapters draw their initial values from generators seeded by this and their
   /// parameter names (the same on every rank and for every pipeline split).
   uint64_t seed = 0;
@@ -203,9 +222,10 @@ class ParallelModel {
 };
 
 /// The behaviour of a policy; specialised for every policy the layer implements. The primary
-/// template is a plan that names a policy nothing implements yet.
+/// template is a plan that names a policy nothing implements yet: its check says so.
 template <class Policy>
 struct strategy {
+  using strategy_concept = strategy_tag;
   template <class Plan>
   static constexpr void check() {
     static_assert(
@@ -217,6 +237,9 @@ struct strategy {
         "Train<...>, Lora<...>, Stack<...>; recompute None, Full, EveryNth<K>. Fix: use one of "
         "those, or specialise d9d::parallel::strategy<YourPolicy>");
   }
+  static void check_mesh(const MeshShape& /*shape*/) {}
+  template <class Plan>
+  static void apply(ParallelModel& /*model*/) {}
 };
 
 namespace detail {
@@ -241,25 +264,35 @@ void rerecord_parameters(ParallelModel& model);
 /// rerecords the parameters.
 void apply_peft(ParallelModel& model, const peft::StackSpec& spec);
 
-void apply_replicate(ParallelModel& model);
+/// Data parallelism's contribution (Replicate and FullyShard): the global batch's samples are
+/// split over the batch domain's dp, and the loss totals are summed over it.
+void contribute_data_parallel(StepContributions& contributions);
+
+/// Replicate: every regular-domain record's gradient all-reduced over the batch domain's dp
+/// (under GradientTiming::program one reducer per module, started by module_done).
+void apply_replicate(ParallelModel& model, GradientTiming timing);
 
 /// Replicate's gradient path for `parameters` over `group` (bucketed all-reduce armed in the last
-/// microbatch's backward, or after the program when pipelined).
+/// microbatch's backward, or in finish() under GradientTiming::program).
 std::unique_ptr<GradientSync> make_replicate_sync(const ProcessGroup& group,
                                                   std::vector<at::Tensor> parameters,
-                                                  const ParallelizeOptions& options);
+                                                  int64_t bucket_bytes, GradientTiming timing);
 
 /// FullyShard's run-time choices (resolved from the policy and the options).
 struct FullyShardSettings {
   std::string reshard;           ///< "after_forward", "never", "all_but_last"
   at::ScalarType compute_dtype;  ///< the gathered parameters' dtype
   at::ScalarType reduce_dtype;   ///< the reduce-scatter's dtype
+  /// Under GradientTiming::program every unit stays gathered for the step (program order is not
+  /// forward order) and reductions start from module_done and finish().
+  GradientTiming timing = GradientTiming::backward;
 };
 void apply_fully_shard(ParallelModel& model, const FullyShardSettings& settings);
 
 /// ExpertParallel's run-time choices.
 struct ExpertParallelSettings {
   int num_experts = -1;  ///< the policy's static expert count, or -1 (d9d::dynamic)
+  GradientTiming timing = GradientTiming::backward;  ///< of the experts' ep_replicate reduction
 };
 /// Shards every d9d::model::GroupedExperts over the expert domain's ep_shard, dispatches tokens by
 /// all-to-all, records the experts on MeshDomain::expert and sums their gradients over
@@ -343,17 +376,23 @@ constexpr bool experts_divide_over() {
 
 template <>
 struct strategy<Replicate> {
+  using strategy_concept = strategy_tag;
   template <class Plan>
   static constexpr void check() {}
   static void check_mesh(const MeshShape& /*shape*/) {}
   template <class Plan>
   static void apply(ParallelModel& model) {
-    detail::apply_replicate(model);
+    detail::apply_replicate(model, gradient_timing_of<Plan>);
+  }
+  template <class Plan>
+  static void contribute(StepContributions& contributions) {
+    detail::contribute_data_parallel(contributions);
   }
 };
 
 template <Reshard R, ReduceDtype D>
 struct strategy<FullyShard<R, D>> {
+  using strategy_concept = strategy_tag;
   template <class Plan>
   static constexpr void check() {
     using Mesh = typename Plan::mesh;
@@ -378,7 +417,8 @@ struct strategy<FullyShard<R, D>> {
     using P = typename Plan::precision;
     detail::FullyShardSettings settings{.reshard = model.options().reshard,
                                         .compute_dtype = detail::scalar_type_of(P::compute),
-                                        .reduce_dtype = detail::scalar_type_of(P::reduce)};
+                                        .reduce_dtype = detail::scalar_type_of(P::reduce),
+                                        .timing = gradient_timing_of<Plan>};
     if constexpr (R == Reshard::after_forward) {
       settings.reshard = "after_forward";
     } else if constexpr (R == Reshard::never) {
@@ -393,12 +433,17 @@ struct strategy<FullyShard<R, D>> {
     }
     detail::apply_fully_shard(model, settings);
   }
+  template <class Plan>
+  static void contribute(StepContributions& contributions) {
+    detail::contribute_data_parallel(contributions);
+  }
 };
 
 // ---- tensor / expert / context parallel ---------------------------------------------------------
 
 template <>
 struct strategy<NoTensorParallel> {
+  using strategy_concept = strategy_tag;
   template <class Plan>
   static constexpr void check() {
     static_assert(!detail::static_degree_exceeds_one<typename Plan::mesh::tp>(),
@@ -417,36 +462,40 @@ struct strategy<NoTensorParallel> {
 
 /// TensorParallel: static rules — a mesh that fixes tp = 1 has nothing to split; sequence
 /// parallelism is not implemented under a pipeline yet; at start-up, sequence parallelism needs
-/// tp > 1. The model's sizes are
-/// checked when applied (std::invalid_argument naming the config key).
-template <bool SP>
+/// tp > 1. The model's sizes are checked when applied (std::invalid_argument naming the config
+/// key).
+template <SequenceParallel SP>
 struct strategy<TensorParallel<SP>> {
+  using strategy_concept = strategy_tag;
+  static constexpr bool sequence_parallel = SP == SequenceParallel::on;
   template <class Plan>
   static constexpr void check() {
-    static_assert(!SP || std::same_as<typename Plan::pipeline, pipeline::NoPipeline>,
-                  "d9d::parallel::TensorParallel<true>: sequence parallelism under a pipeline "
-                  "schedule is not implemented yet. Fix: use d9d::parallel::TensorParallel<> "
-                  "(SequenceParallel = false), or drop the schedule");
+    static_assert(!sequence_parallel || !plan_has_pipeline<Plan>,
+                  "d9d::parallel::TensorParallel<SequenceParallel::on>: sequence parallelism under "
+                  "a pipeline schedule is not implemented yet. Fix: use "
+                  "d9d::parallel::TensorParallel<> (SequenceParallel::off), or drop the schedule");
     static_assert(!detail::static_degree_is<typename Plan::mesh::tp>(1),
                   "d9d::parallel::TensorParallel: the plan's mesh fixes tp = 1, so there is "
                   "nothing to split the layers over. Fix: give the mesh d9d::tp<N> with N > 1 (or "
                   "d9d::dynamic), or use d9d::parallel::NoTensorParallel");
   }
   static void check_mesh(const MeshShape& shape) {
-    if (SP && shape.tp == 1) {
+    if (sequence_parallel && shape.tp == 1) {
       throw std::invalid_argument(
-          "d9d::parallel::TensorParallel<true>: sequence parallelism needs \"mesh.tp\" > 1 "
-          "(got 1). Fix: set \"mesh.tp\" to 2 or more, or use d9d::parallel::TensorParallel<>");
+          "d9d::parallel::TensorParallel<SequenceParallel::on>: sequence parallelism needs "
+          "\"mesh.tp\" > 1 (got 1). Fix: set \"mesh.tp\" to 2 or more, or use "
+          "d9d::parallel::TensorParallel<>");
     }
   }
   template <class Plan>
   static void apply(ParallelModel& model) {
-    detail::apply_tensor_parallel(model, {.sequence_parallel = SP});
+    detail::apply_tensor_parallel(model, {.sequence_parallel = sequence_parallel});
   }
 };
 
 template <>
 struct strategy<NoExpertParallel> {
+  using strategy_concept = strategy_tag;
   template <class Plan>
   static constexpr void check() {
     static_assert(!detail::static_degree_exceeds_one<typename Plan::mesh::ep>(),
@@ -466,6 +515,7 @@ struct strategy<NoExpertParallel> {
 /// count must be a multiple of a static ep (the model's count is checked at start-up).
 template <int E>
 struct strategy<ExpertParallel<E>> {
+  using strategy_concept = strategy_tag;
   template <class Plan>
   static constexpr void check() {
     using Ep = typename Plan::mesh::ep;
@@ -491,12 +541,13 @@ struct strategy<ExpertParallel<E>> {
   }
   template <class Plan>
   static void apply(ParallelModel& model) {
-    detail::apply_expert_parallel(model, {.num_experts = E});
+    detail::apply_expert_parallel(model, {.num_experts = E, .timing = gradient_timing_of<Plan>});
   }
 };
 
 template <>
 struct strategy<NoContextParallel> {
+  using strategy_concept = strategy_tag;
   template <class Plan>
   static constexpr void check() {
     using Mesh = typename Plan::mesh;
@@ -521,6 +572,7 @@ struct strategy<NoContextParallel> {
 
 template <>
 struct strategy<peft::FullTune> {
+  using strategy_concept = strategy_tag;
   template <class Plan>
   static constexpr void check() {}
   static void check_mesh(const MeshShape& /*shape*/) {}
@@ -537,6 +589,7 @@ template <class Policy>
 requires(!std::same_as<Policy, peft::FullTune> &&
          (peft::detail::stackable<Policy> ||
           peft::detail::is_stack<Policy>)) struct strategy<Policy> {
+  using strategy_concept = strategy_tag;
   template <class Plan>
   static constexpr void check() {
     static_assert(sizeof(Policy) > 0);  // instantiates the policy: its rules run
@@ -553,6 +606,7 @@ requires(!std::same_as<Policy, peft::FullTune> &&
 template <class Policy>
 requires std::same_as<typename Policy::d9d_slot, slot::activation_checkpointing>
 struct strategy<Policy> {
+  using strategy_concept = strategy_tag;
   template <class Plan>
   static constexpr void check() {
     static_assert(Policy::every_nth >= 0,
@@ -569,53 +623,43 @@ struct strategy<Policy> {
 
 // ---- the layer ----------------------------------------------------------------------------------
 
-/// The compile-time rules of every strategy of `Plan` (static_asserts naming the fix).
+namespace detail {
+
+/// The strategies of `Plan` applied to a model whose plan and mesh rules were checked (see
+/// parallelize).
 template <class Plan>
-constexpr void check_plan() {
-  // A malformed mesh has reported its own error; these rules read it and would add more.
-  if constexpr (Plan::mesh::well_formed) {
-    strategy<typename Plan::peft>::template check<Plan>();
-    strategy<typename Plan::tensor_parallel>::template check<Plan>();
-    strategy<typename Plan::expert_parallel>::template check<Plan>();
-    strategy<typename Plan::context_parallel>::template check<Plan>();
-    strategy<typename Plan::data_parallel>::template check<Plan>();
-    strategy<typename Plan::activation_checkpointing>::template check<Plan>();
-  }
+std::unique_ptr<ParallelModel> apply_strategies(
+    const DeviceMesh& mesh, std::vector<std::shared_ptr<torch::nn::Module>> modules,
+    ParallelizeOptions options) {
+  check_reshard_name(options.reshard);
+  auto model = make_parallel_model(mesh, std::move(modules),
+                                   scalar_type_of(Plan::precision::parameters), std::move(options));
+  for_each_strategy<Plan>([&]<class Policy>() {
+    if constexpr (parallel_strategy<strategy<Policy>, Plan>) {
+      strategy<Policy>::template apply<Plan>(*model);
+    }
+    if constexpr (std::is_same_v<Policy, typename Plan::expert_parallel>) {
+      apply_moe_balance(*model);  // after the experts are placed, whatever the policy
+    }
+  });
+  tie_stage_parameters(*model);
+  return model;
 }
 
-/// The same rules at start-up, for the resolved mesh (std::invalid_argument naming the key).
-template <class Plan>
-void check_mesh(const MeshShape& shape) {
-  strategy<typename Plan::peft>::check_mesh(shape);
-  strategy<typename Plan::tensor_parallel>::check_mesh(shape);
-  strategy<typename Plan::expert_parallel>::check_mesh(shape);
-  strategy<typename Plan::context_parallel>::check_mesh(shape);
-  strategy<typename Plan::data_parallel>::check_mesh(shape);
-  strategy<typename Plan::activation_checkpointing>::check_mesh(shape);
-}
+}  // namespace detail
 
 /// Applies the strategies of `Plan` to `modules` (the whole model, or this rank's pipeline stages
-/// in stage order) in the documented order. Collective over the mesh: every rank calls it with the
-/// same structure of modules (per pipeline rank).
+/// in stage order) in strategy_order, after checking the plan's rules (compile time) and the
+/// mesh's (start-up). Collective over the mesh: every rank calls it with the same structure of
+/// modules (per pipeline rank). d9d::compose<Plan> (d9d/train/compose.hpp) does the same for the
+/// trainer, with the mesh checked once when it is resolved.
 template <class Plan>
 std::unique_ptr<ParallelModel> parallelize(const DeviceMesh& mesh,
                                            std::vector<std::shared_ptr<torch::nn::Module>> modules,
                                            ParallelizeOptions options = {}) {
   check_plan<Plan>();
   check_mesh<Plan>(mesh.shape());
-  detail::check_reshard_name(options.reshard);
-  auto model = detail::make_parallel_model(mesh, std::move(modules),
-                                           detail::scalar_type_of(Plan::precision::parameters),
-                                           std::move(options));
-  strategy<typename Plan::peft>::template apply<Plan>(*model);
-  strategy<typename Plan::tensor_parallel>::template apply<Plan>(*model);
-  strategy<typename Plan::expert_parallel>::template apply<Plan>(*model);
-  detail::apply_moe_balance(*model);
-  strategy<typename Plan::context_parallel>::template apply<Plan>(*model);
-  strategy<typename Plan::data_parallel>::template apply<Plan>(*model);
-  strategy<typename Plan::activation_checkpointing>::template apply<Plan>(*model);
-  detail::tie_stage_parameters(*model);
-  return model;
+  return detail::apply_strategies<Plan>(mesh, std::move(modules), std::move(options));
 }
 
 }  // namespace d9d::parallel

@@ -45,7 +45,9 @@ enum class ReduceDtype {
 /// its forward, with the next unit prefetched; `R` says when it is freed again. Its gradients are
 /// reduce-scattered as soon as its backward is done (overlapping the rest of the backward), summed
 /// into the shards' gradients, and all-reduced over dp_replicate. Under a pipeline schedule every
-/// unit stays gathered for the whole step and the reduction runs after the program.
+/// unit stays gathered for the whole step (`R` and "data_parallel.prefetch" do not apply there
+/// yet) and a stage's units are reduced once the program has run that stage's last gradient
+/// action, overlapping the rest of the program.
 template <Reshard R = Reshard::from_config, ReduceDtype D = ReduceDtype::as_precision>
 struct FullyShard {
   using d9d_slot = slot::data_parallel;
@@ -78,6 +80,9 @@ struct ExpertParallel {
                 "d9d::dynamic. Fix: d9d::parallel::ExpertParallel<> leaves it to the model");
 };
 
+/// Whether TensorParallel runs sequence parallelism (below).
+enum class SequenceParallel { off, on };
+
 /// Tensor parallelism (the tensor_parallel slot) over the regular domain's tp ranks, Megatron's
 /// layout: attention q/k/v column-parallel by heads (num_heads / tp query and num_kv_heads / tp KV
 /// heads per rank; the per-head q/k norms stay whole), o_proj row-parallel; the MLP's gate/up
@@ -87,21 +92,22 @@ struct ExpertParallel {
 /// the embedding's shard). Each column-parallel block's input sums its gradient over tp and each
 /// row-parallel block's output is summed over tp (Megatron's f/g autograd functions). tp must
 /// divide num_attention_heads, num_key_value_heads, intermediate_size and vocab_size (checked when
-/// applied). Composes with Replicate, with FullyShard (which shards the tp shards over dp_shard)
-/// and with pipeline schedules (the last stage gathers its logits); MoE models and LoRA are not
+/// applied). Composes with Replicate, with FullyShard (which shards the tp shards over dp_shard),
+/// with LoRA (the adapters split with their layers) and with pipeline schedules (the last stage
+/// gathers its logits; the loss-parallel cross-entropy is not used there yet); MoE models are not
 /// supported yet (docs/design/0011-tensor-parallel.md).
 ///
-/// `SequenceParallel`: the residual stream, the norms and the residual additions run on this
+/// `SequenceParallel::on`: the residual stream, the norms and the residual additions run on this
 /// rank's T / tp tokens; the all-reduces become an all-gather along the sequence before each
 /// column-parallel block and a reduce-scatter after each row-parallel one (and the embedding), so
 /// activations between blocks take 1/tp of the memory. The norms' gradients are then partial and
 /// summed over tp. Needs tp > 1 and a sequence length divisible by tp; not under a pipeline yet.
 ///
 /// Named TensorParallel, not tp::Tensor: d9d::tp<N> is the mesh degree (d9d/plan/degrees.hpp).
-template <bool SequenceParallel = false>
+template <SequenceParallel SP = SequenceParallel::off>
 struct TensorParallel {
   using d9d_slot = slot::tensor_parallel;
-  static constexpr bool sequence_parallel = SequenceParallel;
+  static constexpr bool sequence_parallel = SP == SequenceParallel::on;
 };
 
 }  // namespace d9d::parallel

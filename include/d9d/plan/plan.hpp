@@ -12,6 +12,8 @@
 // than the defaults come from their areas' headers (or <d9d/d9d.hpp>, which has them all).
 #pragma once
 
+#include <type_traits>
+
 #include <d9d/plan/defaults.hpp>
 #include <d9d/plan/detail/plan.hpp>
 #include <d9d/plan/mesh.hpp>
@@ -35,6 +37,13 @@ struct Plan : detail::plan_members<detail::plan_slots, Ps...> {
 
   using canonical = typename detail::canonical_plan<detail::plan_slots, Ps...>::type;
 };
+
+/// Whether `Plan` runs a pipeline schedule (its pipeline slot is not d9d::pipeline::NoPipeline):
+/// the step is then a pipeline program over this rank's stages, else each rank runs the whole
+/// model. The components specialised on the Plan (the step, the strategies) read it.
+template <class Plan>
+inline constexpr bool plan_has_pipeline =
+    !std::is_same_v<typename Plan::pipeline, pipeline::NoPipeline>;
 
 /// Plan P with the slot that policy X fills replaced by X (in canonical form).
 template <class P, class X>

@@ -120,7 +120,7 @@ struct precision {
   };
 };
 
-/// Which activations are recomputed in backward instead of kept (d9d/parallel/recompute.hpp).
+/// Which activations are recomputed in backward instead of kept (d9d/recompute/policies.hpp).
 /// Plan member `activation_checkpointing`; default d9d::recompute::None.
 struct activation_checkpointing {
   using default_policy = ::d9d::recompute::None;

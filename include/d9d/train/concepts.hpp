@@ -40,6 +40,15 @@ namespace d9d {
 
 struct TrainerConfig;
 
+namespace detail {
+
+/// Always true: written as `bool(requirement && detail::diagnostic("what is wrong. Fix: ..."))`, a
+/// single atomic constraint whose text the compiler prints when it is not satisfied, so a
+/// constrained function states its fix the way a static_assert would.
+consteval bool diagnostic(const char* /*message*/) { return true; }
+
+}  // namespace detail
+
 /// Opt-in tags: a type declares `using model_provider_concept = d9d::model_provider_tag;` etc.
 struct model_provider_tag {};
 struct dataset_provider_tag {};

@@ -14,9 +14,11 @@
 // A whole program of one's own model, data and task: examples/06_classifier/main.cpp. Without
 // d9d::run_main (d9d/train/main.hpp) a d9d::ConfigError escaping main aborts every rank.
 //
-// The constructor resolves the plan's mesh against the world (dynamic degrees from the config),
-// checks the config against it, builds the mesh, the model (same seed on every rank; replicas then
-// start from rank 0's parameters) and the dataset, and composes a TrainStep<Plan>. train() runs
+// The constructor composes the plan (d9d::compose, d9d/train/compose.hpp: the mesh resolved against
+// the world with dynamic degrees from the config and checked, the model or this rank's pipeline
+// stages built with the same seed on every rank, the strategies applied; replicas then start from
+// rank 0's parameters), builds the dataset, and holds the one step the plan's pipeline slot chooses
+// (d9d::step_component, d9d/train/step.hpp). train() runs
 // `run.total_steps` steps: each data-parallel rank reads its strided share of the step's global
 // batch (d9d::data::DistributedSampler), splits it into microbatches, and the step accumulates,
 // reduces, clips and updates. The main rank shows a progress bar and writes metrics.jsonl and a
@@ -51,12 +53,11 @@
 #include <d9d/pipeline/schedules.hpp>
 #include <d9d/plan/plan.hpp>
 #include <d9d/state/mapper.hpp>
+#include <d9d/train/compose.hpp>
 #include <d9d/train/concepts.hpp>
 #include <d9d/train/config.hpp>
-#include <d9d/train/detail/build.hpp>
 #include <d9d/train/events.hpp>
-#include <d9d/train/pipeline_step.hpp>
-#include <d9d/train/train_step.hpp>
+#include <d9d/train/step.hpp>
 
 namespace d9d {
 
@@ -107,50 +108,39 @@ struct ErasedMetrics {
   std::function<std::map<std::string, double>()> synced;
 };
 
-/// The user's model, data and task behind type erasure, so the loop is compiled once.
+/// The user's data, metrics and checkpoint hooks behind type erasure, so the loop is compiled
+/// once (the model and the task are in the step).
 struct ErasedRun {
-  std::shared_ptr<torch::nn::Module> model;
-  MicrobatchLoss loss;
-  /// After each microbatch's loss (the task's metrics), outside CUDA graphs; may be empty.
-  std::function<void(const LossOutput&, const std::any&)> after_microbatch;
-  MicrobatchCopier copier;  ///< for CUDA graphs' captured microbatch (the dataset's batch type)
-  int64_t dataset_size = 0;
-  std::function<std::any(const std::vector<int64_t>&)> load;
-  std::function<std::vector<std::any>(const std::any&, int64_t)> split;
-  std::string hf_config_json;  ///< from the provider's hf_config_json(), if it has one
+  ErasedData data;
+  std::optional<ErasedMetrics> metrics;  ///< the task's metrics, when it declares them
+  std::string hf_config_json;            ///< from the provider's hf_config_json(), if it has one
   /// From the provider's hf_export_mapper(names), if it has one: model names -> checkpoint names.
   std::function<state::Mapper(const std::vector<std::string>&)> hf_export_mapper;
   /// From the provider's hf_load_mapper(source_keys, names), if it has one: checkpoint keys ->
   /// this rank's parameter names, for "checkpoint.init_from" (else the names map as they are).
-  std::function<state::Mapper(const std::vector<std::string>&, const std::vector<std::string>&)>
-      hf_load_mapper;
-  std::optional<PipelineParts> pipeline;  ///< pipeline plans: the stages instead of `model`
-  /// The parallelize layer's result for `model` (or the pipeline's stages).
-  std::unique_ptr<parallel::ParallelModel> parallel;
-  std::optional<ErasedMetrics> metrics;  ///< the task's metrics, when it declares them
+  HfLoadMapper hf_load_mapper;
 };
 
-/// The parallelize layer's knobs from the config.
-inline parallel::ParallelizeOptions parallelize_options(const TrainerConfig& config,
-                                                        bool pipelined) {
-  return {
-      .bucket_bytes = static_cast<int64_t>(config.data_parallel.bucket_size_mb * 1024.0 * 1024.0),
-      .reshard = config.data_parallel.reshard,
-      .prefetch = static_cast<int>(config.data_parallel.prefetch),
-      .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch,
-      .pipelined = pipelined,
-      .seed = config.run.seed};
-}
-
+/// The loop of Trainer<Plan>, compiled once (src/train/trainer.cpp): sampling, the steps, and
+/// the passes around them (logging, profiling, checkpoints, numerics guards, export).
 class TrainerCore {
  public:
+  /// The loop's state before its step: `samples` is this rank's share of each global batch (the
+  /// strategies' sample split), `microbatches` the step's microbatch count.
   TrainerCore(DistributedContext context, std::shared_ptr<const DeviceMesh> mesh,
-              TrainerConfig config, PrecisionOptions precision, ErasedRun run);
+              TrainerConfig config, ErasedRun run, parallel::StepContributions::Share samples,
+              int64_t microbatches);
   ~TrainerCore();
   TrainerCore(const TrainerCore&) = delete;
   TrainerCore& operator=(const TrainerCore&) = delete;
   TrainerCore(TrainerCore&&) = delete;
   TrainerCore& operator=(TrainerCore&&) = delete;
+
+  /// The step's knobs: the config's, the plan's precision, this loop's events.
+  [[nodiscard]] TrainStepOptions step_options(const PrecisionOptions& precision) const;
+  /// Takes the step (the one this loop runs), then resumes from a checkpoint or loads
+  /// "checkpoint.init_from" as the config says (collective).
+  void start(std::unique_ptr<StepCore> step);
 
   TrainResult train();
   /// One step without logging (what train() does per step); for tests and custom loops.
@@ -162,7 +152,7 @@ class TrainerCore {
   EventBus& events();
   [[nodiscard]] const DeviceMesh& mesh() const;
   /// The whole model (null under a pipeline plan).
-  [[nodiscard]] const std::shared_ptr<torch::nn::Module>& model() const;
+  [[nodiscard]] std::shared_ptr<torch::nn::Module> model() const;
   /// What this rank trains: the whole model, or its pipeline stages in stage order.
   [[nodiscard]] std::vector<std::shared_ptr<torch::nn::Module>> modules() const;
   /// The parallelize layer's result: the parameter records the optimizer, clipping and
@@ -177,50 +167,170 @@ class TrainerCore {
   std::unique_ptr<Impl> impl_;
 };
 
+/// "run.failure_timeout_s" onto the context (the watchdog's interval).
+void apply_failure_timeout(DistributedContext& context, const TrainerConfig& config);
+
+/// The task's metrics, if it declares them: the collection goes into `metrics` (synced and logged
+/// by the loop); the returned function adds a microbatch to it (empty when there is nothing to
+/// update on this rank). Tensor- and context-parallel ranks read the same samples, so only their
+/// group's first rank counts them: one sum over the world then counts every sample once.
+template <class Task, class Batch>
+std::function<void(const LossOutput&, const std::any&)> erase_metrics(
+    const std::shared_ptr<Task>& task, const DeviceMesh& mesh,
+    std::optional<ErasedMetrics>& metrics) {
+  if constexpr (train_task_updates_metrics<Task, Batch>) {  // trainer_task_metrics holds
+    using Collection = task_metrics_t<Task>;
+    auto collection = std::make_shared<Collection>(std::as_const(*task).metrics());
+    metrics = ErasedMetrics{.sync_start =
+                                [collection](const ProcessGroup& group) {
+                                  collection->sync_start(group);
+                                  collection->reset();
+                                },
+                            .synced = [collection]() -> std::map<std::string, double> {
+                              return collection->compute_synced();
+                            }};
+    if (mesh.coordinate(MeshDomain::batch, "tp") != 0 ||
+        mesh.coordinate(MeshDomain::batch, "cp") != 0) {
+      return {};
+    }
+    return [task, collection](const LossOutput& out, const std::any& microbatch) {
+      const at::NoGradGuard no_grad;
+      task->update_metrics(out, std::any_cast<const Batch&>(microbatch), *collection);
+    };
+  }
+  return {};
+}
+
+/// The provider's checkpoint hooks, if it has them (after build): hf_config_json,
+/// hf_export_mapper and hf_load_mapper.
+template <class ModelProvider>
+void erase_hf_hooks(const ModelProvider& models, ErasedRun& run) {
+  if constexpr (requires { models.hf_config_json(); }) {
+    run.hf_config_json = models.hf_config_json();
+  }
+  if constexpr (requires(const std::vector<std::string>& names) {
+                  { models.hf_export_mapper(names) } -> std::convertible_to<state::Mapper>;
+                }) {
+    run.hf_export_mapper = [models](const std::vector<std::string>& names) {
+      return models.hf_export_mapper(names);
+    };
+  }
+  run.hf_load_mapper = hf_load_mapper_of(models);
+}
+
 }  // namespace detail
+
+// ---- what Trainer<Plan>'s constructor accepts ---------------------------------------------------
+// Each part is one atomic constraint carrying its diagnostic (detail::diagnostic): a call with
+// inputs that do not fit finds no constructor (std::is_constructible says so), and the compiler's
+// note names the part and its fix. The parts are checked in this order.
+
+namespace detail {
+
+template <class Task>
+constexpr bool metrics_are_a_collection() {
+  if constexpr (train_task_declares_metrics<Task>) {
+    return synced_metric_collection<task_metrics_t<Task>>;
+  } else {
+    return true;
+  }
+}
+
+}  // namespace detail
+
+template <class P>
+concept trainer_model_provider =
+    bool(model_provider_opts_in<P>&& detail::diagnostic(
+        "d9d::Trainer: the model provider does not opt in. Fix: declare "
+        "`using model_provider_concept = d9d::model_provider_tag;` in it")) &&
+    bool(model_provider_builds_a_module<P>&& detail::diagnostic(
+        "d9d::Trainer: the model provider needs `build(const "
+        "d9d::ModelBuildContext&)` returning a module holder (a TORCH_MODULE "
+        "type)"));
+
+template <class P>
+concept trainer_dataset_provider =
+    bool(dataset_provider_opts_in<P>&& detail::diagnostic(
+        "d9d::Trainer: the dataset provider does not opt in. Fix: declare "
+        "`using dataset_provider_concept = d9d::dataset_provider_tag;` in it")) &&
+    bool(dataset_provider_builds_a_dataset<P>&& detail::diagnostic(
+        "d9d::Trainer: the dataset provider needs `build(const "
+        "d9d::DataBuildContext&)` returning a dataset with `int64_t size()` "
+        "and `get(const std::vector<int64_t>& indices)` giving a batch")) &&
+    bool(splittable_batch<batch_of_t<P>>&& detail::diagnostic(
+        "d9d::Trainer: the dataset's batch type " D9D_UNSPLITTABLE_BATCH_FIX));
+
+/// What the step of `Plan`'s pipeline slot needs of the provider and the task: compute_loss on the
+/// whole model without a schedule; stages and the task's stage_input / output_loss with one.
+template <class Plan, class P, class Task, class Batch>
+concept trainer_step_inputs =
+    bool(plan_has_pipeline<Plan> ||
+         (train_task_computes_loss<Task, model_of_t<P>, Batch> &&
+          detail::diagnostic("d9d::Trainer: the task needs `d9d::LossOutput "
+                             "compute_loss(Model&, const Batch&)` for the provider's "
+                             "model and the dataset's batch type"))) &&
+    bool(!plan_has_pipeline<Plan> ||
+         (model_provider_builds_stages<P> &&
+          detail::diagnostic("d9d::Trainer: a pipeline plan needs the model provider's "
+                             "`build_stage(const d9d::StageBuildContext&)` returning a module "
+                             "holder with forward(at::Tensor), input_sizes(batch, seq) and "
+                             "output_sizes(batch, seq) (d9d::Qwen3Provider has it)"))) &&
+    bool(!plan_has_pipeline<Plan> ||
+         (pipeline_train_task<Task, Batch> &&
+          detail::diagnostic("d9d::Trainer: a pipeline plan needs the task's `at::Tensor "
+                             "stage_input(const Batch&)` (the first stage's input) and "
+                             "`d9d::LossOutput output_loss(const at::Tensor& output, const "
+                             "Batch&)` (the loss of the last stage's output)")));
+
+/// The task's metrics, when it has any: metrics() building a collection and update_metrics for
+/// the dataset's batch type.
+template <class Task, class Batch>
+concept trainer_task_metrics =
+    bool((train_task_declares_metrics<Task> || !train_task_names_update_metrics<Task>)&&detail::
+             diagnostic("d9d::Trainer: the task has update_metrics but no `metrics() const`. "
+                        "Fix: add `d9d::metrics::MetricCollection metrics() const` building "
+                        "the collection update_metrics adds to (d9d/metrics/collection.hpp, "
+                        "library //src/metrics)")) &&
+    bool(detail::metrics_are_a_collection<Task>() &&
+         detail::diagnostic("d9d::Trainer: the task's metrics() must return a "
+                            "d9d::metrics::MetricCollection (d9d/metrics/collection.hpp, library "
+                            "//src/metrics) or a type with reset, sync_start, sync_wait, "
+                            "compute_synced")) &&
+    bool((!train_task_declares_metrics<Task> || train_task_updates_metrics<Task, Batch>)&&detail::
+             diagnostic("d9d::Trainer: the task declares metrics() but has no `void "
+                        "update_metrics(const d9d::LossOutput& out, const Batch& batch, "
+                        "d9d::metrics::MetricCollection& metrics)` for the dataset's batch "
+                        "type. Fix: add it (the trainer calls it after each microbatch's "
+                        "loss; put the model's output into LossOutput::output), or remove "
+                        "metrics()"));
+
+/// Everything Trainer<Plan>'s constructor needs of the user's model provider, dataset provider and
+/// task (each part with its diagnostic, in this order).
+template <class Plan, class ModelProvider, class DatasetProvider, class Task>
+concept trainer_inputs =
+    trainer_model_provider<ModelProvider> && trainer_dataset_provider<DatasetProvider> &&
+    bool(train_task_opts_in<Task>&& detail::diagnostic(
+        "d9d::Trainer: the task does not opt in. Fix: declare `using "
+        "train_task_concept = d9d::train_task_tag;` in it")) &&
+    trainer_step_inputs<
+        Plan, ModelProvider, Task,
+        batch_of_t<DatasetProvider>>&& trainer_task_metrics<Task, batch_of_t<DatasetProvider>>;
 
 /// The training loop of `Plan` (see the file comment).
 template <class Plan>
 class Trainer {
+  static_assert((detail::check_train_plan<Plan>(), true));
+  using Step = step_component<typename Plan::pipeline>;
+
  public:
+  /// Composes the plan, builds the dataset and the step (collective over the world). Constrained
+  /// by trainer_inputs: the compiler names the part of the inputs that does not fit.
   template <class ModelProvider, class DatasetProvider, class Task>
-  Trainer(DistributedContext context, ModelProvider models, DatasetProvider datasets, Task task,
-          TrainerConfig config) {
-    detail::check_step_plan<Plan>();
-    if (config.run.failure_timeout_s) {
-      context.set_failure_timeout(std::chrono::milliseconds(
-          static_cast<int64_t>(std::llround(*config.run.failure_timeout_s * 1000.0))));
-    }
-    static_assert(model_provider_opts_in<ModelProvider>,
-                  "d9d::Trainer: the model provider does not opt in. Fix: declare "
-                  "`using model_provider_concept = d9d::model_provider_tag;` in it");
-    static_assert(model_provider_builds_a_module<ModelProvider>,
-                  "d9d::Trainer: the model provider needs `build(const d9d::ModelBuildContext&)` "
-                  "returning a module holder (a TORCH_MODULE type)");
-    static_assert(dataset_provider_opts_in<DatasetProvider>,
-                  "d9d::Trainer: the dataset provider does not opt in. Fix: declare "
-                  "`using dataset_provider_concept = d9d::dataset_provider_tag;` in it");
-    static_assert(dataset_provider_builds_a_dataset<DatasetProvider>,
-                  "d9d::Trainer: the dataset provider needs `build(const d9d::DataBuildContext&)` "
-                  "returning a dataset with `int64_t size()` and `get(const "
-                  "std::vector<int64_t>& indices)` giving a batch");
-    if constexpr (!kPipelined) {
-      if constexpr (model_provider<ModelProvider> && dataset_provider<DatasetProvider>) {
-        build(std::move(context), std::move(models), std::move(datasets), std::move(task),
-              std::move(config));
-      }
-    } else {
-      static_assert(model_provider_builds_stages<ModelProvider>,
-                    "d9d::Trainer: a pipeline plan needs the model provider's `build_stage(const "
-                    "d9d::StageBuildContext&)` returning a module holder with forward(at::Tensor), "
-                    "input_sizes(batch, seq) and output_sizes(batch, seq) (d9d::Qwen3Provider has "
-                    "it)");
-      if constexpr (model_provider<ModelProvider> && dataset_provider<DatasetProvider> &&
-                    model_provider_builds_stages<ModelProvider>) {
-        build_pipelined(std::move(context), std::move(models), std::move(datasets), std::move(task),
-                        std::move(config));
-      }
-    }
+  requires trainer_inputs<Plan, ModelProvider, DatasetProvider, Task> Trainer(
+      DistributedContext context, ModelProvider models, DatasetProvider datasets, Task task,
+      TrainerConfig config) {
+    build<batch_of_t<DatasetProvider>>(std::move(context), models, datasets, std::move(task),
+                                       std::move(config));
   }
 
   /// Runs the configured number of steps (collective over all ranks). An exception leaving it is
@@ -243,211 +353,26 @@ class Trainer {
   [[nodiscard]] detail::TrainerCore& core() { return *core_; }
 
  private:
-  static constexpr bool kPipelined = detail::is_pipelined_v<Plan>;
-
-  // The dataset and its loading, type-erased into `run`.
-  template <class DatasetProvider, class Batch>
-  static void add_data(DatasetProvider& datasets, const DeviceMesh& mesh,
-                       const TrainerConfig& config, detail::ErasedRun& run) {
-    using Dataset = dataset_of_t<DatasetProvider>;
-    auto dataset = std::make_shared<Dataset>(
-        datasets.build(DataBuildContext{.sequence_length = config.batch.sequence_length,
-                                        .seed = config.run.seed,
-                                        .dp_rank = mesh.coordinate(MeshDomain::batch, "dp"),
-                                        .dp_size = mesh.size(MeshDomain::batch, "dp"),
-                                        .config_json = config.section("data"),
-                                        .model_config_json = config.section("model")}));
-    run.dataset_size = static_cast<int64_t>(dataset->size());
-    run.load = [dataset](const std::vector<int64_t>& indices) -> std::any {
-      return std::any(Batch(dataset->get(indices)));
-    };
-    if constexpr (splittable_batch<Batch>) {  // else the constructor's static_assert says why
-      run.split = [](const std::any& batch, int64_t parts) {
-        std::vector<std::any> out;
-        for (auto& part :
-             split_batch(std::any_cast<const Batch&>(batch), static_cast<int>(parts))) {
-          out.emplace_back(std::move(part));
-        }
-        return out;
-      };
-    }
-  }
-
-  // The task's metrics, if it declares them: the collection goes into `run` (synced and logged
-  // by the loop); the returned function adds a microbatch to it (empty when there is nothing to
-  // update on this rank). Tensor- and context-parallel ranks read the same samples, so only their
-  // group's first rank counts them: one sum over the world then counts every sample once.
-  template <class Task, class Batch>
-  static std::function<void(const LossOutput&, const std::any&)> add_metrics(
-      const std::shared_ptr<Task>& task, const DeviceMesh& mesh, detail::ErasedRun& run) {
-    static_assert(train_task_declares_metrics<Task> || !train_task_names_update_metrics<Task>,
-                  "d9d::Trainer: the task has update_metrics but no `metrics() const`. Fix: add "
-                  "`d9d::metrics::MetricCollection metrics() const` building the collection "
-                  "update_metrics adds to (d9d/metrics/collection.hpp, library //src/metrics)");
-    if constexpr (train_task_declares_metrics<Task>) {
-      static_assert(synced_metric_collection<task_metrics_t<Task>>,
-                    "d9d::Trainer: the task's metrics() must return a "
-                    "d9d::metrics::MetricCollection (d9d/metrics/collection.hpp, library "
-                    "//src/metrics) or a type with reset, sync_start, sync_wait, compute_synced");
-      static_assert(train_task_updates_metrics<Task, Batch>,
-                    "d9d::Trainer: the task declares metrics() but has no `void "
-                    "update_metrics(const d9d::LossOutput& out, const Batch& batch, "
-                    "d9d::metrics::MetricCollection& metrics)` for the dataset's batch type. "
-                    "Fix: add it (the trainer calls it after each microbatch's loss; put the "
-                    "model's output into LossOutput::output), or remove metrics()");
-      if constexpr (train_task_updates_metrics<Task, Batch>) {
-        using Collection = task_metrics_t<Task>;
-        auto collection = std::make_shared<Collection>(std::as_const(*task).metrics());
-        run.metrics =
-            detail::ErasedMetrics{.sync_start =
-                                      [collection](const ProcessGroup& group) {
-                                        collection->sync_start(group);
-                                        collection->reset();
-                                      },
-                                  .synced = [collection]() -> std::map<std::string, double> {
-                                    return collection->compute_synced();
-                                  }};
-        if (mesh.coordinate(MeshDomain::batch, "tp") != 0 ||
-            mesh.coordinate(MeshDomain::batch, "cp") != 0) {
-          return {};
-        }
-        return [task, collection](const LossOutput& out, const std::any& microbatch) {
-          const at::NoGradGuard no_grad;
-          task->update_metrics(out, std::any_cast<const Batch&>(microbatch), *collection);
-        };
-      }
-    }
-    return {};
-  }
-
-  // The provider's hf_config_json and hf_export_mapper, if it has them (after build).
-  template <class ModelProvider>
-  static void add_hf_export(const ModelProvider& models, detail::ErasedRun& run) {
-    if constexpr (requires { models.hf_config_json(); }) {
-      run.hf_config_json = models.hf_config_json();
-    }
-    if constexpr (requires(const std::vector<std::string>& names) {
-                    { models.hf_export_mapper(names) } -> std::convertible_to<state::Mapper>;
-                  }) {
-      run.hf_export_mapper = [models](const std::vector<std::string>& names) {
-        return models.hf_export_mapper(names);
-      };
-    }
-  }
-
-  // The verified program: at compile time when pp and the microbatch count are static.
-  static pipeline::Program make_program(const MeshShape& shape, int microbatches) {
-    using S = typename Plan::pipeline;
-    using Mesh = typename Plan::mesh;
-    if constexpr (S::microbatches != dynamic) {
-      if (microbatches != S::microbatches) {
-        throw ConfigError(
-            "d9d config: the plan's schedule runs " + std::to_string(S::microbatches) +
-            " microbatches per step, the batch section gives " + std::to_string(microbatches) +
-            " (global_batch_size / (data-parallel size x microbatch_size)). Fix: "
-            "change the batch sizes or d9d::pipeline::microbatches<N>");
-      }
-      if constexpr (!Mesh::pp::is_dynamic) {
-        return pipeline::static_program<S, Mesh::pp::value>();  // its checks run when compiled
-      }
-    }
-    try {
-      return pipeline::build_program<S>(shape.pp, microbatches);
-    } catch (const std::invalid_argument& error) {
-      throw ConfigError(std::string("d9d config: ") + error.what());
-    }
-  }
-
-  template <class ModelProvider, class DatasetProvider, class Task>
-  void build_pipelined(DistributedContext context, ModelProvider models, DatasetProvider datasets,
-                       Task task, TrainerConfig config) {
-    using Batch = batch_of_t<DatasetProvider>;
-    static_assert(splittable_batch<Batch>,
-                  "d9d::Trainer: the dataset's batch type " D9D_UNSPLITTABLE_BATCH_FIX);
-    static_assert(train_task_opts_in<Task>,
-                  "d9d::Trainer: the task does not opt in. Fix: declare "
-                  "`using train_task_concept = d9d::train_task_tag;` in it");
-    static_assert(pipeline_train_task<Task, Batch>,
-                  "d9d::Trainer: a pipeline plan needs the task's `at::Tensor stage_input(const "
-                  "Batch&)` (the first stage's input) and `d9d::LossOutput output_loss(const "
-                  "at::Tensor& output, const Batch&)` (the loss of the last stage's output)");
-    if constexpr (pipeline_train_task<Task, Batch>) {
-      detail::require_sequence_length(config);
-      auto mesh = detail::make_plan_mesh<Plan>(context, config);
-      const int dp = mesh->size(MeshDomain::batch, "dp");
-      const auto program =
-          make_program(mesh->shape(), static_cast<int>(config.microbatches_per_step(dp)));
-
-      detail::ErasedRun run;
-      detail::PipelineParts parts;
-      parts.program = program;
-      auto built = detail::build_rank_stages(models, context, *mesh, config, program);
-      auto modules = built.modules();
-      parts.stages = std::move(built.stages);
-      parts.activation = std::move(built.activation);
-      auto shared_task = std::make_shared<Task>(std::move(task));
-      parts.input = [shared_task](const std::any& microbatch) {
-        return shared_task->stage_input(std::any_cast<const Batch&>(microbatch));
-      };
-      const auto update = add_metrics<Task, Batch>(shared_task, *mesh, run);
-      parts.loss = [shared_task, update](const at::Tensor& output, const std::any& microbatch) {
-        auto out = shared_task->output_loss(output, std::any_cast<const Batch&>(microbatch));
-        if (update) {
-          LossOutput seen = out;
-          if (!seen.output.defined()) {
-            seen.output = output;
-          }
-          update(seen, microbatch);
-        }
-        return out;
-      };
-      run.parallel = parallel::parallelize<Plan>(*mesh, std::move(modules),
-                                                 detail::parallelize_options(config, true));
-      run.pipeline = std::move(parts);
-      add_hf_export(models, run);
-      run.hf_load_mapper = detail::hf_load_mapper_of(models);
-      add_data<DatasetProvider, Batch>(datasets, *mesh, config, run);
-      core_ = std::make_unique<detail::TrainerCore>(
-          std::move(context), std::move(mesh), std::move(config), detail::precision_options<Plan>(),
-          std::move(run));
-    }
-  }
-
-  template <class ModelProvider, class DatasetProvider, class Task>
-  void build(DistributedContext context, ModelProvider models, DatasetProvider datasets, Task task,
-             TrainerConfig config) {
-    using Model = model_of_t<ModelProvider>;
-    using Batch = batch_of_t<DatasetProvider>;
-    static_assert(splittable_batch<Batch>,
-                  "d9d::Trainer: the dataset's batch type " D9D_UNSPLITTABLE_BATCH_FIX);
-    static_assert(train_task_opts_in<Task>,
-                  "d9d::Trainer: the task does not opt in. Fix: declare "
-                  "`using train_task_concept = d9d::train_task_tag;` in it");
-    static_assert(train_task_computes_loss<Task, Model, Batch>,
-                  "d9d::Trainer: the task needs `d9d::LossOutput compute_loss(Model&, const "
-                  "Batch&)` for the provider's model and the dataset's batch type");
-    if constexpr (train_task<Task, Model, Batch>) {
-      auto mesh = detail::make_plan_mesh<Plan>(context, config);
-      torch::manual_seed(config.run.seed);  // the same initialisation on every rank
-      Model model = models.build(ModelBuildContext{
-          .device = context.device(), .mesh = mesh.get(), .config_json = config.section("model")});
-      detail::ErasedRun run;
-      run.model = model.ptr();
-      run.parallel = parallel::parallelize<Plan>(*mesh, {run.model},
-                                                 detail::parallelize_options(config, false));
-      auto shared_task = std::make_shared<Task>(std::move(task));
-      run.after_microbatch = add_metrics<Task, Batch>(shared_task, *mesh, run);
-      run.loss = [model, shared_task](const std::any& microbatch) mutable {
-        return shared_task->compute_loss(model, std::any_cast<const Batch&>(microbatch));
-      };
-      run.copier = microbatch_copier<Batch>();
-      add_data<DatasetProvider, Batch>(datasets, *mesh, config, run);
-      add_hf_export(models, run);
-      run.hf_load_mapper = detail::hf_load_mapper_of(models);
-      core_ = std::make_unique<detail::TrainerCore>(
-          std::move(context), std::move(mesh), std::move(config), detail::precision_options<Plan>(),
-          std::move(run));
-    }
+  // Composes the plan, erases the data, metrics and checkpoint hooks, and hands the step the
+  // Plan's step component builds to the loop.
+  template <class Batch, class ModelProvider, class DatasetProvider, class Task>
+  void build(DistributedContext context, ModelProvider& models, DatasetProvider& datasets,
+             Task task, TrainerConfig config) {
+    detail::apply_failure_timeout(context, config);
+    auto composed = compose<Plan>(context, models, config);
+    auto shared_task = std::make_shared<Task>(std::move(task));
+    detail::ErasedRun run;
+    run.data = detail::erase_data<DatasetProvider, Batch>(datasets, *composed.mesh,
+                                                          composed.contributions, config);
+    auto update = detail::erase_metrics<Task, Batch>(shared_task, *composed.mesh, run.metrics);
+    detail::erase_hf_hooks(models, run);
+    const auto samples = composed.contributions.samples(*composed.mesh);
+    core_ = std::make_unique<detail::TrainerCore>(context, composed.mesh, config, std::move(run),
+                                                  samples, composed.microbatches);
+    auto options = core_->step_options(detail::precision_options<Plan>());
+    core_->start(Step::template train_step<Task, Batch, ModelProvider>(
+        std::move(composed), std::move(shared_task), std::move(update), config,
+        std::move(options)));
   }
 
   std::unique_ptr<detail::TrainerCore> core_;

@@ -44,8 +44,8 @@ void accumulate_loss(const LossOutput& out, at::Tensor& loss_sum, at::Tensor& we
 /// The step's global totals: {loss_sum, weight_sum} summed over each group in `groups` (an
 /// undefined sum counts as 0 on `device`); throws when the total weight is not positive.
 std::pair<double, double> global_totals(const at::Tensor& loss_sum, const at::Tensor& weight_sum,
-                                        const std::vector<const ProcessGroup*>& groups,
-                                        c10::Device device, int64_t step);
+                                        const std::vector<ProcessGroup>& groups, c10::Device device,
+                                        int64_t step);
 
 /// Events around the optimizer step, the step itself, and the result. When the loss or the
 /// gradient norm is not finite on any rank of `world` (one all-reduce of a flag), no rank steps
