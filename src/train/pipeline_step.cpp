@@ -160,7 +160,7 @@ void reduce_after_last_gradient(pipeline::Executor& executor, const RankStages& 
 
 PipelineStepCore::PipelineStepCore(std::unique_ptr<parallel::ParallelModel> model,
                                    PipelineParts parts, TrainStepOptions options,
-                                   parallel::StepContributions contributions)
+                                   const parallel::StepContributions& contributions)
     : impl_(std::make_unique<Impl>()) {
   auto& s = *impl_;
   s.parallel = std::move(model);

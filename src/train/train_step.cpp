@@ -197,7 +197,8 @@ std::unique_ptr<MicrobatchGraph> TrainStepCore::Impl::capture(LossOutput& out,
 }
 
 TrainStepCore::TrainStepCore(std::unique_ptr<parallel::ParallelModel> model, MicrobatchLoss loss,
-                             TrainStepOptions options, parallel::StepContributions contributions)
+                             TrainStepOptions options,
+                             const parallel::StepContributions& contributions)
     : impl_(std::make_unique<Impl>()) {
   auto& s = *impl_;
   s.parallel = std::move(model);
@@ -255,11 +256,11 @@ void check_whole_model_config(const TrainerConfig& config) {
 
 std::unique_ptr<StepCore> make_whole_model_step(std::unique_ptr<parallel::ParallelModel> model,
                                                 MicrobatchLoss loss, TrainStepOptions options,
-                                                parallel::StepContributions contributions) {
+                                                const parallel::StepContributions& contributions) {
   const bool graphs = options.cuda_graphs;
   try {
     return std::make_unique<TrainStepCore>(std::move(model), std::move(loss), std::move(options),
-                                           std::move(contributions));
+                                           contributions);
   } catch (const ConfigError&) {
     throw;
   } catch (const std::invalid_argument& e) {

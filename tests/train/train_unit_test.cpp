@@ -1270,7 +1270,8 @@ TEST(Train_StrategyContributions, TheModelSeesTheShardedMicrobatches) {
 namespace {
 
 // Trainer's constructor is constrained (d9d::trainer_inputs): std::is_constructible tells whether
-// the inputs fit, and each build-failure test of tests/train/build_failure shows the part's message.
+// the inputs fit, and each build-failure test of tests/train/build_failure shows the part's
+// message.
 struct UntaggedProvider {
   d9d::model::Qwen3ForCausalLM build(const d9d::ModelBuildContext& context);
 };
@@ -1279,9 +1280,9 @@ struct WholeModelOnlyTask {
   d9d::LossOutput compute_loss(d9d::model::Qwen3ForCausalLM& model, const d9d::CausalLmBatch& b);
 };
 template <class Plan, class Models, class Task>
-constexpr bool constructible = std::is_constructible_v<
-    d9d::Trainer<Plan>, d9d::DistributedContext, Models, d9d::TokenFilesProvider, Task,
-    d9d::TrainerConfig>;
+constexpr bool constructible =
+    std::is_constructible_v<d9d::Trainer<Plan>, d9d::DistributedContext, Models,
+                            d9d::TokenFilesProvider, Task, d9d::TrainerConfig>;
 using Pipelined = d9d::Plan<d9d::mesh<d9d::pp<d9d::dynamic>>, d9d::pipeline::OneFOneB<>>;
 static_assert(constructible<d9d::Plan<>, d9d::Qwen3Provider, d9d::CausalLmTask>);
 static_assert(constructible<Pipelined, d9d::Qwen3Provider, d9d::CausalLmTask>);

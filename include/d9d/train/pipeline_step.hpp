@@ -67,7 +67,7 @@ class PipelineStepCore final : public StepCore {
   /// Collective over the mesh (every rank constructs it together). `model`: the parallelize
   /// layer's result for this rank's stage modules (those of `parts`, in the same order).
   PipelineStepCore(std::unique_ptr<parallel::ParallelModel> model, PipelineParts parts,
-                   TrainStepOptions options, parallel::StepContributions contributions);
+                   TrainStepOptions options, const parallel::StepContributions& contributions);
   ~PipelineStepCore() override;
   PipelineStepCore(const PipelineStepCore&) = delete;
   PipelineStepCore& operator=(const PipelineStepCore&) = delete;
@@ -220,9 +220,8 @@ struct step_component<Schedule> {
       }
       return out;
     };
-    return std::make_unique<detail::PipelineStepCore>(std::move(composed.parallel),
-                                                      std::move(parts), std::move(options),
-                                                      std::move(composed.contributions));
+    return std::make_unique<detail::PipelineStepCore>(
+        std::move(composed.parallel), std::move(parts), std::move(options), composed.contributions);
   }
 
   /// The forward step of d9d::Inference: the forward-only program over this rank's stages; the

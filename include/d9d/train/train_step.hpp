@@ -49,7 +49,7 @@ class TrainStepCore final : public StepCore {
   /// `model`: the parallelize layer's result for the step's model (its one module);
   /// `contributions`: the strategies' (the loss totals are summed over its loss dims).
   TrainStepCore(std::unique_ptr<parallel::ParallelModel> model, MicrobatchLoss loss,
-                TrainStepOptions options, parallel::StepContributions contributions);
+                TrainStepOptions options, const parallel::StepContributions& contributions);
   ~TrainStepCore() override;
   TrainStepCore(const TrainStepCore&) = delete;
   TrainStepCore& operator=(const TrainStepCore&) = delete;
@@ -77,7 +77,7 @@ void check_whole_model_config(const TrainerConfig& config);
 /// std::invalid_argument TrainStepCore's constructor throws when they cannot run.
 std::unique_ptr<StepCore> make_whole_model_step(std::unique_ptr<parallel::ParallelModel> model,
                                                 MicrobatchLoss loss, TrainStepOptions options,
-                                                parallel::StepContributions contributions);
+                                                const parallel::StepContributions& contributions);
 
 }  // namespace detail
 
@@ -138,7 +138,7 @@ struct step_component<pipeline::NoPipeline> {
           contributions, mb, [&](const Batch& batch) { return task->compute_loss(model, batch); });
     };
     return detail::make_whole_model_step(std::move(composed.parallel), std::move(loss),
-                                         std::move(options), std::move(composed.contributions));
+                                         std::move(options), composed.contributions);
   }
 
   /// The forward step of d9d::Inference: the task's infer(Model&, const Batch&) per microbatch
