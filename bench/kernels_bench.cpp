@@ -12,7 +12,6 @@
 // d9d::optim::FusedAdamW (one multi-tensor kernel per group); on bfloat16 parameters,
 // d9d::optim::StochasticAdamW (float32 or bfloat16 moments) against ATen's fused AdamW (round to
 // nearest, bfloat16 moments). copy_stochastic_: float32 → bfloat16 against a plain copy_.
-#include <chrono>
 #include <memory>
 #include <vector>
 
@@ -29,40 +28,15 @@
 #include <d9d/kernels/stochastic.hpp>
 #include <d9d/optim/adamw.hpp>
 
+#include "timing.hpp"
+
 namespace {
 
 constexpr int kCallsPerIteration = 20;
 
-bool on_cuda() { return torch::cuda::is_available(); }
-
-at::TensorOptions options() {
-  return on_cuda() ? at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16)
-                   : at::TensorOptions().dtype(at::kFloat);
-}
-
-void sync() {
-  if (on_cuda()) {
-    torch::cuda::synchronize();
-  }
-}
-
-template <typename Fn>
-void run(benchmark::State& state, double bytes_per_call, int calls, Fn&& fn) {
-  fn();
-  sync();
-  for (auto _ : state) {
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < calls; ++i) {
-      fn();
-    }
-    sync();
-    const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
-    state.SetIterationTime(elapsed.count() / calls);
-  }
-  state.SetBytesProcessed(
-      static_cast<int64_t>(bytes_per_call * static_cast<double>(state.iterations())));
-  state.SetLabel(on_cuda() ? "cuda bf16" : "cpu fp32");
-}
+using d9d_bench::on_cuda;
+using d9d_bench::options;
+using d9d_bench::run;
 
 // ---- rope: x [B, T, H, D] -----------------------------------------------------------------------
 

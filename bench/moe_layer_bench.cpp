@@ -4,7 +4,6 @@
 //
 //   moe_layer_bench --device cuda --tokens 8192 --iters 20
 //   (bench/hf_moe_block_bench.py times transformers' Qwen3MoeSparseMoeBlock on the same shape)
-#include <chrono>
 #include <cstdio>
 #include <string>
 
@@ -12,6 +11,8 @@
 #include <CLI/CLI.hpp>
 
 #include <d9d/model/moe.hpp>
+
+#include "timing.hpp"
 
 int main(int argc, char** argv) {
   CLI::App app{"MoE layer forward + backward: grouped GEMM vs per-expert loop"};
@@ -67,13 +68,12 @@ int main(int argc, char** argv) {
     for (int i = 0; i < 3; ++i) {
       (void)step();
     }
-    const auto start = std::chrono::steady_clock::now();
+    const d9d_bench::Stopwatch watch;
     double check = 0;
     for (int i = 0; i < iters; ++i) {
       check = step();
     }
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / iters;
+    const double seconds = watch.seconds() / iters;
     std::printf("%-11s forward+backward %8.2f ms  %8.1f TFLOP/s  (|dx| sum %.4g)\n",
                 gemm == d9d::model::GroupedGemm::grouped_mm ? "grouped_mm" : "loop", seconds * 1e3,
                 flops / seconds / 1e12, check);

@@ -4,7 +4,7 @@
 //   tools/d9drun -n 2 build/pipeline_bench --schedule 1f1b --microbatches 8 --preset 0.6b --bf16
 //   tools/d9drun -n 2 bazel-bin/bench/pipeline_bench --schedule zbh1 --preset tiny   # CPU, Gloo
 //
-// Each rank builds only its stages (d9d::model::Qwen3Stage over d9d::pipeline::distribute_layers),
+// Each rank builds only its stages (d9d::model::Qwen3Stage over d9d::model::distribute_layers),
 // runs warm-up steps, then times `--steps` steps of the schedule (forward + backward of every
 // microbatch; no optimizer). Compute actions are timed by the executor's timeline (device events
 // on CUDA, the clock on CPU), so each rank's busy time is measured, not assumed:
@@ -23,7 +23,6 @@
 // |g - g_ref| / |g_ref| per parameter, its maximum over all ranks is printed, and the run fails
 // when it exceeds --check-tolerance.
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -44,11 +43,13 @@
 #include <d9d/core/distributed_context.hpp>
 #include <d9d/model/qwen3.hpp>
 #include <d9d/model/qwen3_stage.hpp>
+#include <d9d/model/stage_layers.hpp>
 #include <d9d/pipeline/executor.hpp>
 #include <d9d/pipeline/picture.hpp>
 #include <d9d/pipeline/schedules.hpp>
-#include <d9d/pipeline/stages.hpp>
-#include <d9d/track/progress.hpp>
+#include <d9d/track/svg.hpp>
+
+#include "timing.hpp"
 
 namespace {
 
@@ -181,7 +182,7 @@ int main(int argc, char** argv) {
     const auto device = ctx.device();
     const auto program = build(schedule, pp, microbatches);
     const auto config = preset(preset_name);
-    const auto ranges = d9d::pipeline::distribute_layers(
+    const auto ranges = d9d::model::distribute_layers(
         static_cast<int>(config.num_hidden_layers), program.stages(), {.embedding = 1, .head = 2});
 
     std::vector<d9d::model::Qwen3Stage> stages;
@@ -253,7 +254,7 @@ int main(int argc, char** argv) {
         }
         synchronize(device);
         group.barrier();
-        const auto start = std::chrono::steady_clock::now();
+        const d9d_bench::Stopwatch watch;
         const auto result = executor.run(inputs, loss);
         last_loss = 0;
         for (const auto& value : result.losses) {
@@ -261,9 +262,7 @@ int main(int argc, char** argv) {
         }
         synchronize(device);
         group.barrier();
-        const double ms =
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-                .count();
+        const double ms = watch.seconds() * 1e3;
         if (step < warmup) {
           continue;
         }

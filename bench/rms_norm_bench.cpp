@@ -7,7 +7,6 @@
 // Bytes counted are the minimum each pass must move: forward reads x and writes y (+ weight, rstd);
 // forward+backward additionally reads dy and x and writes dx. Higher is better; on GPU compare
 // with the card's memory bandwidth (H100 SXM ~3.35 TB/s, H200 ~4.8 TB/s).
-#include <chrono>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -17,23 +16,15 @@
 
 #include <d9d/kernels/rms_norm.hpp>
 
+#include "timing.hpp"
+
 namespace {
 
 constexpr double kEps = 1e-6;
 constexpr int kLaunchesPerIteration = 20;
 
-bool on_cuda() { return torch::cuda::is_available(); }
-
-at::TensorOptions options() {
-  return on_cuda() ? at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16)
-                   : at::TensorOptions().dtype(at::kFloat);
-}
-
-void sync() {
-  if (on_cuda()) {
-    torch::cuda::synchronize();
-  }
-}
+using d9d_bench::on_cuda;
+using d9d_bench::options;
 
 at::Tensor eager_rms_norm(const at::Tensor& x, const at::Tensor& w) {
   const auto xf = x.to(at::kFloat);
@@ -44,20 +35,7 @@ at::Tensor eager_rms_norm(const at::Tensor& x, const at::Tensor& w) {
 // Times `kLaunchesPerIteration` calls of `fn` per benchmark iteration (manual time, synchronised).
 template <typename Fn>
 void run(benchmark::State& state, double bytes_per_call, Fn&& fn) {
-  fn();  // warm-up (allocator, kernel selection)
-  sync();
-  for (auto _ : state) {
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < kLaunchesPerIteration; ++i) {
-      fn();
-    }
-    sync();
-    const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
-    state.SetIterationTime(elapsed.count() / kLaunchesPerIteration);
-  }
-  state.SetBytesProcessed(
-      static_cast<int64_t>(bytes_per_call * static_cast<double>(state.iterations())));
-  state.SetLabel(on_cuda() ? "cuda bf16" : "cpu fp32");
+  d9d_bench::run(state, bytes_per_call, kLaunchesPerIteration, fn);
 }
 
 struct Inputs {

@@ -11,7 +11,6 @@
 // them once (a checksum), so the pages are really brought in. --cold first evicts the file from
 // the page cache (posix_fadvise DONTNEED; works without root on clean pages). The Python
 // counterpart is bench/safetensors_load_bench.py (safetensors.numpy.load_file).
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -24,6 +23,8 @@
 #include <ATen/Parallel.h>
 
 #include <d9d/state/safetensors.hpp>
+
+#include "timing.hpp"
 
 namespace {
 
@@ -106,7 +107,7 @@ int main(int argc, char** argv) {
   if (cold) {
     drop_cache(path);
   }
-  const auto start = std::chrono::steady_clock::now();
+  const d9d_bench::Stopwatch watch;
   uint64_t bytes = 0;
   std::size_t count = 0;
   uint64_t checksum = 0;
@@ -128,8 +129,7 @@ int main(int argc, char** argv) {
       ++count;
     }
   }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = watch.seconds();
   sink = checksum;  // keeps the reads of --view
   std::printf(
       "d9d %s %s, %d threads: %zu tensors, %.3f GB in %.3f s = %.2f GB/s, peak RSS %.2f GB\n",

@@ -1,4 +1,4 @@
-// d9d/kernels/cuda_graph.cu — the CUDA implementation of d9d::detail::MicrobatchGraph
+// d9d/kernels/cuda_graph.cu — the CUDA implementation of d9d::kernels::MicrobatchGraph
 // (at::cuda::CUDAGraph), installed when the library loads. Host code only: it lives with the
 // kernels because it needs LibTorch's CUDA library, which CPU builds do not link.
 //
@@ -16,17 +16,16 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <d9d/train/detail/microbatch_graph.hpp>
+#include <d9d/kernels/cuda_graph.hpp>
 
 namespace d9d::kernels {
 namespace {
 
-class CudaMicrobatchGraph final : public detail::MicrobatchGraph {
+class CudaMicrobatchGraph final : public MicrobatchGraph {
  public:
   explicit CudaMicrobatchGraph(c10::Device device) : device_(device) {}
 
-  void capture(const std::function<void()>& body,
-               detail::MicrobatchGraph* share_pool_with) override {
+  void capture(const std::function<void()>& body, MicrobatchGraph* share_pool_with) override {
     const c10::cuda::CUDAGuard guard(device_);
     const auto current = c10::cuda::getCurrentCUDAStream(device_.index());
     const auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index());
@@ -72,13 +71,13 @@ class CudaMicrobatchGraph final : public detail::MicrobatchGraph {
   at::cuda::CUDAGraph graph_;
 };
 
-std::unique_ptr<detail::MicrobatchGraph> make_graph(c10::Device device) {
+std::unique_ptr<MicrobatchGraph> make_graph(c10::Device device) {
   return std::make_unique<CudaMicrobatchGraph>(device);
 }
 
 // Installed when the library (or the kernels' shared library) loads.
 const bool installed = [] {
-  detail::set_microbatch_graph_factory(&make_graph);
+  set_microbatch_graph_factory(&make_graph);
   return true;
 }();
 

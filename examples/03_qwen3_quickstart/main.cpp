@@ -24,6 +24,8 @@
 #include <d9d/d9d.hpp>
 #include <d9d/peft/lora.hpp>
 
+#include "examples/common/report.hpp"
+
 // ---- configuration: one `using` per plan slot -------------------------------------------------
 using Mesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>>;  // or d9d::mesh<d9d::dp_replicate<2>>
 using DataParallel = d9d::parallel::Replicate;            // --fsdp: d9d::parallel::FullyShard<>
@@ -60,21 +62,6 @@ using PipelinePlan = d9d::Plan<PipelineMesh, DataParallel, Schedule, Precision>;
 
 namespace {
 
-// Model FLOPs per token for training (forward + backward): 6 per parameter outside the embedding
-// plus attention's 12 * layers * (heads * head_dim) * sequence (causal masking not discounted).
-// With a frozen base (LoRA) the weights' gradients are not computed: 4 per parameter (the small
-// adapters' own FLOPs are not counted).
-double flops_per_token(const d9d::model::Qwen3Config& c, int64_t sequence_length,
-                       bool frozen_base = false) {
-  // The LM head is a vocab x hidden matmul whether or not it shares the embedding's weight.
-  const double matmul_params = static_cast<double>(c.non_embedding_parameter_count()) +
-                               static_cast<double>(c.vocab_size * c.hidden_size);
-  return (frozen_base ? 4.0 : 6.0) * matmul_params +
-         12.0 * static_cast<double>(c.num_hidden_layers) *
-             static_cast<double>(c.num_attention_heads * c.head_dim) *
-             static_cast<double>(sequence_length);
-}
-
 struct Options {
   std::string config_path;
   std::string data;
@@ -101,35 +88,29 @@ int run(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, doubl
   if constexpr (kFrozenBase) {
     const auto count = d9d::peft::count_parameters(*trainer.core().model());
     if (ctx.is_main_process()) {
-      std::printf("trainable params: %ld || all params: %ld || trainable%%: %.4f\n",
-                  static_cast<long>(count.trainable), static_cast<long>(count.total),
-                  count.trainable_percent());
-      std::fflush(stdout);
+      report::print_trainable(count);
     }
   }
   const auto result = trainer.train();
   if (ctx.is_main_process()) {
     const auto config = d9d::model::Qwen3Config::from_json_text(cfg.section("model"));
-    const double tflops = result.tokens_per_second *
-                          flops_per_token(config, cfg.batch.sequence_length, kFrozenBase) / 1e12;
+    const double tflops =
+        result.tokens_per_second *
+        report::training_flops_per_token(config, config.non_embedding_parameter_count(),
+                                         cfg.batch.sequence_length, kFrozenBase) /
+        1e12;
     std::printf(
         "model: %.1fM parameters; throughput: %.0f tokens/s over %d rank(s), %.2f TFLOP/s per rank",
         static_cast<double>(config.parameter_count()) / 1e6, result.tokens_per_second,
         ctx.world_size(), tflops / ctx.world_size());
-    if (peak_tflops > 0) {
-      std::printf(", MFU %.1f%% of %.0f TFLOP/s", 100.0 * tflops / ctx.world_size() / peak_tflops,
-                  peak_tflops);
-    }
+    report::print_mfu(tflops, ctx.world_size(), peak_tflops);
     std::printf("\nhost time issuing forward + backward: %.2f ms per step",
                 result.issue_seconds_per_step * 1e3);
     if (result.graph_replays > 0) {
       std::printf(" (CUDA graphs: %ld microbatches replayed)",
                   static_cast<long>(result.graph_replays));
     }
-    if (result.peak_memory_bytes > 0) {
-      std::printf("\npeak memory: %.2f GiB (the most any rank allocated)",
-                  static_cast<double>(result.peak_memory_bytes) / (1024.0 * 1024.0 * 1024.0));
-    }
+    report::print_peak_memory(result.peak_memory_bytes);
     if (!result.losses.empty()) {
       std::printf("\nloss: %.4f -> %.4f\n", result.losses.front(), result.losses.back());
     } else {

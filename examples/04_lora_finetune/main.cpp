@@ -21,6 +21,8 @@
 #include <d9d/d9d.hpp>
 #include <d9d/peft/lora.hpp>
 
+#include "examples/common/report.hpp"
+
 // ---- configuration: one `using` per plan slot -------------------------------------------------
 using Mesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>>;  // or mesh<dp_shard<dynamic>> (FullyShard)
 using DataParallel = d9d::parallel::Replicate;  // or d9d::parallel::FullyShard<> (export: not yet)
@@ -101,10 +103,7 @@ int finetune(const std::string& base, const std::string& output, int steps) {
   // The plan's peft slot has put the adapters on and frozen the rest (Hugging Face peft's line).
   const auto count = d9d::peft::count_parameters(*trainer.core().model());
   if (ctx.is_main_process()) {
-    std::printf("trainable params: %ld || all params: %ld || trainable%%: %.4f\n",
-                static_cast<long>(count.trainable), static_cast<long>(count.total),
-                count.trainable_percent());
-    std::fflush(stdout);
+    report::print_trainable(count);
   }
   const auto result = trainer.train();
   if (!ctx.is_main_process()) {

@@ -25,6 +25,8 @@
 
 #include <d9d/d9d.hpp>
 
+#include "examples/common/report.hpp"
+
 // ---- configuration: one `using` per plan slot -------------------------------------------------
 using Mesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::ep<d9d::dynamic>>;  // or ep<2>
 using DataParallel = d9d::parallel::FullyShard<>;        // or d9d::parallel::Replicate
@@ -37,17 +39,6 @@ using MoePlan = d9d::Plan<Mesh, DataParallel, ExpertParallel, Pipeline, Peft, Pr
 // -----------------------------------------------------------------------------------------------
 
 namespace {
-
-// Training FLOPs per token counted on the parameters a token uses (the top-k experts, not all):
-// 6 per active matmul parameter (the LM head included) plus attention's 12 * layers * heads *
-// head_dim * sequence.
-double active_flops_per_token(const d9d::model::Qwen3MoeConfig& c, int64_t sequence_length) {
-  const double matmul = static_cast<double>(c.active_non_embedding_parameter_count()) +
-                        static_cast<double>(c.vocab_size * c.hidden_size);
-  return 6.0 * matmul + 12.0 * static_cast<double>(c.num_hidden_layers) *
-                            static_cast<double>(c.num_attention_heads * c.head_dim) *
-                            static_cast<double>(sequence_length);
-}
 
 template <class Plan>
 int run(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, double peak_tflops) {
@@ -73,22 +64,20 @@ int run(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, doubl
   const auto result = trainer.train();
   if (ctx.is_main_process()) {
     const auto config = d9d::model::Qwen3MoeConfig::from_json_text(cfg.section("model"));
+    // FLOPs counted on the parameters a token uses (the top-k experts, not all).
     const double tflops =
-        result.tokens_per_second * active_flops_per_token(config, cfg.batch.sequence_length) / 1e12;
+        result.tokens_per_second *
+        report::training_flops_per_token(config, config.active_non_embedding_parameter_count(),
+                                         cfg.batch.sequence_length) /
+        1e12;
     std::printf(
         "model: %.1fM parameters, %.1fM active per token; throughput: %.0f tokens/s over %d "
         "rank(s), %.3f TFLOP/s per rank on active parameters",
         static_cast<double>(config.parameter_count()) / 1e6,
         static_cast<double>(config.active_parameter_count()) / 1e6, result.tokens_per_second,
         ctx.world_size(), tflops / ctx.world_size());
-    if (peak_tflops > 0) {
-      std::printf(", MFU %.1f%% of %.0f TFLOP/s", 100.0 * tflops / ctx.world_size() / peak_tflops,
-                  peak_tflops);
-    }
-    if (result.peak_memory_bytes > 0) {
-      std::printf("\npeak memory: %.2f GiB (the most any rank allocated)",
-                  static_cast<double>(result.peak_memory_bytes) / (1024.0 * 1024.0 * 1024.0));
-    }
+    report::print_mfu(tflops, ctx.world_size(), peak_tflops);
+    report::print_peak_memory(result.peak_memory_bytes);
     if (!result.losses.empty()) {
       std::printf("\nloss: %.4f -> %.4f; router load max/mean at the end %.3f\n",
                   result.losses.front(), result.losses.back(), last["moe/load_max_over_mean"]);

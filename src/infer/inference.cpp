@@ -15,8 +15,8 @@
 #include <d9d/core/collectives.hpp>
 #include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/infer/inference.hpp>
-#include <d9d/track/progress.hpp>
 #include <d9d/util/files.hpp>
+#include <d9d/util/progress.hpp>
 
 namespace d9d {
 
@@ -113,9 +113,9 @@ InferenceResult run_inference(const DistributedContext& context, const DeviceMes
 
   const int64_t remaining = size - result.resumed_at;
   const int64_t steps = (remaining + global - 1) / global;
-  std::unique_ptr<track::ProgressBar> bar;
+  std::unique_ptr<util::ProgressBar> bar;
   if (context.is_main_process() && steps > 0) {
-    bar = std::make_unique<track::ProgressBar>(steps, "infer");
+    bar = std::make_unique<util::ProgressBar>(steps, "infer");
   }
   for (auto& module : forward.parallel->modules()) {
     module->eval();

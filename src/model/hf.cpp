@@ -12,30 +12,19 @@
 #include <ATen/core/grad_mode.h>
 
 #include <d9d/model/hf.hpp>
-#include <d9d/state/detail/io.hpp>
 #include <d9d/state/safetensors.hpp>
 #include <d9d/state/safetensors_sharded.hpp>
 #include <d9d/util/files.hpp>
+#include <d9d/util/quote.hpp>
 
 namespace d9d::model {
 namespace {
 
 // Through a temporary file, fsynced, then renamed (and the directory fsynced).
 void write_text_file(const std::string& path, const std::string& text) {
-  state::detail::AtomicFile file(path, "d9d::model::save_hf_checkpoint");
+  files::AtomicFile file(path, "d9d::model::save_hf_checkpoint");
   file.write(text.data(), text.size());
   file.commit();
-}
-
-std::string list(const std::vector<std::string>& names) {
-  std::string out;
-  for (std::size_t i = 0; i < names.size() && i < 8; ++i) {
-    out += (i > 0 ? ", " : "") + names[i];
-  }
-  if (names.size() > 8) {
-    out += ", ... (" + std::to_string(names.size()) + " in all)";
-  }
-  return out;
 }
 
 }  // namespace
@@ -96,8 +85,8 @@ void HfCheckpointWriter::commit() {
     write_text_file(files::join(impl_->dir, "config.json"), impl_->config_json);
   }
   // The renames above, and `dir` itself when it was just created, reach the disk.
-  state::detail::sync_directory(impl_->dir);
-  state::detail::sync_directory(files::parent(impl_->dir));
+  files::sync_directory(impl_->dir);
+  files::sync_directory(files::parent(impl_->dir));
 }
 
 void save_hf_checkpoint(const torch::nn::Module& model, const std::string& dir,
@@ -164,21 +153,12 @@ void load_hf_checkpoint(torch::nn::Module& model, const std::string& dir,
       unexpected.push_back(name);
     }
   }
-  if (!missing.empty() || !mismatched.empty() || !unexpected.empty() || !not_floating.empty()) {
-    std::string message = who + ": " + path + " does not fit the model:";
-    if (!missing.empty()) {
-      message += " missing " + list(missing) + ";";
-    }
-    if (!unexpected.empty()) {
-      message += " unexpected " + list(unexpected) + ";";
-    }
-    if (!mismatched.empty()) {
-      message += " other shapes: " + list(mismatched) + ";";
-    }
-    if (!not_floating.empty()) {
-      message += " not floating point: " + list(not_floating) + ";";
-    }
-    throw std::runtime_error(message);
+  if (const std::string details = util::misfit({{"missing", missing},
+                                                {"unexpected", unexpected},
+                                                {"other shapes:", mismatched},
+                                                {"not floating point:", not_floating}});
+      !details.empty()) {
+    throw std::runtime_error(who + ": " + path + " does not fit the model:" + details);
   }
 
   // Tensor by tensor, file by file, from the mapping: each parameter is copied (and converted to

@@ -11,23 +11,14 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <d9d/model/detail/decoder_stage.hpp>
 #include <d9d/model/linear_cross_entropy.hpp>
 #include <d9d/model/qwen3.hpp>
 
 namespace d9d::model {
 
 Qwen3DecoderLayerImpl::Qwen3DecoderLayerImpl(const Qwen3Config& config) {
-  input_layernorm =
-      register_module("input_layernorm", RmsNorm(config.hidden_size, config.rms_norm_eps));
-  self_attn = register_module("self_attn", Attention(AttentionOptions{
-                                               .hidden_size = config.hidden_size,
-                                               .num_heads = config.num_attention_heads,
-                                               .num_kv_heads = config.num_key_value_heads,
-                                               .head_dim = config.head_dim,
-                                               .rms_norm_eps = config.rms_norm_eps,
-                                           }));
-  post_attention_layernorm =
-      register_module("post_attention_layernorm", RmsNorm(config.hidden_size, config.rms_norm_eps));
+  detail::register_attention(*this, config, input_layernorm, self_attn, post_attention_layernorm);
   mlp = register_module("mlp", SwiGlu(config.hidden_size, config.intermediate_size));
 }
 
@@ -81,8 +72,7 @@ void Qwen3ModelImpl::set_vocab_parallel(std::shared_ptr<const TensorParallelGrou
 
 at::Tensor Qwen3ModelImpl::forward(const at::Tensor& input_ids) {
   auto h = embed(input_ids);
-  const auto cos_sin = rope_.cos_sin(input_ids.size(1), input_ids.device(),
-                                     RotaryEmbedding::table_dtype(h.scalar_type()));
+  const auto cos_sin = detail::rope_tables(rope_, input_ids, h);
   for (const auto& layer : *layers) {
     h = layer->as<Qwen3DecoderLayer>()->forward(h, cos_sin);
   }
@@ -143,11 +133,7 @@ Qwen3ForCausalLMImpl::Qwen3ForCausalLMImpl(Qwen3Config config) : config_(config)
 
 at::Tensor Qwen3ForCausalLMImpl::head_logits(const at::Tensor& hidden) {
   // Under tensor parallelism the head is column-parallel: its input's gradient is summed.
-  const auto in = tp_ ? tp_->copy_in(hidden) : hidden;
-  if (lm_head) {
-    return lm_head(in);
-  }
-  return at::linear(in, model->embed_tokens->weight.to(in.scalar_type()));
+  return detail::tied_head(tp_ ? tp_->copy_in(hidden) : hidden, lm_head, model->embed_tokens);
 }
 
 at::Tensor Qwen3ForCausalLMImpl::forward(const at::Tensor& input_ids) {

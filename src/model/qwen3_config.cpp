@@ -17,17 +17,19 @@
 #include <utility>
 #include <vector>
 
+#include <d9d/model/detail/config_reader.hpp>
 #include <d9d/model/qwen3.hpp>
-#include <d9d/state/detail/io.hpp>
-#include <d9d/util/did_you_mean.hpp>
 
 namespace d9d::model {
 namespace {
 
-using Json = state::detail::Json;
+using detail::find;
+using detail::in_quotes;
+using detail::Json;
+using detail::shown;
 
-/// The largest size d9d accepts: every size fits an int, so nothing truncates downstream.
-constexpr int64_t kMaxSize = std::numeric_limits<int32_t>::max();
+constexpr detail::ConfigReader kReader{"d9d Qwen3 config: "};
+constexpr int64_t kMaxSize = detail::kMaxConfigSize;
 
 /// Keys read into Qwen3Config (the rope theta from "rope_theta" or from inside "rope_parameters" /
 /// "rope_scaling"). Listed first: they win ties of the did-you-mean suggestion.
@@ -96,79 +98,22 @@ constexpr std::string_view kIgnoredKeys[] = {
     // The attention kernel transformers picks (the same function, computed another way).
     "attn_implementation", "_attn_implementation", "_attn_implementation_autoset"};
 
-[[noreturn]] void fail(const std::string& message) {
-  throw std::invalid_argument("d9d Qwen3 config: " + message);
-}
-
-std::string in_quotes(std::string_view key) { return "\"" + std::string(key) + "\""; }
-
-std::string shown(const Json& value) { return state::detail::short_dump(value, 80); }
+[[noreturn]] void fail(const std::string& message) { kReader.fail(message); }
 
 [[noreturn]] void bad(const std::string& key, const std::string& value, const std::string& valid) {
-  fail(in_quotes(key) + " = " + value + " is invalid; " + valid);
-}
-
-template <std::size_t N>
-bool in(const std::string_view (&keys)[N], std::string_view key) {
-  for (const auto k : keys) {
-    if (k == key) {
-      return true;
-    }
-  }
-  return false;
-}
-
-bool known(std::string_view key) {
-  return in(kReadKeys, key) || in(kCheckedKeys, key) || in(kRejectedKeys, key) ||
-         in(kIgnoredKeys, key);
-}
-
-/// `json[key]`, or nullptr when it is absent or null (transformers treats null as "not given").
-const Json* find(const Json& json, std::string_view key) {
-  const auto found = json.find(std::string(key));
-  return found == json.end() || found->is_null() ? nullptr : &*found;
-}
-
-Json parse(const std::string& text) {
-  Json json;
-  try {
-    json = state::detail::parse_strict_json(text, 64);
-  } catch (const state::detail::JsonError& error) {
-    if (error.top_key().empty()) {
-      fail(std::string("not valid JSON: ") + error.what());
-    }
-    const std::string what = error.what();
-    fail(in_quotes(error.top_key()) + (what.rfind("appears twice", 0) == 0 ? " " : ": ") + what);
-  }
-  if (!json.is_object()) {
-    fail("expected a JSON object, got " + shown(json));
-  }
-  return json;
+  kReader.bad(key, value, valid);
 }
 
 void reject_unknown_keys(const Json& json) {
-  const std::vector<std::string_view> candidates = detail::qwen3_config_keys();
-  std::string listing;
-  std::size_t unknown = 0;
-  for (const auto& item : json.items()) {
-    if (known(item.key())) {
-      continue;
-    }
-    const std::string best = util::closest_match(item.key(), candidates);
-    listing += (unknown++ == 0 ? "" : ", ") + state::detail::quoted(item.key(), 80) +
-               (best.empty() ? "" : " (did you mean " + in_quotes(best) + "?)");
-  }
-  if (unknown == 0) {
-    return;
-  }
   std::string read;
   for (const auto key : kReadKeys) {
     read += (read.empty() ? "" : ", ") + std::string(key);
   }
-  fail(std::string(unknown == 1 ? "unknown key " : "unknown keys ") + listing + "; d9d reads " +
-       read +
-       ", and accepts the other keys transformers writes for Qwen3 (d9d/model/qwen3.hpp lists "
-       "them)");
+  kReader.reject_unknown_keys(
+      json, detail::qwen3_config_keys(),
+      "; d9d reads " + read +
+          ", and accepts the other keys transformers writes for Qwen3 (d9d/model/qwen3.hpp lists "
+          "them)");
 }
 
 void expect_value(const Json& json, std::string_view key, const Json& want,
@@ -310,24 +255,12 @@ void require_keys(const Json& json, bool has_theta) {
 }
 
 int64_t read_size(const Json& json, std::string_view key) {
-  const Json& value = *find(json, key);
-  const std::string valid = "expected an integer from 1 to " + std::to_string(kMaxSize);
-  if (!value.is_number_integer()) {
-    bad(std::string(key), shown(value), valid);
-  }
-  if (value.is_number_unsigned() ? value.get<uint64_t>() > static_cast<uint64_t>(kMaxSize)
-                                 : (value.get<int64_t>() < 1 || value.get<int64_t>() > kMaxSize)) {
-    bad(std::string(key), shown(value), valid);
-  }
-  return value.get<int64_t>();
+  return kReader.read_size(*find(json, key), std::string(key));
 }
 
 void read_bool(const Json& json, std::string_view key, bool& out) {
   if (const Json* value = find(json, key)) {
-    if (!value->is_boolean()) {
-      bad(std::string(key), shown(*value), "expected true or false");
-    }
-    out = value->get<bool>();
+    out = kReader.read_bool(*value, std::string(key));
   }
 }
 
@@ -343,7 +276,7 @@ std::vector<std::string_view> detail::qwen3_config_keys() {
 }
 
 Qwen3Config Qwen3Config::from_json_text(const std::string& text) {
-  const Json json = parse(text);
+  const Json json = kReader.parse_object(text);
   if (const Json* type = find(json, "model_type"); type != nullptr && *type == "qwen3_moe") {
     reject_unsupported(json);  // names the Qwen3-MoE reader before its keys look unknown
   }

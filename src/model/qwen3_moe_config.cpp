@@ -10,17 +10,20 @@
 #include <string_view>
 #include <vector>
 
+#include <d9d/model/detail/config_reader.hpp>
 #include <d9d/model/qwen3_moe.hpp>
-#include <d9d/state/detail/io.hpp>
-#include <d9d/util/did_you_mean.hpp>
 
 namespace d9d::model {
 namespace {
 
-using Json = state::detail::Json;
+using detail::find;
+using detail::in_quotes;
+using detail::Json;
+using detail::shown;
 
-constexpr int64_t kMaxSize = std::numeric_limits<int32_t>::max();
-constexpr std::string_view kPrefix = "d9d Qwen3-MoE config: ";
+constexpr detail::ConfigReader kReader{"d9d Qwen3-MoE config: "};
+constexpr detail::ConfigReader kDenseReader{"d9d Qwen3 config: "};
+constexpr int64_t kMaxSize = detail::kMaxConfigSize;
 
 /// The MoE keys this reader takes out before the dense Qwen3 reader sees the rest.
 constexpr std::string_view kMoeKeys[] = {"num_experts",
@@ -35,20 +38,10 @@ constexpr std::string_view kMoeKeys[] = {"num_experts",
                                          "shared_expert_intermediate_size",
                                          "router_bias_update_rate"};
 
-[[noreturn]] void fail(const std::string& message) {
-  throw std::invalid_argument(std::string(kPrefix) + message);
-}
-
-std::string in_quotes(std::string_view key) { return "\"" + std::string(key) + "\""; }
-std::string shown(const Json& value) { return state::detail::short_dump(value, 80); }
+[[noreturn]] void fail(const std::string& message) { kReader.fail(message); }
 
 [[noreturn]] void bad(const std::string& key, const std::string& value, const std::string& valid) {
-  fail(in_quotes(key) + " = " + value + " is invalid; " + valid);
-}
-
-const Json* find(const Json& json, std::string_view key) {
-  const auto found = json.find(std::string(key));
-  return found == json.end() || found->is_null() ? nullptr : &*found;
+  kReader.bad(key, value, valid);
 }
 
 bool is_moe_key(std::string_view key) {
@@ -56,15 +49,7 @@ bool is_moe_key(std::string_view key) {
 }
 
 int64_t read_size(const Json& value, const std::string& key, int64_t low = 1) {
-  const std::string valid =
-      "expected an integer from " + std::to_string(low) + " to " + std::to_string(kMaxSize);
-  if (!value.is_number_integer() ||
-      (value.is_number_unsigned()
-           ? value.get<uint64_t>() > static_cast<uint64_t>(kMaxSize)
-           : (value.get<int64_t>() < low || value.get<int64_t>() > kMaxSize))) {
-    bad(key, shown(value), valid);
-  }
-  return value.get<int64_t>();
+  return kReader.read_size(value, key, low);
 }
 
 double read_non_negative(const Json& value, const std::string& key) {
@@ -74,57 +59,24 @@ double read_non_negative(const Json& value, const std::string& key) {
   return value.get<double>();
 }
 
-bool read_bool(const Json& value, const std::string& key) {
-  if (!value.is_boolean()) {
-    bad(key, shown(value), "expected true or false");
-  }
-  return value.get<bool>();
-}
-
-Json parse(const std::string& text) {
-  Json json;
-  try {
-    json = state::detail::parse_strict_json(text, 64);
-  } catch (const state::detail::JsonError& error) {
-    if (error.top_key().empty()) {
-      fail(std::string("not valid JSON: ") + error.what());
-    }
-    const std::string what = error.what();
-    fail(in_quotes(error.top_key()) + (what.rfind("appears twice", 0) == 0 ? " " : ": ") + what);
-  }
-  if (!json.is_object()) {
-    fail("expected a JSON object, got " + shown(json));
-  }
-  return json;
-}
+bool read_bool(const Json& value, const std::string& key) { return kReader.read_bool(value, key); }
 
 void reject_unknown_keys(const Json& json) {
-  std::vector<std::string_view> candidates(std::begin(kMoeKeys), std::end(kMoeKeys));
+  std::vector<std::string_view> known(std::begin(kMoeKeys), std::end(kMoeKeys));
   const auto dense = detail::qwen3_config_keys();
-  candidates.insert(candidates.end(), dense.begin(), dense.end());
-  std::string listing;
-  std::size_t unknown = 0;
-  for (const auto& item : json.items()) {
-    if (std::find(candidates.begin(), candidates.end(), item.key()) != candidates.end()) {
-      continue;
-    }
-    const std::string best = util::closest_match(item.key(), candidates);
-    listing += (unknown++ == 0 ? "" : ", ") + state::detail::quoted(item.key(), 80) +
-               (best.empty() ? "" : " (did you mean " + in_quotes(best) + "?)");
-  }
-  if (unknown > 0) {
-    fail(std::string(unknown == 1 ? "unknown key " : "unknown keys ") + listing +
-         "; d9d reads the dense Qwen3 keys (d9d/model/qwen3.hpp) and the MoE keys "
-         "num_experts (or num_local_experts), num_experts_per_tok, moe_intermediate_size, "
-         "norm_topk_prob, decoder_sparse_step, mlp_only_layers, router_aux_loss_coef, "
-         "output_router_logits, shared_expert_intermediate_size, router_bias_update_rate");
-  }
+  known.insert(known.end(), dense.begin(), dense.end());
+  kReader.reject_unknown_keys(
+      json, known,
+      "; d9d reads the dense Qwen3 keys (d9d/model/qwen3.hpp) and the MoE keys "
+      "num_experts (or num_local_experts), num_experts_per_tok, moe_intermediate_size, "
+      "norm_topk_prob, decoder_sparse_step, mlp_only_layers, router_aux_loss_coef, "
+      "output_router_logits, shared_expert_intermediate_size, router_bias_update_rate");
 }
 
 }  // namespace
 
 Qwen3MoeConfig Qwen3MoeConfig::from_json_text(const std::string& text) {
-  const Json json = parse(text);
+  const Json json = kReader.parse_object(text);
   if (const Json* type = find(json, "model_type"); type != nullptr && *type != "qwen3_moe") {
     bad("model_type", shown(*type),
         *type == "qwen3"
@@ -146,16 +98,8 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json_text(const std::string& text) {
     dense["model_type"] = "qwen3";
   }
   Qwen3MoeConfig config;
-  try {
-    static_cast<Qwen3Config&>(config) = Qwen3Config::from_json_text(dense.dump());
-  } catch (const std::invalid_argument& error) {
-    std::string what = error.what();
-    constexpr std::string_view kDense = "d9d Qwen3 config: ";
-    if (what.rfind(kDense, 0) == 0) {
-      what = std::string(kPrefix) + what.substr(kDense.size());
-    }
-    throw std::invalid_argument(what);
-  }
+  static_cast<Qwen3Config&>(config) = kReader.under_own_prefix(
+      kDenseReader, [&dense] { return Qwen3Config::from_json_text(dense.dump()); });
 
   // The MoE keys.
   const Json* experts = find(json, "num_experts");
@@ -218,16 +162,7 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json_text(const std::string& text) {
 }
 
 void Qwen3MoeConfig::validate() const {
-  try {
-    Qwen3Config::validate();
-  } catch (const std::invalid_argument& error) {
-    std::string what = error.what();
-    constexpr std::string_view kDense = "d9d Qwen3 config: ";
-    if (what.rfind(kDense, 0) == 0) {
-      what = std::string(kPrefix) + what.substr(kDense.size());
-    }
-    throw std::invalid_argument(what);
-  }
+  kReader.under_own_prefix(kDenseReader, [this] { Qwen3Config::validate(); });
   const std::pair<const char*, int64_t> sizes[] = {{"num_experts", num_experts},
                                                    {"num_experts_per_tok", num_experts_per_tok},
                                                    {"moe_intermediate_size", moe_intermediate_size},

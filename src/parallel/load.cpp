@@ -10,8 +10,8 @@
 #include <ATen/core/grad_mode.h>
 
 #include <d9d/parallel/load.hpp>
-#include <d9d/state/detail/io.hpp>
 #include <d9d/state/mapper_distributed.hpp>
+#include <d9d/util/quote.hpp>
 
 namespace d9d::parallel {
 namespace {
@@ -98,8 +98,8 @@ state::StreamStats load_state(ParallelModel& model, const state::StateSource& so
   if (!extra.empty()) {
     throw std::invalid_argument(
         who + ": extra: the mapper produces " + std::to_string(extra.size()) +
-        " key(s) the model has no parameter for: " + state::detail::quoted_keys(extra) +
-        " (the model has " + std::to_string(targets.size()) + ")");
+        " key(s) the model has no parameter for: " + util::quoted_keys(extra) + " (the model has " +
+        std::to_string(targets.size()) + ")");
   }
   const auto outputs = base.outputs();
   std::vector<std::string> missing;
@@ -109,10 +109,10 @@ state::StreamStats load_state(ParallelModel& model, const state::StateSource& so
     }
   }
   if (!missing.empty()) {
-    throw std::invalid_argument(who + ": missing: " + std::to_string(missing.size()) +
-                                " parameter(s) of the model are produced by no group: " +
-                                state::detail::quoted_keys(missing) +
-                                ". Fix: map them from the checkpoint's keys");
+    throw std::invalid_argument(
+        who + ": missing: " + std::to_string(missing.size()) +
+        " parameter(s) of the model are produced by no group: " + util::quoted_keys(missing) +
+        ". Fix: map them from the checkpoint's keys");
   }
   if (!elsewhere.empty()) {
     parts.push_back(state::drop(elsewhere));
@@ -136,10 +136,9 @@ state::StreamStats load_state(ParallelModel& model, const state::StateSource& so
   state::validate(mapper, source.keys(), {.allow_unused_inputs = allow_unused});
 
   const auto shape_error = [&](const std::string& name, at::IntArrayRef got, const Target& target) {
-    std::string message = who + ": " + state::detail::quoted_key(name) +
-                          ": this rank's part of the mapped tensor has shape " +
-                          state::detail::shape_string(got) + ", the model's has " +
-                          state::detail::shape_string(target.tensor.sizes());
+    std::string message =
+        who + ": " + util::quoted_key(name) + ": this rank's part of the mapped tensor has shape " +
+        util::shape_string(got) + ", the model's has " + util::shape_string(target.tensor.sizes());
     if (target.record == nullptr) {
       message +=
           " (a parameter without a record or a kept layout loads whole: a strategy that splits it "

@@ -18,6 +18,7 @@
 #include <d9d/peft/lora.hpp>
 #include <d9d/state/safetensors.hpp>
 #include <d9d/util/files.hpp>
+#include <d9d/util/quote.hpp>
 
 namespace d9d::peft {
 namespace {
@@ -63,17 +64,6 @@ std::string regex_escape(const std::string& text) {
       out += '\\';
     }
     out += c;
-  }
-  return out;
-}
-
-std::string list(const std::vector<std::string>& names) {
-  std::string out;
-  for (std::size_t i = 0; i < names.size() && i < 8; ++i) {
-    out += (i > 0 ? ", " : "") + names[i];
-  }
-  if (names.size() > 8) {
-    out += ", ... (" + std::to_string(names.size()) + " in all)";
   }
   return out;
 }
@@ -283,7 +273,8 @@ std::map<std::string, at::Tensor> read_weights(const std::string& dir, const std
   }
   if (!foreign.empty()) {
     throw std::runtime_error(who + ": " + path + " has tensors whose names do not start with \"" +
-                             std::string(kPrefix) + "\" (peft's prefix): " + list(foreign));
+                             std::string(kPrefix) +
+                             "\" (peft's prefix): " + util::name_list(foreign));
   }
   return out;
 }
@@ -310,18 +301,10 @@ void copy_checked(const std::map<std::string, at::Tensor>& tensors,
       unexpected.push_back(kPrefix + name);
     }
   }
-  if (!missing.empty() || !unexpected.empty() || !mismatched.empty()) {
-    std::string message = who + ": " + path + " does not fit the model's adapters:";
-    if (!missing.empty()) {
-      message += " missing " + list(missing) + ";";
-    }
-    if (!unexpected.empty()) {
-      message += " unexpected " + list(unexpected) + ";";
-    }
-    if (!mismatched.empty()) {
-      message += " other shapes: " + list(mismatched) + ";";
-    }
-    throw std::runtime_error(message +
+  if (const std::string details = util::misfit(
+          {{"missing", missing}, {"unexpected", unexpected}, {"other shapes:", mismatched}});
+      !details.empty()) {
+    throw std::runtime_error(who + ": " + path + " does not fit the model's adapters:" + details +
                              " Fix: load it into the base model it was trained on, with the "
                              "same targets and ranks");
   }

@@ -18,7 +18,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <d9d/core/collectives.hpp>
-#include <d9d/model/weight_grad.hpp>
+#include <d9d/core/weight_grad.hpp>
 #include <d9d/pipeline/executor.hpp>
 
 namespace d9d::pipeline {
@@ -138,7 +138,7 @@ struct Executor::Impl {
   std::map<Key, at::Tensor> received;     // activations received for (stage, mb)
   std::map<Key, at::Tensor> grad_output;  // gradients received for the output of (stage, mb)
   std::map<Key, at::Tensor> grad_input;   // the gradient of (stage, mb)'s input, after B / I
-  std::map<Key, std::unique_ptr<model::WeightGradQueue>> queues;
+  std::map<Key, std::unique_ptr<WeightGradQueue>> queues;
   std::vector<P2POp> batch;                     // the run of sends and receives not posted yet
   std::vector<Pending> pending;                 // posted batches, in posting order
   std::map<Key, std::size_t> activation_batch;  // (stage, mb) -> the batch receiving its input
@@ -258,11 +258,11 @@ struct Executor::Impl {
     }
     at::Tensor out;
     {
-      std::unique_ptr<model::RecordWeightGrads> record;
+      std::unique_ptr<RecordWeightGrads> record;
       if (program.split_backward) {
         auto& queue = queues[key];
-        queue = std::make_unique<model::WeightGradQueue>();
-        record = std::make_unique<model::RecordWeightGrads>(*queue);
+        queue = std::make_unique<WeightGradQueue>();
+        record = std::make_unique<RecordWeightGrads>(*queue);
       }
       out = stages.at(a.stage).forward(x);
     }
@@ -300,9 +300,9 @@ struct Executor::Impl {
                                 : take(grad_output, key, a, "received gradient");
     }
     if (out.requires_grad()) {
-      std::unique_ptr<model::DeferWeightGrads> deferred;
+      std::unique_ptr<DeferWeightGrads> deferred;
       if (defer) {
-        deferred = std::make_unique<model::DeferWeightGrads>(*queues.at(key));
+        deferred = std::make_unique<DeferWeightGrads>(*queues.at(key));
       }
       if (grad.defined()) {
         torch::autograd::backward({out}, {grad});

@@ -14,11 +14,10 @@
 #include <d9d/core/collectives.hpp>
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/core/object_collectives.hpp>
-#include <d9d/state/detail/io.hpp>
 #include <d9d/state/distributed.hpp>
 #include <d9d/state/safetensors.hpp>
-#include <d9d/track/progress.hpp>
 #include <d9d/util/files.hpp>
+#include <d9d/util/progress.hpp>
 
 namespace d9d::state {
 namespace {
@@ -145,7 +144,7 @@ void save_distributed(const DistributedContext& ctx, const std::string& dir,
   const std::string file =
       "model-rank" + std::to_string(rank) + "-of-" + std::to_string(world) + ".safetensors";
   std::vector<DistPiece> pieces;
-  std::optional<track::ProgressBar> bar;
+  std::optional<util::ProgressBar> bar;
   step_agreed(ctx, [&] {
     NamedTensors pieces_data;
     if (options.progress && rank == 0) {
@@ -222,10 +221,10 @@ void save_distributed(const DistributedContext& ctx, const std::string& dir,
     index["weight_map"] = weight_map;
     index["d9d_pieces"] = described;
     const std::string text = index.dump(1);
-    detail::AtomicFile out(files::join(partial, kDistributedIndexName), kSaveWho);
+    files::AtomicFile out(files::join(partial, kDistributedIndexName), kSaveWho);
     out.write(text.data(), text.size());
     out.commit();
-    detail::sync_directory(partial);
+    files::sync_directory(partial);
     if (bar) {
       bar->write("saved " + std::to_string(total) + " bytes from " + std::to_string(world) +
                  " ranks");
@@ -244,9 +243,9 @@ void save_distributed(const DistributedContext& ctx, const std::string& dir,
       files::rename(dir, old);
     }
     files::rename(partial, dir);
-    detail::sync_directory(parent);
+    files::sync_directory(parent);
     files::remove_tree(old);
-    detail::sync_directory(parent);
+    files::sync_directory(parent);
   });
 }
 
@@ -261,7 +260,7 @@ std::map<std::string, at::Tensor> load_distributed(
   }
   std::map<std::string, SafetensorsFile> opened;
   std::map<std::string, at::Tensor> out;
-  std::optional<track::ProgressBar> bar;
+  std::optional<util::ProgressBar> bar;
   if (progress) {
     bar.emplace(static_cast<int64_t>(targets.size()), "load " + dir);
   }

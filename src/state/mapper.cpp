@@ -13,8 +13,8 @@
 #include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
-#include <d9d/state/detail/io.hpp>
 #include <d9d/state/mapper.hpp>
+#include <d9d/util/quote.hpp>
 
 namespace d9d::state {
 
@@ -167,7 +167,7 @@ Mapper combine(std::vector<Part> parts, std::vector<std::string> elsewhere, cons
       const auto [it, fresh] = producer.emplace(key, i);
       if (!fresh) {
         const Part& first = parts[it->second];
-        throw std::invalid_argument(who + ": output " + detail::quoted_key(key) +
+        throw std::invalid_argument(who + ": output " + util::quoted_key(key) +
                                     " is produced twice: by " + source_name(first) + " and by " +
                                     source_name(parts[i]) +
                                     ". Fix: each output key must come from one group");
@@ -226,7 +226,7 @@ void check_unique(const std::vector<std::string>& keys, const std::string& who,
   std::set<std::string_view> seen;
   for (const auto& key : keys) {
     if (!seen.insert(key).second) {
-      throw std::invalid_argument(who + ": " + std::string(what) + " " + detail::quoted_key(key) +
+      throw std::invalid_argument(who + ": " + std::string(what) + " " + util::quoted_key(key) +
                                   " is given twice");
     }
   }
@@ -250,8 +250,8 @@ Part leaf_part(std::string op, std::vector<std::string> inputs, std::vector<std:
   GroupFunction checked = [who, outputs, function = std::move(function)](TensorMap in) {
     std::string given;
     for (const auto& [key, tensor] : in) {
-      given += (given.empty() ? "" : ", ") + detail::quoted_key(key) + " " +
-               (tensor.defined() ? detail::shape_string(tensor.sizes()) : "(undefined)");
+      given += (given.empty() ? "" : ", ") + util::quoted_key(key) + " " +
+               (tensor.defined() ? util::shape_string(tensor.sizes()) : "(undefined)");
     }
     TensorMap out;
     try {
@@ -265,13 +265,13 @@ Part leaf_part(std::string op, std::vector<std::string> inputs, std::vector<std:
     for (const auto& [key, tensor] : out) {
       if (!tensor.defined()) {
         throw std::invalid_argument(who + ": returned an undefined tensor for " +
-                                    detail::quoted_key(key));
+                                    util::quoted_key(key));
       }
       got.push_back(key);
     }
     if (got != outputs) {
-      throw std::invalid_argument(who + ": returned " + detail::quoted_keys(got) +
-                                  " but declares " + detail::quoted_keys(outputs) +
+      throw std::invalid_argument(who + ": returned " + util::quoted_keys(got) + " but declares " +
+                                  util::quoted_keys(outputs) +
                                   ". Fix: return exactly the output keys");
     }
     return out;
@@ -340,9 +340,9 @@ Mapper chain(const Mapper& a, const Mapper& b, std::size_t a_number) {
   }
   if (!missing.empty()) {
     throw std::invalid_argument(
-        who + ": " + b_name + " needs " + detail::quoted_keys(missing) + " (first needed by " +
+        who + ": " + b_name + " needs " + util::quoted_keys(missing) + " (first needed by " +
         first_missing_op + "), which " + a_name + " does not produce (it produces " +
-        std::to_string(producer.size()) + " keys: " + detail::quoted_keys(a.outputs()) + ")");
+        std::to_string(producer.size()) + " keys: " + util::quoted_keys(a.outputs()) + ")");
   }
   std::vector<std::string> unused;
   std::string first_unused_op;
@@ -356,7 +356,7 @@ Mapper chain(const Mapper& a, const Mapper& b, std::size_t a_number) {
     }
   }
   if (!unused.empty()) {
-    throw std::invalid_argument(who + ": " + a_name + " produces " + detail::quoted_keys(unused) +
+    throw std::invalid_argument(who + ": " + a_name + " produces " + util::quoted_keys(unused) +
                                 " (first from " + first_unused_op + "), which " + b_name +
                                 " does not use. Fix: add identity or drop for them to " + b_name);
   }
@@ -480,7 +480,7 @@ TensorMap Mapper::apply(std::size_t group, TensorMap inputs) const {
     }
   }
   if (!missing.empty()) {
-    throw std::invalid_argument(who + ": group " + g.op + " needs " + detail::quoted_keys(missing) +
+    throw std::invalid_argument(who + ": group " + g.op + " needs " + util::quoted_keys(missing) +
                                 ", which the inputs given lack");
   }
   if (inputs.size() != g.inputs.size()) {
@@ -491,12 +491,12 @@ TensorMap Mapper::apply(std::size_t group, TensorMap inputs) const {
       }
     }
     throw std::invalid_argument(who + ": group " + g.op + " does not read " +
-                                detail::quoted_keys(extra) +
+                                util::quoted_keys(extra) +
                                 ". Fix: pass exactly the group's inputs");
   }
   for (const auto& [key, tensor] : inputs) {
     if (!tensor.defined()) {
-      throw std::invalid_argument(who + ": group " + g.op + ": input " + detail::quoted_key(key) +
+      throw std::invalid_argument(who + ": group " + g.op + ": input " + util::quoted_key(key) +
                                   " is an undefined tensor");
     }
   }
@@ -515,8 +515,7 @@ TensorMap Mapper::apply(const MapperGroup& group, TensorMap inputs) const {
     }
   }
   throw std::invalid_argument("d9d::state::Mapper::apply: the group " + group.op + " (inputs " +
-                              detail::quoted_keys(group.inputs) +
-                              ") is not a group of this mapper");
+                              util::quoted_keys(group.inputs) + ") is not a group of this mapper");
 }
 
 TensorMap Mapper::apply_all(const TensorMap& inputs) const {
@@ -528,7 +527,7 @@ TensorMap Mapper::apply_all(const TensorMap& inputs) const {
       const auto it = inputs.find(key);
       if (it == inputs.end()) {
         throw std::invalid_argument("d9d::state::Mapper::apply_all: no input " +
-                                    detail::quoted_key(key) + " (needed by " + g.op + ")");
+                                    util::quoted_key(key) + " (needed by " + g.op + ")");
       }
       sub.emplace(key, it->second);
     }
@@ -559,8 +558,8 @@ Mapper rename(const std::vector<std::pair<std::string, std::string>>& from_to) {
   parts.reserve(from_to.size());
   for (const auto& [from, to] : from_to) {
     parts.push_back(
-        leaf_part("rename(" + detail::quoted_key(from) + " -> " + detail::quoted_key(to) + ")",
-                  {from}, {to}, [from = from, to = to](TensorMap in) {
+        leaf_part("rename(" + util::quoted_key(from) + " -> " + util::quoted_key(to) + ")", {from},
+                  {to}, [from = from, to = to](TensorMap in) {
                     TensorMap out;
                     out.emplace(to, in.at(from));
                     return out;
@@ -575,8 +574,8 @@ Mapper rename_prefix(const std::vector<std::string>& keys, std::string_view from
   from_to.reserve(keys.size());
   for (const auto& key : keys) {
     if (!std::string_view(key).starts_with(from_prefix)) {
-      throw std::invalid_argument("d9d::state::rename_prefix: key " + detail::quoted_key(key) +
-                                  " does not start with " + detail::quoted_key(from_prefix));
+      throw std::invalid_argument("d9d::state::rename_prefix: key " + util::quoted_key(key) +
+                                  " does not start with " + util::quoted_key(from_prefix));
     }
     from_to.emplace_back(key, std::string(to_prefix) + key.substr(from_prefix.size()));
   }
@@ -615,7 +614,7 @@ Mapper squeeze(const std::vector<std::string>& keys, int64_t dim) {
   return per_key("squeeze", op, keys, [op, dim](const at::Tensor& t) {
     if (t.size(dim) != 1) {
       throw std::invalid_argument(
-          "d9d::state::" + op + ": a tensor of shape " + detail::shape_string(t.sizes()) +
+          "d9d::state::" + op + ": a tensor of shape " + util::shape_string(t.sizes()) +
           " has size " + std::to_string(t.size(dim)) + ", not 1, at dim " + std::to_string(dim));
     }
     return t.squeeze(dim);
@@ -634,7 +633,7 @@ Mapper join_inputs(const char* name, at::Tensor (*join)(at::TensorList, int64_t)
                    const std::vector<std::string>& inputs, const std::string& output, int64_t dim) {
   if (inputs.empty()) {
     throw std::invalid_argument("d9d::state::" + std::string(name) + ": no inputs for " +
-                                detail::quoted_key(output));
+                                util::quoted_key(output));
   }
   return leaf(
       std::string(name) + "(dim " + std::to_string(dim) + ")", inputs, {output},
@@ -662,15 +661,15 @@ Mapper stack(const std::vector<std::string>& inputs, const std::string& output, 
 Mapper unstack(const std::string& input, const std::vector<std::string>& outputs, int64_t dim) {
   const std::string op = "unstack(dim " + std::to_string(dim) + ")";
   if (outputs.empty()) {
-    throw std::invalid_argument("d9d::state::unstack: no outputs for " + detail::quoted_key(input));
+    throw std::invalid_argument("d9d::state::unstack: no outputs for " + util::quoted_key(input));
   }
   return leaf(
       op, {input}, outputs,
       [op, input, outputs, dim](TensorMap in) {
         const at::Tensor t = in.at(input);
         if (t.size(dim) != static_cast<int64_t>(outputs.size())) {
-          throw std::invalid_argument("d9d::state::" + op + ": " + detail::quoted_key(input) + " " +
-                                      detail::shape_string(t.sizes()) + " has " +
+          throw std::invalid_argument("d9d::state::" + op + ": " + util::quoted_key(input) + " " +
+                                      util::shape_string(t.sizes()) + " has " +
                                       std::to_string(t.size(dim)) + " slices at dim " +
                                       std::to_string(dim) + ", but " +
                                       std::to_string(outputs.size()) + " outputs are declared");
@@ -692,7 +691,7 @@ Mapper concatenate(const std::vector<std::string>& inputs, const std::string& ou
 
 Mapper chunk(const std::string& input, const std::vector<std::string>& outputs, int64_t dim) {
   if (outputs.empty()) {
-    throw std::invalid_argument("d9d::state::chunk: no outputs for " + detail::quoted_key(input));
+    throw std::invalid_argument("d9d::state::chunk: no outputs for " + util::quoted_key(input));
   }
   return leaf(
       "chunk(dim " + std::to_string(dim) + ")", {input}, outputs,
@@ -813,7 +812,7 @@ void validate(const Mapper& mapper, const std::vector<std::string>& available_in
   if (!missing.empty()) {
     throw std::invalid_argument(
         who + ": missing input: " + std::to_string(missing.size()) + " key(s) the mapper reads " +
-        "are not in the source: " + detail::quoted_keys(missing) + " (the first needed by " +
+        "are not in the source: " + util::quoted_keys(missing) + " (the first needed by " +
         needed_by.front() + "). Fix: check the checkpoint's names or map them from keys it has");
   }
   if (options.allow_unused_inputs) {
@@ -829,7 +828,7 @@ void validate(const Mapper& mapper, const std::vector<std::string>& available_in
   if (!unused.empty()) {
     throw std::invalid_argument(
         who + ": unused input: " + std::to_string(unused.size()) + " key(s) of the source are " +
-        "read by no group: " + detail::quoted_keys(unused) +
+        "read by no group: " + util::quoted_keys(unused) +
         ". Fix: map them (identity, rename, ...), drop them, or set allow_unused_inputs");
   }
 }

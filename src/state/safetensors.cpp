@@ -21,8 +21,10 @@
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
-#include <d9d/state/detail/io.hpp>
 #include <d9d/state/safetensors.hpp>
+#include <d9d/util/files.hpp>
+#include <d9d/util/json.hpp>
+#include <d9d/util/quote.hpp>
 
 namespace d9d::state {
 
@@ -30,7 +32,7 @@ static_assert(std::endian::native == std::endian::little,
               "d9d::state safetensors I/O copies tensor bytes as they are in memory; the format is "
               "little-endian, so a big-endian host needs a byte swap here");
 
-using detail::Json;
+using util::Json;
 
 namespace {
 
@@ -163,7 +165,7 @@ struct SafetensorsState {
     throw std::runtime_error(who + ": " + path + ": " + what);
   }
   [[noreturn]] void fail(std::string_view tensor, const std::string& what) const {
-    fail("tensor " + detail::quoted(tensor) + ": " + what);
+    fail("tensor " + util::quoted(tensor) + ": " + what);
   }
   [[nodiscard]] const SafetensorsEntry& find(std::string_view name) const;
   [[nodiscard]] at::Tensor copy(std::size_t i);
@@ -197,12 +199,12 @@ void SafetensorsState::parse_header() {
   Json json;
   try {
     // The deepest the format goes: {name: {"shape": [...]}}.
-    json = detail::parse_strict_json(text, 3);
-  } catch (const detail::JsonError& error) {
+    json = util::parse_strict_json(text, 3);
+  } catch (const util::JsonError& error) {
     const std::string where = error.top_key().empty() ? "header: "
                               : error.top_key() == kMetadataKey
                                   ? "\"__metadata__\": "
-                                  : "tensor " + detail::quoted(error.top_key()) + ": ";
+                                  : "tensor " + util::quoted(error.top_key()) + ": ";
     fail(where + error.what());
   }
   if (!json.is_object()) {
@@ -231,8 +233,8 @@ std::map<std::string, std::string> SafetensorsState::parse_metadata(const Json& 
   std::map<std::string, std::string> result;
   for (const auto& [key, item] : value.items()) {
     if (!item.is_string()) {
-      fail("\"__metadata__\" value of " + detail::quoted(key) + " is not a string but " +
-           detail::short_dump(item));
+      fail("\"__metadata__\" value of " + util::quoted(key) + " is not a string but " +
+           util::short_dump(item));
     }
     result.emplace(key, item.get<std::string>());
   }
@@ -258,16 +260,16 @@ SafetensorsEntry SafetensorsState::parse_entry(const std::string& name, const Js
   if (known == kDtypes.end()) {
     const bool sub_byte =
         std::find(kSubByteDtypes.begin(), kSubByteDtypes.end(), dtype_name) != kSubByteDtypes.end();
-    fail(name, (sub_byte ? "dtype " + detail::short_dump(dtype) +
+    fail(name, (sub_byte ? "dtype " + util::short_dump(dtype) +
                                " packs several elements per byte; LibTorch has no such type"
-                         : "unknown dtype " + detail::short_dump(dtype)) +
+                         : "unknown dtype " + util::short_dump(dtype)) +
                    " (supported: " + supported_names() + ")");
   }
   entry.dtype = known->dtype;
 
   const Json& shape = value.at("shape");
   if (!shape.is_array()) {
-    fail(name, "\"shape\" " + detail::short_dump(shape) + " is not an array");
+    fail(name, "\"shape\" " + util::short_dump(shape) + " is not an array");
   }
   // Elements (0 when a dimension is 0) and the product of the non-zero dimensions, which bounds
   // every stride LibTorch computes: it must fit in int64.
@@ -277,7 +279,7 @@ SafetensorsEntry SafetensorsState::parse_entry(const std::string& name, const Js
   for (const Json& dim : shape) {
     if (!dim.is_number_unsigned() ||
         dim.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      fail(name, "\"shape\" " + detail::short_dump(shape) +
+      fail(name, "\"shape\" " + util::short_dump(shape) +
                      " has an entry that is not an integer in [0, 2^63)");
     }
     const auto size_of_dim = dim.get<uint64_t>();
@@ -285,7 +287,7 @@ SafetensorsEntry SafetensorsState::parse_entry(const std::string& name, const Js
     zero = zero || size_of_dim == 0;
     if (__builtin_mul_overflow(extent, std::max<uint64_t>(size_of_dim, 1), &extent) ||
         extent > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      fail(name, "\"shape\" " + detail::short_dump(shape) +
+      fail(name, "\"shape\" " + util::short_dump(shape) +
                      " is too large: the product of its dimensions passes 2^63");
     }
   }
@@ -297,8 +299,8 @@ SafetensorsEntry SafetensorsState::parse_entry(const std::string& name, const Js
   const Json& offsets = value.at("data_offsets");
   if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
       !offsets[1].is_number_unsigned()) {
-    fail(name, "\"data_offsets\" " + detail::short_dump(offsets) +
-                   " is not [begin, end] of integers >= 0");
+    fail(name,
+         "\"data_offsets\" " + util::short_dump(offsets) + " is not [begin, end] of integers >= 0");
   }
   entry.begin = offsets[0].get<uint64_t>();
   entry.end = offsets[1].get<uint64_t>();
@@ -307,8 +309,8 @@ SafetensorsEntry SafetensorsState::parse_entry(const std::string& name, const Js
                    std::to_string(data_size) + " bytes");
   }
   if (overflow || bytes != entry.end - entry.begin) {
-    fail(name, "shape " + detail::short_dump(shape) + " of " + std::string(known->name) +
-                   " needs " + (overflow ? std::string("more than 2^64") : std::to_string(bytes)) +
+    fail(name, "shape " + util::short_dump(shape) + " of " + std::string(known->name) + " needs " +
+                   (overflow ? std::string("more than 2^64") : std::to_string(bytes)) +
                    " bytes, but \"data_offsets\" " + offsets.dump() + " hold " +
                    std::to_string(entry.end - entry.begin));
   }
@@ -327,7 +329,7 @@ void SafetensorsState::check_layout(uint64_t data_size) {
     if (entry.begin < covered) {
       fail(entry.name, "its bytes [" + std::to_string(entry.begin) + ", " +
                            std::to_string(entry.end) + ") overlap tensor " +
-                           detail::quoted(previous->name) + " (ends at " + std::to_string(covered) +
+                           util::quoted(previous->name) + " (ends at " + std::to_string(covered) +
                            ")");
     }
     if (entry.begin > covered) {
@@ -349,9 +351,9 @@ const SafetensorsEntry& SafetensorsState::find(std::string_view name) const {
   if (found == index.end()) {
     std::string names;
     for (std::size_t i = 0; i < entries.size() && i < 8; ++i) {
-      names += (i == 0 ? "" : ", ") + detail::quoted(entries[i].name);
+      names += (i == 0 ? "" : ", ") + util::quoted(entries[i].name);
     }
-    throw std::out_of_range(who + ": " + path + ": no tensor " + detail::quoted(name) +
+    throw std::out_of_range(who + ": " + path + ": no tensor " + util::quoted(name) +
                             " (the file has " + std::to_string(entries.size()) +
                             (entries.empty() ? "" : ": ") + names +
                             (entries.size() > 8 ? ", ..." : "") + ")");
@@ -581,7 +583,7 @@ std::string header_prefix(const std::vector<Described>& tensors,
       throw std::invalid_argument(who + "\"__metadata__\" is reserved and cannot name a tensor");
     }
     if (header.contains(tensor.name)) {
-      throw std::invalid_argument(who + "tensor name " + detail::quoted(tensor.name) +
+      throw std::invalid_argument(who + "tensor name " + util::quoted(tensor.name) +
                                   " is given twice");
     }
     header[tensor.name] = {{"dtype", tensor.dtype},
@@ -614,7 +616,7 @@ std::string checked_dtype_name(at::ScalarType dtype, const std::string& name,
                                const std::string& who) {
   const std::string_view found = name_of(dtype);
   if (found.empty()) {
-    throw std::invalid_argument(who + "tensor " + detail::quoted(name) + ": " + no_name(dtype));
+    throw std::invalid_argument(who + "tensor " + util::quoted(name) + ": " + no_name(dtype));
   }
   return std::string(found);
 }
@@ -633,10 +635,10 @@ Plan plan_file(const NamedTensors& tensors, const std::map<std::string, std::str
   described.reserve(tensors.size());
   for (const auto& [name, tensor] : tensors) {
     if (!tensor.defined()) {
-      throw std::invalid_argument(who + "tensor " + detail::quoted(name) + " is undefined");
+      throw std::invalid_argument(who + "tensor " + util::quoted(name) + " is undefined");
     }
     if (tensor.layout() != at::kStrided) {
-      throw std::invalid_argument(who + "tensor " + detail::quoted(name) +
+      throw std::invalid_argument(who + "tensor " + util::quoted(name) +
                                   " is not strided (layout " + c10::str(tensor.layout()) +
                                   "); convert it with to_dense()");
     }
@@ -666,7 +668,7 @@ std::string safetensors_dtype_name(at::ScalarType dtype) {
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata) {
   const Plan plan = plan_file(tensors, metadata, "d9d::state::save_safetensors: " + path + ": ");
-  detail::AtomicFile file(path, "d9d::state::save_safetensors");
+  files::AtomicFile file(path, "d9d::state::save_safetensors");
   file.write(plan.prefix.data(), plan.prefix.size());
   for (const auto& tensor : plan.data) {
     if (tensor.nbytes() > 0) {
@@ -693,7 +695,7 @@ struct SafetensorsWriter::Impl {
       : who("d9d::state::SafetensorsWriter: " + path),
         file(path, "d9d::state::SafetensorsWriter") {}
   std::string who;  // for messages: the class and the path
-  detail::AtomicFile file;
+  files::AtomicFile file;
   std::vector<SafetensorsEntry> entries;
   std::size_t next = 0;
 };
@@ -707,7 +709,7 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Safete
     uint64_t numel = 1;
     for (const auto size : entry.shape) {
       if (size < 0) {
-        throw std::invalid_argument(who + "tensor " + detail::quoted(entry.name) +
+        throw std::invalid_argument(who + "tensor " + util::quoted(entry.name) +
                                     " has a negative size");
       }
       numel *= static_cast<uint64_t>(size);
@@ -733,21 +735,21 @@ SafetensorsWriter::~SafetensorsWriter() = default;
 void SafetensorsWriter::write(std::string_view name, const at::Tensor& tensor) {
   auto& s = *impl_;
   if (s.next >= s.entries.size()) {
-    throw std::logic_error(s.who + ": every tensor is written already; " + detail::quoted(name) +
+    throw std::logic_error(s.who + ": every tensor is written already; " + util::quoted(name) +
                            " is one too many");
   }
   const auto& entry = s.entries[s.next];
   if (name != entry.name) {
     throw std::logic_error(s.who + ": tensors go in the order given; expected " +
-                           detail::quoted(entry.name) + ", got " + detail::quoted(name));
+                           util::quoted(entry.name) + ", got " + util::quoted(name));
   }
   if (!tensor.defined() || tensor.scalar_type() != entry.dtype ||
       tensor.sizes() != at::IntArrayRef(entry.shape)) {
     throw std::invalid_argument(
-        s.who + ": tensor " + detail::quoted(entry.name) + " must be " +
-        std::string(name_of(entry.dtype)) + " of shape " + detail::shape_string(entry.shape) +
+        s.who + ": tensor " + util::quoted(entry.name) + " must be " +
+        std::string(name_of(entry.dtype)) + " of shape " + util::shape_string(entry.shape) +
         (tensor.defined() ? ", got " + std::string(name_of(tensor.scalar_type())) + " of shape " +
-                                detail::shape_string(tensor.sizes().vec())
+                                util::shape_string(tensor.sizes().vec())
                           : ", got an undefined tensor"));
   }
   const at::Tensor cpu = tensor.resolve_conj().resolve_neg().cpu().contiguous();
@@ -762,7 +764,7 @@ void SafetensorsWriter::commit() {
   if (s.next != s.entries.size()) {
     throw std::logic_error(s.who + ": " + std::to_string(s.entries.size() - s.next) +
                            " tensor(s) not written yet, the next is " +
-                           detail::quoted(s.entries[s.next].name));
+                           util::quoted(s.entries[s.next].name));
   }
   s.file.commit();
 }

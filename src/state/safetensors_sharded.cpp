@@ -11,13 +11,14 @@
 #include <unistd.h>
 #include <utility>
 
-#include <d9d/state/detail/io.hpp>
 #include <d9d/state/safetensors_sharded.hpp>
 #include <d9d/util/files.hpp>
+#include <d9d/util/json.hpp>
+#include <d9d/util/quote.hpp>
 
 namespace d9d::state {
 
-using detail::Json;
+using util::Json;
 
 namespace {
 
@@ -92,28 +93,28 @@ void check_inputs(const NamedTensors& tensors, const std::map<std::string, std::
       throw std::invalid_argument(who + "\"__metadata__\" is reserved and cannot name a tensor");
     }
     if (!names.insert(name).second) {
-      throw std::invalid_argument(who + "tensor name " + detail::quoted(name) + " is given twice");
+      throw std::invalid_argument(who + "tensor name " + util::quoted(name) + " is given twice");
     }
-    if (detail::first_invalid_utf8(name) != std::string_view::npos) {
-      throw std::invalid_argument(who + "tensor name " + detail::quoted(name) +
+    if (util::first_invalid_utf8(name) != std::string_view::npos) {
+      throw std::invalid_argument(who + "tensor name " + util::quoted(name) +
                                   " is not valid UTF-8");
     }
     if (!tensor.defined()) {
-      throw std::invalid_argument(who + "tensor " + detail::quoted(name) + " is undefined");
+      throw std::invalid_argument(who + "tensor " + util::quoted(name) + " is undefined");
     }
     if (tensor.layout() != at::kStrided) {
-      throw std::invalid_argument(who + "tensor " + detail::quoted(name) + " is not strided");
+      throw std::invalid_argument(who + "tensor " + util::quoted(name) + " is not strided");
     }
     try {
       (void)safetensors_dtype_name(tensor.scalar_type());
     } catch (const std::invalid_argument& error) {
-      throw std::invalid_argument(who + "tensor " + detail::quoted(name) + ": " + error.what());
+      throw std::invalid_argument(who + "tensor " + util::quoted(name) + ": " + error.what());
     }
   }
   for (const auto& [key, value] : metadata) {
-    if (detail::first_invalid_utf8(key) != std::string_view::npos ||
-        detail::first_invalid_utf8(value) != std::string_view::npos) {
-      throw std::invalid_argument(who + "metadata " + detail::quoted(key) + " is not valid UTF-8");
+    if (util::first_invalid_utf8(key) != std::string_view::npos ||
+        util::first_invalid_utf8(value) != std::string_view::npos) {
+      throw std::invalid_argument(who + "metadata " + util::quoted(key) + " is not valid UTF-8");
     }
   }
 }
@@ -133,7 +134,7 @@ std::string SafetensorsIndex::path_of(std::string_view name) const {
   if (found == weight_map.end()) {
     throw std::out_of_range(
         "d9d::state::SafetensorsIndex: " + files::join(dir, kSafetensorsIndexName) +
-        ": no tensor " + detail::quoted(name) + " in the weight_map");
+        ": no tensor " + util::quoted(name) + " in the weight_map");
   }
   return files::join(dir, found->second);
 }
@@ -188,7 +189,7 @@ SafetensorsIndex save_safetensors_sharded(const std::string& dir, const NamedTen
   const Json json = {{"metadata", {{"total_size", index.total_size}}},
                      {"weight_map", std::move(weight_map)}};
   const std::string text = json.dump(2) + "\n";
-  detail::AtomicFile file(index_path, "d9d::state::save_safetensors_sharded");
+  files::AtomicFile file(index_path, "d9d::state::save_safetensors_sharded");
   file.write(text.data(), text.size());
   file.commit();
 
@@ -206,7 +207,7 @@ SafetensorsIndex save_safetensors_sharded(const std::string& dir, const NamedTen
       ::unlink(files::join(dir, name).c_str());
     }
   }
-  detail::sync_directory(dir);
+  files::sync_directory(dir);
   return index;
 }
 
@@ -219,9 +220,9 @@ SafetensorsIndex load_safetensors_index(const std::string& dir) {
   const std::string text = read_text(path, who, kSafetensorsMaxHeaderBytes);
   Json json;
   try {
-    json = detail::parse_strict_json(text, 32);
-  } catch (const detail::JsonError& error) {
-    fail((error.top_key().empty() ? "" : detail::quoted(error.top_key()) + ": ") + error.what());
+    json = util::parse_strict_json(text, 32);
+  } catch (const util::JsonError& error) {
+    fail((error.top_key().empty() ? "" : util::quoted(error.top_key()) + ": ") + error.what());
   }
   if (!json.is_object()) {
     fail("not a JSON object");
@@ -243,7 +244,7 @@ SafetensorsIndex load_safetensors_index(const std::string& dir) {
                      static_cast<double>(static_cast<uint64_t>(total.get<double>()))) {
         index.total_size = static_cast<uint64_t>(total.get<double>());
       } else {
-        fail("\"metadata\".\"total_size\" " + detail::short_dump(total) +
+        fail("\"metadata\".\"total_size\" " + util::short_dump(total) +
              " is not a whole number >= 0");
       }
     }
@@ -253,14 +254,14 @@ SafetensorsIndex load_safetensors_index(const std::string& dir) {
   }
   for (const auto& [name, file] : json.at("weight_map").items()) {
     if (!file.is_string()) {
-      fail("\"weight_map\": tensor " + detail::quoted(name) + " maps to " +
-           detail::short_dump(file) + ", not a file name");
+      fail("\"weight_map\": tensor " + util::quoted(name) + " maps to " + util::short_dump(file) +
+           ", not a file name");
     }
     const auto& file_name = file.get_ref<const std::string&>();
     if (file_name.empty() || file_name == "." || file_name == ".." ||
         file_name.find('/') != std::string::npos || file_name.find('\0') != std::string::npos) {
-      fail("\"weight_map\": tensor " + detail::quoted(name) + " maps to " +
-           detail::quoted(file_name) + ", not a plain file name inside the checkpoint directory");
+      fail("\"weight_map\": tensor " + util::quoted(name) + " maps to " + util::quoted(file_name) +
+           ", not a plain file name inside the checkpoint directory");
     }
     index.weight_map.emplace(name, file_name);
   }
@@ -277,17 +278,17 @@ std::vector<SafetensorsFile> open_safetensors_shards(const SafetensorsIndex& ind
       const auto found = index.weight_map.find(entry.name);
       if (found == index.weight_map.end() || found->second != file) {
         throw std::runtime_error(
-            std::string(who) + ": " + shard.path() + ": tensor " + detail::quoted(entry.name) +
+            std::string(who) + ": " + shard.path() + ": tensor " + util::quoted(entry.name) +
             " is in this shard, " +
             (found == index.weight_map.end()
                  ? "but " + index_path + " does not list it"
-                 : "but " + index_path + " maps it to " + detail::quoted(found->second)));
+                 : "but " + index_path + " maps it to " + util::quoted(found->second)));
       }
     }
     for (const auto& [name, mapped] : index.weight_map) {
       if (mapped == file && !shard.contains(name)) {
         throw std::runtime_error(std::string(who) + ": " + index_path + ": maps tensor " +
-                                 detail::quoted(name) + " to " + detail::quoted(file) +
+                                 util::quoted(name) + " to " + util::quoted(file) +
                                  ", which does not hold it");
       }
     }
@@ -325,7 +326,7 @@ NamedTensors load_safetensors_sharded(const std::string& dir,
     const SafetensorsFile& shard = shards.at(index.path_of(name));
     if (!shard.contains(name)) {
       throw std::runtime_error(who + ": " + files::join(dir, kSafetensorsIndexName) +
-                               ": maps tensor " + detail::quoted(name) + " to " + shard.path() +
+                               ": maps tensor " + util::quoted(name) + " to " + shard.path() +
                                ", which does not hold it");
     }
     tensors.emplace_back(name, shard.tensor(name));

@@ -13,9 +13,9 @@
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 
-#include <d9d/state/detail/io.hpp>
 #include <d9d/state/stream.hpp>
 #include <d9d/util/files.hpp>
+#include <d9d/util/quote.hpp>
 
 namespace d9d::state {
 
@@ -84,7 +84,7 @@ StateSource StateSource::open(const std::string& path) {
 std::size_t StateSource::file_of(std::string_view key) const {
   const auto it = std::lower_bound(keys_.begin(), keys_.end(), key);
   if (it == keys_.end() || *it != key) {
-    throw std::out_of_range("d9d::state::StateSource: no tensor " + detail::quoted_key(key));
+    throw std::out_of_range("d9d::state::StateSource: no tensor " + util::quoted_key(key));
   }
   return key_file_[static_cast<std::size_t>(it - keys_.begin())];
 }
@@ -127,7 +127,7 @@ std::map<std::string, TensorSpec> infer_shapes(const StateSource& source, const 
       }
       if (!it->second.contains(key)) {
         throw std::runtime_error("d9d::state::infer_shapes: " + it->second.path() +
-                                 ": the checkpoint index maps tensor " + detail::quoted_key(key) +
+                                 ": the checkpoint index maps tensor " + util::quoted_key(key) +
                                  " to this file, which does not hold it");
       }
       const SafetensorsEntry& entry = it->second.entry(key);
@@ -201,7 +201,7 @@ StreamStats stream_state(const StateSource& source, const Mapper& mapper,
       const SafetensorsFile& file = it->second;
       if (!file.contains(key)) {
         throw std::runtime_error(who + ": " + file.path() + ": the checkpoint index maps tensor " +
-                                 detail::quoted_key(key) + " to this file, which does not hold it");
+                                 util::quoted_key(key) + " to this file, which does not hold it");
       }
       at::Tensor tensor = file.view(key);
       held += tensor.nbytes();
@@ -263,7 +263,7 @@ StreamStats load_into(torch::nn::Module& module, const StateSource& source, cons
   if (!extra.empty()) {
     throw std::invalid_argument(
         who + ": extra: the mapper produces " + std::to_string(extra.size()) +
-        " key(s) the module has no parameter or buffer for: " + detail::quoted_keys(extra) +
+        " key(s) the module has no parameter or buffer for: " + util::quoted_keys(extra) +
         " (the module has " + std::to_string(targets.size()) + ")");
   }
   if (!options.allow_missing) {
@@ -276,15 +276,15 @@ StreamStats load_into(torch::nn::Module& module, const StateSource& source, cons
     if (!missing.empty()) {
       throw std::invalid_argument(who + ": missing: " + std::to_string(missing.size()) +
                                   " parameter(s)/buffer(s) of the module are produced by no " +
-                                  "group: " + detail::quoted_keys(missing) +
+                                  "group: " + util::quoted_keys(missing) +
                                   ". Fix: map them, or set allow_missing to keep their values");
     }
   }
   validate(mapper, source.keys(), {.allow_unused_inputs = options.allow_unused_inputs});
   const auto shape_error = [&](const std::string& name, at::IntArrayRef got, at::IntArrayRef want) {
-    return std::invalid_argument(who + ": " + detail::quoted_key(name) +
-                                 ": the mapped tensor has shape " + detail::shape_string(got) +
-                                 ", the module's has " + detail::shape_string(want));
+    return std::invalid_argument(who + ": " + util::quoted_key(name) +
+                                 ": the mapped tensor has shape " + util::shape_string(got) +
+                                 ", the module's has " + util::shape_string(want));
   };
   for (const auto& [name, spec] : infer_shapes(source, mapper)) {
     const at::Tensor& target = targets.at(name);

@@ -1,4 +1,4 @@
-// d9d/track/svg.cpp — the SVG writer and line charts (d9d/track/progress.hpp, "pictures").
+// d9d/track/svg.cpp — the SVG writer and line charts (d9d/track/svg.hpp).
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include <d9d/track/detail/file.hpp>
-#include <d9d/track/progress.hpp>
+#include <d9d/track/svg.hpp>
 #include <d9d/util/files.hpp>
 
 namespace d9d::track {

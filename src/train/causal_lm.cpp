@@ -14,20 +14,23 @@ namespace d9d {
 
 namespace {
 
-model::Qwen3Config read_model_config(const std::string& json) {
+// The "model" section read by a Qwen3-family config reader (Qwen3Config, Qwen3MoeConfig), its
+// errors as the trainer's ConfigError.
+template <class Config>
+Config read_model_config(const std::string& json) {
   try {
-    return model::Qwen3Config::from_json_text(json);
+    return Config::from_json_text(json);
   } catch (const std::invalid_argument& error) {
     throw ConfigError(std::string(error.what()) + " (in the \"model\" section)");
   }
 }
 
-model::Qwen3MoeConfig read_moe_config(const std::string& json) {
-  try {
-    return model::Qwen3MoeConfig::from_json_text(json);
-  } catch (const std::invalid_argument& error) {
-    throw ConfigError(std::string(error.what()) + " (in the \"model\" section)");
-  }
+// The whole model of a Qwen3-family config, on the context's device.
+template <class Model, class Config>
+Model build_model_of(const Config& config, const ModelBuildContext& context) {
+  Model model(config);
+  model->to(context.device);
+  return model;
 }
 
 // A pipeline stage of a Qwen3-family model (dense or MoE): the layers distributed over the stages
@@ -35,8 +38,8 @@ model::Qwen3MoeConfig read_moe_config(const std::string& json) {
 // a last stage other than the first holds a copy of the embedding (d9d/model/qwen3_stage.hpp).
 template <class Stage, class Config>
 Stage build_stage_of(const Config& config, const StageBuildContext& context) {
-  const auto ranges = pipeline::distribute_layers(static_cast<int>(config.num_hidden_layers),
-                                                  context.stages, {.embedding = 1, .head = 2});
+  const auto ranges = model::distribute_layers(static_cast<int>(config.num_hidden_layers),
+                                               context.stages, {.embedding = 1, .head = 2});
   Stage stage(config, context.stage, context.stages,
               ranges[static_cast<std::size_t>(context.stage)]);
   stage->to(context.device);
@@ -46,14 +49,12 @@ Stage build_stage_of(const Config& config, const StageBuildContext& context) {
 }  // namespace
 
 model::Qwen3ForCausalLM Qwen3Provider::build(const ModelBuildContext& context) {
-  config_ = read_model_config(context.config_json);
-  model::Qwen3ForCausalLM model(config_);
-  model->to(context.device);
-  return model;
+  config_ = read_model_config<model::Qwen3Config>(context.config_json);
+  return build_model_of<model::Qwen3ForCausalLM>(config_, context);
 }
 
 model::Qwen3Stage Qwen3Provider::build_stage(const StageBuildContext& context) {
-  config_ = read_model_config(context.config_json);
+  config_ = read_model_config<model::Qwen3Config>(context.config_json);
   return build_stage_of<model::Qwen3Stage>(config_, context);
 }
 
@@ -73,14 +74,12 @@ state::Mapper Qwen3Provider::hf_load_mapper(const std::vector<std::string>& sour
 }
 
 model::Qwen3MoeForCausalLM Qwen3MoeProvider::build(const ModelBuildContext& context) {
-  config_ = read_moe_config(context.config_json);
-  model::Qwen3MoeForCausalLM model(config_);
-  model->to(context.device);
-  return model;
+  config_ = read_model_config<model::Qwen3MoeConfig>(context.config_json);
+  return build_model_of<model::Qwen3MoeForCausalLM>(config_, context);
 }
 
 model::Qwen3MoeStage Qwen3MoeProvider::build_stage(const StageBuildContext& context) {
-  config_ = read_moe_config(context.config_json);
+  config_ = read_model_config<model::Qwen3MoeConfig>(context.config_json);
   return build_stage_of<model::Qwen3MoeStage>(config_, context);
 }
 

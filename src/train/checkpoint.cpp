@@ -14,7 +14,6 @@
 #include <d9d/core/collectives.hpp>
 #include <d9d/core/sharded_tensor.hpp>
 #include <d9d/model/hf.hpp>
-#include <d9d/state/detail/io.hpp>
 #include <d9d/state/safetensors.hpp>
 #include <d9d/train/checkpoint.hpp>
 #include <d9d/util/files.hpp>
@@ -26,7 +25,7 @@ constexpr const char* kWho = "d9d checkpoint";
 
 // Writes `text` to `path` through a temporary file and a rename (fsynced).
 void write_atomically(const std::string& path, const std::string& text) {
-  state::detail::AtomicFile file(path, kWho);
+  files::AtomicFile file(path, kWho);
   file.write(text.data(), text.size());
   file.commit();
 }
@@ -266,12 +265,12 @@ void Checkpointer::Impl::commit(const std::string& final_dir) const {
                                   {"mesh", mesh_description}};
   // Every rank file is in (each fsynced by its writer); their directory entries and trainer.json
   // reach the disk before the rename that makes the checkpoint visible, and the rename after.
-  state::detail::sync_directory(pending_tmp);
+  files::sync_directory(pending_tmp);
   write_atomically(files::join(pending_tmp, "trainer.json"), trainer.dump(2) + "\n");
-  state::detail::sync_directory(pending_tmp);
+  files::sync_directory(pending_tmp);
   files::remove_tree(final_dir);
   files::rename(pending_tmp, final_dir);
-  state::detail::sync_directory(dir);
+  files::sync_directory(dir);
   // The index: the new checkpoint first, then the previous ones up to `keep`.
   std::vector<std::string> kept = {step_name(pending_step)};
   std::vector<std::string> dropped;
@@ -288,7 +287,7 @@ void Checkpointer::Impl::commit(const std::string& final_dir) const {
     }
   }
   write_atomically(index, nlohmann::json{{"latest", kept.front()}, {"kept", kept}}.dump(2) + "\n");
-  state::detail::sync_directory(dir);
+  files::sync_directory(dir);
   for (const auto& name : dropped) {
     files::remove_tree(files::join(dir, name));
   }

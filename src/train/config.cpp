@@ -8,10 +8,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include <d9d/state/detail/io.hpp>
 #include <d9d/train/config.hpp>
 #include <d9d/util/did_you_mean.hpp>
 #include <d9d/util/files.hpp>
+#include <d9d/util/json.hpp>
 
 namespace d9d {
 namespace {
@@ -201,7 +201,7 @@ std::vector<optim::Phase> read_phases(const Json* json, const std::string& path)
 void apply_override(Json& json, const std::string& dotted, const std::string& value_text) {
   Json value;
   try {
-    (void)state::detail::parse_strict_json(value_text, 64);
+    (void)util::parse_strict_json(value_text, 64);
     value = Json::parse(value_text);
   } catch (const std::exception& error) {
     throw ConfigError("d9d config: the value given for \"" + dotted + "\" (" + value_text +
@@ -241,9 +241,9 @@ namespace {
 Json parse_config(const std::string& text) {
   Json json;
   try {
-    (void)state::detail::parse_strict_json(text, 64);
+    (void)util::parse_strict_json(text, 64);
     json = Json::parse(text);
-  } catch (const state::detail::JsonError& error) {
+  } catch (const util::JsonError& error) {
     const std::string what = error.what();
     if (error.top_key().empty()) {
       throw ConfigError("d9d config: not valid JSON: " + what);

@@ -11,7 +11,7 @@
 #include <d9d/optim/lr_schedule.hpp>
 #include <d9d/peft/lora.hpp>
 #include <d9d/pipeline/picture.hpp>
-#include <d9d/track/progress.hpp>
+#include <d9d/track/svg.hpp>
 #include <d9d/train/detail/export.hpp>
 #include <d9d/train/detail/step_parts.hpp>
 #include <d9d/train/pipeline_step.hpp>

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include <d9d/optim/lr_schedule.hpp>
+#include <d9d/track/svg.hpp>
 #include <d9d/train/detail/run_log.hpp>
 #include <d9d/train/trainer.hpp>
 #include <d9d/util/files.hpp>
@@ -48,7 +49,7 @@ RunLog::RunLog(const DistributedContext& context, const TrainerConfig& config, T
   }
   files::create_directories(config.run.output_dir);
   if (config.logging.progress) {
-    progress_ = std::make_unique<track::ProgressBar>(config.run.total_steps, "train");
+    progress_ = std::make_unique<util::ProgressBar>(config.run.total_steps, "train");
   }
   if (config.logging.jsonl) {
     result.metrics_path = files::join(config.run.output_dir, "metrics.jsonl");
@@ -87,7 +88,7 @@ void RunLog::step(int64_t step, const StepResult& r, double seconds, bool logged
   if (progress_) {
     progress_->update(step + 1, {{"loss", format::number(r.loss, "%.4f")},
                                  {"lr", format::number(r.lr, "%.2e")},
-                                 {counts_tokens ? "tok/s" : "samples/s", track::format_si(rate)}});
+                                 {counts_tokens ? "tok/s" : "samples/s", util::format_si(rate)}});
   }
   if (!logged) {
     return;

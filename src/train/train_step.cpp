@@ -9,9 +9,9 @@
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/core/detail/autocast_scope.hpp>
+#include <d9d/kernels/cuda_graph.hpp>
 #include <d9d/optim/adamw.hpp>
 #include <d9d/train/detail/export.hpp>
-#include <d9d/train/detail/microbatch_graph.hpp>
 #include <d9d/train/detail/step_parts.hpp>
 #include <d9d/train/train_step.hpp>
 
@@ -150,8 +150,8 @@ struct TrainStepCore::Impl {
   // with them, so its replays add into them in place. `gradient_addresses`: where the gradients
   // were at the capture (a step that finds them elsewhere stops with an error).
   std::any captured;
-  std::unique_ptr<MicrobatchGraph> first;
-  std::unique_ptr<MicrobatchGraph> rest;
+  std::unique_ptr<kernels::MicrobatchGraph> first;
+  std::unique_ptr<kernels::MicrobatchGraph> rest;
   LossOutput first_out;
   LossOutput rest_out;
   std::vector<const void*> gradient_addresses;
@@ -163,7 +163,8 @@ struct TrainStepCore::Impl {
     const AutocastScope autocast(options.bf16_autocast, device.type());
     return loss(microbatch);
   }
-  std::unique_ptr<MicrobatchGraph> capture(LossOutput& out, MicrobatchGraph* share_pool_with);
+  std::unique_ptr<kernels::MicrobatchGraph> capture(LossOutput& out,
+                                                    kernels::MicrobatchGraph* share_pool_with);
   [[nodiscard]] std::vector<const void*> gradient_memory() const;
   /// Under CUDA graphs: captures them at the first use and copies `microbatch` into the captured
   /// one; "" when it can replay, else why it runs eagerly.
@@ -181,9 +182,9 @@ std::vector<const void*> TrainStepCore::Impl::gradient_memory() const {
   return out;
 }
 
-std::unique_ptr<MicrobatchGraph> TrainStepCore::Impl::capture(LossOutput& out,
-                                                              MicrobatchGraph* share_pool_with) {
-  auto graph = make_microbatch_graph(device);
+std::unique_ptr<kernels::MicrobatchGraph> TrainStepCore::Impl::capture(
+    LossOutput& out, kernels::MicrobatchGraph* share_pool_with) {
+  auto graph = kernels::make_microbatch_graph(device);
   graph->capture(
       [&] {
         out = forward(captured);
@@ -230,7 +231,8 @@ TrainStepCore::TrainStepCore(std::unique_ptr<parallel::ParallelModel> model, Mic
     if (s.options.graph_warmup_steps < 0) {
       throw std::invalid_argument("d9d::TrainStep: graph_warmup_steps must be >= 0");
     }
-    (void)make_microbatch_graph(s.device);  // a CUDA device and a CUDA build, or a clear error
+    (void)kernels::make_microbatch_graph(
+        s.device);  // a CUDA device and a CUDA build, or a clear error
   }
 }
 

@@ -6,10 +6,12 @@
 #include <cstdio>
 #include <cstring>
 #include <dirent.h>
+#include <fcntl.h>
 #include <ftw.h>
 #include <stdexcept>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <utility>
 
 #include <d9d/util/files.hpp>
 
@@ -141,6 +143,72 @@ std::string hostname() {
     return "localhost";
   }
   return {buffer.data()};
+}
+
+// ---- AtomicFile ---------------------------------------------------------------------------------
+
+AtomicFile::AtomicFile(std::string path, std::string who)
+    : path_(std::move(path)), tmp_(path_ + ".tmp"), who_(std::move(who)) {
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    fail("cannot create");
+  }
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+  }
+}
+
+void AtomicFile::fail(const std::string& what) const {
+  const int error = errno;
+  throw std::runtime_error(who_ + ": " + tmp_ + ": " + what + " (" + std::strerror(error) + ")");
+}
+
+void AtomicFile::write(const void* data, std::size_t size) {
+  const auto* bytes = static_cast<const char*>(data);
+  while (size > 0) {
+    // Linux writes at most 0x7ffff000 bytes per call.
+    const ssize_t written = ::write(fd_, bytes, std::min<std::size_t>(size, std::size_t{1} << 30));
+    if (written < 0) {
+      if (errno == EINTR) {
+        continue;
+      }
+      fail("write failed");
+    }
+    bytes += written;
+    size -= static_cast<std::size_t>(written);
+  }
+}
+
+void AtomicFile::commit() {
+  if (::fsync(fd_) != 0) {
+    fail("fsync failed");
+  }
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) {
+    const int error = errno;
+    ::unlink(tmp_.c_str());
+    errno = error;
+    fail("close failed");
+  }
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
+    const int error = errno;
+    ::unlink(tmp_.c_str());
+    errno = error;
+    fail("rename to " + path_ + " failed");
+  }
+}
+
+void sync_directory(const std::string& dir) {
+  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    (void)::fsync(fd);
+    ::close(fd);
+  }
 }
 
 }  // namespace d9d::files

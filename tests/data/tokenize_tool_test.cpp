@@ -13,6 +13,7 @@
 #include <d9d/data/token_dataset.hpp>
 
 #include "tests/data/data_test_util.hpp"
+#include "tests/support/subprocess.hpp"
 
 namespace {
 
@@ -25,23 +26,14 @@ using ::testing::HasSubstr;
 
 constexpr int64_t kEot = d9d::data::ByteTokenizer::end_of_text;
 
-struct ToolRun {
-  int status = -1;
-  std::string output;
-};
-
 // Runs the tool (its path comes from the BUILD file's env) with `args`; stdout and stderr joined.
-ToolRun tokenize(const std::string& args) {
+d9d::testing::CommandRun tokenize(const std::string& args) {
   const char* tool = std::getenv("D9D_TOKENIZE");
   if (tool == nullptr) {
     ADD_FAILURE() << "D9D_TOKENIZE is not set; run this test through Bazel (tests/data/BUILD)";
     return {};
   }
-  const std::string log = scratch_dir() + "/log.txt";
-  ToolRun run;
-  run.status = std::system((std::string(tool) + " " + args + " >" + log + " 2>&1").c_str());
-  run.output = read_file(log);
-  return run;
+  return d9d::testing::run_command(std::string(tool) + " " + args + " 2>&1");
 }
 
 // Three small documents: ASCII, NUL and 0xff bytes, a line of text.

@@ -50,17 +50,18 @@ Tokens rows_of(const at::Tensor& table) {
 
 // A small random float64 model: 3 layers, GQA, vocabulary large enough for sampling statistics.
 d9d::model::Qwen3ForCausalLM small_model(bool tied = false) {
-  d9d::model::Qwen3Config config;
-  config.vocab_size = 64;
-  config.hidden_size = 32;
-  config.intermediate_size = 40;
-  config.num_hidden_layers = 3;
-  config.num_attention_heads = 4;
-  config.num_key_value_heads = 2;
-  config.head_dim = 8;
-  config.rope_theta = 1e4;
-  config.tie_word_embeddings = tied;
-  config.initializer_range = 0.5;  // sharp logits: greedy choices with clear margins
+  const d9d::model::Qwen3Config config{
+      .vocab_size = 64,
+      .hidden_size = 32,
+      .intermediate_size = 40,
+      .num_hidden_layers = 3,
+      .num_attention_heads = 4,
+      .num_key_value_heads = 2,
+      .head_dim = 8,
+      .rope_theta = 1e4,
+      .tie_word_embeddings = tied,
+      .initializer_range = 0.5,  // sharp logits: greedy choices with clear margins
+  };
   torch::manual_seed(2026);
   d9d::model::Qwen3ForCausalLM model(config);
   model->to(at::kDouble);

@@ -81,10 +81,9 @@ TEST_P(Hf_Qwen3Moe, TransformersCheckpointGivesTheReferenceLogitsAndAuxLoss) {
 // d9d's own weights exported and read by transformers (4.57.1 through D9D_HF_PYTHON): the same
 // logits; the file holds transformers' per-expert names; d9d reads its export back exactly.
 TEST_P(Hf_Qwen3Moe, OurExportLoadsInTransformersWithTheSameLogits) {
-  const char* python = std::getenv("D9D_HF_PYTHON");
-  const char* check = std::getenv("D9D_HF_CHECK");
-  if (python == nullptr || check == nullptr) {
-    FAIL() << "D9D_HF_PYTHON and D9D_HF_CHECK must be set (tools/test passes them)";
+  const auto check = hf_test::hf_check();
+  if (!check) {
+    return;
   }
   const std::string name = GetParam().name;
   const auto config = d9d::model::Qwen3MoeConfig::from_json_text(
@@ -115,18 +114,9 @@ TEST_P(Hf_Qwen3Moe, OurExportLoadsInTransformersWithTheSameLogits) {
   }
   const std::string reference = d9d::files::join(tmp, "d9d_moe_logits_" + name + ".safetensors");
   d9d::state::save_safetensors(reference, {{"input_ids", ids}, {"logits", logits}});
-  const std::string command =
-      "'" + std::string(python) + "' '" + check + "' '" + dir + "' '" + reference + "' 2>&1";
-  std::FILE* pipe = popen(command.c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  std::string output;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) {
-    output += buffer;
-  }
-  const int status = pclose(pipe);
-  EXPECT_EQ(status, 0) << command << "\n" << output;
-  EXPECT_THAT(output, HasSubstr("Qwen3MoeForCausalLM"));
+  const auto run = hf_test::run_hf_check(*check, dir, reference);
+  EXPECT_EQ(run.status, 0) << run.command << "\n" << run.output;
+  EXPECT_THAT(run.output, HasSubstr("Qwen3MoeForCausalLM"));
   auto again = d9d::model::load_hf_qwen3_moe(dir);
   const at::NoGradGuard no_grad;
   EXPECT_TRUE(at::equal(again(ids), logits));

@@ -108,11 +108,9 @@ TEST_P(Hf_Qwen3, TransformersCheckpointGivesTheReferenceLogits) {
 }
 
 TEST_P(Hf_Qwen3, OurExportLoadsInTransformersWithTheSameLogits) {
-  const char* python = std::getenv("D9D_HF_PYTHON");
-  const char* check = std::getenv("D9D_HF_CHECK");
-  if (python == nullptr || check == nullptr) {
-    FAIL() << "D9D_HF_PYTHON and D9D_HF_CHECK must be set (tools/test passes them; tools/setup "
-              "installs transformers)";
+  const auto check = hf_test::hf_check();
+  if (!check) {
+    return;
   }
   const std::string name = GetParam().name;
   // Our own weights: the fixture's config, d9d's initialisation.
@@ -137,18 +135,9 @@ TEST_P(Hf_Qwen3, OurExportLoadsInTransformersWithTheSameLogits) {
   }
   const std::string reference = d9d::files::join(tmp, "d9d_logits_" + name + ".safetensors");
   d9d::state::save_safetensors(reference, {{"input_ids", ids}, {"logits", logits}});
-  const std::string command =
-      "'" + std::string(python) + "' '" + check + "' '" + dir + "' '" + reference + "' 2>&1";
-  std::FILE* pipe = popen(command.c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  std::string output;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) {
-    output += buffer;
-  }
-  const int status = pclose(pipe);
-  EXPECT_EQ(status, 0) << command << "\n" << output;
-  EXPECT_THAT(output, HasSubstr("Qwen3ForCausalLM"));
+  const auto run = hf_test::run_hf_check(*check, dir, reference);
+  EXPECT_EQ(run.status, 0) << run.command << "\n" << run.output;
+  EXPECT_THAT(run.output, HasSubstr("Qwen3ForCausalLM"));
   // And back: our loader reads our export.
   auto again = d9d::model::load_hf_qwen3(dir);
   EXPECT_EQ(again->config().rope_theta, GetParam().rope_theta);

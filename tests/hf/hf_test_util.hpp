@@ -1,8 +1,9 @@
 // Helpers of the tests against Hugging Face transformers (tests/hf): where the committed fixtures
-// are, and a tensor of a loaded safetensors file by name.
+// are, a tensor of a loaded safetensors file by name, and hf_check.py's run on an export.
 #pragma once
 
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -10,6 +11,8 @@
 
 #include <d9d/state/safetensors.hpp>
 #include <d9d/util/files.hpp>
+
+#include "tests/support/subprocess.hpp"
 
 namespace hf_test {
 
@@ -28,6 +31,31 @@ inline at::Tensor named(const d9d::state::NamedTensors& tensors, const std::stri
   }
   ADD_FAILURE() << "no tensor " << name;
   return {};
+}
+
+/// hf_check.py (D9D_HF_CHECK) and the Python with transformers that runs it (D9D_HF_PYTHON).
+struct HfCheck {
+  std::string python;
+  std::string script;
+};
+
+/// The check from the environment, or nullopt and a test failure when a variable is not set.
+inline std::optional<HfCheck> hf_check() {
+  const char* python = std::getenv("D9D_HF_PYTHON");
+  const char* script = std::getenv("D9D_HF_CHECK");
+  if (python == nullptr || script == nullptr) {
+    ADD_FAILURE() << "D9D_HF_PYTHON and D9D_HF_CHECK must be set (tools/test passes them; "
+                     "tools/setup installs transformers)";
+    return std::nullopt;
+  }
+  return HfCheck{.python = python, .script = script};
+}
+
+/// Runs the check on our export `dir` against the logits saved in `reference` (stdout and stderr).
+inline d9d::testing::CommandRun run_hf_check(const HfCheck& check, const std::string& dir,
+                                             const std::string& reference) {
+  return d9d::testing::run_command("'" + check.python + "' '" + check.script + "' '" + dir + "' '" +
+                                   reference + "' 2>&1");
 }
 
 }  // namespace hf_test

@@ -317,9 +317,7 @@ TEST(Parallel_LoadState_ws4, HfCheckpointIntoTpTimesFullyShardAndPipelineTrainsA
       const auto single_stats = d9d::parallel::load_state(
           single.core().parallel(), st::StateSource::open(dir), {.ignore = {"lm_head.weight"}});
       EXPECT_EQ(single_stats.output_bytes, bytes_of(single.core().parallel()).whole);
-      RunOutcome want;
-      want.result = single.train();
-      want.parameters = d9d::testing::full_parameters(single.core());
+      const RunOutcome want = d9d::testing::outcome_of(single);
 
       d9d::Trainer<d9d::Plan<TpShardMesh, Tp, d9d::parallel::Fsdp, Fp64>> sharded(
           ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
@@ -331,10 +329,8 @@ TEST(Parallel_LoadState_ws4, HfCheckpointIntoTpTimesFullyShardAndPipelineTrainsA
       const Bytes bytes = bytes_of(parallel);
       EXPECT_EQ(parallel.parameter_bytes(),
                 static_cast<int64_t>(bytes.split / 4 + (bytes.whole - bytes.split) / 2));
-      RunOutcome got;
-      got.result = sharded.train();
+      const RunOutcome got = d9d::testing::outcome_of(sharded);
       EXPECT_TRUE(got.result.resumed_from.empty());
-      got.parameters = d9d::testing::full_parameters(sharded.core());
       d9d::testing::expect_same_run(got, want,
                                     tied ? "init_from into tp 2 x FullyShard 2, tied"
                                          : "init_from into tp 2 x FullyShard 2, untied");

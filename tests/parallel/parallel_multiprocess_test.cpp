@@ -224,17 +224,9 @@ void expect_lossless_reshard(RankEnv& env, const std::string& mesh_b, const std:
   d9d::Trainer<PlanB> resumed(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
                               d9d::CausalLmTask{}, cfg);
   const auto got = resumed.train();
-  EXPECT_EQ(got.start_step, 2);
   EXPECT_EQ(got.resumed_from, root + "/A/step-2");
-  ASSERT_EQ(got.losses.size(), 2U);
-  for (std::size_t i = 0; i < 2; ++i) {
-    EXPECT_EQ(got.losses[i], want.losses[i + 2]) << "step " << i + 2;
-  }
-  const auto got_parameters = d9d::testing::full_parameters(resumed.core());
-  ASSERT_EQ(got_parameters.size(), want_parameters.size());
-  for (const auto& [name, value] : got_parameters) {
-    EXPECT_TRUE(at::equal(value, want_parameters.at(name))) << name;
-  }
+  d9d::testing::expect_resumed_run(got, d9d::testing::full_parameters(resumed.core()), want,
+                                   want_parameters, 2);
   ctx.barrier();
 }
 
@@ -336,9 +328,7 @@ void expect_resume_continues(RankEnv& env, const std::string& mesh_b, const std:
   };
   d9d::Trainer<PlanB> straight(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
                                d9d::CausalLmTask{}, config("b", mesh_b, "B"));
-  RunOutcome want;
-  want.result = straight.train();
-  want.parameters = d9d::testing::full_parameters(straight.core());
+  const RunOutcome want = d9d::testing::outcome_of(straight);
   ctx.barrier();
   if (a_is_one_process && env.rank() != 0) {
     ctx.barrier();
@@ -352,10 +342,7 @@ void expect_resume_continues(RankEnv& env, const std::string& mesh_b, const std:
     cfg.checkpoint.every = 0;
     d9d::Trainer<PlanA> trainer(a_ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
                                 d9d::CausalLmTask{}, cfg);
-    RunOutcome out;
-    out.result = trainer.train();
-    out.parameters = d9d::testing::full_parameters(trainer.core());
-    return out;
+    return d9d::testing::outcome_of(trainer);
   };
   const RunOutcome got = resume_on_a(root + "/B/step-2", "A1");
   EXPECT_EQ(got.result.start_step, 2);

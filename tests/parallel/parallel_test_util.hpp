@@ -46,14 +46,38 @@ struct RunOutcome {
   std::size_t reductions_started_early = 0;
 };
 
+/// Trains `trainer` and collects the run's outcome (collective).
 template <class Plan>
-RunOutcome train_plan(const DistributedContext& ctx, const TrainerConfig& config) {
-  Trainer<Plan> trainer(ctx, Qwen3Provider{}, RandomWindowsProvider{}, CausalLmTask{}, config);
+RunOutcome outcome_of(Trainer<Plan>& trainer) {
   RunOutcome out;
   out.result = trainer.train();
   out.parameters = full_parameters(trainer.core());
   out.reductions_started_early = trainer.core().parallel().reductions_started_early();
   return out;
+}
+
+template <class Plan>
+RunOutcome train_plan(const DistributedContext& ctx, const TrainerConfig& config) {
+  Trainer<Plan> trainer(ctx, Qwen3Provider{}, RandomWindowsProvider{}, CausalLmTask{}, config);
+  return outcome_of(trainer);
+}
+
+/// A run resumed from the checkpoint of step `from` continues `want` (the uninterrupted run) bit
+/// for bit: the losses of the later steps and the final parameters are equal.
+inline void expect_resumed_run(const TrainResult& got,
+                               const std::map<std::string, at::Tensor>& got_parameters,
+                               const TrainResult& want,
+                               const std::map<std::string, at::Tensor>& want_parameters,
+                               std::size_t from) {
+  EXPECT_EQ(got.start_step, static_cast<int64_t>(from));
+  ASSERT_EQ(got.losses.size(), want.losses.size() - from);
+  for (std::size_t i = 0; i < got.losses.size(); ++i) {
+    EXPECT_EQ(got.losses[i], want.losses[i + from]) << "step " << i + from;
+  }
+  ASSERT_EQ(got_parameters.size(), want_parameters.size());
+  for (const auto& [name, value] : got_parameters) {
+    EXPECT_TRUE(at::equal(value, want_parameters.at(name))) << name;
+  }
 }
 
 /// Losses, gradient norms and (the parameters `got` has) parameters agree.

@@ -168,9 +168,7 @@ TEST(Parallel_TensorParallel_tp2, MatchesOneProcess) {
       d9d::Trainer<d9d::Plan<TpMesh, Tp, Fp64>> trainer(
           ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
           run_config(dir + (tied ? "/tied" : "/untied"), tied, 2, R"({"tp": 2})"));
-      RunOutcome got;
-      got.result = trainer.train();
-      got.parameters = d9d::testing::full_parameters(trainer.core());
+      const RunOutcome got = d9d::testing::outcome_of(trainer);
       expect_records(trainer.core(), tied);
       expect_replicas_identical(trainer.core());
       d9d::testing::expect_same_run(got, want, tied ? "tp 2, tied head" : "tp 2, untied head");
@@ -178,9 +176,7 @@ TEST(Parallel_TensorParallel_tp2, MatchesOneProcess) {
       d9d::Trainer<d9d::Plan<TpMesh, TpSp, Fp64>> sp(
           ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
           run_config(dir + (tied ? "/sp_tied" : "/sp_untied"), tied, 2, R"({"tp": 2})"));
-      RunOutcome sp_got;
-      sp_got.result = sp.train();
-      sp_got.parameters = d9d::testing::full_parameters(sp.core());
+      const RunOutcome sp_got = d9d::testing::outcome_of(sp);
       expect_replicas_identical(sp.core());
       d9d::testing::expect_same_run(
           sp_got, want,
@@ -228,9 +224,7 @@ TEST(Parallel_TensorParallel_ws4, TimesReplicateFullyShardAndPipelineMatchOnePro
           ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
           run_config(dir + (tied ? "/fsdp_tied" : "/fsdp_untied"), tied, 2,
                      R"({"dp_shard": 2, "tp": 2})"));
-      RunOutcome got;
-      got.result = sharded.train();
-      got.parameters = d9d::testing::full_parameters(sharded.core());
+      const RunOutcome got = d9d::testing::outcome_of(sharded);
       const auto* q = sharded.core().parallel().find("model.layers.0.self_attn.q_proj.weight");
       ASSERT_NE(q, nullptr);
       EXPECT_EQ(q->dims, (std::vector<std::string>{"dp_replicate", "tp", "dp_shard"}));

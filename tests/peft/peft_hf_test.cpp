@@ -16,6 +16,8 @@
 #include <d9d/state/safetensors.hpp>
 #include <d9d/util/files.hpp>
 
+#include "tests/support/subprocess.hpp"
+
 namespace {
 
 namespace peft = d9d::peft;
@@ -35,18 +37,9 @@ std::pair<int, std::string> run_check(const std::string& args) {
                      "tools/setup installs transformers and peft)";
     return {-1, ""};
   }
-  const std::string command = "'" + std::string(python) + "' '" + check + "' " + args + " 2>&1";
-  std::FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) {
-    ADD_FAILURE() << "cannot run " << command;
-    return {-1, ""};
-  }
-  std::string output;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) {
-    output += buffer;
-  }
-  return {pclose(pipe), command + "\n" + output};
+  const auto run =
+      d9d::testing::run_command("'" + std::string(python) + "' '" + check + "' " + args + " 2>&1");
+  return {run.status, run.command + "\n" + run.output};
 }
 
 at::Tensor named(const d9d::state::NamedTensors& tensors, const std::string& name) {

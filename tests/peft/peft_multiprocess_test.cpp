@@ -470,16 +470,8 @@ TEST(Peft_Lora_tp2, CheckpointResumesInOneProcessAndBack) {
                                  d9d::CausalLmTask{},
                                  config("c", R"({"tp": 2})", "C", root + "/A/step-2"));
     const auto got = resumed.train();
-    EXPECT_EQ(got.start_step, 2);
-    ASSERT_EQ(got.losses.size(), 2U);
-    for (std::size_t i = 0; i < 2; ++i) {
-      EXPECT_EQ(got.losses[i], want.losses[i + 2]) << "step " << i + 2;
-    }
-    const auto got_parameters = d9d::testing::full_parameters(resumed.core());
-    ASSERT_EQ(got_parameters.size(), want_parameters.size());
-    for (const auto& [name, value] : got_parameters) {
-      EXPECT_TRUE(at::equal(value, want_parameters.at(name))) << name;
-    }
+    d9d::testing::expect_resumed_run(got, d9d::testing::full_parameters(resumed.core()), want,
+                                     want_parameters, 2);
     ctx.barrier();
   });
 }

@@ -15,8 +15,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <d9d/core/weight_grad.hpp>
 #include <d9d/d9d.hpp>
-#include <d9d/model/weight_grad.hpp>
 #include <d9d/peft/lora.hpp>
 #include <d9d/state/safetensors.hpp>
 
@@ -280,14 +280,14 @@ TEST(Peft_Lora_r4, SplitBackwardQueuesTheAdaptersWeightGradients) {
       item.value().mutable_grad() = at::Tensor();
     }
   }
-  d9d::model::WeightGradQueue queue;
+  d9d::WeightGradQueue queue;
   at::Tensor out;
   {
-    const d9d::model::RecordWeightGrads record(queue);
+    const d9d::RecordWeightGrads record(queue);
     out = model(ids).pow(2).mean();
   }
   {
-    const d9d::model::DeferWeightGrads defer(queue);
+    const d9d::DeferWeightGrads defer(queue);
     out.backward();
   }
   EXPECT_FALSE(queue.empty()) << "the adapters' weight gradients wait for W";

@@ -15,8 +15,8 @@
 
 namespace {
 
-using d9d::pipeline::distribute_layers;
-using d9d::pipeline::LayerRange;
+using d9d::model::distribute_layers;
+using d9d::model::LayerRange;
 using ::testing::HasSubstr;
 
 TEST(Pipeline_Layers, EvenSplitsAndVirtualLayers) {

@@ -15,25 +15,23 @@
 
 #include <d9d/model/qwen3.hpp>
 #include <d9d/model/qwen3_stage.hpp>
+#include <d9d/model/stage_layers.hpp>
 #include <d9d/pipeline/executor.hpp>
 #include <d9d/pipeline/schedules.hpp>
-#include <d9d/pipeline/stages.hpp>
 
 namespace d9d::testing {
 
 /// 8 decoder layers: one per stage for 4 ranks x 2 stages; untied head (stages need it).
 inline model::Qwen3Config pipeline_config() {
-  model::Qwen3Config config;
-  config.vocab_size = 48;
-  config.hidden_size = 16;
-  config.intermediate_size = 24;
-  config.num_hidden_layers = 8;
-  config.num_attention_heads = 4;
-  config.num_key_value_heads = 2;
-  config.head_dim = 4;
-  config.rope_theta = 10000.0;
-  config.tie_word_embeddings = false;
-  return config;
+  return {.vocab_size = 48,
+          .hidden_size = 16,
+          .intermediate_size = 24,
+          .num_hidden_layers = 8,
+          .num_attention_heads = 4,
+          .num_key_value_heads = 2,
+          .head_dim = 4,
+          .rope_theta = 10000.0,
+          .tie_word_embeddings = false};
 }
 
 constexpr int64_t kMicrobatchSize = 2;
@@ -113,7 +111,7 @@ inline std::vector<model::Qwen3Stage> build_stages(const pipeline::Program& prog
                                                    bool frozen, c10::Device device) {
   const auto config = pipeline_config();
   const auto ranges =
-      pipeline::distribute_layers(static_cast<int>(config.num_hidden_layers), program.stages());
+      model::distribute_layers(static_cast<int>(config.num_hidden_layers), program.stages());
   const auto full = reference_model();
   std::vector<model::Qwen3Stage> stages;
   for (const int s :

@@ -1,4 +1,4 @@
-// Split backward (d9d/model/weight_grad.hpp): for every layer type, I (input gradients, weight
+// Split backward (d9d/core/weight_grad.hpp): for every layer type, I (input gradients, weight
 // gradients queued) followed by W (the queue drained) gives the gradients of a full backward.
 #include <functional>
 #include <map>
@@ -10,9 +10,9 @@
 #include <gtest/gtest.h>
 #include <torch/autograd.h>
 
+#include <d9d/core/weight_grad.hpp>
 #include <d9d/model/layers.hpp>
 #include <d9d/model/qwen3.hpp>
-#include <d9d/model/weight_grad.hpp>
 
 namespace {
 
@@ -56,15 +56,15 @@ Result full_backward(torch::nn::Module& module, const Forward& forward, const at
 Result split_backward(torch::nn::Module& module, const Forward& forward, const at::Tensor& x,
                       int expected_queued) {
   zero_grads(module);
-  d9d::model::WeightGradQueue queue;
+  d9d::WeightGradQueue queue;
   const auto input = x.detach().requires_grad_(x.is_floating_point());
   at::Tensor out;
   {
-    const d9d::model::RecordWeightGrads record(queue);
+    const d9d::RecordWeightGrads record(queue);
     out = forward(input);
   }
   {
-    const d9d::model::DeferWeightGrads defer(queue);
+    const d9d::DeferWeightGrads defer(queue);
     loss_of(out).backward();
   }
   EXPECT_EQ(static_cast<int>(queue.size()), expected_queued);
@@ -100,16 +100,14 @@ void expect_same(const Result& a, const Result& b, double rtol = 1e-5, double at
 }
 
 d9d::model::Qwen3Config tiny_config() {
-  d9d::model::Qwen3Config config;
-  config.vocab_size = 48;
-  config.hidden_size = 32;
-  config.intermediate_size = 48;
-  config.num_hidden_layers = 2;
-  config.num_attention_heads = 4;
-  config.num_key_value_heads = 2;
-  config.head_dim = 8;
-  config.tie_word_embeddings = false;
-  return config;
+  return {.vocab_size = 48,
+          .hidden_size = 32,
+          .intermediate_size = 48,
+          .num_hidden_layers = 2,
+          .num_attention_heads = 4,
+          .num_key_value_heads = 2,
+          .head_dim = 8,
+          .tie_word_embeddings = false};
 }
 
 TEST(SplitBackward, LinearWithAndWithoutBias) {
@@ -131,11 +129,11 @@ TEST(SplitBackward, RecordedButNotDeferredIsAFullBackward) {
   const Forward forward = [&](const at::Tensor& in) { return linear(in); };
   const auto reference = full_backward(*linear, forward, x);
   zero_grads(*linear);
-  d9d::model::WeightGradQueue queue;
+  d9d::WeightGradQueue queue;
   const auto input = x.detach().requires_grad_(true);
   at::Tensor out;
   {
-    const d9d::model::RecordWeightGrads record(queue);
+    const d9d::RecordWeightGrads record(queue);
     out = linear(input);
   }
   loss_of(out).backward();
@@ -201,10 +199,10 @@ TEST(SplitBackward, AutocastComputesInTheAutocastDtypeLikeLinear) {
   at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
   const auto input = x.detach().requires_grad_(true);
   const auto reference_out = at::linear(input, linear->weight);
-  d9d::model::WeightGradQueue queue;
+  d9d::WeightGradQueue queue;
   at::Tensor out;
   {
-    const d9d::model::RecordWeightGrads record(queue);
+    const d9d::RecordWeightGrads record(queue);
     out = linear(input);
   }
   at::autocast::set_autocast_enabled(at::kCPU, false);
@@ -213,7 +211,7 @@ TEST(SplitBackward, AutocastComputesInTheAutocastDtypeLikeLinear) {
   EXPECT_EQ(reference_out.scalar_type(), at::kBFloat16);
   EXPECT_TRUE(at::equal(out, reference_out));
   {
-    const d9d::model::DeferWeightGrads defer(queue);
+    const d9d::DeferWeightGrads defer(queue);
     out.to(at::kFloat).sum().backward();
   }
   ASSERT_EQ(queue.size(), 1U);

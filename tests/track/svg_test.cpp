@@ -1,4 +1,4 @@
-// The SVG writer and line charts (d9d/track/progress.hpp, "pictures"; src/track/svg.cpp): exact
+// The SVG writer and line charts (d9d/track/svg.hpp, src/track/svg.cpp): exact
 // elements, escaping, one polyline per series with one point per finite value, files replaced.
 #include <cmath>
 #include <limits>
@@ -9,7 +9,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <d9d/track/progress.hpp>
+#include <d9d/track/svg.hpp>
 
 #include "tests/track/track_test_util.hpp"
 

@@ -20,6 +20,7 @@
 #include <d9d/track/jsonl.hpp>
 #include <d9d/track/tensorboard.hpp>
 
+#include "tests/support/subprocess.hpp"
 #include "tests/track/track_test_util.hpp"
 
 namespace {
@@ -201,14 +202,6 @@ if problems:
 print("tensorboard read %d records, checked %d scalars over %d tags" % (len(events), count, len(tags)))
 )py";
 
-std::string shell_quote(const std::string& text) {
-  std::string quoted = "'";
-  for (const char c : text) {
-    quoted += c == '\'' ? std::string(R"('\'')") : std::string(1, c);
-  }
-  return quoted + "'";
-}
-
 TEST(Track_TensorBoard, ScalarsReadBackByTensorBoard) {
   const char* python = std::getenv("D9D_PYTHON");
   if (python == nullptr || *python == '\0') {
@@ -247,23 +240,17 @@ TEST(Track_TensorBoard, ScalarsReadBackByTensorBoard) {
   const std::string script_path = scratch + "/read_back.py";
   { std::ofstream(script_path) << kReadBackScript; }
 
-  const std::string command = shell_quote(python) + " " + shell_quote(script_path) + " " +
-                              shell_quote(log_dir) + " " + shell_quote(event_file) + " " +
-                              shell_quote(scratch + "/expected.jsonl") + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  ASSERT_NE(pipe, nullptr) << "cannot run " << command;
-  std::string output;
-  std::array<char, 4096> chunk{};
-  for (std::size_t n; (n = std::fread(chunk.data(), 1, chunk.size(), pipe)) > 0;) {
-    output.append(chunk.data(), n);
-  }
-  const int status = pclose(pipe);
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-      << command << "\nexited with status " << status << ":\n"
-      << output;
+  const std::string command =
+      d9d::testing::shell_quote(python) + " " + d9d::testing::shell_quote(script_path) + " " +
+      d9d::testing::shell_quote(log_dir) + " " + d9d::testing::shell_quote(event_file) + " " +
+      d9d::testing::shell_quote(scratch + "/expected.jsonl") + " 2>&1";
+  const auto run = d9d::testing::run_command(command);
+  ASSERT_TRUE(WIFEXITED(run.status) && WEXITSTATUS(run.status) == 0)
+      << command << "\nexited with status " << run.status << ":\n"
+      << run.output;
   // 1 version event + 40 * 2 single scalars + 4 eval events + 4 extremes.
-  EXPECT_THAT(output, HasSubstr("tensorboard read 89 records, checked 92 scalars over 5 tags"))
-      << output;
+  EXPECT_THAT(run.output, HasSubstr("tensorboard read 89 records, checked 92 scalars over 5 tags"))
+      << run.output;
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
-// Helpers of the track tests: scratch directories, whole-file reads, an in-memory FILE*, and a
-// small independent reader of TFRecord files and of the Event messages the writer produces.
+// Helpers of the track tests: scratch directories, whole-file reads, and a small independent
+// reader of TFRecord files and of the Event messages the writer produces.
 // Paths are std::string handled with POSIX calls (mkdtemp, mkdir, nftw), like the library: the
 // C++17 file-system library is not used anywhere (LibTorch exports its own copies of it).
 #pragma once
@@ -105,31 +105,6 @@ inline std::vector<std::string> read_lines(const std::string& path) {
   }
   return lines;
 }
-
-/// A FILE* writing into memory (open_memstream), for capturing a ProgressBar's output.
-class MemoryStream {
- public:
-  MemoryStream() : file_(open_memstream(&buffer_, &size_)) {}
-  ~MemoryStream() {
-    std::fclose(file_);
-    std::free(buffer_);  // open_memstream allocates with malloc
-  }
-  MemoryStream(const MemoryStream&) = delete;
-  MemoryStream& operator=(const MemoryStream&) = delete;
-  MemoryStream(MemoryStream&&) = delete;
-  MemoryStream& operator=(MemoryStream&&) = delete;
-
-  [[nodiscard]] std::FILE* file() const { return file_; }
-  [[nodiscard]] std::string str() const {
-    std::fflush(file_);
-    return {buffer_, size_};
-  }
-
- private:
-  char* buffer_ = nullptr;
-  std::size_t size_ = 0;
-  std::FILE* file_;
-};
 
 inline std::uint64_t read_le(std::string_view bytes, std::size_t at, int count) {
   std::uint64_t value = 0;

@@ -16,9 +16,9 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/adamw.h>
 
+#include <d9d/core/weight_grad.hpp>
 #include <d9d/model/layers.hpp>
 #include <d9d/model/linear_cross_entropy.hpp>
-#include <d9d/model/weight_grad.hpp>
 #include <d9d/optim/adamw.hpp>
 #include <d9d/optim/lr_schedule.hpp>
 #include <d9d/state/safetensors.hpp>
@@ -413,7 +413,7 @@ TEST(Model_LinearCrossEntropy, EqualsTheHeadThenTheLossInDouble) {
 TEST(Model_SiluMulLinear, EqualsTheCompositionWithAndWithoutDeferredWeightGradients) {
   // down(silu(gate) * up) recomputing its input in backward: output and the gradients of gate, up
   // and W equal the composition's in float64 (to rounding), also with W's gradient deferred to a
-  // d9d::model::WeightGradQueue.
+  // d9d::WeightGradQueue.
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
   at::manual_seed(3);
   const auto gate0 = at::randn({2, 5, 12}, f64);
@@ -429,14 +429,14 @@ TEST(Model_SiluMulLinear, EqualsTheCompositionWithAndWithoutDeferredWeightGradie
   want_out.backward(grad_out);
   for (const bool deferred : {false, true}) {
     auto got = leaves();
-    d9d::model::WeightGradQueue queue;
+    d9d::WeightGradQueue queue;
     at::Tensor out;
     {
-      const d9d::model::RecordWeightGrads record(queue);
+      const d9d::RecordWeightGrads record(queue);
       out = d9d::model::silu_mul_linear(got[0], got[1], got[2]);
     }
     {
-      const d9d::model::DeferWeightGrads defer(queue);
+      const d9d::DeferWeightGrads defer(queue);
       if (deferred) {
         out.backward(grad_out);
       }
@@ -459,7 +459,7 @@ TEST(Model_SiluMulLinear, EqualsTheCompositionWithAndWithoutDeferredWeightGradie
 TEST(Model_LowRankLinear, EqualsTheCompositionWithAndWithoutDeferredWeightGradients) {
   // x W^T + s (x A^T) B^T as one autograd function: output and the gradients of x, W, A and B
   // equal the composition's in float64 (to rounding), with the weight gradients computed at once
-  // or deferred to a d9d::model::WeightGradQueue, and with W frozen (no gradient, as under LoRA).
+  // or deferred to a d9d::WeightGradQueue, and with W frozen (no gradient, as under LoRA).
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
   at::manual_seed(5);
   const auto x0 = at::randn({2, 5, 12}, f64);
@@ -480,15 +480,15 @@ TEST(Model_LowRankLinear, EqualsTheCompositionWithAndWithoutDeferredWeightGradie
     want_out.backward(grad_out);
     for (const bool deferred : {false, true}) {
       auto got = leaves();
-      d9d::model::WeightGradQueue queue;
+      d9d::WeightGradQueue queue;
       at::Tensor out;
       {
-        const d9d::model::RecordWeightGrads record(queue);
+        const d9d::RecordWeightGrads record(queue);
         out = d9d::model::low_rank_linear(got[0], got[1],
                                           {.a = got[2], .b = got[3], .scale = kScale});
       }
       {
-        const d9d::model::DeferWeightGrads defer(queue);
+        const d9d::DeferWeightGrads defer(queue);
         if (deferred) {
           out.backward(grad_out);
         }

@@ -6,8 +6,8 @@
 //   auto z = attn->forward_placed(x, placement, &layer_cache);  // placed tokens, KV cache
 //
 // Linear layers are d9d::model::Linear: at::linear normally, split backward (input gradient now,
-// weight gradient queued) when a d9d::model::WeightGradQueue records them
-// (d9d/model/weight_grad.hpp).
+// weight gradient queued) when a d9d::WeightGradQueue records them
+// (d9d/core/weight_grad.hpp).
 //
 // Plain `XxxImpl` + TORCH_MODULE holders, so models built from them stay ordinary torch::nn code:
 // parameters, named_parameters(), to(), train()/eval() work as usual. Parameter names follow the
@@ -78,12 +78,12 @@ class LinearAdapter {
 /// x W^T + scale (x A^T) B^T as one autograd function: the base GEMM, then the adapter's thin
 /// GEMMs accumulating into its output, and in backward the two terms of x's gradient summed the
 /// same way. Keeps x and the [rows, rank] product for backward, never the [rows, out] addition.
-/// Under autocast computes in the autocast dtype; under a recording d9d::model::WeightGradQueue
+/// Under autocast computes in the autocast dtype; under a recording d9d::WeightGradQueue
 /// the weight gradients (A's, B's and W's when it trains) can be deferred like Linear's.
 at::Tensor low_rank_linear(const at::Tensor& x, const at::Tensor& weight,
                            const LowRankUpdate& update);
 
-/// y = x W^T (+ b), with split backward under a recording d9d::model::WeightGradQueue. The same
+/// y = x W^T (+ b), with split backward under a recording d9d::WeightGradQueue. The same
 /// parameter names ("weight", "bias") and initialisation as torch::nn::Linear. With an adapter,
 /// y = x W^T (+ b) + adapter->forward(x); by low_rank_linear when the adapter is a low-rank
 /// update, the layer has no bias and the fused kernels are on (fused_kernels()).
@@ -220,7 +220,7 @@ TORCH_MODULE(Attention);
 /// down(silu(gate) * up) = (silu(gate) * up) W^T by d9d::silu_mul and a GEMM, with autograd,
 /// without keeping the product silu(gate) * up for backward: backward recomputes it from gate and
 /// up (one more elementwise pass) for W's gradient. Under autocast computes in the autocast dtype;
-/// under a recording d9d::model::WeightGradQueue its weight gradient can be deferred like Linear's.
+/// under a recording d9d::WeightGradQueue its weight gradient can be deferred like Linear's.
 at::Tensor silu_mul_linear(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& weight);
 
 /// SwiGLU feed-forward: down(silu(gate(x)) * up(x)), the activation by the d9d::silu_mul op. With

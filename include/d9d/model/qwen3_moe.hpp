@@ -44,7 +44,7 @@
 #include <d9d/model/layers.hpp>
 #include <d9d/model/moe.hpp>
 #include <d9d/model/qwen3.hpp>
-#include <d9d/pipeline/stages.hpp>
+#include <d9d/model/stage_layers.hpp>
 
 namespace d9d::model {
 
@@ -139,8 +139,7 @@ TORCH_MODULE(Qwen3MoeForCausalLM);
 /// auxiliary loss is pooled over the stage's MoE layers.
 class Qwen3MoeStageImpl : public torch::nn::Module {
  public:
-  Qwen3MoeStageImpl(const Qwen3MoeConfig& config, int stage, int stages,
-                    pipeline::LayerRange layers);
+  Qwen3MoeStageImpl(const Qwen3MoeConfig& config, int stage, int stages, LayerRange layers);
   at::Tensor forward(const at::Tensor& input);
   [[nodiscard]] std::vector<int64_t> input_sizes(int64_t batch, int64_t seq) const;
   [[nodiscard]] std::vector<int64_t> output_sizes(int64_t batch, int64_t seq) const;

@@ -1,6 +1,6 @@
 // d9d/model/qwen3_stage.hpp — one pipeline stage of Qwen3: only that stage's layers.
 //
-//   const auto ranges = d9d::pipeline::distribute_layers(config.num_hidden_layers, stages);
+//   const auto ranges = d9d::model::distribute_layers(config.num_hidden_layers, stages);
 //   d9d::model::Qwen3Stage stage(config, /*stage=*/s, /*stages=*/stages, ranges[s]);
 //   at::Tensor out = stage(in);   // ids [B, T] on stage 0; hidden [B, T, H] between; logits last
 //   stage->output_sizes(B, T);    // known without running the model
@@ -26,8 +26,8 @@
 
 #include <d9d/model/layers.hpp>
 #include <d9d/model/qwen3.hpp>
+#include <d9d/model/stage_layers.hpp>
 #include <d9d/model/tensor_parallel.hpp>
-#include <d9d/pipeline/stages.hpp>
 
 namespace d9d::model {
 
@@ -37,7 +37,7 @@ namespace d9d::model {
 /// [B, T, vocab]).
 class Qwen3StageImpl : public torch::nn::Module, public VocabParallelModel {
  public:
-  Qwen3StageImpl(const Qwen3Config& config, int stage, int stages, pipeline::LayerRange layers);
+  Qwen3StageImpl(const Qwen3Config& config, int stage, int stages, LayerRange layers);
   /// Stage 0: input_ids [B, T] (int64); others: hidden [B, T, hidden]. Returns hidden states, or
   /// logits [B, T, vocab] on the last stage.
   at::Tensor forward(const at::Tensor& input);
@@ -48,7 +48,7 @@ class Qwen3StageImpl : public torch::nn::Module, public VocabParallelModel {
   [[nodiscard]] bool is_first() const { return stage_ == 0; }
   [[nodiscard]] bool is_last() const { return stage_ == stages_ - 1; }
   [[nodiscard]] int stage() const { return stage_; }
-  [[nodiscard]] pipeline::LayerRange layer_range() const { return range_; }
+  [[nodiscard]] LayerRange layer_range() const { return range_; }
   [[nodiscard]] const Qwen3Config& config() const { return config_; }
   /// Sizes of this stage's input and output for a microbatch of `batch` sequences of `seq` tokens.
   [[nodiscard]] std::vector<int64_t> input_sizes(int64_t batch, int64_t seq) const;
@@ -66,7 +66,7 @@ class Qwen3StageImpl : public torch::nn::Module, public VocabParallelModel {
   int64_t vocab_start_ = 0;
   int stage_;
   int stages_;
-  pipeline::LayerRange range_;
+  LayerRange range_;
   RotaryEmbedding rope_;
 };
 TORCH_MODULE(Qwen3Stage);

@@ -49,6 +49,7 @@
 #include <d9d/plan/plan.hpp>
 #include <d9d/plan/slots.hpp>
 #include <d9d/precision/policies.hpp>
+#include <d9d/precision/scalar_type.hpp>
 #include <d9d/recompute/policies.hpp>
 
 namespace d9d::parallel {
@@ -344,18 +345,6 @@ void require_degree_one(const char* degree, int value, const char* policy, const
 /// std::invalid_argument unless `name` is "after_forward", "never" or "all_but_last".
 void check_reshard_name(const std::string& name);
 
-constexpr at::ScalarType scalar_type_of(precision::Dtype dtype) {
-  switch (dtype) {
-    case precision::Dtype::float64:
-      return at::kDouble;
-    case precision::Dtype::bfloat16:
-      return at::kBFloat16;
-    case precision::Dtype::float32:
-      break;
-  }
-  return at::kFloat;
-}
-
 template <class Degree>
 constexpr bool static_degree_is(int value) {
   return !Degree::is_dynamic && Degree::value == value;
@@ -416,8 +405,8 @@ struct strategy<FullyShard<R, D>> {
   static void apply(ParallelModel& model) {
     using P = typename Plan::precision;
     detail::FullyShardSettings settings{.reshard = model.options().reshard,
-                                        .compute_dtype = detail::scalar_type_of(P::compute),
-                                        .reduce_dtype = detail::scalar_type_of(P::reduce),
+                                        .compute_dtype = precision::scalar_type(P::compute),
+                                        .reduce_dtype = precision::scalar_type(P::reduce),
                                         .timing = gradient_timing_of<Plan>};
     if constexpr (R == Reshard::after_forward) {
       settings.reshard = "after_forward";
@@ -632,8 +621,9 @@ std::unique_ptr<ParallelModel> apply_strategies(
     const DeviceMesh& mesh, std::vector<std::shared_ptr<torch::nn::Module>> modules,
     ParallelizeOptions options) {
   check_reshard_name(options.reshard);
-  auto model = make_parallel_model(mesh, std::move(modules),
-                                   scalar_type_of(Plan::precision::parameters), std::move(options));
+  auto model =
+      make_parallel_model(mesh, std::move(modules),
+                          precision::scalar_type(Plan::precision::parameters), std::move(options));
   for_each_strategy<Plan>([&]<class Policy>() {
     if constexpr (parallel_strategy<strategy<Policy>, Plan>) {
       strategy<Policy>::template apply<Plan>(*model);

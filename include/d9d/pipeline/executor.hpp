@@ -14,7 +14,7 @@
 // reads the caller's microbatch, other stages the activation received or handed over locally by
 // the previous stage on this rank), B runs the full backward from the loss or from the gradient of
 // the stage's output, I runs it with the weight gradients of d9d::model::Linear layers queued
-// (d9d/model/weight_grad.hpp), W drains that queue. Parameter gradients accumulate into .grad as
+// (d9d/core/weight_grad.hpp), W drains that queue. Parameter gradients accumulate into .grad as
 // in a single-process backward over all microbatches.
 //
 // Communication: each maximal run of consecutive send/receive actions is posted as one batch

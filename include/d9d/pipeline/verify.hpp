@@ -55,13 +55,84 @@ constexpr Action send_of(const Action& a, int to) {
           .microbatch = a.microbatch,
           .peer = to};
 }
-constexpr Action recv_of(const Action& a, int from) {
-  const bool forward = a.op == Op::forward;
-  return {.op = forward ? Op::recv_activation : Op::recv_gradient,
-          .stage = forward ? a.stage + 1 : a.stage - 1,
-          .microbatch = a.microbatch,
-          .peer = from};
+/// The receive that takes `send` (posted by rank `sender`) on its peer: an activation enters the
+/// next stage, an input gradient the previous one.
+constexpr Action matching_recv(const Action& send, int sender) {
+  const bool activation = send.op == Op::send_activation;
+  return {.op = activation ? Op::recv_activation : Op::recv_gradient,
+          .stage = activation ? send.stage + 1 : send.stage - 1,
+          .microbatch = send.microbatch,
+          .peer = sender};
 }
+constexpr Action recv_of(const Action& a, int from) { return matching_recv(send_of(a, -1), from); }
+
+/// The send that feeds `recv` (posted by rank `receiver`): the activation of stage s comes from
+/// stage s - 1, the gradient received by stage s from stage s + 1.
+constexpr Action matching_send(const Action& recv, int receiver) {
+  const bool activation = recv.op == Op::recv_activation;
+  return {.op = activation ? Op::send_activation : Op::send_gradient,
+          .stage = activation ? recv.stage - 1 : recv.stage + 1,
+          .microbatch = recv.microbatch,
+          .peer = receiver};
+}
+
+constexpr bool is_backward(Op op) {
+  return op == Op::backward || op == Op::backward_input || op == Op::backward_weight;
+}
+
+/// Whether compute step `a` consumes another stage's output: a forward past the first stage (the
+/// previous stage's activation), a B or I before the last stage (the next stage's input gradient).
+constexpr bool needs_input(const Action& a, int stages) {
+  return (a.op == Op::forward && a.stage > 0) ||
+         ((a.op == Op::backward || a.op == Op::backward_input) && a.stage < stages - 1);
+}
+/// The stage whose output `a` consumes (needs_input(a) holds).
+constexpr int producer_stage(const Action& a) {
+  return a.op == Op::forward ? a.stage - 1 : a.stage + 1;
+}
+
+/// A value per (stage, microbatch) for the two compute steps other stages consume: the forward
+/// and the input-gradient step (B or I). The one model of data dependencies that
+/// with_communication (rounds), verify (done flags) and simulate (end times) share.
+template <class T>
+class StepTable {
+ public:
+  constexpr StepTable(int stages, int microbatches, T unset)
+      : microbatches_(microbatches),
+        unset_(unset),
+        forward_(static_cast<std::size_t>(stages * microbatches), unset),
+        input_gradient_(static_cast<std::size_t>(stages * microbatches), unset) {}
+
+  /// Records `value` for compute step `a` (a W records nothing: no other stage consumes it).
+  constexpr void record(const Action& a, T value) {
+    if (a.op == Op::forward) {
+      forward_[index(a.stage, a.microbatch)] = value;
+    } else if (a.op == Op::backward || a.op == Op::backward_input) {
+      input_gradient_[index(a.stage, a.microbatch)] = value;
+    }
+  }
+  /// The value of the step whose output `a` consumes (needs_input(a) holds); unset() if none yet.
+  [[nodiscard]] constexpr T input_of(const Action& a) const {
+    return a.op == Op::forward ? forward_[index(a.stage - 1, a.microbatch)]
+                               : input_gradient_[index(a.stage + 1, a.microbatch)];
+  }
+  /// The value of the step that produces `a`'s data: `a` itself for an F, B or I; the sent step
+  /// for a send.
+  [[nodiscard]] constexpr T output_of(const Action& a) const {
+    const bool activation = a.op == Op::forward || a.op == Op::send_activation;
+    return (activation ? forward_ : input_gradient_)[index(a.stage, a.microbatch)];
+  }
+  [[nodiscard]] constexpr T unset() const { return unset_; }
+
+ private:
+  [[nodiscard]] constexpr std::size_t index(int stage, int microbatch) const {
+    return static_cast<std::size_t>(stage * microbatches_ + microbatch);
+  }
+  int microbatches_;
+  T unset_;
+  std::vector<T> forward_;
+  std::vector<T> input_gradient_;
+};
 
 }  // namespace detail
 
@@ -87,13 +158,11 @@ constexpr Program with_communication(const Program& compute_only) {
   const int pp = out.pp;
   const int stages = out.stages();
   const int m = out.microbatches;
-  const auto index = [&](int stage, int mb) { return static_cast<std::size_t>(stage * m + mb); };
   const auto valid = [&](const Action& a) {
     return a.stage >= 0 && a.stage < stages && a.microbatch >= 0 && a.microbatch < m;
   };
   constexpr int kNever = -1;
-  std::vector<int> f_round(static_cast<std::size_t>(stages * m), kNever);  // when F ran
-  std::vector<int> b_round(static_cast<std::size_t>(stages * m), kNever);  // when I or B ran
+  detail::StepTable<int> rounds(stages, m, kNever);  // when each F and I/B ran
   std::vector<std::size_t> pc(static_cast<std::size_t>(pp), 0);
   for (int r = 0; r < pp; ++r) {
     out.ranks[static_cast<std::size_t>(r)].clear();
@@ -117,20 +186,16 @@ constexpr Program with_communication(const Program& compute_only) {
     }
     return nullptr;
   };
-  // A step is ready in round t when the steps it needs ran in earlier rounds.
+  // A step is ready in round t when the step it needs ran in an earlier round.
   const auto ready = [&](const Action& a, int t) {
     if (!valid(a)) {
       return false;
     }
-    if (a.op == Op::forward && a.stage > 0) {
-      const int dep = f_round[index(a.stage - 1, a.microbatch)];
-      return dep != kNever && dep < t;
+    if (!detail::needs_input(a, stages)) {
+      return true;
     }
-    if ((a.op == Op::backward || a.op == Op::backward_input) && a.stage < stages - 1) {
-      const int dep = b_round[index(a.stage + 1, a.microbatch)];
-      return dep != kNever && dep < t;
-    }
-    return true;
+    const int dep = rounds.input_of(a);
+    return dep != kNever && dep < t;
   };
   std::vector<std::pair<int, Action>> produced;  // this round's (rank, step) with a remote consumer
   for (int t = 0;; ++t) {
@@ -144,11 +209,7 @@ constexpr Program with_communication(const Program& compute_only) {
       const Action a = *next;
       emit_next(r);
       any = true;
-      if (a.op == Op::forward) {
-        f_round[index(a.stage, a.microbatch)] = t;
-      } else if (a.op != Op::backward_weight) {
-        b_round[index(a.stage, a.microbatch)] = t;
-      }
+      rounds.record(a, t);
       if (detail::remote_consumer(out, r, a) != -1) {
         produced.emplace_back(r, a);
       }
@@ -169,25 +230,19 @@ constexpr Program with_communication(const Program& compute_only) {
     const auto& in = compute_only.ranks[rr];
     for (; pc[rr] < in.size(); ++pc[rr]) {
       const auto& a = in[pc[rr]];
-      if (a.is_compute() && valid(a)) {
-        const bool needs_activation = a.op == Op::forward && a.stage > 0;
-        const bool needs_gradient =
-            (a.op == Op::backward || a.op == Op::backward_input) && a.stage < stages - 1;
-        if (needs_activation || needs_gradient) {
-          const Action producer{.op = needs_activation ? Op::forward : Op::backward_input,
-                                .stage = needs_activation ? a.stage - 1 : a.stage + 1,
-                                .microbatch = a.microbatch,
-                                .peer = -1};
-          const int from = stage_rank(out.placement, pp, producer.stage);
-          const int round = needs_activation ? f_round[index(producer.stage, a.microbatch)]
-                                             : b_round[index(producer.stage, a.microbatch)];
-          if (from != r && round == kNever) {
-            out.ranks[rr].push_back(detail::recv_of(producer, from));
-          }
+      const bool compute = a.is_compute() && valid(a);
+      if (compute && detail::needs_input(a, stages)) {
+        const Action producer{.op = a.op == Op::forward ? Op::forward : Op::backward_input,
+                              .stage = detail::producer_stage(a),
+                              .microbatch = a.microbatch,
+                              .peer = -1};
+        const int from = stage_rank(out.placement, pp, producer.stage);
+        if (from != r && rounds.input_of(a) == kNever) {
+          out.ranks[rr].push_back(detail::recv_of(producer, from));
         }
       }
       out.ranks[rr].push_back(a);
-      if (a.is_compute() && valid(a)) {
+      if (compute) {
         const int to = detail::remote_consumer(out, r, a);
         if (to != -1) {
           out.ranks[rr].push_back(detail::send_of(a, to));
@@ -223,295 +278,342 @@ struct Verdict {
 
 namespace detail {
 
-constexpr bool is_backward(Op op) {
-  return op == Op::backward || op == Op::backward_input || op == Op::backward_weight;
+constexpr Verdict violation(Rule rule, int rank, const Action& action) {
+  return Verdict{.rule = rule, .rank = rank, .action = action, .peak_activations = {}};
 }
 
-// The send that feeds a receive: activation of stage s comes from stage s - 1's send; the gradient
-// received by stage s comes from stage s + 1's send.
-constexpr Action matching_send(const Action& recv, int receiver) {
-  if (recv.op == Op::recv_activation) {
-    return {.op = Op::send_activation,
-            .stage = recv.stage - 1,
-            .microbatch = recv.microbatch,
-            .peer = receiver};
+/// How often each compute step of each (stage, microbatch) occurs (the `missing` pass reads it).
+struct ComputeCounts {
+  int microbatches;
+  std::vector<int> forwards, fulls, inputs, weights;
+
+  constexpr explicit ComputeCounts(const Program& program)
+      : microbatches(program.microbatches),
+        forwards(static_cast<std::size_t>(program.stages() * program.microbatches), 0),
+        fulls(forwards.size(), 0),
+        inputs(forwards.size(), 0),
+        weights(forwards.size(), 0) {}
+  [[nodiscard]] constexpr std::size_t index(int stage, int microbatch) const {
+    return static_cast<std::size_t>(stage * microbatches + microbatch);
   }
-  return {.op = Op::send_gradient,
-          .stage = recv.stage + 1,
-          .microbatch = recv.microbatch,
-          .peer = receiver};
-}
+  constexpr int& of(const Action& a) {
+    const auto k = index(a.stage, a.microbatch);
+    return a.op == Op::forward          ? forwards[k]
+           : a.op == Op::backward       ? fulls[k]
+           : a.op == Op::backward_input ? inputs[k]
+                                        : weights[k];
+  }
+};
 
-}  // namespace detail
-
-/// Checks a program (with or without communication actions); see the file comment.
-constexpr Verdict verify(const Program& program) {
+/// wrong_rank, backward_kind and duplicate, counting the compute steps into `counts`.
+constexpr Verdict check_actions(const Program& program, ComputeCounts& counts) {
   const int pp = program.pp;
   const int stages = program.stages();
-  const int m = program.microbatches;
-  const auto index = [&](int stage, int mb) { return static_cast<std::size_t>(stage * m + mb); };
-  const auto fail = [](Rule rule, int rank, const Action& action) {
-    return Verdict{.rule = rule, .rank = rank, .action = action, .peak_activations = {}};
-  };
-  bool has_comm = false;
-
-  // wrong_rank, duplicate, backward_kind
-  std::vector<int> forwards(static_cast<std::size_t>(stages * m), 0);
-  std::vector<int> fulls(static_cast<std::size_t>(stages * m), 0);
-  std::vector<int> inputs(static_cast<std::size_t>(stages * m), 0);
-  std::vector<int> weights(static_cast<std::size_t>(stages * m), 0);
   for (int r = 0; r < pp; ++r) {
     for (const auto& a : program.ranks[static_cast<std::size_t>(r)]) {
-      if (a.stage < 0 || a.stage >= stages || a.microbatch < 0 || a.microbatch >= m ||
-          stage_rank(program.placement, pp, a.stage) != r) {
-        return fail(Rule::wrong_rank, r, a);
+      if (a.stage < 0 || a.stage >= stages || a.microbatch < 0 ||
+          a.microbatch >= program.microbatches || stage_rank(program.placement, pp, a.stage) != r) {
+        return violation(Rule::wrong_rank, r, a);
       }
       if (!a.is_compute()) {
-        has_comm = true;
         continue;
       }
       const bool bad_kind =
-          (program.forward_only && detail::is_backward(a.op)) ||
+          (program.forward_only && is_backward(a.op)) ||
           (program.split_backward && a.op == Op::backward) ||
           (!program.split_backward && (a.op == Op::backward_input || a.op == Op::backward_weight));
       if (bad_kind) {
-        return fail(Rule::backward_kind, r, a);
+        return violation(Rule::backward_kind, r, a);
       }
-      auto& count = a.op == Op::forward          ? forwards[index(a.stage, a.microbatch)]
-                    : a.op == Op::backward       ? fulls[index(a.stage, a.microbatch)]
-                    : a.op == Op::backward_input ? inputs[index(a.stage, a.microbatch)]
-                                                 : weights[index(a.stage, a.microbatch)];
-      if (++count > 1) {
-        return fail(Rule::duplicate, r, a);
+      if (++counts.of(a) > 1) {
+        return violation(Rule::duplicate, r, a);
       }
     }
   }
-  // missing
-  for (int s = 0; s < stages; ++s) {
-    for (int mb = 0; mb < m; ++mb) {
-      const auto k = index(s, mb);
-      const int owner = stage_rank(program.placement, pp, s);
-      const auto compute = [&](Op op) {
-        return Action{.op = op, .stage = s, .microbatch = mb, .peer = -1};
+  return {};
+}
+
+/// missing: every (stage, microbatch) has its F and its B (or its I and W) somewhere.
+constexpr Verdict check_missing(const Program& program, const ComputeCounts& counts) {
+  for (int s = 0; s < program.stages(); ++s) {
+    for (int mb = 0; mb < program.microbatches; ++mb) {
+      const auto k = counts.index(s, mb);
+      const int owner = stage_rank(program.placement, program.pp, s);
+      const auto missing = [&](Op op) {
+        return violation(Rule::missing, owner,
+                         Action{.op = op, .stage = s, .microbatch = mb, .peer = -1});
       };
-      if (forwards[k] == 0) {
-        return fail(Rule::missing, owner, compute(Op::forward));
+      if (counts.forwards[k] == 0) {
+        return missing(Op::forward);
       }
-      if (!program.forward_only) {
-        if (!program.split_backward && fulls[k] == 0) {
-          return fail(Rule::missing, owner, compute(Op::backward));
-        }
-        if (program.split_backward && inputs[k] == 0) {
-          return fail(Rule::missing, owner, compute(Op::backward_input));
-        }
-        if (program.split_backward && weights[k] == 0) {
-          return fail(Rule::missing, owner, compute(Op::backward_weight));
-        }
+      if (program.forward_only) {
+        continue;
+      }
+      if (!program.split_backward && counts.fulls[k] == 0) {
+        return missing(Op::backward);
+      }
+      if (program.split_backward && counts.inputs[k] == 0) {
+        return missing(Op::backward_input);
+      }
+      if (program.split_backward && counts.weights[k] == 0) {
+        return missing(Op::backward_weight);
       }
     }
   }
-  // order within a stage
-  for (int r = 0; r < pp; ++r) {
-    std::vector<char> f(static_cast<std::size_t>(stages * m), false);
-    std::vector<char> i(static_cast<std::size_t>(stages * m), false);
+  return {};
+}
+
+/// order: on a stage, F before its I or B, I before its W.
+constexpr Verdict check_order(const Program& program) {
+  for (int r = 0; r < program.pp; ++r) {
+    StepTable<char> done(program.stages(), program.microbatches, false);
     for (const auto& a : program.ranks[static_cast<std::size_t>(r)]) {
       if (!a.is_compute()) {
         continue;
       }
-      const auto k = index(a.stage, a.microbatch);
-      if ((a.op == Op::backward || a.op == Op::backward_input) && !f[k]) {
-        return fail(Rule::order, r, a);
+      const auto ran = [&](Op op) {
+        return done.output_of({.op = op, .stage = a.stage, .microbatch = a.microbatch, .peer = -1});
+      };
+      if ((a.op == Op::backward || a.op == Op::backward_input) && ran(Op::forward) == 0) {
+        return violation(Rule::order, r, a);
       }
-      if (a.op == Op::backward_weight && !i[k]) {
-        return fail(Rule::order, r, a);
+      // A W follows its I (a full B with a W is a backward_kind violation already).
+      if (a.op == Op::backward_weight && ran(Op::backward_input) == 0) {
+        return violation(Rule::order, r, a);
       }
-      f[k] = f[k] || a.op == Op::forward;
-      i[k] = i[k] || a.op == Op::backward_input;
+      done.record(a, true);
     }
   }
-  // unmatched communication
-  if (has_comm) {
-    for (int r = 0; r < pp; ++r) {
+  return {};
+}
+
+/// Whether `peer` is a rank and holds `stage`.
+constexpr bool holds(const Program& program, int peer, int stage) {
+  return peer >= 0 && peer < program.pp && stage >= 0 && stage < program.stages() &&
+         stage_rank(program.placement, program.pp, stage) == peer;
+}
+
+/// unmatched: every receive has exactly one send on its peer, and every send one receive (each
+/// rank's receives first, then its sends).
+constexpr Verdict check_matched(const Program& program) {
+  for (int r = 0; r < program.pp; ++r) {
+    for (const bool receives : {true, false}) {
       for (const auto& a : program.ranks[static_cast<std::size_t>(r)]) {
-        if (a.op != Op::recv_activation && a.op != Op::recv_gradient) {
+        const bool recv = a.op == Op::recv_activation || a.op == Op::recv_gradient;
+        const bool send = a.op == Op::send_activation || a.op == Op::send_gradient;
+        if (receives ? !recv : !send) {
           continue;
         }
-        const auto send = detail::matching_send(a, r);
-        const bool peer_ok = a.peer >= 0 && a.peer < pp && send.stage >= 0 && send.stage < stages &&
-                             stage_rank(program.placement, pp, send.stage) == a.peer;
-        const auto& theirs = peer_ok ? program.ranks[static_cast<std::size_t>(a.peer)]
-                                     : program.ranks[static_cast<std::size_t>(r)];
-        if (!peer_ok || std::count(theirs.begin(), theirs.end(), send) != 1) {
-          return fail(Rule::unmatched, r, a);
-        }
-      }
-      for (const auto& a : program.ranks[static_cast<std::size_t>(r)]) {
-        if (a.op != Op::send_activation && a.op != Op::send_gradient) {
-          continue;
-        }
-        const int to_stage = a.op == Op::send_activation ? a.stage + 1 : a.stage - 1;
-        const Action recv{
-            .op = a.op == Op::send_activation ? Op::recv_activation : Op::recv_gradient,
-            .stage = a.op == Op::send_activation ? a.stage + 1 : a.stage - 1,
-            .microbatch = a.microbatch,
-            .peer = r};
-        const bool peer_ok = a.peer >= 0 && a.peer < pp && to_stage >= 0 && to_stage < stages &&
-                             stage_rank(program.placement, pp, to_stage) == a.peer;
-        if (!peer_ok) {
-          return fail(Rule::unmatched, r, a);
+        const Action other = recv ? matching_send(a, r) : matching_recv(a, r);
+        if (!holds(program, a.peer, other.stage)) {
+          return violation(Rule::unmatched, r, a);
         }
         const auto& theirs = program.ranks[static_cast<std::size_t>(a.peer)];
-        if (std::count(theirs.begin(), theirs.end(), recv) != 1) {
-          return fail(Rule::unmatched, r, a);
+        if (std::count(theirs.begin(), theirs.end(), other) != 1) {
+          return violation(Rule::unmatched, r, a);
         }
       }
     }
   }
-  // fifo: NCCL matches the messages between two ranks in the order they are posted, not by tag,
-  // so the k-th receive on b from a must be the k-th send on a to b.
-  if (has_comm) {
-    std::vector<std::vector<Action>> sends(static_cast<std::size_t>(pp * pp));  // [from * pp + to]
-    for (int r = 0; r < pp; ++r) {
-      for (const auto& a : program.ranks[static_cast<std::size_t>(r)]) {
-        if (a.op == Op::send_activation || a.op == Op::send_gradient) {
-          sends[static_cast<std::size_t>(r * pp + a.peer)].push_back(a);
-        }
-      }
-    }
-    for (int r = 0; r < pp; ++r) {
-      std::vector<std::size_t> received(static_cast<std::size_t>(pp), 0);  // per sender
-      for (const auto& a : program.ranks[static_cast<std::size_t>(r)]) {
-        if (a.op != Op::recv_activation && a.op != Op::recv_gradient) {
-          continue;
-        }
-        const auto& stream = sends[static_cast<std::size_t>(a.peer * pp + r)];
-        const std::size_t k = received[static_cast<std::size_t>(a.peer)]++;
-        if (k >= stream.size() || stream[k] != detail::matching_send(a, r)) {
-          return fail(Rule::fifo, r, a);
-        }
-      }
-    }
-  }
-  // deadlock: run the programs. A compute step waits for its inputs (received, or computed earlier
-  // on this rank; without communication actions a remote input counts once its producer ran). Each
-  // maximal run of consecutive communication actions is posted as one batch (an NCCL group) and
-  // the rank waits until all of it completed, sends included. A send and its receive complete
-  // together (rendezvous), once both sit in the batches their ranks have posted and the sent data
-  // exists; the operations of a batch may complete at different moments.
-  std::vector<char> f_done(static_cast<std::size_t>(stages * m), false);
-  std::vector<char> b_done(static_cast<std::size_t>(stages * m), false);  // B or I
-  std::vector<char> recv_a(static_cast<std::size_t>(stages * m), false);  // input of stage s
-  std::vector<char> recv_g(static_cast<std::size_t>(stages * m), false);  // grad of stage s output
-  std::vector<std::vector<char>> comm_done(static_cast<std::size_t>(pp));
+  return {};
+}
+
+/// fifo: NCCL matches the messages between two ranks in the order they are posted, not by tag,
+/// so the k-th receive on b from a must be the k-th send on a to b.
+constexpr Verdict check_fifo(const Program& program) {
+  const int pp = program.pp;
+  std::vector<std::vector<Action>> sends(static_cast<std::size_t>(pp * pp));  // [from * pp + to]
   for (int r = 0; r < pp; ++r) {
-    comm_done[static_cast<std::size_t>(r)].resize(program.ranks[static_cast<std::size_t>(r)].size(),
-                                                  false);
-  }
-  std::vector<std::size_t> pc(static_cast<std::size_t>(pp), 0);
-  std::vector<int> live(static_cast<std::size_t>(pp), 0);
-  std::vector<int> peak(static_cast<std::size_t>(pp), 0);
-  const auto rank_of = [&](int stage) { return stage_rank(program.placement, pp, stage); };
-  const auto can_run = [&](int r, const Action& a) {
-    const auto k = index(a.stage, a.microbatch);
-    switch (a.op) {
-      case Op::forward:
-        if (a.stage == 0) {
-          return true;
-        }
-        if (rank_of(a.stage - 1) == r || !has_comm) {
-          return static_cast<bool>(f_done[index(a.stage - 1, a.microbatch)]);
-        }
-        return static_cast<bool>(recv_a[k]);
-      case Op::backward:
-      case Op::backward_input:
-        if (a.stage == stages - 1) {
-          return true;
-        }
-        if (rank_of(a.stage + 1) == r || !has_comm) {
-          return static_cast<bool>(b_done[index(a.stage + 1, a.microbatch)]);
-        }
-        return static_cast<bool>(recv_g[k]);
-      default:  // W; communication is run batch by batch below
-        return true;
+    for (const auto& a : program.ranks[static_cast<std::size_t>(r)]) {
+      if (a.op == Op::send_activation || a.op == Op::send_gradient) {
+        sends[static_cast<std::size_t>(r * pp + a.peer)].push_back(a);
+      }
     }
-  };
-  // The end of the batch that starts at pc[r] (pc[r] itself when the rank is at a compute step).
-  const auto batch_end = [&](int r) {
-    const auto& actions = program.ranks[static_cast<std::size_t>(r)];
-    std::size_t end = pc[static_cast<std::size_t>(r)];
+  }
+  for (int r = 0; r < pp; ++r) {
+    std::vector<std::size_t> received(static_cast<std::size_t>(pp), 0);  // per sender
+    for (const auto& a : program.ranks[static_cast<std::size_t>(r)]) {
+      if (a.op != Op::recv_activation && a.op != Op::recv_gradient) {
+        continue;
+      }
+      const auto& stream = sends[static_cast<std::size_t>(a.peer * pp + r)];
+      const std::size_t k = received[static_cast<std::size_t>(a.peer)]++;
+      if (k >= stream.size() || stream[k] != matching_send(a, r)) {
+        return violation(Rule::fifo, r, a);
+      }
+    }
+  }
+  return {};
+}
+
+/// deadlock: runs the programs. A compute step waits for its input (received, or computed earlier
+/// on this rank; without communication actions a remote input counts once its producer ran). Each
+/// maximal run of consecutive communication actions is posted as one batch (an NCCL group) and
+/// the rank waits until all of it completed, sends included. A send and its receive complete
+/// together (rendezvous), once both sit in the batches their ranks have posted and the sent data
+/// exists; the operations of a batch may complete at different moments. Also counts live
+/// activations (forwards whose I or B has not run) per rank.
+class ProgramRun {
+ public:
+  constexpr ProgramRun(const Program& program, bool has_comm)
+      : program_(program),
+        has_comm_(has_comm),
+        done_(program.stages(), program.microbatches, false),
+        arrived_(program.stages(), program.microbatches, false),
+        comm_done_(static_cast<std::size_t>(program.pp)),
+        pc_(static_cast<std::size_t>(program.pp), 0),
+        live_(static_cast<std::size_t>(program.pp), 0),
+        peak_(static_cast<std::size_t>(program.pp), 0) {
+    for (std::size_t r = 0; r < comm_done_.size(); ++r) {
+      comm_done_[r].resize(program.ranks[r].size(), false);
+    }
+  }
+
+  /// Steps every rank until none can go on; the first step or open operation a rank stopped at.
+  constexpr Verdict run() {
+    bool progress = true;
+    while (progress) {
+      progress = false;
+      for (int r = 0; r < program_.pp; ++r) {
+        progress = compute(r) || progress;
+        progress = communicate(r) || progress;
+      }
+    }
+    for (int r = 0; r < program_.pp; ++r) {
+      const auto rr = static_cast<std::size_t>(r);
+      const auto& actions = program_.ranks[rr];
+      for (std::size_t j = pc_[rr]; j < actions.size(); ++j) {
+        if (actions[j].is_compute() ? j == pc_[rr] : !comm_done_[rr][j]) {
+          return violation(Rule::deadlock, r, actions[j]);  // the step, or the batch's first op
+        }
+      }
+    }
+    return Verdict{.rule = Rule::none, .rank = -1, .action = {}, .peak_activations = peak_};
+  }
+
+ private:
+  [[nodiscard]] constexpr bool can_run(int r, const Action& a) const {
+    if (!needs_input(a, program_.stages())) {
+      return true;
+    }
+    const bool local = stage_rank(program_.placement, program_.pp, producer_stage(a)) == r;
+    if (local || !has_comm_) {
+      return done_.input_of(a) != 0;
+    }
+    // The receive stored what arrived for stage `a.stage` under the producing step's entry.
+    return arrived_.input_of(a) != 0;
+  }
+
+  // Runs rank r's compute steps while their inputs exist.
+  constexpr bool compute(int r) {
+    const auto rr = static_cast<std::size_t>(r);
+    const auto& actions = program_.ranks[rr];
+    bool progress = false;
+    while (pc_[rr] < actions.size() && actions[pc_[rr]].is_compute() &&
+           can_run(r, actions[pc_[rr]])) {
+      const auto& a = actions[pc_[rr]];
+      done_.record(a, true);
+      if (a.op == Op::forward) {
+        peak_[rr] = std::max(peak_[rr], ++live_[rr]);
+      } else if (a.op != Op::backward_weight) {
+        --live_[rr];
+      }
+      ++pc_[rr];
+      progress = true;
+    }
+    return progress;
+  }
+
+  // The end of the batch that starts at pc_[r] (pc_[r] itself when the rank is at a compute step).
+  [[nodiscard]] constexpr std::size_t batch_end(int r) const {
+    const auto& actions = program_.ranks[static_cast<std::size_t>(r)];
+    std::size_t end = pc_[static_cast<std::size_t>(r)];
     while (end < actions.size() && !actions[end].is_compute()) {
       ++end;
     }
     return end;
-  };
-  bool progress = true;
-  while (progress) {
-    progress = false;
-    for (int r = 0; r < pp; ++r) {
-      const auto rr = static_cast<std::size_t>(r);
-      const auto& actions = program.ranks[rr];
-      while (pc[rr] < actions.size() && actions[pc[rr]].is_compute() &&
-             can_run(r, actions[pc[rr]])) {
-        const auto& a = actions[pc[rr]];
-        const auto k = index(a.stage, a.microbatch);
-        if (a.op == Op::forward) {
-          f_done[k] = true;
-          peak[rr] = std::max(peak[rr], ++live[rr]);
-        } else if (a.op != Op::backward_weight) {
-          b_done[k] = true;
-          --live[rr];
-        }
-        ++pc[rr];
-        progress = true;
-      }
-      const std::size_t end = batch_end(r);
-      if (end == pc[rr]) {
-        continue;
-      }
-      // Complete the sends of this batch whose receives the peer has posted.
-      bool all_done = true;
-      for (std::size_t j = pc[rr]; j < end; ++j) {
-        const auto& a = actions[j];
-        const bool send = a.op == Op::send_activation || a.op == Op::send_gradient;
-        const bool data = a.op == Op::send_activation ? f_done[index(a.stage, a.microbatch)]
-                                                      : b_done[index(a.stage, a.microbatch)];
-        if (!comm_done[rr][j] && send && data) {
-          const auto q = static_cast<std::size_t>(a.peer);
-          const Action recv{
-              .op = a.op == Op::send_activation ? Op::recv_activation : Op::recv_gradient,
-              .stage = a.op == Op::send_activation ? a.stage + 1 : a.stage - 1,
-              .microbatch = a.microbatch,
-              .peer = r};
-          const std::size_t their_end = batch_end(a.peer);
-          for (std::size_t i = pc[q]; i < their_end; ++i) {
-            if (!comm_done[q][i] && program.ranks[q][i] == recv) {
-              comm_done[q][i] = true;
-              comm_done[rr][j] = true;
-              auto& arrived = recv.op == Op::recv_activation ? recv_a : recv_g;
-              arrived[index(recv.stage, recv.microbatch)] = true;
-              progress = true;
-              break;
-            }
+  }
+
+  // Completes the sends of rank r's posted batch whose receives the peer has posted; moves past
+  // the batch once all of it completed.
+  constexpr bool communicate(int r) {
+    const auto rr = static_cast<std::size_t>(r);
+    const auto& actions = program_.ranks[rr];
+    const std::size_t end = batch_end(r);
+    if (end == pc_[rr]) {
+      return false;
+    }
+    bool progress = false;
+    bool all_done = true;
+    for (std::size_t j = pc_[rr]; j < end; ++j) {
+      const auto& a = actions[j];
+      const bool send = a.op == Op::send_activation || a.op == Op::send_gradient;
+      if (!comm_done_[rr][j] && send && done_.output_of(a) != 0) {
+        const auto q = static_cast<std::size_t>(a.peer);
+        const Action recv = matching_recv(a, r);
+        const std::size_t their_end = batch_end(a.peer);
+        for (std::size_t i = pc_[q]; i < their_end; ++i) {
+          if (!comm_done_[q][i] && program_.ranks[q][i] == recv) {
+            comm_done_[q][i] = true;
+            comm_done_[rr][j] = true;
+            // What arrived is the sent step's output: recorded under the sending step.
+            arrived_.record(
+                Action{.op = a.op == Op::send_activation ? Op::forward : Op::backward_input,
+                       .stage = a.stage,
+                       .microbatch = a.microbatch,
+                       .peer = -1},
+                true);
+            progress = true;
+            break;
           }
         }
-        all_done = all_done && comm_done[rr][j];
       }
-      if (all_done) {
-        pc[rr] = end;
-        progress = true;
-      }
+      all_done = all_done && comm_done_[rr][j];
+    }
+    if (all_done) {
+      pc_[rr] = end;
+      progress = true;
+    }
+    return progress;
+  }
+
+  const Program& program_;
+  bool has_comm_;
+  StepTable<char> done_;     // F and I/B that ran
+  StepTable<char> arrived_;  // outputs of F and I/B received by the consuming rank
+  std::vector<std::vector<char>> comm_done_;
+  std::vector<std::size_t> pc_;
+  std::vector<int> live_;
+  std::vector<int> peak_;
+};
+
+}  // namespace detail
+
+/// Checks a program (with or without communication actions): the passes of the file comment, in
+/// order; the first violation, or the peak activations of a valid program.
+constexpr Verdict verify(const Program& program) {
+  detail::ComputeCounts counts(program);
+  if (auto v = detail::check_actions(program, counts); !v.ok()) {
+    return v;
+  }
+  if (auto v = detail::check_missing(program, counts); !v.ok()) {
+    return v;
+  }
+  if (auto v = detail::check_order(program); !v.ok()) {
+    return v;
+  }
+  const bool has_comm = std::any_of(program.ranks.begin(), program.ranks.end(), [](const auto& r) {
+    return std::any_of(r.begin(), r.end(), [](const Action& a) { return !a.is_compute(); });
+  });
+  if (has_comm) {
+    if (auto v = detail::check_matched(program); !v.ok()) {
+      return v;
+    }
+    if (auto v = detail::check_fifo(program); !v.ok()) {
+      return v;
     }
   }
-  for (int r = 0; r < pp; ++r) {
-    const auto rr = static_cast<std::size_t>(r);
-    const auto& actions = program.ranks[rr];
-    for (std::size_t j = pc[rr]; j < actions.size(); ++j) {
-      if (actions[j].is_compute() ? j == pc[rr] : !comm_done[rr][j]) {
-        return fail(Rule::deadlock, r, actions[j]);  // the step, or the batch's first open op
-      }
-    }
-  }
-  return Verdict{.rule = Rule::none, .rank = -1, .action = {}, .peak_activations = peak};
+  return detail::ProgramRun(program, has_comm).run();
 }
 
 /// Relative costs of compute actions (communication is free in this model).
@@ -549,11 +651,20 @@ struct Timeline {
 constexpr Timeline simulate(const Program& program, const Costs& costs) {
   const int pp = program.pp;
   const int stages = program.stages();
-  const int m = program.microbatches;
-  const auto index = [&](int stage, int mb) { return static_cast<std::size_t>(stage * m + mb); };
   constexpr double kNever = -1.0;
-  std::vector<double> f_end(static_cast<std::size_t>(stages * m), kNever);
-  std::vector<double> b_end(static_cast<std::size_t>(stages * m), kNever);  // B or I
+  detail::StepTable<double> ends(stages, program.microbatches, kNever);  // when F and I/B ended
+  const auto cost_of = [&](Op op) {
+    switch (op) {
+      case Op::backward:
+        return costs.backward_input + costs.backward_weight;
+      case Op::backward_input:
+        return costs.backward_input;
+      case Op::backward_weight:
+        return costs.backward_weight;
+      default:
+        return costs.forward;
+    }
+  };
   std::vector<double> free_at(static_cast<std::size_t>(pp), 0.0);
   std::vector<std::size_t> pc(static_cast<std::size_t>(pp), 0);
   Timeline timeline;
@@ -564,45 +675,24 @@ constexpr Timeline simulate(const Program& program, const Costs& costs) {
     for (int r = 0; r < pp; ++r) {
       const auto rr = static_cast<std::size_t>(r);
       const auto& actions = program.ranks[rr];
-      while (pc[rr] < actions.size()) {
+      for (; pc[rr] < actions.size(); ++pc[rr]) {
         const auto& a = actions[pc[rr]];
         if (!a.is_compute()) {
-          ++pc[rr];
           continue;
         }
         double ready = free_at[rr];
-        double cost = costs.forward;
-        if (a.op == Op::forward && a.stage > 0) {
-          const double dep = f_end[index(a.stage - 1, a.microbatch)];
-          if (dep == kNever) {
+        if (detail::needs_input(a, stages)) {
+          const double input = ends.input_of(a);
+          if (input == kNever) {
             break;
           }
-          ready = std::max(ready, dep);
+          ready = std::max(ready, input);
         }
-        if (a.op == Op::backward || a.op == Op::backward_input) {
-          cost = a.op == Op::backward ? costs.backward_input + costs.backward_weight
-                                      : costs.backward_input;
-          if (a.stage < stages - 1) {
-            const double dep = b_end[index(a.stage + 1, a.microbatch)];
-            if (dep == kNever) {
-              break;
-            }
-            ready = std::max(ready, dep);
-          }
-        }
-        if (a.op == Op::backward_weight) {
-          cost = costs.backward_weight;
-        }
-        const double end = ready + cost;
-        if (a.op == Op::forward) {
-          f_end[index(a.stage, a.microbatch)] = end;
-        } else if (a.op != Op::backward_weight) {
-          b_end[index(a.stage, a.microbatch)] = end;
-        }
+        const double end = ready + cost_of(a.op);
+        ends.record(a, end);
         timeline.ranks[rr].push_back({.action = a, .start = ready, .end = end});
         free_at[rr] = end;
         timeline.makespan = std::max(timeline.makespan, end);
-        ++pc[rr];
         progress = true;
       }
     }

@@ -62,7 +62,7 @@ struct ModelBuildContext {
 };
 
 /// What a model provider's build_stage gets under a pipeline plan: which stage of how many, and
-/// the decoder layers it holds (d9d::pipeline::distribute_layers over the stages).
+/// the decoder layers it holds (d9d::model::distribute_layers over the stages).
 struct StageBuildContext {
   c10::Device device = c10::Device(c10::kCPU);
   const DeviceMesh* mesh = nullptr;

@@ -239,9 +239,9 @@ constexpr PrecisionOptions precision_options() {
                 "use d9d::precision::Bf16Params<StochasticRounding>");
   at::ScalarType state = at::ScalarType::Undefined;
   if constexpr (requires { P::optimizer_state; }) {
-    state = parallel::detail::scalar_type_of(P::optimizer_state);
+    state = precision::scalar_type(P::optimizer_state);
   }
-  return {.parameters = parallel::detail::scalar_type_of(P::parameters),
+  return {.parameters = precision::scalar_type(P::parameters),
           .bf16_autocast = P::compute != P::parameters,
           .stochastic_rounding = stochastic,
           .optimizer_state = state};

@@ -3,12 +3,14 @@
 //   d9d::files::create_directories(run_dir + "/tensorboard");   // mkdir -p; throws with the reason
 //   d9d::files::rename(tmp, final_path);
 //   if (d9d::files::exists(path)) { ... }
+//   d9d::files::AtomicFile out(path, who);  out.write(bytes, n);  out.commit();  // tmp + rename
 //
 // Not std::filesystem: libtorch_cpu.so and libtorch.so export their own copies of
 // std::filesystem's functions, and calls from code built by another compiler can bind to them
 // (a crash seen on the GPU machine). These wrappers avoid the ambiguity.
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -36,5 +38,33 @@ void rename(const std::string& from, const std::string& to);
 [[nodiscard]] std::vector<std::string> list_directory(const std::string& dir);
 /// This machine's host name ("localhost" when it cannot be read).
 [[nodiscard]] std::string hostname();
+
+/// A file written as `<path>.tmp` and renamed over `path` by commit() after fsync, so readers see
+/// the old file or the whole new one. Destroyed without commit(): the temporary is removed.
+/// Errors: std::runtime_error "<who>: <path>.tmp: <what> (<strerror>)".
+class AtomicFile {
+ public:
+  AtomicFile(std::string path, std::string who);
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  AtomicFile(AtomicFile&&) = delete;
+  AtomicFile& operator=(AtomicFile&&) = delete;
+  ~AtomicFile();
+
+  void write(const void* data, std::size_t size);
+  void commit();
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const;
+
+  std::string path_;
+  std::string tmp_;
+  std::string who_;
+  int fd_ = -1;
+};
+
+/// fsyncs the directory `dir`, so renames inside it survive a crash; errors are ignored (some file
+/// systems refuse fsync on directories).
+void sync_directory(const std::string& dir);
 
 }  // namespace d9d::files

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include <d9d/pipeline/picture.hpp>
-#include <d9d/track/progress.hpp>
+#include <d9d/track/svg.hpp>
 
 namespace d9d::pipeline {
 namespace {

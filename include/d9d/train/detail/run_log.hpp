@@ -16,10 +16,10 @@
 
 #include <d9d/core/distributed_context.hpp>
 #include <d9d/track/jsonl.hpp>
-#include <d9d/track/progress.hpp>
 #include <d9d/track/tensorboard.hpp>
 #include <d9d/train/config.hpp>
 #include <d9d/train/step.hpp>
+#include <d9d/util/progress.hpp>
 
 namespace d9d {
 struct TrainResult;
@@ -55,7 +55,7 @@ class RunLog {
   const DistributedContext& context_;
   const TrainerConfig& config_;
   bool main_;
-  std::unique_ptr<track::ProgressBar> progress_;
+  std::unique_ptr<util::ProgressBar> progress_;
   std::unique_ptr<track::JsonlWriter> jsonl_;
   std::unique_ptr<track::TensorBoardWriter> tensorboard_;
 };

@@ -1,18 +1,20 @@
-// d9d/pipeline/stages.hpp — which decoder layers each pipeline stage holds.
+// d9d/model/stage_layers.hpp — which decoder layers each pipeline stage holds.
 //
-//   auto ranges = d9d::pipeline::distribute_layers(/*layers=*/28, /*stages=*/4,
-//                                                  {.embedding = 1.0, .head = 2.0});
+//   auto ranges = d9d::model::distribute_layers(/*layers=*/28, /*stages=*/4,
+//                                               {.embedding = 1.0, .head = 2.0});
 //   ranges[0];  // {.begin = 0, .end = 6}: stage 0 also runs the embedding
 //
 // A pipeline-aware model provider builds only its stage's layers. Layers are split into contiguous
 // ranges with the embedding (on the first stage) and the LM head (on the last) counted as virtual
-// layers of the given weights, so the stages' loads are as equal as whole layers allow.
+// layers of the given weights, so the stages' loads are as equal as whole layers allow. In model/
+// (not pipeline/): the stage models (Qwen3Stage, Qwen3MoeStage) take a LayerRange, and the pipeline
+// sits above the model.
 #pragma once
 
 #include <stdexcept>
 #include <vector>
 
-namespace d9d::pipeline {
+namespace d9d::model {
 
 /// Decoder layers [begin, end) of one stage.
 struct LayerRange {
@@ -35,7 +37,7 @@ constexpr std::vector<LayerRange> distribute_layers(int layers, int stages,
                                                     VirtualLayers extra = {}) {
   if (layers < 0 || stages < 1 || extra.embedding < 0 || extra.head < 0) {
     throw std::invalid_argument(
-        "d9d::pipeline::distribute_layers: needs layers >= 0, stages >= 1 and non-negative "
+        "d9d::model::distribute_layers: needs layers >= 0, stages >= 1 and non-negative "
         "virtual layers");
   }
   const double total = layers + extra.embedding + extra.head;
@@ -55,4 +57,4 @@ constexpr std::vector<LayerRange> distribute_layers(int layers, int stages,
   return out;
 }
 
-}  // namespace d9d::pipeline
+}  // namespace d9d::model

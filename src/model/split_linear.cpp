@@ -1,5 +1,6 @@
-// d9d/model/weight_grad.cpp — the weight-gradient queue, the split-capable linear layer and the
-// feed-forward's down projection that recomputes its input.
+// d9d/model/split_linear.cpp — the split-capable linear layer, the low-rank (LoRA) linear and the
+// feed-forward's down projection that recomputes its input: autograd functions whose backward
+// queues the weight gradients on a deferring d9d::WeightGradQueue (d9d/core/weight_grad.hpp).
 #include <cmath>
 #include <cstdint>
 #include <utility>
@@ -10,14 +11,12 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/init.h>
 
+#include <d9d/core/weight_grad.hpp>
 #include <d9d/kernels/silu_mul.hpp>
 #include <d9d/model/layers.hpp>
-#include <d9d/model/weight_grad.hpp>
 
 namespace d9d::model {
 namespace {
-
-thread_local WeightGradQueue* recording = nullptr;
 
 // The weight (and bias) gradient of y = x W^T + b, accumulated into the parameters' .grad in their
 // own dtype, as the autograd engine would.
@@ -78,8 +77,8 @@ struct WeightGrad {
   }
 };
 
-// y = x W^T (+ b) whose backward can queue the weight-gradient GEMM (see weight_grad.hpp). Two
-// variants, because every tensor argument of an autograd function must be defined.
+// y = x W^T (+ b) whose backward can queue the weight-gradient GEMM (see d9d/core/weight_grad.hpp).
+// Two variants, because every tensor argument of an autograd function must be defined.
 template <bool HasBias>
 struct SplitLinear : torch::autograd::Function<SplitLinear<HasBias>> {
   static at::Tensor run_forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
@@ -276,36 +275,22 @@ struct LowRankLinear : torch::autograd::Function<LowRankLinear> {
   }
 };
 
+// The queue's address, carried through the autograd context (an int64 saved value).
+int64_t queue_address(WeightGradQueue* queue) {
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
+  return static_cast<int64_t>(reinterpret_cast<std::intptr_t>(queue));
+}
+
 }  // namespace
-
-void WeightGradQueue::drain() {
-  // Take the jobs first: a job that throws leaves the queue empty rather than half-run twice.
-  auto jobs = std::move(jobs_);
-  jobs_.clear();
-  for (auto& job : jobs) {
-    job();
-  }
-}
-
-RecordWeightGrads::RecordWeightGrads(WeightGradQueue& queue) : previous_(recording) {
-  recording = &queue;
-}
-
-RecordWeightGrads::~RecordWeightGrads() { recording = previous_; }
-
-WeightGradQueue* recording_weight_grads() { return recording; }
 
 at::Tensor low_rank_linear(const at::Tensor& x, const at::Tensor& weight,
                            const LowRankUpdate& update) {
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
-  const auto address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(recording));
-  return LowRankLinear::apply(x, weight, update.a, update.b, update.scale, address);
+  return LowRankLinear::apply(x, weight, update.a, update.b, update.scale,
+                              queue_address(recording_weight_grads()));
 }
 
 at::Tensor silu_mul_linear(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& weight) {
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
-  const auto address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(recording));
-  return SiluMulLinear::apply(gate, up, weight, address);
+  return SiluMulLinear::apply(gate, up, weight, queue_address(recording_weight_grads()));
 }
 
 LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool bias) {
@@ -330,8 +315,7 @@ at::Tensor LinearImpl::forward(const at::Tensor& x) {
   if (queue == nullptr) {
     y = at::linear(x, weight, bias);
   } else {
-    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
-    const auto address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(queue));
+    const auto address = queue_address(queue);
     y = bias.defined() ? SplitLinear<true>::apply(x, weight, bias, address)
                        : SplitLinear<false>::apply(x, weight, address);
   }

@@ -1,4 +1,4 @@
-// d9d/peft/parallel.cpp — the peft policies' component in the parallelize layer.
+// d9d/parallel/peft.cpp — the peft policies' component in the parallelize layer (apply_peft).
 #include <ATen/ATen.h>
 
 #include <d9d/core/collectives.hpp>

@@ -1,11 +1,11 @@
-// d9d/track/progress.hpp — a console progress line for the main rank of a training loop, and
-// the pictures of a run (SVG: a small writer and line charts of per-step curves).
+// d9d/util/progress.hpp — a console progress line for the main rank of a loop (training,
+// inference, a checkpoint's save and load).
 //
-//   d9d::track::ProgressBar bar(total_steps, "train");           // stderr; redraws when a TTY
+//   d9d::util::ProgressBar bar(total_steps, "train");            // stderr; redraws when a TTY
 //   bar.update(step, {{"loss", "2.134"}, {"lr", "3.0e-04"}});     // fields are preformatted
 //   bar.finish();                                                 // final line + newline
 //
-// A line reads (tests/track/progress_test.cpp, Track_Progress_plain.ShowsRateAndEta):
+// A line reads (tests/util/progress_test.cpp, Util_Progress_plain.ShowsRateAndEta):
 //   train [==========>         ] 150/300  loss 2.134  lr 3.0e-04  4.52 it/s  ETA 00:33
 // and ends in `took 01:06` once the last step is reached or finish() is called (`elapsed 01:06`
 // while running for an unknown total); below one step a second the rate reads `3.20 s/it`. The
@@ -13,10 +13,7 @@
 // clock. Interactive mode (a terminal) redraws one line with '\r', at most every
 // redraw_interval_s, within max_width bytes (fields are dropped from the right to fit). Plain mode
 // (CI logs, files) prints a full line on the first update, then at most every print_interval_s,
-// and on the last step. Not thread-safe: drive it from the loop of the main rank.
-//
-//   d9d::track::LineChart chart{.title = "loss", .x_label = "step", .series = {{.y = losses}}};
-//   d9d::track::write_text_file("runs/exp1/loss.svg", d9d::track::line_chart(chart));
+// and on the last step. Not thread-safe: drive it from the loop of the main rank. No LibTorch.
 #pragma once
 
 #include <cstdint>
@@ -27,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-namespace d9d::track {
+namespace d9d::util {
 
 /// How a ProgressBar draws: `automatic` is `interactive` when the stream is a terminal (and TERM
 /// is not "dumb"), else `plain`.
@@ -107,59 +104,8 @@ class ProgressBar {
 /// 0.5 -> "0.500"; negative values get a '-', NaN / ±inf read "nan" / "inf" / "-inf".
 [[nodiscard]] std::string format_si(double value);
 
-// ---- pictures --------------------------------------------------------------------------------
-
-/// An SVG document built element by element; numbers are written with up to 6 significant digits
-/// and text is escaped (&, <, >, "). `attributes` are extra raw attributes of an element.
-class Svg {
- public:
-  Svg(double width, double height, std::string_view attributes = {});
-  Svg& rect(double x, double y, double width, double height, std::string_view fill,
-            std::string_view attributes = {});
-  Svg& line(double x1, double y1, double x2, double y2, std::string_view stroke,
-            std::string_view attributes = {});
-  /// One <polyline> through the points, stroked, not filled.
-  Svg& polyline(const std::vector<std::pair<double, double>>& points, std::string_view stroke,
-                std::string_view attributes = {});
-  Svg& text(double x, double y, std::string_view content, std::string_view attributes = {});
-  /// The document, closed.
-  [[nodiscard]] std::string str() const;
-
- private:
-  std::string body_;
-};
-
-/// `text` with &, <, >, " and ' replaced by their XML entities.
-[[nodiscard]] std::string xml_escape(std::string_view text);
-
-/// One curve of a LineChart: y per point; x per point, or 0, 1, 2, ... when empty.
-struct ChartSeries {
-  std::string label = {};
-  std::vector<double> x = {};
-  std::vector<double> y = {};
-  std::string colour = "#4C78A8";
-};
-
-/// A line chart: axes with ticks, one polyline per series (points whose x or y is not finite are
-/// left out), a legend when a series has a label.
-struct LineChart {
-  std::string title = {};
-  std::string x_label = {};
-  std::string y_label = {};
-  std::vector<ChartSeries> series = {};
-  double width = 640;
-  double height = 360;
-};
-
-/// The chart as an SVG document. std::invalid_argument when a series' x and y differ in length.
-[[nodiscard]] std::string line_chart(const LineChart& chart);
-
-/// Writes `text` to `path` (replacing it, through a temporary file and a rename; parent
-/// directories created); std::runtime_error naming the path and the reason.
-void write_text_file(const std::string& path, std::string_view text);
-
 /// Whole seconds as "mm:ss" below an hour, else "h:mm:ss" (3725 -> "1:02:05"); "--:--" when
 /// negative or not finite.
 [[nodiscard]] std::string format_duration(double seconds);
 
-}  // namespace d9d::track
+}  // namespace d9d::util

@@ -1,4 +1,5 @@
-// The console progress line: rendering, throttling, and the two drawing modes.
+// d9d/util/progress.cpp — the console progress line: rendering, throttling, and the two drawing
+// modes (d9d/util/progress.hpp).
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -8,13 +9,13 @@
 #include <sys/ioctl.h>
 #include <unistd.h>
 
-#include <d9d/track/progress.hpp>
+#include <d9d/util/progress.hpp>
 
-namespace d9d::track {
+namespace d9d::util {
 
 namespace {
 
-constexpr std::string_view kWho = "d9d::track::ProgressBar";
+constexpr std::string_view kWho = "d9d::util::ProgressBar";
 constexpr std::string_view kGap = "  ";
 
 double steady_seconds() {
@@ -284,4 +285,4 @@ std::string ProgressBar::render(double time, bool done) const {
   return line;
 }
 
-}  // namespace d9d::track
+}  // namespace d9d::util

@@ -1,16 +1,16 @@
-// d9d/model/weight_grad.hpp — split backward: input gradients now, weight gradients later.
+// d9d/core/weight_grad.hpp — split backward: input gradients now, weight gradients later.
 //
-//   d9d::model::WeightGradQueue queue;
+//   d9d::WeightGradQueue queue;
 //   at::Tensor out;
 //   {
-//     d9d::model::RecordWeightGrads record(queue);  // forward: layers bind to `queue`
+//     d9d::RecordWeightGrads record(queue);  // forward: layers bind to `queue`
 //     out = stage(x);
 //   }
 //   {
-//     d9d::model::DeferWeightGrads defer(queue);    // backward: only input gradients (I)
+//     d9d::DeferWeightGrads defer(queue);    // backward: only input gradients (I)
 //     torch::autograd::backward({out}, {grad_out});
 //   }
-//   queue.drain();                                  // the weight-gradient GEMMs (W)
+//   queue.drain();                           // the weight-gradient GEMMs (W)
 //
 // Zero-bubble pipeline schedules split a stage's backward into I (the gradient of the stage's
 // input, which the previous stage waits for) and W (the gradients of the weights, which nobody
@@ -23,13 +23,17 @@
 // when unused.
 //
 // Gradients accumulated by drain() do not fire the parameters' post-accumulate-grad hooks.
+//
+// The queue sits in core, below both its users: the model's split-capable layers
+// (src/model/split_linear.cpp) push into it, the pipeline executor records, defers and drains it.
+// It needs nothing but the standard library.
 #pragma once
 
 #include <cstddef>
 #include <functional>
 #include <vector>
 
-namespace d9d::model {
+namespace d9d {
 
 /// Weight-gradient work queued by split backward passes, for one (stage, microbatch).
 class WeightGradQueue {
@@ -91,4 +95,4 @@ class DeferWeightGrads {
 /// The queue that forward passes on this thread record into, or nullptr.
 [[nodiscard]] WeightGradQueue* recording_weight_grads();
 
-}  // namespace d9d::model
+}  // namespace d9d

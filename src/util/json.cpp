@@ -1,18 +1,13 @@
-// d9d/state/io.cpp — strict JSON parsing and atomic file writing for d9d::state.
-#include <algorithm>
-#include <array>
-#include <cerrno>
-#include <cstdint>
-#include <cstring>
-#include <fcntl.h>
+// d9d/util/json.cpp — strict JSON parsing (d9d/util/json.hpp).
 #include <functional>
 #include <set>
-#include <unistd.h>
+#include <string>
 #include <vector>
 
-#include <d9d/state/detail/io.hpp>
+#include <d9d/util/json.hpp>
+#include <d9d/util/quote.hpp>
 
-namespace d9d::state::detail {
+namespace d9d::util {
 
 std::size_t first_invalid_utf8(std::string_view text) {
   const auto* bytes = reinterpret_cast<const unsigned char*>(text.data());
@@ -51,40 +46,6 @@ std::size_t first_invalid_utf8(std::string_view text) {
     i += length;
   }
   return std::string_view::npos;
-}
-
-std::string printable(std::string_view text, std::size_t max_bytes) {
-  std::string out;
-  const std::size_t shown = std::min(text.size(), max_bytes);
-  for (std::size_t i = 0; i < shown; ++i) {
-    const auto byte = static_cast<unsigned char>(text[i]);
-    if (byte < 0x20 || byte >= 0x7F || byte == '\\') {
-      constexpr std::string_view kHex = "0123456789abcdef";
-      out += "\\x";
-      out += kHex[byte >> 4U];
-      out += kHex[byte & 0xFU];
-    } else {
-      out += static_cast<char>(byte);
-    }
-  }
-  if (shown < text.size()) {
-    out += "...";
-  }
-  return out;
-}
-
-std::string quoted(std::string_view text, std::size_t max_bytes) {
-  return "\"" + printable(text, max_bytes) + "\"";
-}
-
-std::string quoted_key(std::string_view key) { return quoted(key, 200); }
-
-std::string shape_string(c10::IntArrayRef sizes) {
-  std::string out = "[";
-  for (std::size_t d = 0; d < sizes.size(); ++d) {
-    out += (d == 0 ? "" : ", ") + std::to_string(sizes[d]);
-  }
-  return out + "]";
 }
 
 std::string short_dump(const Json& json, std::size_t max_bytes) {
@@ -152,70 +113,4 @@ Json parse_strict_json(std::string_view text, int max_depth) {
   }
 }
 
-// ---- AtomicFile ---------------------------------------------------------------------------------
-
-AtomicFile::AtomicFile(std::string path, std::string who)
-    : path_(std::move(path)), tmp_(path_ + ".tmp"), who_(std::move(who)) {
-  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd_ < 0) {
-    fail("cannot create");
-  }
-}
-
-AtomicFile::~AtomicFile() {
-  if (fd_ >= 0) {
-    ::close(fd_);
-    ::unlink(tmp_.c_str());
-  }
-}
-
-void AtomicFile::fail(const std::string& what) const {
-  const int error = errno;
-  throw std::runtime_error(who_ + ": " + tmp_ + ": " + what + " (" + std::strerror(error) + ")");
-}
-
-void AtomicFile::write(const void* data, std::size_t size) {
-  const auto* bytes = static_cast<const char*>(data);
-  while (size > 0) {
-    // Linux writes at most 0x7ffff000 bytes per call.
-    const ssize_t written = ::write(fd_, bytes, std::min<std::size_t>(size, std::size_t{1} << 30));
-    if (written < 0) {
-      if (errno == EINTR) {
-        continue;
-      }
-      fail("write failed");
-    }
-    bytes += written;
-    size -= static_cast<std::size_t>(written);
-  }
-}
-
-void AtomicFile::commit() {
-  if (::fsync(fd_) != 0) {
-    fail("fsync failed");
-  }
-  const int fd = fd_;
-  fd_ = -1;
-  if (::close(fd) != 0) {
-    const int error = errno;
-    ::unlink(tmp_.c_str());
-    errno = error;
-    fail("close failed");
-  }
-  if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
-    const int error = errno;
-    ::unlink(tmp_.c_str());
-    errno = error;
-    fail("rename to " + path_ + " failed");
-  }
-}
-
-void sync_directory(const std::string& dir) {
-  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) {
-    (void)::fsync(fd);
-    ::close(fd);
-  }
-}
-
-}  // namespace d9d::state::detail
+}  // namespace d9d::util

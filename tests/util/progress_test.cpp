@@ -1,27 +1,63 @@
 // ProgressBar with a fake clock: exact lines, rate and ETA, throttling, the '\r' redraw of
 // interactive mode, width limits; and the formatting helpers.
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <d9d/track/progress.hpp>
-
-#include "tests/track/track_test_util.hpp"
+#include <d9d/util/progress.hpp>
 
 namespace {
 
 using ::testing::EndsWith;
 
-using d9d::track::ProgressBar;
-using d9d::track::ProgressMode;
+using d9d::util::ProgressBar;
+using d9d::util::ProgressMode;
 
-TEST(Track_Progress_plain, ShowsRateAndEta) {
-  track_test::MemoryStream out;
+/// A FILE* writing into memory (open_memstream), for capturing a ProgressBar's output.
+class MemoryStream {
+ public:
+  MemoryStream() : file_(open_memstream(&buffer_, &size_)) {}
+  ~MemoryStream() {
+    std::fclose(file_);
+    std::free(buffer_);  // open_memstream allocates with malloc
+  }
+  MemoryStream(const MemoryStream&) = delete;
+  MemoryStream& operator=(const MemoryStream&) = delete;
+  MemoryStream(MemoryStream&&) = delete;
+  MemoryStream& operator=(MemoryStream&&) = delete;
+
+  [[nodiscard]] std::FILE* file() const { return file_; }
+  [[nodiscard]] std::string str() const {
+    std::fflush(file_);
+    return {buffer_, size_};
+  }
+
+ private:
+  char* buffer_ = nullptr;
+  std::size_t size_ = 0;
+  std::FILE* file_;
+};
+
+/// Each test's captured output and a fake clock (seconds, moved by the test).
+class ProgressTest : public ::testing::Test {
+ protected:
+  MemoryStream out;
   double now = 0;
-  const auto clock = [&now] { return now; };
+  std::function<double()> clock = [this] { return now; };
+};
+class Util_Progress_plain : public ProgressTest {};
+class Util_Progress_interactive : public ProgressTest {};
+
+TEST_F(Util_Progress_plain, ShowsRateAndEta) {
   ProgressBar bar(300, "train", {.out = out.file(), .mode = ProgressMode::plain, .clock = clock});
   now = 33.2;
   bar.update(150, {{"loss", "2.134"}, {"lr", "3.0e-04"}});
@@ -29,10 +65,7 @@ TEST(Track_Progress_plain, ShowsRateAndEta) {
             "train [==========>         ] 150/300  loss 2.134  lr 3.0e-04  4.52 it/s  ETA 00:33\n");
 }
 
-TEST(Track_Progress_plain, PrintsFirstUpdateThenThrottledThenLastStep) {
-  track_test::MemoryStream out;
-  double now = 0;
-  const auto clock = [&now] { return now; };
+TEST_F(Util_Progress_plain, PrintsFirstUpdateThenThrottledThenLastStep) {
   ProgressBar bar(10, "train",
                   {.out = out.file(),
                    .mode = ProgressMode::plain,
@@ -50,10 +83,7 @@ TEST(Track_Progress_plain, PrintsFirstUpdateThenThrottledThenLastStep) {
             "train [==========] 10/10  loss 2.000  1.00 it/s  took 00:10\n");
 }
 
-TEST(Track_Progress_plain, FinishPrintsAnUnshownFinalState) {
-  track_test::MemoryStream out;
-  double now = 0;
-  const auto clock = [&now] { return now; };
+TEST_F(Util_Progress_plain, FinishPrintsAnUnshownFinalState) {
   ProgressBar bar(10, "train",
                   {.out = out.file(),
                    .mode = ProgressMode::plain,
@@ -72,20 +102,14 @@ TEST(Track_Progress_plain, FinishPrintsAnUnshownFinalState) {
             "train [====>     ]  4/10  1.25 s/it  took 00:05\n");
 }
 
-TEST(Track_Progress_plain, SlowStepsShowSecondsPerStep) {
-  track_test::MemoryStream out;
-  double now = 0;
-  const auto clock = [&now] { return now; };
+TEST_F(Util_Progress_plain, SlowStepsShowSecondsPerStep) {
   ProgressBar bar(5, "eval", {.out = out.file(), .mode = ProgressMode::plain, .clock = clock});
   now = 3.2;
   bar.update(1);
   EXPECT_EQ(out.str(), "eval [====>               ] 1/5  3.20 s/it  ETA 00:13\n");
 }
 
-TEST(Track_Progress_plain, ResumedRunCountsOnlyNewSteps) {
-  track_test::MemoryStream out;
-  double now = 0;
-  const auto clock = [&now] { return now; };
+TEST_F(Util_Progress_plain, ResumedRunCountsOnlyNewSteps) {
   ProgressBar bar(
       200, "train",
       {.out = out.file(), .mode = ProgressMode::plain, .initial_step = 100, .clock = clock});
@@ -94,26 +118,19 @@ TEST(Track_Progress_plain, ResumedRunCountsOnlyNewSteps) {
   EXPECT_EQ(out.str(), "train [===========>        ] 110/200  2.00 it/s  ETA 00:45\n");
 }
 
-TEST(Track_Progress_plain, UnknownTotalHasNoBarAndShowsElapsed) {
-  track_test::MemoryStream out;
-  double now = 0;
-  const auto clock = [&now] { return now; };
+TEST_F(Util_Progress_plain, UnknownTotalHasNoBarAndShowsElapsed) {
   ProgressBar bar(0, "stream", {.out = out.file(), .mode = ProgressMode::plain, .clock = clock});
   now = 2;
   bar.update(5, {{"tok/s", "12.3k"}});
   EXPECT_EQ(out.str(), "stream 5  tok/s 12.3k  2.50 it/s  elapsed 00:02\n");
 }
 
-TEST(Track_Progress_plain, AutomaticModeIsPlainWhenNotATerminal) {
-  track_test::MemoryStream out;
+TEST_F(Util_Progress_plain, AutomaticModeIsPlainWhenNotATerminal) {
   const ProgressBar bar(10, "train", {.out = out.file()});
   EXPECT_FALSE(bar.interactive());
 }
 
-TEST(Track_Progress_interactive, RedrawsOneLineWithCarriageReturn) {
-  track_test::MemoryStream out;
-  double now = 0;
-  const auto clock = [&now] { return now; };
+TEST_F(Util_Progress_interactive, RedrawsOneLineWithCarriageReturn) {
   ProgressBar bar(
       4, "train",
       {.out = out.file(), .mode = ProgressMode::interactive, .bar_width = 10, .clock = clock});
@@ -133,10 +150,7 @@ TEST(Track_Progress_interactive, RedrawsOneLineWithCarriageReturn) {
   EXPECT_EQ(bar.last_line(), "train [=======>  ] 3/4  loss 9.5  1.33 s/it  took 00:04");
 }
 
-TEST(Track_Progress_interactive, LastStepAlwaysRedraws) {
-  track_test::MemoryStream out;
-  double now = 0;
-  const auto clock = [&now] { return now; };
+TEST_F(Util_Progress_interactive, LastStepAlwaysRedraws) {
   ProgressBar bar(
       2, "t",
       {.out = out.file(), .mode = ProgressMode::interactive, .bar_width = 4, .clock = clock});
@@ -149,10 +163,7 @@ TEST(Track_Progress_interactive, LastStepAlwaysRedraws) {
             "\rt [====] 2/2  1.98 it/s  took 00:01");
 }
 
-TEST(Track_Progress_interactive, WidthLimitDropsFieldsFromTheRight) {
-  track_test::MemoryStream out;
-  double now = 0;
-  const auto clock = [&now] { return now; };
+TEST_F(Util_Progress_interactive, WidthLimitDropsFieldsFromTheRight) {
   ProgressBar bar(
       100, "train",
       {.out = out.file(), .mode = ProgressMode::interactive, .max_width = 72, .clock = clock});
@@ -163,10 +174,7 @@ TEST(Track_Progress_interactive, WidthLimitDropsFieldsFromTheRight) {
   EXPECT_LE(bar.last_line().size(), 72U) << bar.last_line();
 }
 
-TEST(Track_Progress_interactive, HardTruncatesWhenNoFieldIsLeftToDrop) {
-  track_test::MemoryStream out;
-  double now = 0;
-  const auto clock = [&now] { return now; };
+TEST_F(Util_Progress_interactive, HardTruncatesWhenNoFieldIsLeftToDrop) {
   ProgressBar bar(
       100, "a-very-long-label-for-a-narrow-line",
       {.out = out.file(), .mode = ProgressMode::interactive, .max_width = 40, .clock = clock});
@@ -175,10 +183,7 @@ TEST(Track_Progress_interactive, HardTruncatesWhenNoFieldIsLeftToDrop) {
   EXPECT_EQ(bar.last_line(), "a-very-long-label-for-a-narrow-line [>  ");
 }
 
-TEST(Track_Progress_interactive, WriteClearsTheBarPrintsAndRedraws) {
-  track_test::MemoryStream out;
-  double now = 0;
-  const auto clock = [&now] { return now; };
+TEST_F(Util_Progress_interactive, WriteClearsTheBarPrintsAndRedraws) {
   ProgressBar bar(
       4, "t",
       {.out = out.file(), .mode = ProgressMode::interactive, .bar_width = 4, .clock = clock});
@@ -190,10 +195,7 @@ TEST(Track_Progress_interactive, WriteClearsTheBarPrintsAndRedraws) {
             "\r" + line + "\r" + std::string(line.size(), ' ') + "\rcheckpoint saved\n\r" + line);
 }
 
-TEST(Track_Progress_interactive, DestructorEndsAnOpenLine) {
-  track_test::MemoryStream out;
-  double now = 0;
-  const auto clock = [&now] { return now; };
+TEST_F(Util_Progress_interactive, DestructorEndsAnOpenLine) {
   {
     ProgressBar bar(
         4, "t",
@@ -204,53 +206,60 @@ TEST(Track_Progress_interactive, DestructorEndsAnOpenLine) {
   EXPECT_EQ(out.str(), "\rt [=>  ] 1/4  1.00 it/s  ETA 00:03\n");
 }
 
-TEST(Track_Progress_plain, WriteIsAPlainLine) {
-  track_test::MemoryStream out;
+TEST_F(Util_Progress_plain, WriteIsAPlainLine) {
   ProgressBar bar(4, "t", {.out = out.file(), .mode = ProgressMode::plain});
   bar.write("checkpoint saved");
   EXPECT_EQ(out.str(), "checkpoint saved\n");
 }
 
-TEST(Track_Progress, InvalidArgumentsRejected) {
-  track_test::MemoryStream out;
+TEST(Util_Progress, InvalidArgumentsRejected) {
+  MemoryStream out;
   EXPECT_THROW(ProgressBar(-1, "t", {.out = out.file()}), std::invalid_argument);
   EXPECT_THROW(ProgressBar(1, "t", {.out = out.file(), .bar_width = 0}), std::invalid_argument);
   EXPECT_THROW(ProgressBar(1, "t", {.out = nullptr}), std::invalid_argument);
 }
 
-TEST(Track_Progress, FormatSi) {
-  using d9d::track::format_si;
-  EXPECT_EQ(format_si(0), "0");
-  EXPECT_EQ(format_si(1), "1.00");
-  EXPECT_EQ(format_si(4.518), "4.52");
-  EXPECT_EQ(format_si(9.995), "10.0");
-  EXPECT_EQ(format_si(45.26), "45.3");
-  EXPECT_EQ(format_si(999), "999");
-  EXPECT_EQ(format_si(999.4), "999");
-  EXPECT_EQ(format_si(999.5), "1.00k");
-  EXPECT_EQ(format_si(12345), "12.3k");
-  EXPECT_EQ(format_si(2.5e6), "2.50M");
-  EXPECT_EQ(format_si(1.5e9), "1.50G");
-  EXPECT_EQ(format_si(-12345), "-12.3k");
-  EXPECT_EQ(format_si(0.5), "0.500");
-  EXPECT_EQ(format_si(0.0123), "0.0123");
-  EXPECT_EQ(format_si(std::numeric_limits<double>::quiet_NaN()), "nan");
-  EXPECT_EQ(format_si(std::numeric_limits<double>::infinity()), "inf");
-  EXPECT_EQ(format_si(-std::numeric_limits<double>::infinity()), "-inf");
+TEST(Util_Progress, FormatSi) {
+  const std::vector<std::pair<double, std::string>> cases = {
+      {0, "0"},
+      {1, "1.00"},
+      {4.518, "4.52"},
+      {9.995, "10.0"},
+      {45.26, "45.3"},
+      {999, "999"},
+      {999.4, "999"},
+      {999.5, "1.00k"},
+      {12345, "12.3k"},
+      {2.5e6, "2.50M"},
+      {1.5e9, "1.50G"},
+      {-12345, "-12.3k"},
+      {0.5, "0.500"},
+      {0.0123, "0.0123"},
+      {std::numeric_limits<double>::quiet_NaN(), "nan"},
+      {std::numeric_limits<double>::infinity(), "inf"},
+      {-std::numeric_limits<double>::infinity(), "-inf"},
+  };
+  for (const auto& [value, text] : cases) {
+    EXPECT_EQ(d9d::util::format_si(value), text) << value;
+  }
 }
 
-TEST(Track_Progress, FormatDuration) {
-  using d9d::track::format_duration;
-  EXPECT_EQ(format_duration(0), "00:00");
-  EXPECT_EQ(format_duration(39), "00:39");
-  EXPECT_EQ(format_duration(59.6), "01:00");
-  EXPECT_EQ(format_duration(3599), "59:59");
-  EXPECT_EQ(format_duration(3600), "1:00:00");
-  EXPECT_EQ(format_duration(3725), "1:02:05");
-  EXPECT_EQ(format_duration(100000), "27:46:40");
-  EXPECT_EQ(format_duration(-1), "--:--");
-  EXPECT_EQ(format_duration(std::numeric_limits<double>::quiet_NaN()), "--:--");
-  EXPECT_EQ(format_duration(std::numeric_limits<double>::infinity()), "--:--");
+TEST(Util_Progress, FormatDuration) {
+  const std::vector<std::pair<double, std::string>> cases = {
+      {0, "00:00"},
+      {39, "00:39"},
+      {59.6, "01:00"},
+      {3599, "59:59"},
+      {3600, "1:00:00"},
+      {3725, "1:02:05"},
+      {100000, "27:46:40"},
+      {-1, "--:--"},
+      {std::numeric_limits<double>::quiet_NaN(), "--:--"},
+      {std::numeric_limits<double>::infinity(), "--:--"},
+  };
+  for (const auto& [value, text] : cases) {
+    EXPECT_EQ(d9d::util::format_duration(value), text) << value;
+  }
 }
 
 }  // namespace

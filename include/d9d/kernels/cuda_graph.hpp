@@ -1,10 +1,15 @@
-// d9d/train/detail/microbatch_graph.hpp — a captured microbatch (CUDA graph) behind an interface
-// that CPU builds compile.
+// d9d/kernels/cuda_graph.hpp — a captured microbatch (CUDA graph) behind an interface that CPU
+// builds compile.
+//
+//   auto graph = d9d::kernels::make_microbatch_graph(device);  // throws on CPU or a CPU build
+//   graph->capture([&] { loss = step(batch); });                // records, runs nothing
+//   graph->replay();                                            // runs the recorded work
 //
 // TrainStepCore captures one microbatch's forward and backward into a MicrobatchGraph and replays
 // it for the step's microbatches (docs/train.md, "CUDA graphs"). The CUDA implementation lives in
 // kernels/cuda_graph.cu (built with the CUDA kernels) and registers its factory when the library
-// loads; a build without it has none, and make_microbatch_graph says so.
+// loads; a build without it has none, and make_microbatch_graph says so (the registry:
+// src/kernels/cuda_graph.cpp).
 #pragma once
 
 #include <functional>
@@ -12,7 +17,7 @@
 
 #include <c10/core/Device.h>
 
-namespace d9d::detail {
+namespace d9d::kernels {
 
 /// One captured piece of GPU work, replayed on the current stream.
 class MicrobatchGraph {
@@ -43,4 +48,4 @@ void set_microbatch_graph_factory(MicrobatchGraphFactory factory);
 /// d9d has no CUDA kernels library.
 std::unique_ptr<MicrobatchGraph> make_microbatch_graph(c10::Device device);
 
-}  // namespace d9d::detail
+}  // namespace d9d::kernels

@@ -1,11 +1,11 @@
-// d9d/train/microbatch_graph.cpp — the registry of the CUDA-graph factory (the CUDA kernels
+// d9d/kernels/cuda_graph.cpp — the registry of the CUDA-graph factory (the CUDA kernels
 // library installs it; CPU builds have none).
 #include <atomic>
 #include <stdexcept>
 
-#include <d9d/train/detail/microbatch_graph.hpp>
+#include <d9d/kernels/cuda_graph.hpp>
 
-namespace d9d::detail {
+namespace d9d::kernels {
 namespace {
 
 std::atomic<MicrobatchGraphFactory>& factory() {
@@ -31,4 +31,4 @@ std::unique_ptr<MicrobatchGraph> make_microbatch_graph(c10::Device device) {
   return make(device);
 }
 
-}  // namespace d9d::detail
+}  // namespace d9d::kernels
