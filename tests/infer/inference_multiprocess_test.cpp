@@ -156,6 +156,9 @@ TEST(Inference_ws4, TensorParallelAndPipelineTimesFullyShardScoresEqualOneProces
     run_and_check<TpShardPlan>(
         ctx, config_for(env, "tp_shard", R"({"dp_shard": 2, "tp": 2})", checkpoint), want, 0,
         "tp 2 x FullyShard 2");
+    run_and_check<PipelineShardPlan>(
+        ctx, config_for(env, "pp_shard", R"({"pp": 2, "dp_shard": 2})", checkpoint), want, 0,
+        "pp 2 x FullyShard 2");
   });
 }
 
