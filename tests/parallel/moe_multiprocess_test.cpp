@@ -7,11 +7,13 @@
 // reference's microbatch is the union of the ranks' microbatches (dp x microbatch). Also the export
 // under expert parallelism (transformers' per-expert tensors, equal to the gathered experts) and a
 // training checkpoint saved on ep 2 resumed in one process.
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <string>
 #include <vector>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <d9d/model/hf_moe.hpp>
@@ -256,7 +258,35 @@ TEST(Moe_Checkpoint, ResumesACheckpointWithoutBuffers) {
       local, resumed, [&](d9d::detail::TrainerCore& core) { biases = buffers_of(core); });
   EXPECT_EQ(again.result.start_step, 2);
   EXPECT_EQ(again.result.losses.size(), 4U);
-  EXPECT_EQ(biases.size(), 3U);
+  ASSERT_EQ(biases.size(), 3U);
+  // Four updates of +-rate from uneven loads: the biases left zero.
+  EXPECT_TRUE(std::any_of(biases.begin(), biases.end(), [](const auto& item) {
+    const at::Tensor& bias = item.second;
+    return at::any(bias != 0).item<bool>();
+  }));
+
+  // Resumed at the checkpoint's own step (nothing left to train): the buffers it lacks hold their
+  // initial values (zeros), and the log names one of them and counts the rest.
+  auto at_end = moe_run(root + "/bias_at_end", 4);
+  at_end.run.total_steps = 2;
+  at_end.checkpoint.resume_from = root + "/no_bias/checkpoints/step-2";
+  at_end.checkpoint.dir = root + "/bias_at_end/checkpoints";
+  std::map<std::string, at::Tensor> initial;
+  ::testing::internal::CaptureStderr();
+  const auto idle = train_moe<d9d::Plan<Fp64>>(
+      local, at_end, [&](d9d::detail::TrainerCore& core) { initial = buffers_of(core); });
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(idle.result.start_step, 2);
+  EXPECT_TRUE(idle.result.losses.empty());
+  EXPECT_THAT(log, ::testing::HasSubstr("warning: the checkpoint " + at_end.checkpoint.resume_from +
+                                        " has no \"model.layers."));
+  EXPECT_THAT(log, ::testing::HasSubstr(".expert_bias\" (and 2 more buffers: saved before "
+                                        "checkpoints stored buffers); they keep their initial "
+                                        "values"));
+  ASSERT_EQ(initial.size(), 3U);
+  for (const auto& [name, bias] : initial) {
+    EXPECT_TRUE(at::equal(bias, at::zeros_like(bias))) << name << ": " << bias;
+  }
 }
 
 }  // namespace
