@@ -354,6 +354,7 @@ void read_outputs(Section& root, TrainerConfig& cfg) {
   numerics.integer("max_consecutive_skips", cfg.numerics.max_consecutive_skips, 1, false);
   numerics.number("loss_spike_factor", cfg.numerics.loss_spike_factor, 1.0, false, INFINITY);
   numerics.integer("loss_spike_window", cfg.numerics.loss_spike_window, 1, false);
+  numerics.number("loss_spike_min_rise", cfg.numerics.loss_spike_min_rise, 0.0, true, INFINITY);
   numerics.finish();
 
   Section graphs = root.child("cuda_graphs");

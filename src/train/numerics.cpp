@@ -42,7 +42,8 @@ NumericsGuard::Verdict NumericsGuard::check(int64_t step, const StepResult& r,
   if (recent_.size() == window) {
     const double mean =
         std::accumulate(recent_.begin(), recent_.end(), 0.0) / static_cast<double>(window);
-    if (mean > 0 && r.loss > config_.loss_spike_factor * mean) {
+    if (mean > 0 && r.loss > config_.loss_spike_factor * mean &&
+        r.loss - mean >= config_.loss_spike_min_rise) {
       verdict.spike = events::LossSpike{.step = step, .loss = r.loss, .mean = mean};
       if (context_.is_main_process()) {
         context_.logger().warning("loss spike at " + describe_step(step, total_steps_, r) + ": " +

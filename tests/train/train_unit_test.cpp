@@ -1140,17 +1140,29 @@ TEST(Train_Numerics, LossSpikesAreReported) {
   EXPECT_EQ(spikes[0].step, 5);
   EXPECT_EQ(spikes[0].loss, result.losses[5]);
   EXPECT_DOUBLE_EQ(spikes[0].mean, (result.losses[2] + result.losses[3] + result.losses[4]) / 3.0);
+
+  // The same run with a floor above step 5's rise (~38 over a mean of ~4.2): no spike.
+  cfg.run.output_dir = tmp_dir("spike_floor");
+  cfg.numerics.loss_spike_min_rise = 50.0;
+  d9d::Trainer<LocalPlan> floored(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                                  task, cfg);
+  task.follow(floored);
+  const auto quiet = floored.train();
+  EXPECT_TRUE(quiet.loss_spikes.empty());
+  EXPECT_NEAR(quiet.losses[5], result.losses[5], 1e-9 * result.losses[5]);
 }
 
 TEST(Train_Config_Numerics, KeysAreReadAndChecked) {
   const auto cfg = d9d::TrainerConfig::from_json_text(
       base_config(kRun, kBatch,
                   R"(, "numerics": {"on_nonfinite": "skip", "max_consecutive_skips": 3,
-                        "loss_spike_factor": 2.5, "loss_spike_window": 7})"));
+                        "loss_spike_factor": 2.5, "loss_spike_window": 7,
+                        "loss_spike_min_rise": 0.5})"));
   EXPECT_EQ(cfg.numerics.on_nonfinite, "skip");
   EXPECT_EQ(cfg.numerics.max_consecutive_skips, 3);
   EXPECT_EQ(cfg.numerics.loss_spike_factor, 2.5);
   EXPECT_EQ(cfg.numerics.loss_spike_window, 7);
+  EXPECT_EQ(cfg.numerics.loss_spike_min_rise, 0.5);
   const auto defaults = d9d::TrainerConfig::from_json_text(base_config(kRun, kBatch, ""));
   EXPECT_EQ(defaults.numerics.on_nonfinite, "stop");
   const auto bad = [](const std::string& numerics) {
@@ -1164,6 +1176,8 @@ TEST(Train_Config_Numerics, KeysAreReadAndChecked) {
                         "\"stop\", \"skip\""));
   EXPECT_THAT(bad(R"({"loss_spike_factor": 1.0})"),
               HasSubstr("\"numerics.loss_spike_factor\" = 1.0 is invalid"));
+  EXPECT_THAT(bad(R"({"loss_spike_min_rise": -0.1})"),
+              HasSubstr("\"numerics.loss_spike_min_rise\" = -0.1 is invalid"));
   EXPECT_THAT(bad(R"({"max_consecutive_skips": 0})"),
               HasSubstr("\"numerics.max_consecutive_skips\" = 0 is invalid"));
   EXPECT_THAT(bad(R"({"on_nan": "skip"})"), HasSubstr("unknown key \"numerics.on_nan\""));

@@ -113,9 +113,12 @@ struct NumericsConfig {
   /// "skip": more skipped steps than this in a row stop the run as "stop" does.
   int64_t max_consecutive_skips = 10;
   /// A finite loss above loss_spike_factor x the mean of the previous loss_spike_window finite
-  /// losses is a spike: logged (warning), listed in TrainResult::loss_spikes, events::LossSpike.
+  /// losses, and at least loss_spike_min_rise above that mean, is a spike: logged (warning),
+  /// listed in TrainResult::loss_spikes, events::LossSpike. The floor keeps a loss near zero
+  /// (3e-4 after a mean of 1e-4) from counting as a spike.
   double loss_spike_factor = 3.0;
   int64_t loss_spike_window = 20;
+  double loss_spike_min_rise = 0.1;  ///< in the loss's own units (nats for a cross-entropy)
 };
 
 /// A profiler trace of chosen steps (Kineto: CPU operators and, on GPU, CUDA kernels), one Chrome

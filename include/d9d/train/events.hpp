@@ -42,7 +42,8 @@ struct StepEnd {
   double seconds = 0.0;    ///< wall time of the step
 };
 /// A finite loss above numerics.loss_spike_factor x the mean of the previous
-/// numerics.loss_spike_window finite losses (emitted after StepEnd, on every rank).
+/// numerics.loss_spike_window finite losses and at least numerics.loss_spike_min_rise above it
+/// (emitted after StepEnd, on every rank).
 struct LossSpike {
   int64_t step = 0;  ///< 0-based
   double loss = 0.0;

@@ -72,7 +72,7 @@ void check_accepted(const d9d::TrainerConfig& c) {
   check(c.numerics.on_nonfinite == "stop" || c.numerics.on_nonfinite == "skip",
         "numerics.on_nonfinite unknown");
   check(c.numerics.max_consecutive_skips >= 1 && c.numerics.loss_spike_window >= 1 &&
-            c.numerics.loss_spike_factor > 1,
+            c.numerics.loss_spike_factor > 1 && c.numerics.loss_spike_min_rise >= 0,
         "numerics out of range");
   try {
     (void)d9d::optim::PiecewiseSchedule::build(c.lr_schedule, c.run.total_steps);
