@@ -194,6 +194,13 @@ void AttentionImpl::set_tensor_parallel(std::shared_ptr<const TensorParallelGrou
   tp_ = std::move(group);
 }
 
+void AttentionImpl::set_context_parallel(std::shared_ptr<const ContextParallelGroup> group) {
+  if (cp_) {
+    throw std::logic_error("d9d::model::Attention: context parallelism is already set");
+  }
+  cp_ = std::move(group);
+}
+
 at::Tensor AttentionImpl::forward_placed(const at::Tensor& x, const TokenPlacement& where,
                                          KvCacheLayer* cache) {
   if (tp_) {
@@ -228,9 +235,17 @@ at::Tensor AttentionImpl::placed_heads(const at::Tensor& x, const TokenPlacement
     throw std::invalid_argument(
         "d9d::model::Attention: tokens after cached ones need TokenPlacement::visible");
   }
+  if (cp_ && (cache != nullptr || where.past != 0)) {
+    throw std::invalid_argument(
+        "d9d::model::Attention: under context parallelism there is no KV cache (training only)");
+  }
   auto [q, k, v] = project(x);
   q = RotaryEmbedding::apply_per_token(q, where.cos, where.sin).transpose(1, 2);
   k = RotaryEmbedding::apply_per_token(k, where.cos, where.sin).transpose(1, 2);
+  if (cp_) {
+    const auto attended = context_attention(q, k, v, where.visible, *cp_);
+    return o_proj(attended.transpose(1, 2).reshape({batch, seq, heads * dim}));
+  }
   if (cache != nullptr) {
     const int64_t end = where.past + seq;
     if (end > cache->keys.size(2)) {
@@ -256,6 +271,11 @@ at::Tensor AttentionImpl::forward_heads(const at::Tensor& x,
   const int64_t heads = options_.num_heads;
   const int64_t kv_heads = options_.num_kv_heads;
   const int64_t dim = options_.head_dim;
+  if (cp_) {
+    throw std::logic_error(
+        "d9d::model::Attention: under context parallelism the tokens are this rank's chunks and "
+        "must be placed (forward_placed with their positions; Qwen3ForCausalLM::loss does it)");
+  }
   auto [q, k, v] = project(x);
   // The rotation runs on [batch, seq, heads, dim] (the projections' layout); SDPA takes the head
   // transpose as a view.

@@ -137,6 +137,7 @@ at::Tensor Qwen3ForCausalLMImpl::head_logits(const at::Tensor& hidden) {
 }
 
 at::Tensor Qwen3ForCausalLMImpl::forward(const at::Tensor& input_ids) {
+  refuse_context_parallel("forward");
   const auto logits = head_logits(model(input_ids));
   return tp_ ? tp_->gather_last(logits) : logits;
 }
@@ -144,6 +145,7 @@ at::Tensor Qwen3ForCausalLMImpl::forward(const at::Tensor& input_ids) {
 at::Tensor Qwen3ForCausalLMImpl::forward_placed(const at::Tensor& input_ids,
                                                 const TokenPlacement& where, KvCache* cache,
                                                 int64_t last) {
+  refuse_context_parallel("forward_placed");
   auto hidden = model->forward_placed(input_ids, where, cache);
   if (last > 0 && last < hidden.size(1)) {
     hidden = hidden.narrow(1, hidden.size(1) - last, last);
@@ -182,10 +184,72 @@ void Qwen3ForCausalLMImpl::set_tensor_parallel(std::shared_ptr<const TensorParal
   tp_ = std::move(group);
 }
 
+void Qwen3ForCausalLMImpl::set_context_parallel(std::shared_ptr<const ContextParallelGroup> group) {
+  if (cp_) {
+    throw std::logic_error("d9d::model::Qwen3ForCausalLM: context parallelism is already set");
+  }
+  for (const auto& layer : *model->layers) {
+    layer->as<Qwen3DecoderLayer>()->self_attn->set_context_parallel(group);
+  }
+  cp_ = std::move(group);
+}
+
+void Qwen3ForCausalLMImpl::refuse_context_parallel(const char* what) const {
+  if (cp_) {
+    throw std::logic_error(std::string("d9d::model::Qwen3ForCausalLM::") + what +
+                           ": under context parallelism each rank holds two chunks of the "
+                           "sequence, so it computes loss() only");
+  }
+}
+
+CausalLmLoss Qwen3ForCausalLMImpl::context_loss(const at::Tensor& input_ids,
+                                                const at::Tensor& labels, int64_t ignore_index,
+                                                const TokenPlacement* where) {
+  const int rank = cp_->rank();
+  const int size = cp_->size();
+  const int64_t batch = input_ids.size(0);
+  const int64_t tokens = input_ids.size(1);
+  check_context_length(tokens, size);
+  // The positions and the placement follow the tokens: the tables' rows and the visibility's
+  // query rows of this rank's chunks (its key columns stay global: context_attention slices them).
+  TokenPlacement local;
+  const auto rows = [&](const at::Tensor& table) {
+    const auto per_row = table.view({batch, tokens, table.size(-1)});
+    return context_shard(per_row, 1, rank, size).reshape({-1, table.size(-1)});
+  };
+  if (where != nullptr) {
+    if (where->past != 0) {
+      throw std::invalid_argument(
+          "d9d::model::Qwen3ForCausalLM::loss: no cached tokens under context parallelism");
+    }
+    local.cos = rows(where->cos);
+    local.sin = rows(where->sin);
+    if (where->visible.defined()) {
+      local.visible = context_shard(where->visible, 2, rank, size);
+    }
+  } else {
+    const auto dtype = RotaryEmbedding::table_dtype(model->embed_tokens->weight.scalar_type());
+    const auto [cos, sin] = model->rope().cos_sin(tokens, input_ids.device(), dtype);
+    local.cos = context_shard(cos, 0, rank, size).repeat({batch, 1});
+    local.sin = context_shard(sin, 0, rank, size).repeat({batch, 1});
+  }
+  const auto hidden =
+      model->forward_placed(context_shard(input_ids, 1, rank, size), local, nullptr);
+  return loss_of(hidden, context_shard(labels, 1, rank, size), ignore_index);
+}
+
 CausalLmLoss Qwen3ForCausalLMImpl::loss(const at::Tensor& input_ids, const at::Tensor& labels,
                                         int64_t ignore_index, const TokenPlacement* where) {
+  if (cp_) {
+    return context_loss(input_ids, labels, ignore_index, where);
+  }
   const auto hidden =
       where != nullptr ? model->forward_placed(input_ids, *where, nullptr) : model(input_ids);
+  return loss_of(hidden, labels, ignore_index);
+}
+
+CausalLmLoss Qwen3ForCausalLMImpl::loss_of(const at::Tensor& hidden, const at::Tensor& labels,
+                                           int64_t ignore_index) {
   // The fused head reads lm_head's weight alone: a head with an adapter (LoRA on "lm_head") takes
   // the unfused path, which runs the layer and its adapter.
   if (tp_) {

@@ -104,7 +104,9 @@ struct Unit {
 struct ShardLayout {
   MeshDomain domain = MeshDomain::regular;
   std::string shard_dim = "dp_shard";
-  std::string replicate_dim = "dp_replicate";  // empty: none (no HSDP all-reduce)
+  // The dims whose ranks hold the same shards (HSDP's replicas, context parallelism's cp ranks):
+  // the shards' gradients are all-reduced over them. Empty: none.
+  std::vector<std::string> replicate_dims = {"dp_replicate"};
   std::vector<std::string> dims = {"dp_replicate", "dp_shard"};
   std::vector<Placement> placements = {::d9d::Replicate{}, ::d9d::Shard{0}};
 };
@@ -120,6 +122,16 @@ struct Reduction {
 };
 
 class FullyShardState;
+
+ProcessGroup replicate_group_of(const DeviceMesh& mesh, const ShardLayout& layout) {
+  if (layout.replicate_dims.empty()) {
+    return {};
+  }
+  if (layout.replicate_dims.size() == 1) {
+    return mesh.group(layout.domain, layout.replicate_dims.front());
+  }
+  return mesh.group(layout.domain, layout.replicate_dims);
+}
 
 // Identity in forward; its backward gathers the unit again before the unit's own backward runs
 // (it sits on the unit's output) and starts gathering the units before it.
@@ -141,9 +153,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
         settings_(std::move(settings)),
         layout_(std::move(layout)),
         shard_group_(model.mesh().group(layout_.domain, layout_.shard_dim)),
-        replicate_group_(layout_.replicate_dim.empty()
-                             ? ProcessGroup()
-                             : model.mesh().group(layout_.domain, layout_.replicate_dim)),
+        replicate_group_(replicate_group_of(model.mesh(), layout_)),
         world_(std::max(1, shard_group_.size())),
         rank_(shard_group_.size() > 1 ? shard_group_.rank() : 0),
         device_(model.mesh().context().device()) {}
@@ -717,7 +727,13 @@ class FullyShardSync : public GradientSync {
 
 void apply_fully_shard(ParallelModel& model, const FullyShardSettings& settings) {
   check_reshard_name(settings.reshard);
-  auto state = std::make_shared<FullyShardState>(model, settings, ShardLayout{});
+  ShardLayout layout;
+  if (model.mesh().shape().cp_shard * model.mesh().shape().cp_replicate > 1) {
+    // Context parallelism: the cp ranks hold the same shards (ContextParallel), so their
+    // gradients, of different tokens, are summed with the replicas'.
+    layout.replicate_dims = {"dp_replicate", "cp_shard", "cp_replicate"};
+  }
+  auto state = std::make_shared<FullyShardState>(model, settings, std::move(layout));
   state->build();
   state->install_hooks();
   model.add_norm_dims({"dp_shard"});
@@ -739,7 +755,7 @@ void apply_fully_shard(ParallelModel& model, const FullyShardSettings& settings)
         model, settings,
         ShardLayout{.domain = MeshDomain::expert,
                     .shard_dim = "ep_replicate",
-                    .replicate_dim = "",
+                    .replicate_dims = {},
                     .dims = {"ep_shard", "ep_replicate"},
                     .placements = {::d9d::Shard{0}, ::d9d::Shard{0}}});
     expert_state->build();

@@ -422,7 +422,7 @@ void apply_replicate(ParallelModel& model, GradientTiming timing) {
     const auto it = module_of.find(record.local.unsafeGetTensorImpl());
     parts[it == module_of.end() ? parts.size() - 1 : it->second].push_back(record.local);
   }
-  model.add_sync(std::make_unique<ReplicateSync>(model.mesh().group(MeshDomain::batch, "dp"),
+  model.add_sync(std::make_unique<ReplicateSync>(data_parallel_group(model.mesh()),
                                                  std::move(parts), model.options().bucket_bytes,
                                                  timing, by_module));
 }

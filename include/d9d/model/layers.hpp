@@ -24,6 +24,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <d9d/model/context_parallel.hpp>
 #include <d9d/model/tensor_parallel.hpp>
 
 namespace d9d::model {
@@ -145,7 +146,9 @@ struct TokenPlacement {
   /// (RotaryEmbedding::cos_sin_at).
   at::Tensor cos, sin;
   /// [B, 1, T, past + T] bool: whether query t may attend key s (the `past` cached keys first).
-  /// Every query must see at least one key. Undefined: causal, which needs past == 0.
+  /// Every query must see at least one key. Undefined: causal, which needs past == 0. Under
+  /// context parallelism the rows are this rank's tokens and the columns every token of the
+  /// sequence: [B, 1, T / cp, T] (d9d/model/context_parallel.hpp).
   at::Tensor visible;
   /// Keys already in the KV cache before these tokens (0 without a cache).
   int64_t past = 0;
@@ -200,6 +203,10 @@ class AttentionImpl : public torch::nn::Module {
   /// o_proj to the matching columns; the input then passes through group->copy_in and the output
   /// through group->reduce_out. The per-head q/k norms stay whole (replicated).
   void set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group);
+  /// Context parallelism over `group` (d9d::parallel::ContextParallel): from now on the module
+  /// runs only placed tokens (forward_placed, without a KV cache) — this rank's chunks of each
+  /// sequence — and attends over every rank's keys (d9d::model::context_attention).
+  void set_context_parallel(std::shared_ptr<const ContextParallelGroup> group);
   /// The query and KV heads this module computes (all of them without tensor parallelism).
   [[nodiscard]] int64_t local_heads() const { return options_.num_heads; }
   [[nodiscard]] int64_t local_kv_heads() const { return options_.num_kv_heads; }
@@ -214,6 +221,7 @@ class AttentionImpl : public torch::nn::Module {
   std::tuple<at::Tensor, at::Tensor, at::Tensor> project(const at::Tensor& x);
   AttentionOptions options_;
   std::shared_ptr<const TensorParallelGroup> tp_;
+  std::shared_ptr<const ContextParallelGroup> cp_;
 };
 TORCH_MODULE(Attention);
 

@@ -49,6 +49,7 @@
 #include <torch/nn/modules/embedding.h>
 
 #include <d9d/model/block.hpp>
+#include <d9d/model/context_parallel.hpp>
 #include <d9d/model/layers.hpp>
 #include <d9d/model/tensor_parallel.hpp>
 
@@ -141,7 +142,14 @@ struct CausalLmLoss {
 /// Under tensor parallelism (VocabParallelModel, d9d/model/tensor_parallel.hpp) the embedding and
 /// the head hold this rank's slice of the vocabulary and loss() is the loss-parallel
 /// cross-entropy; forward() gathers the logits.
-class Qwen3ForCausalLMImpl : public torch::nn::Module, public VocabParallelModel {
+///
+/// Under context parallelism (ContextParallelModel, d9d/model/context_parallel.hpp) loss() runs on
+/// this rank's two chunks of each sequence: the ids, the labels, the positions and a given
+/// placement are cut alike (context_shard) and the attention layers attend over every rank's keys;
+/// forward() and forward_placed() refuse (they would return a part of the logits).
+class Qwen3ForCausalLMImpl : public torch::nn::Module,
+                             public VocabParallelModel,
+                             public ContextParallelModel {
  public:
   explicit Qwen3ForCausalLMImpl(Qwen3Config config);
   /// input_ids [B, T] -> logits [B, T, vocab].
@@ -158,6 +166,8 @@ class Qwen3ForCausalLMImpl : public torch::nn::Module, public VocabParallelModel
   [[nodiscard]] int64_t vocab_size() const override { return config_.vocab_size; }
   [[nodiscard]] std::vector<std::string> vocab_parameters() const override;
   void set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) override;
+  /// Context parallelism over `group`: set on the model and every attention layer.
+  void set_context_parallel(std::shared_ptr<const ContextParallelGroup> group) override;
   /// The causal-LM loss of predicting `labels` [B, T] from `input_ids` [B, T]: the head and the
   /// cross-entropy fused and chunked (d9d::model::linear_cross_entropy) when fused_kernels(), so
   /// the logits never exist whole; else (or when lm_head has an adapter, d9d/peft/lora.hpp)
@@ -176,8 +186,16 @@ class Qwen3ForCausalLMImpl : public torch::nn::Module, public VocabParallelModel
   /// The head's logits of `hidden` [..., hidden]: this rank's vocabulary slice under tensor
   /// parallelism.
   at::Tensor head_logits(const at::Tensor& hidden);
+  /// The loss of `labels` from the final hidden states.
+  CausalLmLoss loss_of(const at::Tensor& hidden, const at::Tensor& labels, int64_t ignore_index);
+  /// loss() under context parallelism: this rank's chunks, placed.
+  CausalLmLoss context_loss(const at::Tensor& input_ids, const at::Tensor& labels,
+                            int64_t ignore_index, const TokenPlacement* where);
+  /// std::logic_error under context parallelism (`what` names the call).
+  void refuse_context_parallel(const char* what) const;
   Qwen3Config config_;
   std::shared_ptr<const TensorParallelGroup> tp_;
+  std::shared_ptr<const ContextParallelGroup> cp_;
 };
 TORCH_MODULE(Qwen3ForCausalLM);
 

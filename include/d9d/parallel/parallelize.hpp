@@ -40,6 +40,7 @@
 
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/core/sharded_tensor.hpp>
+#include <d9d/model/context_parallel.hpp>
 #include <d9d/model/tensor_parallel.hpp>
 #include <d9d/parallel/policies.hpp>
 #include <d9d/parallel/strategy.hpp>
@@ -234,7 +235,8 @@ struct strategy {
         "d9d::parallel::parallelize: no strategy implements this policy (shown with this error). "
         "Implemented: data_parallel Replicate, FullyShard<...>; tensor_parallel "
         "NoTensorParallel, TensorParallel<>; expert_parallel NoExpertParallel, "
-        "ExpertParallel<E>; context_parallel NoContextParallel; peft FullTune, Freeze<...>, "
+        "ExpertParallel<E>; context_parallel NoContextParallel, ContextParallel<R>; peft FullTune, "
+        "Freeze<...>, "
         "Train<...>, Lora<...>, Stack<...>; recompute None, Full, EveryNth<K>. Fix: use one of "
         "those, or specialise d9d::parallel::strategy<YourPolicy>");
   }
@@ -322,6 +324,20 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
 /// f/g autograd functions and the loss-parallel cross-entropy; exposed for tests).
 std::shared_ptr<const model::TensorParallelGroup> make_tensor_parallel_group(
     const ProcessGroup& group, bool sequence_parallel = false);
+
+/// Splits the sequence of a d9d::model::ContextParallelModel over the batch domain's cp ranks
+/// (d9d::parallel::ContextParallel; `ring`: K/V passed around the ring, else all-gathered), makes
+/// the parameters equal over cp (broadcast from cp rank 0) and records them as replicated on the
+/// regular domain's cp_shard and cp_replicate (src/parallel/context_parallel.cpp). The gradients
+/// are summed over cp by the data-parallel strategy (data_parallel_group).
+void apply_context_parallel(ParallelModel& model, bool ring);
+/// The d9d::model::ContextParallelGroup apply_context_parallel gives the model, over `group`
+/// (exposed for tests).
+std::shared_ptr<const model::ContextParallelGroup> make_context_parallel_group(
+    const ProcessGroup& group, bool ring);
+/// The group over which data-parallel strategies sum gradients: the batch domain's dp, and cp
+/// when the mesh has cp > 1 (the ranks that hold other samples or other parts of them).
+ProcessGroup data_parallel_group(const DeviceMesh& mesh);
 
 /// Parameters tied across pipeline stages: a name that more than one of the modules holds (this
 /// rank's stages, or the stages of other ranks of its pp group; found by one all-gather of names
@@ -555,6 +571,45 @@ struct strategy<NoContextParallel> {
   }
   template <class Plan>
   static void apply(ParallelModel& /*model*/) {}
+};
+
+/// ContextParallel: static rules — a mesh that fixes cp_shard and cp_replicate to 1 has nothing to
+/// split; not under a pipeline yet. At start-up cp > 1; the model and the sequence length are
+/// checked when applied and at the first step (std::invalid_argument naming the config key).
+template <KvRotation R>
+struct strategy<ContextParallel<R>> {
+  using strategy_concept = strategy_tag;
+  template <class Plan>
+  static constexpr void check() {
+    using Mesh = typename Plan::mesh;
+    static_assert(!detail::static_degree_is<typename Mesh::cp_shard>(1) ||
+                      !detail::static_degree_is<typename Mesh::cp_replicate>(1),
+                  "d9d::parallel::ContextParallel: the plan's mesh fixes cp_shard = cp_replicate = "
+                  "1, so there is nothing to split the sequence over. Fix: give the mesh "
+                  "d9d::cp_shard<N> with N > 1 (or d9d::dynamic), or use "
+                  "d9d::parallel::NoContextParallel");
+    static_assert(!plan_has_pipeline<Plan>,
+                  "d9d::parallel::ContextParallel: context parallelism under a pipeline schedule "
+                  "is not implemented yet. Fix: drop the schedule, or use "
+                  "d9d::parallel::NoContextParallel");
+  }
+  static void check_mesh(const MeshShape& shape) {
+    if (shape.cp_shard * shape.cp_replicate == 1) {
+      throw std::invalid_argument(
+          "d9d::parallel::ContextParallel: \"mesh.cp_shard\" x \"mesh.cp_replicate\" = 1, so "
+          "there is nothing to split the sequence over. Fix: set \"mesh.cp_shard\" to 2 or "
+          "more, or use d9d::parallel::NoContextParallel");
+    }
+  }
+  template <class Plan>
+  static void apply(ParallelModel& model) {
+    detail::apply_context_parallel(model, R == KvRotation::ring);
+  }
+  template <class Plan>
+  static void contribute(StepContributions& contributions) {
+    // Every cp rank reads the same samples (sample_dims unchanged) and keeps a part of each.
+    contributions.loss_dims.emplace_back("cp");
+  }
 };
 
 // ---- peft ---------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@
 // replicas). ExpertParallel (the expert_parallel slot; default NoExpertParallel): MoE experts split
 // over the mesh's ep ranks. TensorParallel (the tensor_parallel slot; default NoTensorParallel):
 // attention heads, the MLP's intermediate dimension and the vocabulary split over the mesh's tp
-// ranks.
+// ranks. ContextParallel (the context_parallel slot; default NoContextParallel): each sequence
+// split over the mesh's cp ranks.
 #pragma once
 
 #include <d9d/plan/defaults.hpp>  // Replicate, the default; precision::Dtype
@@ -108,6 +109,28 @@ template <SequenceParallel SP = SequenceParallel::off>
 struct TensorParallel {
   using d9d_slot = slot::tensor_parallel;
   static constexpr bool sequence_parallel = SP == SequenceParallel::on;
+};
+
+/// How ContextParallel brings every rank's keys and values to each rank's queries.
+enum class KvRotation {
+  all_gather,  ///< one all-gather of K/V per layer (Llama 3's choice; backward: reduce-scatter)
+  ring,        ///< passed around the ring point-to-point, cp − 1 hops (backward: the reverse)
+};
+
+/// Context parallelism (the context_parallel slot) over the batch domain's cp ranks (cp_shard ×
+/// cp_replicate): each sequence is cut into 2·cp chunks and rank r holds chunks r and 2·cp − 1 − r
+/// (causal load balancing: every rank's queries see as many keys), tokens, labels, positions and
+/// packed-document placements alike. Attention runs block by block over every rank's keys and
+/// values, brought by `R`, the blocks merged by their log-sum-exps (online softmax). Every cp rank
+/// reads the same samples; the loss sums and token counts are summed over cp and the gradients over
+/// dp × cp (by the data_parallel policy: Replicate all-reduces over both, FullyShard all-reduces
+/// its shards over cp). Needs a model that implements d9d::model::ContextParallelModel (dense
+/// Qwen3) and a sequence length divisible by 2·cp; not under a pipeline yet
+/// (docs/design/0018-context-parallel.md).
+template <KvRotation R = KvRotation::all_gather>
+struct ContextParallel {
+  using d9d_slot = slot::context_parallel;
+  static constexpr KvRotation rotation = R;
 };
 
 }  // namespace d9d::parallel
