@@ -4,12 +4,15 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <d9d/model/context_parallel.hpp>
+#include <d9d/model/layers.hpp>
 
 namespace d9d::model {
 namespace {
@@ -66,6 +69,113 @@ at::Tensor merge(const std::vector<Block>& blocks) {
   return (at::stack(outs) * weights.unsqueeze(-1)).sum(0);
 }
 
+// ---- the fused path: the backend's flash-attention kernel per block
+// ------------------------------
+//
+// Forward: each block's output and log-sum-exp from the kernel (FlashAttention-2 on CUDA, ATen's
+// flash kernel on CPU), merged as above. Backward: the kernel's backward of each block with the
+// merged output and log-sum-exp (so its probabilities are the block's share of the whole softmax:
+// exp(s - lse)), which gives exactly the block's part of the gradients of q, k and v — the
+// recipe of ring attention. Nothing of size L x S is kept or materialised.
+
+// What a block's forward leaves for its backward besides q, k, v (CUDA's kernel state).
+struct FlashState {
+  at::Tensor rng_state, unused;
+};
+
+std::tuple<at::Tensor, at::Tensor, FlashState> flash_forward(const at::Tensor& q,
+                                                             const at::Tensor& k,
+                                                             const at::Tensor& v, bool causal) {
+  if (q.is_cuda()) {
+    auto result = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal);
+    return {std::get<0>(result), std::get<1>(result),
+            FlashState{std::get<6>(result), std::get<7>(result)}};
+  }
+  auto result = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal);
+  return {std::get<0>(result), std::get<1>(result), FlashState{}};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, bool causal, const FlashState& state) {
+  if (q.is_cuda()) {
+    return at::_scaled_dot_product_flash_attention_backward(grad, q, k, v, out, lse, at::Tensor(),
+                                                            at::Tensor(), q.size(2), k.size(2), 0.0,
+                                                            causal, state.rng_state, state.unused);
+  }
+  return at::_scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0,
+                                                                  causal);
+}
+
+// Queries q [B, heads, L, dim] over the blocks `kv` = {k_0, v_0, k_1, v_1, ...}, block n causal
+// when causal[n] (the diagonal block) else whole.
+struct FusedChunkAttention : torch::autograd::Function<FusedChunkAttention> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                            at::TensorList kv, const std::vector<int64_t>& causal) {
+    const auto acc = at::promote_types(q.scalar_type(), at::kFloat);
+    std::vector<Block> blocks;
+    std::vector<FlashState> states;
+    for (std::size_t n = 0; n < causal.size(); ++n) {
+      auto [out, lse, state] = flash_forward(q, kv[2 * n], kv[2 * n + 1], causal[n] != 0);
+      blocks.push_back({out.to(acc), lse.to(acc)});
+      states.push_back(std::move(state));
+    }
+    const auto out = merge(blocks).to(q.scalar_type());
+    std::vector<at::Tensor> lses;
+    for (const auto& block : blocks) {
+      lses.push_back(block.lse);
+    }
+    const auto lse = at::logsumexp(at::stack(lses), 0).contiguous();
+    std::vector<at::Tensor> saved{q, out, lse};
+    for (const auto& tensor : kv) {
+      saved.push_back(tensor);
+    }
+    for (const auto& state : states) {
+      saved.push_back(state.rng_state);
+      saved.push_back(state.unused);
+    }
+    ctx->save_for_backward(saved);
+    ctx->saved_data["causal"] = causal;
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto causal = ctx->saved_data["causal"].toIntVector();
+    const auto& q = saved[0];
+    const auto& out = saved[1];
+    const auto& lse = saved[2];
+    const std::size_t blocks = causal.size();
+    const auto grad = grads[0].contiguous();
+    at::Tensor grad_q;
+    torch::autograd::variable_list result{at::Tensor()};
+    for (std::size_t n = 0; n < blocks; ++n) {
+      const FlashState state{saved[3 + 2 * blocks + 2 * n], saved[4 + 2 * blocks + 2 * n]};
+      auto [gq, gk, gv] = flash_backward(grad, q, saved[3 + 2 * n], saved[4 + 2 * n], out, lse,
+                                         causal[n] != 0, state);
+      grad_q = grad_q.defined() ? grad_q + gq : gq;
+      result.push_back(gk);
+      result.push_back(gv);
+    }
+    result[0] = grad_q;
+    result.emplace_back();  // causal
+    return result;
+  }
+};
+
+// Whether the blocks go through the flash kernels: the fused kernels on, no placement mask
+// (packed documents take the composed path), and a dtype the backend's kernel takes.
+bool use_flash(const at::Tensor& q, const at::Tensor& visible) {
+  if (!fused_kernels() || visible.defined()) {
+    return false;
+  }
+  if (q.is_cpu()) {
+    return true;
+  }
+  return q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
+}
+
 }  // namespace
 
 std::pair<int64_t, int64_t> context_chunks(int rank, int size) {
@@ -95,6 +205,31 @@ at::Tensor context_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const auto acc = at::promote_types(q.scalar_type(), at::kFloat);
   const auto [a, b] = context_chunks(group.rank(), group.size());
   const std::vector<int64_t> mine{a, b};
+  if (use_flash(q, visible)) {
+    // Each query chunk's visible blocks, then one fused function per chunk.
+    std::vector<std::vector<at::Tensor>> kv(2);
+    std::vector<std::vector<int64_t>> causal(2);
+    group.for_each_kv(k, v, [&](int source, const at::Tensor& keys, const at::Tensor& values) {
+      const auto [sa, sb] = context_chunks(source, group.size());
+      const std::vector<int64_t> theirs{sa, sb};
+      for (std::size_t i = 0; i < 2; ++i) {
+        for (std::size_t j = 0; j < 2; ++j) {
+          if (theirs[j] <= mine[i]) {
+            const auto offset = static_cast<int64_t>(j) * chunk;
+            kv[i].push_back(keys.narrow(2, offset, chunk));
+            kv[i].push_back(values.narrow(2, offset, chunk));
+            causal[i].push_back(theirs[j] == mine[i] ? 1 : 0);
+          }
+        }
+      }
+    });
+    std::vector<at::Tensor> outs;
+    for (std::size_t i = 0; i < 2; ++i) {
+      outs.push_back(FusedChunkAttention::apply(q.narrow(2, static_cast<int64_t>(i) * chunk, chunk),
+                                                at::TensorList(kv[i]), causal[i]));
+    }
+    return at::cat(outs, 2);
+  }
   std::vector<std::vector<Block>> blocks(2);
   group.for_each_kv(k, v, [&](int source, const at::Tensor& keys, const at::Tensor& values) {
     const auto [sa, sb] = context_chunks(source, group.size());

@@ -4,12 +4,13 @@
 // with a separator, cp 2 x dp_replicate 2, cp 2 x FullyShard 2 and cp 2 x tp 2 (with and without
 // sequence parallelism); losses, gradient norms and every (gathered) parameter. Also the attention
 // of a rank's chunks against SDPA over the whole sequence (outputs and the gradients of q, k, v;
-// causal and with documents), the parameters' records and equality over cp, and the start-up and
-// first-step errors.
+// causal by the flash kernels and by the composed blocks, and with documents), the parameters'
+// records and equality over cp, and the start-up and first-step errors.
 #include <algorithm>
 #include <cmath>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -93,10 +94,16 @@ void expect_attention_matches(const d9d::DeviceMesh& mesh, bool ring) {
   const auto mine = [&](const at::Tensor& x) {
     return d9d::model::context_shard(x, 2, rank, size);
   };
-  for (const bool documents : {false, true}) {
+  // Causal: by the flash kernels (fused, the default) and by the composed blocks; documents: by
+  // the composed blocks (the kernels take no mask).
+  for (const auto& [documents, fused] :
+       {std::pair{false, true}, std::pair{false, false}, std::pair{true, true}}) {
+    d9d::model::set_fused_kernels(fused);
     const std::string what = std::string(ring ? "ring" : "all-gather") +
-                             (documents ? ", documents" : ", causal") + ", cp " +
-                             std::to_string(size);
+                             (documents ? ", documents"
+                              : fused   ? ", causal, flash"
+                                        : ", causal") +
+                             ", cp " + std::to_string(size);
     const auto qf = q.clone().requires_grad_(true);
     const auto kf = k.clone().requires_grad_(true);
     const auto vf = v.clone().requires_grad_(true);
@@ -115,6 +122,7 @@ void expect_attention_matches(const d9d::DeviceMesh& mesh, bool ring) {
     EXPECT_TRUE(at::allclose(kl.grad(), mine(kf.grad()), 0.0, 1e-12)) << what;
     EXPECT_TRUE(at::allclose(vl.grad(), mine(vf.grad()), 0.0, 1e-12)) << what;
   }
+  d9d::model::set_fused_kernels(true);
 }
 
 // Every parameter is the same on the cp ranks and recorded as replicated over cp.
