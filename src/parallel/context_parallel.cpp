@@ -9,8 +9,8 @@
 // the gradients the other way round. Both visit the same blocks, so the result and the gradients
 // are the same; they differ in what is in flight and held (all of K/V at once, or one block).
 // The parameters are the same on every cp rank (broadcast here) and their gradients, of different
-// tokens, are summed over cp by the data-parallel strategy (data_parallel_group; FullyShard's
-// replicate group).
+// tokens, are summed over cp by the data-parallel strategy (Replicate: data_parallel_group;
+// FullyShard shards over dp_shard x cp_shard and reduce-scatters there).
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -145,7 +145,7 @@ void apply_context_parallel(ParallelModel& model, bool ring) {
         "and pipeline stages do not yet). Fix: use d9d::parallel::NoContextParallel");
   }
   // The same parameters on every cp rank, recorded as replicated over cp (one rank of them
-  // writes checkpoints).
+  // writes checkpoints; FullyShard folds cp_shard into its shards).
   const at::NoGradGuard no_grad;
   for (auto& record : model.mutable_parameters()) {
     if (cp.size() > 1) {

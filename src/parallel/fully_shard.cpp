@@ -24,6 +24,11 @@
 // on every rank (reverse forward order, the unit of loose parameters last), so collectives match
 // across ranks.
 //
+// Context parallelism. With cp > 1 the shards are over dp_shard x cp_shard (the dense domain's
+// dp_cp_shard), each cp rank holding other rows like another dp_shard rank, and the HSDP
+// all-reduce runs over dp_replicate x cp_replicate: the gathered parameters are the same on every
+// cp rank, their gradients (of different tokens) summed by the reduce-scatter.
+//
 // Experts. Under ExpertParallel the routed experts are records of the expert domain, already split
 // over ep_shard; when ep_replicate > 1 a second state shards them (their ep_shard slices) the same
 // way over ep_replicate — ZeRO-3 over the expert-data ranks — with the same units (the blocks), so
@@ -728,19 +733,45 @@ class FullyShardSync : public GradientSync {
 void apply_fully_shard(ParallelModel& model, const FullyShardSettings& settings) {
   check_reshard_name(settings.reshard);
   ShardLayout layout;
-  if (model.mesh().shape().cp_shard * model.mesh().shape().cp_replicate > 1) {
-    // Context parallelism: the cp ranks hold the same shards (ContextParallel), so their
-    // gradients, of different tokens, are summed with the replicas'.
-    layout.replicate_dims = {"dp_replicate", "cp_shard", "cp_replicate"};
+  const auto& shape = model.mesh().shape();
+  if (shape.cp_shard * shape.cp_replicate > 1) {
+    // Context parallelism: the parameters are sharded over dp_shard x cp_shard together (the
+    // dense domain's dp_cp_shard, as FSDP's dp_cp mesh) and the shards' gradients all-reduced
+    // over dp_replicate x cp_replicate. The records move to the dense domain: their replicated
+    // dp_shard and cp_shard become dp_cp_shard, which the layout shards.
+    layout = ShardLayout{.domain = MeshDomain::dense,
+                         .shard_dim = "dp_cp_shard",
+                         .replicate_dims = {"dp_replicate", "cp_replicate"},
+                         .dims = {"dp_replicate", "dp_cp_shard"},
+                         .placements = {::d9d::Replicate{}, ::d9d::Shard{0}}};
+    for (auto& record : model.mutable_parameters()) {
+      if (record.domain != MeshDomain::regular) {
+        continue;
+      }
+      std::vector<std::string> dims;
+      std::vector<Placement> placements;
+      for (std::size_t i = 0; i < record.dims.size(); ++i) {
+        if (record.dims[i] != "dp_shard" && record.dims[i] != "cp_shard") {
+          dims.push_back(record.dims[i]);
+          placements.push_back(record.placements[i]);
+        }
+      }
+      dims.emplace_back("dp_cp_shard");
+      placements.emplace_back(::d9d::Replicate{});
+      record.domain = MeshDomain::dense;
+      record.dims = std::move(dims);
+      record.placements = std::move(placements);
+    }
   }
-  auto state = std::make_shared<FullyShardState>(model, settings, std::move(layout));
+  const auto domain = layout.domain;
+  auto state = std::make_shared<FullyShardState>(model, settings, layout);
   state->build();
   state->install_hooks();
-  model.add_norm_dims({"dp_shard"});
+  model.add_norm_dims({layout.shard_dim}, domain);
   // Shards of tensor-parallel shards: sharded on dp_shard and tp (every rank has the same sets).
   for (const auto& record : model.parameters()) {
-    if (record.domain == MeshDomain::regular) {
-      model.add_norm_dims(record.sharded_dims());
+    if (record.domain == domain) {
+      model.add_norm_dims(record.sharded_dims(), domain);
     }
   }
   model.add_sync(std::make_unique<FullyShardSync>(std::move(state)));

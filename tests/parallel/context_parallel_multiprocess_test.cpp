@@ -1,7 +1,8 @@
 // Context parallelism (d9d::parallel::ContextParallel) on 2 and 4 Gloo ranks against one process
 // training the same global batch, in float64 (tolerances in tests/train/train_test_util.hpp), 6
 // optimizer steps each: cp 2 and cp 4 with both K/V rotations (all-gather, ring), packed documents
-// with a separator, cp 2 x dp_replicate 2, cp 2 x FullyShard 2 and cp 2 x tp 2 (with and without
+// with a separator, FullyShard x cp 2 (sharded over the cp ranks), cp 2 x dp_replicate 2,
+// cp 2 x FullyShard 2 (sharded over the 4 ranks) and cp 2 x tp 2 (with and without
 // sequence parallelism); losses, gradient norms and every (gathered) parameter. Also the attention
 // of a rank's chunks against SDPA over the whole sequence (outputs and the gradients of q, k, v;
 // causal by the flash kernels and by the composed blocks, and with documents), the parameters'
@@ -138,6 +139,16 @@ void expect_replicated_over_cp(d9d::detail::TrainerCore& core) {
   }
 }
 
+// FullyShard under cp shards over dp_shard x cp_shard (the dense domain's dp_cp_shard): `ranks`
+// rows-shards of the [32, 32] q projection.
+void expect_sharded_over_dp_cp(d9d::detail::TrainerCore& core, int64_t ranks) {
+  const auto* q = core.parallel().find("model.layers.0.self_attn.q_proj.weight");
+  ASSERT_NE(q, nullptr);
+  EXPECT_EQ(q->domain, d9d::MeshDomain::dense);
+  EXPECT_EQ(q->dims, (std::vector<std::string>{"dp_replicate", "cp_replicate", "dp_cp_shard"}));
+  EXPECT_EQ(q->local.sizes().vec(), (std::vector<int64_t>{32 / ranks, 32}));
+}
+
 TEST(Parallel_ContextParallel_cp2, MatchesOneProcess) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
@@ -156,6 +167,13 @@ TEST(Parallel_ContextParallel_cp2, MatchesOneProcess) {
     d9d::testing::expect_same_run(train_plan<d9d::Plan<CpMesh, CpRing, Fp64>>(
                                       ctx, run_config(dir + "/ring", 2, R"({"cp_shard": 2})")),
                                   want, "cp 2, ring");
+    // FullyShard x cp 2 on 2 ranks: the parameters sharded over the cp ranks (dp_cp_shard = 2).
+    d9d::Trainer<d9d::Plan<CpShardMesh, Cp, d9d::parallel::Fsdp, Fp64>> sharded(
+        ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+        run_config(dir + "/fsdp", 2, R"({"dp_shard": 1, "cp_shard": 2})"));
+    const RunOutcome sharded_got = d9d::testing::outcome_of(sharded);
+    expect_sharded_over_dp_cp(sharded.core(), 2);
+    d9d::testing::expect_same_run(sharded_got, want, "FullyShard x cp 2");
     // Packed documents: positions restart and attention stops at each separator, across chunks.
     const auto documents = reference(env, ctx, /*documents=*/true);
     d9d::testing::expect_same_run(
@@ -227,7 +245,7 @@ TEST(Parallel_ContextParallel_ws4, Cp4AndTimesReplicateFullyShardAndTensorParall
         ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
         run_config(dir + "/fsdp", 2, R"({"dp_shard": 2, "cp_shard": 2})"));
     const RunOutcome got = d9d::testing::outcome_of(sharded);
-    expect_replicated_over_cp(sharded.core());
+    expect_sharded_over_dp_cp(sharded.core(), 4);
     d9d::testing::expect_same_run(got, want, "cp 2 x FullyShard 2");
     d9d::testing::expect_same_run(
         train_plan<d9d::Plan<CpTpMesh, Tp, Cp, Fp64>>(

@@ -329,7 +329,8 @@ std::shared_ptr<const model::TensorParallelGroup> make_tensor_parallel_group(
 /// (d9d::parallel::ContextParallel; `ring`: K/V passed around the ring, else all-gathered), makes
 /// the parameters equal over cp (broadcast from cp rank 0) and records them as replicated on the
 /// regular domain's cp_shard and cp_replicate (src/parallel/context_parallel.cpp). The gradients
-/// are summed over cp by the data-parallel strategy (data_parallel_group).
+/// are summed over cp by the data-parallel strategy (Replicate over data_parallel_group;
+/// FullyShard shards over dp_shard x cp_shard).
 void apply_context_parallel(ParallelModel& model, bool ring);
 /// The d9d::model::ContextParallelGroup apply_context_parallel gives the model, over `group`
 /// (exposed for tests).

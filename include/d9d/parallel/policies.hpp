@@ -123,9 +123,10 @@ enum class KvRotation {
 /// packed-document placements alike. Attention runs block by block over every rank's keys and
 /// values, brought by `R`, the blocks merged by their log-sum-exps (online softmax). Every cp rank
 /// reads the same samples; the loss sums and token counts are summed over cp and the gradients over
-/// dp × cp (by the data_parallel policy: Replicate all-reduces over both, FullyShard all-reduces
-/// its shards over cp). Needs a model that implements d9d::model::ContextParallelModel (dense
-/// Qwen3) and a sequence length divisible by 2·cp; not under a pipeline yet
+/// dp × cp by the data_parallel policy: Replicate all-reduces over both, FullyShard shards the
+/// parameters over dp_shard × cp_shard (the dense domain's dp_cp_shard) and all-reduces the shards
+/// over dp_replicate × cp_replicate. Needs a model that implements d9d::model::ContextParallelModel
+/// (dense Qwen3) and a sequence length divisible by 2·cp; not under a pipeline yet
 /// (docs/design/0018-context-parallel.md).
 template <KvRotation R = KvRotation::all_gather>
 struct ContextParallel {
