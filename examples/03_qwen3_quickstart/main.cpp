@@ -6,6 +6,7 @@
 //   tools/d9drun -n 4 03_qwen3_quickstart cfg.json --pipeline zbh1 --pp 2   # dp 2 x pp 2
 //   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --fsdp [--recompute]      # ZeRO-3
 //   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --tp          # tensor + sequence parallel
+//   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --fsdp --bf16 --cp 2 --sequence-length 65536
 //   03_qwen3_quickstart cfg.json --bf16-params sr --lora   # LoRA fine-tuning, base frozen
 //
 // The configuration block below is the plan: the mesh's data-parallel degree comes from the world
@@ -17,6 +18,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -54,6 +56,13 @@ template <class Precision>
 using TpPlan =
     d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>>,
               d9d::parallel::TensorParallel<d9d::parallel::SequenceParallel::on>, Precision>;
+// --cp N (with --fsdp --bf16): each sequence split over N ranks in load-balanced chunks
+// (d9d::parallel::ContextParallel), the parameters sharded over dp_shard x cp; --ring passes the
+// keys and values around a ring instead of all-gathering them.
+using CpMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::cp_shard<d9d::dynamic>>;
+template <d9d::parallel::KvRotation R, class Recompute>
+using CpPlan = d9d::Plan<CpMesh, d9d::parallel::FullyShard<>, d9d::parallel::ContextParallel<R>,
+                         d9d::precision::Bf16Mixed, Recompute>;
 // --pipeline: pp from the config, data parallel over the rest of the world.
 using PipelineMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_replicate<d9d::dynamic>>;
 template <class Schedule, class Precision>
@@ -78,6 +87,10 @@ struct Options {
   std::string bf16_params;
   bool lora = false;
   bool cuda_graphs = false;
+  int cp = 0;
+  bool ring = false;
+  int64_t sequence_length = 0;
+  std::vector<std::string> settings;
 };
 
 template <class Plan>
@@ -160,6 +173,25 @@ int train(const Options& o) {
   if (o.pp > 0) {
     overrides.emplace_back("mesh.pp", std::to_string(o.pp));
   }
+  if (o.sequence_length > 0) {
+    overrides.emplace_back("batch.sequence_length", std::to_string(o.sequence_length));
+  }
+  if (o.cp > 0) {
+    if (ctx.world_size() % o.cp != 0) {
+      throw d9d::ConfigError("--cp " + std::to_string(o.cp) + " does not divide the " +
+                             std::to_string(ctx.world_size()) + " ranks");
+    }
+    overrides.emplace_back("mesh.cp_shard", std::to_string(o.cp));
+    overrides.emplace_back("mesh.dp_shard", std::to_string(ctx.world_size() / o.cp));
+  }
+  for (const auto& setting : o.settings) {
+    const auto equals = setting.find('=');
+    if (equals == std::string::npos || equals == 0) {
+      throw d9d::ConfigError("--set " + setting +
+                             ": expected key=json (e.g. batch.microbatch_size=1)");
+    }
+    overrides.emplace_back(setting.substr(0, equals), setting.substr(equals + 1));
+  }
   const auto cfg = d9d::TrainerConfig::from_file(o.config_path, overrides);
   if (o.recompute && !o.fsdp) {
     throw d9d::ConfigError("--recompute is compiled with --fsdp only. Fix: add --fsdp");
@@ -172,6 +204,23 @@ int train(const Options& o) {
                            " needs a pipeline schedule. Fix: add --pipeline gpipe|1f1b|zbh1|zbv");
   }
   const double peak = o.peak_tflops;
+  if (o.cp > 0) {
+    if (!o.fsdp || !o.bf16 || o.tp || o.lora || !o.bf16_params.empty() || o.pipeline != "none") {
+      throw d9d::ConfigError(
+          "--cp is compiled with --fsdp --bf16 (and optionally --recompute, --ring) in this "
+          "example. Fix: add --fsdp --bf16, drop --tp, --lora, --bf16-params and --pipeline");
+    }
+    using Full = d9d::recompute::Full;
+    using None = d9d::recompute::None;
+    constexpr auto kRing = d9d::parallel::KvRotation::ring;
+    constexpr auto kGather = d9d::parallel::KvRotation::all_gather;
+    if (o.ring) {
+      return o.recompute ? run<CpPlan<kRing, Full>>(ctx, cfg, peak)
+                         : run<CpPlan<kRing, None>>(ctx, cfg, peak);
+    }
+    return o.recompute ? run<CpPlan<kGather, Full>>(ctx, cfg, peak)
+                       : run<CpPlan<kGather, None>>(ctx, cfg, peak);
+  }
   if (o.tp) {
     if (o.fsdp || o.recompute || o.lora || !o.bf16_params.empty() || o.pipeline != "none") {
       throw d9d::ConfigError(
@@ -256,6 +305,16 @@ int main(int argc, char** argv) {
   app.add_flag("--cuda-graphs", o.cuda_graphs,
                "capture each microbatch's forward and backward once and replay it (one GPU, no "
                "pipeline; config \"cuda_graphs\")");
+  app.add_option("--cp", o.cp,
+                 "context parallelism over N ranks: each sequence split in load-balanced chunks "
+                 "(d9d::parallel::ContextParallel; with --fsdp --bf16, sharded over dp_shard x cp)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--ring", o.ring, "with --cp: keys and values passed around a ring, not gathered");
+  app.add_option("--sequence-length", o.sequence_length, "replacing batch.sequence_length")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--set", o.settings,
+                 "a config key and its JSON value, key=value (e.g. batch.global_batch_size=2); "
+                 "repeatable");
   CLI11_PARSE(app, argc, argv);
 
   // One clear message and a non-zero status for every error, never std::terminate: 2 for a
