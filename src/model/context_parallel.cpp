@@ -2,6 +2,7 @@
 // attention of a rank's chunks over every rank's keys, block by block with an online-softmax merge.
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <d9d/model/context_parallel.hpp>
@@ -69,39 +71,69 @@ at::Tensor merge(const std::vector<Block>& blocks) {
   return (at::stack(outs) * weights.unsqueeze(-1)).sum(0);
 }
 
-// ---- the fused path: the backend's flash-attention kernel per block
-// ------------------------------
+// ---- the fused path: the backend's attention kernel per block -----------------------------------
 //
-// Forward: each block's output and log-sum-exp from the kernel (FlashAttention-2 on CUDA, ATen's
-// flash kernel on CPU), merged as above. Backward: the kernel's backward of each block with the
-// merged output and log-sum-exp (so its probabilities are the block's share of the whole softmax:
-// exp(s - lse)), which gives exactly the block's part of the gradients of q, k and v — the
-// recipe of ring attention. Nothing of size L x S is kept or materialised.
+// Forward: each block's output and log-sum-exp from the kernel (on CUDA cuDNN's fused attention,
+// or FlashAttention-2 when cuDNN's SDPA is disabled; on CPU ATen's flash kernel), merged as above.
+// Backward: the kernel's backward of each block with the merged output and log-sum-exp (so its
+// probabilities are the block's share of the whole softmax: exp(s - lse)), which gives exactly
+// the block's part of the gradients of q, k and v — the recipe of ring attention. Nothing of size
+// L x S is kept or materialised.
 
-// What a block's forward leaves for its backward besides q, k, v (CUDA's kernel state).
-struct FlashState {
-  at::Tensor rng_state, unused;
-};
+enum class Kernel { cpu_flash, cuda_flash, cuda_cudnn };
 
-std::tuple<at::Tensor, at::Tensor, FlashState> flash_forward(const at::Tensor& q,
-                                                             const at::Tensor& k,
-                                                             const at::Tensor& v, bool causal) {
-  if (q.is_cuda()) {
-    auto result = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal);
-    return {std::get<0>(result), std::get<1>(result),
-            FlashState{std::get<6>(result), std::get<7>(result)}};
+Kernel kernel_for(const at::Tensor& q) {
+  if (!q.is_cuda()) {
+    return Kernel::cpu_flash;
   }
-  auto result = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal);
-  return {std::get<0>(result), std::get<1>(result), FlashState{}};
+  return at::globalContext().userEnabledCuDNNSDP() ? Kernel::cuda_cudnn : Kernel::cuda_flash;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
-    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, bool causal, const FlashState& state) {
-  if (q.is_cuda()) {
-    return at::_scaled_dot_product_flash_attention_backward(grad, q, k, v, out, lse, at::Tensor(),
-                                                            at::Tensor(), q.size(2), k.size(2), 0.0,
-                                                            causal, state.rng_state, state.unused);
+// What a block's forward leaves for its backward besides q, k, v (the CUDA kernels' state).
+struct KernelState {
+  at::Tensor seed, offset;
+};
+
+struct KernelBlock {
+  at::Tensor out;  // [B, heads, L, dim], q's dtype
+  at::Tensor lse;  // the kernel's layout ([B, heads, L], or [B, heads, L, 1] from cuDNN)
+  KernelState state;
+};
+
+KernelBlock kernel_forward(Kernel kernel, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, bool causal) {
+  switch (kernel) {
+    case Kernel::cuda_cudnn: {
+      auto r = at::_scaled_dot_product_cudnn_attention(q, k, v, std::nullopt,
+                                                       /*compute_log_sumexp=*/true, 0.0, causal);
+      return {std::get<0>(r), std::get<1>(r), {std::get<6>(r), std::get<7>(r)}};
+    }
+    case Kernel::cuda_flash: {
+      auto r = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal);
+      return {std::get<0>(r), std::get<1>(r), {std::get<6>(r), std::get<7>(r)}};
+    }
+    case Kernel::cpu_flash:
+      break;
+  }
+  auto r = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal);
+  return {std::get<0>(r), std::get<1>(r), {}};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(
+    Kernel kernel, const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,
+    const KernelState& state) {
+  switch (kernel) {
+    case Kernel::cuda_cudnn:
+      return at::_scaled_dot_product_cudnn_attention_backward(
+          grad, q, k, v, out, lse, state.seed, state.offset, at::Tensor(), at::Tensor(),
+          at::Tensor(), q.size(2), k.size(2), 0.0, causal);
+    case Kernel::cuda_flash:
+      return at::_scaled_dot_product_flash_attention_backward(
+          grad, q, k, v, out, lse, at::Tensor(), at::Tensor(), q.size(2), k.size(2), 0.0, causal,
+          state.seed, state.offset);
+    case Kernel::cpu_flash:
+      break;
   }
   return at::_scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0,
                                                                   causal);
@@ -112,30 +144,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
 struct FusedChunkAttention : torch::autograd::Function<FusedChunkAttention> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
                             at::TensorList kv, const std::vector<int64_t>& causal) {
+    const auto kernel = kernel_for(q);
     const auto acc = at::promote_types(q.scalar_type(), at::kFloat);
+    const std::vector<int64_t> rows{q.size(0), q.size(1), q.size(2)};
     std::vector<Block> blocks;
-    std::vector<FlashState> states;
+    std::vector<KernelState> states;
+    std::vector<int64_t> lse_shape;
+    at::Tensor out;
     for (std::size_t n = 0; n < causal.size(); ++n) {
-      auto [out, lse, state] = flash_forward(q, kv[2 * n], kv[2 * n + 1], causal[n] != 0);
-      blocks.push_back({out.to(acc), lse.to(acc)});
-      states.push_back(std::move(state));
+      auto block = kernel_forward(kernel, q, kv[2 * n], kv[2 * n + 1], causal[n] != 0);
+      lse_shape = block.lse.sizes().vec();
+      if (causal.size() == 1) {
+        out = block.out;
+      }
+      blocks.push_back(
+          {causal.size() == 1 ? block.out : block.out.to(acc), block.lse.reshape(rows).to(acc)});
+      states.push_back(std::move(block.state));
     }
-    const auto out = merge(blocks).to(q.scalar_type());
     std::vector<at::Tensor> lses;
     for (const auto& block : blocks) {
       lses.push_back(block.lse);
     }
-    const auto lse = at::logsumexp(at::stack(lses), 0).contiguous();
+    if (!out.defined()) {
+      out = merge(blocks).to(q.scalar_type());
+    }
+    // The whole softmax's log-sum-exp, in the kernel's layout and dtype for its backward.
+    const auto lse = (lses.size() == 1 ? lses.front() : at::logsumexp(at::stack(lses), 0))
+                         .reshape(lse_shape)
+                         .contiguous();
     std::vector<at::Tensor> saved{q, out, lse};
     for (const auto& tensor : kv) {
       saved.push_back(tensor);
     }
     for (const auto& state : states) {
-      saved.push_back(state.rng_state);
-      saved.push_back(state.unused);
+      saved.push_back(state.seed);
+      saved.push_back(state.offset);
     }
     ctx->save_for_backward(saved);
     ctx->saved_data["causal"] = causal;
+    ctx->saved_data["kernel"] = static_cast<int64_t>(kernel);
     return out;
   }
 
@@ -143,6 +190,7 @@ struct FusedChunkAttention : torch::autograd::Function<FusedChunkAttention> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto causal = ctx->saved_data["causal"].toIntVector();
+    const auto kernel = static_cast<Kernel>(ctx->saved_data["kernel"].toInt());
     const auto& q = saved[0];
     const auto& out = saved[1];
     const auto& lse = saved[2];
@@ -151,10 +199,10 @@ struct FusedChunkAttention : torch::autograd::Function<FusedChunkAttention> {
     at::Tensor grad_q;
     torch::autograd::variable_list result{at::Tensor()};
     for (std::size_t n = 0; n < blocks; ++n) {
-      const FlashState state{saved[3 + 2 * blocks + 2 * n], saved[4 + 2 * blocks + 2 * n]};
-      auto [gq, gk, gv] = flash_backward(grad, q, saved[3 + 2 * n], saved[4 + 2 * n], out, lse,
-                                         causal[n] != 0, state);
-      grad_q = grad_q.defined() ? grad_q + gq : gq;
+      const KernelState state{saved[3 + 2 * blocks + 2 * n], saved[4 + 2 * blocks + 2 * n]};
+      auto [gq, gk, gv] = kernel_backward(kernel, grad, q, saved[3 + 2 * n], saved[4 + 2 * n], out,
+                                          lse, causal[n] != 0, state);
+      grad_q = grad_q.defined() ? grad_q.add_(gq) : gq;
       result.push_back(gk);
       result.push_back(gv);
     }
@@ -164,9 +212,9 @@ struct FusedChunkAttention : torch::autograd::Function<FusedChunkAttention> {
   }
 };
 
-// Whether the blocks go through the flash kernels: the fused kernels on, no placement mask
+// Whether the blocks go through the attention kernels: the fused kernels on, no placement mask
 // (packed documents take the composed path), and a dtype the backend's kernel takes.
-bool use_flash(const at::Tensor& q, const at::Tensor& visible) {
+bool use_kernels(const at::Tensor& q, const at::Tensor& visible) {
   if (!fused_kernels() || visible.defined()) {
     return false;
   }
@@ -205,7 +253,7 @@ at::Tensor context_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const auto acc = at::promote_types(q.scalar_type(), at::kFloat);
   const auto [a, b] = context_chunks(group.rank(), group.size());
   const std::vector<int64_t> mine{a, b};
-  if (use_flash(q, visible)) {
+  if (use_kernels(q, visible)) {
     // Each query chunk's visible blocks, then one fused function per chunk.
     std::vector<std::vector<at::Tensor>> kv(2);
     std::vector<std::vector<int64_t>> causal(2);

@@ -1,10 +1,12 @@
 // d9d::model::context_attention on CUDA (GPU machines only; ctest label "gpu"): a rank's two chunks
-// (one rank: chunks 0 and 1 of 2) attended block by block through FlashAttention-2 and through the
-// composed blocks, in bfloat16 with grouped-query heads, against SDPA over the whole sequence in
-// float32 on the same inputs: outputs and the gradients of q, k and v.
+// (one rank: chunks 0 and 1 of 2) attended block by block through cuDNN's attention,
+// FlashAttention-2 and the composed blocks, in bfloat16 with grouped-query heads, against SDPA over
+// the whole sequence in float32 on the same inputs: outputs and the gradients of q, k and v.
 #include <string>
+#include <utility>
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
@@ -37,9 +39,12 @@ TEST(Model_ContextAttention_Cuda, FlashAndComposedBlocksMatchSdpa) {
   const auto want = at::scaled_dot_product_attention(qf, kf, vf, std::nullopt, 0.0, true,
                                                      std::nullopt, /*enable_gqa=*/true);
   (want * upstream.to(at::kFloat)).sum().backward();
-  for (const bool fused : {true, false}) {
+  // cuDNN's attention (the default), FlashAttention-2 (cuDNN's SDPA disabled), composed blocks.
+  for (const auto& [fused, cudnn] :
+       {std::pair{true, true}, std::pair{true, false}, std::pair{false, true}}) {
     d9d::model::set_fused_kernels(fused);
-    const std::string what = fused ? "flash blocks" : "composed blocks";
+    at::globalContext().setSDPUseCuDNN(cudnn);
+    const std::string what = !fused ? "composed blocks" : cudnn ? "cuDNN blocks" : "flash blocks";
     const auto ql = q.clone().requires_grad_(true);
     const auto kl = k.clone().requires_grad_(true);
     const auto vl = v.clone().requires_grad_(true);
@@ -53,6 +58,7 @@ TEST(Model_ContextAttention_Cuda, FlashAndComposedBlocksMatchSdpa) {
     EXPECT_LT(relative_error(vl.grad(), vf.grad()), 3e-2) << what;
   }
   d9d::model::set_fused_kernels(true);
+  at::globalContext().setSDPUseCuDNN(true);
 }
 
 }  // namespace
