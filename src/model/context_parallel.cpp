@@ -139,75 +139,134 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(
                                                                   causal);
 }
 
-// Queries q [B, heads, L, dim] over the blocks `kv` = {k_0, v_0, k_1, v_1, ...}, block n causal
-// when causal[n] (the diagonal block) else whole.
-struct FusedChunkAttention : torch::autograd::Function<FusedChunkAttention> {
+// One block of the fused path: query chunk `chunk` (0 or 1 of this rank's two) over chunk `part`
+// (0 or 1) of the keys of the n-th rank visited (`source`); causal on the diagonal.
+struct Pair {
+  int64_t chunk = 0;
+  int64_t source = 0;
+  int64_t part = 0;
+  bool causal = false;
+};
+
+std::vector<int64_t> encode(const std::vector<Pair>& pairs) {
+  std::vector<int64_t> out;
+  out.reserve(4 * pairs.size());
+  for (const auto& p : pairs) {
+    out.insert(out.end(), {p.chunk, p.source, p.part, p.causal ? 1 : 0});
+  }
+  return out;
+}
+
+std::vector<Pair> decode(const std::vector<int64_t>& flat) {
+  std::vector<Pair> pairs;
+  pairs.reserve(flat.size() / 4);
+  for (std::size_t i = 0; i + 3 < flat.size(); i += 4) {
+    pairs.push_back({flat[i], flat[i + 1], flat[i + 2], flat[i + 3] != 0});
+  }
+  return pairs;
+}
+
+// This rank's queries q [B, heads, 2 L, dim] over the visited ranks' keys and values
+// `kv` = {k_0, v_0, k_1, v_1, ...} ([B, kv_heads, 2 L, dim] each), block by block as `pairs` say.
+// One function for both query chunks and whole key blocks, so each visited tensor gets one
+// gradient (no zero-filled view gradients per block).
+struct FusedContextAttention : torch::autograd::Function<FusedContextAttention> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
-                            at::TensorList kv, const std::vector<int64_t>& causal) {
+                            at::TensorList kv, const std::vector<int64_t>& flat_pairs) {
     const auto kernel = kernel_for(q);
     const auto acc = at::promote_types(q.scalar_type(), at::kFloat);
-    const std::vector<int64_t> rows{q.size(0), q.size(1), q.size(2)};
-    std::vector<Block> blocks;
-    std::vector<KernelState> states;
-    std::vector<int64_t> lse_shape;
-    at::Tensor out;
-    for (std::size_t n = 0; n < causal.size(); ++n) {
-      auto block = kernel_forward(kernel, q, kv[2 * n], kv[2 * n + 1], causal[n] != 0);
-      lse_shape = block.lse.sizes().vec();
-      if (causal.size() == 1) {
-        out = block.out;
-      }
-      blocks.push_back(
-          {causal.size() == 1 ? block.out : block.out.to(acc), block.lse.reshape(rows).to(acc)});
-      states.push_back(std::move(block.state));
-    }
+    const int64_t chunk = q.size(2) / 2;
+    const std::vector<int64_t> rows{q.size(0), q.size(1), chunk};
+    const auto pairs = decode(flat_pairs);
+    std::vector<at::Tensor> outs;
     std::vector<at::Tensor> lses;
-    for (const auto& block : blocks) {
-      lses.push_back(block.lse);
+    std::vector<at::Tensor> saved_states;
+    for (int64_t i = 0; i < 2; ++i) {
+      const auto query = q.narrow(2, i * chunk, chunk);
+      std::vector<KernelBlock> blocks;
+      for (const auto& p : pairs) {
+        if (p.chunk == i) {
+          const auto slot = static_cast<std::size_t>(2 * p.source);
+          blocks.push_back(kernel_forward(kernel, query, kv[slot].narrow(2, p.part * chunk, chunk),
+                                          kv[slot + 1].narrow(2, p.part * chunk, chunk), p.causal));
+          saved_states.push_back(blocks.back().state.seed);
+          saved_states.push_back(blocks.back().state.offset);
+        }
+      }
+      if (blocks.size() == 1) {
+        outs.push_back(blocks.front().out);
+        lses.push_back(blocks.front().lse);
+        continue;
+      }
+      // The merge (online softmax): each block's output weighted by its share of the whole
+      // softmax, exp(lse_n - lse), accumulated in `acc`.
+      std::vector<at::Tensor> block_lses;
+      block_lses.reserve(blocks.size());
+      for (const auto& block : blocks) {
+        block_lses.push_back(block.lse.reshape(rows).to(acc));
+      }
+      const auto lse = at::logsumexp(at::stack(block_lses), 0);
+      at::Tensor merged;
+      for (std::size_t n = 0; n < blocks.size(); ++n) {
+        const auto weight = (block_lses[n] - lse).exp_().unsqueeze(-1);
+        merged = merged.defined() ? merged.addcmul_(blocks[n].out, weight)
+                                  : blocks[n].out.to(acc).mul_(weight);
+      }
+      outs.push_back(merged.to(q.scalar_type()));
+      // In the kernel's layout and dtype, for its backward.
+      lses.push_back(lse.reshape(blocks.front().lse.sizes()).contiguous());
     }
-    if (!out.defined()) {
-      out = merge(blocks).to(q.scalar_type());
-    }
-    // The whole softmax's log-sum-exp, in the kernel's layout and dtype for its backward.
-    const auto lse = (lses.size() == 1 ? lses.front() : at::logsumexp(at::stack(lses), 0))
-                         .reshape(lse_shape)
-                         .contiguous();
-    std::vector<at::Tensor> saved{q, out, lse};
-    for (const auto& tensor : kv) {
-      saved.push_back(tensor);
-    }
-    for (const auto& state : states) {
-      saved.push_back(state.seed);
-      saved.push_back(state.offset);
-    }
+    std::vector<at::Tensor> saved{q, outs[0], outs[1], lses[0], lses[1]};
+    saved.insert(saved.end(), kv.begin(), kv.end());
+    saved.insert(saved.end(), saved_states.begin(), saved_states.end());
     ctx->save_for_backward(saved);
-    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["pairs"] = flat_pairs;
     ctx->saved_data["kernel"] = static_cast<int64_t>(kernel);
-    return out;
+    return at::cat(outs, 2);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto causal = ctx->saved_data["causal"].toIntVector();
+    const auto pairs = decode(ctx->saved_data["pairs"].toIntVector());
     const auto kernel = static_cast<Kernel>(ctx->saved_data["kernel"].toInt());
     const auto& q = saved[0];
-    const auto& out = saved[1];
-    const auto& lse = saved[2];
-    const std::size_t blocks = causal.size();
-    const auto grad = grads[0].contiguous();
-    at::Tensor grad_q;
-    torch::autograd::variable_list result{at::Tensor()};
-    for (std::size_t n = 0; n < blocks; ++n) {
-      const KernelState state{saved[3 + 2 * blocks + 2 * n], saved[4 + 2 * blocks + 2 * n]};
-      auto [gq, gk, gv] = kernel_backward(kernel, grad, q, saved[3 + 2 * n], saved[4 + 2 * n], out,
-                                          lse, causal[n] != 0, state);
-      grad_q = grad_q.defined() ? grad_q.add_(gq) : gq;
-      result.push_back(gk);
-      result.push_back(gv);
+    const int64_t chunk = q.size(2) / 2;
+    const std::size_t tensors = saved.size() - 5 - 2 * pairs.size();  // the kv list
+    std::vector<at::Tensor> grad_kv(tensors);
+    std::vector<at::Tensor> grad_q(2);
+    std::size_t state = 5 + tensors;
+    for (int64_t i = 0; i < 2; ++i) {
+      const auto query = q.narrow(2, i * chunk, chunk);
+      const auto grad = grads[0].narrow(2, i * chunk, chunk).contiguous();
+      const auto& out = saved[static_cast<std::size_t>(1 + i)];
+      const auto& lse = saved[static_cast<std::size_t>(3 + i)];
+      for (const auto& p : pairs) {
+        if (p.chunk != i) {
+          continue;
+        }
+        const KernelState kernel_state{saved[state], saved[state + 1]};
+        state += 2;
+        const auto slot = static_cast<std::size_t>(2 * p.source);
+        const auto& keys = saved[5 + slot];
+        const auto& values = saved[6 + slot];
+        auto [gq, gk, gv] = kernel_backward(
+            kernel, grad, query, keys.narrow(2, p.part * chunk, chunk),
+            values.narrow(2, p.part * chunk, chunk), out, lse, p.causal, kernel_state);
+        auto& dq = grad_q[static_cast<std::size_t>(i)];
+        dq = dq.defined() ? dq.add_(gq) : gq;
+        for (const auto& [index, part] : {std::pair{slot, gk}, std::pair{slot + 1, gv}}) {
+          auto& target = grad_kv[index];
+          if (!target.defined()) {
+            target = at::zeros_like(saved[5 + index]);
+          }
+          target.narrow(2, p.part * chunk, chunk).add_(part);
+        }
+      }
     }
-    result[0] = grad_q;
-    result.emplace_back();  // causal
+    torch::autograd::variable_list result{at::cat(grad_q, 2)};
+    result.insert(result.end(), grad_kv.begin(), grad_kv.end());
+    result.emplace_back();  // pairs
     return result;
   }
 };
@@ -254,29 +313,25 @@ at::Tensor context_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const auto [a, b] = context_chunks(group.rank(), group.size());
   const std::vector<int64_t> mine{a, b};
   if (use_kernels(q, visible)) {
-    // Each query chunk's visible blocks, then one fused function per chunk.
-    std::vector<std::vector<at::Tensor>> kv(2);
-    std::vector<std::vector<int64_t>> causal(2);
+    // The visited ranks' whole key blocks and the pairs of chunks that meet, then one function.
+    std::vector<at::Tensor> kv;
+    std::vector<Pair> pairs;
     group.for_each_kv(k, v, [&](int source, const at::Tensor& keys, const at::Tensor& values) {
       const auto [sa, sb] = context_chunks(source, group.size());
       const std::vector<int64_t> theirs{sa, sb};
+      const auto index = static_cast<int64_t>(kv.size() / 2);
+      kv.push_back(keys);
+      kv.push_back(values);
       for (std::size_t i = 0; i < 2; ++i) {
         for (std::size_t j = 0; j < 2; ++j) {
           if (theirs[j] <= mine[i]) {
-            const auto offset = static_cast<int64_t>(j) * chunk;
-            kv[i].push_back(keys.narrow(2, offset, chunk));
-            kv[i].push_back(values.narrow(2, offset, chunk));
-            causal[i].push_back(theirs[j] == mine[i] ? 1 : 0);
+            pairs.push_back(
+                {static_cast<int64_t>(i), index, static_cast<int64_t>(j), theirs[j] == mine[i]});
           }
         }
       }
     });
-    std::vector<at::Tensor> outs;
-    for (std::size_t i = 0; i < 2; ++i) {
-      outs.push_back(FusedChunkAttention::apply(q.narrow(2, static_cast<int64_t>(i) * chunk, chunk),
-                                                at::TensorList(kv[i]), causal[i]));
-    }
-    return at::cat(outs, 2);
+    return FusedContextAttention::apply(q, at::TensorList(kv), encode(pairs));
   }
   std::vector<std::vector<Block>> blocks(2);
   group.for_each_kv(k, v, [&](int source, const at::Tensor& keys, const at::Tensor& values) {

@@ -40,43 +40,85 @@ const ProcessGroup& group_at(int64_t address) {
 int64_t address_of(const ProcessGroup& group) { return reinterpret_cast<int64_t>(&group); }
 // NOLINTEND(performance-no-int-to-ptr)
 
-// Every rank's x concatenated along dim 0; backward: the gradient summed over the group, this
-// rank's rows kept (reduce-scatter).
-struct GatherBlocks : torch::autograd::Function<GatherBlocks> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+// Every rank's k and v, as 2 R outputs (k of ranks 0..R-1, then their v): separate tensors, so
+// each gets its own gradient. Backward: each rank's gradients summed over the group and this
+// rank's kept (a reduce-scatter of the stacked gradients; a rank's block nobody attended to
+// contributes zeros).
+struct GatherKv : torch::autograd::Function<GatherKv> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& k, const at::Tensor& v,
+                               int64_t group) {
     ctx->saved_data["group"] = group;
-    return all_gather_cat(group_at(group), x.contiguous(), 0);
+    variable_list out = all_gather(group_at(group), k.contiguous());
+    auto values = all_gather(group_at(group), v.contiguous());
+    out.insert(out.end(), values.begin(), values.end());
+    return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto& group = group_at(ctx->saved_data["group"].toInt());
-    return {reduce_scatter(group, grads[0].contiguous(), 0), at::Tensor()};
+    const std::size_t ranks = grads.size() / 2;
+    at::Tensor like;
+    for (const auto& grad : grads) {
+      if (grad.defined()) {
+        like = grad;
+        break;
+      }
+    }
+    const auto reduce = [&](std::size_t first) {
+      std::vector<at::Tensor> parts;
+      parts.reserve(ranks);
+      for (std::size_t r = 0; r < ranks; ++r) {
+        const auto& grad = grads[first + r];
+        parts.push_back(grad.defined() ? grad : at::zeros_like(like));
+      }
+      return reduce_scatter(group, at::stack(parts), 0).squeeze(0);
+    };
+    return {reduce(0), reduce(ranks), at::Tensor()};
   }
 };
 
-// x to the next rank of the ring, the previous rank's x back (`forward` true); or the reverse.
-at::Tensor shift(const ProcessGroup& group, const at::Tensor& x, bool forward) {
+// `tensors` to the next rank of the ring and the previous rank's back (`forward` true); or the
+// reverse. One batch of point-to-point operations.
+std::vector<at::Tensor> shift(const ProcessGroup& group, const std::vector<at::Tensor>& tensors,
+                              bool forward) {
   const int size = group.size();
   const int next = (group.rank() + 1) % size;
   const int previous = (group.rank() + size - 1) % size;
-  auto received = at::empty_like(x, x.options().device(group.device()));
-  batch_isend_irecv(
-      group,
-      {{.kind = P2POp::Kind::send, .tensor = x.contiguous(), .peer = forward ? next : previous},
-       {.kind = P2POp::Kind::recv, .tensor = received, .peer = forward ? previous : next}})
-      .wait();
-  return received.to(x.device());
+  std::vector<at::Tensor> received;
+  std::vector<P2POp> ops;
+  for (const auto& x : tensors) {
+    received.push_back(at::empty(x.sizes(), x.options().device(group.device())));
+    ops.push_back({.kind = P2POp::Kind::send,
+                   .tensor = x.contiguous(),
+                   .peer = forward ? next : previous,
+                   .tag = static_cast<int>(ops.size())});
+    ops.push_back({.kind = P2POp::Kind::recv,
+                   .tensor = received.back(),
+                   .peer = forward ? previous : next,
+                   .tag = static_cast<int>(ops.size() - 1)});
+  }
+  batch_isend_irecv(group, ops).wait();
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    received[i] = received[i].to(tensors[i].device());
+  }
+  return received;
 }
 
-// One hop of the ring: forward x goes to rank r + 1 and rank r − 1's arrives; backward the
-// gradient goes back to r − 1 and r + 1's arrives.
-struct PassOn : torch::autograd::Function<PassOn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+// One hop of the ring for k and v: forward they go to rank r + 1 and rank r − 1's arrive;
+// backward their gradients go back to r − 1 and r + 1's arrive.
+struct PassKv : torch::autograd::Function<PassKv> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& k, const at::Tensor& v,
+                               int64_t group) {
     ctx->saved_data["group"] = group;
-    return shift(group_at(group), x, /*forward=*/true);
+    return shift(group_at(group), {k, v}, /*forward=*/true);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto& group = group_at(ctx->saved_data["group"].toInt());
-    return {shift(group, grads[0], /*forward=*/false), at::Tensor()};
+    const auto& like = grads[0].defined() ? grads[0] : grads[1];
+    auto back = shift(group,
+                      {grads[0].defined() ? grads[0] : at::zeros_like(like),
+                       grads[1].defined() ? grads[1] : at::zeros_like(like)},
+                      /*forward=*/false);
+    return {back[0], back[1], at::Tensor()};
   }
 };
 
@@ -88,23 +130,27 @@ class Group final : public model::ContextParallelGroup {
 
   void for_each_kv(const at::Tensor& k, const at::Tensor& v,
                    const KvVisitor& visit) const override {
-    auto block = at::stack({k, v});
-    if (size() == 1) {
-      visit(0, block[0], block[1]);
+    const int ranks = size();
+    if (ranks == 1) {
+      visit(0, k, v);
       return;
     }
     if (!ring_) {
-      const auto all = GatherBlocks::apply(block, address_of(group_));
-      for (int hop = 0; hop < size(); ++hop) {
-        const int source = (rank() + hop) % size();
-        visit(source, all[2 * source], all[2 * source + 1]);
+      const auto all = GatherKv::apply(k, v, address_of(group_));
+      for (int hop = 0; hop < ranks; ++hop) {
+        const auto source = static_cast<std::size_t>((rank() + hop) % ranks);
+        visit(static_cast<int>(source), all[source], all[static_cast<std::size_t>(ranks) + source]);
       }
       return;
     }
-    for (int hop = 0; hop < size(); ++hop) {
-      visit((rank() + size() - hop) % size(), block[0], block[1]);
-      if (hop + 1 < size()) {
-        block = PassOn::apply(block, address_of(group_));
+    at::Tensor keys = k;
+    at::Tensor values = v;
+    for (int hop = 0; hop < ranks; ++hop) {
+      visit((rank() + ranks - hop) % ranks, keys, values);
+      if (hop + 1 < ranks) {
+        auto next = PassKv::apply(keys, values, address_of(group_));
+        keys = next[0];
+        values = next[1];
       }
     }
   }
