@@ -324,6 +324,10 @@ std::vector<int64_t> exchange_splits(const ProcessGroup& group,
 
 struct P2PRequests::Impl {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  // The send tensors copied onto the group's device: alive until the operations are done. Under
+  // NCCL's coalescing the sends are launched together at the end, after each op's temporary would
+  // otherwise have gone back to the allocator (and been reused by the next op's copy).
+  std::vector<at::Tensor> sent;
 };
 
 P2PRequests::P2PRequests() : impl_(std::make_shared<Impl>()) {}
@@ -334,6 +338,7 @@ void P2PRequests::wait() {
     work->wait();
   }
   impl_->works.clear();
+  impl_->sent.clear();
 }
 
 P2PRequests batch_isend_irecv(const ProcessGroup& group, const std::vector<P2POp>& ops) {
@@ -364,6 +369,9 @@ P2PRequests batch_isend_irecv(const ProcessGroup& group, const std::vector<P2POp
   for (const auto& op : ops) {
     std::vector<at::Tensor> tensors = {
         op.kind == P2POp::Kind::send ? op.tensor.to(group.device()).contiguous() : op.tensor};
+    if (op.kind == P2POp::Kind::send) {
+      impl->sent.push_back(tensors.front());
+    }
     auto work = op.kind == P2POp::Kind::send ? backend->send(tensors, op.peer, op.tag)
                                              : backend->recv(tensors, op.peer, op.tag);
     if (!coalesce && work) {
