@@ -4,7 +4,8 @@
 // clipping and recompute; the memory each rank holds under FullyShard; training checkpoints saved
 // on one mesh and resumed on another (tensor-parallel layouts among them), and resumed runs
 // continuing from a tensor-parallel checkpoint on another layout (tp 2 -> one process, tp 2 x
-// FullyShard 2 -> FullyShard 4).
+// FullyShard 2 -> FullyShard 4); context-parallel checkpoints (FullyShard x cp 2, cp 2) to one
+// process and back.
 #include <cmath>
 #include <string>
 
@@ -273,6 +274,29 @@ TEST(Parallel_Checkpoint_ws2, TensorParallelTwoToOneProcessAndBack) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
     expect_lossless_reshard<TpPlan, d9d::Plan<>>(env, R"({"tp": 2})", "", true);
+  });
+}
+
+// Context parallelism: checkpoints do not depend on cp. FullyShard x cp 2 (the parameters sharded
+// over the cp ranks, dense domain's dp_cp_shard) and cp 2 under Replicate (replicated over cp) to
+// one process and back.
+using CpFsdpPlan = d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::cp_shard<d9d::dynamic>>,
+                             d9d::parallel::ContextParallel<>, d9d::parallel::Fsdp>;
+using CpPlan = d9d::Plan<d9d::mesh<d9d::cp_shard<d9d::dynamic>>,
+                         d9d::parallel::ContextParallel<d9d::parallel::KvRotation::ring>>;
+
+TEST(Parallel_Checkpoint_ws2, FsdpTimesCpTwoToOneProcessAndBack) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    expect_lossless_reshard<CpFsdpPlan, d9d::Plan<>>(env, R"({"dp_shard": 1, "cp_shard": 2})", "",
+                                                     true);
+  });
+}
+
+TEST(Parallel_Checkpoint_ws2, CpTwoToOneProcessAndBack) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    expect_lossless_reshard<CpPlan, d9d::Plan<>>(env, R"({"cp_shard": 2})", "", true);
   });
 }
 
