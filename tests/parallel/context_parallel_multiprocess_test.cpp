@@ -211,6 +211,14 @@ TEST(Parallel_ContextParallel_cp2, RefusesWhatItCannotSplit) {
     } catch (const std::exception& error) {
       EXPECT_THAT(error.what(), HasSubstr("nothing to split the sequence over"));
     }
+    // cp_replicate is not supported yet.
+    try {
+      (void)train_plan<d9d::Plan<d9d::mesh<d9d::cp_replicate<d9d::dynamic>>, Cp, Fp64>>(
+          ctx, run_config(dir + "/replicate", 2, R"({"cp_replicate": 2})"));
+      ADD_FAILURE() << "cp_replicate 2 did not fail";
+    } catch (const std::exception& error) {
+      EXPECT_THAT(error.what(), HasSubstr("\"mesh.cp_replicate\" = 2 is not supported yet"));
+    }
     // cp 2 without the policy.
     try {
       (void)train_plan<d9d::Plan<CpMesh, Fp64>>(ctx,
