@@ -58,17 +58,24 @@ Block attend_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return {out.reshape({batch, heads, rows, dim}), lse.reshape({batch, heads, rows})};
 }
 
-// The blocks of one query chunk merged: softmax over the union of their keys.
-at::Tensor merge(const std::vector<Block>& blocks) {
-  std::vector<at::Tensor> outs;
+// The blocks of one query chunk merged: the softmax over the union of their keys. Each block's
+// output (in any dtype) is weighted by its share of the whole, exp(lse_n - lse), and summed in the
+// log-sum-exps' dtype; returns that sum and the whole log-sum-exp [B, heads, L]. Out of place, so
+// autograd differentiates it on the composed path.
+Block merge(const std::vector<Block>& blocks) {
   std::vector<at::Tensor> lses;
+  lses.reserve(blocks.size());
   for (const auto& block : blocks) {
-    outs.push_back(block.out);
     lses.push_back(block.lse);
   }
-  const auto lse = at::stack(lses);                                 // [n, B, heads, L]
-  const auto weights = at::exp(lse - at::logsumexp(lse, 0, true));  // each block's share
-  return (at::stack(outs) * weights.unsqueeze(-1)).sum(0);
+  const auto lse = at::logsumexp(at::stack(lses), 0);
+  at::Tensor out;
+  for (const auto& block : blocks) {
+    const auto weight = at::exp(block.lse - lse).unsqueeze(-1);
+    out = out.defined() ? at::addcmul(out, block.out, weight)
+                        : block.out.to(lse.scalar_type()) * weight;
+  }
+  return {out, lse};
 }
 
 // ---- the fused path: the backend's attention kernel per block -----------------------------------
@@ -198,23 +205,15 @@ struct FusedContextAttention : torch::autograd::Function<FusedContextAttention> 
         lses.push_back(blocks.front().lse);
         continue;
       }
-      // The merge (online softmax): each block's output weighted by its share of the whole
-      // softmax, exp(lse_n - lse), accumulated in `acc`.
-      std::vector<at::Tensor> block_lses;
-      block_lses.reserve(blocks.size());
+      std::vector<Block> parts;
+      parts.reserve(blocks.size());
       for (const auto& block : blocks) {
-        block_lses.push_back(block.lse.reshape(rows).to(acc));
+        parts.push_back({block.out, block.lse.reshape(rows).to(acc)});
       }
-      const auto lse = at::logsumexp(at::stack(block_lses), 0);
-      at::Tensor merged;
-      for (std::size_t n = 0; n < blocks.size(); ++n) {
-        const auto weight = (block_lses[n] - lse).exp_().unsqueeze(-1);
-        merged = merged.defined() ? merged.addcmul_(blocks[n].out, weight)
-                                  : blocks[n].out.to(acc).mul_(weight);
-      }
-      outs.push_back(merged.to(q.scalar_type()));
+      const auto merged = merge(parts);
+      outs.push_back(merged.out.to(q.scalar_type()));
       // In the kernel's layout and dtype, for its backward.
-      lses.push_back(lse.reshape(blocks.front().lse.sizes()).contiguous());
+      lses.push_back(merged.lse.reshape(blocks.front().lse.sizes()).contiguous());
     }
     std::vector<at::Tensor> saved{q, outs[0], outs[1], lses[0], lses[1]};
     saved.insert(saved.end(), kv.begin(), kv.end());
@@ -355,7 +354,7 @@ at::Tensor context_attention(const at::Tensor& q, const at::Tensor& k, const at:
       }
     }
   });
-  return at::cat({merge(blocks[0]), merge(blocks[1])}, 2).to(q.scalar_type());
+  return at::cat({merge(blocks[0]).out, merge(blocks[1]).out}, 2).to(q.scalar_type());
 }
 
 }  // namespace d9d::model

@@ -2,15 +2,16 @@
 // cp ranks (load-balanced chunks, d9d/model/context_parallel.hpp), the keys and values brought to
 // every rank by an all-gather or around a ring, with their autograd functions.
 //
-// All-gather: each layer's K and V (stacked, [2, B, kv_heads, 2 L, dim]) are all-gathered once;
-// backward reduce-scatters their gradients (each rank's block gets the sum of what every rank's
-// queries gave it). Ring: the stacked block is passed to the next rank cp − 1 times (send to
-// r + 1, receive from r − 1, together), each hop's block attended before the next; backward passes
-// the gradients the other way round. Both visit the same blocks, so the result and the gradients
-// are the same; they differ in what is in flight and held (all of K/V at once, or one block).
-// The parameters are the same on every cp rank (broadcast here) and their gradients, of different
-// tokens, are summed over cp by the data-parallel strategy (Replicate: data_parallel_group;
-// FullyShard shards over dp_shard x cp_shard and reduce-scatters there).
+// All-gather: each layer's K and V ([B, kv_heads, 2 L, dim] each) are all-gathered once, every
+// rank's K and V a tensor of its own (GatherKv); backward reduce-scatters their gradients (each
+// rank's block gets the sum of what every rank's queries gave it). Ring: K and V are passed to the
+// next rank cp − 1 times (send to r + 1, receive from r − 1, in one batch; PassKv), each hop's
+// block visited before the next; backward passes the gradients the other way round. Both visit the
+// same blocks, so the result and the gradients are the same; they differ in what is in flight and
+// held (all of K/V at once, or one block). The parameters are the same on every cp rank (broadcast
+// here) and their gradients, of different tokens, are summed over cp by the data-parallel strategy
+// (Replicate: data_parallel_group; FullyShard shards over dp_shard x cp_shard and reduce-scatters
+// there).
 #include <algorithm>
 #include <cstdint>
 #include <memory>
