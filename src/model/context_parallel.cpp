@@ -270,6 +270,162 @@ struct FusedContextAttention : torch::autograd::Function<FusedContextAttention> 
   }
 };
 
+// ---- the overlapped path: every rank's keys at once (KvRotation::all_gather)
+// ---------------------
+//
+// This rank's queries q [B, heads, 2 L, dim] (chunks c_0 < c_1 of the sequence) over its own keys
+// k, v [B, kv_heads, 2 L, dim] and every other rank's. Per query chunk c two blocks: the diagonal
+// (its own keys, causal) and the prefix (keys of chunks 0 .. c - 1 in sequence order, one kernel
+// call; none for c = 0), merged by log-sum-exp. Forward starts the gather, attends the diagonals
+// while it runs, then the prefixes. Backward runs the prefix blocks first, starts the
+// reduce-scatter of their key gradients (laid out rank by rank, as gathered), runs the diagonal
+// blocks while it runs, and adds.
+
+// NOLINTBEGIN(performance-no-int-to-ptr): the group outlives the graphs (the layer holds it)
+const ContextParallelGroup& group_at(int64_t address) {
+  return *reinterpret_cast<const ContextParallelGroup*>(address);
+}
+int64_t address_of(const ContextParallelGroup& group) { return reinterpret_cast<int64_t>(&group); }
+// NOLINTEND(performance-no-int-to-ptr)
+
+// Where chunk `chunk` of the sequence lies in the gathered keys [size, B, kv, 2 L, dim]: its rank
+// and its part (0 or 1) of that rank's two.
+std::pair<int64_t, int64_t> chunk_home(int64_t chunk, int size) {
+  return chunk < size ? std::pair{chunk, int64_t{0}}
+                      : std::pair{int64_t{2} * size - 1 - chunk, int64_t{1}};
+}
+
+// Chunks 0 .. count - 1 of the gathered `all` [size, B, kv, 2 L, dim] in sequence order,
+// [B, kv, count L, dim].
+at::Tensor prefix_of(const at::Tensor& all, int64_t count, int size) {
+  const int64_t chunk = all.size(3) / 2;
+  std::vector<at::Tensor> parts;
+  parts.reserve(static_cast<std::size_t>(count));
+  for (int64_t c = 0; c < count; ++c) {
+    const auto [rank, part] = chunk_home(c, size);
+    parts.push_back(all.select(0, rank).narrow(2, part * chunk, chunk));
+  }
+  return at::cat(parts, 2);
+}
+
+struct GatheredContextAttention : torch::autograd::Function<GatheredContextAttention> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v, int64_t group_address) {
+    const auto& group = group_at(group_address);
+    const auto kernel = kernel_for(q);
+    const auto acc = at::promote_types(q.scalar_type(), at::kFloat);
+    const int64_t chunk = q.size(2) / 2;
+    const auto [c0, c1] = context_chunks(group.rank(), group.size());
+    const std::vector<int64_t> mine{c0, c1};
+    const auto pending = group.start_gather(k, v);
+    std::vector<KernelBlock> diagonal;
+    for (int64_t i = 0; i < 2; ++i) {
+      diagonal.push_back(kernel_forward(kernel, q.narrow(2, i * chunk, chunk),
+                                        k.narrow(2, i * chunk, chunk),
+                                        v.narrow(2, i * chunk, chunk), /*causal=*/true));
+    }
+    const auto all = pending();
+    // The later chunk's prefix holds the earlier one's.
+    const auto keys = prefix_of(all[0], c1, group.size());
+    const auto values = prefix_of(all[1], c1, group.size());
+    std::vector<at::Tensor> outs;
+    std::vector<at::Tensor> lses;
+    std::vector<at::Tensor> saved_states;
+    const std::vector<int64_t> rows{q.size(0), q.size(1), chunk};
+    for (std::size_t i = 0; i < 2; ++i) {
+      auto& own = diagonal[i];
+      saved_states.insert(saved_states.end(), {own.state.seed, own.state.offset});
+      const int64_t c = mine[i];
+      if (c == 0) {
+        outs.push_back(own.out);
+        lses.push_back(own.lse);
+        saved_states.insert(saved_states.end(), {at::Tensor(), at::Tensor()});
+        continue;
+      }
+      const auto query = q.narrow(2, static_cast<int64_t>(i) * chunk, chunk);
+      auto before = kernel_forward(kernel, query, keys.narrow(2, 0, c * chunk),
+                                   values.narrow(2, 0, c * chunk), /*causal=*/false);
+      saved_states.insert(saved_states.end(), {before.state.seed, before.state.offset});
+      const auto merged = merge({{before.out, before.lse.reshape(rows).to(acc)},
+                                 {own.out, own.lse.reshape(rows).to(acc)}});
+      outs.push_back(merged.out.to(q.scalar_type()));
+      lses.push_back(merged.lse.reshape(own.lse.sizes()).contiguous());
+    }
+    std::vector<at::Tensor> saved{q, k, v, keys, values, outs[0], outs[1], lses[0], lses[1]};
+    saved.insert(saved.end(), saved_states.begin(), saved_states.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["group"] = group_address;
+    ctx->saved_data["kernel"] = static_cast<int64_t>(kernel);
+    return at::cat(outs, 2);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& group = group_at(ctx->saved_data["group"].toInt());
+    const auto kernel = static_cast<Kernel>(ctx->saved_data["kernel"].toInt());
+    const auto& q = saved[0];
+    const auto& k = saved[1];
+    const auto& v = saved[2];
+    const auto& keys = saved[3];
+    const auto& values = saved[4];
+    const int64_t chunk = q.size(2) / 2;
+    const int size = group.size();
+    const auto [c0, c1] = context_chunks(group.rank(), size);
+    const std::vector<int64_t> mine{c0, c1};
+    const auto state_of = [&](std::size_t i, std::size_t block) {
+      const std::size_t at = 9 + 4 * i + 2 * block;
+      return KernelState{saved[at], saved[at + 1]};
+    };
+    std::vector<at::Tensor> grad(2);
+    std::vector<at::Tensor> grad_q(2);
+    for (std::size_t i = 0; i < 2; ++i) {
+      grad[i] = grads[0].narrow(2, static_cast<int64_t>(i) * chunk, chunk).contiguous();
+    }
+    // The prefix blocks: their key gradients, laid out rank by rank as gathered.
+    const std::vector<int64_t> gathered{size, k.size(0), k.size(1), k.size(2), k.size(3)};
+    auto grad_keys = at::zeros(gathered, k.options());
+    auto grad_values = at::zeros(gathered, v.options());
+    for (std::size_t i = 0; i < 2; ++i) {
+      const int64_t c = mine[i];
+      if (c == 0) {
+        continue;
+      }
+      const auto query = q.narrow(2, static_cast<int64_t>(i) * chunk, chunk);
+      auto [gq, gk, gv] =
+          kernel_backward(kernel, grad[i], query, keys.narrow(2, 0, c * chunk),
+                          values.narrow(2, 0, c * chunk), saved[5 + i], saved[7 + i],
+                          /*causal=*/false, state_of(i, 1));
+      grad_q[i] = gq;
+      for (int64_t n = 0; n < c; ++n) {
+        const auto [rank, part] = chunk_home(n, size);
+        grad_keys.select(0, rank)
+            .narrow(2, part * chunk, chunk)
+            .add_(gk.narrow(2, n * chunk, chunk));
+        grad_values.select(0, rank)
+            .narrow(2, part * chunk, chunk)
+            .add_(gv.narrow(2, n * chunk, chunk));
+      }
+    }
+    const auto pending = group.start_reduce_scatter(grad_keys, grad_values);
+    // The diagonal blocks meanwhile: this rank's own keys.
+    std::vector<at::Tensor> own_k(2);
+    std::vector<at::Tensor> own_v(2);
+    for (std::size_t i = 0; i < 2; ++i) {
+      const auto at = static_cast<int64_t>(i) * chunk;
+      auto [gq, gk, gv] = kernel_backward(
+          kernel, grad[i], q.narrow(2, at, chunk), k.narrow(2, at, chunk), v.narrow(2, at, chunk),
+          saved[5 + i], saved[7 + i], /*causal=*/true, state_of(i, 0));
+      grad_q[i] = grad_q[i].defined() ? grad_q[i].add_(gq) : gq;
+      own_k[i] = gk;
+      own_v[i] = gv;
+    }
+    const auto summed = pending();
+    return {at::cat(grad_q, 2), summed[0].add_(at::cat(own_k, 2)),
+            summed[1].add_(at::cat(own_v, 2)), at::Tensor()};
+  }
+};
+
 // Whether the blocks go through the attention kernels: the fused kernels on, no placement mask
 // (packed documents take the composed path), and a dtype the backend's kernel takes.
 bool use_kernels(const at::Tensor& q, const at::Tensor& visible) {
@@ -311,6 +467,9 @@ at::Tensor context_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const auto acc = at::promote_types(q.scalar_type(), at::kFloat);
   const auto [a, b] = context_chunks(group.rank(), group.size());
   const std::vector<int64_t> mine{a, b};
+  if (use_kernels(q, visible) && group.gathers_at_once()) {
+    return GatheredContextAttention::apply(q, k, v, address_of(group));
+  }
   if (use_kernels(q, visible)) {
     // The visited ranks' whole key blocks and the pairs of chunks that meet, then one function.
     std::vector<at::Tensor> kv;

@@ -31,6 +31,17 @@ std::pair<at::Tensor, at::Tensor> rope_tables(const RotaryEmbedding& rope, const
                       RotaryEmbedding::table_dtype(h.scalar_type()));
 }
 
+TokenPlacement context_placement(const RotaryEmbedding& rope, int64_t batch, int64_t tokens,
+                                 c10::Device device, at::ScalarType dtype,
+                                 const ContextParallelGroup& group) {
+  check_context_length(tokens, group.size());
+  const auto [cos, sin] = rope.cos_sin(tokens, device, dtype);
+  TokenPlacement out;
+  out.cos = context_shard(cos, 0, group.rank(), group.size()).repeat({batch, 1});
+  out.sin = context_shard(sin, 0, group.rank(), group.size()).repeat({batch, 1});
+  return out;
+}
+
 void check_stage(std::string_view who, int stage, int stages, LayerRange layers,
                  int64_t num_hidden_layers) {
   if (stages < 1 || stage < 0 || stage >= stages) {

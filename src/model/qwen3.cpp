@@ -228,10 +228,9 @@ CausalLmLoss Qwen3ForCausalLMImpl::context_loss(const at::Tensor& input_ids,
       local.visible = context_shard(where->visible, 2, rank, size);
     }
   } else {
-    const auto dtype = RotaryEmbedding::table_dtype(model->embed_tokens->weight.scalar_type());
-    const auto [cos, sin] = model->rope().cos_sin(tokens, input_ids.device(), dtype);
-    local.cos = context_shard(cos, 0, rank, size).repeat({batch, 1});
-    local.sin = context_shard(sin, 0, rank, size).repeat({batch, 1});
+    local = detail::context_placement(
+        model->rope(), batch, tokens, input_ids.device(),
+        RotaryEmbedding::table_dtype(model->embed_tokens->weight.scalar_type()), *cp_);
   }
   const auto hidden =
       model->forward_placed(context_shard(input_ids, 1, rank, size), local, nullptr);

@@ -40,10 +40,19 @@ at::Tensor Qwen3StageImpl::forward(const at::Tensor& input) {
   detail::check_stage_input(kWho, stage_, is_first(), input, config_.hidden_size);
   at::Tensor h = input;
   if (is_first()) {
-    h = tp_ ? vocab_parallel_embedding(embed_tokens->weight, input, vocab_start_, *tp_)
-            : embed_tokens(input);
+    const auto ids = cp_ ? context_shard(input, 1, cp_->rank(), cp_->size()) : input;
+    h = tp_ ? vocab_parallel_embedding(embed_tokens->weight, ids, vocab_start_, *tp_)
+            : embed_tokens(ids);
   }
-  if (!layers.empty()) {
+  if (!layers.empty() && cp_) {
+    // This rank's chunks at their positions in the whole sequence of T = T_local x cp tokens.
+    const auto where =
+        detail::context_placement(rope_, h.size(0), h.size(1) * cp_->size(), h.device(),
+                                  RotaryEmbedding::table_dtype(h.scalar_type()), *cp_);
+    for (auto& layer : layers) {
+      h = layer->forward_placed(h, where, nullptr);
+    }
+  } else if (!layers.empty()) {
     const auto cos_sin = detail::rope_tables(rope_, h, h);
     for (auto& layer : layers) {
       h = layer(h, cos_sin);
@@ -83,12 +92,33 @@ void Qwen3StageImpl::set_tensor_parallel(std::shared_ptr<const TensorParallelGro
   tp_ = std::move(group);
 }
 
+void Qwen3StageImpl::set_context_parallel(std::shared_ptr<const ContextParallelGroup> group) {
+  if (cp_) {
+    throw std::logic_error("d9d::model::Qwen3Stage: context parallelism is already set");
+  }
+  for (auto& layer : layers) {
+    layer->self_attn->set_context_parallel(group);
+  }
+  cp_ = std::move(group);
+}
+
+int64_t Qwen3StageImpl::local_tokens(int64_t seq) const {
+  if (!cp_) {
+    return seq;
+  }
+  check_context_length(seq, cp_->size());
+  return seq / cp_->size();
+}
+
 std::vector<int64_t> Qwen3StageImpl::input_sizes(int64_t batch, int64_t seq) const {
-  return detail::stage_input_sizes(is_first(), batch, seq, config_.hidden_size);
+  // The first stage takes whole sequences of ids and cuts them itself.
+  return detail::stage_input_sizes(is_first(), batch, is_first() ? seq : local_tokens(seq),
+                                   config_.hidden_size);
 }
 
 std::vector<int64_t> Qwen3StageImpl::output_sizes(int64_t batch, int64_t seq) const {
-  return detail::stage_output_sizes(is_last(), batch, seq, config_.hidden_size, config_.vocab_size);
+  return detail::stage_output_sizes(is_last(), batch, local_tokens(seq), config_.hidden_size,
+                                    config_.vocab_size);
 }
 
 void copy_parameters(const torch::nn::Module& from, torch::nn::Module& to) {

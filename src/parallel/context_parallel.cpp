@@ -22,6 +22,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/model/context_parallel.hpp>
@@ -129,6 +130,50 @@ class Group final : public model::ContextParallelGroup {
   [[nodiscard]] int rank() const override { return group_.size() > 1 ? group_.rank() : 0; }
   [[nodiscard]] int size() const override { return std::max(1, group_.size()); }
 
+  [[nodiscard]] bool gathers_at_once() const override { return !ring_; }
+
+  [[nodiscard]] Pending start_gather(const at::Tensor& k, const at::Tensor& v) const override {
+    const int ranks = size();
+    if (ranks == 1) {
+      return [k, v] { return std::vector<at::Tensor>{k.unsqueeze(0), v.unsqueeze(0)}; };
+    }
+    // K and V in one buffer, one collective into [size, 2, B, kv, 2 L, dim] (flat buffers, as
+    // every backend's base collectives take them).
+    auto input = at::stack({k, v}).to(group_.device());
+    std::vector<int64_t> sizes{ranks};
+    sizes.insert(sizes.end(), input.sizes().begin(), input.sizes().end());
+    auto output = at::empty({ranks * input.numel()}, input.options());
+    auto flat = input.view({-1});
+    auto work = group_.backend()->_allgather_base(output, flat);
+    output = output.view(sizes);
+    // The input stays referenced until the wait: the current stream then follows the collective,
+    // so the allocator may reuse it.
+    return [work, input, output, device = k.device()] {
+      work->wait();
+      (void)input;
+      const auto all = output.to(device);
+      return std::vector<at::Tensor>{all.select(1, 0), all.select(1, 1)};
+    };
+  }
+
+  [[nodiscard]] Pending start_reduce_scatter(const at::Tensor& dk,
+                                             const at::Tensor& dv) const override {
+    if (size() == 1) {
+      return [dk, dv] { return std::vector<at::Tensor>{dk.select(0, 0), dv.select(0, 0)}; };
+    }
+    auto input = at::stack({dk, dv}, 1).to(group_.device());  // [size, 2, B, kv, 2 L, dim]
+    auto output = at::empty({input.numel() / size()}, input.options());
+    auto flat = input.view({-1});
+    auto work = group_.backend()->_reduce_scatter_base(output, flat);
+    output = output.view(input.sizes().slice(1));
+    return [work, input, output, device = dk.device()] {
+      work->wait();
+      (void)input;
+      const auto mine = output.to(device);
+      return std::vector<at::Tensor>{mine.select(0, 0), mine.select(0, 1)};
+    };
+  }
+
   void for_each_kv(const at::Tensor& k, const at::Tensor& v,
                    const KvVisitor& visit) const override {
     const int ranks = size();
@@ -196,8 +241,8 @@ void apply_context_parallel(ParallelModel& model, bool ring) {
   if (found == 0) {
     throw std::invalid_argument(
         "d9d::parallel::ContextParallel: the model does not split its sequence (it does not "
-        "implement d9d::model::ContextParallelModel; the dense Qwen3ForCausalLM does, Qwen3-MoE "
-        "and pipeline stages do not yet). Fix: use d9d::parallel::NoContextParallel");
+        "implement d9d::model::ContextParallelModel; the dense Qwen3ForCausalLM and Qwen3Stage do, "
+        "Qwen3-MoE does not yet). Fix: use d9d::parallel::NoContextParallel");
   }
   // The same parameters on every cp rank, recorded as replicated over cp (one rank of them
   // writes checkpoints; FullyShard folds cp_shard into its shards).

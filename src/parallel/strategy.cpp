@@ -1,19 +1,34 @@
 // d9d/parallel/strategy.cpp — what strategies contribute to the data and the loss
 // (d9d/parallel/strategy.hpp), and data parallelism's contribution.
+#include <string>
+#include <vector>
+
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/parallel/parallelize.hpp>
 #include <d9d/parallel/strategy.hpp>
 
 namespace d9d::parallel {
 
-StepContributions::Share StepContributions::samples(const DeviceMesh& mesh) const {
-  Share share;
-  for (const auto& dim : sample_dims) {
+namespace {
+
+StepContributions::Share share_over(const DeviceMesh& mesh, const std::vector<std::string>& dims) {
+  StepContributions::Share share;
+  for (const auto& dim : dims) {
     const int size = mesh.size(MeshDomain::batch, dim);
     share.index = share.index * size + mesh.coordinate(MeshDomain::batch, dim);
     share.count *= size;
   }
   return share;
+}
+
+}  // namespace
+
+StepContributions::Share StepContributions::samples(const DeviceMesh& mesh) const {
+  return share_over(mesh, sample_dims);
+}
+
+StepContributions::Share StepContributions::sequence_part(const DeviceMesh& mesh) const {
+  return share_over(mesh, sequence_dims);
 }
 
 std::vector<ProcessGroup> StepContributions::loss_groups(const DeviceMesh& mesh) const {

@@ -216,8 +216,13 @@ at::Tensor CausalLmTask::stage_input(const CausalLmBatch& batch) {
 }
 
 LossOutput CausalLmTask::output_loss(const at::Tensor& logits, const CausalLmBatch& batch) {
-  const auto labels = batch.tokens.narrow(1, 1, batch.tokens.size(1) - 1).to(logits.device());
-  const auto loss = model::causal_lm_loss(logits, labels);
+  return output_loss(logits, batch, SequencePart{});
+}
+
+LossOutput CausalLmTask::output_loss(const at::Tensor& logits, const CausalLmBatch& batch,
+                                     const SequencePart& part) {
+  const auto labels = part(batch.tokens.narrow(1, 1, batch.tokens.size(1) - 1), 1);
+  const auto loss = model::causal_lm_loss(logits, labels.to(logits.device()));
   return {.loss_sum = loss.loss_sum, .weight = loss.tokens};
 }
 

@@ -3,7 +3,8 @@
 // optimizer steps each: cp 2 and cp 4 with both K/V rotations (all-gather, ring), packed documents
 // with a separator, FullyShard x cp 2 (sharded over the cp ranks), cp 2 x dp_replicate 2,
 // cp 2 x FullyShard 2 (sharded over the 4 ranks) and cp 2 x tp 2 (with and without
-// sequence parallelism); losses, gradient norms and every (gathered) parameter. Also the attention
+// sequence parallelism) and cp 2 x pp 2 (1F1B; ZB-H1 with FullyShard over cp); losses, gradient
+// norms and every (gathered) parameter. Also the attention
 // of a rank's chunks against SDPA over the whole sequence (outputs and the gradients of q, k, v;
 // causal by the flash kernels and by the composed blocks, and with documents), the parameters'
 // records and equality over cp, and the start-up and first-step errors.
@@ -40,6 +41,9 @@ using CpMesh = d9d::mesh<d9d::cp_shard<d9d::dynamic>>;
 using CpDpMesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::cp_shard<d9d::dynamic>>;
 using CpShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::cp_shard<d9d::dynamic>>;
 using CpTpMesh = d9d::mesh<d9d::cp_shard<d9d::dynamic>, d9d::tp<d9d::dynamic>>;
+using CpPpMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::cp_shard<d9d::dynamic>>;
+using CpPpShardMesh =
+    d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_shard<d9d::dynamic>, d9d::cp_shard<d9d::dynamic>>;
 
 // The id that ends a document in the documents runs (random tokens of 64 ids: about one window in
 // four of 16 tokens holds one, at any place, so documents cross the chunk boundaries).
@@ -230,7 +234,7 @@ TEST(Parallel_ContextParallel_cp2, RefusesWhatItCannotSplit) {
   });
 }
 
-TEST(Parallel_ContextParallel_ws4, Cp4AndTimesReplicateFullyShardAndTensorParallelMatchOneProcess) {
+TEST(Parallel_ContextParallel_ws4, Cp4AndTimesReplicateFullyShardTensorAndPipelineMatchOneProcess) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
   d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
     const auto ctx = d9d::testing::rank_context(env);
@@ -263,6 +267,16 @@ TEST(Parallel_ContextParallel_ws4, Cp4AndTimesReplicateFullyShardAndTensorParall
         train_plan<d9d::Plan<CpTpMesh, TpSp, CpRing, Fp64>>(
             ctx, run_config(dir + "/sp", 2, R"({"cp_shard": 2, "tp": 2})")),
         want, "cp 2 x tp 2 with sequence parallelism, ring");
+    // Pipelines: 4 microbatches of 2 through pp 2; each stage attends over its cp group.
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<CpPpMesh, d9d::pipeline::OneFOneB<>, Cp, Fp64>>(
+            ctx, run_config(dir + "/pp", 2, R"({"pp": 2, "cp_shard": 2})")),
+        want, "cp 2 x pp 2 (1F1B), all-gather");
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<CpPpShardMesh, d9d::pipeline::ZeroBubbleH1<>, CpRing,
+                             d9d::parallel::Fsdp, Fp64>>(
+            ctx, run_config(dir + "/ppfsdp", 2, R"({"pp": 2, "dp_shard": 1, "cp_shard": 2})")),
+        want, "cp 2 x pp 2 (ZB-H1) x FullyShard over cp, ring");
   });
 }
 

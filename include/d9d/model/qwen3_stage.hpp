@@ -24,6 +24,7 @@
 
 #include <torch/nn/modules/embedding.h>
 
+#include <d9d/model/context_parallel.hpp>
 #include <d9d/model/layers.hpp>
 #include <d9d/model/qwen3.hpp>
 #include <d9d/model/stage_layers.hpp>
@@ -34,23 +35,30 @@ namespace d9d::model {
 /// A contiguous slice of Qwen3ForCausalLM for pipeline stage `stage` of `stages`. Under tensor
 /// parallelism (VocabParallelModel) the first stage's embedding and the last stage's head hold
 /// this rank's vocabulary slice; the last stage gathers the logits over tp (its output stays
-/// [B, T, vocab]).
-class Qwen3StageImpl : public torch::nn::Module, public VocabParallelModel {
+/// [B, T, vocab]). Under context parallelism (ContextParallelModel) the first stage keeps this
+/// rank's two chunks of each sequence (context_shard), every stage runs its layers on those
+/// T / cp tokens at their positions, and the last stage's logits are theirs ([B, T / cp, vocab]:
+/// the task's loss cuts its labels alike, d9d::SequencePart).
+class Qwen3StageImpl : public torch::nn::Module,
+                       public VocabParallelModel,
+                       public ContextParallelModel {
  public:
   Qwen3StageImpl(const Qwen3Config& config, int stage, int stages, LayerRange layers);
-  /// Stage 0: input_ids [B, T] (int64); others: hidden [B, T, hidden]. Returns hidden states, or
-  /// logits [B, T, vocab] on the last stage.
+  /// Stage 0: input_ids [B, T] (int64); others: hidden [B, T, hidden] (T / cp tokens under
+  /// context parallelism). Returns hidden states, or logits [B, T, vocab] on the last stage.
   at::Tensor forward(const at::Tensor& input);
   [[nodiscard]] int64_t vocab_size() const override { return config_.vocab_size; }
   [[nodiscard]] std::vector<std::string> vocab_parameters() const override;
   void set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) override;
+  void set_context_parallel(std::shared_ptr<const ContextParallelGroup> group) override;
 
   [[nodiscard]] bool is_first() const { return stage_ == 0; }
   [[nodiscard]] bool is_last() const { return stage_ == stages_ - 1; }
   [[nodiscard]] int stage() const { return stage_; }
   [[nodiscard]] LayerRange layer_range() const { return range_; }
   [[nodiscard]] const Qwen3Config& config() const { return config_; }
-  /// Sizes of this stage's input and output for a microbatch of `batch` sequences of `seq` tokens.
+  /// Sizes of this stage's input and output for a microbatch of `batch` sequences of `seq` tokens
+  /// (under context parallelism the hidden states and logits hold seq / cp of them).
   [[nodiscard]] std::vector<int64_t> input_sizes(int64_t batch, int64_t seq) const;
   [[nodiscard]] std::vector<int64_t> output_sizes(int64_t batch, int64_t seq) const;
 
@@ -62,7 +70,11 @@ class Qwen3StageImpl : public torch::nn::Module, public VocabParallelModel {
 
  private:
   Qwen3Config config_;
+  /// The tokens of a sequence this rank computes on (seq / cp under context parallelism).
+  [[nodiscard]] int64_t local_tokens(int64_t seq) const;
+
   std::shared_ptr<const TensorParallelGroup> tp_;
+  std::shared_ptr<const ContextParallelGroup> cp_;
   int64_t vocab_start_ = 0;
   int stage_;
   int stages_;

@@ -574,9 +574,11 @@ struct strategy<NoContextParallel> {
   static void apply(ParallelModel& /*model*/) {}
 };
 
-/// ContextParallel: static rules — a mesh that fixes cp_shard and cp_replicate to 1 has nothing to
-/// split; not under a pipeline yet. At start-up cp > 1; the model and the sequence length are
-/// checked when applied and at the first step (std::invalid_argument naming the config key).
+/// ContextParallel: static rule — a mesh that fixes cp_shard and cp_replicate to 1 has nothing to
+/// split. At start-up cp > 1; the model and the sequence length are checked when applied and at
+/// the first step (std::invalid_argument naming the config key). Under a pipeline schedule every
+/// stage cuts and attends as the whole model does, and the task's loss of the last stage gets the
+/// rank's part (sequence_dims).
 template <KvRotation R>
 struct strategy<ContextParallel<R>> {
   using strategy_concept = strategy_tag;
@@ -588,10 +590,6 @@ struct strategy<ContextParallel<R>> {
                   "d9d::parallel::ContextParallel: the plan's mesh fixes cp_shard = cp_replicate = "
                   "1, so there is nothing to split the sequence over. Fix: give the mesh "
                   "d9d::cp_shard<N> with N > 1 (or d9d::dynamic), or use "
-                  "d9d::parallel::NoContextParallel");
-    static_assert(!plan_has_pipeline<Plan>,
-                  "d9d::parallel::ContextParallel: context parallelism under a pipeline schedule "
-                  "is not implemented yet. Fix: drop the schedule, or use "
                   "d9d::parallel::NoContextParallel");
   }
   static void check_mesh(const MeshShape& shape) {
@@ -610,6 +608,7 @@ struct strategy<ContextParallel<R>> {
   static void contribute(StepContributions& contributions) {
     // Every cp rank reads the same samples (sample_dims unchanged) and keeps a part of each.
     contributions.loss_dims.emplace_back("cp");
+    contributions.sequence_dims.emplace_back("cp");
   }
 };
 

@@ -57,10 +57,15 @@ struct StepContributions {
   std::vector<std::string> sample_dims;
   /// The dims over which each step's loss sums and loss weights (token counts) are summed, besides
   /// the step's own (a pipeline sums over pp): where ranks hold different samples or different
-  /// parts of them (data parallelism: {"dp"}; context parallelism would add "cp").
+  /// parts of them (data parallelism: {"dp"}; context parallelism adds "cp").
   std::vector<std::string> loss_dims;
-  /// Applied to each tensor of every microbatch before the model sees it, in strategy order
-  /// (context parallelism: this rank's sequence chunks). Empty: microbatches go in whole.
+  /// The dims over which each sequence is split (context parallelism: {"cp"}): the ranks along
+  /// them read the same samples and each computes on its part of every sequence, which the model
+  /// cuts (d9d::model::ContextParallelModel). A pipeline step hands the share to the task's loss of
+  /// the last stage's output (d9d::SequenceShard). Empty: every rank sees whole sequences.
+  std::vector<std::string> sequence_dims;
+  /// Applied to each tensor of every microbatch before the model sees it, in strategy order.
+  /// Empty: microbatches go in whole.
   std::vector<MicrobatchSharding> microbatch;
 
   /// This rank's share of the samples: its row-major coordinate over sample_dims and their count.
@@ -69,6 +74,9 @@ struct StepContributions {
     int count = 1;
   };
   [[nodiscard]] Share samples(const DeviceMesh& mesh) const;
+  /// This rank's part of each sequence: its row-major coordinate over sequence_dims and their
+  /// count ({0, 1} when no strategy splits sequences).
+  [[nodiscard]] Share sequence_part(const DeviceMesh& mesh) const;
   /// One process group per loss dim (in order), for the step's totals.
   [[nodiscard]] std::vector<ProcessGroup> loss_groups(const DeviceMesh& mesh) const;
   /// `tensor` after every microbatch sharding (the tensor itself when there is none).

@@ -110,7 +110,8 @@ struct CausalLmOptions {
 
 /// Next-token prediction with the summed loss and the number of target tokens as its weight.
 /// Under a pipeline plan the first stage reads stage_input (tokens[:, :-1]) and the last stage's
-/// logits go to output_loss (against tokens[:, 1:]).
+/// logits go to output_loss (against tokens[:, 1:], this rank's part of them under context
+/// parallelism).
 class CausalLmTask {
  public:
   using train_task_concept = train_task_tag;
@@ -122,6 +123,10 @@ class CausalLmTask {
   LossOutput compute_loss(model::Qwen3MoeForCausalLM& model, const CausalLmBatch& batch);
   at::Tensor stage_input(const CausalLmBatch& batch);
   LossOutput output_loss(const at::Tensor& logits, const CausalLmBatch& batch);
+  /// Under context parallelism: `logits` cover this rank's part of each sequence (`part`), so
+  /// the labels are cut alike.
+  LossOutput output_loss(const at::Tensor& logits, const CausalLmBatch& batch,
+                         const SequencePart& part);
 
  private:
   CausalLmOptions options_;

@@ -35,6 +35,7 @@
 
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/core/process_group.hpp>
+#include <d9d/model/context_parallel.hpp>
 
 namespace d9d {
 
@@ -236,6 +237,30 @@ template <class T, class Batch>
 concept pipeline_train_task = requires(T& t, const Batch& batch, const at::Tensor& output) {
   { t.stage_input(batch) } -> std::same_as<at::Tensor>;
   { t.output_loss(output, batch) } -> std::same_as<LossOutput>;
+};
+
+/// This rank's part of every sequence when context parallelism splits them (index `index` of
+/// `count`: the two chunks d9d::model::context_chunks names); whole when count is 1. The stages
+/// cut their input themselves, so the last stage's output covers this part only: a pipeline
+/// task's `output_loss(output, batch, part)` cuts its targets alike with part(labels, dim).
+struct SequencePart {
+  int index = 0;
+  int count = 1;
+  [[nodiscard]] bool whole() const { return count == 1; }
+  /// This rank's chunks of `x` along `dim` (x itself when whole).
+  [[nodiscard]] at::Tensor operator()(const at::Tensor& x, int64_t dim) const {
+    return whole() ? x : model::context_shard(x, dim, index, count);
+  }
+};
+
+/// A pipeline task that can take its part of a sequence split by context parallelism:
+/// `output_loss(output, batch, part)` (d9d::CausalLmTask has it). Plans with ContextParallel and
+/// a pipeline schedule need it (a start-up error otherwise).
+template <class T, class Batch>
+concept pipeline_task_takes_sequence_part = requires(T& t, const Batch& batch,
+                                                     const at::Tensor& output,
+                                                     const SequencePart& part) {
+  { t.output_loss(output, batch, part) } -> std::same_as<LossOutput>;
 };
 
 }  // namespace d9d

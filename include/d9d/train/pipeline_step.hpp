@@ -159,7 +159,9 @@ struct step_component<Schedule> {
     detail::require_sequence_length(in.config);
     out.program = detail::schedule_program<Schedule, typename Plan::mesh>(
         in.mesh.size(MeshDomain::regular, "pp"), static_cast<int>(in.microbatches));
-    std::map<int, pipeline::TensorSpec> specs;
+    // Sizes asked of the stages when the executor is made, after the strategies (a stage under
+    // context parallelism holds part of each sequence).
+    std::map<int, std::function<std::vector<int64_t>()>> sizes;
     const int64_t b = in.config.batch.microbatch_size;
     const int64_t t = in.config.batch.sequence_length;
     const auto& program = out.program;
@@ -171,28 +173,29 @@ struct step_component<Schedule> {
                                                         .config_json = in.config.section("model"),
                                                         .stage = s,
                                                         .stages = program.stages()});
-      specs[s] = {.sizes = stage->input_sizes(b, t)};
-      specs[s + 1] = {.sizes = stage->output_sizes(b, t)};
+      sizes[s] = [stage, b, t] { return stage->input_sizes(b, t); };
+      sizes[s + 1] = [stage, b, t] { return stage->output_sizes(b, t); };
       out.stages.emplace_back(
           stage.ptr(), pipeline::Stage{.index = s, .forward = [stage](const at::Tensor& x) mutable {
                                          return stage->forward(x);
                                        }});
     }
-    out.activation = [specs](int s) {
-      const auto it = specs.find(s);
-      if (it == specs.end()) {
+    out.activation = [sizes](int s) {
+      const auto it = sizes.find(s);
+      if (it == sizes.end()) {
         throw std::logic_error("d9d: no activation spec for stage " + std::to_string(s) +
                                " on this rank");
       }
-      return it->second;
+      return pipeline::TensorSpec{.sizes = it->second()};
     };
     return out;
   }
 
   /// The training step: the program over this rank's stages; the first stage's input is the
   /// task's stage_input and the last stage's loss its output_loss, each of the microbatch as the
-  /// strategies shard it; `after_microbatch` (the task's metrics) sees the loss output (with the
-  /// last stage's output when the task left it unset).
+  /// strategies shard it (under context parallelism output_loss also gets this rank's
+  /// SequencePart: the last stage's output covers that part only); `after_microbatch` (the task's
+  /// metrics) sees the loss output (with the last stage's output when the task left it unset).
   template <class Task, class Batch, class ModelProvider>
   requires pipeline_train_task<Task, Batch>
   static std::unique_ptr<detail::StepCore> train_step(
@@ -202,14 +205,30 @@ struct step_component<Schedule> {
     detail::check_pipeline_config(config, composed.modules);
     detail::PipelineParts parts{.stages = std::move(composed.modules), .input = {}, .loss = {}};
     const auto& contributions = composed.contributions;
+    const auto share = contributions.sequence_part(*composed.mesh);
+    const SequencePart part{.index = share.index, .count = share.count};
+    if constexpr (!pipeline_task_takes_sequence_part<Task, Batch>) {
+      if (!part.whole()) {
+        throw ConfigError(
+            "d9d: context parallelism splits each sequence over " + std::to_string(part.count) +
+            " ranks, so the last pipeline stage's output covers this rank's part only and the "
+            "task must cut its targets alike. Fix: give the task `d9d::LossOutput "
+            "output_loss(const at::Tensor& output, const Batch& batch, const d9d::SequencePart& "
+            "part)` (d9d::CausalLmTask has it), or use d9d::parallel::NoContextParallel");
+      }
+    }
     parts.input = [task, contributions](const std::any& microbatch) {
       return detail::with_sharded<Batch>(
           contributions, microbatch, [&](const Batch& batch) { return task->stage_input(batch); });
     };
-    parts.loss = [task, contributions, update = std::move(after_microbatch)](
+    parts.loss = [task, contributions, part, update = std::move(after_microbatch)](
                      const at::Tensor& output, const std::any& microbatch) {
       auto out = detail::with_sharded<Batch>(contributions, microbatch, [&](const Batch& batch) {
-        return task->output_loss(output, batch);
+        if constexpr (pipeline_task_takes_sequence_part<Task, Batch>) {
+          return task->output_loss(output, batch, part);
+        } else {
+          return task->output_loss(output, batch);
+        }
       });
       if (update) {
         LossOutput seen = out;
@@ -237,6 +256,13 @@ struct step_component<Schedule> {
         "d9d::Inference: a pipeline plan needs the task's `at::Tensor stage_input(const Batch&)` "
         "(the first stage's input) and `at::Tensor output(const at::Tensor& last_stage_output, "
         "const Batch&)` (one row per sample)");
+    if (const auto share = composed.contributions.sequence_part(*composed.mesh); share.count > 1) {
+      throw ConfigError(
+          "d9d::Inference: context parallelism splits each sequence over " +
+          std::to_string(share.count) +
+          " ranks, which the forward step does not gather back. Fix: run inference with "
+          "d9d::parallel::NoContextParallel (\"mesh.cp_shard\": 1)");
+    }
     auto executor = detail::make_forward_executor(*composed.mesh, composed.modules);
     ForwardStep out{.parallel = std::move(composed.parallel), .run = {}, .stages_elsewhere = true};
     out.run = [executor, task,

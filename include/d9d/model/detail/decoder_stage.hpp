@@ -26,6 +26,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/embedding.h>
 
+#include <d9d/model/context_parallel.hpp>
 #include <d9d/model/layers.hpp>
 #include <d9d/model/qwen3.hpp>
 #include <d9d/model/stage_layers.hpp>
@@ -43,6 +44,14 @@ void register_attention(torch::nn::Module& layer, const Qwen3Config& config,
 [[nodiscard]] std::pair<at::Tensor, at::Tensor> rope_tables(const RotaryEmbedding& rope,
                                                             const at::Tensor& tokens,
                                                             const at::Tensor& h);
+
+/// Under context parallelism: the placement of this rank's tokens of `batch` sequences of
+/// `tokens` positions each (the rotary tables of its two chunks, d9d::model::context_shard;
+/// causal), tables in `dtype` on `device`.
+[[nodiscard]] TokenPlacement context_placement(const RotaryEmbedding& rope, int64_t batch,
+                                               int64_t tokens, c10::Device device,
+                                               at::ScalarType dtype,
+                                               const ContextParallelGroup& group);
 
 /// Where a stage sits in the pipeline.
 struct StagePosition {
