@@ -277,9 +277,12 @@ struct FusedContextAttention : torch::autograd::Function<FusedContextAttention> 
 // k, v [B, kv_heads, 2 L, dim] and every other rank's. Per query chunk c two blocks: the diagonal
 // (its own keys, causal) and the prefix (keys of chunks 0 .. c - 1 in sequence order, one kernel
 // call; none for c = 0), merged by log-sum-exp. Forward starts the gather, attends the diagonals
-// while it runs, then the prefixes. Backward runs the prefix blocks first, starts the
-// reduce-scatter of their key gradients (laid out rank by rank, as gathered), runs the diagonal
-// blocks while it runs, and adds.
+// while it runs, then the prefixes. Backward gathers again (behind the early chunk's diagonal
+// block), runs the prefix blocks, starts the reduce-scatter of their key gradients (laid out rank
+// by rank, as gathered), runs the late chunk's diagonal block while it runs, and adds. Tensors stay
+// in the projections' layout, [B, T, heads, dim] (the kernels take the head transpose as a view): K
+// and V travel as one contiguous buffer, and the output is written in place for the output
+// projection, with no layout copies.
 
 // NOLINTBEGIN(performance-no-int-to-ptr): the group outlives the graphs (the layer holds it)
 const ContextParallelGroup& group_at(int64_t address) {
@@ -288,26 +291,43 @@ const ContextParallelGroup& group_at(int64_t address) {
 int64_t address_of(const ContextParallelGroup& group) { return reinterpret_cast<int64_t>(&group); }
 // NOLINTEND(performance-no-int-to-ptr)
 
-// Where chunk `chunk` of the sequence lies in the gathered keys [size, B, kv, 2 L, dim]: its rank
-// and its part (0 or 1) of that rank's two.
+// Where chunk `chunk` of the sequence lies among the gathered ones: its rank and its part (0 or 1)
+// of that rank's two.
 std::pair<int64_t, int64_t> chunk_home(int64_t chunk, int size) {
   return chunk < size ? std::pair{chunk, int64_t{0}}
                       : std::pair{int64_t{2} * size - 1 - chunk, int64_t{1}};
 }
 
-// Chunks 0 .. count - 1 of the gathered `all` [size, B, kv, 2 L, dim] in sequence order,
-// [B, kv, count L, dim].
-at::Tensor prefix_of(const at::Tensor& all, int64_t count, int size) {
-  const int64_t chunk = all.size(3) / 2;
+// Chunks 0 .. count - 1 in sequence order of `gathered` [size, B, 2 L, kv, dim] (every rank's
+// keys or values): [B, count L, kv, dim].
+at::Tensor prefix_of(const at::Tensor& gathered, int64_t count, int size) {
+  const int64_t chunk = gathered.size(2) / 2;
   std::vector<at::Tensor> parts;
   parts.reserve(static_cast<std::size_t>(count));
   for (int64_t c = 0; c < count; ++c) {
     const auto [rank, part] = chunk_home(c, size);
-    parts.push_back(all.select(0, rank).narrow(2, part * chunk, chunk));
+    parts.push_back(gathered.select(0, rank).narrow(1, part * chunk, chunk));
   }
-  return at::cat(parts, 2);
+  return at::cat(parts, 1);
 }
 
+// The two blocks of a query chunk merged into `dest` ([B, heads, L, dim], q's dtype): each
+// weighted by its share of the whole softmax, exp(lse_n - lse), summed in `acc`. Returns the whole
+// log-sum-exp in the kernel's layout.
+at::Tensor merge_into(const at::Tensor& dest, const KernelBlock& a, const KernelBlock& b,
+                      at::ScalarType acc) {
+  const std::vector<int64_t> rows{dest.size(0), dest.size(1), dest.size(2)};
+  const auto la = a.lse.reshape(rows).to(acc);
+  const auto lb = b.lse.reshape(rows).to(acc);
+  const auto lse = at::logaddexp(la, lb);
+  auto sum = at::mul(a.out, at::exp(la - lse).unsqueeze(-1));  // in acc
+  sum.addcmul_(b.out, at::exp(lb - lse).unsqueeze(-1));
+  dest.copy_(sum);
+  return lse.reshape(a.lse.sizes()).contiguous();
+}
+
+// q [B, heads, 2 L, dim], k and v [B, kv, 2 L, dim] (views of [B, 2 L, ..., dim]). Returns the
+// output as [B, 2 L, heads, dim] (context_attention gives its head transpose).
 struct GatheredContextAttention : torch::autograd::Function<GatheredContextAttention> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
                             const at::Tensor& k, const at::Tensor& v, int64_t group_address) {
@@ -317,46 +337,46 @@ struct GatheredContextAttention : torch::autograd::Function<GatheredContextAtten
     const int64_t chunk = q.size(2) / 2;
     const auto [c0, c1] = context_chunks(group.rank(), group.size());
     const std::vector<int64_t> mine{c0, c1};
-    const auto pending = group.start_gather(k, v);
+    const auto pending = group.start_gather(at::stack({k.transpose(1, 2), v.transpose(1, 2)}));
     std::vector<KernelBlock> diagonal;
     for (int64_t i = 0; i < 2; ++i) {
       diagonal.push_back(kernel_forward(kernel, q.narrow(2, i * chunk, chunk),
                                         k.narrow(2, i * chunk, chunk),
                                         v.narrow(2, i * chunk, chunk), /*causal=*/true));
     }
-    const auto all = pending();
+    const auto all = pending();  // [size, 2, B, 2 L, kv, dim]
     // The later chunk's prefix holds the earlier one's.
-    const auto keys = prefix_of(all[0], c1, group.size());
-    const auto values = prefix_of(all[1], c1, group.size());
-    std::vector<at::Tensor> outs;
+    const auto keys = prefix_of(all.select(1, 0), c1, group.size()).transpose(1, 2);
+    const auto values = prefix_of(all.select(1, 1), c1, group.size()).transpose(1, 2);
+    auto out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
     std::vector<at::Tensor> lses;
     std::vector<at::Tensor> saved_states;
-    const std::vector<int64_t> rows{q.size(0), q.size(1), chunk};
     for (std::size_t i = 0; i < 2; ++i) {
+      const auto offset = static_cast<int64_t>(i) * chunk;
+      const auto dest = out.narrow(1, offset, chunk).transpose(1, 2);
       auto& own = diagonal[i];
       saved_states.insert(saved_states.end(), {own.state.seed, own.state.offset});
       const int64_t c = mine[i];
       if (c == 0) {
-        outs.push_back(own.out);
+        dest.copy_(own.out);
         lses.push_back(own.lse);
         saved_states.insert(saved_states.end(), {at::Tensor(), at::Tensor()});
         continue;
       }
-      const auto query = q.narrow(2, static_cast<int64_t>(i) * chunk, chunk);
-      auto before = kernel_forward(kernel, query, keys.narrow(2, 0, c * chunk),
-                                   values.narrow(2, 0, c * chunk), /*causal=*/false);
+      const auto before =
+          kernel_forward(kernel, q.narrow(2, offset, chunk), keys.narrow(2, 0, c * chunk),
+                         values.narrow(2, 0, c * chunk), /*causal=*/false);
       saved_states.insert(saved_states.end(), {before.state.seed, before.state.offset});
-      const auto merged = merge({{before.out, before.lse.reshape(rows).to(acc)},
-                                 {own.out, own.lse.reshape(rows).to(acc)}});
-      outs.push_back(merged.out.to(q.scalar_type()));
-      lses.push_back(merged.lse.reshape(own.lse.sizes()).contiguous());
+      lses.push_back(merge_into(dest, before, own, acc));
     }
-    std::vector<at::Tensor> saved{q, k, v, keys, values, outs[0], outs[1], lses[0], lses[1]};
+    // Every rank's keys are gathered again in backward rather than kept: held from forward to
+    // backward they would cost (2 cp - 1) / (2 cp) of the whole sequence's K and V per layer.
+    std::vector<at::Tensor> saved{q, k, v, out, lses[0], lses[1]};
     saved.insert(saved.end(), saved_states.begin(), saved_states.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["group"] = group_address;
     ctx->saved_data["kernel"] = static_cast<int64_t>(kernel);
-    return at::cat(outs, 2);
+    return out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -367,62 +387,82 @@ struct GatheredContextAttention : torch::autograd::Function<GatheredContextAtten
     const auto& q = saved[0];
     const auto& k = saved[1];
     const auto& v = saved[2];
-    const auto& keys = saved[3];
-    const auto& values = saved[4];
+    const auto& out = saved[3];
     const int64_t chunk = q.size(2) / 2;
     const int size = group.size();
     const auto [c0, c1] = context_chunks(group.rank(), size);
     const std::vector<int64_t> mine{c0, c1};
     const auto state_of = [&](std::size_t i, std::size_t block) {
-      const std::size_t at = 9 + 4 * i + 2 * block;
-      return KernelState{saved[at], saved[at + 1]};
+      const std::size_t index = 6 + 4 * i + 2 * block;
+      return KernelState{saved[index], saved[index + 1]};
     };
-    std::vector<at::Tensor> grad(2);
-    std::vector<at::Tensor> grad_q(2);
-    for (std::size_t i = 0; i < 2; ++i) {
-      grad[i] = grads[0].narrow(2, static_cast<int64_t>(i) * chunk, chunk).contiguous();
-    }
-    // The prefix blocks: their key gradients, laid out rank by rank as gathered.
-    const std::vector<int64_t> gathered{size, k.size(0), k.size(1), k.size(2), k.size(3)};
-    auto grad_keys = at::zeros(gathered, k.options());
-    auto grad_values = at::zeros(gathered, v.options());
+    // Chunk i of [B, 2 L, heads, dim] as [B, heads, L, dim].
+    const auto rows = [chunk](const at::Tensor& x, std::size_t i) {
+      return x.narrow(1, static_cast<int64_t>(i) * chunk, chunk).transpose(1, 2);
+    };
+    const auto& grad = grads[0];
+    auto grad_q = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
+    std::vector<at::Tensor> own_k(2);
+    std::vector<at::Tensor> own_v(2);
+    // The diagonal block of query chunk i: this rank's own keys.
+    const auto diagonal = [&](std::size_t i, const at::Tensor& prefix_dq) {
+      const auto offset = static_cast<int64_t>(i) * chunk;
+      auto [gq, gk, gv] = kernel_backward(
+          kernel, rows(grad, i), q.narrow(2, offset, chunk), k.narrow(2, offset, chunk),
+          v.narrow(2, offset, chunk), rows(out, i), saved[4 + i], /*causal=*/true, state_of(i, 0));
+      auto dest = rows(grad_q, i);
+      if (prefix_dq.defined()) {
+        at::add_out(dest, prefix_dq, gq);
+      } else {
+        dest.copy_(gq);
+      }
+      own_k[i] = gk;
+      own_v[i] = gv;
+    };
+    // The gather runs behind the early chunk's diagonal block.
+    const auto gathering = group.start_gather(at::stack({k.transpose(1, 2), v.transpose(1, 2)}));
+    diagonal(0, at::Tensor());
+    const auto all = gathering();  // [size, 2, B, 2 L, kv, dim]
+    const auto keys = prefix_of(all.select(1, 0), c1, size).transpose(1, 2);
+    const auto values = prefix_of(all.select(1, 1), c1, size).transpose(1, 2);
+    // The prefix blocks; their key gradients go rank by rank, as gathered.
+    auto grad_kv = at::zeros_like(all);
+    at::Tensor late_dq;
     for (std::size_t i = 0; i < 2; ++i) {
       const int64_t c = mine[i];
       if (c == 0) {
         continue;
       }
-      const auto query = q.narrow(2, static_cast<int64_t>(i) * chunk, chunk);
-      auto [gq, gk, gv] =
-          kernel_backward(kernel, grad[i], query, keys.narrow(2, 0, c * chunk),
-                          values.narrow(2, 0, c * chunk), saved[5 + i], saved[7 + i],
-                          /*causal=*/false, state_of(i, 1));
-      grad_q[i] = gq;
+      auto [gq, gk, gv] = kernel_backward(
+          kernel, rows(grad, i), q.narrow(2, static_cast<int64_t>(i) * chunk, chunk),
+          keys.narrow(2, 0, c * chunk), values.narrow(2, 0, c * chunk), rows(out, i), saved[4 + i],
+          /*causal=*/false, state_of(i, 1));
+      if (i == 0) {
+        rows(grad_q, 0).add_(gq);
+      } else {
+        late_dq = gq;
+      }
       for (int64_t n = 0; n < c; ++n) {
         const auto [rank, part] = chunk_home(n, size);
-        grad_keys.select(0, rank)
-            .narrow(2, part * chunk, chunk)
-            .add_(gk.narrow(2, n * chunk, chunk));
-        grad_values.select(0, rank)
-            .narrow(2, part * chunk, chunk)
-            .add_(gv.narrow(2, n * chunk, chunk));
+        const auto home = grad_kv.select(0, rank);
+        home.select(0, 0)
+            .narrow(1, part * chunk, chunk)
+            .add_(gk.transpose(1, 2).narrow(1, n * chunk, chunk));
+        home.select(0, 1)
+            .narrow(1, part * chunk, chunk)
+            .add_(gv.transpose(1, 2).narrow(1, n * chunk, chunk));
       }
     }
-    const auto pending = group.start_reduce_scatter(grad_keys, grad_values);
-    // The diagonal blocks meanwhile: this rank's own keys.
-    std::vector<at::Tensor> own_k(2);
-    std::vector<at::Tensor> own_v(2);
+    // The reduce-scatter runs behind the late chunk's diagonal block.
+    const auto summing = group.start_reduce_scatter(grad_kv);
+    diagonal(1, late_dq);
+    const auto summed = summing();  // [2, B, 2 L, kv, dim]
     for (std::size_t i = 0; i < 2; ++i) {
-      const auto at = static_cast<int64_t>(i) * chunk;
-      auto [gq, gk, gv] = kernel_backward(
-          kernel, grad[i], q.narrow(2, at, chunk), k.narrow(2, at, chunk), v.narrow(2, at, chunk),
-          saved[5 + i], saved[7 + i], /*causal=*/true, state_of(i, 0));
-      grad_q[i] = grad_q[i].defined() ? grad_q[i].add_(gq) : gq;
-      own_k[i] = gk;
-      own_v[i] = gv;
+      rows(summed.select(0, 0), i).add_(own_k[i]);
+      rows(summed.select(0, 1), i).add_(own_v[i]);
     }
-    const auto summed = pending();
-    return {at::cat(grad_q, 2), summed[0].add_(at::cat(own_k, 2)),
-            summed[1].add_(at::cat(own_v, 2)), at::Tensor()};
+    return {grad_q.transpose(1, 2), summed.select(0, 0).transpose(1, 2),
+            summed.select(0, 1).transpose(1, 2), at::Tensor()};
   }
 };
 
@@ -468,7 +508,7 @@ at::Tensor context_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const auto [a, b] = context_chunks(group.rank(), group.size());
   const std::vector<int64_t> mine{a, b};
   if (use_kernels(q, visible) && group.gathers_at_once()) {
-    return GatheredContextAttention::apply(q, k, v, address_of(group));
+    return GatheredContextAttention::apply(q, k, v, address_of(group)).transpose(1, 2);
   }
   if (use_kernels(q, visible)) {
     // The visited ranks' whole key blocks and the pairs of chunks that meet, then one function.

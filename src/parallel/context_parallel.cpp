@@ -132,45 +132,39 @@ class Group final : public model::ContextParallelGroup {
 
   [[nodiscard]] bool gathers_at_once() const override { return !ring_; }
 
-  [[nodiscard]] Pending start_gather(const at::Tensor& k, const at::Tensor& v) const override {
+  [[nodiscard]] Pending start_gather(const at::Tensor& x) const override {
     const int ranks = size();
     if (ranks == 1) {
-      return [k, v] { return std::vector<at::Tensor>{k.unsqueeze(0), v.unsqueeze(0)}; };
+      return [x] { return x.unsqueeze(0); };
     }
-    // K and V in one buffer, one collective into [size, 2, B, kv, 2 L, dim] (flat buffers, as
-    // every backend's base collectives take them).
-    auto input = at::stack({k, v}).to(group_.device());
+    // Flat buffers, as every backend's base collectives take them.
+    auto input = x.contiguous().to(group_.device());
     std::vector<int64_t> sizes{ranks};
     sizes.insert(sizes.end(), input.sizes().begin(), input.sizes().end());
     auto output = at::empty({ranks * input.numel()}, input.options());
     auto flat = input.view({-1});
     auto work = group_.backend()->_allgather_base(output, flat);
-    output = output.view(sizes);
     // The input stays referenced until the wait: the current stream then follows the collective,
     // so the allocator may reuse it.
-    return [work, input, output, device = k.device()] {
+    return [work, input, output = output.view(sizes), device = x.device()] {
       work->wait();
       (void)input;
-      const auto all = output.to(device);
-      return std::vector<at::Tensor>{all.select(1, 0), all.select(1, 1)};
+      return output.to(device);
     };
   }
 
-  [[nodiscard]] Pending start_reduce_scatter(const at::Tensor& dk,
-                                             const at::Tensor& dv) const override {
+  [[nodiscard]] Pending start_reduce_scatter(const at::Tensor& x) const override {
     if (size() == 1) {
-      return [dk, dv] { return std::vector<at::Tensor>{dk.select(0, 0), dv.select(0, 0)}; };
+      return [x] { return x.select(0, 0); };
     }
-    auto input = at::stack({dk, dv}, 1).to(group_.device());  // [size, 2, B, kv, 2 L, dim]
+    auto input = x.contiguous().to(group_.device());
     auto output = at::empty({input.numel() / size()}, input.options());
     auto flat = input.view({-1});
     auto work = group_.backend()->_reduce_scatter_base(output, flat);
-    output = output.view(input.sizes().slice(1));
-    return [work, input, output, device = dk.device()] {
+    return [work, input, output = output.view(input.sizes().slice(1)), device = x.device()] {
       work->wait();
       (void)input;
-      const auto mine = output.to(device);
-      return std::vector<at::Tensor>{mine.select(0, 0), mine.select(0, 1)};
+      return output.to(device);
     };
   }
 

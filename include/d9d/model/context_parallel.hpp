@@ -45,23 +45,20 @@ class ContextParallelGroup {
   virtual void for_each_kv(const at::Tensor& k, const at::Tensor& v,
                            const KvVisitor& visit) const = 0;
 
-  /// A collective in flight: calling it waits and gives the results (on CUDA the current stream
-  /// waits for them; the host does not).
-  using Pending = std::function<std::vector<at::Tensor>()>;
+  /// A collective in flight: calling it waits and gives the result (on CUDA the current stream
+  /// waits for it; the host does not).
+  using Pending = std::function<at::Tensor()>;
   /// Whether the policy brings every rank's keys at once (KvRotation::all_gather). Then the
   /// kernel path of context_attention overlaps: it starts the gather, attends this rank's own
   /// keys while it runs, and the earlier chunks after (start_gather); its backward sums the keys'
   /// gradients the same way (start_reduce_scatter). Otherwise blocks come through for_each_kv.
   [[nodiscard]] virtual bool gathers_at_once() const = 0;
-  /// Starts gathering every rank's k and v ([B, kv_heads, 2 L, dim]): {k_all, v_all}, each
-  /// [size, B, kv_heads, 2 L, dim] in rank order. Not differentiable (the caller's backward uses
-  /// start_reduce_scatter).
-  [[nodiscard]] virtual Pending start_gather(const at::Tensor& k, const at::Tensor& v) const = 0;
-  /// Starts summing dk and dv ([size, B, kv_heads, 2 L, dim] each, the gradient of every rank's
-  /// keys as start_gather laid them out) over the group: this rank's slice of each sum,
-  /// [B, kv_heads, 2 L, dim].
-  [[nodiscard]] virtual Pending start_reduce_scatter(const at::Tensor& dk,
-                                                     const at::Tensor& dv) const = 0;
+  /// Starts gathering `x` (the same shape on every rank): [size, x's shape], rank by rank. Not
+  /// differentiable (the caller's backward uses start_reduce_scatter).
+  [[nodiscard]] virtual Pending start_gather(const at::Tensor& x) const = 0;
+  /// Starts summing `x` ([size, ...]: a part for each rank, rank by rank) over the group: this
+  /// rank's part of the sum (x[0]'s shape).
+  [[nodiscard]] virtual Pending start_reduce_scatter(const at::Tensor& x) const = 0;
 };
 
 /// A model whose sequence context parallelism may split (Qwen3ForCausalLM does): from
