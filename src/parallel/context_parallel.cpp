@@ -215,14 +215,8 @@ ProcessGroup data_parallel_group(const DeviceMesh& mesh) {
 }
 
 void apply_context_parallel(ParallelModel& model, bool ring) {
-  if (model.mesh().shape().cp_replicate > 1) {
-    // The gradient paths sum over cp_replicate too, but no test covers it yet.
-    throw std::invalid_argument(
-        "d9d::parallel::ContextParallel: \"mesh.cp_replicate\" = " +
-        std::to_string(model.mesh().shape().cp_replicate) +
-        " is not supported yet (only cp_shard splits the sequence). Fix: set \"mesh.cp_shard\" "
-        "to the context-parallel degree and \"mesh.cp_replicate\" to 1");
-  }
+  // The sequence is split over the batch domain's cp = cp_shard x cp_replicate; cp_replicate only
+  // tells FullyShard not to shard over those ranks (it all-reduces over them instead).
   const auto cp = model.mesh().group(MeshDomain::batch, "cp");
   const auto group = make_context_parallel_group(cp, ring);
   int found = 0;

@@ -1,13 +1,13 @@
 // Context parallelism (d9d::parallel::ContextParallel) on 2 and 4 Gloo ranks against one process
 // training the same global batch, in float64 (tolerances in tests/train/train_test_util.hpp), 6
 // optimizer steps each: cp 2 and cp 4 with both K/V rotations (all-gather, ring), packed documents
-// with a separator, FullyShard x cp 2 (sharded over the cp ranks), cp 2 x dp_replicate 2,
-// cp 2 x FullyShard 2 (sharded over the 4 ranks) and cp 2 x tp 2 (with and without
-// sequence parallelism) and cp 2 x pp 2 (1F1B; ZB-H1 with FullyShard over cp); losses, gradient
-// norms and every (gathered) parameter. Also the attention
-// of a rank's chunks against SDPA over the whole sequence (outputs and the gradients of q, k, v;
-// causal by the flash kernels and by the composed blocks, and with documents), the parameters'
-// records and equality over cp, and the start-up and first-step errors.
+// with a separator, FullyShard x cp 2 (sharded over the cp ranks), cp_replicate 2, cp 2 x
+// dp_replicate 2, cp 2 x FullyShard 2 (sharded over the 4 ranks), cp_shard 2 x cp_replicate 2
+// under FullyShard, cp 2 x tp 2 (with and without sequence parallelism) and cp 2 x pp 2 (1F1B;
+// ZB-H1 with FullyShard over cp); losses, gradient norms and every (gathered) parameter. Also the
+// attention of a rank's chunks against SDPA over the whole sequence (outputs and the gradients of
+// q, k, v; causal by the flash kernels and by the composed blocks, and with documents), the
+// parameters' records and equality over cp, and the start-up and first-step errors.
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -178,6 +178,11 @@ TEST(Parallel_ContextParallel_cp2, MatchesOneProcess) {
     const RunOutcome sharded_got = d9d::testing::outcome_of(sharded);
     expect_sharded_over_dp_cp(sharded.core(), 2);
     d9d::testing::expect_same_run(sharded_got, want, "FullyShard x cp 2");
+    // cp_replicate splits the sequence as cp_shard does (without FullyShard nothing differs).
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<d9d::mesh<d9d::cp_replicate<d9d::dynamic>>, Cp, Fp64>>(
+            ctx, run_config(dir + "/replicate", 2, R"({"cp_replicate": 2})")),
+        want, "cp_replicate 2");
     // Packed documents: positions restart and attention stops at each separator, across chunks.
     const auto documents = reference(env, ctx, /*documents=*/true);
     d9d::testing::expect_same_run(
@@ -214,14 +219,6 @@ TEST(Parallel_ContextParallel_cp2, RefusesWhatItCannotSplit) {
       ADD_FAILURE() << "ContextParallel over cp 1 did not fail";
     } catch (const std::exception& error) {
       EXPECT_THAT(error.what(), HasSubstr("nothing to split the sequence over"));
-    }
-    // cp_replicate is not supported yet.
-    try {
-      (void)train_plan<d9d::Plan<d9d::mesh<d9d::cp_replicate<d9d::dynamic>>, Cp, Fp64>>(
-          ctx, run_config(dir + "/replicate", 2, R"({"cp_replicate": 2})"));
-      ADD_FAILURE() << "cp_replicate 2 did not fail";
-    } catch (const std::exception& error) {
-      EXPECT_THAT(error.what(), HasSubstr("\"mesh.cp_replicate\" = 2 is not supported yet"));
     }
     // cp 2 without the policy.
     try {
@@ -267,6 +264,14 @@ TEST(Parallel_ContextParallel_ws4, Cp4AndTimesReplicateFullyShardTensorAndPipeli
         train_plan<d9d::Plan<CpTpMesh, TpSp, CpRing, Fp64>>(
             ctx, run_config(dir + "/sp", 2, R"({"cp_shard": 2, "tp": 2})")),
         want, "cp 2 x tp 2 with sequence parallelism, ring");
+    // FullyShard over dp_shard x cp_shard, replicated over cp_replicate: the sequence split 4 ways.
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::cp_shard<d9d::dynamic>,
+                                       d9d::cp_replicate<d9d::dynamic>>,
+                             Cp, d9d::parallel::Fsdp, Fp64>>(
+            ctx,
+            run_config(dir + "/hsdp", 2, R"({"dp_shard": 1, "cp_shard": 2, "cp_replicate": 2})")),
+        want, "cp_shard 2 x cp_replicate 2, FullyShard over cp_shard");
     // Pipelines: 4 microbatches of 2 through pp 2; each stage attends over its cp group.
     d9d::testing::expect_same_run(
         train_plan<d9d::Plan<CpPpMesh, d9d::pipeline::OneFOneB<>, Cp, Fp64>>(
