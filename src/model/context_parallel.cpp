@@ -270,8 +270,7 @@ struct FusedContextAttention : torch::autograd::Function<FusedContextAttention> 
   }
 };
 
-// ---- the overlapped path: every rank's keys at once (KvRotation::all_gather)
-// ---------------------
+// ---- the overlapped path: every rank's keys at once (all_gather) --------------------------------
 //
 // This rank's queries q [B, heads, 2 L, dim] (chunks c_0 < c_1 of the sequence) over its own keys
 // k, v [B, kv_heads, 2 L, dim] and every other rank's. Per query chunk c two blocks: the diagonal
@@ -381,89 +380,118 @@ struct GatheredContextAttention : torch::autograd::Function<GatheredContextAtten
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto& group = group_at(ctx->saved_data["group"].toInt());
-    const auto kernel = static_cast<Kernel>(ctx->saved_data["kernel"].toInt());
-    const auto& q = saved[0];
-    const auto& k = saved[1];
-    const auto& v = saved[2];
-    const auto& out = saved[3];
-    const int64_t chunk = q.size(2) / 2;
-    const int size = group.size();
-    const auto [c0, c1] = context_chunks(group.rank(), size);
-    const std::vector<int64_t> mine{c0, c1};
-    const auto state_of = [&](std::size_t i, std::size_t block) {
-      const std::size_t index = 6 + 4 * i + 2 * block;
-      return KernelState{saved[index], saved[index + 1]};
-    };
-    // Chunk i of [B, 2 L, heads, dim] as [B, heads, L, dim].
-    const auto rows = [chunk](const at::Tensor& x, std::size_t i) {
-      return x.narrow(1, static_cast<int64_t>(i) * chunk, chunk).transpose(1, 2);
-    };
-    const auto& grad = grads[0];
-    auto grad_q = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
-    std::vector<at::Tensor> own_k(2);
-    std::vector<at::Tensor> own_v(2);
-    // The diagonal block of query chunk i: this rank's own keys.
-    const auto diagonal = [&](std::size_t i, const at::Tensor& prefix_dq) {
-      const auto offset = static_cast<int64_t>(i) * chunk;
-      auto [gq, gk, gv] = kernel_backward(
-          kernel, rows(grad, i), q.narrow(2, offset, chunk), k.narrow(2, offset, chunk),
-          v.narrow(2, offset, chunk), rows(out, i), saved[4 + i], /*causal=*/true, state_of(i, 0));
-      auto dest = rows(grad_q, i);
-      if (prefix_dq.defined()) {
-        at::add_out(dest, prefix_dq, gq);
-      } else {
-        dest.copy_(gq);
-      }
-      own_k[i] = gk;
-      own_v[i] = gv;
-    };
+    const Saved saved(ctx, grads[0]);
+    const auto& k = saved.k;
+    const auto& v = saved.v;
+    auto grad_q = at::empty({saved.q.size(0), saved.q.size(2), saved.q.size(1), saved.q.size(3)},
+                            saved.q.options());
     // The gather runs behind the early chunk's diagonal block.
-    const auto gathering = group.start_gather(at::stack({k.transpose(1, 2), v.transpose(1, 2)}));
-    diagonal(0, at::Tensor());
+    const auto gathering =
+        saved.group->start_gather(at::stack({k.transpose(1, 2), v.transpose(1, 2)}));
+    auto early = saved.diagonal(0);
+    saved.rows(grad_q, 0).copy_(early.dq);
     const auto all = gathering();  // [size, 2, B, 2 L, kv, dim]
-    const auto keys = prefix_of(all.select(1, 0), c1, size).transpose(1, 2);
-    const auto values = prefix_of(all.select(1, 1), c1, size).transpose(1, 2);
-    // The prefix blocks; their key gradients go rank by rank, as gathered.
     auto grad_kv = at::zeros_like(all);
-    at::Tensor late_dq;
-    for (std::size_t i = 0; i < 2; ++i) {
-      const int64_t c = mine[i];
-      if (c == 0) {
-        continue;
-      }
-      auto [gq, gk, gv] = kernel_backward(
-          kernel, rows(grad, i), q.narrow(2, static_cast<int64_t>(i) * chunk, chunk),
-          keys.narrow(2, 0, c * chunk), values.narrow(2, 0, c * chunk), rows(out, i), saved[4 + i],
-          /*causal=*/false, state_of(i, 1));
-      if (i == 0) {
-        rows(grad_q, 0).add_(gq);
-      } else {
-        late_dq = gq;
-      }
-      for (int64_t n = 0; n < c; ++n) {
-        const auto [rank, part] = chunk_home(n, size);
-        const auto home = grad_kv.select(0, rank);
-        home.select(0, 0)
-            .narrow(1, part * chunk, chunk)
-            .add_(gk.transpose(1, 2).narrow(1, n * chunk, chunk));
-        home.select(0, 1)
-            .narrow(1, part * chunk, chunk)
-            .add_(gv.transpose(1, 2).narrow(1, n * chunk, chunk));
-      }
-    }
+    const auto late_prefix_dq = saved.prefixes(all, grad_kv, grad_q);
     // The reduce-scatter runs behind the late chunk's diagonal block.
-    const auto summing = group.start_reduce_scatter(grad_kv);
-    diagonal(1, late_dq);
+    const auto summing = saved.group->start_reduce_scatter(grad_kv);
+    auto late = saved.diagonal(1);
+    auto dest = saved.rows(grad_q, 1);
+    at::add_out(dest, late_prefix_dq, late.dq);
     const auto summed = summing();  // [2, B, 2 L, kv, dim]
+    const std::vector<Grads> own{early, late};
     for (std::size_t i = 0; i < 2; ++i) {
-      rows(summed.select(0, 0), i).add_(own_k[i]);
-      rows(summed.select(0, 1), i).add_(own_v[i]);
+      saved.rows(summed.select(0, 0), i).add_(own[i].dk);
+      saved.rows(summed.select(0, 1), i).add_(own[i].dv);
     }
     return {grad_q.transpose(1, 2), summed.select(0, 0).transpose(1, 2),
             summed.select(0, 1).transpose(1, 2), at::Tensor()};
   }
+
+ private:
+  struct Grads {
+    at::Tensor dq, dk, dv;
+  };
+
+  // What forward saved, and the backward passes over it.
+  struct Saved {
+    Saved(torch::autograd::AutogradContext* ctx, at::Tensor grad_out)
+        : tensors(ctx->get_saved_variables()),
+          group(&group_at(ctx->saved_data["group"].toInt())),
+          kernel(static_cast<Kernel>(ctx->saved_data["kernel"].toInt())),
+          q(tensors[0]),
+          k(tensors[1]),
+          v(tensors[2]),
+          out(tensors[3]),
+          grad(std::move(grad_out)),
+          chunk(q.size(2) / 2) {
+      const auto [c0, c1] = context_chunks(group->rank(), group->size());
+      mine = {c0, c1};
+    }
+
+    // Chunk i of [B, 2 L, heads, dim] as [B, heads, L, dim].
+    [[nodiscard]] at::Tensor rows(const at::Tensor& x, std::size_t i) const {
+      return x.narrow(1, static_cast<int64_t>(i) * chunk, chunk).transpose(1, 2);
+    }
+    [[nodiscard]] KernelState state(std::size_t i, std::size_t block) const {
+      const std::size_t index = 6 + 4 * i + 2 * block;
+      return {tensors[index], tensors[index + 1]};
+    }
+
+    // The diagonal block of query chunk i: this rank's own keys, causal.
+    [[nodiscard]] Grads diagonal(std::size_t i) const {
+      const auto offset = static_cast<int64_t>(i) * chunk;
+      auto [dq, dk, dv] = kernel_backward(
+          kernel, rows(grad, i), q.narrow(2, offset, chunk), k.narrow(2, offset, chunk),
+          v.narrow(2, offset, chunk), rows(out, i), tensors[4 + i], /*causal=*/true, state(i, 0));
+      return {dq, dk, dv};
+    }
+
+    // The prefix blocks over every rank's keys `all` ([size, 2, B, 2 L, kv, dim]): their key
+    // gradients added to `grad_kv` rank by rank, as gathered; the early chunk's query gradient
+    // added to `grad_q`, the late chunk's returned.
+    at::Tensor prefixes(const at::Tensor& all, const at::Tensor& grad_kv,
+                        const at::Tensor& grad_q) const {
+      const int size = group->size();
+      const auto keys = prefix_of(all.select(1, 0), mine[1], size).transpose(1, 2);
+      const auto values = prefix_of(all.select(1, 1), mine[1], size).transpose(1, 2);
+      at::Tensor late_dq;
+      for (std::size_t i = 0; i < 2; ++i) {
+        const int64_t c = mine[i];
+        if (c == 0) {
+          continue;
+        }
+        auto [gq, gk, gv] = kernel_backward(
+            kernel, rows(grad, i), q.narrow(2, static_cast<int64_t>(i) * chunk, chunk),
+            keys.narrow(2, 0, c * chunk), values.narrow(2, 0, c * chunk), rows(out, i),
+            tensors[4 + i], /*causal=*/false, state(i, 1));
+        if (i == 0) {
+          rows(grad_q, 0).add_(gq);
+        } else {
+          late_dq = gq;
+        }
+        for (int64_t n = 0; n < c; ++n) {
+          const auto [rank, part] = chunk_home(n, size);
+          const auto home = grad_kv.select(0, rank);
+          home.select(0, 0)
+              .narrow(1, part * chunk, chunk)
+              .add_(gk.transpose(1, 2).narrow(1, n * chunk, chunk));
+          home.select(0, 1)
+              .narrow(1, part * chunk, chunk)
+              .add_(gv.transpose(1, 2).narrow(1, n * chunk, chunk));
+        }
+      }
+      return late_dq;
+    }
+
+    torch::autograd::variable_list tensors;
+    const ContextParallelGroup* group;
+    Kernel kernel;
+    at::Tensor q, k, v, out;
+    at::Tensor grad;
+    int64_t chunk;
+    std::vector<int64_t> mine;
+  };
 };
 
 // Whether the blocks go through the attention kernels: the fused kernels on, no placement mask

@@ -124,6 +124,18 @@ struct PassKv : torch::autograd::Function<PassKv> {
   }
 };
 
+// A collective in flight on `input`: waits, then gives `output` on `device`. The input stays
+// referenced until the wait: the current stream then follows the collective, so the allocator may
+// reuse it.
+model::ContextParallelGroup::Pending waiting(c10::intrusive_ptr<c10d::Work> work, at::Tensor input,
+                                             at::Tensor output, c10::Device device) {
+  return [work = std::move(work), input = std::move(input), output = std::move(output), device] {
+    work->wait();
+    (void)input;
+    return output.to(device);
+  };
+}
+
 class Group final : public model::ContextParallelGroup {
  public:
   Group(ProcessGroup group, bool ring) : group_(std::move(group)), ring_(ring) {}
@@ -144,13 +156,7 @@ class Group final : public model::ContextParallelGroup {
     auto output = at::empty({ranks * input.numel()}, input.options());
     auto flat = input.view({-1});
     auto work = group_.backend()->_allgather_base(output, flat);
-    // The input stays referenced until the wait: the current stream then follows the collective,
-    // so the allocator may reuse it.
-    return [work, input, output = output.view(sizes), device = x.device()] {
-      work->wait();
-      (void)input;
-      return output.to(device);
-    };
+    return waiting(work, input, output.view(sizes), x.device());
   }
 
   [[nodiscard]] Pending start_reduce_scatter(const at::Tensor& x) const override {
@@ -161,11 +167,7 @@ class Group final : public model::ContextParallelGroup {
     auto output = at::empty({input.numel() / size()}, input.options());
     auto flat = input.view({-1});
     auto work = group_.backend()->_reduce_scatter_base(output, flat);
-    return [work, input, output = output.view(input.sizes().slice(1)), device = x.device()] {
-      work->wait();
-      (void)input;
-      return output.to(device);
-    };
+    return waiting(work, input, output.view(input.sizes().slice(1)), x.device());
   }
 
   void for_each_kv(const at::Tensor& k, const at::Tensor& v,
