@@ -29,23 +29,10 @@ using d9d::precision::Fp64;
 using d9d::testing::RankEnv;
 using d9d::testing::RunOutcome;
 
-// 4 experts, top 2 (renormalised), 4 layers with layer 2 dense, the auxiliary loss on (with
-// global statistics) and the auxiliary-loss-free bias on: every path of the router trains.
-std::string moe_json(bool aux = true, double bias_rate = 0.001) {
-  return std::string(R"({"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32,
-    "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "tie_word_embeddings": false, "num_experts": 4, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 16, "norm_topk_prob": true, "mlp_only_layers": [2],
-    "router_aux_loss_coef": 0.05, "output_router_logits": )") +
-         (aux ? "true" : "false") + R"(, "router_bias_update_rate": )" + std::to_string(bias_rate) +
-         "}";
-}
-
 d9d::TrainerConfig moe_run(const std::string& dir, int64_t microbatch, const std::string& mesh = "",
                            bool aux = true, bool outputs = false) {
   auto config = d9d::testing::tiny_run(dir, 6, 8, microbatch, outputs, 4, mesh);
-  config.sections["model"] = moe_json(aux);
+  config.sections["model"] = d9d::testing::tiny_qwen3_moe_json(aux);
   return config;
 }
 
@@ -244,7 +231,7 @@ TEST(Moe_Checkpoint, ResumesACheckpointWithoutBuffers) {
   const std::string root = ::testing::TempDir() + "/d9d_moe_without_buffers";
   d9d::files::remove_tree(root);
   auto config = moe_run(root + "/no_bias", 4);
-  config.sections["model"] = moe_json(true, 0.0);
+  config.sections["model"] = d9d::testing::tiny_qwen3_moe_json(true, 0.0);
   config.checkpoint.dir = root + "/no_bias/checkpoints";
   config.checkpoint.every = 2;
   config.checkpoint.keep = 4;

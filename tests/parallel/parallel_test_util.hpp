@@ -17,6 +17,20 @@
 
 namespace d9d::testing {
 
+/// A tiny Qwen3-MoE: 4 experts, top 2 (renormalised), 4 layers with layer 2 dense, the auxiliary
+/// loss on (with global statistics) and the auxiliary-loss-free bias on: every path of the router
+/// trains.
+inline std::string tiny_qwen3_moe_json(bool aux = true, double bias_rate = 0.001) {
+  return std::string(R"({"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32,
+    "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": false, "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16, "norm_topk_prob": true, "mlp_only_layers": [2],
+    "router_aux_loss_coef": 0.05, "output_router_logits": )") +
+         (aux ? "true" : "false") + R"(, "router_bias_update_rate": )" + std::to_string(bias_rate) +
+         "}";
+}
+
 /// Every trained parameter as the whole tensor, by name (collective: gathers the shards).
 inline std::map<std::string, at::Tensor> full_parameters(detail::TrainerCore& core) {
   std::map<std::string, at::Tensor> out;
