@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <atomic>
 #include <charconv>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -336,6 +337,17 @@ ProcessGroup make_group(const DistributedContext::Impl& impl, const std::vector<
   return ProcessGroup(std::move(group));
 }
 
+// A write to a peer that has died raises SIGPIPE, whose default action ends this process at once,
+// before the watchdog can name the rank that died (Python, the usual host of torch's process
+// groups, ignores SIGPIPE at start-up; a C++ program does not). A handler the program installed
+// is kept; with SIGPIPE ignored the write fails with EPIPE and the watchdog's verdict follows.
+void ignore_broken_pipes() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    (void)std::signal(SIGPIPE, SIG_IGN);
+  }
+}
+
 }  // namespace
 
 DistributedContext DistributedContext::from_env(const ContextOptions& options) {
@@ -375,6 +387,7 @@ DistributedContext DistributedContext::from_launch(const LaunchInfo& launch,
 #endif
   }
   if (launch.world_size > 1) {
+    ignore_broken_pipes();
     impl->backend_name = impl->device.is_cuda() ? "nccl" : "gloo";
     c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<std::uint16_t>(launch.master_port);
