@@ -244,6 +244,11 @@ struct Executor::Impl {
             " inputs; the program has " + std::to_string(program.microbatches) + " microbatches");
       }
       x = step_inputs[static_cast<std::size_t>(a.microbatch)];
+      // On the group's device, wherever the caller made it (d9d::Inference's forward step hands
+      // over the task's stage_input as it is: host tensors from the data loader).
+      if (group.valid()) {
+        x = x.to(group.device());
+      }
     } else if (local(a.stage - 1)) {
       x = outputs.at({a.stage - 1, a.microbatch}).detach();
       if (program.forward_only) {

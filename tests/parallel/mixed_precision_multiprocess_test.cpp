@@ -238,14 +238,18 @@ TEST(MixedPrecision_ws2, TensorParallelAndPipelinesTrackFloat32) {
     expect_tracks_float32(
         train<d9d::Plan<TpMesh, TpSp, Bf16Mixed>>(ctx, run_config(dir + "/tp_sp", 8, 2)), ref,
         "tp 2, sequence parallel");
-    // A pipeline runs the same microbatches through the same layers as one process: its first
-    // step is the one process's Bf16Mixed step to float32 rounding, and the run stays with it.
+    // A pipeline runs the same microbatches through the same layers as one process: on the CPU
+    // its first step is the one process's Bf16Mixed step to float32 rounding. On a GPU the whole
+    // model computes its head and loss in one fused, chunked function (linear_cross_entropy) and
+    // the last stage does not, so the two differ by about one bfloat16 rounding (measured 0.35u
+    // on an H200).
     using PpMesh = d9d::mesh<d9d::pp<d9d::dynamic>>;
+    const double same_kernels = ctx.device().is_cuda() ? kU : 1e-6;
     const auto check_pipeline = [&](const Trained& got, const std::string& what) {
       expect_tracks_float32(got, ref, what);
       const auto d = deviation(got, ref.bf16, ref.initial);
-      EXPECT_LE(d.loss0, 1e-6) << what << " vs one process in Bf16Mixed: " << d;
-      EXPECT_LE(d.gradient0, 1e-6) << what << " vs one process in Bf16Mixed: " << d;
+      EXPECT_LE(d.loss0, same_kernels) << what << " vs one process in Bf16Mixed: " << d;
+      EXPECT_LE(d.gradient0, same_kernels) << what << " vs one process in Bf16Mixed: " << d;
     };
     check_pipeline(train<d9d::Plan<PpMesh, d9d::pipeline::OneFOneB<>, Bf16Mixed>>(
                        ctx, run_config(dir + "/1f1b", 8, 2, R"({"pp": 2})")),
