@@ -2,8 +2,11 @@
 # The CUDA kernels were compiled for Hopper (sm_90) and carry their TORCH_LIBRARY_IMPL entry points.
 # Runs without a GPU (and without cuobjdump): it inspects the shared library with binutils.
 set -euo pipefail
-lib=$1  # the shared library with the CUDA kernels
+lib=$1  # the shared library with the CUDA kernels, or --no-nvcc
 fail() { echo "FAIL: $*"; exit 1; }
+[ "$lib" != --no-nvcc ] || fail "no nvcc was found when Bazel configured @torch (PATH, \
+/usr/local/cuda/bin), so the CUDA kernels were not compiled. Install the CUDA Toolkit 13 (nvcc) and \
+run 'bazel clean' (or 'bazel sync --configure'), or leave this check out: D9D_NO_CUDA=1 tools/test"
 # (Outputs are captured before grep -q: with pipefail, grep -q closing a pipe early fails it.)
 sections=$(readelf -S "$lib")
 grep -q '\.nv_fatbin' <<<"$sections" || fail "$lib has no .nv_fatbin section (no device code)"
