@@ -299,7 +299,9 @@ int main(int argc, char** argv) {
   app.add_flag("--fsdp", o.fsdp, "fully sharded data parallelism (d9d::parallel::FullyShard<>)");
   app.add_flag("--tp", o.tp,
                "tensor parallelism with sequence parallelism over all ranks "
-               "(d9d::parallel::TensorParallel<SequenceParallel::on>)");
+               "(d9d::parallel::TensorParallel<SequenceParallel::on>; \"mesh.tp\" = the number "
+               "of ranks, which must divide the model's heads, KV heads, intermediate size and "
+               "vocabulary)");
   app.add_flag("--recompute", o.recompute,
                "recompute every decoder layer's activations in backward (with --fsdp)");
   app.add_flag("--cuda-graphs", o.cuda_graphs,

@@ -7,6 +7,7 @@
 #include <exception>
 #include <sstream>
 
+#include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -111,18 +112,23 @@ std::vector<FailureRecord> parse_failure_log(std::string_view log) {
   return out;
 }
 
-std::string failure_verdict(const std::vector<FailureRecord>& records) {
-  const auto describe = [](const FailureRecord& r) {
-    return "rank " + std::to_string(r.subject) + (r.kind == "error" ? " failed: " : " ") + r.text;
-  };
+const FailureRecord* verdict_record(const std::vector<FailureRecord>& records) {
   for (const char* kind : {"vanished", "error"}) {
     for (const auto& r : records) {
       if (r.kind == kind) {
-        return describe(r);
+        return &r;
       }
     }
   }
-  return records.empty() ? "" : describe(records.front());
+  return records.empty() ? nullptr : &records.front();
+}
+
+std::string failure_verdict(const std::vector<FailureRecord>& records) {
+  const auto* r = verdict_record(records);
+  if (r == nullptr) {
+    return "";
+  }
+  return "rank " + std::to_string(r->subject) + (r->kind == "error" ? " failed: " : " ") + r->text;
 }
 
 Watchdog::Watchdog(const c10::intrusive_ptr<c10d::Store>& store, WatchdogOptions options)
@@ -242,6 +248,8 @@ void Watchdog::run() {
         break;
       }
     }
+  } catch (const c10::Error& error) {
+    lost = error.what_without_backtrace();  // the store client's C++ frames help nobody here
   } catch (const std::exception& error) {
     lost = error.what();
   } catch (...) {  // nothing may escape this thread (std::terminate would wait for it)
@@ -256,9 +264,11 @@ void Watchdog::run() {
       stopping = stop_ || verdict_.has_value();
     }
     if (!rank0_left && !stopping) {
-      decide("lost the store at " + options_.store_address + " (" + lost + ")" +
-             (options_.rank0_serves_store ? "; rank 0, whose process serves it, has probably died"
-                                          : ""));
+      decide(
+          "lost the store at " + options_.store_address + " (" + lost + ")" +
+              (options_.rank0_serves_store ? "; rank 0, whose process serves it, has probably died"
+                                           : ""),
+          /*death=*/true);
     }
   }
   const std::lock_guard<std::mutex> lock(mutex_);
@@ -306,26 +316,38 @@ void Watchdog::handle_failure() {
       return;  // this rank's context closed normally: it ends on its own
     }
   }
-  const auto verdict = failure_verdict(parse_failure_log(read_log()));
-  decide(verdict.empty() ? std::string("a failure was reported") : verdict);
+  records = parse_failure_log(read_log());
+  const auto* chosen = verdict_record(records);
+  const auto verdict = failure_verdict(records);
+  decide(verdict.empty() ? std::string("a failure was reported") : verdict,
+         chosen != nullptr && chosen->kind == "vanished");
 }
 
-void Watchdog::decide(const std::string& verdict) {
-  if (options_.log_error) {
-    options_.log_error("job failed: " + verdict);
-  }
+// What the log shows first is the root cause. A rank whose own error is reported (its context
+// destroyed by an exception, or report_failure) ends with that error right after this: the
+// verdict, some rank's error (often the same configuration error, or this very one), is left out,
+// unless it is a death, which may explain this rank's error. A rank with no error of its own yet
+// waits up to three intervals before it logs the verdict: a failing rank prints its own error as
+// soon as it has the verdict, and an exception of this rank's own (its context's destructor comes
+// into report()) may be on its way. Then the process stops unless its own failure is being
+// reported (it may be blocked in a collective that will never complete).
+void Watchdog::decide(const std::string& verdict, bool death) {
   const auto grace = 3 * interval();
   std::unique_lock<std::mutex> lock(mutex_);
   verdict_ = verdict;
   wake_.notify_all();
-  // A rank leaving by an exception of its own comes into report() (from its context's destructor)
-  // within moments, and ends with its own error; give it three intervals before stopping the
-  // process here (it may be blocked in a collective that will never complete).
-  wake_.wait_for(lock, grace, [this] { return waiting_ || stop_; });
-  if (waiting_ || stop_) {
+  if (own_error_ && !death) {
     return;
   }
+  wake_.wait_for(lock, grace, [this] { return waiting_ || stop_; });
+  const bool returning = waiting_ || stop_;
   lock.unlock();
+  if (options_.log_error) {
+    options_.log_error("job failed: " + verdict);
+  }
+  if (returning) {
+    return;
+  }
   std::fflush(stdout);
   std::fflush(stderr);
   std::_Exit(kPeerFailureExitCode);
@@ -342,6 +364,7 @@ std::string Watchdog::report(std::string_view message) {
       return "";
     }
     publish_now = !reported_;
+    own_error_ = publish_now;
     reported_ = true;
     waiting_ = true;
   }
@@ -386,6 +409,24 @@ void Watchdog::close(bool by_exception) noexcept {
                              : note_;
       }
       (void)report(note);
+      if (options_.rank == 0 && options_.rank0_serves_store) {
+        // The store lives in this process, which is about to end with its own error: keep it
+        // until every other rank has a record in the failure log (each adds one within an
+        // interval of seeing this failure, or is found dead), and two intervals more for them
+        // to read the verdict, so that they name this rank's failure rather than a lost store.
+        const auto deadline = Clock::now() + timeout();
+        while (Clock::now() < deadline) {
+          std::set<int> accounted;
+          for (const auto& record : parse_failure_log(read_log())) {
+            accounted.insert(record.subject);
+          }
+          if (static_cast<int>(accounted.size()) >= options_.world) {
+            std::this_thread::sleep_for(2 * interval());
+            break;
+          }
+          std::this_thread::sleep_for(interval());
+        }
+      }
     } else {
       (void)store_->add(heartbeat_key(options_.rank), kDone);
       (void)store_->add(key("closed"), 1);

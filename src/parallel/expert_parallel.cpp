@@ -27,6 +27,7 @@
 #include <d9d/core/collectives.hpp>
 #include <d9d/model/moe.hpp>
 #include <d9d/parallel/parallelize.hpp>
+#include <d9d/train/config.hpp>
 
 namespace d9d::parallel::detail {
 namespace {
@@ -184,16 +185,16 @@ void apply_expert_parallel(ParallelModel& model, const ExpertParallelSettings& s
       const std::string prefix = item.key().empty() ? std::string() : item.key() + ".";
       const int64_t count = experts->num_experts();
       if (settings.num_experts > 0 && count != settings.num_experts) {
-        throw std::invalid_argument(
+        throw ConfigError(
             "d9d::parallel::ExpertParallel<" + std::to_string(settings.num_experts) +
             ">: the model's \"" + prefix + "\" has " + std::to_string(count) +
             " experts. Fix: state the model's count in the policy, or use ExpertParallel<>");
       }
       if (count % ranks != 0) {
-        throw std::invalid_argument(
-            "d9d::parallel::ExpertParallel: \"mesh.ep\" = " + std::to_string(ranks) +
-            " does not divide the " + std::to_string(count) + " experts of \"" + prefix +
-            "\". Fix: set \"mesh.ep\" to a divisor of " + std::to_string(count));
+        throw ConfigError("d9d::parallel::ExpertParallel: \"mesh.ep\" = " + std::to_string(ranks) +
+                          " does not divide the " + std::to_string(count) + " experts of \"" +
+                          prefix + "\". Fix: set \"mesh.ep\" to a divisor of " +
+                          std::to_string(count));
       }
       const int64_t per_rank = count / ranks;
       for (const auto& item : experts->named_parameters(/*recurse=*/false)) {

@@ -40,6 +40,7 @@
 #include <d9d/model/tensor_parallel.hpp>
 #include <d9d/parallel/parallelize.hpp>
 #include <d9d/peft/lora.hpp>
+#include <d9d/train/config.hpp>
 
 namespace d9d::parallel::detail {
 namespace {
@@ -242,14 +243,14 @@ class PartialNormSync : public GradientSync {
   std::vector<std::string> names_;
 };
 
+// A ConfigError (run_main's configuration-error status): the config's mesh and model do not fit.
 void require_divides(int64_t ranks, int64_t size, const std::string& key) {
   if (size % ranks != 0) {
-    throw std::invalid_argument(
-        "d9d::parallel::TensorParallel: \"mesh.tp\" = " + std::to_string(ranks) +
-        " does not divide the model's \"" + key + "\" = " + std::to_string(size) +
-        ". Fix: set \"mesh.tp\" to a common divisor of "
-        "num_attention_heads, num_key_value_heads, intermediate_size and "
-        "vocab_size");
+    throw ConfigError("d9d::parallel::TensorParallel: \"mesh.tp\" = " + std::to_string(ranks) +
+                      " does not divide the model's \"" + key + "\" = " + std::to_string(size) +
+                      ". Fix: set \"mesh.tp\" to a common divisor of "
+                      "num_attention_heads, num_key_value_heads, intermediate_size and "
+                      "vocab_size");
   }
 }
 
@@ -297,7 +298,7 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
     for (const auto& module : root->modules()) {
       if (std::dynamic_pointer_cast<model::GroupedExpertsImpl>(module) ||
           std::dynamic_pointer_cast<model::MoeLayerImpl>(module)) {
-        throw std::invalid_argument(
+        throw ConfigError(
             "d9d::parallel::TensorParallel: mixture-of-experts models are not supported with "
             "tensor parallelism yet (dense Qwen3 only). Fix: use d9d::parallel::NoTensorParallel "
             "and set \"mesh.tp\" to 1");

@@ -4,7 +4,8 @@
     python3-with-torch tests/hf/hf_check.py EXPORT_DIR REFERENCE.safetensors
 
 REFERENCE holds `input_ids` and the fp32 `logits` d9d computed. Exit 0 when transformers'
-logits match (atol 1e-5, rtol 1e-5), 1 otherwise; prints the largest difference.
+logits match (atol 1e-5, rtol 1e-5), 1 otherwise; prints the largest difference and transformers'
+count of the model's parameters (a tied head counted once).
 """
 import sys
 
@@ -22,6 +23,7 @@ def main() -> int:
         logits = model(input_ids=ref["input_ids"]).logits.float()
     diff = (logits - ref["logits"]).abs().max().item()
     print(f"transformers {type(model).__name__}: max |logits - d9d| = {diff:.3g}")
+    print(f"transformers parameters: {model.num_parameters()}")
     return 0 if torch.allclose(logits, ref["logits"], atol=1e-5, rtol=1e-5) else 1
 
 

@@ -117,6 +117,9 @@ TEST_P(Hf_Qwen3Moe, OurExportLoadsInTransformersWithTheSameLogits) {
   const auto run = hf_test::run_hf_check(*check, dir, reference);
   EXPECT_EQ(run.status, 0) << run.command << "\n" << run.output;
   EXPECT_THAT(run.output, HasSubstr("Qwen3MoeForCausalLM"));
+  // Our count of the parameters (every expert's) is transformers' count of the same model.
+  EXPECT_THAT(run.output,
+              HasSubstr("transformers parameters: " + std::to_string(config.parameter_count())));
   auto again = d9d::model::load_hf_qwen3_moe(dir);
   const at::NoGradGuard no_grad;
   EXPECT_TRUE(at::equal(again(ids), logits));

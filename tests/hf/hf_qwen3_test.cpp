@@ -138,6 +138,10 @@ TEST_P(Hf_Qwen3, OurExportLoadsInTransformersWithTheSameLogits) {
   const auto run = hf_test::run_hf_check(*check, dir, reference);
   EXPECT_EQ(run.status, 0) << run.command << "\n" << run.output;
   EXPECT_THAT(run.output, HasSubstr("Qwen3ForCausalLM"));
+  // Our count of the parameters (Qwen3Config::parameter_count, which MFU figures use) is
+  // transformers' count of the same model.
+  EXPECT_THAT(run.output,
+              HasSubstr("transformers parameters: " + std::to_string(config.parameter_count())));
   // And back: our loader reads our export.
   auto again = d9d::model::load_hf_qwen3(dir);
   EXPECT_EQ(again->config().rope_theta, GetParam().rope_theta);

@@ -250,12 +250,13 @@ TEST(Parallel_TensorParallel_ws4, TimesReplicateFullyShardAndPipelineMatchOnePro
               ctx, run_config(dir + "/zb", false, 2, R"({"pp": 2, "tp": 2})")),
           want, "tp 2 x pp 2, ZeroBubbleH1");
     }
-    // tp 4 does not divide the 2 KV heads: a start-up error naming the config key.
+    // tp 4 does not divide the 2 KV heads: a configuration error (run_main's exit status 2)
+    // naming the config key.
     try {
       (void)train_plan<d9d::Plan<TpMesh, Tp, Fp64>>(
           ctx, run_config(dir + "/tp4", false, 2, R"({"tp": 4})"));
       ADD_FAILURE() << "tp 4 over 2 KV heads did not fail";
-    } catch (const std::invalid_argument& error) {
+    } catch (const d9d::ConfigError& error) {
       EXPECT_THAT(error.what(), HasSubstr("\"mesh.tp\" = 4 does not divide the model's "
                                           "\"num_key_value_heads\" = 2"));
     }

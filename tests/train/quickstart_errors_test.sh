@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The quickstart binary (examples/03_qwen3_quickstart) with bad input: every case exits with status 2
 # (a configuration error) or 1 (any other error) and one clear message, never std::terminate (134)
-# or a crash; a good run of one step exits 0.
+# or a crash; a good run of one step exits 0. On several ranks, the cause comes first in the job's
+# output, before any rank's "job failed" line.
 set -uo pipefail
 quickstart=$1
+d9drun=$2  # tools/d9drun, for the cases on several ranks
 dir=${TEST_TMPDIR:-/tmp}/quickstart-errors-$$
 mkdir -p "$dir"
 failures=0
@@ -70,6 +72,21 @@ expect 2 "d9d config: d9d::mesh: " "$dir/good.json" --data "$dir/good.bin" --pip
 # Tensor parallelism: one rank cannot hold a sequence-parallel tp mesh; --tp is compiled alone.
 expect 2 "sequence parallelism needs \"mesh.tp\" > 1 (got 1)" "$dir/good.json" --data "$dir/good.bin" --tp
 expect 2 "--tp is compiled alone or with --bf16" "$dir/good.json" --data "$dir/good.bin" --tp --fsdp
+# tp over 3 ranks of a model with 2 attention heads: every rank stops on the configuration error
+# (status 2, naming the key and the model's value), and it is the first error in the job's output:
+# no rank's watchdog says "job failed" before it.
+out=$("$d9drun" -n 3 "$quickstart" "$dir/good.json" --data "$dir/good.bin" --tp 2>&1)
+status=$?
+echo "--- d9drun -n 3 quickstart --tp -> $status"
+echo "$out"
+[ "$status" -eq 2 ] || fail "tp 3 over 2 heads: status $status, expected 2"
+cause='"mesh.tp" = 3 does not divide the model'"'"'s "num_attention_heads" = 2'
+for rank in 0 1 2; do
+  grep -F "[d9d rank $rank/3" <<<"$out" | grep -qF -- "$cause" || fail "rank $rank did not report: $cause"
+done
+first=$(grep -m1 -E 'error: |job failed' <<<"$out")
+grep -qF -- "$cause" <<<"$first" || fail "the first error line is not the cause: $first"
+
 # The command line's own errors (CLI11): status 105 for a value out of range.
 expect 105 "--pp" "$dir/good.json" --pp 0
 

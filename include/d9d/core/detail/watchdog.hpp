@@ -57,8 +57,11 @@ struct FailureRecord {
 
 /// Parses the failure log ("<subject>\t<kind>\t<by>\t<text>\n" lines; malformed lines skipped).
 [[nodiscard]] std::vector<FailureRecord> parse_failure_log(std::string_view log);
-/// The verdict on a failure log: the first vanished rank (a death explains the others' errors),
-/// else the first error, else the first record; "" when there is none.
+/// The record a verdict names: the first vanished rank (a death explains the others' errors),
+/// else the first error, else the first record; null when there is none.
+[[nodiscard]] const FailureRecord* verdict_record(const std::vector<FailureRecord>& records);
+/// The verdict on a failure log: verdict_record's, as text ("rank 2 stopped heartbeating ...");
+/// "" when there is none.
 [[nodiscard]] std::string failure_verdict(const std::vector<FailureRecord>& records);
 
 class Watchdog {
@@ -98,7 +101,11 @@ class Watchdog {
   bool silent(int r);
   void publish(int subject, std::string_view kind, std::string_view text);
   void handle_failure();
-  void decide(const std::string& verdict);
+  /// Ends the job on `verdict`: logs it (unless this rank's own error says more: see the
+  /// definition) and stops the process unless its own failure is being reported. `death`: the
+  /// verdict is a rank found dead (or the store lost), news even to a rank with an error of its
+  /// own.
+  void decide(const std::string& verdict, bool death);
   /// Sleeps `duration` unless stopped or woken; false when stopped.
   bool pause(std::chrono::milliseconds duration);
   [[nodiscard]] std::string key(std::string_view name) const;
@@ -113,8 +120,9 @@ class Watchdog {
   std::condition_variable wake_;
   bool stop_ = false;
   bool closed_ = false;
-  bool reported_ = false;  ///< this rank's record is in the log
-  bool waiting_ = false;   ///< the caller of report() waits for the verdict
+  bool reported_ = false;   ///< this rank's record is in the log
+  bool waiting_ = false;    ///< the caller of report() waits for the verdict
+  bool own_error_ = false;  ///< this rank's record is an error of its own (report())
   bool woken_ = false;
   std::optional<std::string> verdict_;
   std::string note_;
