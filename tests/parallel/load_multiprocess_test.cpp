@@ -198,8 +198,12 @@ TEST(Parallel_LoadState_tp2, LoraBaseLoadsIntoTheFrozenShards) {
       }
       EXPECT_GT(adapters, 0) << what;
       const at::NoGradGuard no_grad;
-      const auto got = model.as<d9d::model::Qwen3ForCausalLMImpl>()->forward(ids);
-      const auto want = whole->forward(ids);
+      // On the model's device (the trainer's is the rank's GPU under NCCL), the whole model too:
+      // the same kernels, so only the split sums differ (a GPU and the host differ by ~1e-12).
+      const auto device = model.parameters().front().device();
+      whole->to(device);
+      const auto got = model.as<d9d::model::Qwen3ForCausalLMImpl>()->forward(ids.to(device)).cpu();
+      const auto want = whole->forward(ids.to(device)).cpu();
       EXPECT_TRUE(at::allclose(got, want, 0.0, 1e-12))
           << what << ": " << (got - want).abs().max().item<double>();
     };
