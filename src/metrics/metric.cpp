@@ -45,9 +45,14 @@ PendingSync::PendingSync(const ProcessGroup& group, const std::vector<at::Tensor
     if (part.slots.empty()) {
       continue;
     }
-    // at::cat copies: the buffer is a snapshot, independent of later updates of the state.
+    // at::cat copies: the buffer is a snapshot, independent of later updates of the state. The
+    // states may live on different devices (one updated on the GPU, another still on the host:
+    // seen under NCCL with a task's metrics), so each goes to the buffer's device first.
     const auto target = communicate ? group.device() : flat.front().device();
-    part.buffer = at::cat(flat).to(target);
+    for (auto& piece : flat) {
+      piece = piece.to(target);
+    }
+    part.buffer = at::cat(flat);
     if (communicate) {
       std::vector<at::Tensor> tensors = {part.buffer};
       c10d::AllreduceOptions options;
