@@ -48,7 +48,11 @@ enum class ReduceDtype {
 /// into the shards' gradients, and all-reduced over dp_replicate. Under a pipeline schedule every
 /// unit stays gathered for the whole step (`R` and "data_parallel.prefetch" do not apply there
 /// yet) and a stage's units are reduced once the program has run that stage's last gradient
-/// action, overlapping the rest of the program.
+/// action, overlapping the rest of the program. Units are gathered in the precision's compute
+/// dtype: under Bf16Mixed every parameter of a unit, the norms' too, is bfloat16 in the forward
+/// (where autocast in one process keeps the norms' weights float32), so the gradients differ from
+/// one process's Bf16Mixed ones by a few bfloat16 roundings (measured 2.7u against float32, one
+/// process 1.8u; tests/parallel/mixed_precision_multiprocess_test bounds it at 4u).
 template <Reshard R = Reshard::from_config, ReduceDtype D = ReduceDtype::as_precision>
 struct FullyShard {
   using d9d_slot = slot::data_parallel;
@@ -102,7 +106,8 @@ enum class SequenceParallel { off, on };
 /// rank's T / tp tokens; the all-reduces become an all-gather along the sequence before each
 /// column-parallel block and a reduce-scatter after each row-parallel one (and the embedding), so
 /// activations between blocks take 1/tp of the memory. The norms' gradients are then partial and
-/// summed over tp. Needs tp > 1 and a sequence length divisible by tp; not under a pipeline yet.
+/// summed over tp. Needs tp > 1 and a sequence length divisible by tp; not under a pipeline
+/// schedule yet (a compile-time error there).
 ///
 /// Named TensorParallel, not tp::Tensor: d9d::tp<N> is the mesh degree (d9d/plan/degrees.hpp).
 template <SequenceParallel SP = SequenceParallel::off>
@@ -126,8 +131,9 @@ enum class KvRotation {
 /// dp × cp by the data_parallel policy: Replicate all-reduces over both, FullyShard shards the
 /// parameters over dp_shard × cp_shard (the dense domain's dp_cp_shard) and all-reduces the shards
 /// over dp_replicate × cp_replicate. Needs a model that implements d9d::model::ContextParallelModel
-/// (dense Qwen3) and a sequence length divisible by 2·cp; not under a pipeline yet
-/// (docs/design/0018-context-parallel.md).
+/// (dense Qwen3 and its pipeline stages) and a sequence length divisible by 2·cp. Under a pipeline
+/// schedule the first stage cuts its ids and the task's output_loss gets the rank's
+/// d9d::SequencePart to cut its targets alike (docs/design/0018-context-parallel.md).
 template <KvRotation R = KvRotation::all_gather>
 struct ContextParallel {
   using d9d_slot = slot::context_parallel;

@@ -62,7 +62,7 @@ struct StepContributions {
   /// The dims over which each sequence is split (context parallelism: {"cp"}): the ranks along
   /// them read the same samples and each computes on its part of every sequence, which the model
   /// cuts (d9d::model::ContextParallelModel). A pipeline step hands the share to the task's loss of
-  /// the last stage's output (d9d::SequenceShard). Empty: every rank sees whole sequences.
+  /// the last stage's output (d9d::SequencePart). Empty: every rank sees whole sequences.
   std::vector<std::string> sequence_dims;
   /// Applied to each tensor of every microbatch before the model sees it, in strategy order.
   /// Empty: microbatches go in whole.
