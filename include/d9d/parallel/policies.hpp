@@ -51,7 +51,7 @@ enum class ReduceDtype {
 /// action, overlapping the rest of the program. Units are gathered in the precision's compute
 /// dtype: under Bf16Mixed every parameter of a unit, the norms' too, is bfloat16 in the forward
 /// (where autocast in one process keeps the norms' weights float32), so the gradients differ from
-/// one process's Bf16Mixed ones by a few bfloat16 roundings (measured 2.7u against float32, one
+/// one process's Bf16Mixed ones by a few bfloat16 roundings (measured 2.5u against float32, one
 /// process 1.8u; tests/parallel/mixed_precision_multiprocess_test bounds it at 4u).
 template <Reshard R = Reshard::from_config, ReduceDtype D = ReduceDtype::as_precision>
 struct FullyShard {
