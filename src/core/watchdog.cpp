@@ -123,12 +123,18 @@ const FailureRecord* verdict_record(const std::vector<FailureRecord>& records) {
   return records.empty() ? nullptr : &records.front();
 }
 
+namespace {
+
+// A record as the verdict names it ("rank 2 failed: ...", "rank 2 stopped heartbeating ...").
+std::string describe(const FailureRecord& r) {
+  return "rank " + std::to_string(r.subject) + (r.kind == "error" ? " failed: " : " ") + r.text;
+}
+
+}  // namespace
+
 std::string failure_verdict(const std::vector<FailureRecord>& records) {
   const auto* r = verdict_record(records);
-  if (r == nullptr) {
-    return "";
-  }
-  return "rank " + std::to_string(r->subject) + (r->kind == "error" ? " failed: " : " ") + r->text;
+  return r == nullptr ? "" : describe(*r);
 }
 
 Watchdog::Watchdog(const c10::intrusive_ptr<c10d::Store>& store, WatchdogOptions options)
@@ -318,8 +324,7 @@ void Watchdog::handle_failure() {
   }
   records = parse_failure_log(read_log());
   const auto* chosen = verdict_record(records);
-  const auto verdict = failure_verdict(records);
-  decide(verdict.empty() ? std::string("a failure was reported") : verdict,
+  decide(chosen == nullptr ? std::string("a failure was reported") : describe(*chosen),
          chosen != nullptr && chosen->kind == "vanished");
 }
 
@@ -410,22 +415,12 @@ void Watchdog::close(bool by_exception) noexcept {
       }
       (void)report(note);
       if (options_.rank == 0 && options_.rank0_serves_store) {
-        // The store lives in this process, which is about to end with its own error: keep it
-        // until every other rank has a record in the failure log (each adds one within an
-        // interval of seeing this failure, or is found dead), and two intervals more for them
-        // to read the verdict, so that they name this rank's failure rather than a lost store.
-        const auto deadline = Clock::now() + timeout();
-        while (Clock::now() < deadline) {
-          std::set<int> accounted;
-          for (const auto& record : parse_failure_log(read_log())) {
-            accounted.insert(record.subject);
-          }
-          if (static_cast<int>(accounted.size()) >= options_.world) {
-            std::this_thread::sleep_for(2 * interval());
-            break;
-          }
-          std::this_thread::sleep_for(interval());
-        }
+        // The store lives in this process, which is about to end with its own error. report()
+        // returned with the verdict, which handle_failure reaches only once every rank is
+        // accounted for (a record, closed, or found dead); the others read it within an
+        // interval: keep the store two intervals more, so that they name this rank's failure
+        // rather than a lost store.
+        std::this_thread::sleep_for(2 * interval());
       }
     } else {
       (void)store_->add(heartbeat_key(options_.rank), kDone);

@@ -35,22 +35,22 @@ PendingSync::PendingSync(const ProcessGroup& group, const std::vector<at::Tensor
   for (const auto reduction : {Reduction::sum, Reduction::min, Reduction::max}) {
     Part part;
     part.reduction = reduction;
-    std::vector<at::Tensor> flat;
     for (std::size_t i = 0; i < states.size(); ++i) {
       if (reductions[i] == reduction) {
         part.slots.push_back(i);
-        flat.push_back(states[i].reshape({-1}).to(at::kDouble));
       }
     }
     if (part.slots.empty()) {
       continue;
     }
-    // at::cat copies: the buffer is a snapshot, independent of later updates of the state. The
-    // states may live on different devices (one updated on the GPU, another still on the host:
-    // seen under NCCL with a task's metrics), so each goes to the buffer's device first.
-    const auto target = communicate ? group.device() : flat.front().device();
-    for (auto& piece : flat) {
-      piece = piece.to(target);
+    // The states may live on different devices (one updated on the GPU, another still on the
+    // host: seen under NCCL with a task's metrics), so each goes to the buffer's device. at::cat
+    // copies: the buffer is a snapshot, independent of later updates of the state.
+    const auto target = communicate ? group.device() : states[part.slots.front()].device();
+    std::vector<at::Tensor> flat;
+    flat.reserve(part.slots.size());
+    for (const auto i : part.slots) {
+      flat.push_back(states[i].reshape({-1}).to(target, at::kDouble));
     }
     part.buffer = at::cat(flat);
     if (communicate) {

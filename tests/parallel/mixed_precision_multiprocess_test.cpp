@@ -61,14 +61,13 @@ Trained train(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& conf
     if (e.step != 0) {
       return;
     }
-    for (const auto& record : trainer.core().parallel().parameters()) {
+    for (auto record : trainer.core().parallel().parameters()) {  // a copy: local := its gradient
       if (record.tied_copy) {
         continue;
       }
-      const d9d::ShardedTensor grad(record.local.grad().detach(), trainer.core().mesh(),
-                                    record.domain, record.dims, record.placements,
-                                    record.global_shape);
-      out.gradient[record.name] = grad.full_tensor().cpu().to(at::kDouble);
+      record.local = record.local.grad();
+      out.gradient[record.name] =
+          record.sharded(trainer.core().mesh()).full_tensor().cpu().to(at::kDouble);
     }
   });
   out.outcome = d9d::testing::outcome_of(trainer);
