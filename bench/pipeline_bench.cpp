@@ -14,7 +14,10 @@
 // point-to-point batches in flight until compute needs them (ExecutorOptions::overlap_p2p) and
 // with each batch waited for before the next compute action, one after the other, and prints
 // both. `--timeline FILE.svg` draws the last step of each as every rank ran it, under the
-// program's plan (d9d/pipeline/picture.hpp). Results also go to --json.
+// program's plan (d9d/pipeline/picture.hpp). Results also go to --json. `--profile DIR` writes a
+// Kineto trace of the first mode's last timed step per rank (the executor names each compute
+// action, each P2P post and wait); `tools/gpu/trace_summary.py DIR/rank-0.trace.json 1` says where
+// the compute stream idles and what the host was doing then.
 //
 // Stages start with the values of the whole model built after the same seed (d9d::model::
 // init_qwen3_parameters initialises by name). With --check every rank then builds that whole model,
@@ -24,10 +27,13 @@
 // when it exceeds --check-tolerance.
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <numeric>
+#include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -36,6 +42,7 @@
 #include <CLI/CLI.hpp>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/core/detail/autocast_scope.hpp>
@@ -134,6 +141,36 @@ void synchronize(c10::Device device) {
   }
 }
 
+// --stage-weights "1,2" -> {.embedding = 1, .head = 2}.
+d9d::model::VirtualLayers parse_weights(const std::string& text) {
+  const auto comma = text.find(',');
+  if (comma == std::string::npos) {
+    throw std::invalid_argument("pipeline_bench: --stage-weights \"" + text +
+                                "\" is not EMBEDDING,HEAD");
+  }
+  return {.embedding = std::stod(text.substr(0, comma)), .head = std::stod(text.substr(comma + 1))};
+}
+
+// --profile: Kineto over one step (host and, on CUDA, device activity), saved per rank.
+void start_profiler(c10::Device device) {
+  namespace prof = torch::profiler::impl;
+  std::set<prof::ActivityType> activities = {prof::ActivityType::CPU};
+  if (device.is_cuda()) {
+    activities.insert(prof::ActivityType::CUDA);
+  }
+  const prof::ProfilerConfig settings(prof::ProfilerState::KINETO);
+  torch::autograd::profiler::prepareProfiler(settings, activities);
+  torch::autograd::profiler::enableProfiler(settings, activities);
+}
+
+void stop_profiler(const std::string& dir, int rank) {
+  auto result = torch::autograd::profiler::disableProfiler();
+  std::filesystem::create_directories(dir);
+  const auto path = dir + "/rank-" + std::to_string(rank) + ".trace.json";
+  result->save(path);
+  std::printf("[rank %d] profile: %s\n", rank, path.c_str());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -150,6 +187,8 @@ int main(int argc, char** argv) {
   bool check = false;
   std::string overlap = "both";
   std::string timeline_path;
+  std::string profile_dir;
+  std::string stage_weights;
   double check_tolerance = 0;
   app.add_option("--schedule", schedule, "gpipe, 1f1b, interleaved, zbh1, zbv, dualpipev");
   app.add_option("--preset", preset_name, "model shape: 0.6b or tiny");
@@ -166,6 +205,13 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"on", "off", "both"}));
   app.add_option("--timeline", timeline_path,
                  "draw the last step as every rank ran it, under the program's plan (SVG)");
+  app.add_option("--profile", profile_dir,
+                 "a Kineto trace of the first mode's last timed step, per rank: "
+                 "DIR/rank-<r>.trace.json (tools/gpu/trace_summary.py reads it)");
+  app.add_option("--stage-weights", stage_weights,
+                 "EMBEDDING,HEAD: the embedding's and the head's weights in decoder layers when "
+                 "the layers are split over the stages (default: "
+                 "d9d::model::pipeline_virtual_layers at --seq)");
   app.add_flag("--check", check,
                "compare gradients and loss with the whole model run without a pipeline");
   app.add_option("--check-tolerance", check_tolerance,
@@ -183,7 +229,9 @@ int main(int argc, char** argv) {
     const auto program = build(schedule, pp, microbatches);
     const auto config = preset(preset_name);
     const auto ranges = d9d::model::distribute_layers(
-        static_cast<int>(config.num_hidden_layers), program.stages(), {.embedding = 1, .head = 2});
+        static_cast<int>(config.num_hidden_layers), program.stages(),
+        stage_weights.empty() ? d9d::model::pipeline_virtual_layers(config, seq)
+                              : parse_weights(stage_weights));
 
     std::vector<d9d::model::Qwen3Stage> stages;
     std::vector<d9d::pipeline::Stage> handles;
@@ -244,7 +292,7 @@ int main(int argc, char** argv) {
       std::vector<d9d::pipeline::Timeline::Slot> last;  // the last step's timeline
     };
     double last_loss = 0;  // this rank's share of the last step's loss (the last stage's rank)
-    const auto measure = [&](d9d::pipeline::Executor& executor) {
+    const auto measure = [&](d9d::pipeline::Executor& executor, bool profile) {
       Measured out;
       std::vector<double> step_ms;
       std::vector<double> shares;
@@ -254,6 +302,10 @@ int main(int argc, char** argv) {
         }
         synchronize(device);
         group.barrier();
+        const bool profiled = profile && step == warmup + steps - 1;
+        if (profiled) {
+          start_profiler(device);
+        }
         const d9d_bench::Stopwatch watch;
         const auto result = executor.run(inputs, loss);
         last_loss = 0;
@@ -263,6 +315,9 @@ int main(int argc, char** argv) {
         synchronize(device);
         group.barrier();
         const double ms = watch.seconds() * 1e3;
+        if (profiled) {
+          stop_profiler(profile_dir, rank);
+        }
         if (step < warmup) {
           continue;
         }
@@ -285,7 +340,7 @@ int main(int argc, char** argv) {
     std::vector<Measured> measured;
     measured.reserve(executors.size());
     for (auto& executor : executors) {
-      measured.push_back(measure(executor));
+      measured.push_back(measure(executor, !profile_dir.empty() && measured.empty()));
     }
     const auto mean = [&](Op op) {
       const auto& v = measured.front().costs[op];
@@ -362,6 +417,24 @@ int main(int argc, char** argv) {
         }
       }
       const double step = mode_step.front();
+      // Each rank's compute, to see how equal the stages are (the program's bubble below assumes
+      // equal stages).
+      std::string per_rank_text;
+      for (int r = 0; r < pp; ++r) {
+        const auto row = per_rank.narrow(0, r, 1).squeeze(0).cpu();
+        const auto* v = row.const_data_ptr<double>();
+        std::string layers;
+        if (program.stages() == pp) {  // one stage per rank: stage r on rank r
+          const auto& range = ranges[static_cast<std::size_t>(r)];
+          layers =
+              " layers [" + std::to_string(range.begin) + ", " + std::to_string(range.end) + "),";
+        }
+        char line[160];
+        std::snprintf(line, sizeof line,
+                      "  rank %d:%s F %.3f ms, B %.3f, I %.3f, W %.3f, busy %.1f%%\n", r,
+                      layers.c_str(), v[0], v[1], v[2], v[3], 100 * v[8]);
+        per_rank_text += line;
+      }
       const auto unit = d9d::pipeline::simulate(
           program, {.forward = 1, .backward_input = 1, .backward_weight = 1});
       // For an unsplit program B's measured cost is split evenly between I and W in the model.
@@ -383,6 +456,7 @@ int main(int argc, char** argv) {
           "  mean costs F %.3f ms, B %.3f ms, I %.3f ms, W %.3f ms\n"
           "  program's bubble: %.2f%% at the measured costs, %.2f%% at equal F/I/W costs\n",
           f, b, i, w, 100 * modelled.bubble_fraction(), 100 * unit.bubble_fraction());
+      std::fputs(per_rank_text.c_str(), stdout);
       if (!timeline_path.empty()) {
         const std::string title = schedule + " pp=" + std::to_string(pp) +
                                   " m=" + std::to_string(microbatches) + " " + preset_name +

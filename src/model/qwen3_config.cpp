@@ -6,6 +6,7 @@
 // with, rejected whenever set, or accepted and ignored because it does not change what the model
 // computes. Anything else is an unknown key. Reading never falls back to a default for the model's
 // shape, so a config d9d does not understand cannot load as a different model.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <iterator>
@@ -19,6 +20,7 @@
 
 #include <d9d/model/detail/config_reader.hpp>
 #include <d9d/model/qwen3.hpp>
+#include <d9d/model/stage_layers.hpp>
 
 namespace d9d::model {
 namespace {
@@ -386,6 +388,30 @@ int64_t Qwen3Config::non_embedding_parameter_count() const {
 
 int64_t Qwen3Config::parameter_count() const {
   return non_embedding_parameter_count() + vocab_size * hidden_size * (tie_word_embeddings ? 1 : 2);
+}
+
+VirtualLayers detail::qwen3_virtual_layers(const Qwen3Config& config, double mean_layer_parameters,
+                                           int64_t sequence_length) {
+  if (sequence_length < 0) {
+    throw std::invalid_argument("d9d::model::pipeline_virtual_layers: sequence_length = " +
+                                std::to_string(sequence_length) + " must be >= 0");
+  }
+  // Forward FLOPs per token: 2 per matmul parameter; causal attention multiplies each query by
+  // T / 2 keys on average, twice (scores and values), 2 FLOPs each.
+  const double attention = 2.0 * static_cast<double>(sequence_length) *
+                           static_cast<double>(config.num_attention_heads * config.head_dim);
+  const double layer = 2.0 * mean_layer_parameters + attention;
+  const double head = 2.0 * static_cast<double>(config.hidden_size * config.vocab_size);
+  return {.embedding = 0.5, .head = layer > 0 ? head / layer : 0.0};
+}
+
+VirtualLayers pipeline_virtual_layers(const Qwen3Config& config, int64_t sequence_length) {
+  const int64_t layers = std::max<int64_t>(config.num_hidden_layers, 1);
+  // Without the final norm; the layers' norms are counted too (a rounding error).
+  const auto per_layer =
+      static_cast<double>(config.non_embedding_parameter_count() - config.hidden_size) /
+      static_cast<double>(layers);
+  return detail::qwen3_virtual_layers(config, per_layer, sequence_length);
 }
 
 }  // namespace d9d::model

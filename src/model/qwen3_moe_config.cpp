@@ -12,6 +12,7 @@
 
 #include <d9d/model/detail/config_reader.hpp>
 #include <d9d/model/qwen3_moe.hpp>
+#include <d9d/model/stage_layers.hpp>
 
 namespace d9d::model {
 namespace {
@@ -258,6 +259,14 @@ int64_t Qwen3MoeConfig::active_non_embedding_parameter_count() const {
     }
   }
   return total;
+}
+
+VirtualLayers pipeline_virtual_layers(const Qwen3MoeConfig& config, int64_t sequence_length) {
+  const int64_t layers = std::max<int64_t>(config.num_hidden_layers, 1);
+  const auto per_layer =
+      static_cast<double>(config.active_non_embedding_parameter_count() - config.hidden_size) /
+      static_cast<double>(layers);
+  return detail::qwen3_virtual_layers(config, per_layer, sequence_length);
 }
 
 int64_t Qwen3MoeConfig::active_parameter_count() const {

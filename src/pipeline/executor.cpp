@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -160,6 +161,7 @@ struct Executor::Impl {
     if (batch.empty()) {
       return;
     }
+    RECORD_USER_SCOPE("d9d::pipeline::post");
     Pending posted{.requests = batch_isend_irecv(group, batch), .tensors = {}, .done = false};
     for (auto& op : batch) {
       posted.tensors.push_back(std::move(op.tensor));
@@ -179,6 +181,7 @@ struct Executor::Impl {
     if (trace) {
       std::fprintf(stderr, "[d9d pipeline rank %d] wait for batch %zu\n", rank, index);
     }
+    RECORD_USER_SCOPE("d9d::pipeline::wait");
     posted.requests.wait();
     posted.done = true;
     posted.tensors.clear();  // received tensors live on in `received` / `grad_output`
@@ -428,6 +431,8 @@ struct Executor::Impl {
         if (recorded) {
           recorder.mark(a, false);
         }
+        // A profiler's trace names each compute action (the name is built only while one runs).
+        RECORD_USER_SCOPE("d9d::pipeline::" + to_string(a));
         switch (a.op) {
           case Op::forward:
             forward(a, step_inputs, loss);

@@ -34,12 +34,14 @@ Model build_model_of(const Config& config, const ModelBuildContext& context) {
 }
 
 // A pipeline stage of a Qwen3-family model (dense or MoE): the layers distributed over the stages
-// (the embedding and the head weigh as one and two layers), on the context's device. A tied head on
+// with the embedding and the head weighed by their FLOPs at the run's sequence length
+// (d9d::model::pipeline_virtual_layers), on the context's device. A tied head on
 // a last stage other than the first holds a copy of the embedding (d9d/model/qwen3_stage.hpp).
 template <class Stage, class Config>
 Stage build_stage_of(const Config& config, const StageBuildContext& context) {
-  const auto ranges = model::distribute_layers(static_cast<int>(config.num_hidden_layers),
-                                               context.stages, {.embedding = 1, .head = 2});
+  const auto ranges =
+      model::distribute_layers(static_cast<int>(config.num_hidden_layers), context.stages,
+                               model::pipeline_virtual_layers(config, context.sequence_length));
   Stage stage(config, context.stage, context.stages,
               ranges[static_cast<std::size_t>(context.stage)]);
   stage->to(context.device);

@@ -8,6 +8,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <d9d/model/qwen3_moe.hpp>
+#include <d9d/model/stage_layers.hpp>
 #include <d9d/pipeline/picture.hpp>
 
 #include "tests/pipeline_run/pipeline_fixture.hpp"
@@ -37,6 +39,46 @@ TEST(Pipeline_Layers, EvenSplitsAndVirtualLayers) {
   EXPECT_EQ(total, 2);
   static_assert(distribute_layers(28, 4, {.embedding = 1.0, .head = 2.0}).back().end == 28);
   EXPECT_THROW((void)distribute_layers(4, 0), std::invalid_argument);
+}
+
+// The embedding's and the head's weights from FLOPs, computed here from the published shapes.
+TEST(Pipeline_Layers, VirtualLayersFromFlops) {
+  const d9d::model::Qwen3Config small;  // the defaults are Qwen3-0.6B's
+  // A decoder layer's matmul parameters: q and o 1024 x 2048, k and v 1024 x 1024, the MLP
+  // 3 x 1024 x 3072; the norms (2 x 1024 + 2 x 128) ride along.
+  const double layer_parameters =
+      2.0 * 1024 * 2048 + 2.0 * 1024 * 1024 + 3.0 * 1024 * 3072 + 2 * 1024 + 2 * 128;
+  const double attention = 2.0 * 2048 * 16 * 128;  // causal, at 2,048 tokens
+  const double head = 2.0 * 1024 * 151936;
+  const auto weights = d9d::model::pipeline_virtual_layers(small, 2048);
+  EXPECT_NEAR(weights.head, head / (2 * layer_parameters + attention), 1e-12);
+  EXPECT_NEAR(weights.head, 7.81, 0.01);
+  EXPECT_EQ(weights.embedding, 0.5);
+  // Two stages: 28 + 0.5 + 7.81 units, 18.15 each, so the first stage takes 18 layers.
+  EXPECT_EQ(distribute_layers(28, 2, weights), (std::vector<LayerRange>{{0, 18}, {18, 28}}));
+  // Without the sequence length the attention drops out and the head weighs more.
+  EXPECT_NEAR(d9d::model::pipeline_virtual_layers(small, 0).head, head / (2 * layer_parameters),
+              1e-12);
+  EXPECT_THROW((void)d9d::model::pipeline_virtual_layers(small, -1), std::invalid_argument);
+
+  // An 8B shape: the head weighs about three layers.
+  d9d::model::Qwen3Config big;
+  big.hidden_size = 4096;
+  big.intermediate_size = 12288;
+  big.num_hidden_layers = 36;
+  big.num_attention_heads = 32;
+  EXPECT_NEAR(d9d::model::pipeline_virtual_layers(big, 4096).head, 3.0, 0.25);
+
+  // MoE: a layer counts its active experts (top 8 of 128 at 768) and its router.
+  d9d::model::Qwen3MoeConfig moe;
+  moe.hidden_size = 2048;
+  moe.num_attention_heads = 32;
+  moe.num_key_value_heads = 4;
+  moe.num_hidden_layers = 48;
+  const double moe_layer = 2.0 * 2048 * 4096 + 2.0 * 2048 * 512 + 8.0 * 3 * 2048 * 768 +
+                           128.0 * 2048 + 2 * 2048 + 2 * 128;
+  EXPECT_NEAR(d9d::model::pipeline_virtual_layers(moe, 4096).head,
+              2.0 * 2048 * 151936 / (2 * moe_layer + 2.0 * 4096 * 32 * 128), 1e-12);
 }
 
 TEST(Pipeline_Qwen3Stage, StagesComposeToTheWholeModel) {

@@ -5,10 +5,15 @@
 
 Prints the d9d phases (host time per step, from the user annotations), the GPU kernel time per
 step and its launches, the kernels by total time per step, and each stream's busy time against
-the traced span (what the compute stream leaves idle).
+the traced span (what the compute stream leaves idle), and then the compute stream's idle gaps:
+whether the host had not yet launched the next kernel ("host late") or had launched it and the
+stream was waiting ("stream waited"), the d9d annotation and the operator the host was inside
+when the stream ran dry, and the synchronising runtime calls during the gap.
 """
+import bisect
 import collections
 import json
+import re
 import sys
 
 
@@ -20,7 +25,9 @@ def main() -> None:
     phases = collections.defaultdict(float)
     for e in events:
         if e.get("cat") == "user_annotation" and e["name"].startswith("d9d::"):
-            phases[e["name"]] += e["dur"] / 1000 / steps
+            # The pipeline's actions ("d9d::pipeline::2F3") by stage and kind.
+            name = re.sub(r"^(d9d::pipeline::\d+[A-Z]+)\d+$", r"\1", e["name"])
+            phases[name] += e["dur"] / 1000 / steps
     print("phases (ms per step, host time):")
     for name, ms in sorted(phases.items(), key=lambda x: -x[1]):
         print(f"  {ms:9.2f}  {name}")
@@ -51,6 +58,94 @@ def main() -> None:
         nccl = sum(e["dur"] for e in kernels_on if "nccl" in e["name"].lower())
         print(f"  stream {tid}: {busy / 1000 / steps:9.2f} ms busy ({100 * busy / span:5.1f}% of the "
               f"span), of which NCCL {nccl / 1000 / steps:.2f} ms, {len(kernels_on) // steps} kernels")
+
+    gaps(events, steps)
+
+
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+         "cudaMemcpyAsync", "cudaStreamWaitEvent", "cudaMalloc", "cudaFree", "cudaHostAlloc")
+
+
+class Spans:
+    """Host spans of one kind (annotations or operators), innermost lookup at a time."""
+
+    def __init__(self, spans):
+        self.spans = sorted(spans, key=lambda e: e["ts"])
+        self.starts = [e["ts"] for e in self.spans]
+
+    def innermost(self, t, tid=None):
+        best = None
+        k = bisect.bisect_right(self.starts, t)
+        for e in self.spans[max(0, k - 4000):k]:
+            if e["ts"] <= t <= e["ts"] + e["dur"] and (tid is None or e.get("tid") == tid):
+                if best is None or e["dur"] < best["dur"]:
+                    best = e
+        return best
+
+
+def gaps(events, steps, threshold_us=5.0, top=20):
+    """The compute stream's idle gaps, classified (see the module's text)."""
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not device:
+        return
+    busy = collections.Counter()
+    for e in device:
+        if "nccl" not in e["name"].lower():
+            busy[e.get("tid")] += e["dur"]
+    stream = busy.most_common(1)[0][0]
+    on = sorted((e for e in device if e.get("tid") == stream), key=lambda e: e["ts"])
+    launches = {}
+    runtime = []
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            runtime.append(e)
+            c = e.get("args", {}).get("correlation")
+            if c is not None:
+                launches[c] = e
+    runtime.sort(key=lambda e: e["ts"])
+    runtime_starts = [e["ts"] for e in runtime]
+    annotations = Spans(e for e in events
+                        if e.get("cat") == "user_annotation" and e["name"].startswith("d9d::"))
+    operators = Spans(e for e in events if e.get("cat") == "cpu_op")
+    classes = collections.Counter()
+    counts = collections.Counter()
+    rows = collections.defaultdict(lambda: [0.0, 0])
+    syncs = collections.Counter()
+    idle = 0.0
+    for prev, nxt in zip(on, on[1:]):
+        start, end = prev["ts"] + prev["dur"], nxt["ts"]
+        if end - start < threshold_us:
+            continue
+        idle += end - start
+        launch = launches.get(nxt.get("args", {}).get("correlation"))
+        late = launch is not None and launch["ts"] > start
+        kind = "host late" if late else "stream waited"
+        classes[kind] += end - start
+        counts[kind] += 1
+        where = annotations.innermost(launch["ts"] if launch else end)
+        tid = launch.get("tid") if launch else None
+        doing = operators.innermost(start, tid) if late else None
+        key = (kind, where["name"] if where else "-", doing["name"] if doing else "-")
+        rows[key][0] += end - start
+        rows[key][1] += 1
+        lo = bisect.bisect_left(runtime_starts, start - 1e6)
+        for r in runtime[lo: bisect.bisect_right(runtime_starts, end)]:
+            overlap = min(end, r["ts"] + r["dur"]) - max(start, r["ts"])
+            if overlap > 0 and r["name"] in SYNCS:
+                syncs[r["name"]] += overlap
+    span = on[-1]["ts"] + on[-1]["dur"] - on[0]["ts"]
+    print(f"compute stream {stream}: gaps >= {threshold_us:.0f} us add up to {idle / 1000 / steps:.2f}"
+          f" ms per step ({100 * idle / span:.1f}% of its span)")
+    for kind, us in classes.most_common():
+        print(f"  {kind:<14} {us / 1000 / steps:8.2f} ms per step in {counts[kind] // steps} gaps")
+    print("  by the annotation of the next launch and the operator the host was in when the stream "
+          "ran dry:")
+    for (kind, where, doing), (us, n) in sorted(rows.items(), key=lambda x: -x[1][0])[:top]:
+        print(f"  {us / 1000 / steps:8.2f} ms x{n // max(steps, 1):<4d} {kind:<13} "
+              f"{where[:40]:<40} {doing[:60]}")
+    if syncs:
+        print("  runtime calls overlapping the gaps (ms per step): " + ", ".join(
+            f"{name} {us / 1000 / steps:.2f}" for name, us in syncs.most_common()))
 
 
 if __name__ == "__main__":

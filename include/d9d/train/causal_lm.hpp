@@ -32,7 +32,8 @@ struct CausalLmBatch {
 
 /// Builds Qwen3ForCausalLM from the "model" section, or under a pipeline plan one stage of it
 /// (d9d::model::Qwen3Stage; decoder layers spread by d9d::model::distribute_layers with the
-/// embedding and the LM head counted as 1 and 2 layers). Both initialise parameters by name, so a
+/// embedding and the LM head weighed by d9d::model::pipeline_virtual_layers at the run's sequence
+/// length). Both initialise parameters by name, so a
 /// stage starts with the whole model's values. A tied head on several stages: the last stage holds
 /// a copy of the embedding under its name (d9d/model/qwen3_stage.hpp).
 class Qwen3Provider {

@@ -70,6 +70,9 @@ struct StageBuildContext {
   std::string config_json = "{}";  ///< the "model" section of the trainer config
   int stage = 0;                   ///< 0 .. stages - 1
   int stages = 1;                  ///< pp x stages per rank
+  /// Tokens per sequence of the run's batches (0: unknown), for balancing the stages' costs
+  /// (d9d::model::pipeline_virtual_layers).
+  int64_t sequence_length = 0;
 };
 
 /// What a dataset provider gets: its config section and the run's sample shape and seed.

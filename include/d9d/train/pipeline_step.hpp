@@ -172,7 +172,8 @@ struct step_component<Schedule> {
                                                         .mesh = &in.mesh,
                                                         .config_json = in.config.section("model"),
                                                         .stage = s,
-                                                        .stages = program.stages()});
+                                                        .stages = program.stages(),
+                                                        .sequence_length = t});
       sizes[s] = [stage, b, t] { return stage->input_sizes(b, t); };
       sizes[s + 1] = [stage, b, t] { return stage->output_sizes(b, t); };
       out.stages.emplace_back(
