@@ -362,24 +362,116 @@ class UnmergeOnExit {
 
 }  // namespace
 
+std::vector<std::string> AdapterContents::tensor_names() const {
+  std::set<std::string> adapter_names;
+  std::vector<std::string> out;
+  for (const auto& layer : layers) {
+    for (const char* suffix : {".lora_A.weight", ".lora_B.weight"}) {
+      adapter_names.insert(layer.name + suffix);
+      out.push_back(layer.name + suffix);
+    }
+  }
+  // Other parameters that train go along as peft's modules_to_save: every parameter of their
+  // modules (peft replaces the whole module with the saved copy).
+  std::set<std::string> to_save;
+  for (const auto& [name, trains] : parameters) {
+    if (trains && adapter_names.count(name) == 0) {
+      to_save.insert(owner_of(name));
+    }
+  }
+  for (const auto& [name, trains] : parameters) {
+    if (adapter_names.count(name) == 0 && to_save.count(owner_of(name)) > 0) {
+      out.push_back(name);
+    }
+  }
+  return out;
+}
+
+void AdapterContents::merge(const AdapterContents& other) {
+  const auto append_new = [](auto& into, const auto& from, const auto& key) {
+    for (const auto& item : from) {
+      if (std::none_of(into.begin(), into.end(),
+                       [&](const auto& known) { return key(known) == key(item); })) {
+        into.push_back(item);
+      }
+    }
+  };
+  append_new(layers, other.layers, [](const Layer& l) { return l.name; });
+  append_new(modules, other.modules, [](const std::string& m) { return m; });
+  append_new(parameters, other.parameters,
+             [](const std::pair<std::string, bool>& p) { return p.first; });
+}
+
+std::string AdapterContents::to_json() const {
+  Json out = {{"layers", Json::array()}, {"modules", modules}, {"parameters", Json::array()}};
+  for (const auto& layer : layers) {
+    const auto& o = layer.options;
+    out["layers"].push_back({layer.name, o.rank, o.alpha, o.dropout, o.rslora});
+  }
+  for (const auto& [name, trains] : parameters) {
+    out["parameters"].push_back({name, trains});
+  }
+  return out.dump();
+}
+
+AdapterContents AdapterContents::from_json(const std::string& text) {
+  const auto json = Json::parse(text);
+  AdapterContents out;
+  for (const auto& layer : json.at("layers")) {
+    out.layers.push_back({.name = layer.at(0).get<std::string>(),
+                          .options = {.rank = layer.at(1).get<int64_t>(),
+                                      .alpha = layer.at(2).get<double>(),
+                                      .dropout = layer.at(3).get<double>(),
+                                      .rslora = layer.at(4).get<bool>()}});
+  }
+  out.modules = json.at("modules").get<std::vector<std::string>>();
+  for (const auto& parameter : json.at("parameters")) {
+    out.parameters.emplace_back(parameter.at(0).get<std::string>(), parameter.at(1).get<bool>());
+  }
+  return out;
+}
+
+AdapterContents adapter_contents(const torch::nn::Module& model) {
+  AdapterContents out;
+  for (const auto& layer : lora_layers(model)) {
+    out.layers.push_back({.name = layer.name, .options = layer.adapter->options()});
+  }
+  for (const auto& item : module_names(model)) {
+    out.modules.push_back(item.first);
+  }
+  for (const auto& item : model.named_parameters()) {
+    out.parameters.emplace_back(item.key(), item.value().requires_grad());
+  }
+  return out;
+}
+
 void save_adapter(const torch::nn::Module& model, const std::string& dir,
                   const AdapterExportOptions& options) {
   const char* who = "d9d::peft::save_adapter";
-  const auto layers = lora_layers(model);
+  const auto named = model.named_parameters();
+  save_adapter(
+      adapter_contents(model), dir,
+      [&](const std::string& name) {
+        const auto& local = named[name];
+        return options.whole_tensor ? options.whole_tensor(name, local) : whole(local, name, who);
+      },
+      options);
+}
+
+void save_adapter(const AdapterContents& contents, const std::string& dir,
+                  const std::function<at::Tensor(const std::string& name)>& tensor,
+                  const AdapterExportOptions& options) {
+  const char* who = "d9d::peft::save_adapter";
+  const auto& layers = contents.layers;
   if (layers.empty()) {
     throw std::invalid_argument(std::string(who) +
                                 ": the model has no LoRA adapter. Fix: train it with a plan whose "
                                 "peft slot has a d9d::peft::Lora, or d9d::peft::apply_stack");
   }
-  const auto whole_of = [&](const std::string& name, const at::Tensor& tensor) {
-    return options.whole_tensor ? options.whole_tensor(name, tensor) : whole(tensor, name, who);
-  };
-  const auto& first = layers.front().adapter->options();
-  state::NamedTensors tensors;
+  const auto& first = layers.front().options;
   Json rank_pattern = Json::object();
   Json alpha_pattern = Json::object();
-  for (const auto& [name, layer, adapter] : layers) {
-    const auto& o = adapter->options();
+  for (const auto& [name, o] : layers) {
     if (o.rslora != first.rslora) {
       throw std::invalid_argument(std::string(who) + ": " + name +
                                   " mixes rsLoRA and plain scaling with " + layers.front().name +
@@ -391,48 +483,32 @@ void save_adapter(const torch::nn::Module& model, const std::string& dir,
     if (o.alpha != first.alpha) {
       alpha_pattern[regex_escape(name)] = number(o.alpha);
     }
-    for (const auto& [suffix, weight] :
-         {std::pair<std::string, const at::Tensor*>{".lora_A.weight", &adapter->lora_A->weight},
-          {".lora_B.weight", &adapter->lora_B->weight}}) {
-      tensors.emplace_back(kPrefix + name + suffix,
-                           whole_of(name + suffix, *weight).detach().to(at::kCPU, options.dtype));
-    }
   }
-  // Other parameters that train go along as peft's modules_to_save: every parameter of their
-  // modules (peft replaces the whole module with the saved copy).
-  const auto adapter_names = adapter_parameter_names(layers);
+  state::NamedTensors tensors;
   std::vector<std::string> modules_to_save;
-  const auto parameters = model.named_parameters();
-  for (const auto& item : parameters) {
-    const auto owner = owner_of(item.key());
-    if (item.value().requires_grad() && adapter_names.count(item.key()) == 0 &&
+  std::set<std::string> adapted;
+  for (const auto& layer : layers) {
+    adapted.insert(layer.name);
+  }
+  for (const auto& name : contents.tensor_names()) {
+    tensors.emplace_back(kPrefix + name, tensor(name).detach().to(at::kCPU, options.dtype));
+    const auto owner = owner_of(name);
+    if (adapted.count(owner_of(owner)) == 0 &&
         std::find(modules_to_save.begin(), modules_to_save.end(), owner) == modules_to_save.end()) {
       modules_to_save.push_back(owner);
-    }
-  }
-  for (const auto& item : parameters) {
-    const auto owner = owner_of(item.key());
-    if (adapter_names.count(item.key()) == 0 &&
-        std::find(modules_to_save.begin(), modules_to_save.end(), owner) != modules_to_save.end()) {
-      tensors.emplace_back(kPrefix + item.key(),
-                           whole_of(item.key(), item.value()).detach().to(at::kCPU, options.dtype));
     }
   }
 
   // target_modules: a layer's last name component when every module of that name is adapted
   // ("q_proj"), else the full names; either way peft adapts exactly these layers.
   std::vector<std::string> targets;
-  std::set<std::string> adapted;
-  for (const auto& layer : layers) {
-    adapted.insert(layer.name);
-  }
-  const auto all = module_names(model);
   for (const auto& layer : layers) {
     const auto last = last_component(layer.name);
-    const bool all_of_kind = std::all_of(all.begin(), all.end(), [&](const auto& item) {
-      const bool same = item.first == last || ends_with(item.first, "." + last);
-      return !same || adapted.count(item.first) > 0;
-    });
+    const bool all_of_kind =
+        std::all_of(contents.modules.begin(), contents.modules.end(), [&](const auto& module) {
+          const bool same = module == last || ends_with(module, "." + last);
+          return !same || adapted.count(module) > 0;
+        });
     const auto target = all_of_kind ? last : layer.name;
     if (std::find(targets.begin(), targets.end(), target) == targets.end()) {
       targets.push_back(target);

@@ -173,10 +173,12 @@ ExportResult export_whole_model(const parallel::ParallelModel& parallel,
 
 namespace {
 
-// One of this rank's stages: its parameters and their mapper.
+// One of this rank's stages: its parameters, their mapper (without the adapters' own) and its
+// adapted layers by weight name.
 struct StagePart {
   torch::OrderedDict<std::string, at::Tensor> named;
   state::Mapper mapper;
+  std::map<std::string, peft::LoraLayer> adapted;
 };
 
 // One mapper group of one stage, as every rank of the pp group knows it.
@@ -195,11 +197,19 @@ std::map<int, StagePart> stage_parts(const parallel::ParallelModel& parallel,
   std::map<int, StagePart> parts;
   mine = nlohmann::json::array();
   for (std::size_t i = 0; i < stages.size() && i < indices.size(); ++i) {
-    StagePart part{.named = stages[i]->named_parameters(), .mapper = {}};
+    StagePart part{.named = stages[i]->named_parameters(), .mapper = {}, .adapted = {}};
+    std::set<std::string> adapter_parameters;
+    for (const auto& layer : peft::lora_layers(*stages[i])) {
+      part.adapted.emplace(layer.name + ".weight", layer);
+      adapter_parameters.insert(layer.name + ".lora_A.weight");
+      adapter_parameters.insert(layer.name + ".lora_B.weight");
+    }
     std::vector<std::string> names;
     names.reserve(part.named.size());
     for (const auto& item : part.named) {
-      names.push_back(item.key());
+      if (adapter_parameters.count(item.key()) == 0) {
+        names.push_back(item.key());
+      }
     }
     part.mapper = mapper_for(request, names);
     nlohmann::json groups = nlohmann::json::array();
@@ -273,6 +283,32 @@ Shapes unique_shapes(const std::vector<Entry>& entries) {
   return shapes;
 }
 
+// Brings `tensors` (computed on pp rank `owner`, one per shape) to pp rank 0 on the main rank's
+// pp group: the owner sends them, pp rank 0 appends what it receives. Other ranks, and every rank
+// of the other pp groups, do nothing.
+void to_first_rank(const ProcessGroup& pp, int pp_rank, bool main_line, int owner,
+                   const Shapes& shapes, at::ScalarType dtype, std::vector<at::Tensor>& tensors) {
+  if (!main_line || owner == 0 || (owner != pp_rank && pp_rank != 0)) {
+    return;
+  }
+  std::vector<P2POp> ops;
+  ops.reserve(shapes.size());
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    if (owner == pp_rank) {
+      ops.push_back(
+          {.kind = P2POp::Kind::send, .tensor = tensors[i], .peer = 0, .tag = static_cast<int>(i)});
+    } else {
+      tensors.push_back(
+          at::empty(shapes[i].second, at::TensorOptions().dtype(dtype).device(pp.device())));
+      ops.push_back({.kind = P2POp::Kind::recv,
+                     .tensor = tensors.back(),
+                     .peer = owner,
+                     .tag = static_cast<int>(i)});
+    }
+  }
+  batch_isend_irecv(pp, ops).wait();
+}
+
 // One entry's tensors on this rank: computed by every rank of the owner's pp coordinate
 // (gathering sharded parts is collective over those), then sent by the owner on the main rank's
 // pp group to pp rank 0 (in the export dtype). Empty on ranks that neither own nor receive it.
@@ -286,33 +322,92 @@ std::vector<at::Tensor> entry_tensors(const parallel::ParallelModel& parallel,
     auto& part = parts.at(entry.stage);
     state::TensorMap inputs;
     for (const auto& key : part.mapper.groups()[entry.group].inputs) {
-      inputs.emplace(key, whole_parameter(parallel, key, part.named[key]));
+      auto value = whole_parameter(parallel, key, part.named[key]);
+      // An adapted weight goes out with its adapter merged in (collective like the weight's
+      // gather: every rank of the owner's pp coordinate runs the same entries in order).
+      if (const auto it = part.adapted.find(key);
+          it != part.adapted.end() && !it->second.adapter->merged()) {
+        const auto& layer = it->second;
+        const auto a = layer.name + ".lora_A.weight";
+        const auto b = layer.name + ".lora_B.weight";
+        value = peft::merged_weight(value, whole_parameter(parallel, a, part.named[a]),
+                                    whole_parameter(parallel, b, part.named[b]),
+                                    layer.adapter->options());
+      }
+      inputs.emplace(key, std::move(value));
     }
     auto outputs = part.mapper.apply(entry.group, std::move(inputs));
     for (const auto& output : entry.outputs) {
       tensors.push_back(outputs.at(output.first).to(dtype).contiguous());
     }
   }
-  if (!main_line || entry.owner == 0 || (entry.owner != pp_rank && pp_rank != 0)) {
-    return tensors;
+  to_first_rank(pp, pp_rank, main_line, entry.owner, entry.outputs, dtype, tensors);
+  return tensors;
+}
+
+// Every pipeline stage's adapters as one peft adapter, written by the main rank: each stage
+// describes its part (AdapterContents and the shapes of its parameters), the parts merge in
+// stage order, and each file tensor's owner gathers it whole and sends it to pp rank 0 (the main
+// rank's pp group only). False when no stage has an adapter.
+bool export_stage_adapters(const parallel::ParallelModel& parallel, std::map<int, StagePart>& parts,
+                           const std::vector<std::shared_ptr<torch::nn::Module>>& stages,
+                           const std::vector<int>& indices, const ProcessGroup& pp, int pp_rank,
+                           bool main_line, const ExportRequest& request) {
+  nlohmann::json mine = nlohmann::json::array();
+  for (std::size_t i = 0; i < stages.size() && i < indices.size(); ++i) {
+    nlohmann::json shapes = nlohmann::json::object();
+    for (const auto& item : stages[i]->named_parameters()) {
+      shapes[item.key()] = global_shape(parallel, item.key(), item.value());
+    }
+    mine.push_back({{"stage", indices[i]},
+                    {"owner", pp_rank},
+                    {"contents", peft::adapter_contents(*stages[i]).to_json()},
+                    {"shapes", std::move(shapes)}});
   }
-  std::vector<P2POp> ops;
-  ops.reserve(entry.outputs.size());
-  for (std::size_t i = 0; i < entry.outputs.size(); ++i) {
-    if (entry.owner == pp_rank) {
-      ops.push_back(
-          {.kind = P2POp::Kind::send, .tensor = tensors[i], .peer = 0, .tag = static_cast<int>(i)});
-    } else {
-      tensors.push_back(
-          at::empty(entry.outputs[i].second, at::TensorOptions().dtype(dtype).device(pp.device())));
-      ops.push_back({.kind = P2POp::Kind::recv,
-                     .tensor = tensors.back(),
-                     .peer = entry.owner,
-                     .tag = static_cast<int>(i)});
+  std::vector<std::string> every = {mine.dump()};
+  if (pp.size() > 1) {
+    every = all_gather_bytes(pp, every.front());
+  }
+  std::map<int, nlohmann::json> by_stage;
+  for (const auto& bytes : every) {
+    for (auto& stage : nlohmann::json::parse(bytes)) {
+      const int index = stage.at("stage").get<int>();  // before the move (json's = takes a value)
+      by_stage[index] = std::move(stage);
     }
   }
-  batch_isend_irecv(pp, ops).wait();
-  return tensors;
+  peft::AdapterContents contents;
+  for (const auto& [index, stage] : by_stage) {
+    contents.merge(peft::AdapterContents::from_json(stage.at("contents").get<std::string>()));
+  }
+  if (contents.layers.empty()) {
+    return false;
+  }
+  std::map<std::string, at::Tensor> file;
+  for (const auto& name : contents.tensor_names()) {
+    // The first stage holding the tensor owns it (a tied copy on a later stage is the same).
+    const auto holder = std::find_if(by_stage.begin(), by_stage.end(), [&](const auto& item) {
+      return item.second.at("shapes").contains(name);
+    });
+    const int stage = holder->first;
+    const int owner = holder->second.at("owner").get<int>();
+    const Shapes shape = {{name, holder->second.at("shapes").at(name).get<std::vector<int64_t>>()}};
+    std::vector<at::Tensor> tensors;
+    if (owner == pp_rank) {
+      auto& part = parts.at(stage);
+      tensors.push_back(
+          whole_parameter(parallel, name, part.named[name]).to(request.dtype).contiguous());
+    }
+    to_first_rank(pp, pp_rank, main_line, owner, shape, request.dtype, tensors);
+    if (!tensors.empty()) {
+      file[name] = tensors.front();
+    }
+  }
+  if (parallel.mesh().context().is_main_process()) {
+    peft::save_adapter(contents, request.adapter_dir,
+                       [&](const std::string& name) { return file.at(name); },
+                       {.dtype = request.dtype});
+  }
+  return true;
 }
 
 }  // namespace
@@ -351,10 +446,13 @@ ExportResult export_stages(const parallel::ParallelModel& parallel,
   if (out) {
     out->commit();
   }
+  const bool adapters =
+      export_stage_adapters(parallel, parts, stages, indices, pp, pp_rank, main_line, request);
   mesh.context().barrier();
   ExportResult result;
   if (main) {
     result.model_dir = request.dir;
+    result.adapter_dir = adapters ? request.adapter_dir : std::string();
   }
   return result;
 }

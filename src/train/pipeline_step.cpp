@@ -9,7 +9,6 @@
 
 #include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/optim/lr_schedule.hpp>
-#include <d9d/peft/lora.hpp>
 #include <d9d/pipeline/picture.hpp>
 #include <d9d/track/svg.hpp>
 #include <d9d/train/detail/export.hpp>
@@ -35,18 +34,7 @@ void require_sequence_length(const TrainerConfig& config) {
   }
 }
 
-void check_pipeline_config(const TrainerConfig& config, const RankStages& stages) {
-  if (config.export_model.enabled) {
-    for (const auto& stage : stages.stages) {
-      if (peft::has_lora(*stage.first)) {
-        throw ConfigError(
-            "d9d config: \"export.enabled\" with LoRA adapters under a pipeline plan is not "
-            "supported yet (the merged model and the adapter are written from the whole model). "
-            "Fix: set \"export\": {\"enabled\": false} and save training checkpoints, or "
-            "train the adapters without a pipeline schedule");
-      }
-    }
-  }
+void check_pipeline_config(const TrainerConfig& config) {
   if (config.cuda_graphs.enabled) {
     throw ConfigError(
         "d9d config: \"cuda_graphs\" captures the microbatches of a step without a pipeline "

@@ -4,9 +4,9 @@
 // ZeroBubbleH1, whose W actions compute the adapters' weight gradients), and under tensor
 // parallelism (tp 2, with sequence parallelism, tp 2 x FullyShard 2, tp 2 x pp 2): losses,
 // gradient norms, trained parameters, the frozen base (gathered from its tp shards, unchanged) and
-// the exported adapter and merged model. Also the adapters' gradients under tp 2 against one
-// process (the split factors' are slices, the whole factors' partial sums over tp) and a training
-// checkpoint of LoRA under tp 2 resumed in one process and back.
+// the exported adapter and merged model (also from the pipelines). Also the adapters' gradients
+// under tp 2 against one process (the split factors' are slices, the whole factors' partial sums
+// over tp) and a training checkpoint of LoRA under tp 2 resumed in one process and back.
 #include <map>
 #include <string>
 #include <vector>
@@ -108,12 +108,24 @@ TEST(Peft_Lora_ws2, PipelineMatchesOneProcess) {
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
     const auto ctx = d9d::testing::rank_context(env);
     const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
-    const auto want = reference<LoraStack>(env, ctx);
+    const auto want = reference<LoraStack>(env, ctx, /*outputs=*/true);
     using PpMesh = d9d::mesh<d9d::pp<d9d::dynamic>>;
-    d9d::testing::expect_same_run(
-        train_plan<d9d::Plan<PpMesh, d9d::pipeline::OneFOneB<>, LoraStack, Fp64>>(
-            ctx, run_config(dir + "/1f1b", R"({"pp": 2})")),
-        want, "LoRA, pp 2, 1F1B");
+    const auto got = train_plan<d9d::Plan<PpMesh, d9d::pipeline::OneFOneB<>, LoraStack, Fp64>>(
+        ctx, run_config(dir + "/1f1b", R"({"pp": 2})", /*outputs=*/true));
+    d9d::testing::expect_same_run(got, want, "LoRA, pp 2, 1F1B");
+    // The export: each stage's adapters (and the embedding and the final norm, trained, on
+    // different stages) in one peft adapter, and the merged model, as one process writes them.
+    if (env.rank() == 0) {
+      ASSERT_FALSE(got.result.adapter_dir.empty());
+      expect_same_file(got.result.adapter_dir + "/adapter_model.safetensors",
+                       want.result.adapter_dir + "/adapter_model.safetensors");
+      EXPECT_EQ(d9d::model::read_text_file(got.result.adapter_dir + "/adapter_config.json"),
+                d9d::model::read_text_file(want.result.adapter_dir + "/adapter_config.json"));
+      expect_same_file(got.result.export_dir + "/model.safetensors",
+                       want.result.export_dir + "/model.safetensors");
+    } else {
+      EXPECT_TRUE(got.result.adapter_dir.empty()) << "the main rank writes";
+    }
     d9d::testing::expect_same_run(
         train_plan<d9d::Plan<PpMesh, d9d::pipeline::ZeroBubbleH1<>, LoraStack, Fp64>>(
             ctx, run_config(dir + "/zb", R"({"pp": 2})")),
@@ -425,12 +437,16 @@ TEST(Peft_Lora_ws4, TensorParallelTimesFullyShardAndPipelineMatchOneProcess) {
         train_lora<d9d::Plan<TpShardMesh, TpSp, d9d::parallel::Fsdp, TpLoraStack, Fp64>>(
             ctx, run_config(dir + "/sp_fsdp", R"({"dp_shard": 2, "tp": 2})")),
         want, "LoRA, tp 2 + sequence parallel x FullyShard 2");
-    // tp 2 x pp 2: ZeroBubbleH1's W actions compute the split adapters' weight gradients.
+    // tp 2 x pp 2: ZeroBubbleH1's W actions compute the split adapters' weight gradients; the
+    // export gathers each stage's tp shards and sends them to the main rank.
     using TpPpMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::tp<d9d::dynamic>>;
-    expect_same_lora_run(
+    const auto piped =
         train_lora<d9d::Plan<TpPpMesh, Tp, d9d::pipeline::ZeroBubbleH1<>, TpLoraStack, Fp64>>(
-            ctx, run_config(dir + "/zb", R"({"pp": 2, "tp": 2})")),
-        want, "LoRA, tp 2 x pp 2, ZeroBubbleH1");
+            ctx, run_config(dir + "/zb", R"({"pp": 2, "tp": 2})", /*outputs=*/true));
+    expect_same_lora_run(piped, want, "LoRA, tp 2 x pp 2, ZeroBubbleH1");
+    if (env.rank() == 0) {
+      expect_same_exports(piped, want);
+    }
   });
 }
 

@@ -32,6 +32,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <c10/core/ScalarType.h>
@@ -136,6 +137,38 @@ struct AdapterExportOptions {
 /// adapter, and every other parameter that trains (as peft's modules_to_save). Creates `dir`.
 /// std::invalid_argument when the model has no adapter.
 void save_adapter(const torch::nn::Module& model, const std::string& dir,
+                  const AdapterExportOptions& options = {});
+
+/// What an adapter file says about a model, without its tensors: the adapted layers in module
+/// order, every module's name (peft's target_modules names a kind of layer only when every layer
+/// of that kind is adapted) and every parameter with whether it trains (modules_to_save). Pipeline
+/// stages each describe their part; merged in stage order they describe the whole model, so the
+/// rank that writes need not hold it.
+struct AdapterContents {
+  struct Layer {
+    std::string name;
+    LoraOptions options;
+  };
+  std::vector<Layer> layers;
+  std::vector<std::string> modules;                      ///< without the adapters' own
+  std::vector<std::pair<std::string, bool>> parameters;  ///< name, trains
+
+  /// The file's tensors by model name (without peft's prefix), in the file's order: each
+  /// adapter's lora_A and lora_B, then every parameter of the modules to save.
+  [[nodiscard]] std::vector<std::string> tensor_names() const;
+  /// Appends `other`'s layers, modules and parameters not seen yet (a later pipeline stage).
+  void merge(const AdapterContents& other);
+  [[nodiscard]] std::string to_json() const;
+  static AdapterContents from_json(const std::string& text);
+};
+
+/// The contents of `model` (a whole model or one pipeline stage).
+[[nodiscard]] AdapterContents adapter_contents(const torch::nn::Module& model);
+
+/// save_adapter from contents: `tensor(name)` gives the whole value of each of
+/// contents.tensor_names(). std::invalid_argument when the contents have no adapter.
+void save_adapter(const AdapterContents& contents, const std::string& dir,
+                  const std::function<at::Tensor(const std::string& name)>& tensor,
                   const AdapterExportOptions& options = {});
 
 /// What peft's PeftModel.from_pretrained(model, dir) does, for a model without adapters: reads

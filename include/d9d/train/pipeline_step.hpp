@@ -94,9 +94,8 @@ class PipelineStepCore final : public StepCore {
 /// naming the fix when it is not given.
 void require_sequence_length(const TrainerConfig& config);
 
-/// The config rules of the pipelined step: no CUDA graphs, no LoRA export (ConfigErrors naming
-/// the fix).
-void check_pipeline_config(const TrainerConfig& config, const RankStages& stages);
+/// The config rules of the pipelined step: no CUDA graphs (a ConfigError naming the fix).
+void check_pipeline_config(const TrainerConfig& config);
 
 /// The dtype activations cross stages in: that of the stages' floating-point parameters (what
 /// the residual stream computes in; bf16 autocast keeps it there too), i.e. the precision's
@@ -203,7 +202,7 @@ struct step_component<Schedule> {
       Composition<detail::RankStages> composed, std::shared_ptr<Task> task,
       std::function<void(const LossOutput&, const std::any&)> after_microbatch,
       const TrainerConfig& config, TrainStepOptions options) {
-    detail::check_pipeline_config(config, composed.modules);
+    detail::check_pipeline_config(config);
     detail::PipelineParts parts{.stages = std::move(composed.modules), .input = {}, .loss = {}};
     const auto& contributions = composed.contributions;
     const auto share = contributions.sequence_part(*composed.mesh);

@@ -25,7 +25,8 @@ ExportResult export_whole_model(const parallel::ParallelModel& parallel,
 /// The whole model from a pipeline's stages, as export_whole_model writes it: each stage's owners
 /// map their parameters (the mapper, per stage), the main rank writes every tensor in key order,
 /// one mapper group at a time; a tensor an earlier stage wrote (a tied embedding's copy) is
-/// written once.
+/// written once. With LoRA adapters on any stage the checkpoint is the merged model, and the main
+/// rank writes the adapters of every stage as one peft adapter to request.adapter_dir.
 ExportResult export_stages(const parallel::ParallelModel& parallel,
                            const std::vector<std::shared_ptr<torch::nn::Module>>& stages,
                            const pipeline::Program& program, const ExportRequest& request);
