@@ -101,15 +101,20 @@ void update_rows(d9d::metrics::MetricCollection& m, const Dataset& d, int64_t be
 
 double abs_sum(const at::Tensor& t) { return t.abs().sum().item<double>(); }
 
-TEST(Metrics_Collection_Gloo_ws3, SyncedValuesEqualSingleProcessValues) {
-  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(3);
-  d9d::testing::run_on_ranks({.world_size = 3}, [](RankEnv& env) {
+// 2 ranks (so that two GPUs run it under NCCL) and 3.
+class Metrics_Gloo : public ::testing::TestWithParam<int> {};
+
+TEST_P(Metrics_Gloo, SyncedValuesEqualSingleProcessValues) {
+  const int world = GetParam();
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(world);
+  d9d::testing::run_on_ranks({.world_size = world}, [world](RankEnv& env) {
     const auto ctx = d9d::testing::rank_context(env);
     const auto device = ctx.world().device();
     const auto data = make_dataset();
 
-    // Uneven parts: 200, 450 and 350 rows.
-    const int64_t bounds[] = {0, 200, 650, kRows};
+    // Uneven parts: 200, 450 and 350 rows (3 ranks); 350 and 650 (2).
+    const auto bounds =
+        world == 3 ? std::vector<int64_t>{0, 200, 650, kRows} : std::vector<int64_t>{0, 350, kRows};
     auto metrics = make_metrics();
     update_rows(metrics, data, bounds[env.rank()], bounds[env.rank() + 1], device);
     metrics.sync_start(ctx.world());
@@ -154,9 +159,10 @@ TEST(Metrics_Collection_Gloo_ws3, SyncedValuesEqualSingleProcessValues) {
   });
 }
 
-TEST(Metrics_Metric_Gloo_ws3, OneMetricSyncsOnItsOwnAndEmptyRanksMergeAsIdentity) {
-  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(3);
-  d9d::testing::run_on_ranks({.world_size = 3}, [](RankEnv& env) {
+TEST_P(Metrics_Gloo, OneMetricSyncsOnItsOwnAndEmptyRanksMergeAsIdentity) {
+  const int world = GetParam();
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(world);
+  d9d::testing::run_on_ranks({.world_size = world}, [](RankEnv& env) {
     const auto ctx = d9d::testing::rank_context(env);
     const auto device = ctx.world().device();
     // Only rank 1 sees values: the others' +inf / -inf / zero counts are the identities.
@@ -181,5 +187,10 @@ TEST(Metrics_Metric_Gloo_ws3, OneMetricSyncsOnItsOwnAndEmptyRanksMergeAsIdentity
     EXPECT_TRUE(std::isnan(never.compute_synced()));
   });
 }
+
+INSTANTIATE_TEST_SUITE_P(Worlds, Metrics_Gloo, ::testing::Values(2, 3),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return "ws" + std::to_string(info.param);
+                         });
 
 }  // namespace

@@ -32,9 +32,8 @@ using PipelineMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_replicate<d9d::dyn
 using PpPlan = d9d::Plan<PipelineMesh, d9d::pipeline::OneFOneB<>, Fp64>;
 using OneProcessPlan = d9d::Plan<Fp64>;
 
-constexpr int64_t kSteps = 5;  // tiny_run logs every 2 steps: 0, 2 and 4
-constexpr int64_t kGlobalBatch = 6;
-constexpr int64_t kMicrobatch = 2;
+constexpr int64_t kSteps = 5;       // tiny_run logs every 2 steps: 0, 2 and 4
+constexpr int64_t kMicrobatch = 2;  // the global batch: one microbatch per rank
 constexpr int kLayers = 4;
 
 // Next-token prediction with token metrics. Without a pipeline compute_loss gives the logits as
@@ -108,8 +107,9 @@ std::map<std::string, double> metrics_of(const nlohmann::json& line) {
 template <class Plan>
 void expect_metrics_match_one_process(RankEnv& env, const d9d::DistributedContext& ctx,
                                       const std::string& name, const std::string& mesh) {
+  const int64_t global_batch = kMicrobatch * ctx.world_size();
   const std::string dir = env.scratch_dir() + "/" + name + std::to_string(env.rank());
-  auto cfg = d9d::testing::tiny_run(dir + "/dist", kSteps, kGlobalBatch, kMicrobatch, false,
+  auto cfg = d9d::testing::tiny_run(dir + "/dist", kSteps, global_batch, kMicrobatch, false,
                                     kLayers, mesh);
   cfg.logging.jsonl = true;
   d9d::Trainer<Plan> distributed(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
@@ -118,7 +118,7 @@ void expect_metrics_match_one_process(RankEnv& env, const d9d::DistributedContex
 
   const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
   auto one =
-      d9d::testing::tiny_run(dir + "/one", kSteps, kGlobalBatch, kMicrobatch, false, kLayers);
+      d9d::testing::tiny_run(dir + "/one", kSteps, global_batch, kMicrobatch, false, kLayers);
   one.logging.jsonl = true;
   d9d::Trainer<OneProcessPlan> single(
       local, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, TokenMetricsTask{}, one);
@@ -128,9 +128,9 @@ void expect_metrics_match_one_process(RankEnv& env, const d9d::DistributedContex
   expect_same_metrics(result.metrics, reference.metrics,
                       name + " rank " + std::to_string(env.rank()));
   // Each window counts the global batch of each of its steps once: 1, 2 and 2 steps.
-  const double tokens_per_step = static_cast<double>(kGlobalBatch * 16);
+  const double tokens_per_step = static_cast<double>(global_batch * 16);
   EXPECT_EQ(result.metrics.at("metrics/tokens"), 2 * tokens_per_step) << name;
-  EXPECT_EQ(result.metrics.at("metrics/samples"), static_cast<double>(2 * kGlobalBatch)) << name;
+  EXPECT_EQ(result.metrics.at("metrics/samples"), static_cast<double>(2 * global_batch)) << name;
   EXPECT_EQ(result.metrics.at("metrics/token_accuracy"),
             result.metrics.at("metrics/correct") / result.metrics.at("metrics/tokens"))
       << name;
@@ -149,22 +149,33 @@ void expect_metrics_match_one_process(RankEnv& env, const d9d::DistributedContex
   ctx.barrier();  // every rank is done with the trainer's groups before they go
 }
 
-TEST(Trainer_Metrics_Gloo_ws3, DataParallelLogsTheOneProcessValues) {
-  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(3);
-  d9d::testing::run_on_ranks({.world_size = 3}, [](RankEnv& env) {
+// 2 ranks (so that two GPUs run it under NCCL) and 3.
+class Trainer_Metrics_Gloo : public ::testing::TestWithParam<int> {};
+
+TEST_P(Trainer_Metrics_Gloo, DataParallelLogsTheOneProcessValues) {
+  const int world = GetParam();
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(world);
+  d9d::testing::run_on_ranks({.world_size = world}, [world](RankEnv& env) {
     const auto ctx = d9d::testing::rank_context(env);
-    // 3 ranks x 1 microbatch of 2 against 1 process x 3 microbatches of 2.
-    expect_metrics_match_one_process<DpPlan>(env, ctx, "dp3", "");
+    // n ranks x 1 microbatch of 2 against 1 process x n microbatches of 2.
+    expect_metrics_match_one_process<DpPlan>(env, ctx, "dp" + std::to_string(world), "");
   });
 }
 
-TEST(Trainer_Metrics_Gloo_ws3, PipelineLogsTheLastStagesValuesOnTheMainRank) {
-  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(3);
-  d9d::testing::run_on_ranks({.world_size = 3}, [](RankEnv& env) {
+TEST_P(Trainer_Metrics_Gloo, PipelineLogsTheLastStagesValuesOnTheMainRank) {
+  const int world = GetParam();
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(world);
+  d9d::testing::run_on_ranks({.world_size = world}, [world](RankEnv& env) {
     const auto ctx = d9d::testing::rank_context(env);
-    // pp 3: 3 microbatches of 2 through 3 stages; only the last stage sees logits.
-    expect_metrics_match_one_process<PpPlan>(env, ctx, "pp3", R"({"pp": 3})");
+    // pp n: n microbatches of 2 through n stages; only the last stage sees logits.
+    const auto w = std::to_string(world);
+    expect_metrics_match_one_process<PpPlan>(env, ctx, "pp" + w, R"({"pp": )" + w + "}");
   });
 }
+
+INSTANTIATE_TEST_SUITE_P(Worlds, Trainer_Metrics_Gloo, ::testing::Values(2, 3),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return "ws" + std::to_string(info.param);
+                         });
 
 }  // namespace
