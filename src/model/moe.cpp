@@ -215,9 +215,9 @@ MoeRouterImpl::Routing MoeRouterImpl::forward(const at::Tensor& x) {
   Routing routing;
   routing.probabilities = at::softmax(logits, -1);
   if (expert_bias.defined()) {
-    // The bias steers the choice only; the weights stay the probabilities.
+    // The bias steers the choice only, on the logits; the weights stay the probabilities.
     const at::NoGradGuard no_grad;
-    const auto scores = routing.probabilities.detach() + expert_bias.to(dtype);
+    const auto scores = logits.detach() + expert_bias.to(dtype);
     routing.experts = std::get<1>(at::topk(scores, options_.top_k, -1));
   }
   if (expert_bias.defined()) {
@@ -239,7 +239,14 @@ void MoeRouterImpl::update_bias(const at::Tensor& load) {
   }
   const at::NoGradGuard no_grad;
   const auto routed = load.to(expert_bias.device(), at::kDouble);
-  const auto step = at::sign(routed.mean() - routed) * options_.bias_update_rate;
+  const auto mean = routed.mean();
+  at::Tensor step;
+  if (options_.bias_update_rule == MoeBiasRule::proportional) {
+    // A mean below one routing counts as one (nothing routed: no step, no division by zero).
+    step = (mean - routed) / at::clamp_min(mean, 1.0) * options_.bias_update_rate;
+  } else {
+    step = at::sign(mean - routed) * options_.bias_update_rate;
+  }
   expert_bias.add_(step.to(expert_bias.scalar_type()));
 }
 

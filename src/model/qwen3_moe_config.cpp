@@ -37,7 +37,8 @@ constexpr std::string_view kMoeKeys[] = {"num_experts",
                                          "router_aux_loss_coef",
                                          "output_router_logits",
                                          "shared_expert_intermediate_size",
-                                         "router_bias_update_rate"};
+                                         "router_bias_update_rate",
+                                         "router_bias_update_rule"};
 
 [[noreturn]] void fail(const std::string& message) { kReader.fail(message); }
 
@@ -71,7 +72,8 @@ void reject_unknown_keys(const Json& json) {
       "; d9d reads the dense Qwen3 keys (d9d/model/qwen3.hpp) and the MoE keys "
       "num_experts (or num_local_experts), num_experts_per_tok, moe_intermediate_size, "
       "norm_topk_prob, decoder_sparse_step, mlp_only_layers, router_aux_loss_coef, "
-      "output_router_logits, shared_expert_intermediate_size, router_bias_update_rate");
+      "output_router_logits, shared_expert_intermediate_size, router_bias_update_rate, "
+      "router_bias_update_rule");
 }
 
 }  // namespace
@@ -158,6 +160,13 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json_text(const std::string& text) {
   if (const Json* v = find(json, "router_bias_update_rate")) {
     config.router_bias_update_rate = read_non_negative(*v, "router_bias_update_rate");
   }
+  if (const Json* v = find(json, "router_bias_update_rule")) {
+    if (!v->is_string() || (*v != "sign" && *v != "proportional")) {
+      bad("router_bias_update_rule", shown(*v), "expected \"sign\" or \"proportional\"");
+    }
+    config.router_bias_update_rule =
+        *v == "proportional" ? MoeBiasRule::proportional : MoeBiasRule::sign;
+  }
   config.validate();
   return config;
 }
@@ -213,7 +222,8 @@ MoeOptions Qwen3MoeConfig::moe_options() const {
           .intermediate_size = moe_intermediate_size,
           .norm_topk_prob = norm_topk_prob,
           .shared_expert_intermediate_size = shared_expert_intermediate_size,
-          .bias_update_rate = router_bias_update_rate};
+          .bias_update_rate = router_bias_update_rate,
+          .bias_update_rule = router_bias_update_rule};
 }
 
 double Qwen3MoeConfig::aux_loss_coef() const {
@@ -237,6 +247,8 @@ std::string Qwen3MoeConfig::to_hf_json(const std::string& torch_dtype) const {
   }
   if (router_bias_update_rate > 0) {
     json["router_bias_update_rate"] = router_bias_update_rate;
+    json["router_bias_update_rule"] =
+        router_bias_update_rule == MoeBiasRule::proportional ? "proportional" : "sign";
   }
   return json.dump(2) + "\n";
 }

@@ -9,9 +9,15 @@
 // Routing (Qwen3-MoE / Mixtral): probabilities = softmax of the router logits in at least float32;
 // each token goes to its top-k experts (dropless: no capacity, nothing dropped), weighted by their
 // probabilities, renormalised to sum to one when norm_topk_prob. With the auxiliary-loss-free
-// balancing (bias_update_rate > 0, DeepSeek-V3) a per-expert bias is added to the probabilities
-// for the selection only; after each optimizer step it moves by the rate towards the mean load
-// (bias += rate * sign(mean load - load)). Tokens are sorted by expert (permute), each projection
+// balancing (bias_update_rate > 0, DeepSeek-V3's idea) a per-expert bias is added to the router
+// logits for the selection only (the weights stay the probabilities); after each optimizer step it
+// moves towards the mean load: bias += rate * sign(mean load - load) (DeepSeek-V3's rule), or
+// bias += rate * (mean load - load) / mean load (MoeBiasRule::proportional). The bias acts on
+// logits, not on the probabilities (where DeepSeek-V3's sigmoid scores would put it): a softmax
+// over many experts squeezes the unchosen experts' probabilities to nearly the same tiny value for
+// every token, so a bias there picks the same experts for all tokens and the load jumps from one
+// group of experts to the next instead of spreading (design 0009, "Balancing"). Tokens are sorted
+// by expert (permute), each projection
 // is one grouped GEMM over the experts' segments (at::_grouped_mm on CUDA, a loop over the
 // segments elsewhere), and the outputs are weighted and summed back per token (un-permute).
 //
@@ -46,6 +52,12 @@
 
 namespace d9d::model {
 
+/// The auxiliary-loss-free balancing's update of the selection bias, per expert e with load l_e
+/// (routings in the step) and mean load m: `sign` adds rate * sign(m - l_e) (DeepSeek-V3);
+/// `proportional` adds rate * (m - l_e) / m, which moves the overloaded experts as far as they are
+/// off and settles closer (measured on a collapsed router: design 0009, "Balancing").
+enum class MoeBiasRule { sign, proportional };
+
 /// The shape and the routing rules of one MoE layer.
 struct MoeOptions {
   int64_t hidden_size = 0;
@@ -58,6 +70,8 @@ struct MoeOptions {
   int64_t shared_expert_intermediate_size = 0;
   /// Auxiliary-loss-free balancing: the rate of the per-expert selection bias; 0: no bias.
   double bias_update_rate = 0.0;
+  /// How the bias moves after each step (see the file comment).
+  MoeBiasRule bias_update_rule = MoeBiasRule::sign;
 };
 
 /// How GroupedExperts multiplies its segments.
@@ -143,7 +157,7 @@ class MoeRouterImpl : public torch::nn::Module {
   };
   /// x [N, hidden].
   Routing forward(const at::Tensor& x);
-  /// The sign rule: bias += rate * sign(mean(load) - load). `load` [E]: routings per expert.
+  /// Moves the bias by the options' rule (MoeBiasRule). `load` [E]: routings per expert.
   void update_bias(const at::Tensor& load);
   [[nodiscard]] const MoeOptions& options() const { return options_; }
 

@@ -26,8 +26,9 @@
 //   - the Qwen2-MoE shared expert: shared_expert_intermediate_size (0 = none; transformers'
 //     Qwen3-MoE has none and ignores the key);
 //   - d9d's own: router_bias_update_rate (0 = off): auxiliary-loss-free balancing, a per-expert
-//     selection bias moved by this rate after every optimizer step (not part of transformers'
-//     model: an export leaves the bias out).
+//     selection bias on the router logits moved by this rate after every optimizer step (not part
+//     of transformers' model: an export leaves the bias out); router_bias_update_rule ("sign",
+//     DeepSeek-V3's rule, the default; or "proportional": d9d::model::MoeBiasRule).
 // model_type must be "qwen3_moe" (other MoE families are refused by name).
 #pragma once
 
@@ -61,6 +62,7 @@ struct Qwen3MoeConfig : Qwen3Config {
   bool output_router_logits = false;
   int64_t shared_expert_intermediate_size = 0;
   double router_bias_update_rate = 0.0;
+  MoeBiasRule router_bias_update_rule = MoeBiasRule::sign;
 
   /// Parses a config.json text (the rules in the file comment); std::invalid_argument
   /// "d9d Qwen3-MoE config: ..." names the key, the value and what would be valid.
