@@ -1,5 +1,6 @@
 // d9d/model/qwen3_moe.cpp — the Qwen3-MoE model and its pipeline stages (the config:
 // qwen3_moe_config.cpp; the MoE block: moe.cpp).
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -110,6 +111,14 @@ Qwen3MoeStageImpl::Qwen3MoeStageImpl(const Qwen3MoeConfig& config, int stage, in
   this->layers = std::move(parts.layers);
   norm = parts.norm;
   lm_head = parts.lm_head;
+  int64_t mine = 0;
+  int64_t all = 0;
+  for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
+    const bool sparse = config_.is_moe_layer(i);
+    all += sparse ? 1 : 0;
+    mine += sparse && i >= layers.begin && i < layers.end ? 1 : 0;
+  }
+  moe_share_ = all > 0 ? static_cast<double>(mine) / static_cast<double>(all) : 1.0;
   init_qwen3_parameters(*this, config_, seed);
 }
 
@@ -117,7 +126,7 @@ at::Tensor Qwen3MoeStageImpl::forward(const at::Tensor& input) {
   detail::check_stage_input(kStageWho, stage_, is_first(), input, config_.hidden_size);
   at::Tensor h = is_first() ? embed_tokens(input) : input;
   if (!layers.empty()) {
-    auto stats = std::make_shared<MoeForwardStats>(config_.aux_loss_coef());
+    auto stats = std::make_shared<MoeForwardStats>(config_.aux_loss_coef() * moe_share_);
     const auto cos_sin = detail::rope_tables(rope_, h, h);
     for (auto& layer : layers) {
       h = layer(h, cos_sin, stats);

@@ -81,6 +81,52 @@ TEST(Pipeline_Layers, VirtualLayersFromFlops) {
               2.0 * 2048 * 151936 / (2 * moe_layer + 2.0 * 4096 * 32 * 128), 1e-12);
 }
 
+// Under a pipeline each stage pools the auxiliary loss over its own MoE layers, weighted by its
+// share of the model's MoE layers: the gradient the loss adds, summed over every layer's router
+// probabilities, is then the whole model's (here with layer 2 dense: 2 MoE layers on stage 0, 1 on
+// stage 1; unweighted, the stages would add 2x the whole model's).
+TEST(Pipeline_Qwen3MoeStage, AuxLossGradientOverTheStagesIsTheWholeModels) {
+  d9d::model::Qwen3MoeConfig config;
+  config.vocab_size = 64;
+  config.hidden_size = 32;
+  config.intermediate_size = 48;
+  config.num_hidden_layers = 4;
+  config.num_attention_heads = 4;
+  config.num_key_value_heads = 2;
+  config.head_dim = 8;
+  config.num_experts = 4;
+  config.num_experts_per_tok = 2;
+  config.moe_intermediate_size = 16;
+  config.norm_topk_prob = true;
+  config.mlp_only_layers = {2};
+  config.router_aux_loss_coef = 0.05;
+  config.output_router_logits = true;
+  config.validate();
+  torch::manual_seed(3);
+  d9d::model::Qwen3MoeForCausalLM whole(config);
+  const auto ids = at::randint(config.vocab_size, {2, 6}, at::kLong);
+  (void)whole(ids);
+  const auto whole_layers = d9d::model::moe_layers(*whole);
+  ASSERT_EQ(whole_layers.size(), 3U);
+  // Every layer of one pass shares the pass's statistics, so each gets the same gradient.
+  const auto expected = whole_layers.front()->last_stats()->aux_gradient() * 3.0;
+  ASSERT_GT(expected.abs().sum().item<double>(), 0.0);
+
+  at::Tensor total;
+  at::Tensor h = ids;
+  const std::vector<LayerRange> ranges = {{0, 2}, {2, 4}};
+  for (int s = 0; s < 2; ++s) {
+    d9d::model::Qwen3MoeStage stage(config, s, 2, ranges[static_cast<std::size_t>(s)]);
+    d9d::model::copy_parameters(*whole, *stage);
+    h = stage(h);
+    const auto layers = d9d::model::moe_layers(*stage);
+    const auto part =
+        layers.front()->last_stats()->aux_gradient() * static_cast<double>(layers.size());
+    total = total.defined() ? total + part : part;
+  }
+  EXPECT_TRUE(at::allclose(total, expected, 1e-5, 1e-9)) << total << " vs " << expected;
+}
+
 TEST(Pipeline_Qwen3Stage, StagesComposeToTheWholeModel) {
   const auto config = d9d::testing::pipeline_config();
   auto full = d9d::testing::reference_model();

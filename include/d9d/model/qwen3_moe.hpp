@@ -138,7 +138,9 @@ TORCH_MODULE(Qwen3MoeForCausalLM);
 
 /// A pipeline stage of Qwen3MoeForCausalLM (as d9d::model::Qwen3Stage): the whole model's
 /// parameter names, stage 0 holds the embedding, the last one the norm and the LM head. The
-/// auxiliary loss is pooled over the stage's MoE layers.
+/// auxiliary loss is pooled over the stage's MoE layers and weighted by the stage's share of the
+/// model's MoE layers, so the gradient it adds over all layers is the whole model's when the
+/// stages route alike (each stage's f and P are its own layers'; design 0009).
 class Qwen3MoeStageImpl : public torch::nn::Module {
  public:
   Qwen3MoeStageImpl(const Qwen3MoeConfig& config, int stage, int stages, LayerRange layers);
@@ -158,6 +160,7 @@ class Qwen3MoeStageImpl : public torch::nn::Module {
   Qwen3MoeConfig config_;
   int stage_;
   int stages_;
+  double moe_share_ = 1.0;  ///< the stage's MoE layers over the model's
   RotaryEmbedding rope_;
 };
 TORCH_MODULE(Qwen3MoeStage);
