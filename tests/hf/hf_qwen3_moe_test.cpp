@@ -305,9 +305,8 @@ TEST(Hf_Qwen3MoeConfig, OurExportReadsBackToTheSameConfig) {
   EXPECT_EQ(again.router_bias_update_rule, d9d::model::MoeBiasRule::proportional);
   EXPECT_EQ(again.moe_options().bias_update_rule, d9d::model::MoeBiasRule::proportional);
   json["router_bias_update_rule"] = "signum";
-  EXPECT_THAT(d9d::testing::error_of([&] {
-                (void)d9d::model::Qwen3MoeConfig::from_json_text(json.dump());
-              }),
+  EXPECT_THAT(d9d::testing::error_of(
+                  [&] { (void)d9d::model::Qwen3MoeConfig::from_json_text(json.dump()); }),
               HasSubstr("expected \"sign\" or \"proportional\""));
   EXPECT_EQ(again.aux_loss_coef(), 0.02);
   EXPECT_TRUE(again.norm_topk_prob);
