@@ -68,6 +68,16 @@ void expect_same_file(const std::string& got, const std::string& want) {
   }
 }
 
+// The exported adapter (peft's format, its config text too) and merged model equal one process's.
+void expect_same_exports(const d9d::TrainResult& got, const d9d::TrainResult& want) {
+  ASSERT_FALSE(got.adapter_dir.empty());
+  expect_same_file(got.adapter_dir + "/adapter_model.safetensors",
+                   want.adapter_dir + "/adapter_model.safetensors");
+  EXPECT_EQ(d9d::model::read_text_file(got.adapter_dir + "/adapter_config.json"),
+            d9d::model::read_text_file(want.adapter_dir + "/adapter_config.json"));
+  expect_same_file(got.export_dir + "/model.safetensors", want.export_dir + "/model.safetensors");
+}
+
 TEST(Peft_Lora_ws2, FullyShardMatchesOneProcess) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
@@ -81,13 +91,7 @@ TEST(Peft_Lora_ws2, FullyShardMatchesOneProcess) {
     // The export gathers the adapters' shards: the same adapter file (and config) and the same
     // merged model as one process writes.
     if (env.rank() == 0) {
-      ASSERT_FALSE(got.result.adapter_dir.empty());
-      expect_same_file(got.result.adapter_dir + "/adapter_model.safetensors",
-                       want.result.adapter_dir + "/adapter_model.safetensors");
-      EXPECT_EQ(d9d::model::read_text_file(got.result.adapter_dir + "/adapter_config.json"),
-                d9d::model::read_text_file(want.result.adapter_dir + "/adapter_config.json"));
-      expect_same_file(got.result.export_dir + "/model.safetensors",
-                       want.result.export_dir + "/model.safetensors");
+      expect_same_exports(got.result, want.result);
     } else {
       EXPECT_TRUE(got.result.adapter_dir.empty()) << "the main rank writes";
     }
@@ -116,13 +120,7 @@ TEST(Peft_Lora_ws2, PipelineMatchesOneProcess) {
     // The export: each stage's adapters (and the embedding and the final norm, trained, on
     // different stages) in one peft adapter, and the merged model, as one process writes them.
     if (env.rank() == 0) {
-      ASSERT_FALSE(got.result.adapter_dir.empty());
-      expect_same_file(got.result.adapter_dir + "/adapter_model.safetensors",
-                       want.result.adapter_dir + "/adapter_model.safetensors");
-      EXPECT_EQ(d9d::model::read_text_file(got.result.adapter_dir + "/adapter_config.json"),
-                d9d::model::read_text_file(want.result.adapter_dir + "/adapter_config.json"));
-      expect_same_file(got.result.export_dir + "/model.safetensors",
-                       want.result.export_dir + "/model.safetensors");
+      expect_same_exports(got.result, want.result);
     } else {
       EXPECT_TRUE(got.result.adapter_dir.empty()) << "the main rank writes";
     }
@@ -376,17 +374,6 @@ void expect_lora_records(d9d::detail::TrainerCore& core) {
   EXPECT_EQ(parallel.frozen_split_parameters().size(), 4U * 7U + 1U);
 }
 
-// The exported adapter (peft's format) and merged model equal one process's.
-void expect_same_exports(const LoraRun& got, const LoraRun& want) {
-  ASSERT_FALSE(got.outcome.result.adapter_dir.empty());
-  expect_same_file(got.outcome.result.adapter_dir + "/adapter_model.safetensors",
-                   want.outcome.result.adapter_dir + "/adapter_model.safetensors");
-  EXPECT_EQ(d9d::model::read_text_file(got.outcome.result.adapter_dir + "/adapter_config.json"),
-            d9d::model::read_text_file(want.outcome.result.adapter_dir + "/adapter_config.json"));
-  expect_same_file(got.outcome.result.export_dir + "/model.safetensors",
-                   want.outcome.result.export_dir + "/model.safetensors");
-}
-
 TEST(Peft_Lora_tp2, MatchesOneProcess) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
@@ -407,7 +394,7 @@ TEST(Peft_Lora_tp2, MatchesOneProcess) {
     expect_same_lora_run(got, want, "LoRA, tp 2");
     EXPECT_EQ(got.frozen.size(), want.frozen.size());
     if (env.rank() == 0) {
-      expect_same_exports(got, want);
+      expect_same_exports(got.outcome.result, want.outcome.result);
     }
     // Sequence parallelism: the adapters' whole factors are replicated parameters like the norms,
     // whose gradients are summed over tp there anyway.
@@ -431,7 +418,7 @@ TEST(Peft_Lora_ws4, TensorParallelTimesFullyShardAndPipelineMatchOneProcess) {
             ctx, run_config(dir + "/fsdp", R"({"dp_shard": 2, "tp": 2})", /*outputs=*/true));
     expect_same_lora_run(sharded, want, "LoRA, tp 2 x FullyShard 2");
     if (env.rank() == 0) {
-      expect_same_exports(sharded, want);
+      expect_same_exports(sharded.outcome.result, want.outcome.result);
     }
     expect_same_lora_run(
         train_lora<d9d::Plan<TpShardMesh, TpSp, d9d::parallel::Fsdp, TpLoraStack, Fp64>>(
@@ -445,7 +432,7 @@ TEST(Peft_Lora_ws4, TensorParallelTimesFullyShardAndPipelineMatchOneProcess) {
             ctx, run_config(dir + "/zb", R"({"pp": 2, "tp": 2})", /*outputs=*/true));
     expect_same_lora_run(piped, want, "LoRA, tp 2 x pp 2, ZeroBubbleH1");
     if (env.rank() == 0) {
-      expect_same_exports(piped, want);
+      expect_same_exports(piped.outcome.result, want.outcome.result);
     }
   });
 }
