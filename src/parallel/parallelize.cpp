@@ -192,9 +192,6 @@ double ParallelModel::normalize_and_clip(double total_weight, std::optional<doub
       norms[key].push_back(grad);
     }
   }
-  if (!grads.empty()) {
-    at::_foreach_div_(grads, at::Scalar(total_weight));
-  }
   const auto device = s.mesh.context().device();
   const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
   const auto squares_of = [&](const std::vector<at::Tensor>& tensors) {
@@ -230,9 +227,16 @@ double ParallelModel::normalize_and_clip(double total_weight, std::optional<doub
   if (s.mesh.size(MeshDomain::regular, "pp") > 1) {
     total = all_reduce(s.mesh.group(MeshDomain::regular, "pp"), total);
   }
-  const double grad_norm = std::sqrt(total.item<double>());
-  if (!grads.empty() && max_norm && grad_norm > *max_norm) {
-    at::_foreach_mul_(grads, at::Scalar(*max_norm / (grad_norm + 1e-6)));
+  // The norm of the summed gradients over the weight is the normalized gradients' norm: one pass
+  // over the gradients scales them by both (dividing first, then clipping, read and wrote every
+  // gradient twice).
+  const double grad_norm = std::sqrt(total.item<double>()) / total_weight;
+  double scale = 1.0 / total_weight;
+  if (max_norm && grad_norm > *max_norm) {
+    scale *= *max_norm / (grad_norm + 1e-6);
+  }
+  if (!grads.empty()) {
+    at::_foreach_mul_(grads, at::Scalar(scale));
   }
   return grad_norm;
 }
