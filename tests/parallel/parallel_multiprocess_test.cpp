@@ -91,6 +91,22 @@ TEST_P(Parallel_FullyShard, WithRecomputeMatchesOneProcess) {
 INSTANTIATE_TEST_SUITE_P(Ranks, Parallel_FullyShard, ::testing::Values(2, 4),
                          [](const auto& info) { return "ws" + std::to_string(info.param); });
 
+// Three ranks split rows unevenly (torch.chunk's rule): the 64 vocabulary rows as 22, 22, 20 and
+// the 32-wide norms as 11, 11, 10, so the last rank's gradient slices are shorter than the others'.
+TEST(Parallel_FullyShard_ws3, UnevenShardsMatchOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(3);
+  d9d::testing::run_on_ranks({.world_size = 3}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
+    const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
+    const auto want = train_plan<OneProcess>(local, tiny_run(dir + "/one", 6, 12, 12, false, 4));
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Fp64>>(
+            ctx, tiny_run(dir + "/fsdp", 6, 12, 2, false, 4)),
+        want, "FullyShard over 3 ranks");
+  });
+}
+
 TEST(Parallel_FullyShard_ws4, HsdpAndPipelineMatchOneProcess) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
   d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
