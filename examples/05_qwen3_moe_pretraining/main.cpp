@@ -13,9 +13,9 @@
 // (ExpertParallel: tokens travel to their experts by all-to-all), and the parameters outside the
 // experts are sharded ZeRO-3 style (FullyShard), and so are the experts over the remaining
 // ranks (ep_replicate): gathered per layer, reduce-scattered there. The model's
-// "router_aux_loss_coef" (with
-// "output_router_logits": true) and "router_bias_update_rate" choose the balancing: the
-// auxiliary loss with global-batch statistics, the auxiliary-loss-free bias, or both.
+// "router_aux_loss_coef" (with "output_router_logits": true; "router_aux_loss_type": "sequence"
+// for DeepSeek-V3's sequence-wise form) and "router_bias_update_rate" choose the balancing: the
+// auxiliary loss, the auxiliary-loss-free bias, or both.
 #include <cstdio>
 #include <map>
 #include <string>

@@ -1,4 +1,5 @@
 // d9d/model/moe.cpp — router, grouped experts, the MoE layer and its load-balancing statistics.
+#include <algorithm>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -38,13 +39,13 @@ struct AuxLossGradient : torch::autograd::Function<AuxLossGradient> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& out,
                             const at::Tensor& probability_sum, const at::Tensor& gradient) {
     ctx->saved_data["gradient"] = gradient;
-    ctx->saved_data["size"] = probability_sum.size(0);
+    ctx->saved_data["sizes"] = probability_sum.sizes();
     return out.view_as(out);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto gradient = ctx->saved_data["gradient"].toTensor();
-    if (gradient.size(0) != ctx->saved_data["size"].toInt()) {
+    if (gradient.sizes() != at::IntArrayRef(ctx->saved_data["sizes"].toIntVector())) {
       throw std::logic_error(
           "d9d::model::MoeLayer: the auxiliary loss's gradient is missing. Fix: call "
           "MoeForwardStats::finish() after the forward pass's last MoE layer");
@@ -125,35 +126,65 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w,
 
 // ---- MoeForwardStats ---------------------------------------------------------------------------
 
-MoeForwardStats::MoeForwardStats(double aux_loss_coef) : coef_(aux_loss_coef) {}
+MoeForwardStats::MoeForwardStats(double aux_loss_coef, MoeAuxLoss kind)
+    : coef_(aux_loss_coef), kind_(kind) {}
+
+MoeForwardStats::Layer* MoeForwardStats::find(int64_t layer) {
+  for (auto& known : layers_) {
+    if (known.index == layer) {
+      return &known;
+    }
+  }
+  return nullptr;
+}
 
 bool MoeForwardStats::record(int64_t layer, const at::Tensor& counts,
                              const at::Tensor& probability_sum, int64_t tokens,
                              const ProcessGroup& group) {
-  for (const auto& known : layers_) {
-    if (known.index == layer) {
-      return false;
-    }
+  if (find(layer) != nullptr) {
+    return false;
   }
   if (finished_) {
     throw std::logic_error("d9d::model::MoeForwardStats: layer " + std::to_string(layer) +
                            " recorded after finish()");
   }
+  const int64_t dims = kind_ == MoeAuxLoss::sequence ? 2 : 1;
+  if (counts.dim() != dims || counts.sizes() != probability_sum.sizes()) {
+    throw std::invalid_argument(
+        "d9d::model::MoeForwardStats: layer " + std::to_string(layer) + " recorded counts " +
+        c10::str(counts.sizes()) + " and probability sums " + c10::str(probability_sum.sizes()) +
+        (dims == 2 ? "; the sequence-wise loss takes [B, E] each" : "; expected [E] each"));
+  }
   layers_.push_back({.index = layer,
                      .counts = counts.detach(),
                      .probability_sum = probability_sum.detach(),
-                     .tokens = tokens});
+                     .tokens = tokens,
+                     .gradient = at::Tensor()});
   if (group.valid()) {
     group_ = group;
   }
   return true;
 }
 
-at::Tensor MoeForwardStats::gradient_holder(const at::Tensor& like) {
-  if (!gradient_.defined()) {
-    gradient_ = at::empty({0}, like.options().requires_grad(false));
+at::Tensor MoeForwardStats::gradient_holder(int64_t layer, const at::Tensor& like) {
+  auto* known = find(layer);
+  if (known == nullptr) {
+    throw std::logic_error("d9d::model::MoeForwardStats: layer " + std::to_string(layer) +
+                           " asked for its gradient before recording");
   }
-  return gradient_;
+  if (!known->gradient.defined()) {
+    known->gradient = at::empty({0}, like.options().requires_grad(false));
+  }
+  return known->gradient;
+}
+
+at::Tensor MoeForwardStats::aux_gradient(int64_t layer) const {
+  for (const auto& known : layers_) {
+    if (known.index == layer) {
+      return known.gradient;
+    }
+  }
+  return {};
 }
 
 void MoeForwardStats::finish() {
@@ -165,6 +196,29 @@ void MoeForwardStats::finish() {
     return;
   }
   const at::NoGradGuard no_grad;
+  if (kind_ == MoeAuxLoss::sequence) {
+    finish_sequence();
+  } else {
+    finish_global_batch();
+  }
+}
+
+namespace {
+
+// Fills a layer's gradient holder (created by its forward when the loss has a gradient) with
+// `gradient`, in the holder's dtype; a layer without one gets the tensor itself.
+void fill(at::Tensor& holder, const at::Tensor& gradient, c10::ScalarType dtype) {
+  if (holder.defined()) {
+    holder.resize_(gradient.sizes());
+    holder.copy_(gradient);
+  } else {
+    holder = gradient.to(dtype);
+  }
+}
+
+}  // namespace
+
+void MoeForwardStats::finish_global_batch() {
   const auto& first = layers_.front().probability_sum;
   const auto options = first.options().dtype(at::kDouble);
   const int64_t experts = first.size(0);
@@ -189,12 +243,33 @@ void MoeForwardStats::finish() {
              ? 0.0
              : (fraction * probability).sum().item<double>() * e / static_cast<double>(tokens);
   const auto gradient = fraction * (coef_ * e / static_cast<double>(layers_.size()));
-  if (gradient_.defined()) {
-    gradient_.resize_({experts});
-    gradient_.copy_(gradient);
-  } else {
-    gradient_ = gradient.to(first.scalar_type());
+  for (auto& layer : layers_) {
+    fill(layer.gradient, gradient, first.scalar_type());
   }
+}
+
+void MoeForwardStats::finish_sequence() {
+  const auto layers = static_cast<double>(layers_.size());
+  double sum = 0.0;
+  for (auto& layer : layers_) {
+    const auto options = layer.probability_sum.options().dtype(at::kDouble);
+    const auto counts = layer.counts.to(options);  // [B, E]
+    const int64_t rows = counts.size(0);
+    const auto experts = static_cast<double>(counts.size(1));
+    // Row b routed k T times in all; f = E / (k T) * counts, P = probability sums / T.
+    const auto routings = at::clamp_min(counts.sum(1, /*keepdim=*/true), 1.0);
+    const auto fraction = counts * experts / routings;
+    const double length =
+        rows == 0 ? 1.0 : static_cast<double>(layer.tokens) / static_cast<double>(rows);
+    if (rows > 0) {
+      sum += (fraction * layer.probability_sum.to(options)).sum().item<double>() /
+             (length * static_cast<double>(rows));
+    }
+    // d(coef * aux * tokens)/d(probability sums of row b) = coef * tokens * f / (L B T), and the
+    // layer's tokens are B T.
+    fill(layer.gradient, fraction * (coef_ / layers), layer.probability_sum.scalar_type());
+  }
+  aux_ = sum / layers;
 }
 
 // ---- MoeRouter ---------------------------------------------------------------------------------
@@ -328,14 +403,27 @@ at::Tensor MoeLayerImpl::forward(const at::Tensor& x,
     out = out + at::sigmoid(shared_expert_gate(flat)) * shared_expert(flat);
   }
 
-  const auto probability_sum = routing.probabilities.sum(0);
   bool first_time = true;
   if (stats) {
-    first_time = stats->record(layer_index_, counts, probability_sum, tokens, load_group_);
+    at::Tensor recorded_counts = counts;
+    at::Tensor probability_sum;
+    if (stats->aux_loss_kind() == MoeAuxLoss::sequence) {
+      // Per row of the input ([..., T, hidden]; a 2-d input is one sequence).
+      const int64_t rows = x.dim() >= 3 ? tokens / std::max<int64_t>(x.size(-2), 1) : 1;
+      const int64_t length = rows == 0 ? 0 : tokens / rows;
+      const auto chosen_by_row = routing.experts.reshape({rows, length * k});
+      recorded_counts = at::zeros({rows, options_.num_experts}, chosen_by_row.options())
+                            .scatter_add_(1, chosen_by_row, at::ones_like(chosen_by_row));
+      probability_sum = routing.probabilities.reshape({rows, length, -1}).sum(1);
+    } else {
+      probability_sum = routing.probabilities.sum(0);
+    }
+    first_time = stats->record(layer_index_, recorded_counts, probability_sum, tokens, load_group_);
     last_stats_ = stats;
     if (stats->aux_loss_coef() > 0 && at::GradMode::is_enabled() &&
         probability_sum.requires_grad()) {
-      out = AuxLossGradient::apply(out, probability_sum, stats->gradient_holder(probability_sum));
+      out = AuxLossGradient::apply(out, probability_sum,
+                                   stats->gradient_holder(layer_index_, probability_sum));
     }
   }
   if (first_time && is_training()) {

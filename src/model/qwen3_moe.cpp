@@ -71,7 +71,7 @@ Qwen3MoeForCausalLMImpl::Qwen3MoeForCausalLMImpl(Qwen3MoeConfig config)
 }
 
 at::Tensor Qwen3MoeForCausalLMImpl::forward(const at::Tensor& input_ids) {
-  auto stats = std::make_shared<MoeForwardStats>(config_.aux_loss_coef());
+  auto stats = std::make_shared<MoeForwardStats>(config_.aux_loss_coef(), config_.router_aux_loss_type);
   const auto hidden = model(input_ids, stats);
   stats->finish();
   last_stats_ = stats;
@@ -83,7 +83,7 @@ CausalLmLoss Qwen3MoeForCausalLMImpl::loss(const at::Tensor& input_ids, const at
   if (!fused_kernels()) {
     return causal_lm_loss(forward(input_ids), labels, ignore_index);
   }
-  auto stats = std::make_shared<MoeForwardStats>(config_.aux_loss_coef());
+  auto stats = std::make_shared<MoeForwardStats>(config_.aux_loss_coef(), config_.router_aux_loss_type);
   const auto hidden = model(input_ids, stats);
   stats->finish();
   last_stats_ = stats;
@@ -126,7 +126,8 @@ at::Tensor Qwen3MoeStageImpl::forward(const at::Tensor& input) {
   detail::check_stage_input(kStageWho, stage_, is_first(), input, config_.hidden_size);
   at::Tensor h = is_first() ? embed_tokens(input) : input;
   if (!layers.empty()) {
-    auto stats = std::make_shared<MoeForwardStats>(config_.aux_loss_coef() * moe_share_);
+    auto stats = std::make_shared<MoeForwardStats>(config_.aux_loss_coef() * moe_share_,
+                                                   config_.router_aux_loss_type);
     const auto cos_sin = detail::rope_tables(rope_, h, h);
     for (auto& layer : layers) {
       h = layer(h, cos_sin, stats);

@@ -38,7 +38,8 @@ constexpr std::string_view kMoeKeys[] = {"num_experts",
                                          "output_router_logits",
                                          "shared_expert_intermediate_size",
                                          "router_bias_update_rate",
-                                         "router_bias_update_rule"};
+                                         "router_bias_update_rule",
+                                         "router_aux_loss_type"};
 
 [[noreturn]] void fail(const std::string& message) { kReader.fail(message); }
 
@@ -73,7 +74,7 @@ void reject_unknown_keys(const Json& json) {
       "num_experts (or num_local_experts), num_experts_per_tok, moe_intermediate_size, "
       "norm_topk_prob, decoder_sparse_step, mlp_only_layers, router_aux_loss_coef, "
       "output_router_logits, shared_expert_intermediate_size, router_bias_update_rate, "
-      "router_bias_update_rule");
+      "router_bias_update_rule, router_aux_loss_type");
 }
 
 }  // namespace
@@ -167,6 +168,13 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json_text(const std::string& text) {
     config.router_bias_update_rule =
         *v == "proportional" ? MoeBiasRule::proportional : MoeBiasRule::sign;
   }
+  if (const Json* v = find(json, "router_aux_loss_type")) {
+    if (!v->is_string() || (*v != "global_batch" && *v != "sequence")) {
+      bad("router_aux_loss_type", shown(*v), "expected \"global_batch\" or \"sequence\"");
+    }
+    config.router_aux_loss_type =
+        *v == "sequence" ? MoeAuxLoss::sequence : MoeAuxLoss::global_batch;
+  }
   config.validate();
   return config;
 }
@@ -249,6 +257,9 @@ std::string Qwen3MoeConfig::to_hf_json(const std::string& torch_dtype) const {
     json["router_bias_update_rate"] = router_bias_update_rate;
     json["router_bias_update_rule"] =
         router_bias_update_rule == MoeBiasRule::proportional ? "proportional" : "sign";
+  }
+  if (router_aux_loss_type == MoeAuxLoss::sequence) {
+    json["router_aux_loss_type"] = "sequence";
   }
   return json.dump(2) + "\n";
 }

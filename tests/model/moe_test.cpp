@@ -161,6 +161,52 @@ TEST(Model_Moe_AuxLoss, ValueAndGradientEqualTheDirectFormula) {
   EXPECT_GT(w1.grad().abs().max().item<double>(), 1e-4) << "a gradient that could be wrong";
 }
 
+// DeepSeek-V3's sequence-wise balance loss written out: per layer and per row b of the input,
+// f_be = E / (k T) * routings of row b to e, P_be = mean probability of e over the row,
+// aux = mean over layers of (1 / B) sum_b sum_e f_be P_be.
+TEST(Model_Moe_AuxLoss, SequenceWiseValueAndGradientEqualDeepSeekFormula) {
+  torch::manual_seed(4);
+  const double coef = 0.3;
+  MoeLayer first(tiny(false), 0);
+  MoeLayer second(tiny(true), 1);
+  widen(*first);
+  widen(*second);
+  const auto x = at::randn({3, 4, 8}, at::kDouble);  // B = 3 rows of T = 4 tokens
+  auto stats = std::make_shared<MoeForwardStats>(coef, d9d::model::MoeAuxLoss::sequence);
+  const auto y = first(x, stats) + second(x, stats);
+  stats->finish();
+  (y * 0).sum().backward();  // only the auxiliary loss reaches the routers
+  const auto got_first = first->gate->weight.grad().clone();
+  const auto got_second = second->gate->weight.grad().clone();
+
+  const auto per_layer = [&](const at::Tensor& w) {
+    const auto p = at::softmax(at::linear(x.reshape({-1, 8}), w), -1);  // [12, 4]
+    const auto experts = std::get<1>(at::topk(p, 2, -1));               // [12, 2]
+    const auto counts =
+        at::one_hot(experts, 4).reshape({3, 4 * 2, 4}).sum(1).to(at::kDouble);  // [3, 4]
+    const auto f = counts * (4.0 / (2.0 * 4.0));
+    const auto mean_p = p.reshape({3, 4, 4}).mean(1);
+    return (f * mean_p).sum(1).mean();
+  };
+  const auto w1 = first->gate->weight.detach().clone().requires_grad_();
+  const auto w2 = second->gate->weight.detach().clone().requires_grad_();
+  const auto aux = (per_layer(w1) + per_layer(w2)) / 2.0;
+  EXPECT_NEAR(stats->aux_loss(), aux.item<double>(), 1e-12);
+  EXPECT_GT(aux.item<double>(), 1.0) << "wide routers: rows less balanced than uniform";
+  (aux * coef * 12.0).backward();  // the sum form: coef * aux * tokens of the pass
+  EXPECT_TRUE(at::allclose(got_first, w1.grad(), 0, 1e-12));
+  EXPECT_TRUE(at::allclose(got_second, w2.grad(), 0, 1e-12));
+  EXPECT_GT(w1.grad().abs().max().item<double>(), 1e-4) << "a gradient that could be wrong";
+
+  // The same routings under transformers' loss give other gradients: the modes differ.
+  first->gate->weight.mutable_grad() = at::Tensor();
+  auto global = std::make_shared<MoeForwardStats>(coef);
+  const auto again = first(x, global) + second(x, global);
+  global->finish();
+  (again * 0).sum().backward();
+  EXPECT_FALSE(at::allclose(first->gate->weight.grad(), got_first, 0, 1e-6));
+}
+
 TEST(Model_Moe_AuxLoss, BackwardWithoutFinishIsAnError) {
   MoeLayer layer(tiny(false), 0);
   auto stats = std::make_shared<MoeForwardStats>(0.1);

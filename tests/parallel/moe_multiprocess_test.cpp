@@ -128,6 +128,35 @@ TEST(Moe_ExpertParallel_ws4, Fsdp4TimesEp2AndEp2TimesPp2MatchOneProcess) {
   });
 }
 
+// DeepSeek-V3's sequence-wise auxiliary loss keeps per-row statistics: neither ranks, nor
+// microbatches, nor pipeline stages share any, so every run matches one process with the loss on
+// (pipelines too, unlike transformers' loss pooled per stage).
+TEST(Moe_ExpertParallel_ws2, SequenceWiseAuxLossMatchesOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
+    const auto sequence_run = [](const std::string& dir, int64_t microbatch,
+                                 const std::string& mesh) {
+      auto config = moe_run(dir, microbatch, mesh);
+      auto model = d9d::testing::tiny_qwen3_moe_json();
+      model.insert(model.rfind('}'), R"(, "router_aux_loss_type": "sequence")");
+      config.sections["model"] = model;
+      return config;
+    };
+    const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
+    const auto want = train_moe<d9d::Plan<Fp64>>(local, sequence_run(dir + "/one", 4, ""));
+    d9d::testing::expect_same_run(
+        train_moe<d9d::Plan<EpMesh, Ep, Fp64>>(ctx, sequence_run(dir + "/ep", 2, R"({"ep": 2})")),
+        want, "ep 2, sequence-wise loss");
+    using PpMesh = d9d::mesh<d9d::pp<d9d::dynamic>>;
+    d9d::testing::expect_same_run(
+        train_moe<d9d::Plan<PpMesh, d9d::pipeline::OneFOneB<>, Fp64>>(
+            ctx, sequence_run(dir + "/pp", 2, R"({"pp": 2})")),
+        want, "pp 2, sequence-wise loss");
+  });
+}
+
 // The export gathers each layer's expert shards and writes transformers' per-expert tensors.
 TEST(Moe_ExpertParallel_ws2, ExportsTransformersTensors) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);

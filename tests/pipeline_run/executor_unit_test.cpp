@@ -109,7 +109,9 @@ TEST(Pipeline_Qwen3MoeStage, AuxLossGradientOverTheStagesIsTheWholeModels) {
   const auto whole_layers = d9d::model::moe_layers(*whole);
   ASSERT_EQ(whole_layers.size(), 3U);
   // Every layer of one pass shares the pass's statistics, so each gets the same gradient.
-  const auto expected = whole_layers.front()->last_stats()->aux_gradient() * 3.0;
+  const auto& first_layer = whole_layers.front();
+  const auto expected =
+      first_layer->last_stats()->aux_gradient(first_layer->layer_index()) * 3.0;
   ASSERT_GT(expected.abs().sum().item<double>(), 0.0);
 
   at::Tensor total;
@@ -120,8 +122,8 @@ TEST(Pipeline_Qwen3MoeStage, AuxLossGradientOverTheStagesIsTheWholeModels) {
     d9d::model::copy_parameters(*whole, *stage);
     h = stage(h);
     const auto layers = d9d::model::moe_layers(*stage);
-    const auto part =
-        layers.front()->last_stats()->aux_gradient() * static_cast<double>(layers.size());
+    const auto part = layers.front()->last_stats()->aux_gradient(layers.front()->layer_index()) *
+                      static_cast<double>(layers.size());
     total = total.defined() ? total + part : part;
   }
   EXPECT_TRUE(at::allclose(total, expected, 1e-5, 1e-9)) << total << " vs " << expected;

@@ -21,15 +21,21 @@
 // is one grouped GEMM over the experts' segments (at::_grouped_mm on CUDA, a loop over the
 // segments elsewhere), and the outputs are weighted and summed back per token (un-permute).
 //
-// The auxiliary loss is transformers' load_balancing_loss_func over every MoE layer of one forward
-// pass (of a model, or of a pipeline stage): aux = E * sum_e f_e * P_e, with f_e the fraction of
-// the pass's (token, layer) routings that chose expert e (summed over the top k) and P_e the mean
-// router probability of e. f is summed over the data-parallel ranks when the layers have a load
-// group (global-batch statistics; the parallelize layer sets it), P stays local and carries the
-// gradient. The loss is not added to the task's loss: each MoE layer's output carries an autograd
-// node that adds d(coef * aux * tokens)/d(router probabilities) in backward, so the gradient is
-// that of sum(cross-entropy) + coef * aux * tokens (the trainer divides by the tokens), and it
-// works unchanged under recompute, FullyShard, pipelines and expert parallelism.
+// The auxiliary loss (MoeAuxLoss::global_batch, the default) is transformers'
+// load_balancing_loss_func over every MoE layer of one forward pass (of a model, or of a pipeline
+// stage): aux = E * sum_e f_e * P_e, with f_e the fraction of the pass's (token, layer) routings
+// that chose expert e (summed over the top k) and P_e the mean router probability of e. f is
+// summed over the data-parallel ranks when the layers have a load group (global-batch statistics;
+// the parallelize layer sets it), P stays local and carries the gradient. MoeAuxLoss::sequence is
+// DeepSeek-V3's sequence-wise balance loss instead: per layer l and per sequence b (a row of the
+// layer's [..., T, hidden] input; under context parallelism the rank's part of the row), with
+// f_lbe = E / (k T) * (routings of row b to e) and P_lbe the mean probability of e over row b,
+//   aux = (1 / L) sum_l (1 / B) sum_b sum_e f_lbe * P_lbe        (1 where routing is uniform),
+// no statistics shared between ranks. The loss is not added to the task's loss: each MoE layer's
+// output carries an autograd node that adds d(coef * aux * tokens)/d(router probabilities) in
+// backward, so the gradient is that of sum(cross-entropy) + coef * aux * tokens (the trainer
+// divides by the tokens), and it works unchanged under recompute, FullyShard, pipelines and
+// expert parallelism.
 //
 // Expert parallelism plugs in through ExpertDispatcher (d9d::parallel::ExpertParallel sets one):
 // the layer hands it the sorted rows and the rows per expert, and it runs the local experts on the
@@ -57,6 +63,10 @@ namespace d9d::model {
 /// `proportional` adds rate * (m - l_e) / m, which moves the overloaded experts as far as they are
 /// off and settles closer (measured on a collapsed router: design 0009, "Balancing").
 enum class MoeBiasRule { sign, proportional };
+
+/// Which auxiliary loss MoeForwardStats gives the routers (see the file comment): transformers'
+/// over the pass's routings (f summed over the load group), or DeepSeek-V3's sequence-wise one.
+enum class MoeAuxLoss { global_batch, sequence };
 
 /// The shape and the routing rules of one MoE layer.
 struct MoeOptions {
@@ -110,25 +120,31 @@ class ExpertDispatcher {
 class MoeForwardStats {
  public:
   /// `aux_loss_coef` 0: no auxiliary-loss gradient.
-  explicit MoeForwardStats(double aux_loss_coef = 0.0);
-  /// A layer's routing of this pass: counts[e] (int64) routings to expert e, the summed router
-  /// probabilities (detached), the tokens routed. False when the layer has been recorded already
-  /// (the recomputation of a recomputed block). `group`: where f is summed (may be invalid).
+  explicit MoeForwardStats(double aux_loss_coef = 0.0,
+                           MoeAuxLoss kind = MoeAuxLoss::global_batch);
+  /// A layer's routing of this pass: counts (int64) routings per expert, the summed router
+  /// probabilities (detached), the tokens routed — [E] each for MoeAuxLoss::global_batch, [B, E]
+  /// per sequence for MoeAuxLoss::sequence. False when the layer has been recorded already (the
+  /// recomputation of a recomputed block). `group`: where f is summed (may be invalid).
   bool record(int64_t layer, const at::Tensor& counts, const at::Tensor& probability_sum,
               int64_t tokens, const ProcessGroup& group);
   /// Computes f (all-reduced over the group) and the auxiliary loss and fills the gradient that
   /// the layers' backward adds. Idempotent.
   void finish();
   [[nodiscard]] double aux_loss_coef() const { return coef_; }
-  /// transformers' aux loss of this pass (f over the group, P of this rank); 0 before finish().
+  [[nodiscard]] MoeAuxLoss aux_loss_kind() const { return kind_; }
+  /// The aux loss of this pass (global_batch: f over the group, P of this rank); 0 before
+  /// finish().
   [[nodiscard]] double aux_loss() const { return aux_; }
   /// MoE layers recorded in this pass.
   [[nodiscard]] int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
-  /// d(coef * aux * tokens)/d(summed probabilities of one layer) = coef * E * f / layers, [E]
-  /// (float32 or float64). Filled by finish(); the layers' autograd nodes read it in backward.
-  [[nodiscard]] const at::Tensor& aux_gradient() const { return gradient_; }
-  /// The tensor aux_gradient() will be, created by the first layer (internal).
-  at::Tensor gradient_holder(const at::Tensor& like);
+  /// d(coef * aux * tokens)/d(summed probabilities of `layer`), shaped as that layer recorded them
+  /// (float32 or float64): coef * E * f / layers (global_batch, the same for every layer) or
+  /// coef * f_lbe / layers (sequence). Filled by finish(); the layers' autograd nodes read it in
+  /// backward. Undefined for a layer not recorded.
+  [[nodiscard]] at::Tensor aux_gradient(int64_t layer) const;
+  /// The tensor aux_gradient(layer) will be, created when the layer records (internal).
+  at::Tensor gradient_holder(int64_t layer, const at::Tensor& like);
 
  private:
   struct Layer {
@@ -136,13 +152,17 @@ class MoeForwardStats {
     at::Tensor counts;
     at::Tensor probability_sum;
     int64_t tokens = 0;
+    at::Tensor gradient;  // the holder its autograd node reads
   };
+  void finish_global_batch();
+  void finish_sequence();
+  Layer* find(int64_t layer);
   double coef_;
+  MoeAuxLoss kind_;
   double aux_ = 0.0;
   bool finished_ = false;
   std::vector<Layer> layers_;
   ProcessGroup group_;
-  at::Tensor gradient_;
 };
 
 /// The router ("gate" in Hugging Face's names): weight [num_experts, hidden] and, with the

@@ -28,7 +28,9 @@
 //   - d9d's own: router_bias_update_rate (0 = off): auxiliary-loss-free balancing, a per-expert
 //     selection bias on the router logits moved by this rate after every optimizer step (not part
 //     of transformers' model: an export leaves the bias out); router_bias_update_rule ("sign",
-//     DeepSeek-V3's rule, the default; or "proportional": d9d::model::MoeBiasRule).
+//     DeepSeek-V3's rule, the default; or "proportional": d9d::model::MoeBiasRule);
+//     router_aux_loss_type ("global_batch", transformers' loss, the default; or "sequence",
+//     DeepSeek-V3's sequence-wise balance loss: d9d::model::MoeAuxLoss).
 // model_type must be "qwen3_moe" (other MoE families are refused by name).
 #pragma once
 
@@ -63,6 +65,7 @@ struct Qwen3MoeConfig : Qwen3Config {
   int64_t shared_expert_intermediate_size = 0;
   double router_bias_update_rate = 0.0;
   MoeBiasRule router_bias_update_rule = MoeBiasRule::sign;
+  MoeAuxLoss router_aux_loss_type = MoeAuxLoss::global_batch;
 
   /// Parses a config.json text (the rules in the file comment); std::invalid_argument
   /// "d9d Qwen3-MoE config: ..." names the key, the value and what would be valid.
