@@ -71,7 +71,8 @@ Qwen3MoeForCausalLMImpl::Qwen3MoeForCausalLMImpl(Qwen3MoeConfig config)
 }
 
 at::Tensor Qwen3MoeForCausalLMImpl::forward(const at::Tensor& input_ids) {
-  auto stats = std::make_shared<MoeForwardStats>(config_.aux_loss_coef(), config_.router_aux_loss_type);
+  auto stats =
+      std::make_shared<MoeForwardStats>(config_.aux_loss_coef(), config_.router_aux_loss_type);
   const auto hidden = model(input_ids, stats);
   stats->finish();
   last_stats_ = stats;
@@ -83,7 +84,8 @@ CausalLmLoss Qwen3MoeForCausalLMImpl::loss(const at::Tensor& input_ids, const at
   if (!fused_kernels()) {
     return causal_lm_loss(forward(input_ids), labels, ignore_index);
   }
-  auto stats = std::make_shared<MoeForwardStats>(config_.aux_loss_coef(), config_.router_aux_loss_type);
+  auto stats =
+      std::make_shared<MoeForwardStats>(config_.aux_loss_coef(), config_.router_aux_loss_type);
   const auto hidden = model(input_ids, stats);
   stats->finish();
   last_stats_ = stats;

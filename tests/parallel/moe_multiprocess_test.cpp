@@ -150,10 +150,9 @@ TEST(Moe_ExpertParallel_ws2, SequenceWiseAuxLossMatchesOneProcess) {
         train_moe<d9d::Plan<EpMesh, Ep, Fp64>>(ctx, sequence_run(dir + "/ep", 2, R"({"ep": 2})")),
         want, "ep 2, sequence-wise loss");
     using PpMesh = d9d::mesh<d9d::pp<d9d::dynamic>>;
-    d9d::testing::expect_same_run(
-        train_moe<d9d::Plan<PpMesh, d9d::pipeline::OneFOneB<>, Fp64>>(
-            ctx, sequence_run(dir + "/pp", 2, R"({"pp": 2})")),
-        want, "pp 2, sequence-wise loss");
+    d9d::testing::expect_same_run(train_moe<d9d::Plan<PpMesh, d9d::pipeline::OneFOneB<>, Fp64>>(
+                                      ctx, sequence_run(dir + "/pp", 2, R"({"pp": 2})")),
+                                  want, "pp 2, sequence-wise loss");
   });
 }
 

@@ -110,8 +110,7 @@ TEST(Pipeline_Qwen3MoeStage, AuxLossGradientOverTheStagesIsTheWholeModels) {
   ASSERT_EQ(whole_layers.size(), 3U);
   // Every layer of one pass shares the pass's statistics, so each gets the same gradient.
   const auto& first_layer = whole_layers.front();
-  const auto expected =
-      first_layer->last_stats()->aux_gradient(first_layer->layer_index()) * 3.0;
+  const auto expected = first_layer->last_stats()->aux_gradient(first_layer->layer_index()) * 3.0;
   ASSERT_GT(expected.abs().sum().item<double>(), 0.0);
 
   at::Tensor total;

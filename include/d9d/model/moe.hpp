@@ -120,8 +120,7 @@ class ExpertDispatcher {
 class MoeForwardStats {
  public:
   /// `aux_loss_coef` 0: no auxiliary-loss gradient.
-  explicit MoeForwardStats(double aux_loss_coef = 0.0,
-                           MoeAuxLoss kind = MoeAuxLoss::global_batch);
+  explicit MoeForwardStats(double aux_loss_coef = 0.0, MoeAuxLoss kind = MoeAuxLoss::global_batch);
   /// A layer's routing of this pass: counts (int64) routings per expert, the summed router
   /// probabilities (detached), the tokens routed — [E] each for MoeAuxLoss::global_batch, [B, E]
   /// per sequence for MoeAuxLoss::sequence. False when the layer has been recorded already (the
