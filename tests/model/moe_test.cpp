@@ -183,7 +183,7 @@ TEST(Model_Moe_AuxLoss, SequenceWiseValueAndGradientEqualDeepSeekFormula) {
     const auto p = at::softmax(at::linear(x.reshape({-1, 8}), w), -1);  // [12, 4]
     const auto experts = std::get<1>(at::topk(p, 2, -1));               // [12, 2]
     const auto counts =
-        at::one_hot(experts, 4).reshape({3, 4 * 2, 4}).sum(1).to(at::kDouble);  // [3, 4]
+        at::one_hot(experts, 4).reshape({3, 8, 4}).sum(1).to(at::kDouble);  // T k = 8 per row
     const auto f = counts * (4.0 / (2.0 * 4.0));
     const auto mean_p = p.reshape({3, 4, 4}).mean(1);
     return (f * mean_p).sum(1).mean();
