@@ -129,14 +129,22 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w,
 MoeForwardStats::MoeForwardStats(double aux_loss_coef, MoeAuxLoss kind)
     : coef_(aux_loss_coef), kind_(kind) {}
 
-MoeForwardStats::Layer* MoeForwardStats::find(int64_t layer) {
-  for (auto& known : layers_) {
-    if (known.index == layer) {
+namespace {
+
+// The recorded layer of that index in `layers` (const or not), or null.
+template <class Layers>
+auto* layer_of(Layers& layers, int64_t index) {
+  for (auto& known : layers) {
+    if (known.index == index) {
       return &known;
     }
   }
-  return nullptr;
+  return static_cast<decltype(&layers.front())>(nullptr);
 }
+
+}  // namespace
+
+MoeForwardStats::Layer* MoeForwardStats::find(int64_t layer) { return layer_of(layers_, layer); }
 
 bool MoeForwardStats::record(int64_t layer, const at::Tensor& counts,
                              const at::Tensor& probability_sum, int64_t tokens,
@@ -179,12 +187,8 @@ at::Tensor MoeForwardStats::gradient_holder(int64_t layer, const at::Tensor& lik
 }
 
 at::Tensor MoeForwardStats::aux_gradient(int64_t layer) const {
-  for (const auto& known : layers_) {
-    if (known.index == layer) {
-      return known.gradient;
-    }
-  }
-  return {};
+  const auto* known = layer_of(layers_, layer);
+  return known != nullptr ? known->gradient : at::Tensor();
 }
 
 void MoeForwardStats::finish() {

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <d9d/model/detail/config_reader.hpp>
@@ -77,6 +78,52 @@ void reject_unknown_keys(const Json& json) {
       "router_bias_update_rule, router_aux_loss_type");
 }
 
+// The experts' counts and sizes, which have no defaults: num_experts (or transformers 5's
+// num_local_experts, agreeing when both are given), num_experts_per_tok, moe_intermediate_size.
+void read_expert_counts(const Json& json, Qwen3MoeConfig& config) {
+  const Json* experts = find(json, "num_experts");
+  const Json* local = find(json, "num_local_experts");
+  if (experts == nullptr && local == nullptr) {
+    fail(
+        "missing required key \"num_experts\" (transformers 4's name; transformers 5 writes "
+        "\"num_local_experts\")");
+  }
+  if (experts != nullptr && local != nullptr &&
+      read_size(*experts, "num_experts") != read_size(*local, "num_local_experts")) {
+    fail("\"num_experts\" = " + shown(*experts) + " and \"num_local_experts\" = " + shown(*local) +
+         " disagree (transformers 5 reads num_local_experts, 4 reads num_experts). Fix: give "
+         "the count once");
+  }
+  config.num_experts = experts != nullptr ? read_size(*experts, "num_experts")
+                                          : read_size(*local, "num_local_experts");
+  std::string missing;
+  for (const char* key : {"num_experts_per_tok", "moe_intermediate_size"}) {
+    if (find(json, key) == nullptr) {
+      missing += (missing.empty() ? "" : ", ") + in_quotes(key);
+    }
+  }
+  if (!missing.empty()) {
+    fail("missing required key(s) " + missing + "; d9d has no defaults for the model's shape");
+  }
+  config.num_experts_per_tok = read_size(*find(json, "num_experts_per_tok"), "num_experts_per_tok");
+  config.moe_intermediate_size =
+      read_size(*find(json, "moe_intermediate_size"), "moe_intermediate_size");
+}
+
+// One of a key's named values (the message lists them all).
+template <class Enum, std::size_t N>
+Enum read_choice(const Json& value, const std::string& key,
+                 const std::pair<const char*, Enum> (&choices)[N]) {
+  std::string names;
+  for (const auto& [name, choice] : choices) {
+    if (value.is_string() && value == name) {
+      return choice;
+    }
+    names += (names.empty() ? "" : " or ") + in_quotes(name);
+  }
+  bad(key, shown(value), "expected " + names);
+}
+
 }  // namespace
 
 Qwen3MoeConfig Qwen3MoeConfig::from_json_text(const std::string& text) {
@@ -106,33 +153,7 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json_text(const std::string& text) {
       kDenseReader, [&dense] { return Qwen3Config::from_json_text(dense.dump()); });
 
   // The MoE keys.
-  const Json* experts = find(json, "num_experts");
-  const Json* local = find(json, "num_local_experts");
-  if (experts == nullptr && local == nullptr) {
-    fail(
-        "missing required key \"num_experts\" (transformers 4's name; transformers 5 writes "
-        "\"num_local_experts\")");
-  }
-  if (experts != nullptr && local != nullptr &&
-      read_size(*experts, "num_experts") != read_size(*local, "num_local_experts")) {
-    fail("\"num_experts\" = " + shown(*experts) + " and \"num_local_experts\" = " + shown(*local) +
-         " disagree (transformers 5 reads num_local_experts, 4 reads num_experts). Fix: give "
-         "the count once");
-  }
-  config.num_experts = experts != nullptr ? read_size(*experts, "num_experts")
-                                          : read_size(*local, "num_local_experts");
-  std::string missing;
-  for (const char* key : {"num_experts_per_tok", "moe_intermediate_size"}) {
-    if (find(json, key) == nullptr) {
-      missing += (missing.empty() ? "" : ", ") + in_quotes(key);
-    }
-  }
-  if (!missing.empty()) {
-    fail("missing required key(s) " + missing + "; d9d has no defaults for the model's shape");
-  }
-  config.num_experts_per_tok = read_size(*find(json, "num_experts_per_tok"), "num_experts_per_tok");
-  config.moe_intermediate_size =
-      read_size(*find(json, "moe_intermediate_size"), "moe_intermediate_size");
+  read_expert_counts(json, config);
   if (const Json* v = find(json, "norm_topk_prob")) {
     config.norm_topk_prob = read_bool(*v, "norm_topk_prob");
   }
@@ -162,18 +183,14 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json_text(const std::string& text) {
     config.router_bias_update_rate = read_non_negative(*v, "router_bias_update_rate");
   }
   if (const Json* v = find(json, "router_bias_update_rule")) {
-    if (!v->is_string() || (*v != "sign" && *v != "proportional")) {
-      bad("router_bias_update_rule", shown(*v), "expected \"sign\" or \"proportional\"");
-    }
-    config.router_bias_update_rule =
-        *v == "proportional" ? MoeBiasRule::proportional : MoeBiasRule::sign;
+    config.router_bias_update_rule = read_choice<MoeBiasRule>(
+        *v, "router_bias_update_rule",
+        {{"sign", MoeBiasRule::sign}, {"proportional", MoeBiasRule::proportional}});
   }
   if (const Json* v = find(json, "router_aux_loss_type")) {
-    if (!v->is_string() || (*v != "global_batch" && *v != "sequence")) {
-      bad("router_aux_loss_type", shown(*v), "expected \"global_batch\" or \"sequence\"");
-    }
-    config.router_aux_loss_type =
-        *v == "sequence" ? MoeAuxLoss::sequence : MoeAuxLoss::global_batch;
+    config.router_aux_loss_type = read_choice<MoeAuxLoss>(
+        *v, "router_aux_loss_type",
+        {{"global_batch", MoeAuxLoss::global_batch}, {"sequence", MoeAuxLoss::sequence}});
   }
   config.validate();
   return config;

@@ -616,18 +616,17 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
       if (flat.defined() && param.rows == c * world_ && flat.numel() < kSlicedCopyNumel) {
         laid.narrow(1, param.segment_offset, c * param.row_numel)
             .copy_(flat.view({world_, c * param.row_numel}));
-        grad = at::Tensor();
-        continue;
-      }
-      for (int64_t r = 0; r < world_; ++r) {
-        const auto slot = laid.select(0, r).narrow(0, param.segment_offset, c * param.row_numel);
-        const int64_t given = flat.defined() ? std::clamp<int64_t>(param.rows - r * c, 0, c) : 0;
-        if (given > 0) {
-          slot.narrow(0, 0, given * param.row_numel)
-              .copy_(flat.narrow(0, r * c * param.row_numel, given * param.row_numel));
-        }
-        if (given < c) {
-          slot.narrow(0, given * param.row_numel, (c - given) * param.row_numel).zero_();
+      } else {
+        for (int64_t r = 0; r < world_; ++r) {
+          const auto slot = laid.select(0, r).narrow(0, param.segment_offset, c * param.row_numel);
+          const int64_t given = flat.defined() ? std::clamp<int64_t>(param.rows - r * c, 0, c) : 0;
+          if (given > 0) {
+            slot.narrow(0, 0, given * param.row_numel)
+                .copy_(flat.narrow(0, r * c * param.row_numel, given * param.row_numel));
+          }
+          if (given < c) {
+            slot.narrow(0, given * param.row_numel, (c - given) * param.row_numel).zero_();
+          }
         }
       }
       grad = at::Tensor();  // the whole gradient is not needed any more

@@ -125,19 +125,35 @@ TEST(Model_Moe_Layer, EqualsPerTokenReference) {
 
 // transformers' load_balancing_loss_func over two layers' routings (concatenated), and its
 // gradient through the routers: what MoeForwardStats and the layers' backward produce.
+// Two MoE layers (the second renormalising its top k) with wide float64 routers and an input of
+// B = 3 rows of T = 4 tokens.
+struct TwoLayers {
+  MoeLayer first{tiny(false), 0};
+  MoeLayer second{tiny(true), 1};
+  at::Tensor x;
+  TwoLayers() {
+    widen(*first);
+    widen(*second);
+    x = at::randn({3, 4, 8}, at::kDouble);
+  }
+  // Both layers on x with `stats`, then backward with a zero output gradient: only the auxiliary
+  // loss reaches the routers.
+  void backward_aux_only(const std::shared_ptr<MoeForwardStats>& stats) {
+    const auto y = first(x, stats) + second(x, stats);
+    stats->finish();
+    (y * 0).sum().backward();
+  }
+};
+
 TEST(Model_Moe_AuxLoss, ValueAndGradientEqualTheDirectFormula) {
   torch::manual_seed(4);
   const double coef = 0.3;
-  MoeLayer first(tiny(false), 0);
-  MoeLayer second(tiny(true), 1);
-  widen(*first);
-  widen(*second);
-  const auto x = at::randn({3, 4, 8}, at::kDouble);
+  TwoLayers layers;
+  auto& first = layers.first;
+  auto& second = layers.second;
+  const auto& x = layers.x;
   auto stats = std::make_shared<MoeForwardStats>(coef);
-  const auto y = first(x, stats) + second(x, stats);
-  stats->finish();
-  // Only the auxiliary loss reaches the routers: the output's gradient is zero.
-  (y * 0).sum().backward();
+  layers.backward_aux_only(stats);
   const auto got_first = first->gate->weight.grad().clone();
   const auto got_second = second->gate->weight.grad().clone();
 
@@ -167,15 +183,12 @@ TEST(Model_Moe_AuxLoss, ValueAndGradientEqualTheDirectFormula) {
 TEST(Model_Moe_AuxLoss, SequenceWiseValueAndGradientEqualDeepSeekFormula) {
   torch::manual_seed(4);
   const double coef = 0.3;
-  MoeLayer first(tiny(false), 0);
-  MoeLayer second(tiny(true), 1);
-  widen(*first);
-  widen(*second);
-  const auto x = at::randn({3, 4, 8}, at::kDouble);  // B = 3 rows of T = 4 tokens
+  TwoLayers layers;
+  auto& first = layers.first;
+  auto& second = layers.second;
+  const auto& x = layers.x;
   auto stats = std::make_shared<MoeForwardStats>(coef, d9d::model::MoeAuxLoss::sequence);
-  const auto y = first(x, stats) + second(x, stats);
-  stats->finish();
-  (y * 0).sum().backward();  // only the auxiliary loss reaches the routers
+  layers.backward_aux_only(stats);
   const auto got_first = first->gate->weight.grad().clone();
   const auto got_second = second->gate->weight.grad().clone();
 
@@ -200,10 +213,7 @@ TEST(Model_Moe_AuxLoss, SequenceWiseValueAndGradientEqualDeepSeekFormula) {
 
   // The same routings under transformers' loss give other gradients: the modes differ.
   first->gate->weight.mutable_grad() = at::Tensor();
-  auto global = std::make_shared<MoeForwardStats>(coef);
-  const auto again = first(x, global) + second(x, global);
-  global->finish();
-  (again * 0).sum().backward();
+  layers.backward_aux_only(std::make_shared<MoeForwardStats>(coef));
   EXPECT_FALSE(at::allclose(first->gate->weight.grad(), got_first, 0, 1e-6));
 }
 
