@@ -46,7 +46,8 @@ using NearestPlan =
 using LoraPlan =
     d9d::Plan<Mesh, DataParallel, d9d::peft::Lora<16, 32>, d9d::precision::Bf16Params<>>;
 // --fsdp: parameters, gradients and AdamW state sharded over the ranks (ZeRO-3); --recompute:
-// every decoder layer recomputes its activations in backward.
+// every decoder layer recomputes its activations in backward; --recompute-attention: only their
+// attention parts (selective recompute).
 using ShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>>;
 template <class Precision, class Recompute = d9d::recompute::None>
 using FsdpPlan = d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Precision, Recompute>;
@@ -83,6 +84,7 @@ struct Options {
   bool fsdp = false;
   bool tp = false;
   bool recompute = false;
+  bool recompute_attention = false;
   bool plain_kernels = false;
   std::string bf16_params;
   bool lora = false;
@@ -196,6 +198,11 @@ int train(const Options& o) {
   if (o.recompute && !o.fsdp) {
     throw d9d::ConfigError("--recompute is compiled with --fsdp only. Fix: add --fsdp");
   }
+  if (o.recompute_attention && (!o.fsdp || !o.bf16 || o.recompute || o.cp > 0)) {
+    throw d9d::ConfigError(
+        "--recompute-attention is compiled with --fsdp --bf16 only. Fix: add --fsdp --bf16, drop "
+        "--recompute and --cp");
+  }
   if ((o.fsdp || o.recompute) && o.pipeline != "none") {
     throw d9d::ConfigError("--fsdp runs without --pipeline in this example. Fix: drop one");
   }
@@ -256,6 +263,9 @@ int train(const Options& o) {
     using Bf16 = d9d::precision::Bf16Mixed;
     using Fp32 = d9d::precision::Fp32;
     using Full = d9d::recompute::Full;
+    if (o.recompute_attention) {
+      return run<FsdpPlan<Bf16, d9d::recompute::Attention<>>>(ctx, cfg, peak);
+    }
     if (o.recompute) {
       return o.bf16 ? run<FsdpPlan<Bf16, Full>>(ctx, cfg, peak)
                     : run<FsdpPlan<Fp32, Full>>(ctx, cfg, peak);
@@ -304,6 +314,9 @@ int main(int argc, char** argv) {
                "vocabulary)");
   app.add_flag("--recompute", o.recompute,
                "recompute every decoder layer's activations in backward (with --fsdp)");
+  app.add_flag("--recompute-attention", o.recompute_attention,
+               "selective recompute: only the attention part of every decoder layer "
+               "(d9d::recompute::Attention<>; with --fsdp --bf16)");
   app.add_flag("--cuda-graphs", o.cuda_graphs,
                "capture each microbatch's forward and backward once and replay it (one GPU, no "
                "pipeline; config \"cuda_graphs\")");

@@ -18,6 +18,7 @@
 namespace d9d::model {
 
 Qwen3DecoderLayerImpl::Qwen3DecoderLayerImpl(const Qwen3Config& config) {
+  declare_part(Part::attention);
   detail::register_attention(*this, config, input_layernorm, self_attn, post_attention_layernorm);
   mlp = register_module("mlp", SwiGlu(config.hidden_size, config.intermediate_size));
 }
@@ -25,7 +26,9 @@ Qwen3DecoderLayerImpl::Qwen3DecoderLayerImpl(const Qwen3Config& config) {
 at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x,
                                           const std::pair<at::Tensor, at::Tensor>& cos_sin) {
   return run_block(x, [this, cos_sin](const at::Tensor& in) {
-    const auto h = in + self_attn(input_layernorm(in), cos_sin);
+    const auto h = in + run_part(Part::attention, in, [this, cos_sin](const at::Tensor& t) {
+                     return self_attn(input_layernorm(t), cos_sin);
+                   });
     return h + mlp(post_attention_layernorm(h));
   });
 }
@@ -33,7 +36,9 @@ at::Tensor Qwen3DecoderLayerImpl::forward(const at::Tensor& x,
 at::Tensor Qwen3DecoderLayerImpl::forward_placed(const at::Tensor& x, const TokenPlacement& where,
                                                  KvCacheLayer* cache) {
   return run_block(x, [this, where, cache](const at::Tensor& in) {
-    const auto h = in + self_attn->forward_placed(input_layernorm(in), where, cache);
+    const auto h = in + run_part(Part::attention, in, [this, where, cache](const at::Tensor& t) {
+                     return self_attn->forward_placed(input_layernorm(t), where, cache);
+                   });
     return h + mlp(post_attention_layernorm(h));
   });
 }

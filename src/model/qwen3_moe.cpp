@@ -19,6 +19,7 @@ constexpr std::string_view kStageWho = "d9d::model::Qwen3MoeStage";
 
 Qwen3MoeDecoderLayerImpl::Qwen3MoeDecoderLayerImpl(const Qwen3MoeConfig& config,
                                                    int64_t layer_index) {
+  declare_part(Part::attention);
   detail::register_attention(*this, config, input_layernorm, self_attn, post_attention_layernorm);
   if (config.is_moe_layer(layer_index)) {
     moe = register_module("mlp", MoeLayer(config.moe_options(), layer_index));
@@ -32,7 +33,9 @@ at::Tensor Qwen3MoeDecoderLayerImpl::forward(const at::Tensor& x,
                                              const std::shared_ptr<MoeForwardStats>& stats) {
   // Captures by value: recompute runs the body again in backward, with the same stats object.
   return run_block(x, [this, cos_sin, stats](const at::Tensor& in) {
-    const auto h = in + self_attn(input_layernorm(in), cos_sin);
+    const auto h = in + run_part(Part::attention, in, [this, cos_sin](const at::Tensor& t) {
+                     return self_attn(input_layernorm(t), cos_sin);
+                   });
     const auto normed = post_attention_layernorm(h);
     return h + (moe ? moe(normed, stats) : mlp(normed));
   });

@@ -1,10 +1,13 @@
 // d9d/parallel/recompute.cpp — activation recompute of d9d::model::Block bodies.
 //
-// A recomputed block runs its body under no_grad in forward (only its input is kept) and, in its
-// backward, runs the body again with gradients on — under the autocast state its forward had — and
-// back-propagates through that. The wrapper sits inside the block's hooks, so a sharding strategy's
-// pre-backward gather (a post-forward hook) runs before the recomputation needs the parameters.
+// A recomputed block runs its body (or, under selective recompute, its attention part) under
+// no_grad in forward (only its input is kept) and, in its backward, runs it again with gradients
+// on — under the autocast state its forward had — and back-propagates through that. The wrapper
+// sits inside the block's hooks, so a sharding strategy's pre-backward gather (a post-forward
+// hook) runs before the recomputation needs the parameters.
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -58,9 +61,20 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
   }
 };
 
+/// The body through Checkpoint while gradients are recorded; directly otherwise (nothing to save).
+at::Tensor checkpointed(const at::Tensor& x, const model::Block::Body& body) {
+  if (!at::GradMode::is_enabled()) {
+    return body(x);
+  }
+  return Checkpoint::apply(
+      x,
+      at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(x.device())).requires_grad_(true),
+      c10::IValue::make_capsule(c10::make_intrusive<BodyHolder>(body)));
+}
+
 }  // namespace
 
-void apply_recompute(ParallelModel& model, int every_nth) {
+void apply_recompute(ParallelModel& model, int every_nth, recompute::Scope scope) {
   int index = 0;
   for (const auto& module : model.modules()) {
     for (const auto& item : module->named_modules()) {
@@ -69,16 +83,17 @@ void apply_recompute(ParallelModel& model, int every_nth) {
         continue;
       }
       if (index % every_nth == every_nth - 1) {
-        block->set_body_wrapper([](const at::Tensor& x, const model::Block::Body& body) {
-          if (!at::GradMode::is_enabled()) {
-            return body(x);  // nothing to save: no recompute needed
-          }
-          return Checkpoint::apply(
-              x,
-              at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(x.device()))
-                  .requires_grad_(true),
-              c10::IValue::make_capsule(c10::make_intrusive<BodyHolder>(body)));
-        });
+        if (scope == recompute::Scope::block) {
+          block->set_body_wrapper(checkpointed);
+        } else if (block->has_part(model::Block::Part::attention)) {
+          block->set_part_wrapper(model::Block::Part::attention, checkpointed);
+        } else {
+          throw std::invalid_argument(
+              "d9d::recompute::Attention: block '" + item.key() + "' (" + item.value()->name() +
+              ") declares no attention part, so only its whole body can be recomputed. Fix: use "
+              "d9d::recompute::Full or EveryNth<K>, or declare the part in the block "
+              "(d9d::model::Block::declare_part, run_part)");
+        }
       }
       ++index;
     }

@@ -81,6 +81,10 @@ TEST(Moe_ExpertParallel_ws2, Ep2AndEp2TimesFsdp2MatchOneProcess) {
         train_moe<d9d::Plan<EpMesh, d9d::parallel::ExpertParallel<4>, d9d::recompute::Full, Fp64>>(
             ctx, moe_run(dir + "/recompute", 2, R"({"ep": 2})")),
         want, "ep 2 with recompute (the static expert count)");
+    d9d::testing::expect_same_run(
+        train_moe<d9d::Plan<EpMesh, Ep, d9d::recompute::Attention<>, Fp64>>(
+            ctx, moe_run(dir + "/attention", 2, R"({"ep": 2})")),
+        want, "ep 2 with the attention recomputed");
   });
 }
 

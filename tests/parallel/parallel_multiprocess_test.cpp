@@ -85,6 +85,10 @@ TEST_P(Parallel_FullyShard, WithRecomputeMatchesOneProcess) {
         train_plan<d9d::Plan<ShardMesh, d9d::parallel::Fsdp, d9d::recompute::EveryNth<2>, Fp64>>(
             ctx, run_config(dir + "/every2")),
         want, "recompute every 2nd block");
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<ShardMesh, d9d::parallel::Fsdp, d9d::recompute::Attention<>, Fp64>>(
+            ctx, run_config(dir + "/attention")),
+        want, "recompute every block's attention");
   });
 }
 

@@ -1,11 +1,13 @@
 // The parallelize layer in one process: parameter records, the block hooks, FullyShard over one
 // rank and recompute against plain runs (float64, equal to rounding), the run-time mesh rules and
 // the config keys of the data-parallel strategies.
+#include <set>
 #include <string>
 #include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/function.h>
 
 #include "tests/parallel/parallel_test_util.hpp"
 #include "tests/support/error_of.hpp"
@@ -15,6 +17,7 @@ namespace {
 using d9d::precision::Fp64;
 using d9d::testing::tiny_run;
 using d9d::testing::train_plan;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 d9d::DistributedContext local() { return d9d::DistributedContext::local({.device = "cpu"}); }
@@ -90,6 +93,64 @@ TEST(Parallel_Recompute_ws1, RecomputedBlocksGiveTheSameRun) {
   d9d::testing::expect_same_run(train_plan<d9d::Plan<d9d::recompute::EveryNth<2>, Fp64>>(
                                     ctx, tiny_run("/tmp/d9d_par_every2", 5, 8, 4, false, 3)),
                                 want, "recompute block 1");
+  d9d::testing::expect_same_run(train_plan<d9d::Plan<d9d::recompute::Attention<>, Fp64>>(
+                                    ctx, tiny_run("/tmp/d9d_par_attn", 5, 8, 4, false, 3)),
+                                want, "recompute every block's attention");
+  d9d::testing::expect_same_run(train_plan<d9d::Plan<d9d::recompute::Attention<2>, Fp64>>(
+                                    ctx, tiny_run("/tmp/d9d_par_attn2", 5, 8, 4, false, 3)),
+                                want, "recompute block 1's attention");
+}
+
+// The backward graph of one loss: how many nodes, and how many of them are recompute's.
+struct GraphCount {
+  int nodes = 0;
+  int checkpoints = 0;
+};
+
+template <class Plan>
+GraphCount loss_graph(int layers) {
+  const auto ctx = local();
+  const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{});
+  d9d::model::Qwen3ForCausalLM model(
+      d9d::model::Qwen3Config::from_json_text(d9d::testing::tiny_qwen3_json(false, layers)));
+  const auto parallel = d9d::parallel::parallelize<Plan>(mesh, {model.ptr()});
+  const auto ids = at::randint(64, {2, 8}, at::kLong);
+  const auto loss = model->loss(ids, ids).loss_sum;
+  GraphCount count;
+  std::set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> todo{loss.grad_fn().get()};
+  while (!todo.empty()) {
+    auto* node = todo.back();
+    todo.pop_back();
+    if (node == nullptr || !seen.insert(node).second) {
+      continue;
+    }
+    ++count.nodes;
+    count.checkpoints += node->name().find("Checkpoint") != std::string::npos ? 1 : 0;
+    for (const auto& edge : node->next_edges()) {
+      todo.push_back(edge.function.get());
+    }
+  }
+  return count;
+}
+
+TEST(Parallel_Recompute_ws1, AttentionRecomputeKeepsTheMlpInTheGraph) {
+  // A recomputed part is one node of the forward graph (its own graph is built again in
+  // backward): Full leaves one per layer and nothing of the layers, Attention one per layer and
+  // the MLPs' nodes, Attention<2> every second layer's.
+  const auto plain = loss_graph<d9d::Plan<>>(4);
+  const auto full = loss_graph<d9d::Plan<d9d::recompute::Full>>(4);
+  const auto attention = loss_graph<d9d::Plan<d9d::recompute::Attention<>>>(4);
+  const auto every2 = loss_graph<d9d::Plan<d9d::recompute::Attention<2>>>(4);
+  EXPECT_EQ(plain.checkpoints, 0);
+  EXPECT_EQ(full.checkpoints, 4);
+  EXPECT_EQ(attention.checkpoints, 4);
+  EXPECT_EQ(every2.checkpoints, 2);
+  EXPECT_LT(full.nodes, attention.nodes);
+  EXPECT_LT(attention.nodes, every2.nodes);
+  EXPECT_LT(every2.nodes, plain.nodes);
+  // Each layer's attention part is the same set of nodes: half the layers, half the difference.
+  EXPECT_EQ(plain.nodes - every2.nodes, (plain.nodes - attention.nodes) / 2);
 }
 
 // A block of one's own: the hooks run around its body, in order, and the wrapper runs the body.
@@ -104,6 +165,52 @@ class ScaleImpl : public torch::nn::Module, public d9d::model::Block {
   int calls = 0;
 };
 TORCH_MODULE(Scale);
+
+// A block with a named part: the part's wrapper runs only that part.
+class TwoPartsImpl : public torch::nn::Module, public d9d::model::Block {
+ public:
+  TwoPartsImpl() { declare_part(Part::attention); }
+  at::Tensor forward(const at::Tensor& x) {
+    return run_block(x, [this](const at::Tensor& in) {
+      return run_part(Part::attention, in, [](const at::Tensor& t) { return t * 3; }) + 1;
+    });
+  }
+};
+TORCH_MODULE(TwoParts);
+
+TEST(Parallel_Block, APartWrapperWrapsOnlyItsPart) {
+  TwoParts block;
+  EXPECT_TRUE(block->has_part(d9d::model::Block::Part::attention));
+  EXPECT_TRUE(at::equal(block(at::ones({2})), at::full({2}, 4.0)));
+  int wrapped = 0;
+  block->set_part_wrapper(d9d::model::Block::Part::attention,
+                          [&](const at::Tensor& x, const d9d::model::Block::Body& body) {
+                            ++wrapped;
+                            return body(x) * 10;
+                          });
+  EXPECT_TRUE(block->has_block_hooks());
+  EXPECT_TRUE(at::equal(block(at::ones({2})), at::full({2}, 31.0)));  // (1 * 3) * 10 + 1
+  EXPECT_EQ(wrapped, 1);
+  block->clear_block_hooks();
+  EXPECT_FALSE(block->has_block_hooks());
+  EXPECT_TRUE(at::equal(block(at::ones({2})), at::full({2}, 4.0)));
+}
+
+TEST(Parallel_Block, AttentionRecomputeRefusesABlockWithoutThePart) {
+  Scale block;
+  EXPECT_FALSE(block->has_part(d9d::model::Block::Part::attention));
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>(
+                  [&] { block->set_part_wrapper(d9d::model::Block::Part::attention, nullptr); }),
+              HasSubstr("declares no such part"));
+  const auto ctx = local();
+  const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{});
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>([&] {
+                (void)d9d::parallel::parallelize<d9d::Plan<d9d::recompute::Attention<>>>(
+                    mesh, {block.ptr()});
+              }),
+              AllOf(HasSubstr("d9d::recompute::Attention: block '' ("),
+                    HasSubstr("declares no attention part"), HasSubstr("Fix: use")));
+}
 
 TEST(Parallel_Block, HooksRunAroundTheBodyInOrder) {
   Scale block;
@@ -167,14 +274,14 @@ TEST(Parallel_Config, DataParallelKeysAreValidated) {
   EXPECT_EQ(config.data_parallel.reshard, "never");
   EXPECT_EQ(config.data_parallel.prefetch, 2);
   EXPECT_FALSE(config.data_parallel.reduce_every_microbatch);
-  EXPECT_THAT(d9d::testing::error_of([&] {
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>([&] {
                 (void)d9d::TrainerConfig::from_json_text(with(R"({"reshard": "sometimes"})"));
               }),
               HasSubstr("data_parallel.reshard"));
   EXPECT_THAT(d9d::testing::error_of(
                   [&] { (void)d9d::TrainerConfig::from_json_text(with(R"({"prefetch": -1})")); }),
               HasSubstr("data_parallel.prefetch"));
-  EXPECT_THAT(d9d::testing::error_of([&] {
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>([&] {
                 (void)d9d::TrainerConfig::from_json_text(with(R"({"reshards": "never"})"));
               }),
               HasSubstr("did you mean \"data_parallel.reshard\""));

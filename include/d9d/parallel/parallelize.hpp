@@ -351,8 +351,10 @@ ProcessGroup data_parallel_group(const DeviceMesh& mesh);
 /// without repeated names (a model that shares one Parameter between two modules has one record).
 void tie_stage_parameters(ParallelModel& model);
 
-/// Recomputes block i when every_nth > 0 and i % every_nth == every_nth - 1.
-void apply_recompute(ParallelModel& model, int every_nth);
+/// Recomputes block i when every_nth > 0 and i % every_nth == every_nth - 1: its whole body
+/// (Scope::block) or its attention part (Scope::attention; std::invalid_argument naming the block
+/// when one does not declare d9d::model::Block::Part::attention).
+void apply_recompute(ParallelModel& model, int every_nth, recompute::Scope scope);
 
 /// std::invalid_argument naming `degree`, its value and `policy` unless the degree is 1: "Fix:
 /// <fix>, or <alternative>".
@@ -660,7 +662,17 @@ struct strategy<Policy> {
   template <class Plan>
   static void apply(ParallelModel& model) {
     if constexpr (Policy::every_nth > 0) {
-      detail::apply_recompute(model, Policy::every_nth);
+      detail::apply_recompute(model, Policy::every_nth, scope());
+    }
+  }
+
+ private:
+  /// The policy's scope; whole blocks when it states none.
+  static constexpr recompute::Scope scope() {
+    if constexpr (requires { Policy::scope; }) {
+      return Policy::scope;
+    } else {
+      return recompute::Scope::block;
     }
   }
 };

@@ -77,12 +77,18 @@ struct Fp32 {
 
 namespace recompute {
 
+/// What a recomputed block recomputes: its whole body, or only its attention part (the input
+/// norm, the projections, the attention and the output projection; d9d::model::Block::Part).
+enum class Scope : unsigned char { block, attention };
+
 /// Every activation backward needs is kept from the forward pass. The default of the
 /// activation_checkpointing slot.
 struct None {
   using d9d_slot = slot::activation_checkpointing;
   /// Recompute decoder block i when every_nth > 0 and i % every_nth == every_nth - 1.
   static constexpr int every_nth = 0;
+  /// What such a block recomputes (a policy that does not state it recomputes whole blocks).
+  static constexpr Scope scope = Scope::block;
 };
 
 }  // namespace recompute
