@@ -121,6 +121,86 @@ struct PeftConfig {
   std::vector<std::string> modules_to_save;
 };
 
+/// A key of the config: null when missing or null.
+const Json* config_value(const Json& json, const char* key) {
+  const auto it = json.find(key);
+  return it == json.end() || it->is_null() ? nullptr : &*it;
+}
+
+/// Throws unless the config is a LoRA adapter without the variants d9d does not compute.
+void refuse_unsupported(const Json& json, const std::string& who) {
+  const auto unsupported = [&](const char* key, const std::string& what) {
+    throw std::runtime_error(who + ": \"" + key + "\" = " + json.at(key).dump() + " (" + what +
+                             ") is not supported by d9d. Fix: save the adapter with " + key +
+                             " at peft's default");
+  };
+  const auto* type = config_value(json, "peft_type");
+  if (type == nullptr || *type != "LORA") {
+    throw std::runtime_error(who + ": \"peft_type\" is " + (type ? type->dump() : "missing") +
+                             "; d9d loads LoRA adapters only (\"peft_type\": \"LORA\")");
+  }
+  // Features with their own computation, which d9d does not implement: each must be off.
+  for (const char* key : {"use_dora", "fan_in_fan_out", "lora_bias", "use_qalora"}) {
+    if (const auto* value = config_value(json, key); value != nullptr && *value != false) {
+      unsupported(key, "a LoRA variant");
+    }
+  }
+  if (const auto* bias = config_value(json, "bias"); bias != nullptr && *bias != "none") {
+    unsupported("bias", "trained biases");
+  }
+  for (const char* key :
+       {"layers_to_transform", "layers_pattern", "layer_replication", "target_parameters",
+        "trainable_token_indices", "megatron_config", "alora_invocation_tokens"}) {
+    if (const auto* value = config_value(json, key); value != nullptr &&
+                                                     !(value->is_array() && value->empty()) &&
+                                                     !(value->is_object() && value->empty())) {
+      unsupported(key, "layer selection or a variant");
+    }
+  }
+}
+
+/// The values d9d uses (json::exception on a wrong type).
+PeftConfig config_values(const Json& json, const std::string& who) {
+  PeftConfig config;
+  if (const auto* r = config_value(json, "r")) {
+    config.r = r->get<int64_t>();
+  }
+  if (const auto* alpha = config_value(json, "lora_alpha")) {
+    config.lora_alpha = alpha->get<double>();
+  }
+  if (const auto* dropout = config_value(json, "lora_dropout")) {
+    config.lora_dropout = dropout->get<double>();
+  }
+  if (const auto* rslora = config_value(json, "use_rslora")) {
+    config.use_rslora = rslora->get<bool>();
+  }
+  const auto* targets = config_value(json, "target_modules");
+  if (targets == nullptr || !(targets->is_array() || targets->is_string())) {
+    throw std::runtime_error(who +
+                             ": \"target_modules\" is missing or null (peft then picks defaults "
+                             "per model type). Fix: save the adapter with explicit "
+                             "target_modules, e.g. [\"q_proj\", \"v_proj\"]");
+  }
+  config.target_modules = *targets;
+  if (const auto* exclude = config_value(json, "exclude_modules")) {
+    config.exclude_modules = *exclude;
+  }
+  if (const auto* ranks = config_value(json, "rank_pattern")) {
+    for (const auto& [key, value] : ranks->items()) {
+      config.rank_pattern[key] = value.get<int64_t>();
+    }
+  }
+  if (const auto* alphas = config_value(json, "alpha_pattern")) {
+    for (const auto& [key, value] : alphas->items()) {
+      config.alpha_pattern[key] = value.get<double>();
+    }
+  }
+  if (const auto* save = config_value(json, "modules_to_save")) {
+    config.modules_to_save = save->get<std::vector<std::string>>();
+  }
+  return config;
+}
+
 PeftConfig read_config(const std::string& dir) {
   const std::string path = files::join(dir, kConfigFile);
   const std::string who = "d9d::peft::load_adapter: " + path;
@@ -133,79 +213,12 @@ PeftConfig read_config(const std::string& dir) {
   if (!json.is_object()) {
     throw std::runtime_error(who + " is not a JSON object");
   }
-  const auto get = [&](const char* key) -> const Json* {
-    const auto it = json.find(key);
-    return it == json.end() || it->is_null() ? nullptr : &*it;
-  };
-  const auto unsupported = [&](const char* key, const std::string& what) {
-    throw std::runtime_error(who + ": \"" + key + "\" = " + json.at(key).dump() + " (" + what +
-                             ") is not supported by d9d. Fix: save the adapter with " + key +
-                             " at peft's default");
-  };
-  const auto* type = get("peft_type");
-  if (type == nullptr || *type != "LORA") {
-    throw std::runtime_error(who + ": \"peft_type\" is " + (type ? type->dump() : "missing") +
-                             "; d9d loads LoRA adapters only (\"peft_type\": \"LORA\")");
-  }
-  // Features with their own computation, which d9d does not implement: each must be off.
-  for (const char* key : {"use_dora", "fan_in_fan_out", "lora_bias", "use_qalora"}) {
-    if (const auto* value = get(key); value != nullptr && *value != false) {
-      unsupported(key, "a LoRA variant");
-    }
-  }
-  if (const auto* bias = get("bias"); bias != nullptr && *bias != "none") {
-    unsupported("bias", "trained biases");
-  }
-  for (const char* key :
-       {"layers_to_transform", "layers_pattern", "layer_replication", "target_parameters",
-        "trainable_token_indices", "megatron_config", "alora_invocation_tokens"}) {
-    if (const auto* value = get(key); value != nullptr && !(value->is_array() && value->empty()) &&
-                                      !(value->is_object() && value->empty())) {
-      unsupported(key, "layer selection or a variant");
-    }
-  }
-  PeftConfig config;
+  refuse_unsupported(json, who);
   try {
-    if (const auto* r = get("r")) {
-      config.r = r->get<int64_t>();
-    }
-    if (const auto* alpha = get("lora_alpha")) {
-      config.lora_alpha = alpha->get<double>();
-    }
-    if (const auto* dropout = get("lora_dropout")) {
-      config.lora_dropout = dropout->get<double>();
-    }
-    if (const auto* rslora = get("use_rslora")) {
-      config.use_rslora = rslora->get<bool>();
-    }
-    const auto* targets = get("target_modules");
-    if (targets == nullptr || !(targets->is_array() || targets->is_string())) {
-      throw std::runtime_error(who +
-                               ": \"target_modules\" is missing or null (peft then picks defaults "
-                               "per model type). Fix: save the adapter with explicit "
-                               "target_modules, e.g. [\"q_proj\", \"v_proj\"]");
-    }
-    config.target_modules = *targets;
-    if (const auto* exclude = get("exclude_modules")) {
-      config.exclude_modules = *exclude;
-    }
-    if (const auto* ranks = get("rank_pattern")) {
-      for (const auto& [key, value] : ranks->items()) {
-        config.rank_pattern[key] = value.get<int64_t>();
-      }
-    }
-    if (const auto* alphas = get("alpha_pattern")) {
-      for (const auto& [key, value] : alphas->items()) {
-        config.alpha_pattern[key] = value.get<double>();
-      }
-    }
-    if (const auto* save = get("modules_to_save")) {
-      config.modules_to_save = save->get<std::vector<std::string>>();
-    }
+    return config_values(json, who);
   } catch (const Json::exception& error) {
     throw std::runtime_error(who + ": a value has the wrong type: " + error.what());
   }
-  return config;
 }
 
 // peft's check_target_module_exists for a module name (0.17: lists match by name or dotted suffix,
@@ -458,6 +471,64 @@ void save_adapter(const torch::nn::Module& model, const std::string& dir,
       options);
 }
 
+namespace {
+
+/// peft's target_modules: a layer's last name component when every module of that name is
+/// adapted ("q_proj"), else the full names; either way peft adapts exactly these layers.
+std::vector<std::string> target_modules(const AdapterContents& contents,
+                                        const std::set<std::string>& adapted) {
+  std::vector<std::string> targets;
+  for (const auto& layer : contents.layers) {
+    const auto last = last_component(layer.name);
+    const bool all_of_kind =
+        std::all_of(contents.modules.begin(), contents.modules.end(), [&](const auto& module) {
+          const bool same = module == last || ends_with(module, "." + last);
+          return !same || adapted.count(module) > 0;
+        });
+    const auto target = all_of_kind ? last : layer.name;
+    if (std::find(targets.begin(), targets.end(), target) == targets.end()) {
+      targets.push_back(target);
+    }
+  }
+  return targets;
+}
+
+/// peft's adapter_config.json for adapters of `first`'s options but the patterns.
+Json peft_config(const LoraOptions& first, const Json& rank_pattern, const Json& alpha_pattern,
+                 const std::vector<std::string>& modules_to_save,
+                 const std::vector<std::string>& targets, const AdapterExportOptions& options) {
+  const auto text_or_null = [](const std::string& text) {
+    return text.empty() ? Json(nullptr) : Json(text);
+  };
+  return {
+      {"alpha_pattern", alpha_pattern},
+      {"auto_mapping", nullptr},
+      {"base_model_name_or_path", text_or_null(options.base_model_name_or_path)},
+      {"bias", "none"},
+      {"exclude_modules", nullptr},
+      {"fan_in_fan_out", false},
+      {"inference_mode", true},
+      {"init_lora_weights", true},
+      {"layer_replication", nullptr},
+      {"layers_pattern", nullptr},
+      {"layers_to_transform", nullptr},
+      {"lora_alpha", number(first.alpha)},
+      {"lora_bias", false},
+      {"lora_dropout", first.dropout},
+      {"modules_to_save", modules_to_save.empty() ? Json(nullptr) : Json(modules_to_save)},
+      {"peft_type", "LORA"},
+      {"r", first.rank},
+      {"rank_pattern", rank_pattern},
+      {"revision", nullptr},
+      {"target_modules", targets},
+      {"task_type", text_or_null(options.task_type)},
+      {"use_dora", false},
+      {"use_rslora", first.rslora},
+  };
+}
+
+}  // namespace
+
 void save_adapter(const AdapterContents& contents, const std::string& dir,
                   const std::function<at::Tensor(const std::string& name)>& tensor,
                   const AdapterExportOptions& options) {
@@ -499,50 +570,8 @@ void save_adapter(const AdapterContents& contents, const std::string& dir,
     }
   }
 
-  // target_modules: a layer's last name component when every module of that name is adapted
-  // ("q_proj"), else the full names; either way peft adapts exactly these layers.
-  std::vector<std::string> targets;
-  for (const auto& layer : layers) {
-    const auto last = last_component(layer.name);
-    const bool all_of_kind =
-        std::all_of(contents.modules.begin(), contents.modules.end(), [&](const auto& module) {
-          const bool same = module == last || ends_with(module, "." + last);
-          return !same || adapted.count(module) > 0;
-        });
-    const auto target = all_of_kind ? last : layer.name;
-    if (std::find(targets.begin(), targets.end(), target) == targets.end()) {
-      targets.push_back(target);
-    }
-  }
-
-  const auto text_or_null = [](const std::string& text) {
-    return text.empty() ? Json(nullptr) : Json(text);
-  };
-  Json config = {
-      {"alpha_pattern", alpha_pattern},
-      {"auto_mapping", nullptr},
-      {"base_model_name_or_path", text_or_null(options.base_model_name_or_path)},
-      {"bias", "none"},
-      {"exclude_modules", nullptr},
-      {"fan_in_fan_out", false},
-      {"inference_mode", true},
-      {"init_lora_weights", true},
-      {"layer_replication", nullptr},
-      {"layers_pattern", nullptr},
-      {"layers_to_transform", nullptr},
-      {"lora_alpha", number(first.alpha)},
-      {"lora_bias", false},
-      {"lora_dropout", first.dropout},
-      {"modules_to_save", modules_to_save.empty() ? Json(nullptr) : Json(modules_to_save)},
-      {"peft_type", "LORA"},
-      {"r", first.rank},
-      {"rank_pattern", rank_pattern},
-      {"revision", nullptr},
-      {"target_modules", targets},
-      {"task_type", text_or_null(options.task_type)},
-      {"use_dora", false},
-      {"use_rslora", first.rslora},
-  };
+  const Json config = peft_config(first, rank_pattern, alpha_pattern, modules_to_save,
+                                  target_modules(contents, adapted), options);
   files::create_directories(dir, who);
   state::save_safetensors(files::join(dir, kWeightsFile), tensors, {{"format", "pt"}});
   write_text_file(files::join(dir, kConfigFile), config.dump(2) + "\n");
