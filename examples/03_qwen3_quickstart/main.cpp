@@ -5,6 +5,7 @@
 //   03_qwen3_quickstart quickstart.json --data corpus.bin --output runs/quickstart [--bf16]
 //   tools/d9drun -n 4 03_qwen3_quickstart cfg.json --pipeline zbh1 --pp 2   # dp 2 x pp 2
 //   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --fsdp [--recompute]      # ZeRO-3
+//   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --fsdp --bf16 --reduce-bf16  # bf16 reduce
 //   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --tp          # tensor + sequence parallel
 //   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --fsdp --bf16 --cp 2 --sequence-length 65536
 //   03_qwen3_quickstart cfg.json --bf16-params sr --lora   # LoRA fine-tuning, base frozen
@@ -49,8 +50,13 @@ using LoraPlan =
 // every decoder layer recomputes its activations in backward; --recompute-attention: only their
 // attention parts (selective recompute).
 using ShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>>;
-template <class Precision, class Recompute = d9d::recompute::None>
-using FsdpPlan = d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Precision, Recompute>;
+// --reduce-bf16 (with --fsdp --bf16): gradients reduce-scattered in bfloat16 (half the bytes).
+template <class Precision, class Recompute = d9d::recompute::None,
+          d9d::parallel::ReduceDtype Reduce = d9d::parallel::ReduceDtype::as_precision>
+using FsdpPlan =
+    d9d::Plan<ShardMesh,
+              d9d::parallel::FullyShard<d9d::parallel::Reshard::from_config, Reduce>, Precision,
+              Recompute>;
 // --tp: every rank one tensor-parallel shard (Megatron's layout) with sequence parallelism
 // between the blocks; the world is the tp degree, the batch is not split over ranks.
 template <class Precision>
@@ -85,6 +91,7 @@ struct Options {
   bool tp = false;
   bool recompute = false;
   bool recompute_attention = false;
+  bool reduce_bf16 = false;
   bool plain_kernels = false;
   std::string bf16_params;
   bool lora = false;
@@ -203,6 +210,11 @@ int train(const Options& o) {
         "--recompute-attention is compiled with --fsdp --bf16 only. Fix: add --fsdp --bf16, drop "
         "--recompute and --cp");
   }
+  if (o.reduce_bf16 && (!o.fsdp || !o.bf16 || o.recompute || o.recompute_attention || o.cp > 0)) {
+    throw d9d::ConfigError(
+        "--reduce-bf16 is compiled with --fsdp --bf16 only. Fix: add --fsdp --bf16, drop "
+        "--recompute, --recompute-attention and --cp");
+  }
   if ((o.fsdp || o.recompute) && o.pipeline != "none") {
     throw d9d::ConfigError("--fsdp runs without --pipeline in this example. Fix: drop one");
   }
@@ -266,6 +278,10 @@ int train(const Options& o) {
     if (o.recompute_attention) {
       return run<FsdpPlan<Bf16, d9d::recompute::Attention<>>>(ctx, cfg, peak);
     }
+    if (o.reduce_bf16) {
+      constexpr auto kBf16 = d9d::parallel::ReduceDtype::bfloat16;
+      return run<FsdpPlan<Bf16, d9d::recompute::None, kBf16>>(ctx, cfg, peak);
+    }
     if (o.recompute) {
       return o.bf16 ? run<FsdpPlan<Bf16, Full>>(ctx, cfg, peak)
                     : run<FsdpPlan<Fp32, Full>>(ctx, cfg, peak);
@@ -317,6 +333,9 @@ int main(int argc, char** argv) {
   app.add_flag("--recompute-attention", o.recompute_attention,
                "selective recompute: only the attention part of every decoder layer "
                "(d9d::recompute::Attention<>; with --fsdp --bf16)");
+  app.add_flag("--reduce-bf16", o.reduce_bf16,
+               "gradients reduce-scattered in bfloat16, half the bytes "
+               "(d9d::parallel::ReduceDtype::bfloat16; with --fsdp --bf16)");
   app.add_flag("--cuda-graphs", o.cuda_graphs,
                "capture each microbatch's forward and backward once and replay it (one GPU, no "
                "pipeline; config \"cuda_graphs\")");
