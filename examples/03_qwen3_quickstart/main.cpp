@@ -5,7 +5,7 @@
 //   03_qwen3_quickstart quickstart.json --data corpus.bin --output runs/quickstart [--bf16]
 //   tools/d9drun -n 4 03_qwen3_quickstart cfg.json --pipeline zbh1 --pp 2   # dp 2 x pp 2
 //   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --fsdp [--recompute]      # ZeRO-3
-//   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --fsdp --bf16 --reduce-bf16  # bf16 reduce
+//   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --bf16 --reduce-bf16   # bf16 all-reduce
 //   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --tp          # tensor + sequence parallel
 //   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --fsdp --bf16 --cp 2 --sequence-length 65536
 //   03_qwen3_quickstart cfg.json --bf16-params sr --lora   # LoRA fine-tuning, base frozen
@@ -34,6 +34,8 @@ using Mesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>>;  // or d9d::mesh<d9d::d
 using DataParallel = d9d::parallel::Replicate;            // --fsdp: d9d::parallel::FullyShard<>
 using Fp32Plan = d9d::Plan<Mesh, DataParallel, d9d::precision::Fp32>;
 using Bf16Plan = d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Mixed>;  // --bf16 (GPU)
+// --bf16 --reduce-bf16 (also with --fsdp): the gradients' all-reduce (reduce-scatter) in bfloat16.
+using Bf16ReducePlan = d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16MixedBf16Reduce>;
 // --bf16-params sr|nearest: bfloat16 parameters, no float32 master copy; AdamW's updates rounded
 // stochastically (float32 moments) or to nearest (torch's fused AdamW, bfloat16 moments).
 using SrPlan = d9d::Plan<Mesh, DataParallel, d9d::precision::Bf16Params<>>;
@@ -50,13 +52,8 @@ using LoraPlan =
 // every decoder layer recomputes its activations in backward; --recompute-attention: only their
 // attention parts (selective recompute).
 using ShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>>;
-// --reduce-bf16 (with --fsdp --bf16): gradients reduce-scattered in bfloat16 (half the bytes).
-template <class Precision, class Recompute = d9d::recompute::None,
-          d9d::parallel::ReduceDtype Reduce = d9d::parallel::ReduceDtype::as_precision>
-using FsdpPlan =
-    d9d::Plan<ShardMesh,
-              d9d::parallel::FullyShard<d9d::parallel::Reshard::from_config, Reduce>, Precision,
-              Recompute>;
+template <class Precision, class Recompute = d9d::recompute::None>
+using FsdpPlan = d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Precision, Recompute>;
 // --tp: every rank one tensor-parallel shard (Megatron's layout) with sequence parallelism
 // between the blocks; the world is the tp degree, the batch is not split over ranks.
 template <class Precision>
@@ -210,10 +207,11 @@ int train(const Options& o) {
         "--recompute-attention is compiled with --fsdp --bf16 only. Fix: add --fsdp --bf16, drop "
         "--recompute and --cp");
   }
-  if (o.reduce_bf16 && (!o.fsdp || !o.bf16 || o.recompute || o.recompute_attention || o.cp > 0)) {
+  if (o.reduce_bf16 && (!o.bf16 || o.recompute || o.recompute_attention || o.cp > 0 || o.tp ||
+                        o.pipeline != "none")) {
     throw d9d::ConfigError(
-        "--reduce-bf16 is compiled with --fsdp --bf16 only. Fix: add --fsdp --bf16, drop "
-        "--recompute, --recompute-attention and --cp");
+        "--reduce-bf16 is compiled with --bf16 (and optionally --fsdp) only. Fix: add --bf16, "
+        "drop --recompute, --recompute-attention, --cp, --tp and --pipeline");
   }
   if ((o.fsdp || o.recompute) && o.pipeline != "none") {
     throw d9d::ConfigError("--fsdp runs without --pipeline in this example. Fix: drop one");
@@ -279,14 +277,16 @@ int train(const Options& o) {
       return run<FsdpPlan<Bf16, d9d::recompute::Attention<>>>(ctx, cfg, peak);
     }
     if (o.reduce_bf16) {
-      constexpr auto kBf16 = d9d::parallel::ReduceDtype::bfloat16;
-      return run<FsdpPlan<Bf16, d9d::recompute::None, kBf16>>(ctx, cfg, peak);
+      return run<FsdpPlan<d9d::precision::Bf16MixedBf16Reduce>>(ctx, cfg, peak);
     }
     if (o.recompute) {
       return o.bf16 ? run<FsdpPlan<Bf16, Full>>(ctx, cfg, peak)
                     : run<FsdpPlan<Fp32, Full>>(ctx, cfg, peak);
     }
     return o.bf16 ? run<FsdpPlan<Bf16>>(ctx, cfg, peak) : run<FsdpPlan<Fp32>>(ctx, cfg, peak);
+  }
+  if (o.reduce_bf16) {
+    return run<Bf16ReducePlan>(ctx, cfg, peak);
   }
   if (o.pipeline == "none") {
     return o.bf16 ? run<Bf16Plan>(ctx, cfg, peak) : run<Fp32Plan>(ctx, cfg, peak);
@@ -334,8 +334,8 @@ int main(int argc, char** argv) {
                "selective recompute: only the attention part of every decoder layer "
                "(d9d::recompute::Attention<>; with --fsdp --bf16)");
   app.add_flag("--reduce-bf16", o.reduce_bf16,
-               "gradients reduce-scattered in bfloat16, half the bytes "
-               "(d9d::parallel::ReduceDtype::bfloat16; with --fsdp --bf16)");
+               "gradients all-reduced (reduce-scattered with --fsdp) in bfloat16, half the bytes "
+               "(d9d::precision::Bf16MixedBf16Reduce; with --bf16)");
   app.add_flag("--cuda-graphs", o.cuda_graphs,
                "capture each microbatch's forward and backward once and replay it (one GPU, no "
                "pipeline; config \"cuda_graphs\")");

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -347,11 +348,14 @@ namespace {
 class ReplicateSync : public GradientSync {
  public:
   ReplicateSync(const ProcessGroup& group, std::vector<std::vector<at::Tensor>> parts,
-                int64_t bucket_bytes, GradientTiming timing, bool by_module)
+                int64_t bucket_bytes, GradientTiming timing, bool by_module,
+                std::optional<at::ScalarType> reduce_dtype = std::nullopt)
       : program_(timing == GradientTiming::program), by_module_(by_module), ranks_(group.size()) {
     for (auto& part : parts) {
       reducers_.push_back(std::make_unique<GradientReducer>(
-          group, std::move(part), parallel::GradientReducerOptions{.bucket_bytes = bucket_bytes}));
+          group, std::move(part),
+          parallel::GradientReducerOptions{.bucket_bytes = bucket_bytes,
+                                           .reduce_dtype = reduce_dtype}));
     }
     done_.assign(reducers_.size(), false);
   }
@@ -404,7 +408,7 @@ class ReplicateSync : public GradientSync {
 
 }  // namespace
 
-void apply_replicate(ParallelModel& model, GradientTiming timing) {
+void apply_replicate(ParallelModel& model, GradientTiming timing, at::ScalarType reduce_dtype) {
   // The parameters on the regular domain; others (experts) are reduced by their own strategy.
   // Under a pipeline program they are split by the module (stage) holding them.
   const bool by_module = timing == GradientTiming::program;
@@ -428,7 +432,7 @@ void apply_replicate(ParallelModel& model, GradientTiming timing) {
   }
   model.add_sync(std::make_unique<ReplicateSync>(data_parallel_group(model.mesh()),
                                                  std::move(parts), model.options().bucket_bytes,
-                                                 timing, by_module));
+                                                 timing, by_module, reduce_dtype));
 }
 
 std::unique_ptr<GradientSync> make_replicate_sync(const ProcessGroup& group,

@@ -1,5 +1,6 @@
 // d9d/parallel/replicate.cpp — bucketed, overlapped gradient all-reduce for replicated parameters.
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 
 #include <ATen/ATen.h>
@@ -22,6 +23,7 @@ struct GradientReducer::State {
   };
 
   ProcessGroup group;
+  std::optional<at::ScalarType> reduce_dtype;
   std::vector<at::Tensor> parameters;
   std::vector<std::size_t> bucket_of;  // parameter index -> bucket index
   std::vector<Bucket> buckets;
@@ -40,7 +42,8 @@ struct GradientReducer::State {
       flat.push_back(grad.defined() ? grad.reshape({-1})
                                     : at::zeros({param.numel()}, param.options()));
     }
-    bucket.buffer = at::cat(flat).to(group.device());
+    const auto dtype = reduce_dtype.value_or(flat.front().scalar_type());
+    bucket.buffer = at::cat(flat).to(group.device(), dtype);
     std::vector<at::Tensor> tensors = {bucket.buffer};
     bucket.work = group.backend()->allreduce(tensors);
     bucket.launched = true;
@@ -97,6 +100,7 @@ GradientReducer::GradientReducer(ProcessGroup group, std::vector<at::Tensor> par
     throw std::invalid_argument("d9d::parallel::GradientReducer: bucket_bytes must be >= 1");
   }
   state_->group = std::move(group);
+  state_->reduce_dtype = options.reduce_dtype;
   state_->parameters = std::move(parameters);
   auto& s = *state_;
   if (s.group.size() <= 1) {
@@ -184,11 +188,12 @@ void GradientReducer::finish() {
     for (const auto index : bucket.members) {
       auto& param = s.parameters[index];
       const int64_t numel = param.numel();
-      auto summed = bucket.buffer.narrow(0, offset, numel).view(param.sizes()).to(param.device());
+      auto summed = bucket.buffer.narrow(0, offset, numel).view(param.sizes());
       if (param.grad().defined()) {
         param.mutable_grad().copy_(summed);
       } else {
-        param.mutable_grad() = summed.clone();
+        param.mutable_grad() = summed.to(param.device(), param.scalar_type(), /*non_blocking=*/false,
+                                         /*copy=*/true);
       }
       offset += numel;
     }

@@ -22,6 +22,7 @@
 namespace {
 
 using d9d::precision::Bf16Mixed;
+using d9d::precision::Bf16MixedBf16Reduce;
 using d9d::testing::RankEnv;
 using d9d::testing::RunOutcome;
 using Parameters = std::map<std::string, at::Tensor>;
@@ -196,9 +197,17 @@ TEST(MixedPrecision_ws2, DataParallelTracksFloat32) {
       EXPECT_GT(alone.update, 2 * kUpdate) << alone;
     }
     const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
-    expect_tracks_float32(
-        train<d9d::Plan<ReplicateMesh, Bf16Mixed>>(ctx, run_config(dir + "/replicate", 8, 2)), ref,
-        "Replicate");
+    const auto replicate =
+        train<d9d::Plan<ReplicateMesh, Bf16Mixed>>(ctx, run_config(dir + "/replicate", 8, 2));
+    expect_tracks_float32(replicate, ref, "Replicate");
+    // The precision's bfloat16 `reduce`: Replicate's all-reduce rounds each rank's gradient and
+    // the sum once more (<= u each).
+    const auto replicate_bf16 = train<d9d::Plan<ReplicateMesh, Bf16MixedBf16Reduce>>(
+        ctx, run_config(dir + "/replicate_bf16", 8, 2));
+    expect_tracks_float32(replicate_bf16, ref, "Replicate, bfloat16 reduction");
+    const double by_all_reduce = relative(replicate_bf16.gradient, replicate.gradient);
+    EXPECT_GT(by_all_reduce, 0.0) << "the bfloat16 all-reduce left the gradients as they were";
+    EXPECT_LE(by_all_reduce, 2 * kU);
     const auto fsdp = [&](const std::string& mode) {
       auto config = run_config(dir + "/" + mode, 8, 2);
       config.data_parallel.reshard = mode;
@@ -216,6 +225,24 @@ TEST(MixedPrecision_ws2, DataParallelTracksFloat32) {
     const double by_reduction = relative(bf16_reduce.gradient, float32_reduce.gradient);
     EXPECT_GT(by_reduction, 0.0) << "the bfloat16 reduction left the gradients as they were";
     EXPECT_LE(by_reduction, 2 * kU);
+    // FullyShard<R, ReduceDtype::as_precision> reads the same fact: the same run, bit for bit.
+    const auto as_precision = train<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>,
+                                              Bf16MixedBf16Reduce>>(
+        ctx, run_config(dir + "/bf16_reduce_as_precision", 8, 2));
+    EXPECT_EQ(relative(as_precision.gradient, bf16_reduce.gradient), 0.0);
+    EXPECT_EQ(as_precision.outcome.result.losses, bf16_reduce.outcome.result.losses);
+    // The fastest setting on GPUs (docs/parallel.md): units kept gathered, one reduce-scatter per
+    // step. A rank's microbatch gradients then add up in its gathered bfloat16 parameters'
+    // gradients before the reduction (one more rounding per microbatch after the first, <= u).
+    auto once = run_config(dir + "/once", 8, 2);
+    once.data_parallel.reshard = "never";
+    once.data_parallel.reduce_every_microbatch = false;
+    expect_tracks_float32(
+        train<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Bf16Mixed>>(ctx, once), ref,
+        "FullyShard, reshard never, one reduction per step");
+    once.run.output_dir = dir + "/once_bf16";
+    expect_tracks_float32(train<d9d::Plan<ShardMesh, Bf16Reduce, Bf16Mixed>>(ctx, once), ref,
+                          "FullyShard, reshard never, one bfloat16 reduction per step");
     expect_tracks_float32(
         train<d9d::Plan<ShardMesh, d9d::parallel::Fsdp, d9d::precision::Bf16Params<>>>(
             ctx, run_config(dir + "/sr", 8, 2)),

@@ -272,8 +272,10 @@ void apply_peft(ParallelModel& model, const peft::StackSpec& spec);
 void contribute_data_parallel(StepContributions& contributions);
 
 /// Replicate: every regular-domain record's gradient all-reduced over the batch domain's dp
-/// (under GradientTiming::program one reducer per module, started by module_done).
-void apply_replicate(ParallelModel& model, GradientTiming timing);
+/// (under GradientTiming::program one reducer per module, started by module_done), in
+/// `reduce_dtype` (the precision policy's `reduce`; gradients of another dtype are cast for the
+/// all-reduce and back).
+void apply_replicate(ParallelModel& model, GradientTiming timing, at::ScalarType reduce_dtype);
 
 /// Replicate's gradient path for `parameters` over `group` (bucketed all-reduce armed in the last
 /// microbatch's backward, or in finish() under GradientTiming::program).
@@ -390,7 +392,8 @@ struct strategy<Replicate> {
   static void check_mesh(const MeshShape& /*shape*/) {}
   template <class Plan>
   static void apply(ParallelModel& model) {
-    detail::apply_replicate(model, gradient_timing_of<Plan>);
+    detail::apply_replicate(model, gradient_timing_of<Plan>,
+                            precision::scalar_type(Plan::precision::reduce));
   }
   template <class Plan>
   static void contribute(StepContributions& contributions) {

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -27,6 +28,9 @@ namespace d9d::parallel {
 
 struct GradientReducerOptions {
   int64_t bucket_bytes = int64_t{25} << 20;
+  /// The dtype buckets are all-reduced in (e.g. bfloat16 for float32 gradients: half the bytes,
+  /// one rounding of each rank's gradient and of the sum); unset: the gradients' own.
+  std::optional<at::ScalarType> reduce_dtype;
 };
 
 class GradientReducer {

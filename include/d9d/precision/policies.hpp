@@ -4,6 +4,7 @@
 //   using MyPlan = d9d::Plan<d9d::precision::Bf16Mixed>;
 //   static_assert(MyPlan::precision::compute == d9d::precision::Dtype::bfloat16);
 //   static_assert(std::is_same_v<d9d::Plan<>::precision, d9d::precision::Fp32>);  // the default
+//   using Fast = d9d::Plan<d9d::precision::Bf16MixedBf16Reduce>;  // bf16 gradient reductions
 //
 // Each models d9d::plan_policy for d9d::slot::precision and states its facts as members:
 // `parameters` (the dtype the optimizer updates), `compute` (the dtype of the forward's matrix
@@ -23,14 +24,26 @@
 
 namespace d9d::precision {
 
-/// Mixed precision: float32 master parameters, bfloat16 compute (autocast), float32 gradient
-/// reduction.
-struct Bf16Mixed {
+/// Mixed precision: float32 master parameters, bfloat16 compute (autocast), gradients reduced
+/// over the data-parallel ranks in `Reduce`: float32 (Bf16Mixed), or bfloat16, which halves the
+/// bytes of Replicate's all-reduce and FullyShard's reduce-scatter (FullyShard<R,
+/// ReduceDtype::as_precision>) at one more rounding of each rank's gradient and of their sum
+/// (tests/parallel/mixed_precision_multiprocess_test bounds both against float32).
+template <Dtype Reduce = Dtype::float32>
+struct Bf16Compute {
+  static_assert(Reduce == Dtype::float32 || Reduce == Dtype::bfloat16,
+                "d9d::precision::Bf16Compute<Reduce>: gradients are reduced in float32 or "
+                "bfloat16. Fix: Bf16Compute<> (= Bf16Mixed) or Bf16Compute<Dtype::bfloat16>");
   using d9d_slot = slot::precision;
   static constexpr Dtype parameters = Dtype::float32;
   static constexpr Dtype compute = Dtype::bfloat16;
-  static constexpr Dtype reduce = Dtype::float32;
+  static constexpr Dtype reduce = Reduce;
 };
+
+/// The usual mixed precision: float32 master parameters, bfloat16 compute, float32 reductions.
+using Bf16Mixed = Bf16Compute<>;
+/// Bf16Mixed with its gradient reductions in bfloat16 (half the data-parallel traffic).
+using Bf16MixedBf16Reduce = Bf16Compute<Dtype::bfloat16>;
 
 /// Parameters, compute and gradients in float64: a reference precision for numerical checks, not
 /// for speed. A parallel run and a single-process run of the same plan differ only by the
