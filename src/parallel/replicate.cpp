@@ -192,8 +192,9 @@ void GradientReducer::finish() {
       if (param.grad().defined()) {
         param.mutable_grad().copy_(summed);
       } else {
-        param.mutable_grad() = summed.to(param.device(), param.scalar_type(), /*non_blocking=*/false,
-                                         /*copy=*/true);
+        param.mutable_grad() =
+            summed.to(param.device(), param.scalar_type(), /*non_blocking=*/false,
+                      /*copy=*/true);
       }
       offset += numel;
     }

@@ -226,9 +226,9 @@ TEST(MixedPrecision_ws2, DataParallelTracksFloat32) {
     EXPECT_GT(by_reduction, 0.0) << "the bfloat16 reduction left the gradients as they were";
     EXPECT_LE(by_reduction, 2 * kU);
     // FullyShard<R, ReduceDtype::as_precision> reads the same fact: the same run, bit for bit.
-    const auto as_precision = train<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>,
-                                              Bf16MixedBf16Reduce>>(
-        ctx, run_config(dir + "/bf16_reduce_as_precision", 8, 2));
+    const auto as_precision =
+        train<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Bf16MixedBf16Reduce>>(
+            ctx, run_config(dir + "/bf16_reduce_as_precision", 8, 2));
     EXPECT_EQ(relative(as_precision.gradient, bf16_reduce.gradient), 0.0);
     EXPECT_EQ(as_precision.outcome.result.losses, bf16_reduce.outcome.result.losses);
     // The fastest setting on GPUs (docs/parallel.md): units kept gathered, one reduce-scatter per
