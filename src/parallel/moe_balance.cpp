@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -15,6 +16,9 @@
 
 namespace d9d::parallel::detail {
 namespace {
+
+// "moe/load_max_over_mean/layer_<l>": layer l's max/mean expert load at the step.
+constexpr std::string_view kLayerBalancePrefix = "moe/load_max_over_mean/layer_";
 
 class MoeBalanceSync : public GradientSync {
  public:
@@ -35,11 +39,14 @@ class MoeBalanceSync : public GradientSync {
     double sum_ratio = 0.0;
     double worst = 0.0;
     double routed = 0.0;
+    std::vector<double> ratios;
+    ratios.reserve(layers_.size());
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       const auto load = all[static_cast<int64_t>(l)];
       layers_[l]->gate->update_bias(load);
       const double mean = load.mean().item<double>();
       const double ratio = mean > 0 ? load.max().item<double>() / mean : 1.0;
+      ratios.push_back(ratio);
       sum_ratio += ratio;
       worst = std::max(worst, ratio);
       routed += load.sum().item<double>();
@@ -50,6 +57,14 @@ class MoeBalanceSync : public GradientSync {
                 {"moe/dropped", 0.0}};
     if (const auto stats = layers_.front()->last_stats()) {
       metrics_.emplace_back("moe/aux_loss", stats->aux_loss());
+    }
+    // Every layer's balance (the run's router_balance.svg draws them), numbered in model order
+    // with as many digits as the largest number, so the names sort.
+    const auto digits = std::to_string(layers_.size() - 1).size();
+    for (std::size_t l = 0; l < ratios.size(); ++l) {
+      auto number = std::to_string(l);
+      number.insert(0, digits - number.size(), '0');
+      metrics_.emplace_back(std::string(kLayerBalancePrefix) + number, ratios[l]);
     }
   }
 

@@ -1,8 +1,11 @@
 // d9d/train/run_log.cpp — the trainer's logging pass (d9d/train/detail/run_log.hpp).
 #include <array>
 #include <cstdio>
+#include <map>
 #include <string>
+#include <string_view>
 #include <utility>
+#include <vector>
 
 #include <d9d/optim/lr_schedule.hpp>
 #include <d9d/track/svg.hpp>
@@ -38,6 +41,55 @@ std::pair<std::string, std::string> write_pictures(const TrainerConfig& cfg,
                                                        .y_label = "loss",
                                                        .series = {std::move(loss)}}));
   return {lr_path, loss_path};
+}
+
+// The routers' balance metrics (d9d/parallel/moe_balance.cpp): the mean over layers, the worst
+// layer, and one per layer.
+constexpr std::string_view kBalance = "moe/load_max_over_mean";
+constexpr std::string_view kBalanceWorst = "moe/load_max_over_mean_worst_layer";
+constexpr std::string_view kBalanceLayer = "moe/load_max_over_mean/layer_";
+
+track::ChartSeries balance_series(std::string label,
+                                  const std::vector<std::pair<double, double>>& points,
+                                  std::string colour) {
+  track::ChartSeries series{
+      .label = std::move(label), .x = {}, .y = {}, .colour = std::move(colour)};
+  for (const auto& [x, y] : points) {
+    series.x.push_back(x);
+    series.y.push_back(y);
+  }
+  return series;
+}
+
+// router_balance.svg: one thin curve per layer, the mean over layers and the worst layer on top.
+std::string write_balance_picture(
+    const TrainerConfig& cfg,
+    const std::map<std::string, std::vector<std::pair<double, double>>>& balance) {
+  static constexpr std::array<const char*, 6> kLayerColours = {"#9ecae1", "#a1d99b", "#fdae6b",
+                                                               "#bcbddc", "#fc9272", "#c7c7c7"};
+  track::LineChart chart{.title = "router balance: most loaded expert / mean load (1 = balanced)",
+                         .x_label = "step",
+                         .y_label = "max / mean load",
+                         .series = {},
+                         .width = 800,
+                         .height = 420};
+  std::size_t layer = 0;
+  for (const auto& [name, points] : balance) {
+    if (name.starts_with(kBalanceLayer)) {
+      chart.series.push_back(
+          balance_series("", points, kLayerColours.at(layer++ % kLayerColours.size())));
+    }
+  }
+  if (const auto it = balance.find(std::string(kBalanceWorst)); it != balance.end()) {
+    chart.series.push_back(balance_series("worst layer", it->second, "#d62728"));
+  }
+  if (const auto it = balance.find(std::string(kBalance)); it != balance.end()) {
+    chart.series.push_back(
+        balance_series("mean over " + std::to_string(layer) + " layers", it->second, "#000000"));
+  }
+  const auto path = files::join(cfg.run.output_dir, "router_balance.svg");
+  track::write_text_file(path, track::line_chart(chart));
+  return path;
 }
 
 }  // namespace
@@ -99,6 +151,13 @@ void RunLog::step(int64_t step, const StepResult& r, double seconds, bool logged
       {"train/grad_norm", r.grad_norm},
       {counts_tokens ? "train/tokens_per_second" : "train/samples_per_second", rate}};
   scalars.insert(scalars.end(), extra.begin(), extra.end());
+  if (config_.logging.pictures) {
+    for (const auto& [name, value] : extra) {
+      if (name.starts_with(kBalance)) {
+        balance_[name].emplace_back(static_cast<double>(step), value);
+      }
+    }
+  }
   if (jsonl_) {
     jsonl_->write(step, scalars);
   }
@@ -116,6 +175,9 @@ void RunLog::finish(TrainResult& result) const {
   }
   if (main_ && config_.logging.pictures) {
     std::tie(result.lr_schedule_svg, result.loss_svg) = write_pictures(config_, result);
+    if (!balance_.empty()) {
+      balance_svg_ = write_balance_picture(config_, balance_);
+    }
   }
 }
 
@@ -131,7 +193,8 @@ void RunLog::done(const TrainResult& result, bool config_json) const {
   const std::array<std::pair<std::string, std::string>, 6> lines = {
       {{result.metrics_path, "metrics: " + result.metrics_path},
        {result.tensorboard_dir, "tensorboard: " + result.tensorboard_dir},
-       {result.loss_svg, "pictures: " + result.lr_schedule_svg + ", " + result.loss_svg},
+       {result.loss_svg, "pictures: " + result.lr_schedule_svg + ", " + result.loss_svg +
+                             (balance_svg_.empty() ? "" : ", " + balance_svg_)},
        {result.export_dir,
         "model: " + result.export_dir +
             (config_json ? " (model.safetensors, config.json)" : " (model.safetensors)")},

@@ -8,7 +8,9 @@
 // under expert parallelism (transformers' per-expert tensors, equal to the gathered experts) and a
 // training checkpoint saved on ep 2 resumed in one process.
 #include <algorithm>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -207,6 +209,7 @@ TEST(Moe_ExpertParallel_ws2, MetricsAndACheckpointResumedInOneProcess) {
     config.checkpoint.every = 2;
     config.checkpoint.keep = 4;
     config.checkpoint.async = false;
+    config.logging.pictures = true;
     d9d::Trainer<d9d::Plan<EpMesh, Ep, Fp64>> trainer(ctx, d9d::Qwen3MoeProvider{},
                                                       d9d::testing::RandomWindowsProvider{},
                                                       d9d::CausalLmTask{}, config);
@@ -220,6 +223,32 @@ TEST(Moe_ExpertParallel_ws2, MetricsAndACheckpointResumedInOneProcess) {
     // 8 samples x 16 tokens x top 2 x 3 sparse layers, over both ranks.
     EXPECT_EQ(metrics.at("moe/routed_per_step"), 8 * 16 * 2 * 3);
     EXPECT_GT(metrics.at("moe/aux_loss"), 0.0);
+    // Every sparse layer's balance in model order: the aggregate is their mean, the worst their
+    // maximum; the main rank draws them with the mean and the worst in router_balance.svg.
+    double mean = 0.0;
+    double worst = 0.0;
+    for (const std::string layer : {"0", "1", "2"}) {
+      const double ratio = metrics.at("moe/load_max_over_mean/layer_" + layer);
+      EXPECT_GE(ratio, 1.0) << layer;
+      mean += ratio / 3.0;
+      worst = std::max(worst, ratio);
+    }
+    EXPECT_NEAR(metrics.at("moe/load_max_over_mean"), mean, 1e-12);
+    EXPECT_EQ(metrics.at("moe/load_max_over_mean_worst_layer"), worst);
+    if (ctx.is_main_process()) {
+      std::ifstream file(root + "/ep/router_balance.svg");
+      ASSERT_TRUE(file) << "no router_balance.svg";
+      const std::string svg((std::istreambuf_iterator<char>(file)),
+                            std::istreambuf_iterator<char>());
+      EXPECT_THAT(svg, ::testing::HasSubstr(">mean over 3 layers</text>"));
+      EXPECT_THAT(svg, ::testing::HasSubstr(">worst layer</text>"));
+      std::size_t curves = 0;
+      for (auto at = svg.find("<polyline"); at != std::string::npos;
+           at = svg.find("<polyline", at + 1)) {
+        ++curves;
+      }
+      EXPECT_EQ(curves, 5U);  // 3 layers, the worst, the mean
+    }
     const auto biases = buffers_of(trainer.core());
     ASSERT_EQ(biases.size(), 3U);  // the 3 sparse layers' routers
     ctx.barrier();

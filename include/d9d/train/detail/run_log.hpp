@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -42,7 +43,8 @@ class RunLog {
   void step(int64_t step, const StepResult& r, double seconds, bool logged,
             const Scalars& extra) const;
   /// After the loop: the progress bar's last line, TensorBoard flushed, the pictures
-  /// ("logging.pictures": learning rate and loss as SVG) into `result`.
+  /// ("logging.pictures": learning rate and loss as SVG into `result`; for models with MoE layers
+  /// router_balance.svg, every layer's max/mean expert load at the logged steps).
   void finish(TrainResult& result) const;
   /// The closing lines: steps, time, loss, and where everything went.
   void done(const TrainResult& result, bool config_json) const;
@@ -58,6 +60,9 @@ class RunLog {
   std::unique_ptr<util::ProgressBar> progress_;
   std::unique_ptr<track::JsonlWriter> jsonl_;
   std::unique_ptr<track::TensorBoardWriter> tensorboard_;
+  // The routers' balance at the logged steps, by metric name: (step, max/mean load).
+  mutable std::map<std::string, std::vector<std::pair<double, double>>> balance_;
+  mutable std::string balance_svg_;
 };
 
 }  // namespace d9d::detail
