@@ -30,7 +30,7 @@ struct GradientReducerOptions {
   int64_t bucket_bytes = int64_t{25} << 20;
   /// The dtype buckets are all-reduced in (e.g. bfloat16 for float32 gradients: half the bytes,
   /// one rounding of each rank's gradient and of the sum); unset: the gradients' own.
-  std::optional<at::ScalarType> reduce_dtype;
+  std::optional<at::ScalarType> reduce_dtype = std::nullopt;
 };
 
 class GradientReducer {
