@@ -27,4 +27,9 @@ awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 1.0) }' ||
 [ -f "$work/run/model/model.safetensors" ] || { echo "FAIL: no exported model"; exit 1; }
 grep -q '"moe/load_max_over_mean"' "$work/run/metrics.jsonl" ||
   { echo "FAIL: the router balance is not in metrics.jsonl"; exit 1; }
+[ -f "$work/run/router_balance.svg" ] || { echo "FAIL: no router_balance.svg"; exit 1; }
+grep -q '"moe/load_max_over_mean/layer_0"' "$work/run/metrics.jsonl" ||
+  { echo "FAIL: the first layer's balance is not in metrics.jsonl"; exit 1; }
+# The picture, for a look (Bazel keeps it in the test's outputs.zip).
+[ -z "${TEST_UNDECLARED_OUTPUTS_DIR:-}" ] || cp "$work/run/router_balance.svg" "$TEST_UNDECLARED_OUTPUTS_DIR/"
 echo "ok"
