@@ -73,19 +73,23 @@ std::string write_balance_picture(
                          .series = {},
                          .width = 800,
                          .height = 420};
-  std::size_t layer = 0;
+  // line_chart draws the last series first, so the layers go under the worst layer and the mean.
+  std::vector<track::ChartSeries> layers;
   for (const auto& [name, points] : balance) {
     if (name.starts_with(kBalanceLayer)) {
-      chart.series.push_back(
-          balance_series("", points, kLayerColours.at(layer++ % kLayerColours.size())));
+      layers.push_back(
+          balance_series("", points, kLayerColours.at(layers.size() % kLayerColours.size())));
     }
+  }
+  if (const auto it = balance.find(std::string(kBalance)); it != balance.end()) {
+    chart.series.push_back(balance_series("mean over " + std::to_string(layers.size()) + " layers",
+                                          it->second, "#000000"));
   }
   if (const auto it = balance.find(std::string(kBalanceWorst)); it != balance.end()) {
     chart.series.push_back(balance_series("worst layer", it->second, "#d62728"));
   }
-  if (const auto it = balance.find(std::string(kBalance)); it != balance.end()) {
-    chart.series.push_back(
-        balance_series("mean over " + std::to_string(layer) + " layers", it->second, "#000000"));
+  for (auto& series : layers) {
+    chart.series.push_back(std::move(series));
   }
   const auto path = files::join(cfg.run.output_dir, "router_balance.svg");
   track::write_text_file(path, track::line_chart(chart));
