@@ -49,22 +49,9 @@ constexpr std::string_view kBalance = "moe/load_max_over_mean";
 constexpr std::string_view kBalanceWorst = "moe/load_max_over_mean_worst_layer";
 constexpr std::string_view kBalanceLayer = "moe/load_max_over_mean/layer_";
 
-track::ChartSeries balance_series(std::string label,
-                                  const std::vector<std::pair<double, double>>& points,
-                                  std::string colour) {
-  track::ChartSeries series{
-      .label = std::move(label), .x = {}, .y = {}, .colour = std::move(colour)};
-  for (const auto& [x, y] : points) {
-    series.x.push_back(x);
-    series.y.push_back(y);
-  }
-  return series;
-}
-
 // router_balance.svg: one thin curve per layer, the mean over layers and the worst layer on top.
-std::string write_balance_picture(
-    const TrainerConfig& cfg,
-    const std::map<std::string, std::vector<std::pair<double, double>>>& balance) {
+std::string write_balance_picture(const TrainerConfig& cfg,
+                                  std::map<std::string, track::ChartSeries> balance) {
   static constexpr std::array<const char*, 6> kLayerColours = {"#9ecae1", "#a1d99b", "#fdae6b",
                                                                "#bcbddc", "#fc9272", "#c7c7c7"};
   track::LineChart chart{.title = "router balance: most loaded expert / mean load (1 = balanced)",
@@ -75,19 +62,21 @@ std::string write_balance_picture(
                          .height = 420};
   // line_chart draws the last series first, so the layers go under the worst layer and the mean.
   std::vector<track::ChartSeries> layers;
-  for (const auto& [name, points] : balance) {
+  for (auto& [name, series] : balance) {
     if (name.starts_with(kBalanceLayer)) {
-      layers.push_back(
-          balance_series("", points, kLayerColours.at(layers.size() % kLayerColours.size())));
+      series.colour = kLayerColours.at(layers.size() % kLayerColours.size());
+      layers.push_back(std::move(series));
     }
   }
-  if (const auto it = balance.find(std::string(kBalance)); it != balance.end()) {
-    chart.series.push_back(balance_series("mean over " + std::to_string(layers.size()) + " layers",
-                                          it->second, "#000000"));
-  }
-  if (const auto it = balance.find(std::string(kBalanceWorst)); it != balance.end()) {
-    chart.series.push_back(balance_series("worst layer", it->second, "#d62728"));
-  }
+  const auto add = [&](std::string_view name, std::string label, std::string colour) {
+    if (const auto it = balance.find(std::string(name)); it != balance.end()) {
+      it->second.label = std::move(label);
+      it->second.colour = std::move(colour);
+      chart.series.push_back(std::move(it->second));
+    }
+  };
+  add(kBalance, "mean over " + std::to_string(layers.size()) + " layers", "#000000");
+  add(kBalanceWorst, "worst layer", "#d62728");
   for (auto& series : layers) {
     chart.series.push_back(std::move(series));
   }
@@ -158,7 +147,9 @@ void RunLog::step(int64_t step, const StepResult& r, double seconds, bool logged
   if (config_.logging.pictures) {
     for (const auto& [name, value] : extra) {
       if (name.starts_with(kBalance)) {
-        balance_[name].emplace_back(static_cast<double>(step), value);
+        auto& series = balance_[name];
+        series.x.push_back(static_cast<double>(step));
+        series.y.push_back(value);
       }
     }
   }

@@ -17,6 +17,7 @@
 
 #include <d9d/core/distributed_context.hpp>
 #include <d9d/track/jsonl.hpp>
+#include <d9d/track/svg.hpp>
 #include <d9d/track/tensorboard.hpp>
 #include <d9d/train/config.hpp>
 #include <d9d/train/step.hpp>
@@ -60,8 +61,8 @@ class RunLog {
   std::unique_ptr<util::ProgressBar> progress_;
   std::unique_ptr<track::JsonlWriter> jsonl_;
   std::unique_ptr<track::TensorBoardWriter> tensorboard_;
-  // The routers' balance at the logged steps, by metric name: (step, max/mean load).
-  mutable std::map<std::string, std::vector<std::pair<double, double>>> balance_;
+  // The routers' balance at the logged steps, by metric name: x the step, y the max/mean load.
+  mutable std::map<std::string, track::ChartSeries> balance_;
   mutable std::string balance_svg_;
 };
 
