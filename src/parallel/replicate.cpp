@@ -32,7 +32,8 @@ struct GradientReducer::State {
   std::size_t next_launch = 0;
   std::size_t launched_in_backward = 0;
 
-  // Flattens the bucket's gradients (zeros where a parameter got none) and starts its all-reduce.
+  // Flattens the bucket's gradients (zeros where a parameter got none) and starts its all-reduce;
+  // a bucket of one gradient in the reduction's dtype is reduced in place.
   void launch(Bucket& bucket) {
     std::vector<at::Tensor> flat;
     flat.reserve(bucket.members.size());
@@ -43,7 +44,15 @@ struct GradientReducer::State {
                                     : at::zeros({param.numel()}, param.options()));
     }
     const auto dtype = reduce_dtype.value_or(flat.front().scalar_type());
-    bucket.buffer = at::cat(flat).to(group.device(), dtype);
+    const auto& first = parameters[bucket.members.front()].grad();
+    if (flat.size() == 1 && first.defined() && first.is_contiguous() &&
+        first.scalar_type() == dtype && first.device() == group.device()) {
+      // A bucket of one gradient (a matrix larger than the bucket size, the embedding): reduced
+      // where it is, with no copy in or out.
+      bucket.buffer = flat.front();
+    } else {
+      bucket.buffer = at::cat(flat).to(group.device(), dtype);
+    }
     std::vector<at::Tensor> tensors = {bucket.buffer};
     bucket.work = group.backend()->allreduce(tensors);
     bucket.launched = true;
@@ -189,7 +198,17 @@ void GradientReducer::finish() {
       auto& param = s.parameters[index];
       const int64_t numel = param.numel();
       auto summed = bucket.buffer.narrow(0, offset, numel).view(param.sizes());
-      if (param.grad().defined()) {
+      if (param.grad().defined() && summed.is_alias_of(param.grad())) {
+        // Reduced in place (a bucket of one gradient): nothing to write back.
+      } else if (summed.scalar_type() == param.scalar_type() && summed.device() == param.device()) {
+        // The bucket's memory becomes the gradient, with no copy back (the old gradient is
+        // freed): a tensor of its own over the bucket's storage, not a view (optimizers detach
+        // gradients in place, which views refuse). A later backward adds into it in place.
+        param.mutable_grad() =
+            at::empty({0}, bucket.buffer.options())
+                .set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + offset,
+                      param.sizes(), param.strides());
+      } else if (param.grad().defined()) {
         param.mutable_grad().copy_(summed);
       } else {
         param.mutable_grad() =

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <sys/resource.h>
@@ -16,6 +17,7 @@
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/optim/sgd.h>
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/parallel/replicate.hpp>
@@ -105,9 +107,29 @@ TEST(Train_Replicate_ws2, BucketsAreReducedDuringBackward) {
     loss_of().backward();
     reducer.finish();
     EXPECT_GT(reducer.launched_during_backward(), 0U);
+    std::vector<at::Tensor> sums;
     for (std::size_t i = 0; i < params.size(); ++i) {
-      const auto sum = d9d::all_reduce(mesh.group(d9d::MeshDomain::batch, "dp"), own[i]);
-      EXPECT_TRUE(at::allclose(params[i].grad(), sum, 1e-5, 1e-6)) << "parameter " << i;
+      sums.push_back(d9d::all_reduce(mesh.group(d9d::MeshDomain::batch, "dp"), own[i]));
+      EXPECT_TRUE(at::allclose(params[i].grad(), sums[i], 1e-5, 1e-6)) << "parameter " << i;
+    }
+    // The gradients hold the buckets' sums in the buckets' memory (nothing copied back): one
+    // storage per bucket.
+    std::set<const void*> storages;
+    for (const auto& p : params) {
+      storages.insert(p.grad().storage().data());
+    }
+    EXPECT_EQ(storages.size(), reducer.bucket_count());
+    // Zeroed in place by the optimizer rather than dropped (it detaches them in place first, which
+    // a view would refuse), they take the next backward's gradients and reduce again: twice the
+    // same data, twice the sums.
+    torch::optim::SGD optimizer(params, torch::optim::SGDOptions(0.1));
+    optimizer.zero_grad(/*set_to_none=*/false);
+    loss_of().backward();
+    reducer.arm();
+    loss_of().backward();
+    reducer.finish();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(at::allclose(params[i].grad(), sums[i] * 2, 1e-5, 1e-6)) << "parameter " << i;
     }
   });
 }

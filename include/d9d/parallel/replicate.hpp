@@ -11,7 +11,9 @@
 // produces their gradients). A post-accumulate-grad hook on each parameter counts ready gradients;
 // a full bucket is flattened and its all-reduce launched asynchronously, in bucket order on every
 // rank, overlapping the rest of the backward pass (NCCL runs it on its own stream). finish()
-// launches buckets whose parameters got no gradient (zeros), waits, and writes the sums back.
+// launches buckets whose parameters got no gradient (zeros), waits, and gives each .grad the
+// memory of its bucket's sum (no copy back; a copy only where the bucket was reduced in another
+// dtype).
 // With a group of one rank nothing is registered and every call is a no-op.
 #pragma once
 
