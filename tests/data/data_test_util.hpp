@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/read_file.hpp"
+
 namespace data_test {
 
 /// A fresh directory under $TEST_TMPDIR (Bazel) or /tmp.
@@ -30,10 +32,7 @@ inline void write_file(const std::string& path, const std::string& bytes) {
   }
 }
 
-inline std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
+using d9d::testing::read_file;
 
 /// `ids` as the raw token format: little-endian, `width` bytes each.
 inline std::string raw_tokens(const std::vector<uint32_t>& ids, int width) {

@@ -21,6 +21,8 @@
 
 #include <d9d/state/safetensors.hpp>
 
+#include "tests/support/read_file.hpp"
+
 namespace d9d::testing::state {
 
 inline std::string scratch_dir() {
@@ -32,10 +34,7 @@ inline std::string scratch_dir() {
   return pattern;
 }
 
-inline std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
+using d9d::testing::read_file;
 
 inline void write_file(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);

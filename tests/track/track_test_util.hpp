@@ -24,6 +24,8 @@
 
 #include <d9d/track/tfrecord.hpp>
 
+#include "tests/support/read_file.hpp"
+
 namespace track_test {
 
 namespace detail {
@@ -90,12 +92,7 @@ inline std::string base_name(const std::string& path) {
   return path.substr(path.rfind('/') + 1);  // npos + 1 == 0: the whole path
 }
 
-inline std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+using d9d::testing::read_file;
 
 inline std::vector<std::string> read_lines(const std::string& path) {
   std::ifstream in(path);

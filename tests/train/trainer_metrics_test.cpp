@@ -25,6 +25,8 @@
 #include <d9d/train/trainer.hpp>
 #include <d9d/util/files.hpp>
 
+#include "tests/support/read_file.hpp"
+
 namespace {
 
 using ::testing::HasSubstr;
@@ -123,10 +125,7 @@ d9d::TrainerConfig config(const std::string& dir, const std::string& logging) {
       logging + R"(, "export": {"enabled": false}, "checkpoint": {"resume": false}})");
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
+using d9d::testing::read_file;
 
 TEST(Trainer_Metrics, UpdatedPerMicrobatchAndLoggedPerWindow) {
   const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
