@@ -301,7 +301,7 @@ at::Tensor SwiGluImpl::forward(const at::Tensor& x) {
   at::Tensor out;
   if (!fused_kernels()) {
     out = down_proj(at::silu(gate_proj(in)) * up_proj(in));
-  } else if (!down_proj->bias.defined() && !down_proj->adapter) {
+  } else if (!down_proj->bias.defined() && !down_proj->adapter && !down_proj->float8) {
     // The product silu(gate) * up is recomputed in backward, not kept (silu_mul_linear).
     out = silu_mul_linear(gate_proj(in), up_proj(in), down_proj->weight);
   } else {

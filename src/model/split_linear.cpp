@@ -1,6 +1,7 @@
-// d9d/model/split_linear.cpp — the split-capable linear layer, the low-rank (LoRA) linear and the
-// feed-forward's down projection that recomputes its input: autograd functions whose backward
-// queues the weight gradients on a deferring d9d::WeightGradQueue (d9d/core/weight_grad.hpp).
+// d9d/model/split_linear.cpp — the split-capable linear layer, the low-rank (LoRA) linear, the
+// feed-forward's down projection that recomputes its input and the float8 linear: autograd
+// functions whose backward queues the weight gradients on a deferring d9d::WeightGradQueue
+// (d9d/core/weight_grad.hpp).
 #include <cmath>
 #include <cstdint>
 #include <utility>
@@ -12,6 +13,7 @@
 #include <torch/nn/init.h>
 
 #include <d9d/core/weight_grad.hpp>
+#include <d9d/kernels/float8.hpp>
 #include <d9d/kernels/silu_mul.hpp>
 #include <d9d/model/layers.hpp>
 
@@ -275,6 +277,80 @@ struct LowRankLinear : torch::autograd::Function<LowRankLinear> {
   }
 };
 
+// y = x W^T with its three GEMMs in float8 (layers.hpp, float8_linear). Saves the float8 weight
+// (rows) and, when W trains, x^T quantised along the tokens — what the weight gradient multiplies —
+// instead of x. The float8 weight of a FullyShard float8 gather lives on its unit's storage, which
+// is gathered again before this layer's backward, so saving it holds no extra memory.
+struct Float8LinearFunction : torch::autograd::Function<Float8LinearFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, int64_t how_address, bool weight_trains,
+                            int64_t queue_address) {
+    // NOLINTNEXTLINE(performance-no-int-to-ptr): the layer's settings, passed by address
+    const auto& how = *reinterpret_cast<const Float8Linear*>(how_address);
+    const auto e4m3 = at::kFloat8_e4m3fn;
+    const auto xc = autocast_like(x, x);
+    const int64_t out_features = weight.size(0);
+    const int64_t in_features = weight.size(1);
+    const auto rows = xc.reshape({-1, in_features});
+    const auto w = how.weight.data.defined()
+                       ? how.weight
+                       : kernels::float8_quantize(autocast_like(weight, x), e4m3, how.rowwise);
+    const auto y = kernels::float8_matmul(kernels::float8_quantize(rows, e4m3, how.rowwise), w,
+                                          xc.scalar_type(), /*fast_accum=*/true);
+    ctx->saved_data["queue"] = queue_address;
+    ctx->saved_data["rowwise"] = how.rowwise;
+    ctx->saved_data["weight"] = weight;
+    ctx->saved_data["w_data"] = w.data;
+    ctx->saved_data["w_scale"] = w.scale;
+    if (weight_trains) {
+      auto xt = kernels::float8_quantize(rows, e4m3, how.rowwise, /*transpose=*/true);
+      ctx->saved_data["xt_data"] = xt.data;
+      ctx->saved_data["xt_scale"] = xt.scale;
+    }
+    auto sizes = xc.sizes().vec();
+    sizes.back() = out_features;
+    return y.view(sizes);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const bool rowwise = ctx->saved_data["rowwise"].toBool();
+    const auto gradient_format = rowwise ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+    const kernels::Float8Tensor w{.data = ctx->saved_data["w_data"].toTensor(),
+                                  .scale = ctx->saved_data["w_scale"].toTensor()};
+    const int64_t out_features = w.data.size(0);
+    const auto g = grads[0].reshape({-1, out_features});
+    torch::autograd::variable_list out(5);  // x, weight, how, weight_trains, queue address
+    if (ctx->needs_input_grad(0)) {
+      // dx = g W: g per token along the outputs, W per input column along the outputs.
+      const auto wt = kernels::float8_quantize(w.data, at::kFloat8_e4m3fn, rowwise,
+                                               /*transpose=*/true, w.scale);
+      const auto dx = kernels::float8_matmul(kernels::float8_quantize(g, gradient_format, rowwise),
+                                             wt, g.scalar_type());
+      auto sizes = grads[0].sizes().vec();
+      sizes.back() = w.data.size(1);
+      out[0] = dx.view(sizes);
+    }
+    if (!ctx->needs_input_grad(1)) {
+      return out;
+    }
+    // dW = g^T x: both along the tokens.
+    const kernels::Float8Tensor xt{.data = ctx->saved_data["xt_data"].toTensor(),
+                                   .scale = ctx->saved_data["xt_scale"].toTensor()};
+    auto gt = kernels::float8_quantize(g, gradient_format, rowwise, /*transpose=*/true);
+    const auto dtype = g.scalar_type();
+    if (auto* queue = deferring_queue(ctx); queue != nullptr) {
+      queue->push(
+          [gt = std::move(gt), xt, dtype, weight = ctx->saved_data["weight"].toTensor()]() mutable {
+            accumulate(weight, kernels::float8_matmul(gt, xt, dtype));
+          });
+      return out;
+    }
+    out[1] = kernels::float8_matmul(gt, xt, dtype);
+    return out;
+  }
+};
+
 // The queue's address, carried through the autograd context (an int64 saved value).
 int64_t queue_address(WeightGradQueue* queue) {
   // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
@@ -287,6 +363,15 @@ at::Tensor low_rank_linear(const at::Tensor& x, const at::Tensor& weight,
                            const LowRankUpdate& update) {
   return LowRankLinear::apply(x, weight, update.a, update.b, update.scale,
                               queue_address(recording_weight_grads()));
+}
+
+at::Tensor float8_linear(const at::Tensor& x, const at::Tensor& weight, const Float8Linear& how) {
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
+  const auto how_address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(&how));
+  // Whether backward will want W's gradient (forward runs with gradients off, so ask here).
+  const bool weight_trains = at::GradMode::is_enabled() && weight.requires_grad();
+  return Float8LinearFunction::apply(x, weight, how_address, weight_trains,
+                                     queue_address(recording_weight_grads()));
 }
 
 at::Tensor silu_mul_linear(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& weight) {
@@ -305,6 +390,18 @@ LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool bias) {
 }
 
 at::Tensor LinearImpl::forward(const at::Tensor& x) {
+  if (float8) {
+    auto y = float8_linear(x, weight, *float8);
+    if (bias.defined()) {
+      y = y + bias.to(y.scalar_type());
+    }
+    if (adapter) {
+      if (const auto delta = adapter->forward(x); delta.defined()) {
+        y = y + delta;
+      }
+    }
+    return y;
+  }
   if (adapter && !bias.defined() && fused_kernels()) {
     if (const auto update = adapter->low_rank(); update.a.defined()) {
       return low_rank_linear(x, weight, update);

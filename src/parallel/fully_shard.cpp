@@ -29,6 +29,16 @@
 // all-reduce runs over dp_replicate x cp_replicate: the gathered parameters are the same on every
 // cp rank, their gradients (of different tokens) summed by the reduce-scatter.
 //
+// Float8 gather (d9d::precision::WeightGather::float8). The weights of float8 linear layers
+// (model::Float8Linear, per-row scales) are quantised on their owner ranks, row by row, and
+// gathered as float8 bytes with their float32 scales, by a second all-gather of the unit (bytes);
+// the gathered rows and scales land in a second storage of the unit, which the layer's
+// Float8Linear::weight views and which is freed and allocated with the first. Since a row's scale
+// depends on that row alone, the gathered float8 weight is exactly what the layer would compute
+// from the whole bfloat16 weight. Such a weight has no place in the compute-dtype storage: its
+// parameter tensor keeps its shape over a freed storage (nothing reads its values), while its
+// gradient is reduce-scattered like every other (the reduction's layout counts every parameter).
+//
 // Experts. Under ExpertParallel the routed experts are records of the expert domain, already split
 // over ep_shard; when ep_replicate > 1 a second state shards them (their ep_shard slices) the same
 // way over ep_replicate — ZeRO-3 over the expert-data ranks — with the same units (the blocks), so
@@ -40,6 +50,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -51,7 +62,9 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <d9d/core/collectives.hpp>
+#include <d9d/kernels/float8.hpp>
 #include <d9d/model/block.hpp>
+#include <d9d/model/layers.hpp>
 #include <d9d/parallel/parallelize.hpp>
 
 namespace d9d::parallel::detail {
@@ -77,6 +90,9 @@ void alloc_storage(const c10::Storage& storage, std::size_t nbytes) {
   impl->set_nbytes(nbytes);
 }
 
+// Bytes rounded up to 16, so that every float8 weight and scale starts aligned.
+int64_t aligned(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
 struct Param {
   std::size_t record = 0;  // index into the model's records
   at::Tensor full;         // the module's parameter (its data: a slice of the unit's storage)
@@ -85,20 +101,34 @@ struct Param {
   int64_t row_numel = 0;       // elements per row
   int64_t chunk_rows = 0;      // c
   ShardRange held;             // this rank's rows
-  int64_t segment_offset = 0;  // in the unit's segment (elements)
+  int64_t segment_offset = 0;  // in the unit's reduction segment (elements)
+  int64_t gather_offset = 0;   // in the unit's compute-dtype gather segment (elements)
   int64_t full_offset = 0;     // in the unit's storage (elements)
   at::Tensor shard;            // the record's local tensor
+  // Gathered as float8 (a float8 linear layer's weight under the float8 gather): the layer's
+  // settings, and byte offsets of its rows and scales in the float8 segment and storage.
+  model::Float8Linear* float8 = nullptr;
+  int64_t f8_data_offset = 0;
+  int64_t f8_scale_offset = 0;
+  int64_t f8_full_data_offset = 0;
+  int64_t f8_full_scale_offset = 0;
 };
 
 struct Unit {
   std::string name;
   std::vector<std::size_t> params;
-  int64_t segment_numel = 0;
+  int64_t segment_numel = 0;  // the reduction's segment: every parameter
+  int64_t gather_numel = 0;   // the compute-dtype gather's: all but the float8 ones
   int64_t full_numel = 0;
   c10::Storage storage;
   bool gathered = false;
   at::Tensor gather_output;  // an all-gather in flight (with gather_work)
   c10::intrusive_ptr<c10d::Work> gather_work;
+  int64_t f8_segment_bytes = 0;  // the float8 gather's segment (0: none)
+  int64_t f8_full_bytes = 0;
+  c10::Storage f8_storage;
+  at::Tensor f8_gather_output;
+  c10::intrusive_ptr<c10d::Work> f8_gather_work;
   std::size_t pending = 0;  // gradients still to come in this backward
   bool reduced = false;     // reduce-scatter launched in this backward
   bool block = false;       // a d9d::model::Block (else the unit of loose parameters)
@@ -173,6 +203,16 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
   // Sorts the records into units, shards them and points the modules at the units' storages.
   void build() {
     auto& records = model_.mutable_parameters();
+    if (settings_.float8_gather) {
+      for (const auto& module : model_.modules()) {
+        for (const auto& item : module->named_modules()) {
+          auto linear = std::dynamic_pointer_cast<model::LinearImpl>(item.value());
+          if (linear && linear->float8 && linear->float8->rowwise) {
+            float8_layers_[linear->weight.unsafeGetTensorImpl()] = &*linear->float8;
+          }
+        }
+      }
+    }
     std::vector<std::pair<model::Block*, std::string>> blocks;
     // Outermost blocks, in registration (= forward) order, with their parameters' name prefixes.
     const auto& modules = model_.modules();
@@ -348,6 +388,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     int64_t bytes = 0;
     for (const auto& unit : units_) {
       bytes += static_cast<int64_t>(unit.storage.nbytes());
+      bytes += unit.f8_storage ? static_cast<int64_t>(unit.f8_storage.nbytes()) : 0;
     }
     return bytes;
   }
@@ -440,9 +481,23 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     param.held = shard_range(param.rows, world_, rank_);
     auto& unit = units_[u];
     param.segment_offset = unit.segment_numel;
-    param.full_offset = unit.full_numel;
     unit.segment_numel += param.chunk_rows * param.row_numel;
-    unit.full_numel += full.numel();
+    if (const auto found = float8_layers_.find(full.unsafeGetTensorImpl());
+        found != float8_layers_.end() && full.dim() == 2) {
+      param.float8 = found->second;
+      param.f8_data_offset = unit.f8_segment_bytes;
+      param.f8_scale_offset = param.f8_data_offset + aligned(param.chunk_rows * param.row_numel);
+      unit.f8_segment_bytes = param.f8_scale_offset + aligned(param.chunk_rows * 4);
+      param.f8_full_data_offset = unit.f8_full_bytes;
+      param.f8_full_scale_offset =
+          param.f8_full_data_offset + aligned(param.rows * param.row_numel);
+      unit.f8_full_bytes = param.f8_full_scale_offset + aligned(param.rows * 4);
+    } else {
+      param.gather_offset = unit.gather_numel;
+      unit.gather_numel += param.chunk_rows * param.row_numel;
+      param.full_offset = unit.full_numel;
+      unit.full_numel += full.numel();
+    }
     // The shard: this rank's rows, in the parameter dtype; what the optimizer updates.
     {
       const at::NoGradGuard no_grad;
@@ -474,14 +529,34 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
   }
 
   // Allocates the unit's storage in the compute dtype, moves the parameters' data onto it and
-  // leaves it gathered (the values are the whole parameters, identical on every rank).
+  // leaves it gathered (the values are the whole parameters, identical on every rank). Float8
+  // weights get their views on the float8 storage instead, and a parameter tensor of their shape
+  // over a storage that is freed at once (nothing reads it; autograd needs its metadata).
   void place(Unit& unit) {
     const auto options = at::TensorOptions().dtype(settings_.compute_dtype).device(device_);
     const at::NoGradGuard no_grad;
     auto buffer = at::empty({unit.full_numel}, options);
     unit.storage = buffer.storage();
+    auto f8_buffer = at::empty({unit.f8_full_bytes}, options.dtype(at::kByte));
+    unit.f8_storage = f8_buffer.storage();
     for (const auto p : unit.params) {
       auto& param = params_[p];
+      if (param.float8 != nullptr) {
+        auto stand_in = at::empty({param.full.numel()}, options);
+        auto view =
+            at::empty({0}, options)
+                .set_(stand_in.storage(), 0, param.shape, c10::contiguous_strides(param.shape));
+        free_storage(stand_in.storage());
+        param.full.set_data(view);
+        param.float8->weight = kernels::Float8Tensor{
+            .data = at::empty({0}, options.dtype(at::kFloat8_e4m3fn))
+                        .set_(unit.f8_storage, param.f8_full_data_offset,
+                              {param.rows, param.row_numel}, {param.row_numel, 1}),
+            .scale = at::empty({0}, options.dtype(at::kFloat))
+                         .set_(unit.f8_storage, param.f8_full_scale_offset / 4, {param.rows, 1},
+                               {1, 1})};
+        continue;
+      }
       auto view = at::empty({0}, options)
                       .set_(unit.storage, param.full_offset, param.shape,
                             c10::contiguous_strides(param.shape));
@@ -499,7 +574,8 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
 
   void start_gather(std::size_t u) {
     auto& unit = units_[u];
-    if (unit.gathered || unit.gather_work || unit.gather_output.defined()) {
+    if (unit.gathered || unit.gather_work || unit.gather_output.defined() ||
+        unit.f8_gather_output.defined()) {
       return;
     }
     if (unit.params.empty()) {  // e.g. a dense block in the experts' state: nothing to gather
@@ -508,18 +584,50 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     }
     const at::NoGradGuard no_grad;
     const auto options = at::TensorOptions().dtype(settings_.compute_dtype).device(device_);
-    auto input = at::empty({unit.segment_numel}, options);
+    auto input = at::empty({unit.gather_numel}, options);
     for (const auto p : unit.params) {
       const auto& param = params_[p];
-      input.narrow(0, param.segment_offset, param.held.length * param.row_numel)
-          .copy_(param.shard.detach().reshape({-1}));
+      if (param.float8 == nullptr) {
+        input.narrow(0, param.gather_offset, param.held.length * param.row_numel)
+            .copy_(param.shard.detach().reshape({-1}));
+      }
+    }
+    if (world_ == 1 || unit.gather_numel == 0) {
+      unit.gather_output = input;
+    } else {
+      unit.gather_output = at::empty({world_ * unit.gather_numel}, options);
+      unit.gather_work = shard_group_.backend()->_allgather_base(unit.gather_output, input);
+    }
+    if (unit.f8_segment_bytes > 0) {
+      start_float8_gather(unit);
+    }
+  }
+
+  // This rank's rows of the unit's float8 weights, quantised per row from the compute dtype (as
+  // the layer would quantise the whole weight), with their scales, all-gathered as bytes.
+  void start_float8_gather(Unit& unit) {
+    const auto bytes = at::TensorOptions().dtype(at::kByte).device(device_);
+    auto input = at::empty({unit.f8_segment_bytes}, bytes);
+    for (const auto p : unit.params) {
+      const auto& param = params_[p];
+      if (param.float8 == nullptr || param.held.length == 0) {
+        continue;
+      }
+      const auto rows = param.shard.detach()
+                            .reshape({param.held.length, param.row_numel})
+                            .to(settings_.compute_dtype);
+      const auto q = kernels::float8_quantize(rows, at::kFloat8_e4m3fn, /*rowwise=*/true);
+      input.narrow(0, param.f8_data_offset, param.held.length * param.row_numel)
+          .copy_(q.data.view(at::kByte).reshape({-1}));
+      input.narrow(0, param.f8_scale_offset, param.held.length * 4)
+          .copy_(q.scale.reshape({-1}).view(at::kByte));
     }
     if (world_ == 1) {
-      unit.gather_output = input;
+      unit.f8_gather_output = input;
       return;
     }
-    unit.gather_output = at::empty({world_ * unit.segment_numel}, options);
-    unit.gather_work = shard_group_.backend()->_allgather_base(unit.gather_output, input);
+    unit.f8_gather_output = at::empty({world_ * unit.f8_segment_bytes}, bytes);
+    unit.f8_gather_work = shard_group_.backend()->_allgather_base(unit.f8_gather_output, input);
   }
 
   void finish_gather(std::size_t u) {
@@ -538,10 +646,13 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     alloc_storage(unit.storage, static_cast<std::size_t>(unit.full_numel) *
                                     c10::elementSize(settings_.compute_dtype));
     const auto alias = storage_alias(unit);
-    const auto gathered = unit.gather_output.view({world_, unit.segment_numel});
+    const auto gathered = unit.gather_output.view({world_, unit.gather_numel});
     for (const auto p : unit.params) {
       const auto& param = params_[p];
-      const auto rows = gathered.narrow(1, param.segment_offset, param.chunk_rows * param.row_numel)
+      if (param.float8 != nullptr) {
+        continue;
+      }
+      const auto rows = gathered.narrow(1, param.gather_offset, param.chunk_rows * param.row_numel)
                             .reshape({world_ * param.chunk_rows, param.row_numel})
                             .narrow(0, 0, param.rows);
       alias.narrow(0, param.full_offset, param.rows * param.row_numel)
@@ -549,7 +660,39 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
           .copy_(rows);
     }
     unit.gather_output = at::Tensor();
+    if (unit.f8_segment_bytes > 0) {
+      finish_float8_gather(unit);
+    }
     unit.gathered = true;
+  }
+
+  // The gathered float8 rows and scales into the unit's float8 storage (bytes to bytes).
+  void finish_float8_gather(Unit& unit) {
+    if (unit.f8_gather_work) {
+      unit.f8_gather_work->wait();
+      unit.f8_gather_work.reset();
+    }
+    alloc_storage(unit.f8_storage, static_cast<std::size_t>(unit.f8_full_bytes));
+    const auto alias = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(device_))
+                           .set_(unit.f8_storage, 0, {unit.f8_full_bytes}, {1});
+    const auto gathered = unit.f8_gather_output.view({world_, unit.f8_segment_bytes});
+    for (const auto p : unit.params) {
+      const auto& param = params_[p];
+      if (param.float8 == nullptr) {
+        continue;
+      }
+      const int64_t c = param.chunk_rows;
+      alias.narrow(0, param.f8_full_data_offset, param.rows * param.row_numel)
+          .view({param.rows, param.row_numel})
+          .copy_(gathered.narrow(1, param.f8_data_offset, c * param.row_numel)
+                     .reshape({world_ * c, param.row_numel})
+                     .narrow(0, 0, param.rows));
+      alias.narrow(0, param.f8_full_scale_offset, param.rows * 4)
+          .copy_(gathered.narrow(1, param.f8_scale_offset, c * 4)
+                     .reshape({world_ * c * 4})
+                     .narrow(0, 0, param.rows * 4));
+    }
+    unit.f8_gather_output = at::Tensor();
   }
 
   void ensure_gathered(std::size_t u) {
@@ -565,6 +708,14 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     }
     unit.gather_output = at::Tensor();
     free_storage(unit.storage);
+    if (unit.f8_gather_work) {
+      unit.f8_gather_work->wait();
+      unit.f8_gather_work.reset();
+    }
+    unit.f8_gather_output = at::Tensor();
+    if (unit.f8_storage) {
+      free_storage(unit.f8_storage);
+    }
     unit.gathered = false;
   }
 
@@ -711,6 +862,8 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
   std::vector<std::size_t> reduce_order_;
   std::size_t started_early_ = 0;
   std::deque<Reduction> reductions_;  // launched, oldest first
+  // Under the float8 gather: the float8 linear layers, by their weight's TensorImpl.
+  std::unordered_map<const c10::TensorImpl*, model::Float8Linear*> float8_layers_;
   std::size_t next_reduce_ = 0;
   bool armed_ = false;
   std::mutex mutex_;

@@ -7,7 +7,7 @@
 //
 // Linear layers are d9d::model::Linear: at::linear normally, split backward (input gradient now,
 // weight gradient queued) when a d9d::WeightGradQueue records them
-// (d9d/core/weight_grad.hpp).
+// (d9d/core/weight_grad.hpp), float8 GEMMs when d9d::precision::Float8 set `float8` on them.
 //
 // Plain `XxxImpl` + TORCH_MODULE holders, so models built from them stay ordinary torch::nn code:
 // parameters, named_parameters(), to(), train()/eval() work as usual. Parameter names follow the
@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -24,6 +25,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <d9d/kernels/float8.hpp>
 #include <d9d/model/context_parallel.hpp>
 #include <d9d/model/tensor_parallel.hpp>
 
@@ -84,6 +86,26 @@ class LinearAdapter {
 at::Tensor low_rank_linear(const at::Tensor& x, const at::Tensor& weight,
                            const LowRankUpdate& update);
 
+/// How a linear layer runs its GEMMs in float8 (d9d::precision::Float8 sets it on the attention
+/// and MLP projections).
+struct Float8Linear {
+  /// One scale per row (every operand e4m3fn) or per tensor (gradients e5m2).
+  bool rowwise = true;
+  /// The weight already quantised per row, when FullyShard gathered it so
+  /// (WeightGather::float8): its storage lives while the layer's unit is gathered. Undefined: the
+  /// forward quantises the weight itself.
+  kernels::Float8Tensor weight;
+};
+
+/// y = x W^T with every GEMM in float8 (the forward's, and in backward the input gradient's and
+/// the weight gradient's), by `how`: x per row (rowwise) or per tensor in e4m3fn, W per row in
+/// e4m3fn (or `how.weight`), in the compute dtype (autocast's, else x's). Backward quantises the
+/// output gradient (e4m3fn rowwise, e5m2 tensorwise) along each product's contracted dimension and
+/// uses the forward's float8 weight, rescaled per column; it keeps the float8 weight and x^T in
+/// float8 for backward, not x. Under a recording d9d::WeightGradQueue the weight-gradient GEMM is
+/// deferred like Linear's. d9d/kernels/float8.hpp defines the quantisation.
+at::Tensor float8_linear(const at::Tensor& x, const at::Tensor& weight, const Float8Linear& how);
+
 /// y = x W^T (+ b), with split backward under a recording d9d::WeightGradQueue. The same
 /// parameter names ("weight", "bias") and initialisation as torch::nn::Linear. With an adapter,
 /// y = x W^T (+ b) + adapter->forward(x); by low_rank_linear when the adapter is a low-rank
@@ -99,6 +121,9 @@ class LinearImpl : public torch::nn::Module {
   at::Tensor bias;    ///< [out], or undefined
   /// Set by d9d::peft (LoRA); null for a plain linear layer.
   std::shared_ptr<LinearAdapter> adapter;
+  /// Set by d9d::precision::Float8: the GEMMs run in float8 (float8_linear; a bias and an
+  /// adapter's addition are added in the compute dtype).
+  std::optional<Float8Linear> float8;
 };
 TORCH_MODULE(Linear);
 

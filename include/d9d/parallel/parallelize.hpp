@@ -283,11 +283,21 @@ std::unique_ptr<GradientSync> make_replicate_sync(const ProcessGroup& group,
                                                   std::vector<at::Tensor> parameters,
                                                   int64_t bucket_bytes, GradientTiming timing);
 
+/// d9d::precision::Float8: float8 GEMMs (model::Float8Linear, per row or per tensor) on the
+/// projections of every d9d::model::Attention and d9d::model::SwiGlu of the modules; returns how
+/// many layers. On a CUDA device it runs a small float8 product first (std::runtime_error naming
+/// the fix when the device or the build has none); std::invalid_argument when the modules have no
+/// such layer (src/parallel/float8.cpp).
+int apply_float8(ParallelModel& model, bool rowwise);
+
 /// FullyShard's run-time choices (resolved from the policy and the options).
 struct FullyShardSettings {
   std::string reshard;           ///< "after_forward", "never", "all_but_last"
   at::ScalarType compute_dtype;  ///< the gathered parameters' dtype
   at::ScalarType reduce_dtype;   ///< the reduce-scatter's dtype
+  /// The weights of float8 linear layers (apply_float8, per-row scales) are quantised on their
+  /// owner ranks and gathered as float8 with their scales (d9d::precision::WeightGather::float8).
+  bool float8_gather = false;
   /// Under GradientTiming::program every unit stays gathered for the step (program order is not
   /// forward order) and reductions start from module_done and finish().
   GradientTiming timing = GradientTiming::backward;
@@ -429,7 +439,11 @@ struct strategy<FullyShard<R, D>> {
     detail::FullyShardSettings settings{.reshard = model.options().reshard,
                                         .compute_dtype = precision::scalar_type(P::compute),
                                         .reduce_dtype = precision::scalar_type(P::reduce),
+                                        .float8_gather = false,
                                         .timing = gradient_timing_of<Plan>};
+    if constexpr (precision::has_float8<P>) {
+      settings.float8_gather = P::float8_weight_gather == precision::WeightGather::float8;
+    }
     if constexpr (R == Reshard::after_forward) {
       settings.reshard = "after_forward";
     } else if constexpr (R == Reshard::never) {
@@ -694,6 +708,9 @@ std::unique_ptr<ParallelModel> apply_strategies(
   auto model =
       make_parallel_model(mesh, std::move(modules),
                           precision::scalar_type(Plan::precision::parameters), std::move(options));
+  if constexpr (precision::has_float8<typename Plan::precision>) {
+    apply_float8(*model, Plan::precision::float8_scaling == precision::Scaling::rowwise);
+  }
   for_each_strategy<Plan>([&]<class Policy>() {
     if constexpr (parallel_strategy<strategy<Policy>, Plan>) {
       strategy<Policy>::template apply<Plan>(*model);

@@ -16,8 +16,17 @@
 //
 //   using SrPlan = d9d::Plan<d9d::precision::Bf16Params<>>;   // stochastic rounding, fp32 moments
 //   using Torch = d9d::Plan<d9d::precision::Bf16Params<d9d::precision::NearestRounding>>;
+//
+// Float8<Scaling, Gather, Base> runs the attention and MLP projections' GEMMs in float8 on top of
+// a base policy, whose facts it keeps (docs/design/0022-float8-linear-layers.md):
+//
+//   using Fp8Plan = d9d::Plan<d9d::precision::Float8<>>;  // rowwise scales, over Bf16Mixed
+//   using Fp8Fsdp = d9d::Plan<d9d::mesh<d9d::dp_shard<2>>, d9d::parallel::FullyShard<>,
+//       d9d::precision::Float8<d9d::precision::Scaling::rowwise,
+//                              d9d::precision::WeightGather::float8>>;  // weights gathered in FP8
 #pragma once
 
+#include <concepts>
 #include <type_traits>
 
 #include <d9d/plan/defaults.hpp>  // Dtype and Fp32, the default
@@ -95,6 +104,67 @@ struct Bf16Params {
   static constexpr Dtype reduce = Dtype::bfloat16;
   static constexpr bool stochastic_rounding = std::is_same_v<Rounding, StochasticRounding>;
   static constexpr Dtype optimizer_state = State;
+};
+
+/// How Float8 scales the tensors of a float8 GEMM.
+enum class Scaling : unsigned char {
+  /// One scale per row along the contracted dimension (per token of the activations and
+  /// gradients, per output row of the weights); every operand in e4m3fn. torchao's "rowwise".
+  rowwise,
+  /// One scale per tensor; activations and weights in e4m3fn, gradients in e5m2 (more range,
+  /// less precision). torchao's "tensorwise".
+  tensorwise,
+};
+
+/// What FullyShard all-gathers for a float8 linear layer's weight.
+enum class WeightGather : unsigned char {
+  compute_dtype,  ///< the weight in the compute dtype (bfloat16), quantised after the gather
+  /// the weight quantised per row on its owner rank, gathered as float8 with its float32 scales:
+  /// half the bytes of bfloat16, and the same values, since a row's scale needs only that row
+  float8,
+};
+
+namespace detail {
+template <class P>
+concept dtype_facts = requires {
+  { P::parameters } -> std::convertible_to<Dtype>;
+  { P::compute } -> std::convertible_to<Dtype>;
+  { P::reduce } -> std::convertible_to<Dtype>;
+};
+}  // namespace detail
+
+/// FP8 training: the GEMMs of the attention projections (q, k, v, o) and of the MLP (gate, up,
+/// down) in float8 — forward, input gradient and weight gradient, each operand quantised with
+/// power-of-two scales computed on the device (d9d/kernels/float8.hpp) — and everything else as
+/// `Base` says: master parameters, optimizer, reductions, the embedding, norms, attention itself,
+/// the head and the MoE routers and experts. On CUDA the GEMMs are at::_scaled_mm (sm_89 or newer:
+/// H100, H200, Ada; a start-up error elsewhere); on the CPU an emulation computes the same
+/// quantised values and multiplies them dequantised, so CI tests the logic. Under a split backward
+/// (zero-bubble pipelines) the weight-gradient GEMM is queued in float8 too.
+template <Scaling S = Scaling::rowwise, WeightGather G = WeightGather::compute_dtype,
+          class Base = Bf16Mixed>
+struct Float8 : Base {
+  static_assert(detail::dtype_facts<Base>,
+                "d9d::precision::Float8<S, G, Base>: Base is a precision policy stating "
+                "`parameters`, `compute` and `reduce` (e.g. d9d::precision::Bf16Mixed)");
+  static_assert(
+      !requires { Base::float8_scaling; },
+      "d9d::precision::Float8<S, G, Base>: Base is itself a Float8 policy. Fix: one "
+      "Float8<...> over a plain policy (Bf16Mixed, Bf16Params<>, Fp32, Fp64)");
+  static_assert(
+      G == WeightGather::compute_dtype || S == Scaling::rowwise,
+      "d9d::precision::Float8: WeightGather::float8 needs Scaling::rowwise (a tensorwise "
+      "scale spans every rank's rows, which the owners cannot know before the gather). "
+      "Fix: Float8<Scaling::rowwise, WeightGather::float8>, or WeightGather::compute_dtype");
+  using base = Base;
+  static constexpr Scaling float8_scaling = S;
+  static constexpr WeightGather float8_weight_gather = G;
+};
+
+/// Whether precision policy P runs float8 linear layers (a Float8<...>).
+template <class P>
+inline constexpr bool has_float8 = requires {
+  P::float8_scaling;
 };
 
 }  // namespace d9d::precision

@@ -1,0 +1,74 @@
+// d9d/kernels/float8.hpp — float8 quantisation with scales computed on the device
+// (`d9d::float8_quantize`) and the float8 matrix product of two quantised operands: the casts and
+// GEMMs of FP8 training (d9d::precision::Float8, d9d/model/layers.hpp's float8 linear layers).
+//
+//   auto x8 = d9d::kernels::float8_quantize(x, at::kFloat8_e4m3fn, /*rowwise=*/true);
+//   // x ≈ x8.data.to(at::kFloat) * x8.scale: one power-of-two scale per row, [rows, 1]
+//   auto w8 = d9d::kernels::float8_quantize(w, at::kFloat8_e4m3fn, true);
+//   at::Tensor y = d9d::kernels::float8_matmul(x8, w8, at::kBFloat16);  // ≈ x w^T
+//
+// Quantisation, by definition (the CPU kernel is this definition; the CUDA kernels reproduce it bit
+// for bit): v = the input read as float32 (a float8 input: its value times its own dequantisation
+// scale); for each group — each row of the output, or the whole tensor — a = max |v| over the
+// group and s = 2^floor(log2(M / max(a, 1e-12))), the division in float32, M the format's
+// largest finite value (448 for e4m3fn, 57344 for e5m2); q = clamp(v s, -M, M) rounded to the
+// nearest float8 value (ties to even). The returned scale is 1/s (exact): x ≈ q · (1/s).
+// Power-of-two scales make v s and q / s exact, so the cast is the only rounding. With
+// `transpose` the output is the quantised x^T, contiguous [cols, rows], its groups the columns of
+// x: the column-major operand at::_scaled_mm takes. A NaN or infinite value makes its whole group
+// NaN, scale included (the step's numerics guard sees it).
+//
+// Schemas (namespace `d9d`, src/kernels/float8.cpp; CPU reference there, CUDA in
+// kernels/float8.cu):
+//   float8_quantize(Tensor x, Tensor? x_scale, ScalarType dtype, bool rowwise, bool transpose)
+//       -> (Tensor, Tensor)
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+namespace d9d::kernels {
+
+/// A float8 tensor and the float32 scale that dequantises it: value = data * scale, with `scale`
+/// [rows, 1] (one per row) or 0-dimensional (one for the tensor).
+struct Float8Tensor {
+  at::Tensor data;
+  at::Tensor scale;
+  [[nodiscard]] bool rowwise() const { return scale.dim() == 2; }
+};
+
+/// The largest finite value of a float8 format (448 for e4m3fn, 57344 for e5m2).
+[[nodiscard]] float float8_max(at::ScalarType format);
+
+/// Quantises the 2-D tensor x (float32, float64, bfloat16 or float16; or float8 with `x_scale`,
+/// its dequantisation scale: [rows, 1] or 0-dimensional) to `format` (at::kFloat8_e4m3fn or
+/// at::kFloat8_e5m2), one scale per output row (`rowwise`) or one for the tensor; with `transpose`
+/// the output is x^T, contiguous. No autograd.
+[[nodiscard]] Float8Tensor float8_quantize(const at::Tensor& x, at::ScalarType format, bool rowwise,
+                                           bool transpose = false,
+                                           const at::Tensor& x_scale = at::Tensor());
+
+/// The dequantised value data * scale in `dtype` (float32 unless said).
+[[nodiscard]] at::Tensor float8_dequantize(const Float8Tensor& t,
+                                           at::ScalarType dtype = at::kFloat);
+
+/// a b^T for a [M, K] and b [N, K] (both quantised along K: per row or per tensor, both alike),
+/// as `out_dtype` [M, N]: on CUDA by at::_scaled_mm (float8 tensor cores, float32 accumulation;
+/// `fast_accum`: Hopper's faster accumulation, for forward products), with bfloat16 output for
+/// per-row scales; on the CPU — and on CUDA for sizes at::_scaled_mm does not take (K or N not a
+/// multiple of 16) — by the emulation: both dequantised in float32 (float64 for a float64
+/// `out_dtype`) and multiplied there, which equals the exact product of the quantised values up to
+/// the summation's rounding.
+[[nodiscard]] at::Tensor float8_matmul(const Float8Tensor& a, const Float8Tensor& b,
+                                       at::ScalarType out_dtype, bool fast_accum = false);
+
+namespace detail {
+
+/// Checks float8_quantize's arguments (std::invalid_argument-style TORCH_CHECK messages).
+void check_float8_quantize(const at::Tensor& x, const at::Tensor& x_scale, at::ScalarType format);
+
+/// The power-of-two scale s of a group whose largest magnitude is `amax` (see the file comment).
+[[nodiscard]] float float8_scale(float amax, float format_max);
+
+}  // namespace detail
+}  // namespace d9d::kernels

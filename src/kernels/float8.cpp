@@ -1,0 +1,220 @@
+// d9d/kernels/float8.cpp — the schema of d9d::float8_quantize, its CPU reference kernel (the
+// definition in d9d/kernels/float8.hpp, element by element), and the float8 matrix product.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <torch/library.h>
+
+#include <d9d/kernels/float8.hpp>
+
+namespace d9d::kernels {
+
+float float8_max(at::ScalarType format) {
+  TORCH_CHECK(format == at::kFloat8_e4m3fn || format == at::kFloat8_e5m2,
+              "d9d::float8_quantize: the format is Float8_e4m3fn or Float8_e5m2, got ", format);
+  return format == at::kFloat8_e4m3fn ? 448.0F : 57344.0F;
+}
+
+namespace detail {
+
+float float8_scale(float amax, float format_max) {
+  const float a = amax < 1e-12F ? 1e-12F : amax;  // NaN stays NaN
+  const float s = format_max / a;
+  if (!(s > 0.0F)) {
+    return std::numeric_limits<float>::quiet_NaN();  // a NaN or infinite group becomes NaN
+  }
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, &s, sizeof bits);
+  bits &= 0xFF800000U;  // sign and exponent: the power of two at or below s
+  float out = 0.0F;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+void check_float8_quantize(const at::Tensor& x, const at::Tensor& x_scale, at::ScalarType format) {
+  TORCH_CHECK(x.defined() && x.dim() == 2, "d9d::float8_quantize: x must be 2-D, got ",
+              x.defined() ? x.dim() : -1, " dimensions");
+  static_cast<void>(float8_max(format));
+  const auto type = x.scalar_type();
+  const bool float8_input = type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
+  TORCH_CHECK(float8_input || type == at::kFloat || type == at::kDouble || type == at::kBFloat16 ||
+                  type == at::kHalf,
+              "d9d::float8_quantize: x is float32, float64, bfloat16, float16 or float8, got ",
+              type);
+  TORCH_CHECK(float8_input == x_scale.defined(),
+              "d9d::float8_quantize: a float8 x needs its scale (x_scale), and only a float8 x "
+              "takes one");
+  if (x_scale.defined()) {
+    TORCH_CHECK(x_scale.scalar_type() == at::kFloat, "d9d::float8_quantize: x_scale is float32");
+    TORCH_CHECK(x_scale.device() == x.device(), "d9d::float8_quantize: x_scale is on ",
+                x_scale.device(), ", x on ", x.device());
+    TORCH_CHECK(x_scale.dim() == 0 ||
+                    (x_scale.dim() == 2 && x_scale.size(0) == x.size(0) && x_scale.size(1) == 1),
+                "d9d::float8_quantize: x_scale is [rows, 1] or 0-dimensional, got ",
+                x_scale.sizes(), " for x ", x.sizes());
+  }
+}
+
+}  // namespace detail
+
+namespace {
+
+// x as float32 values, row-major [rows, cols] (a float8 x times its scale).
+std::vector<float> values_of(const at::Tensor& x, const at::Tensor& x_scale) {
+  const int64_t rows = x.size(0);
+  const int64_t cols = x.size(1);
+  std::vector<float> v(static_cast<std::size_t>(rows * cols));
+  if (x_scale.defined()) {
+    const auto raw = x.contiguous();
+    const auto scale = x_scale.contiguous();
+    const float* s = scale.const_data_ptr<float>();
+    const bool per_row = scale.dim() == 2;
+    const auto read = [&](auto tag) {
+      using T = decltype(tag);
+      const T* q = static_cast<const T*>(raw.const_data_ptr());
+      for (int64_t r = 0; r < rows; ++r) {
+        const float factor = s[per_row ? r : 0];
+        for (int64_t c = 0; c < cols; ++c) {
+          v[static_cast<std::size_t>(r * cols + c)] = static_cast<float>(q[r * cols + c]) * factor;
+        }
+      }
+    };
+    if (x.scalar_type() == at::kFloat8_e4m3fn) {
+      read(c10::Float8_e4m3fn());
+    } else {
+      read(c10::Float8_e5m2());
+    }
+    return v;
+  }
+  const auto f = x.to(at::kFloat).contiguous();
+  std::memcpy(v.data(), f.const_data_ptr<float>(), v.size() * sizeof(float));
+  return v;
+}
+
+template <class Format>
+void write_quantized(const std::vector<float>& v, int64_t rows, int64_t cols, bool transpose,
+                     const std::vector<float>& group_scale, bool rowwise, float format_max,
+                     at::Tensor& out) {
+  auto* q = static_cast<Format*>(out.mutable_data_ptr());
+  const int64_t out_cols = transpose ? rows : cols;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t out_row = transpose ? c : r;
+        const int64_t out_col = transpose ? r : c;
+        const float s = group_scale[static_cast<std::size_t>(rowwise ? out_row : 0)];
+        float y = v[static_cast<std::size_t>(r * cols + c)] * s;
+        y = y > format_max ? format_max : (y < -format_max ? -format_max : y);  // NaN stays
+        q[out_row * out_cols + out_col] = Format(y);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> float8_quantize_cpu(const at::Tensor& x,
+                                                       const std::optional<at::Tensor>& x_scale_arg,
+                                                       at::ScalarType format, bool rowwise,
+                                                       bool transpose) {
+  const at::Tensor x_scale = x_scale_arg.value_or(at::Tensor());
+  detail::check_float8_quantize(x, x_scale, format);
+  const int64_t rows = x.size(0);
+  const int64_t cols = x.size(1);
+  const float format_max = float8_max(format);
+  const auto v = values_of(x, x_scale);
+  const int64_t groups = rowwise ? (transpose ? cols : rows) : 1;
+  std::vector<float> amax(static_cast<std::size_t>(groups), 0.0F);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float a = std::abs(v[static_cast<std::size_t>(r * cols + c)]);
+      auto& m = amax[static_cast<std::size_t>(rowwise ? (transpose ? c : r) : 0)];
+      // NaN wins (a NaN element makes its group NaN); otherwise the larger.
+      m = (std::isnan(a) || a > m) && !std::isnan(m) ? a : m;
+    }
+  }
+  std::vector<float> scale(amax.size());
+  auto inverse = rowwise ? at::empty({groups, 1}, x.options().dtype(at::kFloat))
+                         : at::empty({}, x.options().dtype(at::kFloat));
+  float* inv = inverse.mutable_data_ptr<float>();
+  for (std::size_t g = 0; g < amax.size(); ++g) {
+    scale[g] = detail::float8_scale(amax[g], format_max);
+    inv[g] = 1.0F / scale[g];
+  }
+  auto out =
+      at::empty(transpose ? std::vector<int64_t>{cols, rows} : std::vector<int64_t>{rows, cols},
+                x.options().dtype(format));
+  if (format == at::kFloat8_e4m3fn) {
+    write_quantized<c10::Float8_e4m3fn>(v, rows, cols, transpose, scale, rowwise, format_max, out);
+  } else {
+    write_quantized<c10::Float8_e5m2>(v, rows, cols, transpose, scale, rowwise, format_max, out);
+  }
+  return {out, inverse};
+}
+
+using QuantizeSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
+                                                       const std::optional<at::Tensor>&,
+                                                       at::ScalarType, bool, bool);
+
+const c10::TypedOperatorHandle<QuantizeSig>& quantize_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("d9d::float8_quantize", "")
+                                 .typed<QuantizeSig>();
+  return handle;
+}
+
+bool multiple_of_16(int64_t n) { return n % 16 == 0; }
+
+}  // namespace
+
+Float8Tensor float8_quantize(const at::Tensor& x, at::ScalarType format, bool rowwise,
+                             bool transpose, const at::Tensor& x_scale) {
+  auto [data, scale] =
+      quantize_op().call(x, x_scale.defined() ? std::optional<at::Tensor>(x_scale) : std::nullopt,
+                         format, rowwise, transpose);
+  return {.data = std::move(data), .scale = std::move(scale)};
+}
+
+at::Tensor float8_dequantize(const Float8Tensor& t, at::ScalarType dtype) {
+  return t.data.to(dtype).mul_(t.scale.to(dtype));
+}
+
+at::Tensor float8_matmul(const Float8Tensor& a, const Float8Tensor& b, at::ScalarType out_dtype,
+                         bool fast_accum) {
+  TORCH_CHECK(a.data.dim() == 2 && b.data.dim() == 2 && a.data.size(1) == b.data.size(1),
+              "d9d::float8_matmul: a [M, K] and b [N, K], got ", a.data.sizes(), " and ",
+              b.data.sizes());
+  TORCH_CHECK(a.rowwise() == b.rowwise(),
+              "d9d::float8_matmul: both operands scaled per row, or both per tensor");
+  const int64_t k = a.data.size(1);
+  const int64_t n = b.data.size(0);
+  if (a.data.is_cuda() && multiple_of_16(k) && multiple_of_16(n)) {
+    // at::_scaled_mm takes the second operand column-major: b^T as a view of b's rows.
+    const auto scale_b = b.rowwise() ? b.scale.view({1, n}) : b.scale;
+    const auto out = a.rowwise() ? at::kBFloat16 : out_dtype;
+    auto y = at::_scaled_mm(a.data, b.data.t(), a.scale, scale_b, std::nullopt, std::nullopt, out,
+                            fast_accum);
+    return out == out_dtype ? y : y.to(out_dtype);
+  }
+  const auto acc = out_dtype == at::kDouble ? at::kDouble : at::kFloat;
+  return at::mm(float8_dequantize(a, acc), float8_dequantize(b, acc).t()).to(out_dtype);
+}
+
+}  // namespace d9d::kernels
+
+TORCH_LIBRARY_FRAGMENT(d9d, m) {
+  m.def(
+      "float8_quantize(Tensor x, Tensor? x_scale, ScalarType dtype, bool rowwise, bool transpose) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(d9d, CPU, m) { m.impl("float8_quantize", &d9d::kernels::float8_quantize_cpu); }

@@ -1,0 +1,172 @@
+// d9d::float8_quantize and d9d::kernels::float8_matmul on the CPU: the quantisation against its
+// definition written again in double (tests/kernels/float8_reference.hpp) for every grouping,
+// layout, format and input dtype, bit for bit; a NaN or infinite value poisons only its group;
+// float8 inputs are rescaled exactly; the product equals the exact product of the dequantised
+// operands to float32 rounding; argument errors say what is wrong.
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <d9d/kernels/float8.hpp>
+
+#include "tests/kernels/float8_reference.hpp"
+#include "tests/support/error_of.hpp"
+
+namespace {
+
+using ::testing::HasSubstr;
+
+// Rows of very different magnitudes (so per-row scales differ), a zero row, values deep in the
+// subnormal range of e4m3 next to large ones (within a tensor-wide group), negative values.
+at::Tensor awkward(int64_t rows, int64_t cols, at::ScalarType type, uint64_t seed) {
+  auto generator = at::detail::createCPUGenerator(seed);
+  auto x = at::randn({rows, cols}, generator, at::kDouble);
+  const auto magnitudes = at::pow(10.0, at::linspace(-4, 3, rows, at::kDouble)).unsqueeze(1);
+  x = x * magnitudes;
+  x[1].zero_();
+  x[rows - 1][0] = 1e-7;  // tiny beside the row's others
+  return x.to(type);
+}
+
+// The kernel's output equals the definition: bytes where the reference is finite, NaN where not.
+void expect_matches_reference(const d9d::kernels::Float8Tensor& got,
+                              const d9d::testing::Float8Reference& want, const std::string& what) {
+  ASSERT_EQ(got.data.sizes(), want.values.sizes()) << what;
+  ASSERT_EQ(got.scale.sizes(), want.scale.sizes()) << what;
+  const auto values = got.data.to(at::kDouble);
+  const auto finite = at::isfinite(want.values);
+  EXPECT_TRUE(at::equal(at::isnan(values), at::logical_not(finite))) << what;
+  EXPECT_TRUE(at::equal(values.masked_fill(finite.logical_not(), 0),
+                        want.values.masked_fill(finite.logical_not(), 0)))
+      << what << ": max diff "
+      << (values - want.values).masked_fill(finite.logical_not(), 0).abs().max().item<double>();
+  const auto scale = got.scale.to(at::kDouble);
+  const auto scale_finite = at::isfinite(want.scale);
+  EXPECT_TRUE(at::equal(scale.masked_fill(scale_finite.logical_not(), 0),
+                        want.scale.masked_fill(scale_finite.logical_not(), 0)))
+      << what;
+  EXPECT_TRUE(at::isnan(scale).equal(scale_finite.logical_not())) << what;
+}
+
+std::string name_of(at::ScalarType format, bool rowwise, bool transpose, at::ScalarType input) {
+  return std::string(c10::toString(format)) + (rowwise ? " rowwise" : " tensorwise") +
+         (transpose ? " transposed" : "") + " from " + c10::toString(input);
+}
+
+TEST(Kernels_Float8_Cpu, QuantizationEqualsTheDefinitionBitForBit) {
+  for (const auto input : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
+    const auto x = awkward(9, 40, input, 11);
+    for (const auto format : {at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
+      for (const bool rowwise : {true, false}) {
+        for (const bool transpose : {false, true}) {
+          expect_matches_reference(d9d::kernels::float8_quantize(x, format, rowwise, transpose),
+                                   d9d::testing::float8_reference(x, format, rowwise, transpose),
+                                   name_of(format, rowwise, transpose, input));
+        }
+      }
+    }
+  }
+}
+
+TEST(Kernels_Float8_Cpu, ScalesArePowersOfTwoThatFitTheLargestValue) {
+  const auto x = awkward(6, 33, at::kFloat, 12);
+  const auto q = d9d::kernels::float8_quantize(x, at::kFloat8_e4m3fn, true);
+  const auto inverse = q.scale.to(at::kDouble).view({-1});
+  for (int64_t r = 0; r < x.size(0); ++r) {
+    const double s = 1.0 / inverse[r].item<double>();
+    EXPECT_EQ(std::exp2(std::round(std::log2(s))), s) << "row " << r;
+    const double amax = x[r].abs().max().item<double>();
+    if (amax > 0) {
+      // The largest value lands in (M/2, M]: the whole range above the top binade is used.
+      EXPECT_LE(amax * s, 448.0) << "row " << r;
+      EXPECT_GT(amax * s, 224.0) << "row " << r;
+    }
+  }
+  // A zero row: scale 2^floor(log2(448 / 1e-12)), values zero.
+  EXPECT_TRUE(at::equal(q.data[1].to(at::kFloat), at::zeros({33})));
+  EXPECT_EQ(1.0 / inverse[1].item<double>(), std::exp2(std::floor(std::log2(448.0F / 1e-12F))));
+}
+
+TEST(Kernels_Float8_Cpu, NanOrInfinityMakesOnlyItsGroupNan) {
+  auto x = at::randn({4, 16});
+  x[1][3] = std::numeric_limits<float>::quiet_NaN();
+  x[2][5] = std::numeric_limits<float>::infinity();
+  const auto rows = d9d::kernels::float8_quantize(x, at::kFloat8_e4m3fn, true);
+  const auto values = d9d::kernels::float8_dequantize(rows);
+  for (int64_t r = 0; r < 4; ++r) {
+    const bool poisoned = r == 1 || r == 2;
+    EXPECT_EQ(at::isnan(values[r]).all().item<bool>(), poisoned) << "row " << r;
+    EXPECT_EQ(at::isfinite(values[r]).all().item<bool>(), !poisoned) << "row " << r;
+  }
+  const auto whole = d9d::kernels::float8_quantize(x, at::kFloat8_e5m2, false, true);
+  EXPECT_TRUE(at::isnan(d9d::kernels::float8_dequantize(whole)).all().item<bool>());
+}
+
+TEST(Kernels_Float8_Cpu, Float8InputIsRescaledExactly) {
+  // Per-row float8 rows requantised per column (what backward does to the forward's weight) equal
+  // the quantisation of their exact dequantised values.
+  const auto w = awkward(12, 48, at::kBFloat16, 13);
+  const auto rows = d9d::kernels::float8_quantize(w, at::kFloat8_e4m3fn, true);
+  const auto exact = d9d::kernels::float8_dequantize(rows);  // exact in float32
+  for (const bool rowwise : {true, false}) {
+    const auto columns = d9d::kernels::float8_quantize(rows.data, at::kFloat8_e4m3fn, rowwise,
+                                                       /*transpose=*/true, rows.scale);
+    expect_matches_reference(columns,
+                             d9d::testing::float8_reference(exact, at::kFloat8_e4m3fn, rowwise,
+                                                            /*transpose=*/true),
+                             rowwise ? "per-column requantisation" : "per-tensor requantisation");
+  }
+  // A per-tensor float8 tensor requantised per tensor keeps its values (transposed).
+  const auto whole = d9d::kernels::float8_quantize(w, at::kFloat8_e4m3fn, false);
+  const auto again =
+      d9d::kernels::float8_quantize(whole.data, at::kFloat8_e4m3fn, false, true, whole.scale);
+  EXPECT_TRUE(at::equal(d9d::kernels::float8_dequantize(again),
+                        d9d::kernels::float8_dequantize(whole).t()));
+}
+
+TEST(Kernels_Float8_Cpu, ProductEqualsTheDequantisedOperandsProduct) {
+  const auto a = awkward(10, 32, at::kFloat, 14);
+  const auto b = awkward(24, 32, at::kFloat, 15).flip(0);
+  for (const bool rowwise : {true, false}) {
+    const auto qa = d9d::kernels::float8_quantize(a, at::kFloat8_e4m3fn, rowwise);
+    const auto qb = d9d::kernels::float8_quantize(b, at::kFloat8_e4m3fn, rowwise);
+    const auto exact = at::mm(d9d::kernels::float8_dequantize(qa, at::kDouble),
+                              d9d::kernels::float8_dequantize(qb, at::kDouble).t());
+    const auto got = d9d::kernels::float8_matmul(qa, qb, at::kFloat);
+    ASSERT_EQ(got.scalar_type(), at::kFloat);
+    // float32 accumulation of 32 products, against the row's magnitude.
+    const auto bound = 64 * 6e-8 *
+                       at::mm(d9d::kernels::float8_dequantize(qa, at::kDouble).abs(),
+                              d9d::kernels::float8_dequantize(qb, at::kDouble).abs().t());
+    EXPECT_TRUE(((got.to(at::kDouble) - exact).abs() <= bound).all().item<bool>())
+        << (rowwise ? "rowwise" : "tensorwise");
+    EXPECT_GT(exact.abs().max().item<double>(), 0.0);
+  }
+}
+
+TEST(Kernels_Float8_Cpu, ArgumentErrorsSayWhatIsWrong) {
+  using d9d::testing::error_of;
+  const auto x = at::randn({4, 16});
+  EXPECT_THAT(
+      error_of([&] { (void)d9d::kernels::float8_quantize(x[0], at::kFloat8_e4m3fn, true); }),
+      HasSubstr("x must be 2-D"));
+  EXPECT_THAT(error_of([&] { (void)d9d::kernels::float8_quantize(x, at::kBFloat16, true); }),
+              HasSubstr("Float8_e4m3fn or Float8_e5m2"));
+  const auto q = d9d::kernels::float8_quantize(x, at::kFloat8_e4m3fn, true);
+  EXPECT_THAT(
+      error_of([&] { (void)d9d::kernels::float8_quantize(q.data, at::kFloat8_e4m3fn, true); }),
+      HasSubstr("needs its scale"));
+  EXPECT_THAT(error_of([&] {
+                (void)d9d::kernels::float8_quantize(x, at::kFloat8_e4m3fn, true, false, q.scale);
+              }),
+              HasSubstr("only a float8 x takes one"));
+  const auto p = d9d::kernels::float8_quantize(x, at::kFloat8_e4m3fn, false);
+  EXPECT_THAT(error_of([&] { (void)d9d::kernels::float8_matmul(q, p, at::kFloat); }),
+              HasSubstr("per row, or both per tensor"));
+}
+
+}  // namespace
