@@ -200,7 +200,10 @@ at::Tensor float8_matmul(const Float8Tensor& a, const Float8Tensor& b, at::Scala
   if (a.data.is_cuda() && multiple_of_16(k) && multiple_of_16(n)) {
     // at::_scaled_mm takes the second operand column-major: b^T as a view of b's rows.
     const auto scale_b = b.rowwise() ? b.scale.view({1, n}) : b.scale;
-    const auto out = a.rowwise() ? at::kBFloat16 : out_dtype;
+    // Per-row scales give bfloat16 only; per-tensor ones float32, bfloat16 or float16 too.
+    const bool direct = !a.rowwise() && (out_dtype == at::kFloat || out_dtype == at::kBFloat16 ||
+                                         out_dtype == at::kHalf);
+    const auto out = direct ? out_dtype : at::kBFloat16;
     auto y = at::_scaled_mm(a.data, b.data.t(), a.scale, scale_b, std::nullopt, std::nullopt, out,
                             fast_accum);
     return out == out_dtype ? y : y.to(out_dtype);

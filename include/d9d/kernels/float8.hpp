@@ -54,8 +54,8 @@ struct Float8Tensor {
 
 /// a b^T for a [M, K] and b [N, K] (both quantised along K: per row or per tensor, both alike),
 /// as `out_dtype` [M, N]: on CUDA by at::_scaled_mm (float8 tensor cores, float32 accumulation;
-/// `fast_accum`: Hopper's faster accumulation, for forward products), with bfloat16 output for
-/// per-row scales; on the CPU — and on CUDA for sizes at::_scaled_mm does not take (K or N not a
+/// `fast_accum`: Hopper's faster accumulation, for forward products), its output bfloat16 (then
+/// cast) for per-row scales and for float64; on the CPU — and on CUDA for sizes at::_scaled_mm does not take (K or N not a
 /// multiple of 16) — by the emulation: both dequantised in float32 (float64 for a float64
 /// `out_dtype`) and multiplied there, which equals the exact product of the quantised values up to
 /// the summation's rounding.

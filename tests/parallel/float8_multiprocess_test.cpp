@@ -1,0 +1,106 @@
+// d9d::precision::Float8 under data and pipeline parallelism on 2 Gloo ranks (or NCCL with
+// D9D_TEST_BACKEND=nccl), against one process running the same float8 emulation: FullyShard with
+// the weights gathered as float8 (WeightGather::float8) and in the compute dtype, in two reshard
+// modes; Replicate with per-tensor scales; a ZeroBubbleH1 pipeline of 2 stages, whose float8
+// weight gradients wait in W actions. Over Fp64 the float8 products are the only roundings that
+// matter, and the quantisations are elementwise with scales from maxima (which no summation order
+// changes), so the runs agree to float64's rounding — as long as every rank quantises the same
+// tensors as the one process: the microbatches are single samples here, because a per-tensor or
+// per-column (over the tokens) scale spans a microbatch. A plain Fp64 run differs by float8's
+// error, so the comparisons see whether float8 ran at all.
+#include <cmath>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "tests/core/core_test_util.hpp"
+#include "tests/parallel/parallel_test_util.hpp"
+
+namespace {
+
+using d9d::precision::Float8;
+using d9d::precision::Fp64;
+using d9d::precision::Scaling;
+using d9d::precision::WeightGather;
+using d9d::testing::RankEnv;
+using d9d::testing::RunOutcome;
+using d9d::testing::tiny_run;
+using d9d::testing::train_plan;
+
+using Rowwise = Float8<Scaling::rowwise, WeightGather::compute_dtype, Fp64>;
+using RowwiseGathered = Float8<Scaling::rowwise, WeightGather::float8, Fp64>;
+using Tensorwise = Float8<Scaling::tensorwise, WeightGather::compute_dtype, Fp64>;
+using ShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>>;
+
+// 4 steps, global batch 8 in microbatches of one sample, 4 decoder layers.
+d9d::TrainerConfig run_config(const std::string& dir, const std::string& mesh = "") {
+  return tiny_run(dir, 4, 8, 1, false, 4, mesh);
+}
+
+template <class Precision>
+RunOutcome one_process(RankEnv& env, const d9d::DistributedContext& ctx, const std::string& name) {
+  const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
+  return train_plan<d9d::Plan<Precision>>(
+      local, run_config(env.scratch_dir() + "/one" + std::to_string(env.rank()) + name));
+}
+
+// Float8 changed the run: its losses are not plain float64's.
+void expect_float8_ran(const RunOutcome& float8, const RunOutcome& plain) {
+  double most = 0.0;
+  for (std::size_t i = 0; i < plain.result.losses.size(); ++i) {
+    most = std::max(most, std::abs(float8.result.losses[i] - plain.result.losses[i]) /
+                              std::abs(plain.result.losses[i]));
+  }
+  EXPECT_GT(most, 1e-5) << "the float8 run's losses equal plain float64's";
+}
+
+TEST(Parallel_Float8_ws2, FullyShardWithFloat8GathersMatchesOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto want = one_process<Rowwise>(env, ctx, "/rowwise");
+    expect_float8_ran(want, one_process<Fp64>(env, ctx, "/plain"));
+    const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
+    for (const std::string mode : {"after_forward", "never"}) {
+      auto config = run_config(dir + "/f8-" + mode);
+      config.data_parallel.reshard = mode;
+      d9d::testing::expect_same_run(
+          train_plan<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, RowwiseGathered>>(ctx,
+                                                                                         config),
+          want, "float8 gather, reshard " + mode);
+    }
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Rowwise>>(
+            ctx, run_config(dir + "/compute")),
+        want, "compute-dtype gather");
+  });
+}
+
+TEST(Parallel_Float8_ws2, ReplicateWithTensorwiseScalesMatchesOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto want = one_process<Tensorwise>(env, ctx, "/tensorwise");
+    expect_float8_ran(want, one_process<Fp64>(env, ctx, "/plain"));
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>>, Tensorwise>>(
+            ctx, run_config(env.scratch_dir() + "/r" + std::to_string(env.rank()))),
+        want, "Replicate, tensorwise");
+  });
+}
+
+TEST(Parallel_Float8_ws2, ZeroBubblePipelineMatchesOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto want = one_process<Rowwise>(env, ctx, "/rowwise");
+    using PpMesh = d9d::mesh<d9d::pp<d9d::dynamic>>;
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<PpMesh, d9d::pipeline::ZeroBubbleH1<>, Rowwise>>(
+            ctx, run_config(env.scratch_dir() + "/r" + std::to_string(env.rank()),
+                            R"({"pp": 2})")),
+        want, "pp 2, ZeroBubbleH1 (float8 weight gradients in W actions)");
+  });
+}
+
+}  // namespace
