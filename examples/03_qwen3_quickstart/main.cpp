@@ -9,6 +9,7 @@
 //   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --tp          # tensor + sequence parallel
 //   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --fsdp --bf16 --cp 2 --sequence-length 65536
 //   03_qwen3_quickstart cfg.json --bf16-params sr --lora   # LoRA fine-tuning, base frozen
+//   tools/d9drun -n 2 03_qwen3_quickstart cfg.json --fp8 rowwise --fsdp --fp8-gather  # FP8 GEMMs
 //
 // The configuration block below is the plan: the mesh's data-parallel degree comes from the world
 // size (d9d::dynamic), gradients are all-reduced in buckets during backward (Replicate), and the
@@ -71,6 +72,13 @@ using CpPlan = d9d::Plan<CpMesh, d9d::parallel::FullyShard<>, d9d::parallel::Con
 using PipelineMesh = d9d::mesh<d9d::pp<d9d::dynamic>, d9d::dp_replicate<d9d::dynamic>>;
 template <class Schedule, class Precision>
 using PipelinePlan = d9d::Plan<PipelineMesh, DataParallel, Schedule, Precision>;
+// --fp8 rowwise|tensorwise: the attention and MLP projections' GEMMs in float8 over Bf16Mixed
+// (H100/H200; the CPU emulates them); with --fsdp --fp8-gather their weights are all-gathered in
+// float8 (rowwise only).
+namespace fp8 = d9d::precision;
+using Fp8Rowwise = fp8::Float8<fp8::Scaling::rowwise>;
+using Fp8Tensorwise = fp8::Float8<fp8::Scaling::tensorwise>;
+using Fp8Gathered = fp8::Float8<fp8::Scaling::rowwise, fp8::WeightGather::float8>;
 // -----------------------------------------------------------------------------------------------
 
 namespace {
@@ -92,6 +100,8 @@ struct Options {
   bool plain_kernels = false;
   std::string bf16_params;
   bool lora = false;
+  std::string fp8;
+  bool fp8_gather = false;
   bool cuda_graphs = false;
   int cp = 0;
   bool ring = false;
@@ -154,6 +164,37 @@ int run_pipelined(const std::string& schedule, const d9d::DistributedContext& ct
     return run<PipelinePlan<pipe::ZeroBubbleH1<>, Precision>>(ctx, cfg, peak_tflops);
   }
   return run<PipelinePlan<pipe::ZeroBubbleV<>, Precision>>(ctx, cfg, peak_tflops);
+}
+
+// --fp8: Replicate (one GPU) or FullyShard, optionally with the float8 weight gather and the
+// attention recomputed.
+int run_fp8(const Options& o, const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg) {
+  const double peak = o.peak_tflops;
+  const bool rowwise = o.fp8 == "rowwise";
+  if (o.bf16 || !o.bf16_params.empty() || o.tp || o.lora || o.cp > 0 || o.recompute ||
+      o.reduce_bf16 || o.pipeline != "none" || (o.recompute_attention && !o.fp8_gather)) {
+    throw d9d::ConfigError(
+        "--fp8 is compiled alone, or with --fsdp (and --fp8-gather, then optionally "
+        "--recompute-attention) in this example; it runs over bf16 mixed precision itself. Fix: "
+        "drop --bf16, --bf16-params, --tp, --lora, --cp, --recompute, --reduce-bf16 and "
+        "--pipeline");
+  }
+  if (o.fp8_gather && (!o.fsdp || !rowwise)) {
+    throw d9d::ConfigError(
+        "--fp8-gather gathers per-row float8 weights under FullyShard. Fix: use --fp8 rowwise "
+        "--fsdp --fp8-gather, or drop --fp8-gather");
+  }
+  if (o.fsdp) {
+    if (o.fp8_gather) {
+      return o.recompute_attention
+                 ? run<FsdpPlan<Fp8Gathered, d9d::recompute::Attention<>>>(ctx, cfg, peak)
+                 : run<FsdpPlan<Fp8Gathered>>(ctx, cfg, peak);
+    }
+    return rowwise ? run<FsdpPlan<Fp8Rowwise>>(ctx, cfg, peak)
+                   : run<FsdpPlan<Fp8Tensorwise>>(ctx, cfg, peak);
+  }
+  return rowwise ? run<d9d::Plan<Mesh, DataParallel, Fp8Rowwise>>(ctx, cfg, peak)
+                 : run<d9d::Plan<Mesh, DataParallel, Fp8Tensorwise>>(ctx, cfg, peak);
 }
 
 // Everything after the command line: every library error leaves as an exception, reported by
@@ -221,6 +262,12 @@ int train(const Options& o) {
                            " needs a pipeline schedule. Fix: add --pipeline gpipe|1f1b|zbh1|zbv");
   }
   const double peak = o.peak_tflops;
+  if (!o.fp8.empty()) {
+    return run_fp8(o, ctx, cfg);
+  }
+  if (o.fp8_gather) {
+    throw d9d::ConfigError("--fp8-gather needs --fp8 rowwise --fsdp. Fix: add them, or drop it");
+  }
   if (o.cp > 0) {
     if (!o.fsdp || !o.bf16 || o.tp || o.lora || !o.bf16_params.empty() || o.pipeline != "none") {
       throw d9d::ConfigError(
@@ -322,6 +369,14 @@ int main(int argc, char** argv) {
   app.add_flag("--lora", o.lora,
                "LoRA fine-tuning: rank-16 adapters on every linear layer but the head, the rest "
                "frozen (d9d::peft::Lora<16, 32>; with --bf16-params sr)");
+  app.add_option("--fp8", o.fp8,
+                 "float8 GEMMs in the attention and MLP projections over bf16 mixed precision, "
+                 "scaled per row or per tensor (d9d::precision::Float8; H100/H200, emulated on "
+                 "the CPU)")
+      ->check(CLI::IsMember({"rowwise", "tensorwise"}));
+  app.add_flag("--fp8-gather", o.fp8_gather,
+               "with --fp8 rowwise --fsdp: weights all-gathered in float8 with their scales "
+               "(d9d::precision::WeightGather::float8)");
   app.add_flag("--fsdp", o.fsdp, "fully sharded data parallelism (d9d::parallel::FullyShard<>)");
   app.add_flag("--tp", o.tp,
                "tensor parallelism with sequence parallelism over all ranks "

@@ -65,11 +65,11 @@ TEST_F(Kernels_Float8_Cuda, QuantizationIsBitIdenticalToTheCpuKernel) {
   const auto w = awkward(96, 64, at::kBFloat16).nan_to_num(0);
   const auto rows = d9d::kernels::float8_quantize(w, at::kFloat8_e4m3fn, true);
   for (const bool rowwise : {true, false}) {
-    expect_same(d9d::kernels::float8_quantize(rows.data.cuda(), at::kFloat8_e4m3fn, rowwise, true,
-                                              rows.scale.cuda()),
-                d9d::kernels::float8_quantize(rows.data, at::kFloat8_e4m3fn, rowwise, true,
-                                              rows.scale),
-                "requantised");
+    expect_same(
+        d9d::kernels::float8_quantize(rows.data.cuda(), at::kFloat8_e4m3fn, rowwise, true,
+                                      rows.scale.cuda()),
+        d9d::kernels::float8_quantize(rows.data, at::kFloat8_e4m3fn, rowwise, true, rows.scale),
+        "requantised");
   }
 }
 

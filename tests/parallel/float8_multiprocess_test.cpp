@@ -97,8 +97,7 @@ TEST(Parallel_Float8_ws2, ZeroBubblePipelineMatchesOneProcess) {
     using PpMesh = d9d::mesh<d9d::pp<d9d::dynamic>>;
     d9d::testing::expect_same_run(
         train_plan<d9d::Plan<PpMesh, d9d::pipeline::ZeroBubbleH1<>, Rowwise>>(
-            ctx, run_config(env.scratch_dir() + "/r" + std::to_string(env.rank()),
-                            R"({"pp": 2})")),
+            ctx, run_config(env.scratch_dir() + "/r" + std::to_string(env.rank()), R"({"pp": 2})")),
         want, "pp 2, ZeroBubbleH1 (float8 weight gradients in W actions)");
   });
 }

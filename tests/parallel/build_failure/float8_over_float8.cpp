@@ -4,9 +4,9 @@
 #include <d9d/parallel/parallelize.hpp>
 #include <d9d/plan/plan.hpp>
 
-using Precision = d9d::precision::Float8<d9d::precision::Scaling::rowwise,
-                                         d9d::precision::WeightGather::compute_dtype,
-                                         d9d::precision::Float8<>>;
+using Precision =
+    d9d::precision::Float8<d9d::precision::Scaling::rowwise,
+                           d9d::precision::WeightGather::compute_dtype, d9d::precision::Float8<>>;
 using MyPlan = d9d::Plan<d9d::mesh<d9d::dp_replicate<2>>, Precision>;
 
 int main() {
