@@ -277,6 +277,48 @@ struct LowRankLinear : torch::autograd::Function<LowRankLinear> {
   }
 };
 
+// The last input a float8 layer quantised on this thread, in both forms: the q, k and v projections
+// (the gate and up projections) read one input, which is then quantised once for all of them.
+// The cache holds the input detached (its values, not its autograd graph), which keeps its storage
+// alive: the same storage, layout and version counter then mean the same values (no other tensor
+// can take a freed storage's address meanwhile, and writes through autograd-visible tensors move
+// the counter).
+struct Float8InputCache {
+  at::Tensor input;  // detached
+  int64_t version = 0;
+  bool rowwise = true;
+  at::ScalarType dtype = at::kFloat;  // of the quantised values (autocast's)
+  kernels::Float8Tensor rows;
+  kernels::Float8Tensor columns;  // undefined until a layer that trains asks
+};
+
+// The input's quantised rows and, when `columns`, its quantised columns, from the cache or made.
+std::pair<kernels::Float8Tensor, kernels::Float8Tensor> quantized_input(const at::Tensor& x,
+                                                                        const at::Tensor& xc,
+                                                                        bool rowwise,
+                                                                        bool columns) {
+  thread_local Float8InputCache cache;
+  const bool same =
+      cache.input.defined() && x.has_storage() &&
+      cache.input.storage().unsafeGetStorageImpl() == x.storage().unsafeGetStorageImpl() &&
+      cache.input.storage_offset() == x.storage_offset() && cache.input.sizes() == x.sizes() &&
+      cache.input.strides() == x.strides() && cache.input.scalar_type() == x.scalar_type() &&
+      x._version() == cache.version && cache.rowwise == rowwise && cache.dtype == xc.scalar_type();
+  const auto rows = xc.reshape({-1, xc.size(-1)});
+  if (!same) {
+    cache = Float8InputCache{.input = x.detach(),
+                             .version = x._version(),
+                             .rowwise = rowwise,
+                             .dtype = xc.scalar_type(),
+                             .rows = kernels::float8_quantize(rows, at::kFloat8_e4m3fn, rowwise),
+                             .columns = {}};
+  }
+  if (columns && !cache.columns.data.defined()) {
+    cache.columns = kernels::float8_quantize(rows, at::kFloat8_e4m3fn, rowwise, /*transpose=*/true);
+  }
+  return {cache.rows, columns ? cache.columns : kernels::Float8Tensor{}};
+}
+
 // y = x W^T with its three GEMMs in float8 (layers.hpp, float8_linear). Saves the float8 weight
 // (rows) and, when W trains, x^T quantised along the tokens — what the weight gradient multiplies —
 // instead of x. The float8 weight of a FullyShard float8 gather lives on its unit's storage, which
@@ -290,22 +332,21 @@ struct Float8LinearFunction : torch::autograd::Function<Float8LinearFunction> {
     const auto e4m3 = at::kFloat8_e4m3fn;
     const auto xc = autocast_like(x, x);
     const int64_t out_features = weight.size(0);
-    const int64_t in_features = weight.size(1);
-    const auto rows = xc.reshape({-1, in_features});
+    TORCH_CHECK(xc.size(-1) == weight.size(1), "d9d::model::float8_linear: x has ", xc.size(-1),
+                " features, the weight ", weight.size(1));
     const auto w = how.weight.data.defined()
                        ? how.weight
                        : kernels::float8_quantize(autocast_like(weight, x), e4m3, how.rowwise);
-    const auto y = kernels::float8_matmul(kernels::float8_quantize(rows, e4m3, how.rowwise), w,
-                                          xc.scalar_type(), /*fast_accum=*/true);
+    const auto [rows, columns] = quantized_input(x, xc, how.rowwise, weight_trains);
+    const auto y = kernels::float8_matmul(rows, w, xc.scalar_type(), /*fast_accum=*/true);
     ctx->saved_data["queue"] = queue_address;
     ctx->saved_data["rowwise"] = how.rowwise;
     ctx->saved_data["weight"] = weight;
     ctx->saved_data["w_data"] = w.data;
     ctx->saved_data["w_scale"] = w.scale;
     if (weight_trains) {
-      auto xt = kernels::float8_quantize(rows, e4m3, how.rowwise, /*transpose=*/true);
-      ctx->saved_data["xt_data"] = xt.data;
-      ctx->saved_data["xt_scale"] = xt.scale;
+      ctx->saved_data["xt_data"] = columns.data;
+      ctx->saved_data["xt_scale"] = columns.scale;
     }
     auto sizes = xc.sizes().vec();
     sizes.back() = out_features;

@@ -3,7 +3,7 @@
 // the product's contracted dimension, dequantise, multiply; tests/kernels/float8_reference.hpp),
 // to float32 rounding, per row and per tensor; a Linear with `float8` set runs it (bias added);
 // split backward defers the float8 weight-gradient GEMM and gives the same gradients; the result
-// is float8's, not float32's.
+// is float8's, not float32's; layers that share an input reuse its quantisation until it changes.
 #include <string>
 
 #include <ATen/ATen.h>
@@ -139,6 +139,26 @@ TEST_P(Model_Float8Linear, SplitBackwardDefersTheFloat8WeightGradient) {
   EXPECT_EQ(queue.size(), 1U);
   queue.drain();
   EXPECT_TRUE(at::equal(linear->weight.grad(), dw));
+}
+
+TEST_P(Model_Float8Linear, LayersSharingAnInputQuantiseItOnceAndSeeItsChanges) {
+  const bool rowwise = GetParam();
+  at::manual_seed(24);
+  d9d::model::Linear a(32, 16);
+  d9d::model::Linear b(32, 48);
+  a->float8 = d9d::model::Float8Linear{.rowwise = rowwise, .weight = {}};
+  b->float8 = a->float8;
+  auto x = at::randn({2, 16, 32});
+  static_cast<void>(a(x));
+  const auto shared = b(x);  // x's quantisation comes from a's call
+  EXPECT_TRUE(at::equal(shared, b(x.clone())));
+  {
+    const at::NoGradGuard no_grad;
+    x.mul_(3.0);  // the same tensor, new values: quantised again
+  }
+  const auto changed = b(x);
+  EXPECT_TRUE(at::equal(changed, b(x.clone())));
+  EXPECT_FALSE(at::equal(changed, shared));
 }
 
 INSTANTIATE_TEST_SUITE_P(Scaling, Model_Float8Linear, ::testing::Bool(),
