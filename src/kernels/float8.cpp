@@ -161,6 +161,15 @@ std::tuple<at::Tensor, at::Tensor> float8_quantize_cpu(const at::Tensor& x,
   return {out, inverse};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> float8_quantize_both_cpu(
+    const at::Tensor& x, at::ScalarType format, bool rowwise) {
+  TORCH_CHECK(x.scalar_type() != at::kFloat8_e4m3fn && x.scalar_type() != at::kFloat8_e5m2,
+              "d9d::float8_quantize_both: x is not float8 (use float8_quantize with its scale)");
+  auto [rows, row_scale] = float8_quantize_cpu(x, std::nullopt, format, rowwise, false);
+  auto [columns, column_scale] = float8_quantize_cpu(x, std::nullopt, format, rowwise, true);
+  return {rows, row_scale, columns, column_scale};
+}
+
 using QuantizeSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
                                                        const std::optional<at::Tensor>&,
                                                        at::ScalarType, bool, bool);
@@ -169,6 +178,16 @@ const c10::TypedOperatorHandle<QuantizeSig>& quantize_op() {
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("d9d::float8_quantize", "")
                                  .typed<QuantizeSig>();
+  return handle;
+}
+
+using QuantizeBothSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, at::ScalarType, bool);
+
+const c10::TypedOperatorHandle<QuantizeBothSig>& quantize_both_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("d9d::float8_quantize_both", "")
+                                 .typed<QuantizeBothSig>();
   return handle;
 }
 
@@ -182,6 +201,13 @@ Float8Tensor float8_quantize(const at::Tensor& x, at::ScalarType format, bool ro
       quantize_op().call(x, x_scale.defined() ? std::optional<at::Tensor>(x_scale) : std::nullopt,
                          format, rowwise, transpose);
   return {.data = std::move(data), .scale = std::move(scale)};
+}
+
+std::pair<Float8Tensor, Float8Tensor> float8_quantize_both(const at::Tensor& x,
+                                                           at::ScalarType format, bool rowwise) {
+  auto [rows, row_scale, columns, column_scale] = quantize_both_op().call(x, format, rowwise);
+  return {Float8Tensor{.data = std::move(rows), .scale = std::move(row_scale)},
+          Float8Tensor{.data = std::move(columns), .scale = std::move(column_scale)}};
 }
 
 at::Tensor float8_dequantize(const Float8Tensor& t, at::ScalarType dtype) {
@@ -218,6 +244,12 @@ TORCH_LIBRARY_FRAGMENT(d9d, m) {
   m.def(
       "float8_quantize(Tensor x, Tensor? x_scale, ScalarType dtype, bool rowwise, bool transpose) "
       "-> (Tensor, Tensor)");
+  m.def(
+      "float8_quantize_both(Tensor x, ScalarType dtype, bool rowwise) -> (Tensor, Tensor, Tensor, "
+      "Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(d9d, CPU, m) { m.impl("float8_quantize", &d9d::kernels::float8_quantize_cpu); }
+TORCH_LIBRARY_IMPL(d9d, CPU, m) {
+  m.impl("float8_quantize", &d9d::kernels::float8_quantize_cpu);
+  m.impl("float8_quantize_both", &d9d::kernels::float8_quantize_both_cpu);
+}

@@ -4,6 +4,7 @@
 // (d9d/core/weight_grad.hpp).
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -310,8 +311,14 @@ std::pair<kernels::Float8Tensor, kernels::Float8Tensor> quantized_input(const at
                              .version = x._version(),
                              .rowwise = rowwise,
                              .dtype = xc.scalar_type(),
-                             .rows = kernels::float8_quantize(rows, at::kFloat8_e4m3fn, rowwise),
+                             .rows = {},
                              .columns = {}};
+    if (columns) {
+      std::tie(cache.rows, cache.columns) =
+          kernels::float8_quantize_both(rows, at::kFloat8_e4m3fn, rowwise);
+    } else {
+      cache.rows = kernels::float8_quantize(rows, at::kFloat8_e4m3fn, rowwise);
+    }
   }
   if (columns && !cache.columns.data.defined()) {
     cache.columns = kernels::float8_quantize(rows, at::kFloat8_e4m3fn, rowwise, /*transpose=*/true);
@@ -362,12 +369,21 @@ struct Float8LinearFunction : torch::autograd::Function<Float8LinearFunction> {
     const int64_t out_features = w.data.size(0);
     const auto g = grads[0].reshape({-1, out_features});
     torch::autograd::variable_list out(5);  // x, weight, how, weight_trains, queue address
+    // g per token along the outputs (for dx), and per output along the tokens (for dW).
+    kernels::Float8Tensor g_rows;
+    kernels::Float8Tensor g_columns;
+    if (ctx->needs_input_grad(0) && ctx->needs_input_grad(1)) {
+      std::tie(g_rows, g_columns) = kernels::float8_quantize_both(g, gradient_format, rowwise);
+    } else if (ctx->needs_input_grad(0)) {
+      g_rows = kernels::float8_quantize(g, gradient_format, rowwise);
+    } else if (ctx->needs_input_grad(1)) {
+      g_columns = kernels::float8_quantize(g, gradient_format, rowwise, /*transpose=*/true);
+    }
     if (ctx->needs_input_grad(0)) {
-      // dx = g W: g per token along the outputs, W per input column along the outputs.
+      // dx = g W: W per input column along the outputs.
       const auto wt = kernels::float8_quantize(w.data, at::kFloat8_e4m3fn, rowwise,
                                                /*transpose=*/true, w.scale);
-      const auto dx = kernels::float8_matmul(kernels::float8_quantize(g, gradient_format, rowwise),
-                                             wt, g.scalar_type());
+      const auto dx = kernels::float8_matmul(g_rows, wt, g.scalar_type());
       auto sizes = grads[0].sizes().vec();
       sizes.back() = w.data.size(1);
       out[0] = dx.view(sizes);
@@ -378,16 +394,15 @@ struct Float8LinearFunction : torch::autograd::Function<Float8LinearFunction> {
     // dW = g^T x: both along the tokens.
     const kernels::Float8Tensor xt{.data = ctx->saved_data["xt_data"].toTensor(),
                                    .scale = ctx->saved_data["xt_scale"].toTensor()};
-    auto gt = kernels::float8_quantize(g, gradient_format, rowwise, /*transpose=*/true);
     const auto dtype = g.scalar_type();
     if (auto* queue = deferring_queue(ctx); queue != nullptr) {
-      queue->push(
-          [gt = std::move(gt), xt, dtype, weight = ctx->saved_data["weight"].toTensor()]() mutable {
-            accumulate(weight, kernels::float8_matmul(gt, xt, dtype));
-          });
+      queue->push([gt = std::move(g_columns), xt, dtype,
+                   weight = ctx->saved_data["weight"].toTensor()]() mutable {
+        accumulate(weight, kernels::float8_matmul(gt, xt, dtype));
+      });
       return out;
     }
-    out[1] = kernels::float8_matmul(gt, xt, dtype);
+    out[1] = kernels::float8_matmul(g_columns, xt, dtype);
     return out;
   }
 };

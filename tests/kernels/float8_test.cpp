@@ -72,6 +72,19 @@ TEST(Kernels_Float8_Cpu, QuantizationEqualsTheDefinitionBitForBit) {
   }
 }
 
+TEST(Kernels_Float8_Cpu, BothFormsInOneCallEqualTheSeparateCalls) {
+  const auto x = awkward(7, 24, at::kBFloat16, 16);
+  for (const bool rowwise : {true, false}) {
+    const auto [rows, columns] = d9d::kernels::float8_quantize_both(x, at::kFloat8_e5m2, rowwise);
+    const auto want_rows = d9d::kernels::float8_quantize(x, at::kFloat8_e5m2, rowwise);
+    const auto want_columns = d9d::kernels::float8_quantize(x, at::kFloat8_e5m2, rowwise, true);
+    EXPECT_TRUE(at::equal(rows.data.view(at::kByte), want_rows.data.view(at::kByte)));
+    EXPECT_TRUE(at::equal(rows.scale, want_rows.scale));
+    EXPECT_TRUE(at::equal(columns.data.view(at::kByte), want_columns.data.view(at::kByte)));
+    EXPECT_TRUE(at::equal(columns.scale, want_columns.scale));
+  }
+}
+
 TEST(Kernels_Float8_Cpu, ScalesArePowersOfTwoThatFitTheLargestValue) {
   const auto x = awkward(6, 33, at::kFloat, 12);
   const auto q = d9d::kernels::float8_quantize(x, at::kFloat8_e4m3fn, true);

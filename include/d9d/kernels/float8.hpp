@@ -22,7 +22,14 @@
 // kernels/float8.cu):
 //   float8_quantize(Tensor x, Tensor? x_scale, ScalarType dtype, bool rowwise, bool transpose)
 //       -> (Tensor, Tensor)
+//   float8_quantize_both(Tensor x, ScalarType dtype, bool rowwise) -> (Tensor, Tensor, Tensor,
+//   Tensor)
+// The second is the first without and with transpose in one call (what a GEMM's input and the
+// weight gradient's take): on CUDA one pass quantises the rows and takes the columns' maxima, a
+// second writes the quantised columns.
 #pragma once
+
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -48,6 +55,12 @@ struct Float8Tensor {
                                            bool transpose = false,
                                            const at::Tensor& x_scale = at::Tensor());
 
+/// float8_quantize(x, format, rowwise) and float8_quantize(x, format, rowwise, true) — the rows and
+/// the columns (x^T) — from one call, bit for bit the same. x as float8_quantize's, not float8.
+[[nodiscard]] std::pair<Float8Tensor, Float8Tensor> float8_quantize_both(const at::Tensor& x,
+                                                                         at::ScalarType format,
+                                                                         bool rowwise);
+
 /// The dequantised value data * scale in `dtype` (float32 unless said).
 [[nodiscard]] at::Tensor float8_dequantize(const Float8Tensor& t,
                                            at::ScalarType dtype = at::kFloat);
@@ -55,10 +68,10 @@ struct Float8Tensor {
 /// a b^T for a [M, K] and b [N, K] (both quantised along K: per row or per tensor, both alike),
 /// as `out_dtype` [M, N]: on CUDA by at::_scaled_mm (float8 tensor cores, float32 accumulation;
 /// `fast_accum`: Hopper's faster accumulation, for forward products), its output bfloat16 (then
-/// cast) for per-row scales and for float64; on the CPU — and on CUDA for sizes at::_scaled_mm does not take (K or N not a
-/// multiple of 16) — by the emulation: both dequantised in float32 (float64 for a float64
-/// `out_dtype`) and multiplied there, which equals the exact product of the quantised values up to
-/// the summation's rounding.
+/// cast) for per-row scales and for float64; on the CPU — and on CUDA for sizes at::_scaled_mm does
+/// not take (K or N not a multiple of 16) — by the emulation: both dequantised in float32 (float64
+/// for a float64 `out_dtype`) and multiplied there, which equals the exact product of the quantised
+/// values up to the summation's rounding.
 [[nodiscard]] at::Tensor float8_matmul(const Float8Tensor& a, const Float8Tensor& b,
                                        at::ScalarType out_dtype, bool fast_accum = false);
 
