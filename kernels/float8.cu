@@ -187,9 +187,10 @@ __global__ void cast_kernel(Reader<T> read, std::int64_t rows, std::int64_t cols
   }
 }
 
-constexpr int kFastRows = 32;  // rows per block of fast_rows
-constexpr int kFastThreads = 256;
-constexpr int kFastTile = 64;  // fast_tile's tile: 64 x 64 elements
+constexpr int kFastRows = 32;      // rows per block of fast_rows
+constexpr int kAmaxRows = 256;     // rows per block of fast_column_amax
+constexpr int kFastThreads = 256;  // 32 x 8
+constexpr int kFastTile = 64;      // fast_tile's tile: 64 x 64 elements
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
@@ -201,36 +202,88 @@ struct alignas(N) Bytes {
   std::uint8_t val[N];
 };
 
+// 16-byte vectors of x as floats: x[r, v * kVec + k], times the row's (or the tensor's) scale for a
+// float8 x. x's rows are whole vectors (cols % kVec == 0) and start 16-byte aligned.
+template <typename T>
+struct FastReader {
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  const T* x;
+  const float* scale;  // null unless x is float8
+  bool scale_per_row;
+  std::int64_t cols;
+  __device__ __forceinline__ void operator()(std::int64_t r, std::int64_t v,
+                                             float (&out)[kVec]) const {
+    const auto a = reinterpret_cast<const Vec<T, kVec>*>(x + r * cols)[v];
+    const float factor = scale == nullptr ? 1.0F : scale[scale_per_row ? r : 0];
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      out[k] =
+          scale == nullptr ? static_cast<float>(a.val[k]) : static_cast<float>(a.val[k]) * factor;
+    }
+  }
+};
+
+// The per-thread column maxima of a 32 x 8 block reduced over its 8 rows of threads and added to
+// column_amax (atomicMax on the floats' bits, which order like non-negative floats and put NaN
+// above infinity). Called by every thread of the block.
+template <int kVec>
+__device__ __forceinline__ void add_column_maxima(const float (&m)[kVec], std::int64_t v,
+                                                  std::int64_t vectors, float* partial,
+                                                  unsigned int* __restrict__ column_amax) {
+  const int tx = static_cast<int>(threadIdx.x);
+  const int ty = static_cast<int>(threadIdx.y);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    partial[(ty * 32 + tx) * kVec + k] = m[k];
+  }
+  __syncthreads();
+  if (ty == 0 && v < vectors) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      float best = partial[tx * kVec + k];
+      for (int y = 1; y < 8; ++y) {
+        best = nan_max(best, partial[(y * 32 + tx) * kVec + k]);
+      }
+      atomicMax(column_amax + v * kVec + k, __float_as_uint(best));
+    }
+  }
+  __syncthreads();
+}
+
+// 32 rows of x per block (threads 32 x 8): a warp per row for its largest magnitude, then each
+// thread casting 16-byte column vectors down the block's rows (a warp reads 512 contiguous bytes),
+// taking the columns' maxima on the way when COLUMN_AMAX.
 template <typename T, bool E4M3, bool COLUMN_AMAX>
 __global__ void __launch_bounds__(kFastThreads)
-    fast_rows_kernel(const T* __restrict__ x, std::int64_t rows, std::int64_t cols,
-                     std::uint8_t* __restrict__ q, float* __restrict__ inverse,
-                     unsigned int* __restrict__ column_amax, float format_max) {
-  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-  using V = Vec<T, kVec>;
+    fast_rows_kernel(FastReader<T> read, std::int64_t rows, std::uint8_t* __restrict__ q,
+                     float* __restrict__ inverse, unsigned int* __restrict__ column_amax,
+                     float format_max) {
+  constexpr int kVec = FastReader<T>::kVec;
   using B = Bytes<kVec>;
   __shared__ float row_scale[kFastRows];
-  const int warp = static_cast<int>(threadIdx.x) / 32;
-  const int lane = static_cast<int>(threadIdx.x) % 32;
+  __shared__ float partial[COLUMN_AMAX ? kFastThreads * kVec : 1];
+  const int tx = static_cast<int>(threadIdx.x);
+  const int ty = static_cast<int>(threadIdx.y);
+  const std::int64_t cols = read.cols;
   const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.x) * kFastRows;
   const std::int64_t vectors = cols / kVec;
-  for (int i = warp; i < kFastRows; i += kFastThreads / 32) {
+  float f[kVec];
+  for (int i = ty; i < kFastRows; i += 8) {
     const std::int64_t r = r0 + i;
     float m = 0.0F;
     if (r < rows) {
-      const V* row = reinterpret_cast<const V*>(x + r * cols);
-      for (std::int64_t v = lane; v < vectors; v += 32) {
-        const V a = row[v];
+      for (std::int64_t v = tx; v < vectors; v += 32) {
+        read(r, v, f);
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
-          m = nan_max(m, fabsf(static_cast<float>(a.val[k])));
+          m = nan_max(m, fabsf(f[k]));
         }
       }
     }
     for (int offset = 16; offset > 0; offset /= 2) {
       m = nan_max(m, __shfl_xor_sync(0xFFFFFFFFU, m, offset));
     }
-    if (lane == 0) {
+    if (tx == 0) {
       const float s = group_scale(m, format_max);
       row_scale[i] = s;
       if (r < rows) {
@@ -240,60 +293,93 @@ __global__ void __launch_bounds__(kFastThreads)
   }
   __syncthreads();
   const int block_rows = rows - r0 < kFastRows ? static_cast<int>(rows - r0) : kFastRows;
-  for (std::int64_t v = threadIdx.x; v < vectors; v += kFastThreads) {
-    float column_max[kVec];
+  for (std::int64_t base = 0; base < vectors; base += 32) {
+    const std::int64_t v = base + tx;
+    float m[kVec];
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      column_max[k] = 0.0F;
+      m[k] = 0.0F;
     }
-    for (int i = 0; i < block_rows; ++i) {
-      const V a = reinterpret_cast<const V*>(x + (r0 + i) * cols)[v];
-      const float s = row_scale[i];
-      B out;
+    if (v < vectors) {
+#pragma unroll 4
+      for (int i = ty; i < block_rows; i += 8) {
+        read(r0 + i, v, f);
+        const float s = row_scale[i];
+        B out;
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        const float f = static_cast<float>(a.val[k]);
-        if constexpr (COLUMN_AMAX) {
-          column_max[k] = nan_max(column_max[k], fabsf(f));
+        for (int k = 0; k < kVec; ++k) {
+          if constexpr (COLUMN_AMAX) {
+            m[k] = nan_max(m[k], fabsf(f[k]));
+          }
+          out.val[k] = cast<E4M3>(f[k], s, format_max);
         }
-        out.val[k] = cast<E4M3>(f, s, format_max);
+        reinterpret_cast<B*>(q + (r0 + i) * cols)[v] = out;
       }
-      reinterpret_cast<B*>(q + (r0 + i) * cols)[v] = out;
     }
     if constexpr (COLUMN_AMAX) {
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        atomicMax(column_amax + v * kVec + k, __float_as_uint(column_max[k]));
-      }
+      add_column_maxima<kVec>(m, v, vectors, partial, column_amax);
     }
   }
 }
 
+// The columns' largest magnitudes of 256 rows x 32 column vectors per block (threads 32 x 8).
 template <typename T>
 __global__ void __launch_bounds__(kFastThreads)
-    fast_amax_kernel(const T* __restrict__ x, std::int64_t vectors,
-                     unsigned int* __restrict__ amax) {
-  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-  using V = Vec<T, kVec>;
+    fast_column_amax_kernel(FastReader<T> read, std::int64_t rows,
+                            unsigned int* __restrict__ column_amax) {
+  constexpr int kVec = FastReader<T>::kVec;
+  __shared__ float partial[kFastThreads * kVec];
+  const std::int64_t vectors = read.cols / kVec;
+  const std::int64_t v = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.y) * kAmaxRows;
+  const std::int64_t r1 = r0 + kAmaxRows < rows ? r0 + kAmaxRows : rows;
+  float m[kVec];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    m[k] = 0.0F;
+  }
+  if (v < vectors) {
+    float f[kVec];
+#pragma unroll 4
+    for (std::int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
+      read(r, v, f);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        m[k] = nan_max(m[k], fabsf(f[k]));
+      }
+    }
+  }
+  add_column_maxima<kVec>(m, v, vectors, partial, column_amax);
+}
+
+// The tensor's largest magnitude (grid-stride over its vectors, one atomicMax per block).
+template <typename T>
+__global__ void __launch_bounds__(kFastThreads)
+    fast_amax_kernel(FastReader<T> read, std::int64_t rows, unsigned int* __restrict__ amax) {
+  constexpr int kVec = FastReader<T>::kVec;
   __shared__ float partial[kFastThreads / 32];
+  const std::int64_t per_row = read.cols / kVec;
+  const std::int64_t vectors = rows * per_row;
+  const int thread = static_cast<int>(threadIdx.y * 32 + threadIdx.x);
   float m = 0.0F;
+  float f[kVec];
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kFastThreads;
-  for (std::int64_t v = static_cast<std::int64_t>(blockIdx.x) * kFastThreads + threadIdx.x;
-       v < vectors; v += stride) {
-    const V a = reinterpret_cast<const V*>(x)[v];
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * kFastThreads + thread; i < vectors;
+       i += stride) {
+    read(i / per_row, i % per_row, f);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      m = nan_max(m, fabsf(static_cast<float>(a.val[k])));
+      m = nan_max(m, fabsf(f[k]));
     }
   }
   for (int offset = 16; offset > 0; offset /= 2) {
     m = nan_max(m, __shfl_xor_sync(0xFFFFFFFFU, m, offset));
   }
-  if (threadIdx.x % 32 == 0) {
-    partial[threadIdx.x / 32] = m;
+  if (thread % 32 == 0) {
+    partial[thread / 32] = m;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (thread == 0) {
     for (int w = 1; w < kFastThreads / 32; ++w) {
       m = nan_max(m, partial[w]);
     }
@@ -302,22 +388,24 @@ __global__ void __launch_bounds__(kFastThreads)
 }
 
 // A 64 x 64 tile of x cast into q_rows (x's layout, per-tensor scale only) and/or q_columns (x^T,
-// per-column scales from amax[column] when `rowwise`, else the tensor's from amax[0]).
+// per-column scales from amax[column] when `rowwise`, else the tensor's from amax[0]), through
+// shared memory so that reads of x and writes of x^T (4 bytes a thread) are both coalesced.
 template <typename T, bool E4M3, bool ROWS_OUT, bool COLUMNS_OUT>
 __global__ void __launch_bounds__(kFastThreads)
-    fast_tile_kernel(const T* __restrict__ x, std::int64_t rows, std::int64_t cols, bool rowwise,
+    fast_tile_kernel(FastReader<T> read, std::int64_t rows, bool rowwise,
                      const unsigned int* __restrict__ amax, std::uint8_t* __restrict__ q_rows,
                      std::uint8_t* __restrict__ q_columns, float* __restrict__ inverse_rows,
                      float* __restrict__ inverse_columns, float format_max) {
-  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  constexpr int kVec = FastReader<T>::kVec;
   constexpr int kPerRow = kFastTile / kVec;  // vectors per tile row
-  using V = Vec<T, kVec>;
   using B = Bytes<kVec>;
   __shared__ float tile[kFastTile][kFastTile + 1];
+  const std::int64_t cols = read.cols;
+  const int thread = static_cast<int>(threadIdx.y * 32 + threadIdx.x);
   const std::int64_t c0 = static_cast<std::int64_t>(blockIdx.x) * kFastTile;
   const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.y) * kFastTile;
   const float whole = rowwise ? 0.0F : group_scale(__uint_as_float(amax[0]), format_max);
-  if (!rowwise && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+  if (!rowwise && blockIdx.x == 0 && blockIdx.y == 0 && thread == 0) {
     if (ROWS_OUT) {
       inverse_rows[0] = 1.0F / whole;
     }
@@ -325,20 +413,20 @@ __global__ void __launch_bounds__(kFastThreads)
       inverse_columns[0] = 1.0F / whole;
     }
   }
-  for (int idx = static_cast<int>(threadIdx.x); idx < kFastTile * kPerRow; idx += kFastThreads) {
+  float f[kVec];
+  for (int idx = thread; idx < kFastTile * kPerRow; idx += kFastThreads) {
     const int i = idx / kPerRow;
     const int j = idx % kPerRow;
     const std::int64_t r = r0 + i;
     const std::int64_t c = c0 + static_cast<std::int64_t>(j) * kVec;
     if (r < rows && c < cols) {  // cols is a multiple of kVec: the whole vector is inside
-      const V a = *reinterpret_cast<const V*>(x + r * cols + c);
+      read(r, c / kVec, f);
       B out;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        const float f = static_cast<float>(a.val[k]);
-        tile[i][j * kVec + k] = f;
+        tile[i][j * kVec + k] = f[k];
         if constexpr (ROWS_OUT) {
-          out.val[k] = cast<E4M3>(f, whole, format_max);
+          out.val[k] = cast<E4M3>(f[k], whole, format_max);
         }
       }
       if constexpr (ROWS_OUT) {
@@ -353,9 +441,7 @@ __global__ void __launch_bounds__(kFastThreads)
   }
   if constexpr (COLUMNS_OUT) {
     __syncthreads();
-    // x^T: the tile's 64 columns as output rows of 64 bytes (the tile's rows), 4 bytes a thread.
-    for (int idx = static_cast<int>(threadIdx.x); idx < kFastTile * (kFastTile / 4);
-         idx += kFastThreads) {
+    for (int idx = thread; idx < kFastTile * (kFastTile / 4); idx += kFastThreads) {
       const int column = idx / (kFastTile / 4);
       const int word = idx % (kFastTile / 4);
       const std::int64_t out_row = c0 + column;
@@ -387,11 +473,12 @@ __global__ void __launch_bounds__(kFastThreads)
   }
 }
 
-// Whether x takes the fast kernels: float32, bfloat16 or float16, rows of whole 16-byte vectors
-// starting 16-byte aligned.
+// Whether x takes the fast kernels: float32, bfloat16, float16 or float8, rows of whole 16-byte
+// vectors, 16-byte aligned.
 bool fast_input(const at::Tensor& x) {
   const auto type = x.scalar_type();
-  if (type != at::kFloat && type != at::kBFloat16 && type != at::kHalf) {
+  if (type != at::kFloat && type != at::kBFloat16 && type != at::kHalf &&
+      type != at::kFloat8_e4m3fn && type != at::kFloat8_e5m2) {
     return false;
   }
   const auto vec = 16 / static_cast<std::int64_t>(x.element_size());
@@ -405,8 +492,12 @@ void dispatch_fast(at::ScalarType type, F&& f) {
       return f(float());
     case at::kBFloat16:
       return f(c10::BFloat16());
-    default:
+    case at::kHalf:
       return f(c10::Half());
+    case at::kFloat8_e4m3fn:
+      return f(c10::Float8_e4m3fn());
+    default:
+      return f(c10::Float8_e5m2());
   }
 }
 
@@ -419,6 +510,8 @@ void dispatch_format(bool e4m3, F&& f) {
   }
 }
 
+const dim3 kFastBlock(32, 8);
+
 dim3 tile_grid(std::int64_t rows, std::int64_t cols) {
   TORCH_CHECK((rows + kFastTile - 1) / kFastTile <= 65535, "d9d::float8_quantize: ", rows,
               " rows are more than the CUDA kernels take");
@@ -426,19 +519,95 @@ dim3 tile_grid(std::int64_t rows, std::int64_t cols) {
           static_cast<unsigned int>((rows + kFastTile - 1) / kFastTile)};
 }
 
-// The largest magnitude of x (fast input) into a new [1] int tensor of float bits.
+unsigned int* bits_of(at::Tensor& amax) {
+  return reinterpret_cast<unsigned int*>(amax.mutable_data_ptr<int>());
+}
+
+// The largest magnitude of the tensor, or of each column (`per_column`), as float bits.
 template <typename T>
-at::Tensor tensor_amax(const at::Tensor& x, cudaStream_t stream) {
-  auto amax = at::zeros({1}, x.options().dtype(at::kInt));
-  const std::int64_t vectors = x.numel() / (16 / static_cast<std::int64_t>(sizeof(T)));
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const auto blocks = static_cast<unsigned int>(
-      std::min<std::int64_t>((vectors + kFastThreads - 1) / kFastThreads, 4LL * sms));
-  fast_amax_kernel<T><<<std::max(blocks, 1U), kFastThreads, 0, stream>>>(
-      static_cast<const T*>(x.const_data_ptr()), vectors,
-      reinterpret_cast<unsigned int*>(amax.mutable_data_ptr<int>()));
+at::Tensor fast_amax(const FastReader<T>& read, std::int64_t rows, bool per_column,
+                     const at::TensorOptions& options, cudaStream_t stream) {
+  constexpr int kVec = FastReader<T>::kVec;
+  auto amax = at::zeros({per_column ? read.cols : 1}, options.dtype(at::kInt));
+  const std::int64_t vectors = read.cols / kVec;
+  if (per_column) {
+    const dim3 grid(static_cast<unsigned int>((vectors + 31) / 32),
+                    static_cast<unsigned int>((rows + kAmaxRows - 1) / kAmaxRows));
+    TORCH_CHECK(grid.y <= 65535, "d9d::float8_quantize: too many rows for the CUDA kernels");
+    fast_column_amax_kernel<T><<<grid, kFastBlock, 0, stream>>>(read, rows, bits_of(amax));
+  } else {
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const auto blocks = static_cast<unsigned int>(std::max<std::int64_t>(
+        1, std::min<std::int64_t>((rows * vectors + kFastThreads - 1) / kFastThreads, 4LL * sms)));
+    fast_amax_kernel<T><<<blocks, kFastBlock, 0, stream>>>(read, rows, bits_of(amax));
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return amax;
+}
+
+// The quantisations on the fast kernels: `rows_out` (x's layout) and/or `columns_out` (x^T), each
+// with its scale tensor; x contiguous and fast_input; `x_scale` for a float8 x.
+void quantize_fast(const at::Tensor& x, const at::Tensor& x_scale, bool e4m3, bool rowwise,
+                   at::Tensor* rows_out, at::Tensor* rows_scale, at::Tensor* columns_out,
+                   at::Tensor* columns_scale, float format_max) {
+  const std::int64_t rows = x.size(0);
+  const std::int64_t cols = x.size(1);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto bytes = [](at::Tensor* t) {
+    return t == nullptr ? nullptr : static_cast<std::uint8_t*>(t->mutable_data_ptr());
+  };
+  const auto floats = [](at::Tensor* t) {
+    return t == nullptr ? nullptr : t->mutable_data_ptr<float>();
+  };
+  dispatch_fast(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const FastReader<T> read{static_cast<const T*>(x.const_data_ptr()),
+                             x_scale.defined() ? x_scale.const_data_ptr<float>() : nullptr,
+                             x_scale.defined() && x_scale.dim() == 2, cols};
+    dispatch_format(e4m3, [&](auto format_tag) {
+      constexpr bool kE4M3 = decltype(format_tag)::value;
+      const auto row_blocks = static_cast<unsigned int>((rows + kFastRows - 1) / kFastRows);
+      if (rowwise) {
+        at::Tensor amax;
+        constexpr bool kWide = FastReader<T>::kVec > 8;  // float8 input: never both forms
+        TORCH_CHECK(!kWide || rows_out == nullptr || columns_out == nullptr,
+                    "d9d::float8_quantize_both: x is not float8");
+        if (!kWide && rows_out != nullptr && columns_out != nullptr) {
+          amax = at::zeros({cols}, x.options().dtype(at::kInt));
+          fast_rows_kernel<T, kE4M3, !kWide><<<row_blocks, kFastBlock, 0, stream>>>(
+              read, rows, bytes(rows_out), floats(rows_scale), bits_of(amax), format_max);
+        } else if (rows_out != nullptr) {
+          fast_rows_kernel<T, kE4M3, false><<<row_blocks, kFastBlock, 0, stream>>>(
+              read, rows, bytes(rows_out), floats(rows_scale), nullptr, format_max);
+        } else {
+          amax = fast_amax(read, rows, /*per_column=*/true, x.options(), stream);
+        }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        if (columns_out != nullptr) {
+          fast_tile_kernel<T, kE4M3, false, true><<<tile_grid(rows, cols), kFastBlock, 0, stream>>>(
+              read, rows, true, bits_of(amax), nullptr, bytes(columns_out), nullptr,
+              floats(columns_scale), format_max);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+        return;
+      }
+      auto amax = fast_amax(read, rows, /*per_column=*/false, x.options(), stream);
+      if (rows_out != nullptr && columns_out != nullptr) {
+        fast_tile_kernel<T, kE4M3, true, true><<<tile_grid(rows, cols), kFastBlock, 0, stream>>>(
+            read, rows, false, bits_of(amax), bytes(rows_out), bytes(columns_out),
+            floats(rows_scale), floats(columns_scale), format_max);
+      } else if (rows_out != nullptr) {
+        fast_tile_kernel<T, kE4M3, true, false><<<tile_grid(rows, cols), kFastBlock, 0, stream>>>(
+            read, rows, false, bits_of(amax), bytes(rows_out), nullptr, floats(rows_scale), nullptr,
+            format_max);
+      } else {
+        fast_tile_kernel<T, kE4M3, false, true><<<tile_grid(rows, cols), kFastBlock, 0, stream>>>(
+            read, rows, false, bits_of(amax), nullptr, bytes(columns_out), nullptr,
+            floats(columns_scale), format_max);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
 }
 
 template <typename F>
@@ -461,49 +630,48 @@ void dispatch_input(at::ScalarType type, F&& f) {
   }
 }
 
-// The fast paths of float8_quantize (x contiguous, fast_input).
-void quantize_fast(const at::Tensor& x, bool e4m3, bool rowwise, bool transpose, at::Tensor& q,
-                   at::Tensor& inverse, float format_max) {
+// The general kernels, for any input (float64, unaligned or odd rows).
+void quantize_general(const at::Tensor& x, const at::Tensor& x_scale, bool e4m3, bool rowwise,
+                      bool transpose, at::Tensor& q, at::Tensor& inverse, float format_max) {
   const std::int64_t rows = x.size(0);
   const std::int64_t cols = x.size(1);
+  TORCH_CHECK((rowwise && !transpose) || (rows + kTile - 1) / kTile <= 65535,
+              "d9d::float8_quantize: x ", x.sizes(), " has more rows than the CUDA kernels take");
   const auto stream = at::cuda::getCurrentCUDAStream();
   auto* out = static_cast<std::uint8_t*>(q.mutable_data_ptr());
   float* inv = inverse.mutable_data_ptr<float>();
-  dispatch_fast(x.scalar_type(), [&](auto tag) {
+  const float* scale = x_scale.defined() ? x_scale.const_data_ptr<float>() : nullptr;
+  const bool scale_per_row = x_scale.defined() && x_scale.dim() == 2;
+  const std::int64_t groups = rowwise ? (transpose ? cols : rows) : 1;
+  dispatch_input(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    const T* in = static_cast<const T*>(x.const_data_ptr());
-    dispatch_format(e4m3, [&](auto format_tag) {
-      constexpr bool kE4M3 = decltype(format_tag)::value;
+    const Reader<T> read{static_cast<const T*>(x.const_data_ptr()), scale, scale_per_row, cols};
+    dispatch_format(e4m3, [&](auto e4m3_tag) {
+      constexpr bool kE4M3 = decltype(e4m3_tag)::value;
       if (rowwise && !transpose) {
-        const auto blocks = static_cast<unsigned int>((rows + kFastRows - 1) / kFastRows);
-        fast_rows_kernel<T, kE4M3, false>
-            <<<blocks, kFastThreads, 0, stream>>>(in, rows, cols, out, inv, nullptr, format_max);
+        quantize_rows_kernel<T, kE4M3><<<static_cast<unsigned int>(rows), kRowThreads, 0, stream>>>(
+            read, out, inv, cols, format_max);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         return;
       }
-      at::Tensor amax;
-      if (rowwise) {  // per column of x: the general amax kernel, then the tile
-        amax = at::zeros({cols}, x.options().dtype(at::kInt));
-        const Reader<T> read{in, nullptr, false, cols};
-        const dim3 grid(static_cast<unsigned int>((cols + kTile - 1) / kTile),
-                        static_cast<unsigned int>((rows + kAmaxSlab - 1) / kAmaxSlab));
-        amax_kernel<T><<<grid, dim3(kTile, kTileRows), 0, stream>>>(
-            read, rows, cols, true, reinterpret_cast<unsigned int*>(amax.mutable_data_ptr<int>()));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      } else {
-        amax = tensor_amax<T>(x, stream);
-      }
-      const auto* bits = reinterpret_cast<const unsigned int*>(amax.const_data_ptr<int>());
-      if (transpose) {
-        fast_tile_kernel<T, kE4M3, false, true><<<tile_grid(rows, cols), kFastThreads, 0, stream>>>(
-            in, rows, cols, rowwise, bits, nullptr, out, nullptr, inv, format_max);
-      } else {
-        fast_tile_kernel<T, kE4M3, true, false><<<tile_grid(rows, cols), kFastThreads, 0, stream>>>(
-            in, rows, cols, rowwise, bits, out, nullptr, inv, nullptr, format_max);
-      }
+      auto amax = at::zeros({groups}, x.options().dtype(at::kInt));
+      const dim3 threads(kTile, kTileRows);
+      const dim3 amax_grid(static_cast<unsigned int>((cols + kTile - 1) / kTile),
+                           static_cast<unsigned int>((rows + kAmaxSlab - 1) / kAmaxSlab));
+      amax_kernel<T><<<amax_grid, threads, 0, stream>>>(read, rows, cols, rowwise, bits_of(amax));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const dim3 cast_grid(static_cast<unsigned int>((cols + kTile - 1) / kTile),
+                           static_cast<unsigned int>((rows + kTile - 1) / kTile));
+      cast_kernel<T, kE4M3><<<cast_grid, threads, 0, stream>>>(read, rows, cols, transpose, rowwise,
+                                                               bits_of(amax), out, inv, format_max);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
+}
+
+at::Tensor new_scale(const at::Tensor& x, bool rowwise, std::int64_t groups) {
+  const auto options = x.options().dtype(at::kFloat);
+  return rowwise ? at::empty({groups, 1}, options) : at::empty({}, options);
 }
 
 std::tuple<at::Tensor, at::Tensor> float8_quantize_cuda(
@@ -518,53 +686,22 @@ std::tuple<at::Tensor, at::Tensor> float8_quantize_cuda(
   const std::int64_t cols = x.size(1);
   const float format_max = float8_max(format);
   const bool e4m3 = format == at::kFloat8_e4m3fn;
-  const std::int64_t groups = rowwise ? (transpose ? cols : rows) : 1;
-  auto inverse = rowwise ? at::empty({groups, 1}, x.options().dtype(at::kFloat))
-                         : at::empty({}, x.options().dtype(at::kFloat));
+  auto inverse = new_scale(x, rowwise, transpose ? cols : rows);
   auto q = transpose ? at::empty({cols, rows}, x.options().dtype(format))
                      : at::empty({rows, cols}, x.options().dtype(format));
   if (rows == 0 || cols == 0) {
-    if (groups > 0) {
+    if (inverse.numel() > 0) {
       inverse.fill_(1.0);
     }
     return {q, inverse};
   }
-  if (!x_scale.defined() && fast_input(x)) {
-    quantize_fast(x, e4m3, rowwise, transpose, q, inverse, format_max);
-    return {q, inverse};
+  if (fast_input(x)) {
+    quantize_fast(x, x_scale, e4m3, rowwise, transpose ? nullptr : &q,
+                  transpose ? nullptr : &inverse, transpose ? &q : nullptr,
+                  transpose ? &inverse : nullptr, format_max);
+  } else {
+    quantize_general(x, x_scale, e4m3, rowwise, transpose, q, inverse, format_max);
   }
-  TORCH_CHECK((rowwise && !transpose) || (rows + kTile - 1) / kTile <= 65535,
-              "d9d::float8_quantize: x ", x.sizes(), " has more rows than the CUDA kernels take");
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  auto* out = static_cast<std::uint8_t*>(q.mutable_data_ptr());
-  float* inv = inverse.mutable_data_ptr<float>();
-  const float* scale = x_scale.defined() ? x_scale.const_data_ptr<float>() : nullptr;
-  const bool scale_per_row = x_scale.defined() && x_scale.dim() == 2;
-  dispatch_input(x.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    const Reader<T> read{static_cast<const T*>(x.const_data_ptr()), scale, scale_per_row, cols};
-    dispatch_format(e4m3, [&](auto e4m3_tag) {
-      constexpr bool kE4M3 = decltype(e4m3_tag)::value;
-      if (rowwise && !transpose) {
-        quantize_rows_kernel<T, kE4M3><<<static_cast<unsigned int>(rows), kRowThreads, 0, stream>>>(
-            read, out, inv, cols, format_max);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        return;
-      }
-      auto amax = at::zeros({groups}, x.options().dtype(at::kInt));
-      auto* bits = reinterpret_cast<unsigned int*>(amax.mutable_data_ptr<int>());
-      const dim3 threads(kTile, kTileRows);
-      const dim3 amax_grid(static_cast<unsigned int>((cols + kTile - 1) / kTile),
-                           static_cast<unsigned int>((rows + kAmaxSlab - 1) / kAmaxSlab));
-      amax_kernel<T><<<amax_grid, threads, 0, stream>>>(read, rows, cols, rowwise, bits);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      const dim3 cast_grid(static_cast<unsigned int>((cols + kTile - 1) / kTile),
-                           static_cast<unsigned int>((rows + kTile - 1) / kTile));
-      cast_kernel<T, kE4M3><<<cast_grid, threads, 0, stream>>>(read, rows, cols, transpose, rowwise,
-                                                               bits, out, inv, format_max);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
   return {q, inverse};
 }
 
@@ -582,43 +719,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> float8_quantize_both_
     auto [q_columns, s_columns] = float8_quantize_cuda(x, std::nullopt, format, rowwise, true);
     return {q_rows, s_rows, q_columns, s_columns};
   }
-  const float format_max = float8_max(format);
-  const auto scale_options = x.options().dtype(at::kFloat);
   auto q_rows = at::empty({rows, cols}, x.options().dtype(format));
   auto q_columns = at::empty({cols, rows}, x.options().dtype(format));
-  auto s_rows = rowwise ? at::empty({rows, 1}, scale_options) : at::empty({}, scale_options);
-  auto s_columns = rowwise ? at::empty({cols, 1}, scale_options) : at::empty({}, scale_options);
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_fast(x.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    const T* in = static_cast<const T*>(x.const_data_ptr());
-    dispatch_format(format == at::kFloat8_e4m3fn, [&](auto format_tag) {
-      constexpr bool kE4M3 = decltype(format_tag)::value;
-      at::Tensor amax;
-      if (rowwise) {
-        amax = at::zeros({cols}, x.options().dtype(at::kInt));
-        const auto blocks = static_cast<unsigned int>((rows + kFastRows - 1) / kFastRows);
-        fast_rows_kernel<T, kE4M3, true><<<blocks, kFastThreads, 0, stream>>>(
-            in, rows, cols, static_cast<std::uint8_t*>(q_rows.mutable_data_ptr()),
-            s_rows.mutable_data_ptr<float>(),
-            reinterpret_cast<unsigned int*>(amax.mutable_data_ptr<int>()), format_max);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        fast_tile_kernel<T, kE4M3, false, true><<<tile_grid(rows, cols), kFastThreads, 0, stream>>>(
-            in, rows, cols, true, reinterpret_cast<const unsigned int*>(amax.const_data_ptr<int>()),
-            nullptr, static_cast<std::uint8_t*>(q_columns.mutable_data_ptr()), nullptr,
-            s_columns.mutable_data_ptr<float>(), format_max);
-      } else {
-        amax = tensor_amax<T>(x, stream);
-        fast_tile_kernel<T, kE4M3, true, true><<<tile_grid(rows, cols), kFastThreads, 0, stream>>>(
-            in, rows, cols, false,
-            reinterpret_cast<const unsigned int*>(amax.const_data_ptr<int>()),
-            static_cast<std::uint8_t*>(q_rows.mutable_data_ptr()),
-            static_cast<std::uint8_t*>(q_columns.mutable_data_ptr()),
-            s_rows.mutable_data_ptr<float>(), s_columns.mutable_data_ptr<float>(), format_max);
-      }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
+  auto s_rows = new_scale(x, rowwise, rows);
+  auto s_columns = new_scale(x, rowwise, cols);
+  quantize_fast(x, at::Tensor(), format == at::kFloat8_e4m3fn, rowwise, &q_rows, &s_rows,
+                &q_columns, &s_columns, float8_max(format));
   return {q_rows, s_rows, q_columns, s_columns};
 }
 
