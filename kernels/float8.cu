@@ -2,12 +2,12 @@
 // d9d/kernels/float8.hpp; these reproduce the CPU reference bit for bit: the same float32
 // products by power-of-two scales, IEEE division for the scale, round-to-nearest-even casts).
 //
-// Fast paths (float32, bfloat16 and float16 x with 16-byte aligned rows), 16-byte loads:
-//   - fast_rows: 32 rows per block, a warp per row for its largest magnitude, then every thread
-//     casting column vectors down the block's rows (8-byte stores for 2-byte inputs), optionally
-//     taking the columns' largest magnitudes on the way (atomicMax per block and column, on the
-//     float's bits, which order like the non-negative floats and put NaN above infinity): the
-//     rows of float8_quantize_both and the columns' maxima in one pass over x;
+// Fast paths (float32, bfloat16, float16 and float8 x with rows of whole 16-byte vectors, aligned),
+// blocks of 32 x 8 threads, 16-byte loads:
+//   - fast_rows: a warp per row: its largest magnitude, then the row cast;
+//   - fast_column_amax: the columns' largest magnitudes, 32 rows x 32 vectors a block, atomicMax
+//     per block and column on the float's bits (which order like the non-negative floats and put
+//     NaN above infinity);
 //   - fast_amax: the largest magnitude of the tensor (grid-stride, one atomicMax per block);
 //   - fast_tile: a 64 x 64 tile of x through shared memory, cast by its scales into x (per tensor)
 //     and/or x^T (4-byte stores), coalesced both ways.
@@ -187,8 +187,7 @@ __global__ void cast_kernel(Reader<T> read, std::int64_t rows, std::int64_t cols
   }
 }
 
-constexpr int kFastRows = 32;      // rows per block of fast_rows
-constexpr int kAmaxRows = 256;     // rows per block of fast_column_amax
+constexpr int kAmaxRows = 32;      // rows per block of fast_column_amax
 constexpr int kFastThreads = 256;  // 32 x 8
 constexpr int kFastTile = 64;      // fast_tile's tile: 64 x 64 elements
 
@@ -223,114 +222,63 @@ struct FastReader {
   }
 };
 
-// The per-thread column maxima of a 32 x 8 block reduced over its 8 rows of threads and added to
-// column_amax (atomicMax on the floats' bits, which order like non-negative floats and put NaN
-// above infinity). Called by every thread of the block.
-template <int kVec>
-__device__ __forceinline__ void add_column_maxima(const float (&m)[kVec], std::int64_t v,
-                                                  std::int64_t vectors, float* partial,
-                                                  unsigned int* __restrict__ column_amax) {
-  const int tx = static_cast<int>(threadIdx.x);
-  const int ty = static_cast<int>(threadIdx.y);
-#pragma unroll
-  for (int k = 0; k < kVec; ++k) {
-    partial[(ty * 32 + tx) * kVec + k] = m[k];
-  }
-  __syncthreads();
-  if (ty == 0 && v < vectors) {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      float best = partial[tx * kVec + k];
-      for (int y = 1; y < 8; ++y) {
-        best = nan_max(best, partial[(y * 32 + tx) * kVec + k]);
-      }
-      atomicMax(column_amax + v * kVec + k, __float_as_uint(best));
-    }
-  }
-  __syncthreads();
-}
-
-// 32 rows of x per block (threads 32 x 8): a warp per row for its largest magnitude, then each
-// thread casting 16-byte column vectors down the block's rows (a warp reads 512 contiguous bytes),
-// taking the columns' maxima on the way when COLUMN_AMAX.
-template <typename T, bool E4M3, bool COLUMN_AMAX>
+// A warp per row of x (8 rows per block of 32 x 8 threads): the row's largest magnitude from
+// 16-byte vectors, then the row cast by its scale (the second read mostly from cache), 8-byte
+// stores for 2-byte inputs.
+template <typename T, bool E4M3>
 __global__ void __launch_bounds__(kFastThreads)
     fast_rows_kernel(FastReader<T> read, std::int64_t rows, std::uint8_t* __restrict__ q,
-                     float* __restrict__ inverse, unsigned int* __restrict__ column_amax,
-                     float format_max) {
+                     float* __restrict__ inverse, float format_max) {
   constexpr int kVec = FastReader<T>::kVec;
   using B = Bytes<kVec>;
-  __shared__ float row_scale[kFastRows];
-  __shared__ float partial[COLUMN_AMAX ? kFastThreads * kVec : 1];
-  const int tx = static_cast<int>(threadIdx.x);
-  const int ty = static_cast<int>(threadIdx.y);
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * 8 + threadIdx.y;
+  if (r >= rows) {
+    return;  // a whole warp: no shuffle below is left short
+  }
+  const int lane = static_cast<int>(threadIdx.x);
   const std::int64_t cols = read.cols;
-  const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.x) * kFastRows;
   const std::int64_t vectors = cols / kVec;
   float f[kVec];
-  for (int i = ty; i < kFastRows; i += 8) {
-    const std::int64_t r = r0 + i;
-    float m = 0.0F;
-    if (r < rows) {
-      for (std::int64_t v = tx; v < vectors; v += 32) {
-        read(r, v, f);
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          m = nan_max(m, fabsf(f[k]));
-        }
-      }
-    }
-    for (int offset = 16; offset > 0; offset /= 2) {
-      m = nan_max(m, __shfl_xor_sync(0xFFFFFFFFU, m, offset));
-    }
-    if (tx == 0) {
-      const float s = group_scale(m, format_max);
-      row_scale[i] = s;
-      if (r < rows) {
-        inverse[r] = 1.0F / s;
-      }
-    }
-  }
-  __syncthreads();
-  const int block_rows = rows - r0 < kFastRows ? static_cast<int>(rows - r0) : kFastRows;
-  for (std::int64_t base = 0; base < vectors; base += 32) {
-    const std::int64_t v = base + tx;
-    float m[kVec];
+  float m = 0.0F;
+  for (std::int64_t v = lane; v < vectors; v += 32) {
+    read(r, v, f);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      m[k] = 0.0F;
+      m = nan_max(m, fabsf(f[k]));
     }
-    if (v < vectors) {
-#pragma unroll 4
-      for (int i = ty; i < block_rows; i += 8) {
-        read(r0 + i, v, f);
-        const float s = row_scale[i];
-        B out;
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    m = nan_max(m, __shfl_xor_sync(0xFFFFFFFFU, m, offset));
+  }
+  const float s = group_scale(m, format_max);
+  if (lane == 0) {
+    inverse[r] = 1.0F / s;
+  }
+  for (std::int64_t v = lane; v < vectors; v += 32) {
+    read(r, v, f);
+    B out;
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          if constexpr (COLUMN_AMAX) {
-            m[k] = nan_max(m[k], fabsf(f[k]));
-          }
-          out.val[k] = cast<E4M3>(f[k], s, format_max);
-        }
-        reinterpret_cast<B*>(q + (r0 + i) * cols)[v] = out;
-      }
+    for (int k = 0; k < kVec; ++k) {
+      out.val[k] = cast<E4M3>(f[k], s, format_max);
     }
-    if constexpr (COLUMN_AMAX) {
-      add_column_maxima<kVec>(m, v, vectors, partial, column_amax);
-    }
+    reinterpret_cast<B*>(q + r * cols)[v] = out;
   }
 }
 
-// The columns' largest magnitudes of 256 rows x 32 column vectors per block (threads 32 x 8).
+// The columns' largest magnitudes of 32 rows x 32 column vectors per block (threads 32 x 8, four
+// rows each), reduced over the block's rows in shared memory ([k][y][x]: no bank conflicts) and
+// added to column_amax (atomicMax on the floats' bits, which order like non-negative floats and
+// put NaN above infinity).
 template <typename T>
 __global__ void __launch_bounds__(kFastThreads)
     fast_column_amax_kernel(FastReader<T> read, std::int64_t rows,
                             unsigned int* __restrict__ column_amax) {
   constexpr int kVec = FastReader<T>::kVec;
-  __shared__ float partial[kFastThreads * kVec];
+  __shared__ float partial[kVec][8][32];
+  const int tx = static_cast<int>(threadIdx.x);
+  const int ty = static_cast<int>(threadIdx.y);
   const std::int64_t vectors = read.cols / kVec;
-  const std::int64_t v = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  const std::int64_t v = static_cast<std::int64_t>(blockIdx.x) * 32 + tx;
   const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.y) * kAmaxRows;
   const std::int64_t r1 = r0 + kAmaxRows < rows ? r0 + kAmaxRows : rows;
   float m[kVec];
@@ -340,16 +288,34 @@ __global__ void __launch_bounds__(kFastThreads)
   }
   if (v < vectors) {
     float f[kVec];
-#pragma unroll 4
-    for (std::int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
-      read(r, v, f);
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        m[k] = nan_max(m[k], fabsf(f[k]));
+    for (int i = 0; i < kAmaxRows / 8; ++i) {
+      const std::int64_t r = r0 + ty + 8 * i;
+      if (r < r1) {
+        read(r, v, f);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          m[k] = nan_max(m[k], fabsf(f[k]));
+        }
       }
     }
   }
-  add_column_maxima<kVec>(m, v, vectors, partial, column_amax);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    partial[k][ty][tx] = m[k];
+  }
+  __syncthreads();
+  if (v >= vectors) {
+    return;
+  }
+  for (int k = ty; k < kVec; k += 8) {
+    float best = partial[k][0][tx];
+#pragma unroll
+    for (int y = 1; y < 8; ++y) {
+      best = nan_max(best, partial[k][y][tx]);
+    }
+    atomicMax(column_amax + v * kVec + k, __float_as_uint(best));
+  }
 }
 
 // The tensor's largest magnitude (grid-stride over its vectors, one atomicMax per block).
@@ -566,23 +532,17 @@ void quantize_fast(const at::Tensor& x, const at::Tensor& x_scale, bool e4m3, bo
                              x_scale.defined() && x_scale.dim() == 2, cols};
     dispatch_format(e4m3, [&](auto format_tag) {
       constexpr bool kE4M3 = decltype(format_tag)::value;
-      const auto row_blocks = static_cast<unsigned int>((rows + kFastRows - 1) / kFastRows);
+      const auto row_blocks = static_cast<unsigned int>((rows + 7) / 8);
       if (rowwise) {
+        if (rows_out != nullptr) {
+          fast_rows_kernel<T, kE4M3><<<row_blocks, kFastBlock, 0, stream>>>(
+              read, rows, bytes(rows_out), floats(rows_scale), format_max);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
         at::Tensor amax;
-        constexpr bool kWide = FastReader<T>::kVec > 8;  // float8 input: never both forms
-        TORCH_CHECK(!kWide || rows_out == nullptr || columns_out == nullptr,
-                    "d9d::float8_quantize_both: x is not float8");
-        if (!kWide && rows_out != nullptr && columns_out != nullptr) {
-          amax = at::zeros({cols}, x.options().dtype(at::kInt));
-          fast_rows_kernel<T, kE4M3, !kWide><<<row_blocks, kFastBlock, 0, stream>>>(
-              read, rows, bytes(rows_out), floats(rows_scale), bits_of(amax), format_max);
-        } else if (rows_out != nullptr) {
-          fast_rows_kernel<T, kE4M3, false><<<row_blocks, kFastBlock, 0, stream>>>(
-              read, rows, bytes(rows_out), floats(rows_scale), nullptr, format_max);
-        } else {
+        if (columns_out != nullptr) {
           amax = fast_amax(read, rows, /*per_column=*/true, x.options(), stream);
         }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
         if (columns_out != nullptr) {
           fast_tile_kernel<T, kE4M3, false, true><<<tile_grid(rows, cols), kFastBlock, 0, stream>>>(
               read, rows, true, bits_of(amax), nullptr, bytes(columns_out), nullptr,
