@@ -7,14 +7,21 @@
 // changes), so the runs agree to float64's rounding — as long as every rank quantises the same
 // tensors as the one process: the microbatches are single samples here, because a per-tensor or
 // per-column (over the tokens) scale spans a microbatch. A plain Fp64 run differs by float8's
-// error, so the comparisons see whether float8 ran at all.
+// error, so the comparisons see whether float8 ran at all. And in one process: which layers Float8
+// marks, and the model it refuses.
+#include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/nn/modules/linear.h>
 
 #include "tests/core/core_test_util.hpp"
 #include "tests/parallel/parallel_test_util.hpp"
+#include "tests/support/error_of.hpp"
 
 namespace {
 
@@ -52,6 +59,40 @@ void expect_float8_ran(const RunOutcome& float8, const RunOutcome& plain) {
                               std::abs(plain.result.losses[i]));
   }
   EXPECT_GT(most, 1e-5) << "the float8 run's losses equal plain float64's";
+}
+
+// The projections of attention and MLP run in float8, nothing else; a model without them is
+// refused (Float8 would change nothing).
+TEST(Parallel_Float8, MarksTheProjectionsAndRefusesAModelWithoutThem) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{});
+  d9d::model::Qwen3ForCausalLM model(
+      d9d::model::Qwen3Config::from_json_text(d9d::testing::tiny_qwen3_json(false, 2)));
+  const auto parallel = d9d::parallel::parallelize<d9d::Plan<Rowwise>>(mesh, {model.ptr()});
+  std::vector<std::string> float8;
+  for (const auto& item : model->named_modules()) {
+    const auto linear = std::dynamic_pointer_cast<d9d::model::LinearImpl>(item.value());
+    if (linear && linear->float8) {
+      EXPECT_TRUE(linear->float8->rowwise) << item.key();
+      float8.push_back(item.key());
+    }
+  }
+  std::vector<std::string> want;
+  for (const std::string layer : {"model.layers.0.", "model.layers.1."}) {
+    for (const std::string name :
+         {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}) {
+      want.push_back(layer + name);
+    }
+  }
+  std::sort(float8.begin(), float8.end());
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(float8, want);  // not lm_head
+  const torch::nn::Linear plain(8, 8);
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>([&] {
+                (void)d9d::parallel::parallelize<d9d::Plan<Rowwise>>(mesh, {plain.ptr()});
+              }),
+              ::testing::HasSubstr("has no d9d::model::Attention or d9d::model::SwiGlu"));
 }
 
 TEST(Parallel_Float8_ws2, FullyShardWithFloat8GathersMatchesOneProcess) {
