@@ -1,5 +1,6 @@
 // d9d/model/moe.cpp — router, grouped experts, the MoE layer and its load-balancing statistics.
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -394,11 +395,19 @@ at::Tensor MoeLayerImpl::forward(const at::Tensor& x,
 
   // Permute: the (token, slot) pairs sorted by expert (stable: token order within an expert).
   const auto chosen = routing.experts.reshape({-1});
-  const auto order =
-      std::get<1>(at::sort(chosen, std::optional<bool>(true), /*dim=*/0, /*descending=*/false));
-  const auto token = at::div(order, k, "floor");
+  auto [sorted_experts, order] =
+      at::sort(chosen, std::optional<bool>(true), /*dim=*/0, /*descending=*/false);
   const auto counts = at::bincount(chosen, {}, options_.num_experts);
-  const auto outputs = experts->run(flat.index_select(0, token), to_vector(counts));
+  auto kept_counts = counts;
+  int64_t dropped = 0;
+  if (const int64_t capacity = expert_capacity(options_, tokens); capacity >= 0) {
+    // Token dropping: each expert keeps the first `capacity` of its routings.
+    order = order.masked_select(within_capacity(sorted_experts, counts, capacity));
+    kept_counts = at::clamp_max(counts, capacity);
+    dropped = chosen.numel() - order.numel();
+  }
+  const auto token = at::div(order, k, "floor");
+  const auto outputs = experts->run(flat.index_select(0, token), to_vector(kept_counts));
 
   // Un-permute: each pair's output weighted, summed per token (in expert order, as transformers).
   const auto weights = routing.weights.to(x.scalar_type()).reshape({-1}).index_select(0, order);
@@ -434,18 +443,41 @@ at::Tensor MoeLayerImpl::forward(const at::Tensor& x,
     const at::NoGradGuard no_grad;
     routed_.add_(counts.to(at::kCPU, at::kDouble));
     tokens_ += tokens;
+    dropped_ += dropped;
   }
   return out.view(x.sizes());
 }
 
 RouterLoad MoeLayerImpl::take_load() {
-  RouterLoad load{.routed = routed_.clone(), .tokens = tokens_};
+  RouterLoad load{.routed = routed_.clone(), .tokens = tokens_, .dropped = dropped_};
   routed_.zero_();
   tokens_ = 0;
+  dropped_ = 0;
   return load;
 }
 
 // ---- helpers -----------------------------------------------------------------------------------
+
+int64_t expert_capacity(const MoeOptions& options, int64_t tokens) {
+  if (options.capacity_factor <= 0) {
+    return -1;
+  }
+  return static_cast<int64_t>(std::ceil(options.capacity_factor * static_cast<double>(tokens) *
+                                        static_cast<double>(options.top_k) /
+                                        static_cast<double>(options.num_experts)));
+}
+
+at::Tensor within_capacity(const at::Tensor& sorted_experts, const at::Tensor& counts,
+                           int64_t capacity) {
+  if (capacity < 0) {
+    return at::ones_like(sorted_experts, at::kBool);
+  }
+  // A routing's place in its expert's run: its index minus where the run starts.
+  const auto starts = at::cumsum(counts, 0) - counts;
+  const auto place = at::arange(sorted_experts.numel(), sorted_experts.options()) -
+                     starts.index_select(0, sorted_experts);
+  return place < capacity;
+}
 
 at::Tensor load_balancing_loss(const at::Tensor& probabilities, const at::Tensor& experts,
                                int64_t num_experts) {

@@ -40,7 +40,8 @@ constexpr std::string_view kMoeKeys[] = {"num_experts",
                                          "shared_expert_intermediate_size",
                                          "router_bias_update_rate",
                                          "router_bias_update_rule",
-                                         "router_aux_loss_type"};
+                                         "router_aux_loss_type",
+                                         "moe_capacity_factor"};
 
 [[noreturn]] void fail(const std::string& message) { kReader.fail(message); }
 
@@ -75,7 +76,7 @@ void reject_unknown_keys(const Json& json) {
       "num_experts (or num_local_experts), num_experts_per_tok, moe_intermediate_size, "
       "norm_topk_prob, decoder_sparse_step, mlp_only_layers, router_aux_loss_coef, "
       "output_router_logits, shared_expert_intermediate_size, router_bias_update_rate, "
-      "router_bias_update_rule, router_aux_loss_type");
+      "router_bias_update_rule, router_aux_loss_type, moe_capacity_factor");
 }
 
 // The experts' counts and sizes, which have no defaults: num_experts (or transformers 5's
@@ -187,6 +188,9 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json_text(const std::string& text) {
         *v, "router_bias_update_rule",
         {{"sign", MoeBiasRule::sign}, {"proportional", MoeBiasRule::proportional}});
   }
+  if (const Json* v = find(json, "moe_capacity_factor")) {
+    config.moe_capacity_factor = read_non_negative(*v, "moe_capacity_factor");
+  }
   if (const Json* v = find(json, "router_aux_loss_type")) {
     config.router_aux_loss_type = read_choice<MoeAuxLoss>(
         *v, "router_aux_loss_type",
@@ -226,7 +230,8 @@ void Qwen3MoeConfig::validate() const {
   }
   const std::pair<const char*, double> rates[] = {
       {"router_aux_loss_coef", router_aux_loss_coef},
-      {"router_bias_update_rate", router_bias_update_rate}};
+      {"router_bias_update_rate", router_bias_update_rate},
+      {"moe_capacity_factor", moe_capacity_factor}};
   for (const auto& [key, value] : rates) {
     if (!(value >= 0) || !std::isfinite(value)) {
       bad(key, std::to_string(value), "it must be a finite number >= 0");
@@ -248,7 +253,8 @@ MoeOptions Qwen3MoeConfig::moe_options() const {
           .norm_topk_prob = norm_topk_prob,
           .shared_expert_intermediate_size = shared_expert_intermediate_size,
           .bias_update_rate = router_bias_update_rate,
-          .bias_update_rule = router_bias_update_rule};
+          .bias_update_rule = router_bias_update_rule,
+          .capacity_factor = moe_capacity_factor};
 }
 
 double Qwen3MoeConfig::aux_loss_coef() const {
@@ -277,6 +283,9 @@ std::string Qwen3MoeConfig::to_hf_json(const std::string& torch_dtype) const {
   }
   if (router_aux_loss_type == MoeAuxLoss::sequence) {
     json["router_aux_loss_type"] = "sequence";
+  }
+  if (moe_capacity_factor > 0) {
+    json["moe_capacity_factor"] = moe_capacity_factor;
   }
   return json.dump(2) + "\n";
 }

@@ -29,13 +29,20 @@ class MoeBalanceSync : public GradientSync {
   void finish() override {
     std::vector<at::Tensor> loads;
     loads.reserve(layers_.size());
+    double dropped = 0.0;
     for (const auto& layer : layers_) {
-      loads.push_back(layer->take_load().routed);
+      auto load = layer->take_load();
+      loads.push_back(load.routed);
+      dropped += static_cast<double>(load.dropped);
     }
-    auto all = at::stack(loads);  // [layers, experts], float64
+    // [layers + 1, experts] float64: the loads, and the dropped routings in the last row's first
+    // entry, summed over the ranks in one all-reduce.
+    auto all = at::cat({at::stack(loads), at::zeros({1, loads.front().size(0)}, at::kDouble)});
+    all[static_cast<int64_t>(layers_.size())][0] = dropped;
     if (group_.valid() && group_.size() > 1) {
       all = all_reduce(group_, all);
     }
+    dropped = all[static_cast<int64_t>(layers_.size())][0].item<double>();
     double sum_ratio = 0.0;
     double worst = 0.0;
     double routed = 0.0;
@@ -54,7 +61,8 @@ class MoeBalanceSync : public GradientSync {
     metrics_ = {{"moe/load_max_over_mean", sum_ratio / static_cast<double>(layers_.size())},
                 {"moe/load_max_over_mean_worst_layer", worst},
                 {"moe/routed_per_step", routed},
-                {"moe/dropped", 0.0}};
+                {"moe/dropped", dropped},
+                {"moe/dropped_fraction", routed > 0 ? dropped / routed : 0.0}};
     if (const auto stats = layers_.front()->last_stats()) {
       metrics_.emplace_back("moe/aux_loss", stats->aux_loss());
     }

@@ -296,7 +296,8 @@ TEST(Hf_Qwen3MoeConfig, OurExportReadsBackToTheSameConfig) {
   json.update(nlohmann::json::parse(R"({"norm_topk_prob": true, "mlp_only_layers": [2],
       "router_aux_loss_coef": 0.02, "output_router_logits": true, "decoder_sparse_step": 1,
       "shared_expert_intermediate_size": 24, "router_bias_update_rate": 0.001,
-      "router_bias_update_rule": "proportional", "router_aux_loss_type": "sequence"})"));
+      "router_bias_update_rule": "proportional", "router_aux_loss_type": "sequence",
+      "moe_capacity_factor": 1.25})"));
   const auto config = d9d::model::Qwen3MoeConfig::from_json_text(json.dump());
   const auto again = d9d::model::Qwen3MoeConfig::from_json_text(config.to_hf_json());
   EXPECT_EQ(again.mlp_only_layers, std::vector<int64_t>{2});
@@ -305,11 +306,17 @@ TEST(Hf_Qwen3MoeConfig, OurExportReadsBackToTheSameConfig) {
   EXPECT_EQ(again.router_bias_update_rule, d9d::model::MoeBiasRule::proportional);
   EXPECT_EQ(again.moe_options().bias_update_rule, d9d::model::MoeBiasRule::proportional);
   EXPECT_EQ(again.router_aux_loss_type, d9d::model::MoeAuxLoss::sequence);
+  EXPECT_EQ(again.moe_options().capacity_factor, 1.25);
   json["router_aux_loss_type"] = "per_sequence";
   EXPECT_THAT(d9d::testing::error_of(
                   [&] { (void)d9d::model::Qwen3MoeConfig::from_json_text(json.dump()); }),
               HasSubstr("expected \"global_batch\" or \"sequence\""));
   json["router_aux_loss_type"] = "global_batch";
+  json["moe_capacity_factor"] = -1;
+  EXPECT_THAT(d9d::testing::error_of(
+                  [&] { (void)d9d::model::Qwen3MoeConfig::from_json_text(json.dump()); }),
+              HasSubstr("moe_capacity_factor"));
+  json["moe_capacity_factor"] = 0;
   json["router_bias_update_rule"] = "signum";
   EXPECT_THAT(d9d::testing::error_of(
                   [&] { (void)d9d::model::Qwen3MoeConfig::from_json_text(json.dump()); }),

@@ -123,6 +123,51 @@ TEST(Model_Moe_Layer, EqualsPerTokenReference) {
   }
 }
 
+// Token dropping: with a capacity factor each expert keeps the first ceil(c * tokens * k / E)
+// routings in token order; a reference walking the tokens in order with a counter per expert gives
+// the same output, and the layer counts the dropped routings (still counted as routed).
+TEST(Model_Moe_Layer, CapacityDropsAnExpertsLaterRoutings) {
+  for (const double factor : {0.5, 1.0}) {
+    torch::manual_seed(5);
+    auto options = tiny(/*norm=*/true);
+    options.capacity_factor = factor;
+    MoeLayer layer(options, 0);
+    widen(*layer);
+    const auto x = at::randn({3, 5, 8}, at::kDouble);
+    const auto y = layer(x);
+    const auto flat = x.reshape({-1, 8});
+    const int64_t tokens = flat.size(0);
+    const auto capacity = static_cast<int64_t>(std::ceil(factor * tokens * 2 / 4.0));
+    EXPECT_EQ(d9d::model::expert_capacity(options, tokens), capacity);
+    const auto probs = at::softmax(at::linear(flat, layer->gate->weight), -1);
+    auto [top, chosen] = at::topk(probs, 2, -1);
+    top = top / top.sum(-1, true);
+    auto want = at::zeros_like(flat);
+    std::vector<int64_t> taken(4, 0);
+    int64_t dropped = 0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t s = 0; s < 2; ++s) {
+        const int64_t e = chosen[t][s].item<int64_t>();
+        if (taken[static_cast<std::size_t>(e)]++ >= capacity) {
+          ++dropped;
+          continue;
+        }
+        want[t] += top[t][s] * swiglu(flat[t], layer->experts->gate_proj[e],
+                                      layer->experts->up_proj[e], layer->experts->down_proj[e]);
+      }
+    }
+    EXPECT_TRUE(at::allclose(y.reshape({-1, 8}), want, 0, 1e-12)) << "factor " << factor;
+    const auto load = layer->take_load();
+    EXPECT_EQ(load.dropped, dropped) << "factor " << factor;
+    EXPECT_EQ(load.routed.sum().item<double>(), static_cast<double>(tokens * 2));
+    // The experts hold at most 4 x capacity routings: the rest are dropped, at least.
+    EXPECT_GE(dropped, tokens * 2 - 4 * capacity) << "factor " << factor;
+    if (factor == 0.5) {
+      EXPECT_GT(dropped, 0);
+    }
+  }
+}
+
 // transformers' load_balancing_loss_func over two layers' routings (concatenated), and its
 // gradient through the routers: what MoeForwardStats and the layers' backward produce.
 // Two MoE layers (the second renormalising its top k) with wide float64 routers and an input of

@@ -6,7 +6,8 @@
 // global-batch statistics (f summed over the data-parallel ranks per microbatch), so the
 // reference's microbatch is the union of the ranks' microbatches (dp x microbatch). Also the export
 // under expert parallelism (transformers' per-expert tensors, equal to the gathered experts) and a
-// training checkpoint saved on ep 2 resumed in one process.
+// training checkpoint saved on ep 2 resumed in one process, and token dropping by a capacity
+// factor.
 #include <algorithm>
 #include <fstream>
 #include <functional>
@@ -17,6 +18,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <d9d/model/hf_moe.hpp>
 #include <d9d/state/safetensors.hpp>
@@ -137,6 +139,47 @@ TEST(Moe_ExpertParallel_ws4, Fsdp4TimesEp2AndEp2TimesPp2MatchOneProcess) {
 // DeepSeek-V3's sequence-wise auxiliary loss keeps per-row statistics: neither ranks, nor
 // microbatches, nor pipeline stages share any, so every run matches one process with the loss on
 // (pipelines too, unlike transformers' loss pooled per stage).
+// Token dropping under ep 2: each rank's forward caps every expert at ceil(c * tokens * k / E) of
+// its own routings, so one process with the same microbatches (single samples; no global-batch
+// auxiliary loss, whose statistics would span the ranks' microbatches) drops the same routings.
+TEST(Moe_ExpertParallel_ws2, CapacityFactorDropsAsOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto with_capacity = [](d9d::TrainerConfig config) {
+      auto model = nlohmann::json::parse(config.sections.at("model"));
+      model["moe_capacity_factor"] = 0.5;
+      config.sections["model"] = model.dump();
+      return config;
+    };
+    const auto metrics_into = [](std::map<std::string, double>& into) {
+      return [&into](d9d::detail::TrainerCore& core) {
+        for (const auto& [name, value] : core.parallel().metrics()) {
+          into[name] = value;
+        }
+      };
+    };
+    std::map<std::string, double> one_metrics;
+    std::map<std::string, double> ep_metrics;
+    const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
+    const auto want = train_moe<d9d::Plan<Fp64>>(
+        local,
+        with_capacity(moe_run(env.scratch_dir() + "/one" + std::to_string(env.rank()), 1, "",
+                              /*aux=*/false)),
+        metrics_into(one_metrics));
+    const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
+    d9d::testing::expect_same_run(
+        train_moe<d9d::Plan<EpMesh, Ep, Fp64>>(
+            ctx, with_capacity(moe_run(dir + "/ep", 1, R"({"ep": 2})", /*aux=*/false)),
+            metrics_into(ep_metrics)),
+        want, "ep 2, capacity factor 0.5");
+    EXPECT_GT(ep_metrics.at("moe/dropped"), 0.0);
+    EXPECT_EQ(ep_metrics.at("moe/dropped"), one_metrics.at("moe/dropped"));
+    EXPECT_EQ(ep_metrics.at("moe/dropped_fraction"), one_metrics.at("moe/dropped_fraction"));
+    EXPECT_GT(ep_metrics.at("moe/dropped_fraction"), 0.2);
+  });
+}
+
 TEST(Moe_ExpertParallel_ws2, SequenceWiseAuxLossMatchesOneProcess) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {

@@ -7,19 +7,23 @@
 //   at::Tensor y = moe(x, stats);   // [B, T, H] -> [B, T, H]; then stats->finish() after the pass
 //
 // Routing (Qwen3-MoE / Mixtral): probabilities = softmax of the router logits in at least float32;
-// each token goes to its top-k experts (dropless: no capacity, nothing dropped), weighted by their
-// probabilities, renormalised to sum to one when norm_topk_prob. With the auxiliary-loss-free
-// balancing (bias_update_rate > 0, DeepSeek-V3's idea) a per-expert bias is added to the router
-// logits for the selection only (the weights stay the probabilities); after each optimizer step it
-// moves towards the mean load: bias += rate * sign(mean load - load) (DeepSeek-V3's rule), or
-// bias += rate * (mean load - load) / mean load (MoeBiasRule::proportional). The bias acts on
-// logits, not on the probabilities (where DeepSeek-V3's sigmoid scores would put it): a softmax
-// over many experts squeezes the unchosen experts' probabilities to nearly the same tiny value for
-// every token, so a bias there picks the same experts for all tokens and the load jumps from one
-// group of experts to the next instead of spreading (design 0009, "Balancing"). Tokens are sorted
-// by expert (permute), each projection
-// is one grouped GEMM over the experts' segments (at::_grouped_mm on CUDA, a loop over the
-// segments elsewhere), and the outputs are weighted and summed back per token (un-permute).
+// each token goes to its top-k experts, weighted by their probabilities, renormalised to sum to one
+// when norm_topk_prob. Dropless by default; with a capacity factor c > 0 each expert takes at most
+// ceil(c * tokens * k / E) of a forward's (token, expert) routings, the first in token order, and
+// drops the rest: a dropped routing adds nothing to its token's output (the residual carries the
+// token), its weight is not given to the token's other experts, and it still counts in the load,
+// the auxiliary loss and the bias update (they balance what the router chose). With the
+// auxiliary-loss-free balancing (bias_update_rate > 0, DeepSeek-V3's idea) a per-expert bias is
+// added to the router logits for the selection only (the weights stay the probabilities); after
+// each optimizer step it moves towards the mean load: bias += rate * sign(mean load - load)
+// (DeepSeek-V3's rule), or bias += rate * (mean load - load) / mean load
+// (MoeBiasRule::proportional). The bias acts on logits, not on the probabilities (where
+// DeepSeek-V3's sigmoid scores would put it): a softmax over many experts squeezes the unchosen
+// experts' probabilities to nearly the same tiny value for every token, so a bias there picks the
+// same experts for all tokens and the load jumps from one group of experts to the next instead of
+// spreading (design 0009, "Balancing"). Tokens are sorted by expert (permute), each projection is
+// one grouped GEMM over the experts' segments (at::_grouped_mm on CUDA, a loop over the segments
+// elsewhere), and the outputs are weighted and summed back per token (un-permute).
 //
 // The auxiliary loss (MoeAuxLoss::global_batch, the default) is transformers'
 // load_balancing_loss_func over every MoE layer of one forward pass (of a model, or of a pipeline
@@ -82,7 +86,21 @@ struct MoeOptions {
   double bias_update_rate = 0.0;
   /// How the bias moves after each step (see the file comment).
   MoeBiasRule bias_update_rule = MoeBiasRule::sign;
+  /// Token dropping: each expert takes at most ceil(capacity_factor * tokens * top_k /
+  /// num_experts) routings of a forward (the first in token order); 0: dropless.
+  double capacity_factor = 0.0;
 };
+
+/// The routings (token, slot) an expert capacity keeps: `sorted_experts` are the chosen experts
+/// sorted (stably) by expert, `counts` [E] the routings per expert; a routing is kept when its
+/// place within its expert's run is below `capacity` (< 0: every one). Returns a bool mask over
+/// the sorted routings.
+at::Tensor within_capacity(const at::Tensor& sorted_experts, const at::Tensor& counts,
+                           int64_t capacity);
+
+/// The capacity of each expert for `tokens` tokens of a forward: ceil(factor * tokens * k / E), or
+/// -1 (unbounded) for a factor of 0.
+int64_t expert_capacity(const MoeOptions& options, int64_t tokens);
 
 /// How GroupedExperts multiplies its segments.
 enum class GroupedGemm {
@@ -221,6 +239,7 @@ TORCH_MODULE(GroupedExperts);
 struct RouterLoad {
   at::Tensor routed;  ///< [E] float64: routings per expert since the last take_load()
   int64_t tokens = 0;
+  int64_t dropped = 0;  ///< routings an expert capacity dropped (MoeOptions::capacity_factor)
 };
 
 /// The sparse MLP block: children "gate" (MoeRouter), "experts" (GroupedExperts) and, with a
@@ -255,6 +274,7 @@ class MoeLayerImpl : public torch::nn::Module {
   std::shared_ptr<MoeForwardStats> last_stats_;
   at::Tensor routed_;  // [E] float64
   int64_t tokens_ = 0;
+  int64_t dropped_ = 0;
 };
 TORCH_MODULE(MoeLayer);
 

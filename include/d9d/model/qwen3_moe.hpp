@@ -30,7 +30,9 @@
 //     of transformers' model: an export leaves the bias out); router_bias_update_rule ("sign",
 //     DeepSeek-V3's rule, the default; or "proportional": d9d::model::MoeBiasRule);
 //     router_aux_loss_type ("global_batch", transformers' loss, the default; or "sequence",
-//     DeepSeek-V3's sequence-wise balance loss: d9d::model::MoeAuxLoss).
+//     DeepSeek-V3's sequence-wise balance loss: d9d::model::MoeAuxLoss); moe_capacity_factor (0 =
+//     dropless, the default; c > 0: each expert takes at most ceil(c * tokens * k / E) routings of
+//     a forward, the rest dropped: d9d::model::MoeOptions::capacity_factor).
 // model_type must be "qwen3_moe" (other MoE families are refused by name).
 #pragma once
 
@@ -66,6 +68,7 @@ struct Qwen3MoeConfig : Qwen3Config {
   double router_bias_update_rate = 0.0;
   MoeBiasRule router_bias_update_rule = MoeBiasRule::sign;
   MoeAuxLoss router_aux_loss_type = MoeAuxLoss::global_batch;
+  double moe_capacity_factor = 0.0;  ///< d9d's own: token dropping (0: dropless)
 
   /// Parses a config.json text (the rules in the file comment); std::invalid_argument
   /// "d9d Qwen3-MoE config: ..." names the key, the value and what would be valid.
