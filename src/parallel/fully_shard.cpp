@@ -196,8 +196,9 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
         rank_(shard_group_.size() > 1 ? shard_group_.rank() : 0),
         device_(model.mesh().context().device()) {}
 
-  // Under a pipeline program (GradientTiming::program) every unit stays gathered for the step and
-  // reductions start from module_done() and finish(), never from the gradient hooks.
+  // Under a pipeline program (GradientTiming::program) blocks are gathered by their hooks within
+  // the program's actions, freed as the reshard setting says (and after each action by
+  // action_done), and reductions start from module_done() and finish(), never from the hooks.
   [[nodiscard]] bool program_order() const { return settings_.timing == GradientTiming::program; }
 
   // Sorts the records into units, shards them and points the modules at the units' storages.
@@ -254,9 +255,9 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     const std::size_t last_block = blocks.empty() ? 0 : blocks.size() - 1;
     for (std::size_t u = 0; u < units_.size(); ++u) {
       auto& unit = units_[u];
-      unit.reshard_after_forward = unit.block && !program_order() &&
-                                   (settings_.reshard == "after_forward" ||
-                                    (settings_.reshard == "all_but_last" && u != last_block));
+      unit.reshard_after_forward =
+          unit.block && (settings_.reshard == "after_forward" ||
+                         (settings_.reshard == "all_but_last" && u != last_block));
       place(unit);
     }
     // Reduction order: blocks in reverse forward order, then the loose parameters.
@@ -317,15 +318,13 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
         unit.reduced = false;
       }
       started_early_ = 0;
-      // Program order is not forward order: every unit stays gathered for the step.
-      for (std::size_t u = 0; u < units_.size(); ++u) {
-        start_gather(u);
-      }
-      for (std::size_t u = 0; u < units_.size(); ++u) {
-        finish_gather(u);
-      }
+      peak_bytes_ = 0;
+      // Blocks are gathered by their forward hooks, within the program's actions; the loose
+      // parameters (embedding, head, ...), which no block's hooks cover, for the whole step.
+      ensure_gathered(units_.size() - 1);
       return;
     }
+    peak_bytes_ = 0;
     // The loose parameters (embedding, head, ...) are used outside any block's hooks.
     ensure_gathered(units_.size() - 1);
     if (!blocks_.empty()) {
@@ -382,6 +381,21 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     }
   }
 
+  // Under a pipeline program: an action of module `module` has run. Its blocks that reshard after
+  // forward are freed (a backward action regathered them; a forward one freed them already),
+  // unless this rank's next action is on the same module, which would gather them again at once.
+  void action_done(std::size_t module, int64_t next_module) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (!program_order() || next_module == static_cast<int64_t>(module)) {
+      return;
+    }
+    for (std::size_t b = 0; b < blocks_.size(); ++b) {
+      if (block_module_[b] == module && units_[b].reshard_after_forward) {
+        reshard(b);
+      }
+    }
+  }
+
   [[nodiscard]] std::size_t started_early() const { return started_early_; }
 
   [[nodiscard]] int64_t extra_bytes() const {
@@ -393,17 +407,20 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     return bytes;
   }
 
+  [[nodiscard]] int64_t peak_extra_bytes() const { return std::max(peak_bytes_, extra_bytes()); }
+
   // ---- hooks
   // ---------------------------------------------------------------------------------------
 
   void before_forward(std::size_t b) {
     const std::lock_guard<std::mutex> lock(mutex_);
-    if (program_order()) {
-      return;
-    }
     ensure_gathered(b);
+    // Under a pipeline program the next blocks in forward order may belong to another stage, whose
+    // actions come who knows when: prefetch within the stage only.
     for (int k = 1; k <= model_.options().prefetch && b + k < blocks_.size(); ++k) {
-      start_gather(b + static_cast<std::size_t>(k));
+      if (!program_order() || same_stage(b, b + static_cast<std::size_t>(k))) {
+        start_gather(b + static_cast<std::size_t>(k));
+      }
     }
   }
 
@@ -423,8 +440,15 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
   void before_backward_of(std::size_t b) {
     const std::lock_guard<std::mutex> lock(mutex_);
     ensure_gathered(b);
+    if (program_order()) {  // this block's gradients of this backward, counted down by the hooks
+      units_[b].pending = 0;
+      for (const auto p : units_[b].params) {
+        units_[b].pending += params_[p].full.requires_grad() ? 1 : 0;
+      }
+    }
     for (int k = 1; k <= model_.options().prefetch && b >= static_cast<std::size_t>(k); ++k) {
-      if (units_[b - k].reshard_after_forward) {
+      if (units_[b - k].reshard_after_forward &&
+          (!program_order() || same_stage(b, b - static_cast<std::size_t>(k)))) {
         start_gather(b - static_cast<std::size_t>(k));
       }
     }
@@ -433,6 +457,15 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
   void gradient_ready(std::size_t u) {
     const std::lock_guard<std::mutex> lock(mutex_);
     auto& unit = units_[u];
+    if (program_order()) {
+      // Reductions start from module_done. A block whose every gradient of this backward arrived
+      // (counted from its PreBackward) is freed; under split backward its weights' gradients come
+      // in W actions instead, so it waits for action_done.
+      if (unit.pending > 0 && --unit.pending == 0 && unit.reshard_after_forward) {
+        reshard(u);
+      }
+      return;
+    }
     if (unit.pending > 0) {
       --unit.pending;
     }
@@ -464,6 +497,10 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     std::weak_ptr<FullyShardState> state_;
     std::size_t unit_;
   };
+
+  [[nodiscard]] bool same_stage(std::size_t a, std::size_t b) const {
+    return block_module_[a] == block_module_[b];
+  }
 
   void add_param(std::size_t u, std::size_t index, ParameterRecord& record) {
     const auto& full = record.local;
@@ -664,6 +701,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
       finish_float8_gather(unit);
     }
     unit.gathered = true;
+    peak_bytes_ = std::max(peak_bytes_, extra_bytes());
   }
 
   // The gathered float8 rows and scales into the unit's float8 storage (bytes to bytes).
@@ -861,6 +899,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
   std::vector<std::size_t> block_module_;  // block -> index of its module in model_.modules()
   std::vector<std::size_t> reduce_order_;
   std::size_t started_early_ = 0;
+  int64_t peak_bytes_ = 0;            // the most gathered at once in this step
   std::deque<Reduction> reductions_;  // launched, oldest first
   // Under the float8 gather: the float8 linear layers, by their weight's TensorImpl.
   std::unordered_map<const c10::TensorImpl*, model::Float8Linear*> float8_layers_;
@@ -891,6 +930,10 @@ class FullyShardSync : public GradientSync {
     state_->before_backward(microbatch, microbatches);
   }
   void module_done(std::size_t module) override { state_->module_done(module); }
+  void action_done(std::size_t module, int64_t next_module) override {
+    state_->action_done(module, next_module);
+  }
+  [[nodiscard]] int64_t peak_extra_bytes() const override { return state_->peak_extra_bytes(); }
   void finish() override { state_->finish(); }
   [[nodiscard]] std::size_t started_early() const override { return state_->started_early(); }
   [[nodiscard]] int64_t extra_bytes() const override { return state_->extra_bytes(); }

@@ -144,6 +144,12 @@ void ParallelModel::module_done(std::size_t module) {
   }
 }
 
+void ParallelModel::action_done(std::size_t module, int64_t next_module) {
+  for (const auto& sync : impl_->syncs) {
+    sync->action_done(module, next_module);
+  }
+}
+
 std::size_t ParallelModel::reductions_started_early() const {
   std::size_t started = 0;
   for (const auto& sync : impl_->syncs) {
@@ -273,6 +279,14 @@ int64_t ParallelModel::extra_bytes() const {
   int64_t bytes = 0;
   for (const auto& sync : impl_->syncs) {
     bytes += sync->extra_bytes();
+  }
+  return bytes;
+}
+
+int64_t ParallelModel::peak_extra_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& sync : impl_->syncs) {
+    bytes += sync->peak_extra_bytes();
   }
   return bytes;
 }

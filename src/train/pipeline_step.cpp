@@ -1,7 +1,11 @@
 // d9d/train/pipeline_step.cpp — the pipelined optimizer step: program, dp reduction, clipping.
+#include <algorithm>
+#include <cstdint>
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -116,26 +120,40 @@ std::unique_ptr<pipeline::Executor> make_executor(const RankStages& stages, cons
                                               std::move(activation));
 }
 
-// Each local stage's gradients are final after its last action that adds to them (B, I or W):
-// its data-parallel reductions start there and overlap the rest of the program.
-void reduce_after_last_gradient(pipeline::Executor& executor, const RankStages& stages,
-                                parallel::ParallelModel* parallel) {
-  std::map<int, pipeline::Action> last_gradient;  // stage -> that action
-  for (const auto& a : stages.program.ranks[static_cast<std::size_t>(executor.rank())]) {
-    if (a.op == pipeline::Op::backward || a.op == pipeline::Op::backward_input ||
-        a.op == pipeline::Op::backward_weight) {
-      last_gradient[a.stage] = a;
-    }
-  }
+// After each compute action: the strategies may free what only that action needed
+// (ParallelModel::action_done, told the module of the rank's next compute action), and each local
+// stage's gradients are final after its last action that adds to them (B, I or W): its
+// data-parallel reductions start there and overlap the rest of the program.
+void sync_after_actions(pipeline::Executor& executor, const RankStages& stages,
+                        parallel::ParallelModel* parallel) {
   std::map<int, std::size_t> module_of;  // stage -> its module's index in the parallel model
   for (std::size_t k = 0; k < stages.stages.size(); ++k) {
     module_of[stages.stages[k].second.index] = k;
   }
+  std::map<int, pipeline::Action> last_gradient;  // stage -> that action
+  // Each compute action and the module of the next one (-1 after the last).
+  std::vector<std::pair<pipeline::Action, int64_t>> next_module;
+  for (const auto& a : stages.program.ranks[static_cast<std::size_t>(executor.rank())]) {
+    if (!a.is_compute()) {
+      continue;
+    }
+    if (a.op != pipeline::Op::forward) {
+      last_gradient[a.stage] = a;
+    }
+    if (!next_module.empty()) {
+      next_module.back().second = static_cast<int64_t>(module_of.at(a.stage));
+    }
+    next_module.emplace_back(a, -1);
+  }
   executor.on_compute([parallel, last_gradient = std::move(last_gradient),
-                       module_of = std::move(module_of)](const pipeline::Action& a, bool done) {
+                       module_of = std::move(module_of),
+                       next_module = std::move(next_module)](const pipeline::Action& a, bool done) {
     if (!done) {
       return;
     }
+    const auto next = std::find_if(next_module.begin(), next_module.end(),
+                                   [&](const auto& entry) { return entry.first == a; });
+    parallel->action_done(module_of.at(a.stage), next == next_module.end() ? -1 : next->second);
     const auto it = last_gradient.find(a.stage);
     if (it != last_gradient.end() && it->second == a) {
       RECORD_USER_SCOPE("d9d::gradient_sync_start");
@@ -166,7 +184,7 @@ PipelineStepCore::PipelineStepCore(std::unique_ptr<parallel::ParallelModel> mode
     s.holds_first = s.holds_first || item.second.index == 0;
   }
   s.executor = make_executor(s.parts.stages, s.pp, s.options.bf16_autocast, s.device);
-  reduce_after_last_gradient(*s.executor, s.parts.stages, s.parallel.get());
+  sync_after_actions(*s.executor, s.parts.stages, s.parallel.get());
   s.optimizer = make_adamw(s.parallel->parameters(), s.options);
 }
 

@@ -138,6 +138,24 @@ TEST(Parallel_FullyShard_ws4, HsdpAndPipelineMatchOneProcess) {
     d9d::testing::expect_same_run(zero_bubble, want,
                                   "FSDP 2 x pp 2, ZeroBubbleH1 (weight gradients in W actions)");
     EXPECT_GT(zero_bubble.reductions_started_early, 0U);
+    // The reshard setting under a pipeline: after_forward gathers each block for its forward and
+    // its backward and frees it after them (here without prefetch: one block of the stage at a
+    // time), never keeps the stage's blocks for the step; both train as one process does.
+    auto after_forward = run_config(dir + "/pp-after", R"({"pp": 2, "dp_shard": 2})");
+    after_forward.data_parallel.prefetch = 0;
+    auto never = run_config(dir + "/pp-never", R"({"pp": 2, "dp_shard": 2})");
+    never.data_parallel.reshard = "never";
+    const auto freed =
+        train_plan<d9d::Plan<PpMesh, d9d::parallel::Fsdp, d9d::pipeline::OneFOneB<>, Fp64>>(
+            ctx, after_forward);
+    const auto kept =
+        train_plan<d9d::Plan<PpMesh, d9d::parallel::Fsdp, d9d::pipeline::OneFOneB<>, Fp64>>(ctx,
+                                                                                            never);
+    d9d::testing::expect_same_run(freed, want, "FSDP 2 x pp 2, after_forward, no prefetch");
+    d9d::testing::expect_same_run(kept, want, "FSDP 2 x pp 2, never");
+    // Each stage: the loose parameters and 2 blocks; one block's worth less at the peak.
+    EXPECT_GT(freed.peak_extra_bytes, 0);
+    EXPECT_LT(freed.peak_extra_bytes, kept.peak_extra_bytes);
   });
 }
 

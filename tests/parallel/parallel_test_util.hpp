@@ -58,6 +58,8 @@ struct RunOutcome {
   std::map<std::string, at::Tensor> parameters;
   /// Reductions the last step started before the end of its pipeline program.
   std::size_t reductions_started_early = 0;
+  /// The most the strategies held beyond the parameters during the last step (gathered units).
+  int64_t peak_extra_bytes = 0;
 };
 
 /// Trains `trainer` and collects the run's outcome (collective).
@@ -67,6 +69,7 @@ RunOutcome outcome_of(Trainer<Plan>& trainer) {
   out.result = trainer.train();
   out.parameters = full_parameters(trainer.core());
   out.reductions_started_early = trainer.core().parallel().reductions_started_early();
+  out.peak_extra_bytes = trainer.core().parallel().peak_extra_bytes();
   return out;
 }
 

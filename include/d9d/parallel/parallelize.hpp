@@ -118,12 +118,18 @@ class GradientSync {
   /// runs. Every rank of the strategy's groups runs the same program, so they call it for the same
   /// modules in the same order; finish() completes what was started and reduces the rest.
   virtual void module_done(std::size_t /*module*/) {}
+  /// Under a pipeline program: an action (forward, backward or weight-gradient) of module
+  /// `module` has run; what the strategy gathered for it may be freed now, unless `next_module`
+  /// (the module of this rank's next compute action, or -1 at the program's end) uses it too.
+  virtual void action_done(std::size_t /*module*/, int64_t /*next_module*/) {}
   /// Completes every reduction of the step (collective over the strategy's groups).
   virtual void finish() {}
   /// Reductions (buckets, units) module_done() started in the current or last step.
   [[nodiscard]] virtual std::size_t started_early() const { return 0; }
   /// Bytes this rank holds for the strategy beyond the records' tensors (e.g. gathered units).
   [[nodiscard]] virtual int64_t extra_bytes() const { return 0; }
+  /// The most extra_bytes() reached during the current or last step.
+  [[nodiscard]] virtual int64_t peak_extra_bytes() const { return extra_bytes(); }
   /// Scalars for the step's log (name, value), e.g. the MoE routers' balance after finish().
   [[nodiscard]] virtual std::vector<std::pair<std::string, double>> metrics() const { return {}; }
   /// Why a CUDA graph cannot capture a microbatch's forward and backward under this path ("" when
@@ -197,6 +203,10 @@ class ParallelModel {
   /// reducing its gradients (GradientSync::module_done). Optional: finish() reduces whatever was
   /// not started.
   void module_done(std::size_t module);
+  /// Under a pipeline program: an action of module `module` has run, and this rank's next compute
+  /// action is on `next_module` (-1: none); the strategies may free what only this action needed
+  /// (GradientSync::action_done).
+  void action_done(std::size_t module, int64_t next_module);
   void finish();
   /// Reductions started by module_done() in the current or last step, over every strategy.
   [[nodiscard]] std::size_t reductions_started_early() const;
@@ -215,6 +225,9 @@ class ParallelModel {
   [[nodiscard]] int64_t parameter_bytes() const;
   [[nodiscard]] int64_t gradient_bytes() const;
   [[nodiscard]] int64_t extra_bytes() const;
+  /// The sum over the strategies of the most each held beyond the records during the current or
+  /// last step (GradientSync::peak_extra_bytes): FullyShard's gathered units at their peak.
+  [[nodiscard]] int64_t peak_extra_bytes() const;
   /// Every strategy's metrics() (after finish()), in the order the strategies were added.
   [[nodiscard]] std::vector<std::pair<std::string, double>> metrics() const;
 
@@ -298,8 +311,9 @@ struct FullyShardSettings {
   /// The weights of float8 linear layers (apply_float8, per-row scales) are quantised on their
   /// owner ranks and gathered as float8 with their scales (d9d::precision::WeightGather::float8).
   bool float8_gather = false;
-  /// Under GradientTiming::program every unit stays gathered for the step (program order is not
-  /// forward order) and reductions start from module_done and finish().
+  /// Under GradientTiming::program the units are gathered around the actions of their stage and
+  /// freed after them as `reshard` says ("never": gathered for the whole step), prefetching only
+  /// within a stage, and reductions start from module_done and finish().
   GradientTiming timing = GradientTiming::backward;
 };
 void apply_fully_shard(ParallelModel& model, const FullyShardSettings& settings);

@@ -45,14 +45,14 @@ enum class ReduceDtype {
 /// the parameters outside every block, e.g. embedding, final norm and head) is all-gathered before
 /// its forward, with the next unit prefetched; `R` says when it is freed again. Its gradients are
 /// reduce-scattered as soon as its backward is done (overlapping the rest of the backward), summed
-/// into the shards' gradients, and all-reduced over dp_replicate. Under a pipeline schedule every
-/// unit stays gathered for the whole step (`R` and "data_parallel.prefetch" do not apply there
-/// yet) and a stage's units are reduced once the program has run that stage's last gradient
-/// action, overlapping the rest of the program. Units are gathered in the precision's compute
-/// dtype: under Bf16Mixed every parameter of a unit, the norms' too, is bfloat16 in the forward
-/// (where autocast in one process keeps the norms' weights float32), so the gradients differ from
-/// one process's Bf16Mixed ones by a few bfloat16 roundings (measured 2.5u against float32, one
-/// process 1.8u; tests/parallel/mixed_precision_multiprocess_test bounds it at 4u).
+/// into the shards' gradients, and all-reduced over dp_replicate. Under a pipeline schedule `R`
+/// applies per stage (a block is gathered for its actions and freed after them, prefetching only
+/// within the stage) and a stage's units are reduced once the program has run that stage's last
+/// gradient action, overlapping the rest of the program. Units are gathered in the precision's
+/// compute dtype: under Bf16Mixed every parameter of a unit, the norms' too, is bfloat16 in the
+/// forward (where autocast in one process keeps the norms' weights float32), so the gradients
+/// differ from one process's Bf16Mixed ones by a few bfloat16 roundings (measured 2.5u against
+/// float32, one process 1.8u; tests/parallel/mixed_precision_multiprocess_test bounds it at 4u).
 template <Reshard R = Reshard::from_config, ReduceDtype D = ReduceDtype::as_precision>
 struct FullyShard {
   using d9d_slot = slot::data_parallel;
