@@ -44,16 +44,20 @@ at::Tensor Qwen3StageImpl::forward(const at::Tensor& input) {
     h = tp_ ? vocab_parallel_embedding(embed_tokens->weight, ids, vocab_start_, *tp_)
             : embed_tokens(ids);
   }
+  // Under sequence parallelism h holds T / tp tokens of each sequence (the embedding's reduce_out
+  // scattered them); attention gathers them (copy_in), so its positions span tp times as many.
+  const int64_t sp = tp_ && tp_->sequence_parallel() ? tp_->size() : 1;
   if (!layers.empty() && cp_) {
     // This rank's chunks at their positions in the whole sequence of T = T_local x cp tokens.
     const auto where =
-        detail::context_placement(rope_, h.size(0), h.size(1) * cp_->size(), h.device(),
+        detail::context_placement(rope_, h.size(0), h.size(1) * sp * cp_->size(), h.device(),
                                   RotaryEmbedding::table_dtype(h.scalar_type()), *cp_);
     for (auto& layer : layers) {
       h = layer->forward_placed(h, where, nullptr);
     }
   } else if (!layers.empty()) {
-    const auto cos_sin = detail::rope_tables(rope_, h, h);
+    const auto cos_sin =
+        rope_.cos_sin(h.size(1) * sp, h.device(), RotaryEmbedding::table_dtype(h.scalar_type()));
     for (auto& layer : layers) {
       h = layer(h, cos_sin);
     }
@@ -63,7 +67,8 @@ at::Tensor Qwen3StageImpl::forward(const at::Tensor& input) {
   }
   h = norm(h);
   if (tp_) {
-    // Column-parallel over the vocabulary, the logits gathered (the stage's output is whole).
+    // Column-parallel over the vocabulary (under sequence parallelism copy_in gathers the
+    // sequence first), the logits gathered (the stage's output is whole).
     return tp_->gather_last(detail::tied_head(tp_->copy_in(h), lm_head, embed_tokens));
   }
   return detail::tied_head(h, lm_head, embed_tokens);
@@ -110,15 +115,33 @@ int64_t Qwen3StageImpl::local_tokens(int64_t seq) const {
   return seq / cp_->size();
 }
 
+int64_t Qwen3StageImpl::hidden_tokens(int64_t seq) const {
+  const int64_t local = local_tokens(seq);
+  if (!tp_ || !tp_->sequence_parallel()) {
+    return local;
+  }
+  if (local % tp_->size() != 0) {
+    throw std::invalid_argument(
+        "d9d::model::Qwen3Stage: sequence parallelism splits each sequence's " +
+        std::to_string(local) + " tokens over tp = " + std::to_string(tp_->size()) +
+        " ranks, which does not divide them. Fix: a \"batch.sequence_length\" that is a multiple "
+        "of tp (times cp)");
+  }
+  return local / tp_->size();
+}
+
 std::vector<int64_t> Qwen3StageImpl::input_sizes(int64_t batch, int64_t seq) const {
   // The first stage takes whole sequences of ids and cuts them itself.
-  return detail::stage_input_sizes(is_first(), batch, is_first() ? seq : local_tokens(seq),
+  return detail::stage_input_sizes(is_first(), batch, is_first() ? seq : hidden_tokens(seq),
                                    config_.hidden_size);
 }
 
 std::vector<int64_t> Qwen3StageImpl::output_sizes(int64_t batch, int64_t seq) const {
-  return detail::stage_output_sizes(is_last(), batch, local_tokens(seq), config_.hidden_size,
-                                    config_.vocab_size);
+  // The last stage's logits cover the sequence's local tokens (the head gathered them back under
+  // sequence parallelism), the other stages' hidden states their sequence-parallel share.
+  return detail::stage_output_sizes(is_last(), batch,
+                                    is_last() ? local_tokens(seq) : hidden_tokens(seq),
+                                    config_.hidden_size, config_.vocab_size);
 }
 
 void copy_parameters(const torch::nn::Module& from, torch::nn::Module& to) {

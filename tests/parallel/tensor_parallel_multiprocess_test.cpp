@@ -249,6 +249,15 @@ TEST(Parallel_TensorParallel_ws4, TimesReplicateFullyShardAndPipelineMatchOnePro
           train_plan<d9d::Plan<TpPpMesh, Tp, d9d::pipeline::ZeroBubbleH1<>, Fp64>>(
               ctx, run_config(dir + "/zb", false, 2, R"({"pp": 2, "tp": 2})")),
           want, "tp 2 x pp 2, ZeroBubbleH1");
+      // Sequence parallel x pp 2: the stages pass each rank's T / tp tokens; 1F1B and ZB-H1.
+      d9d::testing::expect_same_run(
+          train_plan<d9d::Plan<TpPpMesh, TpSp, d9d::pipeline::OneFOneB<>, Fp64>>(
+              ctx, run_config(dir + "/sp_pp", false, 2, R"({"pp": 2, "tp": 2})")),
+          want, "tp 2 + sequence parallel x pp 2, 1F1B");
+      d9d::testing::expect_same_run(
+          train_plan<d9d::Plan<TpPpMesh, TpSp, d9d::pipeline::ZeroBubbleH1<>, Fp64>>(
+              ctx, run_config(dir + "/sp_zb", false, 2, R"({"pp": 2, "tp": 2})")),
+          want, "tp 2 + sequence parallel x pp 2, ZeroBubbleH1");
     }
     // tp 4 does not divide the 2 KV heads: a configuration error (run_main's exit status 2)
     // naming the config key.

@@ -35,10 +35,12 @@ namespace d9d::model {
 /// A contiguous slice of Qwen3ForCausalLM for pipeline stage `stage` of `stages`. Under tensor
 /// parallelism (VocabParallelModel) the first stage's embedding and the last stage's head hold
 /// this rank's vocabulary slice; the last stage gathers the logits over tp (its output stays
-/// [B, T, vocab]). Under context parallelism (ContextParallelModel) the first stage keeps this
-/// rank's two chunks of each sequence (context_shard), every stage runs its layers on those
-/// T / cp tokens at their positions, and the last stage's logits are theirs ([B, T / cp, vocab]:
-/// the task's loss cuts its labels alike, d9d::SequencePart).
+/// [B, T, vocab]). With sequence parallelism the hidden states between stages are this rank's
+/// T / tp tokens of each sequence (the embedding scatters them, the head gathers them back). Under
+/// context parallelism (ContextParallelModel) the first stage keeps this rank's two chunks of each
+/// sequence (context_shard), every stage runs its layers on those T / cp tokens at their positions,
+/// and the last stage's logits are theirs ([B, T / cp, vocab]: the task's loss cuts its labels
+/// alike, d9d::SequencePart).
 class Qwen3StageImpl : public torch::nn::Module,
                        public VocabParallelModel,
                        public ContextParallelModel {
@@ -72,6 +74,9 @@ class Qwen3StageImpl : public torch::nn::Module,
   Qwen3Config config_;
   /// The tokens of a sequence this rank computes on (seq / cp under context parallelism).
   [[nodiscard]] int64_t local_tokens(int64_t seq) const;
+  /// The tokens of a sequence in the hidden states between stages: local_tokens, divided by tp
+  /// under sequence parallelism (std::invalid_argument when tp does not divide them).
+  [[nodiscard]] int64_t hidden_tokens(int64_t seq) const;
 
   std::shared_ptr<const TensorParallelGroup> tp_;
   std::shared_ptr<const ContextParallelGroup> cp_;

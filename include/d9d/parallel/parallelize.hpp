@@ -499,8 +499,8 @@ struct strategy<NoTensorParallel> {
   static void apply(ParallelModel& /*model*/) {}
 };
 
-/// TensorParallel: static rules — a mesh that fixes tp = 1 has nothing to split; sequence
-/// parallelism is not implemented under a pipeline yet; at start-up, sequence parallelism needs
+/// TensorParallel: static rules — a mesh that fixes tp = 1 has nothing to split; at start-up,
+/// sequence parallelism needs
 /// tp > 1. The model's sizes are checked when applied (std::invalid_argument naming the config
 /// key).
 template <SequenceParallel SP>
@@ -509,10 +509,6 @@ struct strategy<TensorParallel<SP>> {
   static constexpr bool sequence_parallel = SP == SequenceParallel::on;
   template <class Plan>
   static constexpr void check() {
-    static_assert(!sequence_parallel || !plan_has_pipeline<Plan>,
-                  "d9d::parallel::TensorParallel<SequenceParallel::on>: sequence parallelism under "
-                  "a pipeline schedule is not implemented yet. Fix: use "
-                  "d9d::parallel::TensorParallel<> (SequenceParallel::off), or drop the schedule");
     static_assert(!detail::static_degree_is<typename Plan::mesh::tp>(1),
                   "d9d::parallel::TensorParallel: the plan's mesh fixes tp = 1, so there is "
                   "nothing to split the layers over. Fix: give the mesh d9d::tp<N> with N > 1 (or "
