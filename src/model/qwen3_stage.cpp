@@ -68,8 +68,9 @@ at::Tensor Qwen3StageImpl::forward(const at::Tensor& input) {
   h = norm(h);
   if (tp_) {
     // Column-parallel over the vocabulary (under sequence parallelism copy_in gathers the
-    // sequence first), the logits gathered (the stage's output is whole).
-    return tp_->gather_last(detail::tied_head(tp_->copy_in(h), lm_head, embed_tokens));
+    // sequence first), the logits gathered unless the loss reads this rank's slice of them.
+    auto logits = detail::tied_head(tp_->copy_in(h), lm_head, embed_tokens);
+    return split_logits_ ? logits : tp_->gather_last(logits);
   }
   return detail::tied_head(h, lm_head, embed_tokens);
 }
@@ -95,6 +96,14 @@ void Qwen3StageImpl::set_tensor_parallel(std::shared_ptr<const TensorParallelGro
                                     : 0;
   vocab_start_ = group->rank() * rows;
   tp_ = std::move(group);
+}
+
+VocabSlice Qwen3StageImpl::keep_logits_split() {
+  if (!tp_ || !is_last()) {
+    return {};
+  }
+  split_logits_ = true;
+  return {.group = tp_, .start = vocab_start_};
 }
 
 void Qwen3StageImpl::set_context_parallel(std::shared_ptr<const ContextParallelGroup> group) {
@@ -139,9 +148,9 @@ std::vector<int64_t> Qwen3StageImpl::input_sizes(int64_t batch, int64_t seq) con
 std::vector<int64_t> Qwen3StageImpl::output_sizes(int64_t batch, int64_t seq) const {
   // The last stage's logits cover the sequence's local tokens (the head gathered them back under
   // sequence parallelism), the other stages' hidden states their sequence-parallel share.
-  return detail::stage_output_sizes(is_last(), batch,
-                                    is_last() ? local_tokens(seq) : hidden_tokens(seq),
-                                    config_.hidden_size, config_.vocab_size);
+  return detail::stage_output_sizes(
+      is_last(), batch, is_last() ? local_tokens(seq) : hidden_tokens(seq), config_.hidden_size,
+      split_logits_ ? config_.vocab_size / tp_->size() : config_.vocab_size);
 }
 
 void copy_parameters(const torch::nn::Module& from, torch::nn::Module& to) {

@@ -223,9 +223,29 @@ LossOutput CausalLmTask::output_loss(const at::Tensor& logits, const CausalLmBat
 
 LossOutput CausalLmTask::output_loss(const at::Tensor& logits, const CausalLmBatch& batch,
                                      const SequencePart& part) {
-  const auto labels = part(batch.tokens.narrow(1, 1, batch.tokens.size(1) - 1), 1);
-  const auto loss = model::causal_lm_loss(logits, labels.to(logits.device()));
-  return {.loss_sum = loss.loss_sum, .weight = loss.tokens};
+  return output_loss(logits, batch, part, VocabPart{});
+}
+
+LossOutput CausalLmTask::output_loss(const at::Tensor& logits, const CausalLmBatch& batch,
+                                     const SequencePart& part, const VocabPart& vocab) {
+  const auto labels =
+      part(batch.tokens.narrow(1, 1, batch.tokens.size(1) - 1), 1).to(logits.device());
+  if (vocab.whole()) {
+    const auto loss = model::causal_lm_loss(logits, labels);
+    return {.loss_sum = loss.loss_sum, .weight = loss.tokens};
+  }
+  const auto flat_labels = labels.reshape({-1});
+  return {
+      .loss_sum = vocab.cross_entropy_sum(logits.reshape({-1, logits.size(-1)}), flat_labels, -100),
+      .weight = (flat_labels != -100).sum()};
+}
+
+at::Tensor VocabPart::cross_entropy_sum(const at::Tensor& logits, const at::Tensor& labels,
+                                        int64_t ignore_index) const {
+  if (whole()) {
+    return model::causal_lm_loss(logits, labels, ignore_index).loss_sum;
+  }
+  return slice.group->cross_entropy_sum(logits, labels, slice.start, ignore_index);
 }
 
 }  // namespace d9d

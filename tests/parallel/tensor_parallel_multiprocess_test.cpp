@@ -2,7 +2,9 @@
 // training the same global batch, in float64 (tolerances in tests/train/train_test_util.hpp), 6
 // optimizer steps each: tp 2, tp 2 x dp_replicate 2 and tp 2 x FullyShard 2 (dp_shard), each with
 // an untied and a tied LM head, tp 2 with sequence parallelism (alone and x FullyShard 2),
-// tp 2 x pp 2 (1F1B, ZeroBubbleH1) and, on 8 ranks, tp 2 x FullyShard 2 x pp 2 (1F1B, ~3 s here);
+// tp 2 x pp 2 (1F1B, ZeroBubbleH1; the last stage's logits split for the loss-parallel
+// cross-entropy, or gathered for a task that does not take the vocabulary part), with sequence
+// parallelism too, and, on 8 ranks, tp 2 x FullyShard 2 x pp 2 (1F1B, ~3 s here);
 // losses, gradient norms and
 // every (gathered) parameter. Also the loss-parallel cross-entropy against the full one (values and
 // gradients, ignore index included), the model's gathered logits, replicated parameters staying
@@ -46,6 +48,42 @@ d9d::TrainerConfig run_config(const std::string& dir, bool tied, int64_t microba
   auto config = tiny_run(dir, 6, 8, microbatch, false, 2, mesh);
   config.sections["model"] = d9d::testing::tiny_qwen3_json(tied, 2);
   return config;
+}
+
+// The causal LM task, recording the width of the last stage's logits it gets; with
+// `TakesVocab` it has CausalLmTask's output_loss(logits, batch, part, vocab), so under tensor
+// parallelism the pipelined step keeps the logits split (the loss-parallel cross-entropy), else
+// only output_loss(logits, batch), and the step gathers them.
+template <bool TakesVocab>
+class LogitsWidthTask {
+ public:
+  using train_task_concept = d9d::train_task_tag;
+  static inline int64_t seen = 0;  // the last output_loss's logits width on this rank
+  d9d::LossOutput compute_loss(d9d::model::Qwen3ForCausalLM& model,
+                               const d9d::CausalLmBatch& batch) {
+    return task_.compute_loss(model, batch);
+  }
+  at::Tensor stage_input(const d9d::CausalLmBatch& batch) { return task_.stage_input(batch); }
+  d9d::LossOutput output_loss(const at::Tensor& logits, const d9d::CausalLmBatch& batch) {
+    seen = logits.size(-1);
+    return task_.output_loss(logits, batch);
+  }
+  d9d::LossOutput output_loss(const at::Tensor& logits, const d9d::CausalLmBatch& batch,
+                              const d9d::SequencePart& part,
+                              const d9d::VocabPart& vocab) requires TakesVocab {
+    seen = logits.size(-1);
+    return task_.output_loss(logits, batch, part, vocab);
+  }
+
+ private:
+  d9d::CausalLmTask task_;
+};
+
+template <class Plan, class Task>
+RunOutcome train_with(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& config) {
+  d9d::Trainer<Plan> trainer(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                             Task{}, config);
+  return d9d::testing::outcome_of(trainer);
 }
 
 RunOutcome reference(RankEnv& env, const d9d::DistributedContext& ctx, bool tied) {
@@ -249,6 +287,25 @@ TEST(Parallel_TensorParallel_ws4, TimesReplicateFullyShardAndPipelineMatchOnePro
           train_plan<d9d::Plan<TpPpMesh, Tp, d9d::pipeline::ZeroBubbleH1<>, Fp64>>(
               ctx, run_config(dir + "/zb", false, 2, R"({"pp": 2, "tp": 2})")),
           want, "tp 2 x pp 2, ZeroBubbleH1");
+      // The loss under tp x pp: split logits and the loss-parallel cross-entropy for a task that
+      // takes the vocabulary part (CausalLmTask does; the runs above used it), gathered logits
+      // for one that does not. Ranks of the last stage see 32 or 64 of the 64 ids; others none.
+      using SplitTask = LogitsWidthTask<true>;
+      using WholeTask = LogitsWidthTask<false>;
+      using OneFOneBPlan = d9d::Plan<TpPpMesh, Tp, d9d::pipeline::OneFOneB<>, Fp64>;
+      d9d::testing::expect_same_run(
+          train_with<OneFOneBPlan, SplitTask>(
+              ctx, run_config(dir + "/pp_split", false, 2, R"({"pp": 2, "tp": 2})")),
+          want, "tp 2 x pp 2, loss-parallel cross-entropy");
+      d9d::testing::expect_same_run(
+          train_with<OneFOneBPlan, WholeTask>(
+              ctx, run_config(dir + "/pp_whole", false, 2, R"({"pp": 2, "tp": 2})")),
+          want, "tp 2 x pp 2, gathered logits");
+      EXPECT_EQ(SplitTask::seen == 0, WholeTask::seen == 0);  // the same ranks hold the last stage
+      if (SplitTask::seen != 0) {
+        EXPECT_EQ(SplitTask::seen, 32);
+        EXPECT_EQ(WholeTask::seen, 64);
+      }
       // Sequence parallel x pp 2: the stages pass each rank's T / tp tokens; 1F1B and ZB-H1.
       d9d::testing::expect_same_run(
           train_plan<d9d::Plan<TpPpMesh, TpSp, d9d::pipeline::OneFOneB<>, Fp64>>(

@@ -52,6 +52,9 @@ class Qwen3StageImpl : public torch::nn::Module,
   [[nodiscard]] int64_t vocab_size() const override { return config_.vocab_size; }
   [[nodiscard]] std::vector<std::string> vocab_parameters() const override;
   void set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) override;
+  /// The last stage under tensor parallelism: its output becomes this rank's vocabulary slice of
+  /// the logits ([B, T, V / tp]); other stages (no logits) and no tp: a whole slice.
+  VocabSlice keep_logits_split() override;
   void set_context_parallel(std::shared_ptr<const ContextParallelGroup> group) override;
 
   [[nodiscard]] bool is_first() const { return stage_ == 0; }
@@ -81,6 +84,7 @@ class Qwen3StageImpl : public torch::nn::Module,
   std::shared_ptr<const TensorParallelGroup> tp_;
   std::shared_ptr<const ContextParallelGroup> cp_;
   int64_t vocab_start_ = 0;
+  bool split_logits_ = false;
   int stage_;
   int stages_;
   LayerRange range_;

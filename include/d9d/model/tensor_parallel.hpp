@@ -67,6 +67,14 @@ class TensorParallelGroup {
                                                   const at::Tensor& input_ids, int64_t vocab_start,
                                                   const TensorParallelGroup& group);
 
+/// This rank's slice of the vocabulary in a model's output logits kept split over the tensor-
+/// parallel group (VocabParallelModel::keep_logits_split): ids [start, start + V / tp).
+struct VocabSlice {
+  std::shared_ptr<const TensorParallelGroup> group;  ///< null: the logits are whole
+  int64_t start = 0;
+  [[nodiscard]] bool whole() const { return group == nullptr; }
+};
+
 /// A model whose token embedding and LM head tensor parallelism may split over the vocabulary
 /// (rows [rank V / tp, (rank + 1) V / tp) of each). The strategy narrows the parameters named by
 /// vocab_parameters() along dim 0 and then calls set_tensor_parallel; from then on the model
@@ -88,6 +96,12 @@ class VocabParallelModel {
   [[nodiscard]] virtual std::vector<std::string> vocab_parameters() const = 0;
   /// Called after the strategy narrowed those parameters and the model's attention and MLP blocks.
   virtual void set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) = 0;
+  /// Under tensor parallelism: from now on forward() returns this rank's slice of the logits
+  /// ([..., V / tp]: the loss-parallel cross-entropy, TensorParallelGroup::cross_entropy_sum, reads
+  /// them) instead of gathering them, and the slice is returned. A model that cannot, or that
+  /// outputs no logits (a pipeline stage before the last), returns a whole slice and changes
+  /// nothing (the default).
+  virtual VocabSlice keep_logits_split() { return {}; }
 };
 
 }  // namespace d9d::model

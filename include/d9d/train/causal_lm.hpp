@@ -128,6 +128,10 @@ class CausalLmTask {
   /// the labels are cut alike.
   LossOutput output_loss(const at::Tensor& logits, const CausalLmBatch& batch,
                          const SequencePart& part);
+  /// Under tensor parallelism the logits may be this rank's vocabulary slice (`vocab`): the
+  /// loss-parallel cross-entropy over the tp group.
+  LossOutput output_loss(const at::Tensor& logits, const CausalLmBatch& batch,
+                         const SequencePart& part, const VocabPart& vocab);
 
  private:
   CausalLmOptions options_;

@@ -36,6 +36,7 @@
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/core/process_group.hpp>
 #include <d9d/model/context_parallel.hpp>
+#include <d9d/model/tensor_parallel.hpp>
 
 namespace d9d {
 
@@ -256,6 +257,20 @@ struct SequencePart {
   }
 };
 
+/// The last pipeline stage's share of the vocabulary: under tensor parallelism, when the task takes
+/// it (pipeline_task_takes_vocab_part), the stage's logits stay split ([..., V / tp], ids
+/// [slice.start, slice.start + V / tp)) and cross_entropy_sum computes the loss-parallel
+/// cross-entropy over the tp group, never gathering them; whole otherwise.
+struct VocabPart {
+  model::VocabSlice slice;
+  [[nodiscard]] bool whole() const { return slice.whole(); }
+  /// The summed cross-entropy of the rows of `logits` [N, V or V / tp] against the global ids
+  /// `labels` [N] (ignore_index rows count nothing), at least in float32; the same value on every
+  /// rank of the tp group, its gradient reaching this rank's logits only.
+  [[nodiscard]] at::Tensor cross_entropy_sum(const at::Tensor& logits, const at::Tensor& labels,
+                                             int64_t ignore_index) const;
+};
+
 /// A pipeline task that can take its part of a sequence split by context parallelism:
 /// `output_loss(output, batch, part)` (d9d::CausalLmTask has it). Plans with ContextParallel and
 /// a pipeline schedule need it (a start-up error otherwise).
@@ -264,6 +279,18 @@ concept pipeline_task_takes_sequence_part = requires(T& t, const Batch& batch,
                                                      const at::Tensor& output,
                                                      const SequencePart& part) {
   { t.output_loss(output, batch, part) } -> std::same_as<LossOutput>;
+};
+
+/// A pipeline task that can take the last stage's logits split over the vocabulary:
+/// `output_loss(output, batch, part, vocab)` (d9d::CausalLmTask has it). Under tensor parallelism
+/// the step then keeps the logits split and the task computes the loss-parallel cross-entropy
+/// (VocabPart::cross_entropy_sum); other tasks get the gathered logits.
+template <class T, class Batch>
+concept pipeline_task_takes_vocab_part = requires(T& t, const Batch& batch,
+                                                  const at::Tensor& output,
+                                                  const SequencePart& part,
+                                                  const VocabPart& vocab) {
+  { t.output_loss(output, batch, part, vocab) } -> std::same_as<LossOutput>;
 };
 
 }  // namespace d9d

@@ -221,10 +221,24 @@ struct step_component<Schedule> {
       return detail::with_sharded<Batch>(
           contributions, microbatch, [&](const Batch& batch) { return task->stage_input(batch); });
     };
-    parts.loss = [task, contributions, part, update = std::move(after_microbatch)](
+    // Under tensor parallelism a task that takes the vocabulary part gets the last stage's logits
+    // split over tp (the loss-parallel cross-entropy); others get them gathered.
+    VocabPart vocab;
+    if constexpr (pipeline_task_takes_vocab_part<Task, Batch>) {
+      for (const auto& [module, stage] : parts.stages.stages) {
+        if (auto* model = dynamic_cast<model::VocabParallelModel*>(module.get())) {
+          if (auto slice = model->keep_logits_split(); !slice.whole()) {
+            vocab.slice = std::move(slice);
+          }
+        }
+      }
+    }
+    parts.loss = [task, contributions, part, vocab, update = std::move(after_microbatch)](
                      const at::Tensor& output, const std::any& microbatch) {
       auto out = detail::with_sharded<Batch>(contributions, microbatch, [&](const Batch& batch) {
-        if constexpr (pipeline_task_takes_sequence_part<Task, Batch>) {
+        if constexpr (pipeline_task_takes_vocab_part<Task, Batch>) {
+          return task->output_loss(output, batch, part, vocab);
+        } else if constexpr (pipeline_task_takes_sequence_part<Task, Batch>) {
           return task->output_loss(output, batch, part);
         } else {
           return task->output_loss(output, batch);

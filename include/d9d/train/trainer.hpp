@@ -25,7 +25,8 @@
 // TensorBoard event file; at the end it exports the model (safetensors + config.json; with LoRA
 // adapters, the merged model and the adapter in Hugging Face peft's format; under a pipeline plan
 // the stages' owners send their parameters to the main rank, one tensor group at a time, and a
-// tied embedding is written once — LoRA export under a pipeline is rejected). With the
+// tied embedding is written once; LoRA adapters are merged per stage and written as one peft
+// adapter). With the
 // config's "checkpoint" section it saves training checkpoints and resumes from the latest one
 // (d9d/train/checkpoint.hpp). A task that declares metrics (d9d/train/concepts.hpp) has them
 // updated per microbatch, synchronised over the ranks at the end of each logged step and written
