@@ -60,16 +60,21 @@ __device__ __forceinline__ std::uint8_t cast(float v, float s, float format_max)
       __nv_cvt_float_to_fp8(y, __NV_SATFINITE, E4M3 ? __NV_E4M3 : __NV_E5M2));
 }
 
-// x[i] as float32, times its dequantisation scale when x is float8.
+// x[i] as float32, times its dequantisation scale when x is float8, times its column's factor when
+// one is given (a non-float8 x's rows).
 template <typename T>
 struct Reader {
   const T* x;
   const float* scale;  // null unless x is float8
   bool scale_per_row;
   std::int64_t cols;
+  const float* column_factor;  // null unless given
   __device__ __forceinline__ float operator()(std::int64_t r, std::int64_t c) const {
-    const float v = static_cast<float>(x[r * cols + c]);
-    return scale == nullptr ? v : v * scale[scale_per_row ? r : 0];
+    float v = static_cast<float>(x[r * cols + c]);
+    if (scale != nullptr) {
+      v = v * scale[scale_per_row ? r : 0];
+    }
+    return column_factor == nullptr ? v : v * column_factor[c];
   }
 };
 
@@ -202,7 +207,8 @@ struct alignas(N) Bytes {
 };
 
 // 16-byte vectors of x as floats: x[r, v * kVec + k], times the row's (or the tensor's) scale for a
-// float8 x. x's rows are whole vectors (cols % kVec == 0) and start 16-byte aligned.
+// float8 x, times the column's factor when one is given. x's rows are whole vectors
+// (cols % kVec == 0) and start 16-byte aligned.
 template <typename T>
 struct FastReader {
   static constexpr int kVec = 16 / static_cast<int>(sizeof(T));
@@ -210,6 +216,7 @@ struct FastReader {
   const float* scale;  // null unless x is float8
   bool scale_per_row;
   std::int64_t cols;
+  const float* column_factor;  // null unless given
   __device__ __forceinline__ void operator()(std::int64_t r, std::int64_t v,
                                              float (&out)[kVec]) const {
     const auto a = reinterpret_cast<const Vec<T, kVec>*>(x + r * cols)[v];
@@ -218,6 +225,18 @@ struct FastReader {
     for (int k = 0; k < kVec; ++k) {
       out[k] =
           scale == nullptr ? static_cast<float>(a.val[k]) : static_cast<float>(a.val[k]) * factor;
+    }
+    if (column_factor != nullptr) {
+      // kVec factors in 16-byte loads (quantize_fast aligns the factor).
+      const auto* m = reinterpret_cast<const float4*>(column_factor + v * kVec);
+#pragma unroll
+      for (int i = 0; i < kVec / 4; ++i) {
+        const float4 f = m[i];
+        out[4 * i] = out[4 * i] * f.x;
+        out[4 * i + 1] = out[4 * i + 1] * f.y;
+        out[4 * i + 2] = out[4 * i + 2] * f.z;
+        out[4 * i + 3] = out[4 * i + 3] * f.w;
+      }
     }
   }
 };
@@ -439,6 +458,46 @@ __global__ void __launch_bounds__(kFastThreads)
   }
 }
 
+// A 64 x 64 tile of bytes transposed through shared memory: 16-byte loads along x's rows, 4-byte
+// stores along x^T's (x's columns a multiple of 16, its rows of 4, 16-byte aligned).
+__global__ void __launch_bounds__(kFastThreads)
+    byte_transpose_kernel(const std::uint8_t* __restrict__ x, std::int64_t rows, std::int64_t cols,
+                          std::uint8_t* __restrict__ out) {
+  __shared__ std::uint8_t tile[kFastTile][kFastTile + 4];
+  const int thread = static_cast<int>(threadIdx.y * 32 + threadIdx.x);
+  const std::int64_t c0 = static_cast<std::int64_t>(blockIdx.x) * kFastTile;
+  const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.y) * kFastTile;
+  {
+    const int i = thread / 4;  // 64 rows x 4 vectors of 16 bytes: one per thread
+    const int j = thread % 4;
+    const std::int64_t r = r0 + i;
+    const std::int64_t c = c0 + static_cast<std::int64_t>(j) * 16;
+    if (r < rows && c < cols) {
+      const auto v = *reinterpret_cast<const Bytes<16>*>(x + r * cols + c);
+#pragma unroll
+      for (int k = 0; k < 16; ++k) {
+        tile[i][j * 16 + k] = v.val[k];
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = thread; idx < kFastTile * (kFastTile / 4); idx += kFastThreads) {
+    const int column = idx / (kFastTile / 4);
+    const int word = idx % (kFastTile / 4);
+    const std::int64_t out_row = c0 + column;
+    const std::int64_t first = r0 + static_cast<std::int64_t>(word) * 4;
+    if (out_row >= cols || first >= rows) {
+      continue;
+    }
+    Bytes<4> b;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      b.val[k] = tile[word * 4 + k][column];
+    }
+    *reinterpret_cast<Bytes<4>*>(out + out_row * rows + first) = b;
+  }
+}
+
 // Whether x takes the fast kernels: float32, bfloat16, float16 or float8, rows of whole 16-byte
 // vectors, 16-byte aligned.
 bool fast_input(const at::Tensor& x) {
@@ -512,10 +571,11 @@ at::Tensor fast_amax(const FastReader<T>& read, std::int64_t rows, bool per_colu
 }
 
 // The quantisations on the fast kernels: `rows_out` (x's layout) and/or `columns_out` (x^T), each
-// with its scale tensor; x contiguous and fast_input; `x_scale` for a float8 x.
-void quantize_fast(const at::Tensor& x, const at::Tensor& x_scale, bool e4m3, bool rowwise,
-                   at::Tensor* rows_out, at::Tensor* rows_scale, at::Tensor* columns_out,
-                   at::Tensor* columns_scale, float format_max) {
+// with its scale tensor; x contiguous and fast_input; `x_scale` for a float8 x; `rows_factor`
+// ([1, cols], rowwise only) multiplies x's columns for the rows.
+void quantize_fast(const at::Tensor& x, const at::Tensor& x_scale, const at::Tensor& rows_factor,
+                   bool e4m3, bool rowwise, at::Tensor* rows_out, at::Tensor* rows_scale,
+                   at::Tensor* columns_out, at::Tensor* columns_scale, float format_max) {
   const std::int64_t rows = x.size(0);
   const std::int64_t cols = x.size(1);
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -529,14 +589,23 @@ void quantize_fast(const at::Tensor& x, const at::Tensor& x_scale, bool e4m3, bo
     using T = decltype(tag);
     const FastReader<T> read{static_cast<const T*>(x.const_data_ptr()),
                              x_scale.defined() ? x_scale.const_data_ptr<float>() : nullptr,
-                             x_scale.defined() && x_scale.dim() == 2, cols};
+                             x_scale.defined() && x_scale.dim() == 2, cols, nullptr};
+    // The factor read in 16-byte vectors: a copy when its storage is not aligned so (a view
+    // into a FullyShard unit's float8 storage may not be).
+    const at::Tensor factor =
+        rows_factor.defined() &&
+                reinterpret_cast<std::uintptr_t>(rows_factor.const_data_ptr()) % 16 != 0
+            ? rows_factor.clone()
+            : rows_factor;
+    FastReader<T> read_rows = read;
+    read_rows.column_factor = factor.defined() ? factor.const_data_ptr<float>() : nullptr;
     dispatch_format(e4m3, [&](auto format_tag) {
       constexpr bool kE4M3 = decltype(format_tag)::value;
       const auto row_blocks = static_cast<unsigned int>((rows + 7) / 8);
       if (rowwise) {
         if (rows_out != nullptr) {
           fast_rows_kernel<T, kE4M3><<<row_blocks, kFastBlock, 0, stream>>>(
-              read, rows, bytes(rows_out), floats(rows_scale), format_max);
+              read_rows, rows, bytes(rows_out), floats(rows_scale), format_max);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
         at::Tensor amax;
@@ -590,9 +659,11 @@ void dispatch_input(at::ScalarType type, F&& f) {
   }
 }
 
-// The general kernels, for any input (float64, unaligned or odd rows).
-void quantize_general(const at::Tensor& x, const at::Tensor& x_scale, bool e4m3, bool rowwise,
-                      bool transpose, at::Tensor& q, at::Tensor& inverse, float format_max) {
+// The general kernels, for any input (float64, unaligned or odd rows); `factor` ([1, cols]) as
+// float8_quantize's for a non-float8 x.
+void quantize_general(const at::Tensor& x, const at::Tensor& x_scale, const at::Tensor& factor,
+                      bool e4m3, bool rowwise, bool transpose, at::Tensor& q, at::Tensor& inverse,
+                      float format_max) {
   const std::int64_t rows = x.size(0);
   const std::int64_t cols = x.size(1);
   TORCH_CHECK((rowwise && !transpose) || (rows + kTile - 1) / kTile <= 65535,
@@ -605,7 +676,8 @@ void quantize_general(const at::Tensor& x, const at::Tensor& x_scale, bool e4m3,
   const std::int64_t groups = rowwise ? (transpose ? cols : rows) : 1;
   dispatch_input(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    const Reader<T> read{static_cast<const T*>(x.const_data_ptr()), scale, scale_per_row, cols};
+    const Reader<T> read{static_cast<const T*>(x.const_data_ptr()), scale, scale_per_row, cols,
+                         factor.defined() ? factor.const_data_ptr<float>() : nullptr};
     dispatch_format(e4m3, [&](auto e4m3_tag) {
       constexpr bool kE4M3 = decltype(e4m3_tag)::value;
       if (rowwise && !transpose) {
@@ -637,11 +709,15 @@ at::Tensor new_scale(const at::Tensor& x, bool rowwise, std::int64_t groups) {
 std::tuple<at::Tensor, at::Tensor> float8_quantize_cuda(
     const at::Tensor& x_arg, const std::optional<at::Tensor>& x_scale_arg, at::ScalarType format,
     bool rowwise, bool transpose) {
-  const at::Tensor x_scale_in = x_scale_arg.value_or(at::Tensor());
-  detail::check_float8_quantize(x_arg, x_scale_in, format);
+  const at::Tensor scale_in = x_scale_arg.value_or(at::Tensor());
+  detail::check_float8_quantize(x_arg, scale_in, format, rowwise, transpose);
   const c10::cuda::CUDAGuard guard(x_arg.device());
   const at::Tensor x = x_arg.contiguous();
-  const at::Tensor x_scale = x_scale_in.defined() ? x_scale_in.contiguous() : x_scale_in;
+  // A non-float8 x's x_scale is its factor per column.
+  const bool factor_given = detail::is_column_factor(x_arg, scale_in);
+  const at::Tensor given = scale_in.defined() ? scale_in.contiguous() : scale_in;
+  const at::Tensor x_scale = factor_given ? at::Tensor() : given;
+  const at::Tensor factor = factor_given ? given : at::Tensor();
   const std::int64_t rows = x.size(0);
   const std::int64_t cols = x.size(1);
   const float format_max = float8_max(format);
@@ -656,26 +732,32 @@ std::tuple<at::Tensor, at::Tensor> float8_quantize_cuda(
     return {q, inverse};
   }
   if (fast_input(x)) {
-    quantize_fast(x, x_scale, e4m3, rowwise, transpose ? nullptr : &q,
+    quantize_fast(x, x_scale, factor, e4m3, rowwise, transpose ? nullptr : &q,
                   transpose ? nullptr : &inverse, transpose ? &q : nullptr,
                   transpose ? &inverse : nullptr, format_max);
   } else {
-    quantize_general(x, x_scale, e4m3, rowwise, transpose, q, inverse, format_max);
+    quantize_general(x, x_scale, factor, e4m3, rowwise, transpose, q, inverse, format_max);
   }
   return {q, inverse};
 }
 
-// Rows and columns of x in one go: per row, fast_rows quantises the rows and takes the columns'
-// maxima, then fast_tile writes x^T; per tensor, one maximum, then fast_tile writes both.
+// Rows and columns of x in one go: per row, fast_rows quantises the rows (times rows_factor when
+// given), the columns' maxima and fast_tile write x^T; per tensor, one maximum, then fast_tile
+// writes both.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> float8_quantize_both_cuda(
-    const at::Tensor& x_arg, at::ScalarType format, bool rowwise) {
-  detail::check_float8_quantize(x_arg, at::Tensor(), format);
+    const at::Tensor& x_arg, at::ScalarType format, bool rowwise,
+    const std::optional<at::Tensor>& rows_factor_arg) {
+  TORCH_CHECK(x_arg.scalar_type() != at::kFloat8_e4m3fn && x_arg.scalar_type() != at::kFloat8_e5m2,
+              "d9d::float8_quantize_both: x is not float8 (use float8_quantize with its scale)");
+  const at::Tensor factor_in = rows_factor_arg.value_or(at::Tensor());
+  detail::check_float8_quantize(x_arg, factor_in, format, rowwise, false);
   const c10::cuda::CUDAGuard guard(x_arg.device());
   const at::Tensor x = x_arg.contiguous();
+  const at::Tensor rows_factor = factor_in.defined() ? factor_in.contiguous() : factor_in;
   const std::int64_t rows = x.size(0);
   const std::int64_t cols = x.size(1);
   if (rows == 0 || cols == 0 || !fast_input(x)) {
-    auto [q_rows, s_rows] = float8_quantize_cuda(x, std::nullopt, format, rowwise, false);
+    auto [q_rows, s_rows] = float8_quantize_cuda(x, rows_factor_arg, format, rowwise, false);
     auto [q_columns, s_columns] = float8_quantize_cuda(x, std::nullopt, format, rowwise, true);
     return {q_rows, s_rows, q_columns, s_columns};
   }
@@ -683,9 +765,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> float8_quantize_both_
   auto q_columns = at::empty({cols, rows}, x.options().dtype(format));
   auto s_rows = new_scale(x, rowwise, rows);
   auto s_columns = new_scale(x, rowwise, cols);
-  quantize_fast(x, at::Tensor(), format == at::kFloat8_e4m3fn, rowwise, &q_rows, &s_rows,
-                &q_columns, &s_columns, float8_max(format));
+  quantize_fast(x, at::Tensor(), rows_factor, format == at::kFloat8_e4m3fn, rowwise, &q_rows,
+                &s_rows, &q_columns, &s_columns, float8_max(format));
   return {q_rows, s_rows, q_columns, s_columns};
+}
+
+// A float8 matrix's bytes transposed: byte_transpose_kernel where the shape and alignment let it,
+// else ATen's strided copy.
+at::Tensor float8_transpose_cuda(const at::Tensor& x_arg) {
+  TORCH_CHECK(x_arg.dim() == 2 && (x_arg.scalar_type() == at::kFloat8_e4m3fn ||
+                                   x_arg.scalar_type() == at::kFloat8_e5m2),
+              "d9d::float8_transpose: x is a 2-D float8 tensor, got ", x_arg.scalar_type(),
+              " with ", x_arg.dim(), " dimensions");
+  const c10::cuda::CUDAGuard guard(x_arg.device());
+  const at::Tensor x = x_arg.contiguous();
+  const std::int64_t rows = x.size(0);
+  const std::int64_t cols = x.size(1);
+  if (rows == 0 || cols == 0 || cols % 16 != 0 || rows % 4 != 0 ||
+      reinterpret_cast<std::uintptr_t>(x.const_data_ptr()) % 16 != 0) {
+    return x.view(at::kByte).t().contiguous().view(x.scalar_type());
+  }
+  auto out = at::empty({cols, rows}, x.options());
+  byte_transpose_kernel<<<tile_grid(rows, cols), kFastBlock, 0, at::cuda::getCurrentCUDAStream()>>>(
+      static_cast<const std::uint8_t*>(x.const_data_ptr()), rows, cols,
+      static_cast<std::uint8_t*>(out.mutable_data_ptr()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
 }
 
 }  // namespace
@@ -694,4 +799,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> float8_quantize_both_
 TORCH_LIBRARY_IMPL(d9d, CUDA, m) {
   m.impl("float8_quantize", &d9d::kernels::float8_quantize_cuda);
   m.impl("float8_quantize_both", &d9d::kernels::float8_quantize_both_cuda);
+  m.impl("float8_transpose", &d9d::kernels::float8_transpose_cuda);
 }

@@ -42,7 +42,13 @@ float float8_scale(float amax, float format_max) {
   return out;
 }
 
-void check_float8_quantize(const at::Tensor& x, const at::Tensor& x_scale, at::ScalarType format) {
+bool is_column_factor(const at::Tensor& x, const at::Tensor& x_scale) {
+  return x_scale.defined() && x.scalar_type() != at::kFloat8_e4m3fn &&
+         x.scalar_type() != at::kFloat8_e5m2;
+}
+
+void check_float8_quantize(const at::Tensor& x, const at::Tensor& x_scale, at::ScalarType format,
+                           bool rowwise, bool transpose) {
   TORCH_CHECK(x.defined() && x.dim() == 2, "d9d::float8_quantize: x must be 2-D, got ",
               x.defined() ? x.dim() : -1, " dimensions");
   static_cast<void>(float8_max(format));
@@ -52,29 +58,53 @@ void check_float8_quantize(const at::Tensor& x, const at::Tensor& x_scale, at::S
                   type == at::kHalf,
               "d9d::float8_quantize: x is float32, float64, bfloat16, float16 or float8, got ",
               type);
-  TORCH_CHECK(float8_input == x_scale.defined(),
-              "d9d::float8_quantize: a float8 x needs its scale (x_scale), and only a float8 x "
-              "takes one");
-  if (x_scale.defined()) {
-    TORCH_CHECK(x_scale.scalar_type() == at::kFloat, "d9d::float8_quantize: x_scale is float32");
-    TORCH_CHECK(x_scale.device() == x.device(), "d9d::float8_quantize: x_scale is on ",
-                x_scale.device(), ", x on ", x.device());
+  TORCH_CHECK(!float8_input || x_scale.defined(),
+              "d9d::float8_quantize: a float8 x needs its scale (x_scale)");
+  if (!x_scale.defined()) {
+    return;
+  }
+  TORCH_CHECK(x_scale.scalar_type() == at::kFloat, "d9d::float8_quantize: x_scale is float32");
+  TORCH_CHECK(x_scale.device() == x.device(), "d9d::float8_quantize: x_scale is on ",
+              x_scale.device(), ", x on ", x.device());
+  if (float8_input) {
     TORCH_CHECK(x_scale.dim() == 0 ||
                     (x_scale.dim() == 2 && x_scale.size(0) == x.size(0) && x_scale.size(1) == 1),
-                "d9d::float8_quantize: x_scale is [rows, 1] or 0-dimensional, got ",
+                "d9d::float8_quantize: a float8 x's x_scale is [rows, 1] or 0-dimensional, got ",
                 x_scale.sizes(), " for x ", x.sizes());
+    return;
   }
+  TORCH_CHECK(x_scale.dim() == 2 && x_scale.size(0) == 1 && x_scale.size(1) == x.size(1),
+              "d9d::float8_quantize: x_scale of a non-float8 x is a factor per column [1, cols], "
+              "got ",
+              x_scale.sizes(), " for x ", x.sizes());
+  TORCH_CHECK(rowwise && !transpose,
+              "d9d::float8_quantize: a factor per column (x_scale) takes per-row scales, not "
+              "transposed");
 }
 
 }  // namespace detail
 
 namespace {
 
-// x as float32 values, row-major [rows, cols] (a float8 x times its scale).
+// x as float32 values, row-major [rows, cols] (a float8 x times its scale; another x times its
+// factor per column).
 std::vector<float> values_of(const at::Tensor& x, const at::Tensor& x_scale) {
   const int64_t rows = x.size(0);
   const int64_t cols = x.size(1);
   std::vector<float> v(static_cast<std::size_t>(rows * cols));
+  if (detail::is_column_factor(x, x_scale)) {
+    const auto f = x.to(at::kFloat).contiguous();
+    const auto factor = x_scale.contiguous();
+    const float* in = f.const_data_ptr<float>();
+    const float* m = factor.const_data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const auto i = static_cast<std::size_t>(r * cols + c);
+        v[i] = in[i] * m[c];
+      }
+    }
+    return v;
+  }
   if (x_scale.defined()) {
     const auto raw = x.contiguous();
     const auto scale = x_scale.contiguous();
@@ -127,7 +157,7 @@ std::tuple<at::Tensor, at::Tensor> float8_quantize_cpu(const at::Tensor& x,
                                                        at::ScalarType format, bool rowwise,
                                                        bool transpose) {
   const at::Tensor x_scale = x_scale_arg.value_or(at::Tensor());
-  detail::check_float8_quantize(x, x_scale, format);
+  detail::check_float8_quantize(x, x_scale, format, rowwise, transpose);
   const int64_t rows = x.size(0);
   const int64_t cols = x.size(1);
   const float format_max = float8_max(format);
@@ -162,12 +192,22 @@ std::tuple<at::Tensor, at::Tensor> float8_quantize_cpu(const at::Tensor& x,
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> float8_quantize_both_cpu(
-    const at::Tensor& x, at::ScalarType format, bool rowwise) {
+    const at::Tensor& x, at::ScalarType format, bool rowwise,
+    const std::optional<at::Tensor>& rows_factor) {
   TORCH_CHECK(x.scalar_type() != at::kFloat8_e4m3fn && x.scalar_type() != at::kFloat8_e5m2,
               "d9d::float8_quantize_both: x is not float8 (use float8_quantize with its scale)");
-  auto [rows, row_scale] = float8_quantize_cpu(x, std::nullopt, format, rowwise, false);
+  auto [rows, row_scale] = float8_quantize_cpu(x, rows_factor, format, rowwise, false);
   auto [columns, column_scale] = float8_quantize_cpu(x, std::nullopt, format, rowwise, true);
   return {rows, row_scale, columns, column_scale};
+}
+
+at::Tensor float8_transpose_cpu(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 &&
+                  (x.scalar_type() == at::kFloat8_e4m3fn || x.scalar_type() == at::kFloat8_e5m2),
+              "d9d::float8_transpose: x is a 2-D float8 tensor, got ", x.scalar_type(), " with ",
+              x.dim(), " dimensions");
+  // The bytes, moved as bytes.
+  return x.view(at::kByte).t().contiguous().view(x.scalar_type());
 }
 
 using QuantizeSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
@@ -182,12 +222,21 @@ const c10::TypedOperatorHandle<QuantizeSig>& quantize_op() {
 }
 
 using QuantizeBothSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, at::ScalarType, bool);
+    const at::Tensor&, at::ScalarType, bool, const std::optional<at::Tensor>&);
 
 const c10::TypedOperatorHandle<QuantizeBothSig>& quantize_both_op() {
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("d9d::float8_quantize_both", "")
                                  .typed<QuantizeBothSig>();
+  return handle;
+}
+
+using TransposeSig = at::Tensor(const at::Tensor&);
+
+const c10::TypedOperatorHandle<TransposeSig>& transpose_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("d9d::float8_transpose", "")
+                                 .typed<TransposeSig>();
   return handle;
 }
 
@@ -204,10 +253,22 @@ Float8Tensor float8_quantize(const at::Tensor& x, at::ScalarType format, bool ro
 }
 
 std::pair<Float8Tensor, Float8Tensor> float8_quantize_both(const at::Tensor& x,
-                                                           at::ScalarType format, bool rowwise) {
-  auto [rows, row_scale, columns, column_scale] = quantize_both_op().call(x, format, rowwise);
+                                                           at::ScalarType format, bool rowwise,
+                                                           const at::Tensor& rows_factor) {
+  auto [rows, row_scale, columns, column_scale] = quantize_both_op().call(
+      x, format, rowwise,
+      rows_factor.defined() ? std::optional<at::Tensor>(rows_factor) : std::nullopt);
   return {Float8Tensor{.data = std::move(rows), .scale = std::move(row_scale)},
           Float8Tensor{.data = std::move(columns), .scale = std::move(column_scale)}};
+}
+
+Float8Tensor float8_transpose(const Float8Tensor& t, bool unit_scales) {
+  TORCH_CHECK(unit_scales || !t.rowwise(),
+              "d9d::float8_transpose: a per-row float8 tensor transposes with unit scales only "
+              "(its row scales go to the other operand)");
+  auto data = transpose_op().call(t.data);
+  auto scale = unit_scales ? at::ones({data.size(0), 1}, t.scale.options()) : t.scale;
+  return {.data = std::move(data), .scale = std::move(scale)};
 }
 
 at::Tensor float8_dequantize(const Float8Tensor& t, at::ScalarType dtype) {
@@ -245,11 +306,13 @@ TORCH_LIBRARY_FRAGMENT(d9d, m) {
       "float8_quantize(Tensor x, Tensor? x_scale, ScalarType dtype, bool rowwise, bool transpose) "
       "-> (Tensor, Tensor)");
   m.def(
-      "float8_quantize_both(Tensor x, ScalarType dtype, bool rowwise) -> (Tensor, Tensor, Tensor, "
-      "Tensor)");
+      "float8_quantize_both(Tensor x, ScalarType dtype, bool rowwise, Tensor? rows_factor) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
+  m.def("float8_transpose(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(d9d, CPU, m) {
   m.impl("float8_quantize", &d9d::kernels::float8_quantize_cpu);
   m.impl("float8_quantize_both", &d9d::kernels::float8_quantize_both_cpu);
+  m.impl("float8_transpose", &d9d::kernels::float8_transpose_cpu);
 }

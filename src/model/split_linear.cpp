@@ -369,20 +369,23 @@ struct Float8LinearFunction : torch::autograd::Function<Float8LinearFunction> {
     const int64_t out_features = w.data.size(0);
     const auto g = grads[0].reshape({-1, out_features});
     torch::autograd::variable_list out(5);  // x, weight, how, weight_trains, queue address
-    // g per token along the outputs (for dx), and per output along the tokens (for dW).
+    // g per token along the outputs (for dx), and per output along the tokens (for dW). dx = g W
+    // with W = diag(s) Wq per row: s folds into g's columns before its rows are quantised (powers
+    // of two: exact), so W's float8 bytes serve transposed as they are, with unit scales, and are
+    // never quantised twice; per tensor, W keeps its one scale.
+    const at::Tensor w_factor = rowwise ? w.scale.view({1, out_features}) : at::Tensor();
     kernels::Float8Tensor g_rows;
     kernels::Float8Tensor g_columns;
     if (ctx->needs_input_grad(0) && ctx->needs_input_grad(1)) {
-      std::tie(g_rows, g_columns) = kernels::float8_quantize_both(g, gradient_format, rowwise);
+      std::tie(g_rows, g_columns) =
+          kernels::float8_quantize_both(g, gradient_format, rowwise, w_factor);
     } else if (ctx->needs_input_grad(0)) {
-      g_rows = kernels::float8_quantize(g, gradient_format, rowwise);
+      g_rows = kernels::float8_quantize(g, gradient_format, rowwise, false, w_factor);
     } else if (ctx->needs_input_grad(1)) {
       g_columns = kernels::float8_quantize(g, gradient_format, rowwise, /*transpose=*/true);
     }
     if (ctx->needs_input_grad(0)) {
-      // dx = g W: W per input column along the outputs.
-      const auto wt = kernels::float8_quantize(w.data, at::kFloat8_e4m3fn, rowwise,
-                                               /*transpose=*/true, w.scale);
+      const auto wt = kernels::float8_transpose(w, /*unit_scales=*/rowwise);
       const auto dx = kernels::float8_matmul(g_rows, wt, g.scalar_type());
       auto sizes = grads[0].sizes().vec();
       sizes.back() = w.data.size(1);

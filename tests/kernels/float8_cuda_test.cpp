@@ -1,7 +1,8 @@
 // d9d::float8_quantize and the float8 GEMMs on CUDA (GPU machines only; ctest label "gpu"): the
 // CUDA kernels bit for bit against the CPU reference kernel for every grouping, layout, format and
 // input dtype, at shapes with tails; the at::_scaled_mm product against the emulation (the same
-// quantised operands: only the accumulation order differs); the float8 linear layer on the GPU
+// quantised operands: only the accumulation order differs); float8 bytes transposed on the GPU
+// (the tiled kernel and the strided copy); the float8 linear layer on the GPU
 // against its CPU emulation, and against bfloat16 within float8's tolerance.
 #include <limits>
 #include <string>
@@ -72,6 +73,20 @@ TEST_F(Kernels_Float8_Cuda, QuantizationIsBitIdenticalToTheCpuKernel) {
               d9d::kernels::float8_quantize_both(x, format, rowwise);
           expect_same(gpu_rows, cpu_rows, what + " both: rows");
           expect_same(gpu_columns, cpu_columns, what + " both: columns");
+          if (rowwise && input != at::kDouble) {
+            // The rows times a power-of-two factor per column (the backward's gradient times the
+            // weight's row scales).
+            const auto factor = at::pow(2.0, at::randint(-6, 7, {1, cols})).to(at::kFloat);
+            expect_same(d9d::kernels::float8_quantize(x.cuda(), format, true, false, factor.cuda()),
+                        d9d::kernels::float8_quantize(x, format, true, false, factor),
+                        what + " factor");
+            const auto [gpu_f_rows, gpu_f_columns] =
+                d9d::kernels::float8_quantize_both(x.cuda(), format, true, factor.cuda());
+            const auto [cpu_f_rows, cpu_f_columns] =
+                d9d::kernels::float8_quantize_both(x, format, true, factor);
+            expect_same(gpu_f_rows, cpu_f_rows, what + " both with a factor: rows");
+            expect_same(gpu_f_columns, cpu_f_columns, what + " both with a factor: columns");
+          }
         }
       }
     }
@@ -85,6 +100,16 @@ TEST_F(Kernels_Float8_Cuda, QuantizationIsBitIdenticalToTheCpuKernel) {
                                       rows.scale.cuda()),
         d9d::kernels::float8_quantize(rows.data, at::kFloat8_e4m3fn, rowwise, true, rows.scale),
         "requantised");
+  }
+  // Float8 bytes transposed: the tiled kernel (whole 16-byte rows, rows a multiple of 4) and the
+  // strided copy (the rest), byte for byte.
+  for (const auto& [r, c] : std::vector<std::pair<int64_t, int64_t>>{
+           {96, 64}, {300, 128}, {301, 96}, {64, 77}, {1000, 4096}}) {
+    const auto q = d9d::kernels::float8_quantize(at::randn({r, c}), at::kFloat8_e4m3fn, false);
+    const auto gpu = d9d::kernels::float8_transpose(
+        {.data = q.data.cuda(), .scale = q.scale.cuda()}, /*unit_scales=*/false);
+    EXPECT_TRUE(at::equal(gpu.data.cpu().view(at::kByte), q.data.view(at::kByte).t()))
+        << r << "x" << c << " transposed";
   }
 }
 

@@ -1,6 +1,7 @@
 // d9d::float8_quantize and d9d::kernels::float8_matmul on the CPU: the quantisation against its
 // definition written again in double (tests/kernels/float8_reference.hpp) for every grouping,
-// layout, format and input dtype, bit for bit; a NaN or infinite value poisons only its group;
+// layout, format and input dtype, bit for bit, with a factor per column too; a NaN or infinite
+// value poisons only its group; float8 bytes transpose as bytes;
 // float8 inputs are rescaled exactly; the product equals the exact product of the dequantised
 // operands to float32 rounding; argument errors say what is wrong.
 #include <cmath>
@@ -83,6 +84,44 @@ TEST(Kernels_Float8_Cpu, BothFormsInOneCallEqualTheSeparateCalls) {
     EXPECT_TRUE(at::equal(columns.data.view(at::kByte), want_columns.data.view(at::kByte)));
     EXPECT_TRUE(at::equal(columns.scale, want_columns.scale));
   }
+}
+
+TEST(Kernels_Float8_Cpu, FactorPerColumnMultipliesTheRowsBeforeTheirQuantisation) {
+  // What the float8 layer's backward does to its gradient: the weight's row scales (powers of
+  // two) folded into the gradient's columns.
+  auto generator = at::detail::createCPUGenerator(17);
+  const auto factor = at::pow(2.0, at::randint(-8, 9, {1, 24}, generator)).to(at::kFloat);
+  for (const auto input : {at::kFloat, at::kBFloat16}) {
+    const auto x = awkward(7, 24, input, 18);
+    for (const auto format : {at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
+      const auto rows = d9d::kernels::float8_quantize(x, format, true, false, factor);
+      expect_matches_reference(rows, d9d::testing::float8_reference(x, format, true, false, factor),
+                               name_of(format, true, false, input) + " times a factor");
+      // The factor changes the rows' groups: not the plain quantisation.
+      EXPECT_FALSE(at::equal(rows.scale, d9d::kernels::float8_quantize(x, format, true).scale));
+      const auto [both_rows, both_columns] =
+          d9d::kernels::float8_quantize_both(x, format, true, factor);
+      EXPECT_TRUE(at::equal(both_rows.data.view(at::kByte), rows.data.view(at::kByte)));
+      EXPECT_TRUE(at::equal(both_rows.scale, rows.scale));
+      // The columns are x's own.
+      const auto columns = d9d::kernels::float8_quantize(x, format, true, true);
+      EXPECT_TRUE(at::equal(both_columns.data.view(at::kByte), columns.data.view(at::kByte)));
+      EXPECT_TRUE(at::equal(both_columns.scale, columns.scale));
+    }
+  }
+}
+
+TEST(Kernels_Float8_Cpu, TransposeMovesTheBytes) {
+  const auto x = awkward(9, 40, at::kFloat, 19);
+  const auto whole = d9d::kernels::float8_quantize(x, at::kFloat8_e4m3fn, false);
+  const auto t = d9d::kernels::float8_transpose(whole, /*unit_scales=*/false);
+  EXPECT_TRUE(t.data.is_contiguous());
+  EXPECT_TRUE(at::equal(t.data.view(at::kByte), whole.data.view(at::kByte).t()));
+  EXPECT_TRUE(at::equal(t.scale, whole.scale));
+  const auto rows = d9d::kernels::float8_quantize(x, at::kFloat8_e4m3fn, true);
+  const auto unit = d9d::kernels::float8_transpose(rows, /*unit_scales=*/true);
+  EXPECT_TRUE(at::equal(unit.data.view(at::kByte), rows.data.view(at::kByte).t()));
+  EXPECT_TRUE(at::equal(unit.scale, at::ones({40, 1})));
 }
 
 TEST(Kernels_Float8_Cpu, ScalesArePowersOfTwoThatFitTheLargestValue) {
@@ -176,7 +215,18 @@ TEST(Kernels_Float8_Cpu, ArgumentErrorsSayWhatIsWrong) {
   EXPECT_THAT(error_of([&] {
                 (void)d9d::kernels::float8_quantize(x, at::kFloat8_e4m3fn, true, false, q.scale);
               }),
-              HasSubstr("only a float8 x takes one"));
+              HasSubstr("a factor per column [1, cols]"));
+  const auto factor = at::ones({1, 16});
+  EXPECT_THAT(error_of([&] {
+                (void)d9d::kernels::float8_quantize(x, at::kFloat8_e4m3fn, true, true, factor);
+              }),
+              HasSubstr("takes per-row scales, not transposed"));
+  EXPECT_THAT(error_of([&] {
+                (void)d9d::kernels::float8_quantize_both(x, at::kFloat8_e4m3fn, false, factor);
+              }),
+              HasSubstr("takes per-row scales"));
+  EXPECT_THAT(error_of([&] { (void)d9d::kernels::float8_transpose(q, /*unit_scales=*/false); }),
+              HasSubstr("unit scales only"));
   const auto p = d9d::kernels::float8_quantize(x, at::kFloat8_e4m3fn, false);
   EXPECT_THAT(error_of([&] { (void)d9d::kernels::float8_matmul(q, p, at::kFloat); }),
               HasSubstr("per row, or both per tensor"));

@@ -22,7 +22,8 @@ constexpr double kFloatEps = 6e-8;  // float32's unit roundoff
 at::Tensor dequantized(const d9d::testing::Float8Reference& r) { return r.values * r.scale; }
 
 struct Expected {
-  at::Tensor y, dx, dw;  // double
+  at::Tensor y, dx, dw;          // double
+  at::Tensor dx_left, dx_right;  // dx's operands: dx = dx_left dx_right^T
 };
 
 // The definition, for x [M, K], w [N, K], g [M, N] (float32 values).
@@ -30,12 +31,21 @@ Expected definition(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   using d9d::testing::float8_reference;
   const auto e4m3 = at::kFloat8_e4m3fn;
   const auto gradient_format = rowwise ? e4m3 : at::kFloat8_e5m2;
-  const auto wq = dequantized(float8_reference(w, e4m3, rowwise, false));
+  const auto w8 = float8_reference(w, e4m3, rowwise, false);
+  const auto wq = dequantized(w8);
   Expected out;
   out.y = at::mm(dequantized(float8_reference(x, e4m3, rowwise, false)), wq.t());
-  // dx = g W with W as the forward used it, requantised along the outputs (per input column).
-  const auto wt = dequantized(float8_reference(wq.to(at::kFloat), e4m3, rowwise, true));
-  out.dx = at::mm(dequantized(float8_reference(g, gradient_format, rowwise, false)), wt.t());
+  // dx = g W with W as the forward used it: per row, W = diag(s) q with s folded into g's columns
+  // before g is quantised per token, q's values as they are; per tensor, g per tensor and W whole.
+  if (rowwise) {
+    const auto s = w8.scale.to(at::kFloat).view({1, -1});
+    out.dx_left = dequantized(float8_reference(g, gradient_format, true, false, s));
+    out.dx_right = w8.values.t();
+  } else {
+    out.dx_left = dequantized(float8_reference(g, gradient_format, false, false));
+    out.dx_right = wq.t();
+  }
+  out.dx = at::mm(out.dx_left, out.dx_right.t());
   // dW = g^T x, both along the tokens.
   out.dw = at::mm(dequantized(float8_reference(g, gradient_format, rowwise, true)),
                   dequantized(float8_reference(x, e4m3, rowwise, true)).t());
@@ -82,10 +92,8 @@ TEST_P(Model_Float8Linear, ForwardAndGradientsEqualTheDefinition) {
       dequantized(float8_reference(linear->weight.detach(), at::kFloat8_e4m3fn, rowwise, false));
   expect_product_close(y.detach().reshape({16, 48}), want.y, abs_bound(xq, wq, 32), "forward");
   const auto gf = rowwise ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
-  const auto gq = dequantized(float8_reference(g.reshape({16, 48}), gf, rowwise, false));
-  const auto wt =
-      dequantized(float8_reference(wq.to(at::kFloat), at::kFloat8_e4m3fn, rowwise, true));
-  expect_product_close(x.grad().reshape({16, 32}), want.dx, abs_bound(gq, wt, 48), "dx");
+  expect_product_close(x.grad().reshape({16, 32}), want.dx,
+                       abs_bound(want.dx_left, want.dx_right, 48), "dx");
   const auto gt = dequantized(float8_reference(g.reshape({16, 48}), gf, rowwise, true));
   const auto xt = dequantized(
       float8_reference(x.detach().reshape({16, 32}), at::kFloat8_e4m3fn, rowwise, true));

@@ -101,9 +101,10 @@ struct Float8Linear {
 /// the weight gradient's), by `how`: x per row (rowwise) or per tensor in e4m3fn, W per row in
 /// e4m3fn (or `how.weight`), in the compute dtype (autocast's, else x's). Backward quantises the
 /// output gradient (e4m3fn rowwise, e5m2 tensorwise) along each product's contracted dimension and
-/// uses the forward's float8 weight, rescaled per column; it keeps the float8 weight and x^T in
-/// float8 for backward, not x. Under a recording d9d::WeightGradQueue the weight-gradient GEMM is
-/// deferred like Linear's. d9d/kernels/float8.hpp defines the quantisation.
+/// uses the forward's float8 weight as it is, transposed (per row, W's row scales multiply the
+/// gradient's columns before its rows are quantised for dx = g W); it keeps the float8 weight and
+/// x^T in float8 for backward, not x. Under a recording d9d::WeightGradQueue the weight-gradient
+/// GEMM is deferred like Linear's. d9d/kernels/float8.hpp defines the quantisation.
 at::Tensor float8_linear(const at::Tensor& x, const at::Tensor& weight, const Float8Linear& how);
 
 /// y = x W^T (+ b), with split backward under a recording d9d::WeightGradQueue. The same
