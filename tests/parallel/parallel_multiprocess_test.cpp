@@ -140,7 +140,8 @@ TEST(Parallel_FullyShard_ws4, HsdpAndPipelineMatchOneProcess) {
     EXPECT_GT(zero_bubble.reductions_started_early, 0U);
     // The reshard setting under a pipeline: after_forward gathers each block for its forward and
     // its backward and frees it after them (here without prefetch: one block of the stage at a
-    // time), never keeps the stage's blocks for the step; both train as one process does.
+    // time), never keeps the stage's blocks for the step, all_but_last keeps the rank's last
+    // block (its stage's second) and frees the other; all three train as one process does.
     auto after_forward = run_config(dir + "/pp-after", R"({"pp": 2, "dp_shard": 2})");
     after_forward.data_parallel.prefetch = 0;
     auto never = run_config(dir + "/pp-never", R"({"pp": 2, "dp_shard": 2})");
@@ -151,11 +152,21 @@ TEST(Parallel_FullyShard_ws4, HsdpAndPipelineMatchOneProcess) {
     const auto kept =
         train_plan<d9d::Plan<PpMesh, d9d::parallel::Fsdp, d9d::pipeline::OneFOneB<>, Fp64>>(ctx,
                                                                                             never);
+    auto all_but_last = run_config(dir + "/pp-last", R"({"pp": 2, "dp_shard": 2})");
+    all_but_last.data_parallel.prefetch = 0;
+    all_but_last.data_parallel.reshard = "all_but_last";
+    const auto last_kept =
+        train_plan<d9d::Plan<PpMesh, d9d::parallel::Fsdp, d9d::pipeline::OneFOneB<>, Fp64>>(
+            ctx, all_but_last);
     d9d::testing::expect_same_run(freed, want, "FSDP 2 x pp 2, after_forward, no prefetch");
     d9d::testing::expect_same_run(kept, want, "FSDP 2 x pp 2, never");
-    // Each stage: the loose parameters and 2 blocks; one block's worth less at the peak.
+    d9d::testing::expect_same_run(last_kept, want, "FSDP 2 x pp 2, all_but_last, no prefetch");
+    // Each stage: the loose parameters and 2 blocks; one block's worth less at the peak when
+    // every block is freed; the block all_but_last keeps is held beside the one in use.
     EXPECT_GT(freed.peak_extra_bytes, 0);
     EXPECT_LT(freed.peak_extra_bytes, kept.peak_extra_bytes);
+    EXPECT_LT(freed.peak_extra_bytes, last_kept.peak_extra_bytes);
+    EXPECT_LE(last_kept.peak_extra_bytes, kept.peak_extra_bytes);
   });
 }
 
