@@ -92,20 +92,8 @@ std::vector<float> values_of(const at::Tensor& x, const at::Tensor& x_scale) {
   const int64_t rows = x.size(0);
   const int64_t cols = x.size(1);
   std::vector<float> v(static_cast<std::size_t>(rows * cols));
-  if (detail::is_column_factor(x, x_scale)) {
-    const auto f = x.to(at::kFloat).contiguous();
-    const auto factor = x_scale.contiguous();
-    const float* in = f.const_data_ptr<float>();
-    const float* m = factor.const_data_ptr<float>();
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < cols; ++c) {
-        const auto i = static_cast<std::size_t>(r * cols + c);
-        v[i] = in[i] * m[c];
-      }
-    }
-    return v;
-  }
-  if (x_scale.defined()) {
+  const bool factor_given = detail::is_column_factor(x, x_scale);
+  if (x_scale.defined() && !factor_given) {
     const auto raw = x.contiguous();
     const auto scale = x_scale.contiguous();
     const float* s = scale.const_data_ptr<float>();
@@ -129,6 +117,15 @@ std::vector<float> values_of(const at::Tensor& x, const at::Tensor& x_scale) {
   }
   const auto f = x.to(at::kFloat).contiguous();
   std::memcpy(v.data(), f.const_data_ptr<float>(), v.size() * sizeof(float));
+  if (factor_given) {
+    const auto factor = x_scale.contiguous();
+    const float* m = factor.const_data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        v[static_cast<std::size_t>(r * cols + c)] *= m[c];
+      }
+    }
+  }
   return v;
 }
 

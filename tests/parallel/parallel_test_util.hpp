@@ -73,9 +73,9 @@ RunOutcome outcome_of(Trainer<Plan>& trainer) {
   return out;
 }
 
-template <class Plan>
+template <class Plan, class Task = CausalLmTask>
 RunOutcome train_plan(const DistributedContext& ctx, const TrainerConfig& config) {
-  Trainer<Plan> trainer(ctx, Qwen3Provider{}, RandomWindowsProvider{}, CausalLmTask{}, config);
+  Trainer<Plan> trainer(ctx, Qwen3Provider{}, RandomWindowsProvider{}, Task{}, config);
   return outcome_of(trainer);
 }
 

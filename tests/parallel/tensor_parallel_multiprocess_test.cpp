@@ -79,11 +79,21 @@ class LogitsWidthTask {
   d9d::CausalLmTask task_;
 };
 
-template <class Plan, class Task>
-RunOutcome train_with(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& config) {
-  d9d::Trainer<Plan> trainer(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
-                             Task{}, config);
-  return d9d::testing::outcome_of(trainer);
+// tp 2 x pp 2 with `Strategy` under 1F1B and ZeroBubbleH1 (weight gradients of the split
+// projections in W actions), each against one process; every rank compares its stage's
+// parameters.
+template <class Strategy>
+void expect_pipelines_match(const d9d::DistributedContext& ctx, const std::string& dir,
+                            const RunOutcome& want, const std::string& what) {
+  const std::string mesh = R"({"pp": 2, "tp": 2})";
+  d9d::testing::expect_same_run(
+      train_plan<d9d::Plan<TpPpMesh, Strategy, d9d::pipeline::OneFOneB<>, Fp64>>(
+          ctx, run_config(dir + "_1f1b", false, 2, mesh)),
+      want, what + ", 1F1B");
+  d9d::testing::expect_same_run(
+      train_plan<d9d::Plan<TpPpMesh, Strategy, d9d::pipeline::ZeroBubbleH1<>, Fp64>>(
+          ctx, run_config(dir + "_zb", false, 2, mesh)),
+      want, what + ", ZeroBubbleH1");
 }
 
 RunOutcome reference(RankEnv& env, const d9d::DistributedContext& ctx, bool tied) {
@@ -277,16 +287,7 @@ TEST(Parallel_TensorParallel_ws4, TimesReplicateFullyShardAndPipelineMatchOnePro
           train_plan<d9d::Plan<TpShardMesh, TpSp, d9d::parallel::Fsdp, Fp64>>(
               ctx, run_config(dir + "/sp_fsdp", false, 2, R"({"dp_shard": 2, "tp": 2})")),
           want, "tp 2 + sequence parallel x FullyShard 2");
-      // tp 2 x pp 2: each rank compares its stage's parameters; 1F1B, and ZeroBubbleH1 (weight
-      // gradients of the split projections in W actions).
-      d9d::testing::expect_same_run(
-          train_plan<d9d::Plan<TpPpMesh, Tp, d9d::pipeline::OneFOneB<>, Fp64>>(
-              ctx, run_config(dir + "/pp", false, 2, R"({"pp": 2, "tp": 2})")),
-          want, "tp 2 x pp 2, 1F1B");
-      d9d::testing::expect_same_run(
-          train_plan<d9d::Plan<TpPpMesh, Tp, d9d::pipeline::ZeroBubbleH1<>, Fp64>>(
-              ctx, run_config(dir + "/zb", false, 2, R"({"pp": 2, "tp": 2})")),
-          want, "tp 2 x pp 2, ZeroBubbleH1");
+      expect_pipelines_match<Tp>(ctx, dir + "/pp", want, "tp 2 x pp 2");
       // The loss under tp x pp: split logits and the loss-parallel cross-entropy for a task that
       // takes the vocabulary part (CausalLmTask does; the runs above used it), gathered logits
       // for one that does not. Ranks of the last stage see 32 or 64 of the 64 ids; others none.
@@ -294,11 +295,11 @@ TEST(Parallel_TensorParallel_ws4, TimesReplicateFullyShardAndPipelineMatchOnePro
       using WholeTask = LogitsWidthTask<false>;
       using OneFOneBPlan = d9d::Plan<TpPpMesh, Tp, d9d::pipeline::OneFOneB<>, Fp64>;
       d9d::testing::expect_same_run(
-          train_with<OneFOneBPlan, SplitTask>(
+          train_plan<OneFOneBPlan, SplitTask>(
               ctx, run_config(dir + "/pp_split", false, 2, R"({"pp": 2, "tp": 2})")),
           want, "tp 2 x pp 2, loss-parallel cross-entropy");
       d9d::testing::expect_same_run(
-          train_with<OneFOneBPlan, WholeTask>(
+          train_plan<OneFOneBPlan, WholeTask>(
               ctx, run_config(dir + "/pp_whole", false, 2, R"({"pp": 2, "tp": 2})")),
           want, "tp 2 x pp 2, gathered logits");
       EXPECT_EQ(SplitTask::seen == 0, WholeTask::seen == 0);  // the same ranks hold the last stage
@@ -306,15 +307,8 @@ TEST(Parallel_TensorParallel_ws4, TimesReplicateFullyShardAndPipelineMatchOnePro
         EXPECT_EQ(SplitTask::seen, 32);
         EXPECT_EQ(WholeTask::seen, 64);
       }
-      // Sequence parallel x pp 2: the stages pass each rank's T / tp tokens; 1F1B and ZB-H1.
-      d9d::testing::expect_same_run(
-          train_plan<d9d::Plan<TpPpMesh, TpSp, d9d::pipeline::OneFOneB<>, Fp64>>(
-              ctx, run_config(dir + "/sp_pp", false, 2, R"({"pp": 2, "tp": 2})")),
-          want, "tp 2 + sequence parallel x pp 2, 1F1B");
-      d9d::testing::expect_same_run(
-          train_plan<d9d::Plan<TpPpMesh, TpSp, d9d::pipeline::ZeroBubbleH1<>, Fp64>>(
-              ctx, run_config(dir + "/sp_zb", false, 2, R"({"pp": 2, "tp": 2})")),
-          want, "tp 2 + sequence parallel x pp 2, ZeroBubbleH1");
+      // Sequence parallel x pp 2: the stages pass each rank's T / tp tokens.
+      expect_pipelines_match<TpSp>(ctx, dir + "/sp_pp", want, "tp 2 + sequence parallel x pp 2");
     }
     // tp 4 does not divide the 2 KV heads: a configuration error (run_main's exit status 2)
     // naming the config key.
