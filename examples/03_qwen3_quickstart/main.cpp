@@ -74,11 +74,12 @@ template <class Schedule, class Precision>
 using PipelinePlan = d9d::Plan<PipelineMesh, DataParallel, Schedule, Precision>;
 // --fp8 rowwise|tensorwise: the attention and MLP projections' GEMMs in float8 over Bf16Mixed
 // (H100/H200; the CPU emulates them); with --fsdp --fp8-gather their weights are all-gathered in
-// float8 (rowwise only).
+// float8.
 namespace fp8 = d9d::precision;
 using Fp8Rowwise = fp8::Float8<fp8::Scaling::rowwise>;
 using Fp8Tensorwise = fp8::Float8<fp8::Scaling::tensorwise>;
 using Fp8Gathered = fp8::Float8<fp8::Scaling::rowwise, fp8::WeightGather::float8>;
+using Fp8TensorwiseGathered = fp8::Float8<fp8::Scaling::tensorwise, fp8::WeightGather::float8>;
 // -----------------------------------------------------------------------------------------------
 
 namespace {
@@ -166,8 +167,8 @@ int run_pipelined(const std::string& schedule, const d9d::DistributedContext& ct
   return run<PipelinePlan<pipe::ZeroBubbleV<>, Precision>>(ctx, cfg, peak_tflops);
 }
 
-// --fp8: Replicate (one GPU) or FullyShard, optionally with the float8 weight gather and the
-// attention recomputed.
+// --fp8: Replicate (one GPU) or FullyShard, optionally with the float8 weight gather (rowwise: and
+// the attention recomputed).
 int run_fp8(const Options& o, const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg) {
   const double peak = o.peak_tflops;
   const bool rowwise = o.fp8 == "rowwise";
@@ -179,12 +180,20 @@ int run_fp8(const Options& o, const d9d::DistributedContext& ctx, const d9d::Tra
         "drop --bf16, --bf16-params, --tp, --lora, --cp, --recompute, --reduce-bf16 and "
         "--pipeline");
   }
-  if (o.fp8_gather && (!o.fsdp || !rowwise)) {
+  if (o.fp8_gather && !o.fsdp) {
     throw d9d::ConfigError(
-        "--fp8-gather gathers per-row float8 weights under FullyShard. Fix: use --fp8 rowwise "
-        "--fsdp --fp8-gather, or drop --fp8-gather");
+        "--fp8-gather gathers float8 weights under FullyShard. Fix: add --fsdp, or drop "
+        "--fp8-gather");
+  }
+  if (o.fp8_gather && !rowwise && o.recompute_attention) {
+    throw d9d::ConfigError(
+        "--recompute-attention with --fp8-gather is compiled for --fp8 rowwise in this example. "
+        "Fix: use --fp8 rowwise, or drop --recompute-attention");
   }
   if (o.fsdp) {
+    if (o.fp8_gather && !rowwise) {
+      return run<FsdpPlan<Fp8TensorwiseGathered>>(ctx, cfg, peak);
+    }
     if (o.fp8_gather) {
       return o.recompute_attention
                  ? run<FsdpPlan<Fp8Gathered, d9d::recompute::Attention<>>>(ctx, cfg, peak)
@@ -266,7 +275,8 @@ int train(const Options& o) {
     return run_fp8(o, ctx, cfg);
   }
   if (o.fp8_gather) {
-    throw d9d::ConfigError("--fp8-gather needs --fp8 rowwise --fsdp. Fix: add them, or drop it");
+    throw d9d::ConfigError(
+        "--fp8-gather needs --fp8 rowwise|tensorwise --fsdp. Fix: add them, or drop it");
   }
   if (o.cp > 0) {
     if (!o.fsdp || !o.bf16 || o.tp || o.lora || !o.bf16_params.empty() || o.pipeline != "none") {
@@ -375,7 +385,7 @@ int main(int argc, char** argv) {
                  "the CPU)")
       ->check(CLI::IsMember({"rowwise", "tensorwise"}));
   app.add_flag("--fp8-gather", o.fp8_gather,
-               "with --fp8 rowwise --fsdp: weights all-gathered in float8 with their scales "
+               "with --fp8 and --fsdp: weights all-gathered in float8 with their scales "
                "(d9d::precision::WeightGather::float8)");
   app.add_flag("--fsdp", o.fsdp, "fully sharded data parallelism (d9d::parallel::FullyShard<>)");
   app.add_flag("--tp", o.tp,

@@ -30,12 +30,15 @@
 // cp rank, their gradients (of different tokens) summed by the reduce-scatter.
 //
 // Float8 gather (d9d::precision::WeightGather::float8). The weights of float8 linear layers
-// (model::Float8Linear, per-row scales) are quantised on their owner ranks, row by row, and
-// gathered as float8 bytes with their float32 scales, by a second all-gather of the unit (bytes);
-// the gathered rows and scales land in a second storage of the unit, which the layer's
-// Float8Linear::weight views and which is freed and allocated with the first. Since a row's scale
-// depends on that row alone, the gathered float8 weight is exactly what the layer would compute
-// from the whole bfloat16 weight. Such a weight has no place in the compute-dtype storage: its
+// (model::Float8Linear) are quantised on their owner ranks and gathered as float8 bytes with their
+// float32 scales, by a second all-gather of the unit (bytes); the gathered rows and scales land in
+// a second storage of the unit, which the layer's Float8Linear::weight views and which is freed
+// and allocated with the first. Per row, a row's scale depends on that row alone; per tensor, the
+// shards' largest magnitudes are all-reduced (max) over the shard group first — one small
+// all-reduce per unit and gather, queued on the device without a host wait — and every owner
+// quantises its rows with the whole weight's scale. Either way the gathered float8 weight is
+// exactly what the layer would compute from the whole bfloat16 weight. Such a weight has no place
+// in the compute-dtype storage: its
 // parameter tensor keeps its shape over a freed storage (nothing reads its values), while its
 // gradient is reduce-scattered like every other (the reduction's layout counts every parameter).
 //
@@ -46,6 +49,7 @@
 // ep_replicate. Their records nest: Shard(0) on ep_shard, then Shard(0) on ep_replicate.
 #include <algorithm>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -93,6 +97,21 @@ void alloc_storage(const c10::Storage& storage, std::size_t nbytes) {
 // Bytes rounded up to 16, so that every float8 weight and scale starts aligned.
 int64_t aligned(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 
+// Rows quantised to e4m3fn with one scale from `amax` (float32, 0-dimensional: the largest
+// magnitude of the whole weight, every rank's rows), as d9d::float8_quantize quantises the whole
+// weight per tensor: the same scale (d9d/kernels/float8.hpp's definition, computed on the device:
+// the power of two at or below M / max(a, 1e-12), NaN for a NaN or infinite a), the same float32
+// products, clamp and round-to-nearest-even cast.
+kernels::Float8Tensor quantize_by_amax(const at::Tensor& rows, const at::Tensor& amax) {
+  const float format_max = kernels::float8_max(at::kFloat8_e4m3fn);
+  const auto quotient = at::full({}, format_max, amax.options()) / amax.clamp_min(1e-12F);
+  constexpr auto kSignAndExponent = static_cast<int32_t>(0xFF800000U);
+  const auto power = at::bitwise_and(quotient.view(at::kInt), kSignAndExponent).view(at::kFloat);
+  const auto s = at::where(quotient > 0, power, std::numeric_limits<float>::quiet_NaN());
+  return {.data = (rows.to(at::kFloat) * s).clamp(-format_max, format_max).to(at::kFloat8_e4m3fn),
+          .scale = at::reciprocal(s)};
+}
+
 struct Param {
   std::size_t record = 0;  // index into the model's records
   at::Tensor full;         // the module's parameter (its data: a slice of the unit's storage)
@@ -106,7 +125,8 @@ struct Param {
   int64_t full_offset = 0;     // in the unit's storage (elements)
   at::Tensor shard;            // the record's local tensor
   // Gathered as float8 (a float8 linear layer's weight under the float8 gather): the layer's
-  // settings, and byte offsets of its rows and scales in the float8 segment and storage.
+  // settings, and byte offsets of its rows and scales (one per row, or one) in the float8 segment
+  // and storage.
   model::Float8Linear* float8 = nullptr;
   int64_t f8_data_offset = 0;
   int64_t f8_scale_offset = 0;
@@ -208,7 +228,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
       for (const auto& module : model_.modules()) {
         for (const auto& item : module->named_modules()) {
           auto linear = std::dynamic_pointer_cast<model::LinearImpl>(item.value());
-          if (linear && linear->float8 && linear->float8->rowwise) {
+          if (linear && linear->float8) {
             float8_layers_[linear->weight.unsafeGetTensorImpl()] = &*linear->float8;
           }
         }
@@ -522,13 +542,14 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     if (const auto found = float8_layers_.find(full.unsafeGetTensorImpl());
         found != float8_layers_.end() && full.dim() == 2) {
       param.float8 = found->second;
+      const bool rowwise = param.float8->rowwise;
       param.f8_data_offset = unit.f8_segment_bytes;
       param.f8_scale_offset = param.f8_data_offset + aligned(param.chunk_rows * param.row_numel);
-      unit.f8_segment_bytes = param.f8_scale_offset + aligned(param.chunk_rows * 4);
+      unit.f8_segment_bytes = param.f8_scale_offset + aligned((rowwise ? param.chunk_rows : 1) * 4);
       param.f8_full_data_offset = unit.f8_full_bytes;
       param.f8_full_scale_offset =
           param.f8_full_data_offset + aligned(param.rows * param.row_numel);
-      unit.f8_full_bytes = param.f8_full_scale_offset + aligned(param.rows * 4);
+      unit.f8_full_bytes = param.f8_full_scale_offset + aligned((rowwise ? param.rows : 1) * 4);
     } else {
       param.gather_offset = unit.gather_numel;
       unit.gather_numel += param.chunk_rows * param.row_numel;
@@ -585,13 +606,17 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
                 .set_(stand_in.storage(), 0, param.shape, c10::contiguous_strides(param.shape));
         free_storage(stand_in.storage());
         param.full.set_data(view);
+        auto scale = at::empty({0}, options.dtype(at::kFloat));
+        if (param.float8->rowwise) {
+          scale.set_(unit.f8_storage, param.f8_full_scale_offset / 4, {param.rows, 1}, {1, 1});
+        } else {
+          scale.set_(unit.f8_storage, param.f8_full_scale_offset / 4, {}, {});
+        }
         param.float8->weight = kernels::Float8Tensor{
             .data = at::empty({0}, options.dtype(at::kFloat8_e4m3fn))
                         .set_(unit.f8_storage, param.f8_full_data_offset,
                               {param.rows, param.row_numel}, {param.row_numel, 1}),
-            .scale = at::empty({0}, options.dtype(at::kFloat))
-                         .set_(unit.f8_storage, param.f8_full_scale_offset / 4, {param.rows, 1},
-                               {1, 1})};
+            .scale = scale};
         continue;
       }
       auto view = at::empty({0}, options)
@@ -640,23 +665,53 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     }
   }
 
-  // This rank's rows of the unit's float8 weights, quantised per row from the compute dtype (as
-  // the layer would quantise the whole weight), with their scales, all-gathered as bytes.
+  // This rank's rows of the unit's float8 weights, quantised from the compute dtype as the layer
+  // would quantise the whole weight (per row; or per tensor with the whole weight's largest
+  // magnitude, all-reduced first), with their scales, all-gathered as bytes.
   void start_float8_gather(Unit& unit) {
     const auto bytes = at::TensorOptions().dtype(at::kByte).device(device_);
     auto input = at::empty({unit.f8_segment_bytes}, bytes);
-    for (const auto p : unit.params) {
-      const auto& param = params_[p];
-      if (param.float8 == nullptr || param.held.length == 0) {
+    std::vector<at::Tensor> rows(unit.params.size());
+    std::vector<at::Tensor> maxima;  // the per-tensor weights' largest magnitudes, in unit order
+    for (std::size_t i = 0; i < unit.params.size(); ++i) {
+      const auto& param = params_[unit.params[i]];
+      if (param.float8 == nullptr) {
         continue;
       }
-      const auto rows = param.shard.detach()
-                            .reshape({param.held.length, param.row_numel})
-                            .to(settings_.compute_dtype);
-      const auto q = kernels::float8_quantize(rows, at::kFloat8_e4m3fn, /*rowwise=*/true);
+      rows[i] = param.shard.detach()
+                    .reshape({param.held.length, param.row_numel})
+                    .to(settings_.compute_dtype);
+      if (!param.float8->rowwise) {
+        // As float32 (what the quantisation reads); a NaN counts as infinite, which the maximum
+        // over the ranks keeps and which makes the whole weight NaN, as the definition says.
+        maxima.push_back(param.held.length == 0
+                             ? at::zeros({}, bytes.dtype(at::kFloat))
+                             : rows[i].to(at::kFloat).abs().amax().nan_to_num(
+                                   std::numeric_limits<float>::infinity()));
+      }
+    }
+    at::Tensor amax;
+    if (!maxima.empty()) {
+      amax = at::stack(maxima);
+      if (world_ > 1) {
+        amax = all_reduce(shard_group_, amax, ReduceOp::max);
+      }
+    }
+    int64_t next_amax = 0;
+    for (std::size_t i = 0; i < unit.params.size(); ++i) {
+      const auto& param = params_[unit.params[i]];
+      if (param.float8 == nullptr) {
+        continue;
+      }
+      const bool rowwise = param.float8->rowwise;
+      if (rowwise && param.held.length == 0) {
+        continue;
+      }
+      const auto q = rowwise ? kernels::float8_quantize(rows[i], at::kFloat8_e4m3fn, true)
+                             : quantize_by_amax(rows[i], amax[next_amax++]);
       input.narrow(0, param.f8_data_offset, param.held.length * param.row_numel)
           .copy_(q.data.view(at::kByte).reshape({-1}));
-      input.narrow(0, param.f8_scale_offset, param.held.length * 4)
+      input.narrow(0, param.f8_scale_offset, (rowwise ? param.held.length : 1) * 4)
           .copy_(q.scale.reshape({-1}).view(at::kByte));
     }
     if (world_ == 1) {
@@ -725,10 +780,15 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
           .copy_(gathered.narrow(1, param.f8_data_offset, c * param.row_numel)
                      .reshape({world_ * c, param.row_numel})
                      .narrow(0, 0, param.rows));
-      alias.narrow(0, param.f8_full_scale_offset, param.rows * 4)
-          .copy_(gathered.narrow(1, param.f8_scale_offset, c * 4)
-                     .reshape({world_ * c * 4})
-                     .narrow(0, 0, param.rows * 4));
+      if (param.float8->rowwise) {
+        alias.narrow(0, param.f8_full_scale_offset, param.rows * 4)
+            .copy_(gathered.narrow(1, param.f8_scale_offset, c * 4)
+                       .reshape({world_ * c * 4})
+                       .narrow(0, 0, param.rows * 4));
+      } else {  // every rank sent the same scale
+        alias.narrow(0, param.f8_full_scale_offset, 4)
+            .copy_(gathered[0].narrow(0, param.f8_scale_offset, 4));
+      }
     }
     unit.f8_gather_output = at::Tensor();
   }

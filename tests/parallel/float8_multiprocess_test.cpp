@@ -1,7 +1,8 @@
 // d9d::precision::Float8 under data and pipeline parallelism on 2 Gloo ranks (or NCCL with
 // D9D_TEST_BACKEND=nccl), against one process running the same float8 emulation: FullyShard with
-// the weights gathered as float8 (WeightGather::float8) and in the compute dtype, in two reshard
-// modes; Replicate with per-tensor scales; a ZeroBubbleH1 pipeline of 2 stages, whose float8
+// the weights gathered as float8 (WeightGather::float8; per row, and per tensor with the shards'
+// maxima all-reduced) and in the compute dtype, in two reshard modes; Replicate with per-tensor
+// scales; a ZeroBubbleH1 pipeline of 2 stages, whose float8
 // weight gradients wait in W actions. Over Fp64 the float8 products are the only roundings that
 // matter, and the quantisations are elementwise with scales from maxima (which no summation order
 // changes), so the runs agree to float64's rounding — as long as every rank quantises the same
@@ -13,6 +14,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -37,6 +39,7 @@ using d9d::testing::train_plan;
 using Rowwise = Float8<Scaling::rowwise, WeightGather::compute_dtype, Fp64>;
 using RowwiseGathered = Float8<Scaling::rowwise, WeightGather::float8, Fp64>;
 using Tensorwise = Float8<Scaling::tensorwise, WeightGather::compute_dtype, Fp64>;
+using TensorwiseGathered = Float8<Scaling::tensorwise, WeightGather::float8, Fp64>;
 using ShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>>;
 
 // 4 steps, global batch 8 in microbatches of one sample, 4 decoder layers.
@@ -114,6 +117,59 @@ TEST(Parallel_Float8_ws2, FullyShardWithFloat8GathersMatchesOneProcess) {
         train_plan<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Rowwise>>(
             ctx, run_config(dir + "/compute")),
         want, "compute-dtype gather");
+  });
+}
+
+// Per tensor, a weight's scale spans both ranks' rows: with every float8 weight's second half of
+// rows (rank 1's shard) 64 times larger, rank 0's rows alone would give another power of two, so
+// the gathered weights equal one process's only through the all-reduced maxima.
+TEST(Parallel_Float8_ws2, FullyShardWithTensorwiseFloat8GathersMatchesOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto config =
+        d9d::model::Qwen3Config::from_json_text(d9d::testing::tiny_qwen3_json(false, 2));
+    const auto build = [&](const d9d::DeviceMesh& mesh, auto plan) {
+      torch::manual_seed(5);
+      d9d::model::Qwen3ForCausalLM model(config);
+      const at::NoGradGuard no_grad;
+      for (const auto& item : model->named_parameters()) {
+        const auto name = item.key();
+        if (name.find("_proj.weight") != std::string::npos) {
+          const int64_t half = item.value().size(0) / 2;
+          item.value().narrow(0, half, item.value().size(0) - half).mul_(64.0);
+        }
+      }
+      auto parallel = d9d::parallel::parallelize<decltype(plan)>(mesh, {model.ptr()});
+      parallel->begin_step();  // FullyShard gathers the parameters outside blocks here
+      return std::make_pair(model, std::move(parallel));
+    };
+    const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
+    const d9d::DeviceMesh one_mesh(local, d9d::MeshShape{});
+    const d9d::DeviceMesh shard_mesh(ctx, d9d::MeshShape{.dp_shard = 2});
+    auto [whole, whole_parallel] = build(one_mesh, d9d::Plan<Tensorwise>{});
+    auto [shard, shard_parallel] =
+        build(shard_mesh, d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, TensorwiseGathered>{});
+    auto generator = at::detail::createCPUGenerator(29);
+    const auto ids = at::randint(64, {2, 16}, generator, at::kLong).to(ctx.device());
+    const auto want = whole->forward(ids);
+    const auto got = shard->forward(ids);
+    EXPECT_TRUE(at::allclose(got, want, 0.0, 1e-12))
+        << (got - want).abs().max().item<double>();
+    // And the rows scaled alike in a plain Fp64 model give other logits (float8 ran).
+    auto [plain, plain_parallel] = build(one_mesh, d9d::Plan<Fp64>{});
+    EXPECT_GT((plain->forward(ids) - want).abs().max().item<double>(), 1e-6);
+    // Training: both reshard modes against one process.
+    const auto one = one_process<Tensorwise>(env, ctx, "/tensorwise");
+    const std::string dir = env.scratch_dir() + "/t" + std::to_string(env.rank());
+    for (const std::string mode : {"after_forward", "never"}) {
+      auto run = run_config(dir + "/f8-" + mode);
+      run.data_parallel.reshard = mode;
+      d9d::testing::expect_same_run(
+          train_plan<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, TensorwiseGathered>>(ctx,
+                                                                                            run),
+          one, "tensorwise float8 gather, reshard " + mode);
+    }
   });
 }
 

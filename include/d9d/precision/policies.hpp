@@ -119,8 +119,9 @@ enum class Scaling : unsigned char {
 /// What FullyShard all-gathers for a float8 linear layer's weight.
 enum class WeightGather : unsigned char {
   compute_dtype,  ///< the weight in the compute dtype (bfloat16), quantised after the gather
-  /// the weight quantised per row on its owner rank, gathered as float8 with its float32 scales:
-  /// half the bytes of bfloat16, and the same values, since a row's scale needs only that row
+  /// the weight quantised on its owner rank, gathered as float8 with its float32 scales: half the
+  /// bytes of bfloat16, and the same values (per row, a row's scale needs only that row; per
+  /// tensor, the shards' largest magnitudes are all-reduced first, a few bytes per weight)
   float8,
 };
 
@@ -151,11 +152,6 @@ struct Float8 : Base {
       !requires { Base::float8_scaling; },
       "d9d::precision::Float8<S, G, Base>: Base is itself a Float8 policy. Fix: one "
       "Float8<...> over a plain policy (Bf16Mixed, Bf16Params<>, Fp32, Fp64)");
-  static_assert(
-      G == WeightGather::compute_dtype || S == Scaling::rowwise,
-      "d9d::precision::Float8: WeightGather::float8 needs Scaling::rowwise (a tensorwise "
-      "scale spans every rank's rows, which the owners cannot know before the gather). "
-      "Fix: Float8<Scaling::rowwise, WeightGather::float8>, or WeightGather::compute_dtype");
   using base = Base;
   static constexpr Scaling float8_scaling = S;
   static constexpr WeightGather float8_weight_gather = G;
