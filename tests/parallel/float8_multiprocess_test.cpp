@@ -132,6 +132,7 @@ TEST(Parallel_Float8_ws2, FullyShardWithTensorwiseFloat8GathersMatchesOneProcess
     const auto build = [&](const d9d::DeviceMesh& mesh, auto plan) {
       torch::manual_seed(5);
       d9d::model::Qwen3ForCausalLM model(config);
+      model->to(mesh.context().device());
       const at::NoGradGuard no_grad;
       for (const auto& item : model->named_parameters()) {
         const auto name = item.key();
