@@ -13,6 +13,9 @@
 //     and/or x^T (4-byte stores), coalesced both ways.
 // The general kernels (any layout, float64 and float8 inputs): rows (a block per row), amax (per
 // column or tensor, 32-column tiles) and cast (elementwise, or transposed by 32 x 32 tiles).
+// float8_amax_bits and float8_quantize_with_amax (d9d/kernels/float8_sharded.hpp) are the
+// per-tensor path split at its maximum: fast_amax or amax_kernel, then fast_tile or cast_kernel
+// reading the given maximum.
 #include <algorithm>
 #include <cstdint>
 #include <optional>
@@ -28,6 +31,7 @@
 #include <torch/library.h>
 
 #include <d9d/kernels/float8.hpp>
+#include <d9d/kernels/float8_sharded.hpp>
 
 namespace d9d::kernels {
 namespace {
@@ -770,6 +774,89 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> float8_quantize_both_
   return {q_rows, s_rows, q_columns, s_columns};
 }
 
+// The largest magnitude of x as float bits (int32, 0-dimensional), as the per-tensor quantisation
+// computes it.
+at::Tensor float8_amax_bits_cuda(const at::Tensor& x_arg) {
+  detail::check_float8_with_amax(x_arg, at::Tensor(), at::kFloat8_e4m3fn);
+  const c10::cuda::CUDAGuard guard(x_arg.device());
+  const at::Tensor x = x_arg.contiguous();
+  const std::int64_t rows = x.size(0);
+  const std::int64_t cols = x.size(1);
+  if (rows == 0 || cols == 0) {
+    return at::zeros({}, x.options().dtype(at::kInt));
+  }
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor amax;
+  if (fast_input(x)) {
+    dispatch_fast(x.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      const FastReader<T> read{static_cast<const T*>(x.const_data_ptr()), nullptr, false, cols,
+                               nullptr};
+      amax = fast_amax(read, rows, /*per_column=*/false, x.options(), stream);
+    });
+  } else {
+    amax = at::zeros({1}, x.options().dtype(at::kInt));
+    dispatch_input(x.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      const Reader<T> read{static_cast<const T*>(x.const_data_ptr()), nullptr, false, cols,
+                           nullptr};
+      const dim3 grid(static_cast<unsigned int>((cols + kTile - 1) / kTile),
+                      static_cast<unsigned int>((rows + kAmaxSlab - 1) / kAmaxSlab));
+      amax_kernel<T>
+          <<<grid, dim3(kTile, kTileRows), 0, stream>>>(read, rows, cols, false, bits_of(amax));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  return amax.view({});
+}
+
+// x cast with the scale of the given maximum: fast_tile (rows only) or cast_kernel, launched with
+// one block at least so that the scale is written for an empty x too.
+std::tuple<at::Tensor, at::Tensor> float8_quantize_with_amax_cuda(const at::Tensor& x_arg,
+                                                                  const at::Tensor& amax_arg,
+                                                                  at::ScalarType format) {
+  detail::check_float8_with_amax(x_arg, amax_arg, format);
+  const c10::cuda::CUDAGuard guard(x_arg.device());
+  const at::Tensor x = x_arg.contiguous();
+  const at::Tensor amax = amax_arg.reshape({1}).contiguous();
+  const std::int64_t rows = x.size(0);
+  const std::int64_t cols = x.size(1);
+  const float format_max = float8_max(format);
+  auto q = at::empty({rows, cols}, x.options().dtype(format));
+  auto inverse = at::empty({}, x.options().dtype(at::kFloat));
+  const auto* bits = reinterpret_cast<const unsigned int*>(amax.const_data_ptr<int>());
+  auto* out = static_cast<std::uint8_t*>(q.mutable_data_ptr());
+  float* inv = inverse.mutable_data_ptr<float>();
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const std::int64_t some_rows = std::max<std::int64_t>(rows, 1);
+  const std::int64_t some_cols = std::max<std::int64_t>(cols, 1);
+  dispatch_format(format == at::kFloat8_e4m3fn, [&](auto format_tag) {
+    constexpr bool kE4M3 = decltype(format_tag)::value;
+    if (fast_input(x)) {
+      dispatch_fast(x.scalar_type(), [&](auto tag) {
+        using T = decltype(tag);
+        const FastReader<T> read{static_cast<const T*>(x.const_data_ptr()), nullptr, false, cols,
+                                 nullptr};
+        fast_tile_kernel<T, kE4M3, true, false>
+            <<<tile_grid(some_rows, some_cols), kFastBlock, 0, stream>>>(
+                read, rows, false, bits, out, nullptr, inv, nullptr, format_max);
+      });
+    } else {
+      dispatch_input(x.scalar_type(), [&](auto tag) {
+        using T = decltype(tag);
+        const Reader<T> read{static_cast<const T*>(x.const_data_ptr()), nullptr, false, cols,
+                             nullptr};
+        const dim3 grid(static_cast<unsigned int>((some_cols + kTile - 1) / kTile),
+                        static_cast<unsigned int>((some_rows + kTile - 1) / kTile));
+        cast_kernel<T, kE4M3><<<grid, dim3(kTile, kTileRows), 0, stream>>>(
+            read, rows, cols, false, false, bits, out, inv, format_max);
+      });
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {q, inverse};
+}
+
 // A float8 matrix's bytes transposed: byte_transpose_kernel where the shape and alignment let it,
 // else ATen's strided copy.
 at::Tensor float8_transpose_cuda(const at::Tensor& x_arg) {
@@ -800,4 +887,6 @@ TORCH_LIBRARY_IMPL(d9d, CUDA, m) {
   m.impl("float8_quantize", &d9d::kernels::float8_quantize_cuda);
   m.impl("float8_quantize_both", &d9d::kernels::float8_quantize_both_cuda);
   m.impl("float8_transpose", &d9d::kernels::float8_transpose_cuda);
+  m.impl("float8_amax_bits", &d9d::kernels::float8_amax_bits_cuda);
+  m.impl("float8_quantize_with_amax", &d9d::kernels::float8_quantize_with_amax_cuda);
 }

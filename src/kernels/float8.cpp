@@ -1,5 +1,6 @@
 // d9d/kernels/float8.cpp — the schema of d9d::float8_quantize, its CPU reference kernel (the
-// definition in d9d/kernels/float8.hpp, element by element), and the float8 matrix product.
+// definition in d9d/kernels/float8.hpp, element by element), and the float8 matrix product; the
+// sharded per-tensor quantisation's CPU kernels (d9d/kernels/float8_sharded.hpp).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -17,6 +18,7 @@
 #include <torch/library.h>
 
 #include <d9d/kernels/float8.hpp>
+#include <d9d/kernels/float8_sharded.hpp>
 
 namespace d9d::kernels {
 
@@ -82,9 +84,40 @@ void check_float8_quantize(const at::Tensor& x, const at::Tensor& x_scale, at::S
               "transposed");
 }
 
+void check_float8_with_amax(const at::Tensor& x, const at::Tensor& amax_bits,
+                            at::ScalarType format) {
+  check_float8_quantize(x, at::Tensor(), format, false, false);
+  TORCH_CHECK(x.scalar_type() != at::kFloat8_e4m3fn && x.scalar_type() != at::kFloat8_e5m2,
+              "d9d::float8_amax_bits / float8_quantize_with_amax: x is not float8");
+  if (!amax_bits.defined()) {
+    return;
+  }
+  TORCH_CHECK(amax_bits.scalar_type() == at::kInt && amax_bits.numel() == 1,
+              "d9d::float8_quantize_with_amax: amax_bits is one int32 (float8_amax_bits' form), "
+              "got ",
+              amax_bits.scalar_type(), " ", amax_bits.sizes());
+  TORCH_CHECK(amax_bits.device() == x.device(), "d9d::float8_quantize_with_amax: amax_bits is on ",
+              amax_bits.device(), ", x on ", x.device());
+}
+
 }  // namespace detail
 
 namespace {
+
+// The definition's maximum: NaN wins (a NaN element makes its group NaN); otherwise the larger.
+float nan_max(float m, float a) { return (std::isnan(a) || a > m) && !std::isnan(m) ? a : m; }
+
+// A float's bits as the int32 float8_amax_bits holds, and back.
+int32_t bits_of(float f) {
+  int32_t bits = 0;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+float float_of(int32_t bits) {
+  float f = 0.0F;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // x as float32 values, row-major [rows, cols] (a float8 x times its scale; another x times its
 // factor per column).
@@ -163,10 +196,8 @@ std::tuple<at::Tensor, at::Tensor> float8_quantize_cpu(const at::Tensor& x,
   std::vector<float> amax(static_cast<std::size_t>(groups), 0.0F);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
-      const float a = std::abs(v[static_cast<std::size_t>(r * cols + c)]);
       auto& m = amax[static_cast<std::size_t>(rowwise ? (transpose ? c : r) : 0)];
-      // NaN wins (a NaN element makes its group NaN); otherwise the larger.
-      m = (std::isnan(a) || a > m) && !std::isnan(m) ? a : m;
+      m = nan_max(m, std::abs(v[static_cast<std::size_t>(r * cols + c)]));
     }
   }
   std::vector<float> scale(amax.size());
@@ -196,6 +227,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> float8_quantize_both_
   auto [rows, row_scale] = float8_quantize_cpu(x, rows_factor, format, rowwise, false);
   auto [columns, column_scale] = float8_quantize_cpu(x, std::nullopt, format, rowwise, true);
   return {rows, row_scale, columns, column_scale};
+}
+
+at::Tensor float8_amax_bits_cpu(const at::Tensor& x) {
+  detail::check_float8_with_amax(x, at::Tensor(), at::kFloat8_e4m3fn);
+  float m = 0.0F;
+  for (const float v : values_of(x, at::Tensor())) {
+    m = nan_max(m, std::abs(v));
+  }
+  // A NaN as the quiet NaN the CUDA kernels write, whatever its sign and payload.
+  return at::full({}, std::isnan(m) ? int32_t{0x7FC00000} : bits_of(m),
+                  x.options().dtype(at::kInt));
+}
+
+std::tuple<at::Tensor, at::Tensor> float8_quantize_with_amax_cpu(const at::Tensor& x,
+                                                                 const at::Tensor& amax_bits,
+                                                                 at::ScalarType format) {
+  detail::check_float8_with_amax(x, amax_bits, format);
+  const int64_t rows = x.size(0);
+  const int64_t cols = x.size(1);
+  const float format_max = float8_max(format);
+  const std::vector<float> scale = {
+      detail::float8_scale(float_of(amax_bits.reshape({}).item<int32_t>()), format_max)};
+  auto out = at::empty({rows, cols}, x.options().dtype(format));
+  const auto v = values_of(x, at::Tensor());
+  if (format == at::kFloat8_e4m3fn) {
+    write_quantized<c10::Float8_e4m3fn>(v, rows, cols, false, scale, false, format_max, out);
+  } else {
+    write_quantized<c10::Float8_e5m2>(v, rows, cols, false, scale, false, format_max, out);
+  }
+  return {out, at::full({}, 1.0F / scale[0], x.options().dtype(at::kFloat))};
 }
 
 at::Tensor float8_transpose_cpu(const at::Tensor& x) {
@@ -229,6 +290,23 @@ const c10::TypedOperatorHandle<QuantizeBothSig>& quantize_both_op() {
 }
 
 using TransposeSig = at::Tensor(const at::Tensor&);
+using AmaxBitsSig = at::Tensor(const at::Tensor&);
+using WithAmaxSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                       at::ScalarType);
+
+const c10::TypedOperatorHandle<AmaxBitsSig>& amax_bits_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("d9d::float8_amax_bits", "")
+                                 .typed<AmaxBitsSig>();
+  return handle;
+}
+
+const c10::TypedOperatorHandle<WithAmaxSig>& with_amax_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("d9d::float8_quantize_with_amax", "")
+                                 .typed<WithAmaxSig>();
+  return handle;
+}
 
 const c10::TypedOperatorHandle<TransposeSig>& transpose_op() {
   static const auto handle = c10::Dispatcher::singleton()
@@ -265,6 +343,14 @@ Float8Tensor float8_transpose(const Float8Tensor& t, bool unit_scales) {
               "(its row scales go to the other operand)");
   auto data = transpose_op().call(t.data);
   auto scale = unit_scales ? at::ones({data.size(0), 1}, t.scale.options()) : t.scale;
+  return {.data = std::move(data), .scale = std::move(scale)};
+}
+
+at::Tensor float8_amax_bits(const at::Tensor& x) { return amax_bits_op().call(x); }
+
+Float8Tensor float8_quantize_with_amax(const at::Tensor& x, const at::Tensor& amax_bits,
+                                       at::ScalarType format) {
+  auto [data, scale] = with_amax_op().call(x, amax_bits, format);
   return {.data = std::move(data), .scale = std::move(scale)};
 }
 
@@ -306,10 +392,16 @@ TORCH_LIBRARY_FRAGMENT(d9d, m) {
       "float8_quantize_both(Tensor x, ScalarType dtype, bool rowwise, Tensor? rows_factor) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def("float8_transpose(Tensor x) -> Tensor");
+  m.def("float8_amax_bits(Tensor x) -> Tensor");
+  m.def(
+      "float8_quantize_with_amax(Tensor x, Tensor amax_bits, ScalarType dtype) -> (Tensor, "
+      "Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(d9d, CPU, m) {
   m.impl("float8_quantize", &d9d::kernels::float8_quantize_cpu);
   m.impl("float8_quantize_both", &d9d::kernels::float8_quantize_both_cpu);
   m.impl("float8_transpose", &d9d::kernels::float8_transpose_cpu);
+  m.impl("float8_amax_bits", &d9d::kernels::float8_amax_bits_cpu);
+  m.impl("float8_quantize_with_amax", &d9d::kernels::float8_quantize_with_amax_cpu);
 }

@@ -34,13 +34,13 @@
 // float32 scales, by a second all-gather of the unit (bytes); the gathered rows and scales land in
 // a second storage of the unit, which the layer's Float8Linear::weight views and which is freed
 // and allocated with the first. Per row, a row's scale depends on that row alone; per tensor, the
-// shards' largest magnitudes are all-reduced (max) over the shard group first — one small
-// all-reduce per unit and gather, queued on the device without a host wait — and every owner
-// quantises its rows with the whole weight's scale. Either way the gathered float8 weight is
-// exactly what the layer would compute from the whole bfloat16 weight. Such a weight has no place
-// in the compute-dtype storage: its
-// parameter tensor keeps its shape over a freed storage (nothing reads its values), while its
-// gradient is reduce-scattered like every other (the reduction's layout counts every parameter).
+// shards' largest magnitudes are all-reduced (max, as float bits: d9d/kernels/float8_sharded.hpp)
+// over the shard group first — one small all-reduce per unit and gather, queued on the device
+// without a host wait — and every owner quantises its rows with the whole weight's scale. Either
+// way the gathered float8 weight is exactly what the layer would compute from the whole bfloat16
+// weight. Such a weight has no place in the compute-dtype storage: its parameter tensor keeps its
+// shape over a freed storage (nothing reads its values), while its gradient is reduce-scattered
+// like every other (the reduction's layout counts every parameter).
 //
 // Experts. Under ExpertParallel the routed experts are records of the expert domain, already split
 // over ep_shard; when ep_replicate > 1 a second state shards them (their ep_shard slices) the same
@@ -49,7 +49,6 @@
 // ep_replicate. Their records nest: Shard(0) on ep_shard, then Shard(0) on ep_replicate.
 #include <algorithm>
 #include <deque>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -67,6 +66,7 @@
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/kernels/float8.hpp>
+#include <d9d/kernels/float8_sharded.hpp>
 #include <d9d/model/block.hpp>
 #include <d9d/model/layers.hpp>
 #include <d9d/parallel/parallelize.hpp>
@@ -96,21 +96,6 @@ void alloc_storage(const c10::Storage& storage, std::size_t nbytes) {
 
 // Bytes rounded up to 16, so that every float8 weight and scale starts aligned.
 int64_t aligned(int64_t bytes) { return (bytes + 15) / 16 * 16; }
-
-// Rows quantised to e4m3fn with one scale from `amax` (float32, 0-dimensional: the largest
-// magnitude of the whole weight, every rank's rows), as d9d::float8_quantize quantises the whole
-// weight per tensor: the same scale (d9d/kernels/float8.hpp's definition, computed on the device:
-// the power of two at or below M / max(a, 1e-12), NaN for a NaN or infinite a), the same float32
-// products, clamp and round-to-nearest-even cast.
-kernels::Float8Tensor quantize_by_amax(const at::Tensor& rows, const at::Tensor& amax) {
-  const float format_max = kernels::float8_max(at::kFloat8_e4m3fn);
-  const auto quotient = at::full({}, format_max, amax.options()) / amax.clamp_min(1e-12F);
-  constexpr auto kSignAndExponent = static_cast<int32_t>(0xFF800000U);
-  const auto power = at::bitwise_and(quotient.view(at::kInt), kSignAndExponent).view(at::kFloat);
-  const auto s = at::where(quotient > 0, power, std::numeric_limits<float>::quiet_NaN());
-  return {.data = (rows.to(at::kFloat) * s).clamp(-format_max, format_max).to(at::kFloat8_e4m3fn),
-          .scale = at::reciprocal(s)};
-}
 
 struct Param {
   std::size_t record = 0;  // index into the model's records
@@ -672,7 +657,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     const auto bytes = at::TensorOptions().dtype(at::kByte).device(device_);
     auto input = at::empty({unit.f8_segment_bytes}, bytes);
     std::vector<at::Tensor> rows(unit.params.size());
-    std::vector<at::Tensor> maxima;  // the per-tensor weights' largest magnitudes, in unit order
+    std::vector<at::Tensor> maxima;  // the per-tensor weights' largest magnitudes (bits), in order
     for (std::size_t i = 0; i < unit.params.size(); ++i) {
       const auto& param = params_[unit.params[i]];
       if (param.float8 == nullptr) {
@@ -682,12 +667,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
                     .reshape({param.held.length, param.row_numel})
                     .to(settings_.compute_dtype);
       if (!param.float8->rowwise) {
-        // As float32 (what the quantisation reads); a NaN counts as infinite, which the maximum
-        // over the ranks keeps and which makes the whole weight NaN, as the definition says.
-        maxima.push_back(param.held.length == 0
-                             ? at::zeros({}, bytes.dtype(at::kFloat))
-                             : rows[i].to(at::kFloat).abs().amax().nan_to_num(
-                                   std::numeric_limits<float>::infinity()));
+        maxima.push_back(kernels::float8_amax_bits(rows[i]));
       }
     }
     at::Tensor amax;
@@ -708,7 +688,8 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
         continue;
       }
       const auto q = rowwise ? kernels::float8_quantize(rows[i], at::kFloat8_e4m3fn, true)
-                             : quantize_by_amax(rows[i], amax[next_amax++]);
+                             : kernels::float8_quantize_with_amax(rows[i], amax[next_amax++],
+                                                                  at::kFloat8_e4m3fn);
       input.narrow(0, param.f8_data_offset, param.held.length * param.row_numel)
           .copy_(q.data.view(at::kByte).reshape({-1}));
       input.narrow(0, param.f8_scale_offset, (rowwise ? param.held.length : 1) * 4)

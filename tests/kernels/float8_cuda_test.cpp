@@ -15,6 +15,7 @@
 #include <torch/cuda.h>
 
 #include <d9d/kernels/float8.hpp>
+#include <d9d/kernels/float8_sharded.hpp>
 #include <d9d/model/layers.hpp>
 
 namespace {
@@ -100,6 +101,27 @@ TEST_F(Kernels_Float8_Cuda, QuantizationIsBitIdenticalToTheCpuKernel) {
                                       rows.scale.cuda()),
         d9d::kernels::float8_quantize(rows.data, at::kFloat8_e4m3fn, rowwise, true, rows.scale),
         "requantised");
+  }
+  // The sharded per-tensor path: a shard's maximum as bits, and its rows cast with a given
+  // maximum (the general and the fast kernels, an empty shard's scale), as the CPU kernels.
+  for (const auto& [rows, cols] : shapes) {
+    for (const auto input : {at::kFloat, at::kBFloat16, at::kDouble}) {
+      const auto x = awkward(rows, cols, input).nan_to_num(0);
+      const auto bits = d9d::kernels::float8_amax_bits(x.cuda());
+      EXPECT_EQ(bits.cpu().item<int32_t>(), d9d::kernels::float8_amax_bits(x).item<int32_t>());
+      const auto larger = bits + (1 << 23);  // twice the maximum: another scale
+      for (const auto& given : {bits, larger}) {
+        for (const int64_t length : {rows, int64_t{0}}) {
+          expect_same(d9d::kernels::float8_quantize_with_amax(x.narrow(0, 0, length).cuda(), given,
+                                                              at::kFloat8_e4m3fn),
+                      d9d::kernels::float8_quantize_with_amax(x.narrow(0, 0, length), given.cpu(),
+                                                              at::kFloat8_e4m3fn),
+                      std::to_string(rows) + "x" + std::to_string(cols) + " " +
+                          c10::toString(input) + " with a given maximum, " +
+                          std::to_string(length) + " rows");
+        }
+      }
+    }
   }
   // Float8 bytes transposed: the tiled kernel (whole 16-byte rows, rows a multiple of 4) and the
   // strided copy (the rest), byte for byte.

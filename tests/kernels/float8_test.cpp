@@ -3,16 +3,22 @@
 // layout, format and input dtype, bit for bit, with a factor per column too; a NaN or infinite
 // value poisons only its group; float8 bytes transpose as bytes;
 // float8 inputs are rescaled exactly; the product equals the exact product of the dequantised
-// operands to float32 rounding; argument errors say what is wrong.
+// operands to float32 rounding; argument errors say what is wrong. The sharded per-tensor path
+// (d9d/kernels/float8_sharded.hpp): shards' maxima as bits, reduced by an integer maximum, give
+// each shard the rows of the whole tensor's quantisation.
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <d9d/kernels/float8.hpp>
+#include <d9d/kernels/float8_sharded.hpp>
 
 #include "tests/kernels/float8_reference.hpp"
 #include "tests/support/error_of.hpp"
@@ -141,6 +147,58 @@ TEST(Kernels_Float8_Cpu, ScalesArePowersOfTwoThatFitTheLargestValue) {
   // A zero row: scale 2^floor(log2(448 / 1e-12)), values zero.
   EXPECT_TRUE(at::equal(q.data[1].to(at::kFloat), at::zeros({33})));
   EXPECT_EQ(1.0 / inverse[1].item<double>(), std::exp2(std::floor(std::log2(448.0F / 1e-12F))));
+}
+
+// Three shards of rows (one empty) of tensors whose largest values sit in the last shard: each
+// shard quantised with the maximum of all shards' bits equals those rows of the whole tensor's
+// per-tensor quantisation; with its own maximum alone it would not. A NaN or an infinity in one
+// shard makes every shard NaN.
+TEST(Kernels_Float8_Cpu, ShardsQuantisedWithTheWholeMaximumEqualTheWholeQuantisation) {
+  for (const auto input : {at::kFloat, at::kDouble, at::kBFloat16}) {
+    const auto whole = awkward(12, 40, input, 21);  // rows grow in magnitude: the last is largest
+    for (const auto format : {at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
+      const auto want = d9d::kernels::float8_quantize(whole, format, false);
+      const std::vector<std::pair<int64_t, int64_t>> shards = {{0, 5}, {5, 0}, {5, 7}};
+      auto bits = at::zeros({}, at::kInt);
+      for (const auto& [start, length] : shards) {
+        bits = at::maximum(bits, d9d::kernels::float8_amax_bits(whole.narrow(0, start, length)));
+      }
+      EXPECT_EQ(bits.item<int32_t>(), d9d::kernels::float8_amax_bits(whole).item<int32_t>());
+      for (const auto& [start, length] : shards) {
+        const auto part = whole.narrow(0, start, length);
+        const auto got = d9d::kernels::float8_quantize_with_amax(part, bits, format);
+        const std::string what = name_of(format, false, false, input) + " rows " +
+                                 std::to_string(start) + "+" + std::to_string(length);
+        EXPECT_TRUE(
+            at::equal(got.data.view(at::kByte), want.data.narrow(0, start, length).view(at::kByte)))
+            << what;
+        EXPECT_TRUE(at::equal(got.scale, want.scale)) << what;
+        if (length > 0 && start == 0) {  // the small rows alone take another scale
+          EXPECT_FALSE(
+              at::equal(d9d::kernels::float8_quantize(part, format, false).scale, want.scale))
+              << what;
+        }
+      }
+    }
+  }
+  auto poisoned = at::randn({6, 16});
+  poisoned[4][2] = std::numeric_limits<float>::quiet_NaN();
+  for (const bool infinite : {false, true}) {
+    if (infinite) {
+      poisoned[4][2] = std::numeric_limits<float>::infinity();
+    }
+    const auto bits = at::maximum(d9d::kernels::float8_amax_bits(poisoned.narrow(0, 0, 3)),
+                                  d9d::kernels::float8_amax_bits(poisoned.narrow(0, 3, 3)));
+    const auto clean =
+        d9d::kernels::float8_quantize_with_amax(poisoned.narrow(0, 0, 3), bits, at::kFloat8_e4m3fn);
+    EXPECT_TRUE(at::isnan(d9d::kernels::float8_dequantize(clean)).all().item<bool>())
+        << (infinite ? "infinity" : "NaN");
+  }
+  EXPECT_THAT(d9d::testing::error_of([] {
+                (void)d9d::kernels::float8_quantize_with_amax(at::ones({2, 16}), at::ones({}),
+                                                              at::kFloat8_e4m3fn);
+              }),
+              HasSubstr("amax_bits is one int32"));
 }
 
 TEST(Kernels_Float8_Cpu, NanOrInfinityMakesOnlyItsGroupNan) {

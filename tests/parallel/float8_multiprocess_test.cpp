@@ -155,8 +155,7 @@ TEST(Parallel_Float8_ws2, FullyShardWithTensorwiseFloat8GathersMatchesOneProcess
     const auto ids = at::randint(64, {2, 16}, generator, at::kLong).to(ctx.device());
     const auto want = whole->forward(ids);
     const auto got = shard->forward(ids);
-    EXPECT_TRUE(at::allclose(got, want, 0.0, 1e-12))
-        << (got - want).abs().max().item<double>();
+    EXPECT_TRUE(at::allclose(got, want, 0.0, 1e-12)) << (got - want).abs().max().item<double>();
     // And the rows scaled alike in a plain Fp64 model give other logits (float8 ran).
     auto [plain, plain_parallel] = build(one_mesh, d9d::Plan<Fp64>{});
     EXPECT_GT((plain->forward(ids) - want).abs().max().item<double>(), 1e-6);
