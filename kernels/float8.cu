@@ -807,7 +807,7 @@ at::Tensor float8_amax_bits_cuda(const at::Tensor& x_arg) {
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
-  return amax.view({});
+  return amax.reshape(at::IntArrayRef{});  // [1] -> 0-dimensional (view({}) would pick view(dtype))
 }
 
 // x cast with the scale of the given maximum: fast_tile (rows only) or cast_kernel, launched with
