@@ -5,10 +5,11 @@
 
 Reads LOG_DIR/<group>_<variant>.log (the quickstart's "model: ...; throughput:" and "peak memory:"
 lines) and LOG_DIR/<group>_<variant>.metrics.jsonl (the losses), groups the runs by the name up
-to the variant (bf16, fp8_rowwise, fp8_tensorwise, fp8_gather), and prints per group: tokens/s,
-the ratio to the group's bf16 run, MFU (of the bf16 peak given to the run), peak memory, the loss
-of the last step and the mean of the last 10 logged losses, each with its relative difference to
-bf16's. Runs that printed no throughput are listed as failed.
+to the variant (bf16, fp8_rowwise, fp8_tensorwise, fp8_gather, fp8_tensorwise_gather), and prints
+per group: tokens/s, the ratio to the group's bf16 run, MFU (of the bf16 peak given to the run),
+peak memory, the host's time issuing forward and backward per step (rank 0), the loss of the last
+step and the mean of the last 10 logged losses, each with its relative difference to bf16's. Runs
+that printed no throughput are listed as failed.
 """
 import collections
 import json
@@ -20,7 +21,8 @@ THROUGHPUT = re.compile(
     r"model: ([0-9.]+)M parameters; throughput: ([0-9]+) tokens/s over ([0-9]+) rank\(s\), "
     r"([0-9.]+) TFLOP/s per rank(?:, MFU ([0-9.]+)%)?")
 PEAK = re.compile(r"peak memory: ([0-9.]+) GiB")
-VARIANTS = ("bf16", "fp8_rowwise", "fp8_tensorwise", "fp8_gather")
+HOST = re.compile(r"host time issuing forward \+ backward: ([0-9.]+) ms per step")
+VARIANTS = ("bf16", "fp8_rowwise", "fp8_tensorwise", "fp8_gather", "fp8_tensorwise_gather")
 
 
 def losses(path: pathlib.Path) -> list:
@@ -49,17 +51,19 @@ def main() -> None:
             continue
         params, tokens, ranks, _, mfu = runs[-1]
         peaks = PEAK.findall(log.read_text(errors="replace"))
+        host = HOST.findall(log.read_text(errors="replace"))
         curve = losses(logs / (log.stem + ".metrics.jsonl"))
         groups[group][variant] = {
             "params": float(params), "tokens": int(tokens), "ranks": int(ranks),
-            "mfu": mfu or "-", "peak": peaks[-1] if peaks else "-", "curve": curve}
+            "mfu": mfu or "-", "peak": peaks[-1] if peaks else "-",
+            "host": host[-1] if host else "-", "curve": curve}
     for group, runs in sorted(groups.items()):
         base = runs.get("bf16")
         first = next(iter(runs.values()))
         print(f"\n## {group}: {first['params']:.0f}M parameters, {first['ranks']} GPU(s)")
-        print("| run | tokens/s | / bf16 | MFU % | peak GiB | steps | last loss (vs bf16) |"
-              " mean of last 10 (vs bf16) |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| run | tokens/s | / bf16 | MFU % | peak GiB | host ms/step | steps |"
+              " last loss (vs bf16) | mean of last 10 (vs bf16) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for variant in VARIANTS:
             run = runs.get(variant)
             if run is None:
@@ -77,7 +81,7 @@ def main() -> None:
                     b_mean = sum(b[-10:]) / len(b[-10:])
                     tail += f" ({(mean - b_mean) / b_mean:+.2%})"
             print(f"| {variant} | {run['tokens']:,} | {ratio} | {run['mfu']} | {run['peak']} | "
-                  f"{len(curve)} | {last} | {tail} |")
+                  f"{run['host']} | {len(curve)} | {last} | {tail} |")
     if failed:
         print("\nfailed (no throughput line): " + ", ".join(failed))
 
