@@ -235,7 +235,8 @@ at::Tensor float8_amax_bits_cpu(const at::Tensor& x) {
   for (const float v : values_of(x, at::Tensor())) {
     m = nan_max(m, std::abs(v));
   }
-  // A NaN as the quiet NaN the CUDA kernels write, whatever its sign and payload.
+  // A NaN as the quiet NaN 0x7FC00000 (the CUDA kernels keep the input's payload, sign cleared:
+  // either lies above infinity, which is all the maximum over ranks needs).
   return at::full({}, std::isnan(m) ? int32_t{0x7FC00000} : bits_of(m),
                   x.options().dtype(at::kInt));
 }

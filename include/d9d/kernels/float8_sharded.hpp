@@ -9,10 +9,10 @@
 //   bits = d9d::all_reduce(group, bits, d9d::ReduceOp::max);     // the whole tensor's
 //   auto q = d9d::kernels::float8_quantize_with_amax(my_rows, bits, at::kFloat8_e4m3fn);
 //
-// Bits, not floats: non-negative floats order like their bit patterns read as integers, and the
-// NaN these kernels write (0x7FC00000) lies above infinity (0x7F800000), so an integer maximum
-// keeps the definition's rule that a NaN (or infinite) value makes the whole tensor NaN, whatever
-// a reduction of floats does with NaN.
+// Bits, not floats: non-negative floats order like their bit patterns read as integers, and every
+// NaN with its sign cleared (what these kernels return for a tensor holding a NaN) lies above
+// infinity (0x7F800000), so an integer maximum keeps the definition's rule that a NaN (or
+// infinite) value makes the whole tensor NaN, whatever a reduction of floats does with NaN.
 //
 // Schemas (namespace `d9d`; CPU in src/kernels/float8.cpp, CUDA in kernels/float8.cu):
 //   float8_amax_bits(Tensor x) -> Tensor
