@@ -21,9 +21,16 @@
 #include <d9d/kernels/float8_sharded.hpp>
 
 namespace d9d::kernels {
+namespace {
+
+bool is_float8(at::ScalarType type) {
+  return type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
+}
+
+}  // namespace
 
 float float8_max(at::ScalarType format) {
-  TORCH_CHECK(format == at::kFloat8_e4m3fn || format == at::kFloat8_e5m2,
+  TORCH_CHECK(is_float8(format),
               "d9d::float8_quantize: the format is Float8_e4m3fn or Float8_e5m2, got ", format);
   return format == at::kFloat8_e4m3fn ? 448.0F : 57344.0F;
 }
@@ -45,8 +52,7 @@ float float8_scale(float amax, float format_max) {
 }
 
 bool is_column_factor(const at::Tensor& x, const at::Tensor& x_scale) {
-  return x_scale.defined() && x.scalar_type() != at::kFloat8_e4m3fn &&
-         x.scalar_type() != at::kFloat8_e5m2;
+  return x_scale.defined() && !is_float8(x.scalar_type());
 }
 
 void check_float8_quantize(const at::Tensor& x, const at::Tensor& x_scale, at::ScalarType format,
@@ -55,7 +61,7 @@ void check_float8_quantize(const at::Tensor& x, const at::Tensor& x_scale, at::S
               x.defined() ? x.dim() : -1, " dimensions");
   static_cast<void>(float8_max(format));
   const auto type = x.scalar_type();
-  const bool float8_input = type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
+  const bool float8_input = is_float8(type);
   TORCH_CHECK(float8_input || type == at::kFloat || type == at::kDouble || type == at::kBFloat16 ||
                   type == at::kHalf,
               "d9d::float8_quantize: x is float32, float64, bfloat16, float16 or float8, got ",
@@ -87,7 +93,7 @@ void check_float8_quantize(const at::Tensor& x, const at::Tensor& x_scale, at::S
 void check_float8_with_amax(const at::Tensor& x, const at::Tensor& amax_bits,
                             at::ScalarType format) {
   check_float8_quantize(x, at::Tensor(), format, false, false);
-  TORCH_CHECK(x.scalar_type() != at::kFloat8_e4m3fn && x.scalar_type() != at::kFloat8_e5m2,
+  TORCH_CHECK(!is_float8(x.scalar_type()),
               "d9d::float8_amax_bits / float8_quantize_with_amax: x is not float8");
   if (!amax_bits.defined()) {
     return;
@@ -222,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor> float8_quantize_cpu(const at::Tensor& x,
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> float8_quantize_both_cpu(
     const at::Tensor& x, at::ScalarType format, bool rowwise,
     const std::optional<at::Tensor>& rows_factor) {
-  TORCH_CHECK(x.scalar_type() != at::kFloat8_e4m3fn && x.scalar_type() != at::kFloat8_e5m2,
+  TORCH_CHECK(!is_float8(x.scalar_type()),
               "d9d::float8_quantize_both: x is not float8 (use float8_quantize with its scale)");
   auto [rows, row_scale] = float8_quantize_cpu(x, rows_factor, format, rowwise, false);
   auto [columns, column_scale] = float8_quantize_cpu(x, std::nullopt, format, rowwise, true);
@@ -249,7 +255,7 @@ std::tuple<at::Tensor, at::Tensor> float8_quantize_with_amax_cpu(const at::Tenso
   const int64_t cols = x.size(1);
   const float format_max = float8_max(format);
   const std::vector<float> scale = {
-      detail::float8_scale(float_of(amax_bits.reshape({}).item<int32_t>()), format_max)};
+      detail::float8_scale(float_of(amax_bits.item<int32_t>()), format_max)};
   auto out = at::empty({rows, cols}, x.options().dtype(format));
   const auto v = values_of(x, at::Tensor());
   if (format == at::kFloat8_e4m3fn) {
@@ -261,8 +267,7 @@ std::tuple<at::Tensor, at::Tensor> float8_quantize_with_amax_cpu(const at::Tenso
 }
 
 at::Tensor float8_transpose_cpu(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 &&
-                  (x.scalar_type() == at::kFloat8_e4m3fn || x.scalar_type() == at::kFloat8_e5m2),
+  TORCH_CHECK(x.dim() == 2 && is_float8(x.scalar_type()),
               "d9d::float8_transpose: x is a 2-D float8 tensor, got ", x.scalar_type(), " with ",
               x.dim(), " dimensions");
   // The bytes, moved as bytes.
@@ -290,15 +295,14 @@ const c10::TypedOperatorHandle<QuantizeBothSig>& quantize_both_op() {
   return handle;
 }
 
-using TransposeSig = at::Tensor(const at::Tensor&);
-using AmaxBitsSig = at::Tensor(const at::Tensor&);
+using TensorToTensorSig = at::Tensor(const at::Tensor&);  // float8_transpose, float8_amax_bits
 using WithAmaxSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                        at::ScalarType);
 
-const c10::TypedOperatorHandle<AmaxBitsSig>& amax_bits_op() {
+const c10::TypedOperatorHandle<TensorToTensorSig>& amax_bits_op() {
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("d9d::float8_amax_bits", "")
-                                 .typed<AmaxBitsSig>();
+                                 .typed<TensorToTensorSig>();
   return handle;
 }
 
@@ -309,10 +313,10 @@ const c10::TypedOperatorHandle<WithAmaxSig>& with_amax_op() {
   return handle;
 }
 
-const c10::TypedOperatorHandle<TransposeSig>& transpose_op() {
+const c10::TypedOperatorHandle<TensorToTensorSig>& transpose_op() {
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("d9d::float8_transpose", "")
-                                 .typed<TransposeSig>();
+                                 .typed<TensorToTensorSig>();
   return handle;
 }
 

@@ -54,6 +54,20 @@ RunOutcome one_process(RankEnv& env, const d9d::DistributedContext& ctx, const s
       local, run_config(env.scratch_dir() + "/one" + std::to_string(env.rank()) + name));
 }
 
+// FullyShard with the float8 weight gather of `Precision`, in the reshard modes after_forward and
+// never, equals `want` (one process).
+template <class Precision>
+void expect_gathered_runs_match(const d9d::DistributedContext& ctx, const std::string& dir,
+                                const RunOutcome& want, const std::string& what) {
+  for (const std::string mode : {"after_forward", "never"}) {
+    auto config = run_config(dir + "/f8-" + mode);
+    config.data_parallel.reshard = mode;
+    d9d::testing::expect_same_run(
+        train_plan<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Precision>>(ctx, config), want,
+        what + ", reshard " + mode);
+  }
+}
+
 // Float8 changed the run: its losses are not plain float64's.
 void expect_float8_ran(const RunOutcome& float8, const RunOutcome& plain) {
   double most = 0.0;
@@ -105,14 +119,7 @@ TEST(Parallel_Float8_ws2, FullyShardWithFloat8GathersMatchesOneProcess) {
     const auto want = one_process<Rowwise>(env, ctx, "/rowwise");
     expect_float8_ran(want, one_process<Fp64>(env, ctx, "/plain"));
     const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
-    for (const std::string mode : {"after_forward", "never"}) {
-      auto config = run_config(dir + "/f8-" + mode);
-      config.data_parallel.reshard = mode;
-      d9d::testing::expect_same_run(
-          train_plan<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, RowwiseGathered>>(ctx,
-                                                                                         config),
-          want, "float8 gather, reshard " + mode);
-    }
+    expect_gathered_runs_match<RowwiseGathered>(ctx, dir, want, "float8 gather");
     d9d::testing::expect_same_run(
         train_plan<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Rowwise>>(
             ctx, run_config(dir + "/compute")),
@@ -160,16 +167,9 @@ TEST(Parallel_Float8_ws2, FullyShardWithTensorwiseFloat8GathersMatchesOneProcess
     auto [plain, plain_parallel] = build(one_mesh, d9d::Plan<Fp64>{});
     EXPECT_GT((plain->forward(ids) - want).abs().max().item<double>(), 1e-6);
     // Training: both reshard modes against one process.
-    const auto one = one_process<Tensorwise>(env, ctx, "/tensorwise");
-    const std::string dir = env.scratch_dir() + "/t" + std::to_string(env.rank());
-    for (const std::string mode : {"after_forward", "never"}) {
-      auto run = run_config(dir + "/f8-" + mode);
-      run.data_parallel.reshard = mode;
-      d9d::testing::expect_same_run(
-          train_plan<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, TensorwiseGathered>>(ctx,
-                                                                                            run),
-          one, "tensorwise float8 gather, reshard " + mode);
-    }
+    expect_gathered_runs_match<TensorwiseGathered>(
+        ctx, env.scratch_dir() + "/t" + std::to_string(env.rank()),
+        one_process<Tensorwise>(env, ctx, "/tensorwise"), "tensorwise float8 gather");
   });
 }
 
