@@ -134,6 +134,10 @@ struct Unit {
   c10::Storage f8_storage;
   at::Tensor f8_gather_output;
   c10::intrusive_ptr<c10d::Work> f8_gather_work;
+  // The whole weights' largest magnitudes (float8_amax_bits' form, the compute dtype's rounding)
+  // of the unit's per-tensor float8 weights, in order, taken for the step by begin_step (undefined:
+  // gathers take them one unit at a time).
+  at::Tensor f8_amax;
   std::size_t pending = 0;  // gradients still to come in this backward
   bool reduced = false;     // reduce-scatter launched in this backward
   bool block = false;       // a d9d::model::Block (else the unit of loose parameters)
@@ -315,6 +319,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
 
   void begin_step() {
     const std::lock_guard<std::mutex> lock(mutex_);
+    take_step_maxima();
     if (program_order()) {
       // Reductions start from module_done() and finish() only, never from the gradient hooks
       // (pending counts are per microbatch, which a program does not announce).
@@ -367,6 +372,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     complete_reductions();
     for (std::size_t u = 0; u < units_.size(); ++u) {
       reshard(u);
+      units_[u].f8_amax = at::Tensor();  // the optimizer changes the weights next
     }
   }
 
@@ -650,6 +656,44 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     }
   }
 
+  // The largest magnitudes of every per-tensor float8 weight of the model, for the whole step
+  // (the weights do not change within it): one all-reduce at its start instead of one per unit
+  // and gather, each of which made the compute stream wait for the other ranks in the middle of
+  // the forward. Taken from the shards as held (e.g. float32): rounding to the compute dtype is
+  // monotonic, so the rounded maximum is the maximum of the rounded values that
+  // start_float8_gather quantises.
+  void take_step_maxima() {
+    std::vector<at::Tensor> maxima;
+    std::vector<std::pair<std::size_t, int64_t>> spans;  // unit, its maxima
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      const auto before = static_cast<int64_t>(maxima.size());
+      for (const auto p : units_[u].params) {
+        const auto& param = params_[p];
+        if (param.float8 != nullptr && !param.float8->rowwise) {
+          maxima.push_back(kernels::float8_amax_bits(
+              param.shard.detach().reshape({param.held.length, param.row_numel})));
+        }
+      }
+      if (static_cast<int64_t>(maxima.size()) > before) {
+        spans.emplace_back(u, static_cast<int64_t>(maxima.size()) - before);
+      }
+    }
+    if (maxima.empty()) {
+      return;
+    }
+    const at::NoGradGuard no_grad;
+    auto amax = at::stack(maxima);
+    if (world_ > 1) {
+      amax = all_reduce(shard_group_, amax, ReduceOp::max);
+    }
+    amax = amax.view(at::kFloat).to(settings_.compute_dtype).to(at::kFloat).view(at::kInt);
+    int64_t next = 0;
+    for (const auto& [u, count] : spans) {
+      units_[u].f8_amax = amax.narrow(0, next, count);
+      next += count;
+    }
+  }
+
   // This rank's rows of the unit's float8 weights, quantised from the compute dtype as the layer
   // would quantise the whole weight (per row; or per tensor with the whole weight's largest
   // magnitude, all-reduced first), with their scales, all-gathered as bytes.
@@ -666,11 +710,11 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
       rows[i] = param.shard.detach()
                     .reshape({param.held.length, param.row_numel})
                     .to(settings_.compute_dtype);
-      if (!param.float8->rowwise) {
+      if (!param.float8->rowwise && !unit.f8_amax.defined()) {
         maxima.push_back(kernels::float8_amax_bits(rows[i]));
       }
     }
-    at::Tensor amax;
+    at::Tensor amax = unit.f8_amax;
     if (!maxima.empty()) {
       amax = at::stack(maxima);
       if (world_ > 1) {

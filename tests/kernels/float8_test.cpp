@@ -201,6 +201,31 @@ TEST(Kernels_Float8_Cpu, ShardsQuantisedWithTheWholeMaximumEqualTheWholeQuantisa
               HasSubstr("amax_bits is one int32"));
 }
 
+// FullyShard takes a step's maxima from the float32 shards and rounds them to the compute dtype
+// (fully_shard.cpp, take_step_maxima): rounding is monotonic, so that equals the maximum of the
+// rounded values, which the gather then quantises. NaN and infinity survive the rounding.
+TEST(Kernels_Float8_Cpu, MaximumRoundedToBfloat16IsTheMaximumOfTheRoundedValues) {
+  const auto rounded = [](const at::Tensor& bits) {
+    return bits.view(at::kFloat).to(at::kBFloat16).to(at::kFloat).view(at::kInt).item<int32_t>();
+  };
+  for (const int64_t seed : {1, 2, 3}) {
+    // Values whose float32 maximum is not a bfloat16 (most are not), some rounding up.
+    const auto x = awkward(9, 33, at::kFloat, seed) * (1.0 + 1.0 / 300.0);
+    const auto from_rounded = d9d::kernels::float8_amax_bits(x.to(at::kBFloat16));
+    EXPECT_EQ(rounded(d9d::kernels::float8_amax_bits(x)), from_rounded.item<int32_t>()) << seed;
+    EXPECT_NE(d9d::kernels::float8_amax_bits(x).item<int32_t>(), from_rounded.item<int32_t>())
+        << "the float32 maximum happens to be a bfloat16: the case shows nothing, seed " << seed;
+  }
+  for (const float special :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    auto x = at::randn({3, 16});
+    x[1][5] = special;
+    EXPECT_EQ(rounded(d9d::kernels::float8_amax_bits(x)),
+              d9d::kernels::float8_amax_bits(x.to(at::kBFloat16)).item<int32_t>())
+        << special;
+  }
+}
+
 TEST(Kernels_Float8_Cpu, NanOrInfinityMakesOnlyItsGroupNan) {
   auto x = at::randn({4, 16});
   x[1][3] = std::numeric_limits<float>::quiet_NaN();
