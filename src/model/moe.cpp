@@ -12,6 +12,7 @@
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/model/moe.hpp>
+#include <d9d/model/tensor_parallel.hpp>
 
 namespace d9d::model {
 namespace {
@@ -385,8 +386,22 @@ MoeLayerImpl::MoeLayerImpl(const MoeOptions& options, int64_t layer_index)
   routed_ = at::zeros({options.num_experts}, at::kDouble);
 }
 
+void MoeLayerImpl::set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) {
+  tp_ = std::move(group);
+}
+
 at::Tensor MoeLayerImpl::forward(const at::Tensor& x,
                                  const std::shared_ptr<MoeForwardStats>& stats) {
+  if (!tp_ || tp_->size() <= 1 || tp_->sequence_parallel()) {
+    return forward_tokens(x, stats);
+  }
+  // The whole sequence on every tp rank: each routes its part, the parts are gathered again.
+  const auto rows = x.dim() == 3 ? x : x.reshape({1, -1, x.size(-1)});  // else: one sequence
+  return tp_->gather_sequence(forward_tokens(tp_->split_sequence(rows), stats)).view(x.sizes());
+}
+
+at::Tensor MoeLayerImpl::forward_tokens(const at::Tensor& x,
+                                        const std::shared_ptr<MoeForwardStats>& stats) {
   const int64_t hidden = options_.hidden_size;
   const int64_t k = options_.top_k;
   const auto flat = x.reshape({-1, hidden});

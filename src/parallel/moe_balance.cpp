@@ -1,6 +1,6 @@
 // d9d/parallel/moe_balance.cpp — the step's router bookkeeping for models with MoE layers: the
-// loads of the step summed over the data-parallel ranks, the auxiliary-loss-free bias update, and
-// the routers' balance as metrics.
+// loads of the step summed over the ranks that route different tokens (data- and tensor-
+// parallel), the auxiliary-loss-free bias update, and the routers' balance as metrics.
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -97,11 +97,16 @@ void apply_moe_balance(ParallelModel& model) {
   if (layers.empty()) {
     return;
   }
-  const auto dp = model.mesh().group(MeshDomain::batch, "dp");
+  // The ranks that route different tokens: the data-parallel ones, and under tensor parallelism
+  // the tp ranks too (each routes its part of the sequence: MoeLayerImpl::set_tensor_parallel).
+  const auto& mesh = model.mesh();
+  const auto group = mesh.size(MeshDomain::batch, "tp") > 1
+                         ? mesh.group(MeshDomain::batch, std::vector<std::string>{"dp", "tp"})
+                         : mesh.group(MeshDomain::batch, "dp");
   for (const auto& layer : layers) {
-    layer->set_load_group(dp);
+    layer->set_load_group(group);
   }
-  model.add_sync(std::make_unique<MoeBalanceSync>(std::move(layers), dp));
+  model.add_sync(std::make_unique<MoeBalanceSync>(std::move(layers), group));
 }
 
 }  // namespace d9d::parallel::detail

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -115,6 +116,44 @@ struct ScatterSequence : torch::autograd::Function<ScatterSequence> {
   }
 };
 
+// The tokens split over the group for a layer that divides its work by tokens (a MoE layer):
+// this rank's part of dim 1 in forward, the parts' gradients gathered along dim 1 in backward.
+struct SplitSequence : torch::autograd::Function<SplitSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+    const auto& g = group_at(group);
+    if (x.dim() < 2 || x.size(1) % g.size() != 0) {
+      throw std::invalid_argument(
+          "d9d::parallel::TensorParallel: a mixture-of-experts layer splits its tokens over tp = " +
+          std::to_string(g.size()) + " ranks, but the sequence has " +
+          std::to_string(x.dim() < 2 ? 0 : x.size(1)) +
+          " tokens. Fix: set \"batch.sequence_length\" to a multiple of " +
+          std::to_string(g.size()));
+    }
+    ctx->saved_data["group"] = group;
+    const int64_t part = x.size(1) / g.size();
+    return x.narrow(1, part * g.rank(), part);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& group = group_at(ctx->saved_data["group"].toInt());
+    return {all_gather_cat(group, grads[0].contiguous(), 1), at::Tensor()};
+  }
+};
+
+// split_sequence's inverse: the parts gathered along dim 1; backward keeps this rank's part.
+struct GatherSplitSequence : torch::autograd::Function<GatherSplitSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+    const auto& g = group_at(group);
+    ctx->saved_data["start"] = x.size(1) * g.rank();
+    ctx->saved_data["length"] = x.size(1);
+    return all_gather_cat(g, x.contiguous(), 1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const int64_t start = ctx->saved_data["start"].toInt();
+    const int64_t length = ctx->saved_data["length"].toInt();
+    return {grads[0].narrow(1, start, length).contiguous(), at::Tensor()};
+  }
+};
+
 // Concatenation over the group along the last dimension; backward keeps this rank's slice.
 struct GatherLast : torch::autograd::Function<GatherLast> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
@@ -185,6 +224,12 @@ class Group : public model::TensorParallelGroup {
                               : ReduceOut::apply(x, address_of(group_));
   }
   [[nodiscard]] bool sequence_parallel() const override { return sequence_parallel_; }
+  [[nodiscard]] at::Tensor split_sequence(const at::Tensor& x) const override {
+    return SplitSequence::apply(x, address_of(group_));
+  }
+  [[nodiscard]] at::Tensor gather_sequence(const at::Tensor& x) const override {
+    return GatherSplitSequence::apply(x, address_of(group_));
+  }
   [[nodiscard]] at::Tensor gather_last(const at::Tensor& x) const override {
     return GatherLast::apply(x, address_of(group_));
   }
@@ -216,7 +261,10 @@ class PartialNormSync : public GradientSync {
     std::vector<at::Tensor> grads;
     for (const auto& name : names_) {
       const auto* record = model_.find(name);
-      if (record != nullptr && record->local.grad().defined()) {
+      // A parameter another strategy moved to another domain (ExpertParallel's experts) is
+      // reduced there.
+      if (record != nullptr && record->domain == MeshDomain::regular &&
+          record->local.grad().defined()) {
         grads.push_back(at::Tensor(record->local).mutable_grad());
       }
     }
@@ -292,19 +340,31 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
   };
 
   std::vector<at::Tensor> partial_norms;
-  int vocab_models = 0;
+  // Mixture-of-experts layers split their tokens over tp, not their weights: each rank routes and
+  // runs its part of the sequence (MoeLayerImpl::set_tensor_parallel), so their parameters (the
+  // router, the shared expert, the experts) stay whole and their gradients are partial sums over
+  // tp. ExpertParallel, applied later, moves the experts to the expert domain, whose ep_replicate
+  // reduction then sums them (PartialNormSync leaves parameters of other domains alone).
+  std::set<const torch::nn::Module*> inside_moe;
   for (const auto& root : model.modules()) {
-    // Nothing else may rewrite a projection that this strategy splits.
     for (const auto& module : root->modules()) {
-      if (std::dynamic_pointer_cast<model::GroupedExpertsImpl>(module) ||
-          std::dynamic_pointer_cast<model::MoeLayerImpl>(module)) {
-        throw ConfigError(
-            "d9d::parallel::TensorParallel: mixture-of-experts models are not supported with "
-            "tensor parallelism yet (dense Qwen3 only). Fix: use d9d::parallel::NoTensorParallel "
-            "and set \"mesh.tp\" to 1");
+      if (auto moe = std::dynamic_pointer_cast<model::MoeLayerImpl>(module)) {
+        moe->set_tensor_parallel(group);
+        for (const auto& inner : moe->modules()) {
+          inside_moe.insert(inner.get());
+        }
+        for (const auto& param : moe->parameters()) {
+          partial_norms.push_back(param);
+        }
       }
     }
+  }
+  int vocab_models = 0;
+  for (const auto& root : model.modules()) {
     for (const auto& module : root->modules()) {
+      if (inside_moe.count(module.get()) != 0) {
+        continue;  // a MoE layer's shared expert stays whole with its layer
+      }
       if (auto attention = std::dynamic_pointer_cast<model::AttentionImpl>(module)) {
         require_divides(ranks, attention->local_heads(), "num_attention_heads");
         require_divides(ranks, attention->local_kv_heads(), "num_key_value_heads");
@@ -379,12 +439,17 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
     }
   }
 
-  if (vocab_models == 0) {
+  // A model that cannot split its embedding and head keeps them whole on every tp rank (their
+  // gradients are then whole and equal there), unless the residual stream is split by sequence,
+  // which the embedding's reduce-scatter starts.
+  if (vocab_models == 0 && settings.sequence_parallel) {
     throw std::invalid_argument(
-        "d9d::parallel::TensorParallel: the model does not split its embedding and LM head over "
-        "the vocabulary (it implements no d9d::model::VocabParallelModel). Fix: implement it (as "
-        "d9d::model::Qwen3ForCausalLM and Qwen3Stage do), or use "
-        "d9d::parallel::NoTensorParallel");
+        "d9d::parallel::TensorParallel<SequenceParallel::on>: the model does not split its "
+        "embedding and LM head over the vocabulary (it implements no "
+        "d9d::model::VocabParallelModel), which sequence parallelism needs to split the residual "
+        "stream. Fix: implement it (as d9d::model::Qwen3ForCausalLM and Qwen3Stage do), or use "
+        "d9d::parallel::TensorParallel<> (the embedding and the head then stay whole on every "
+        "tp rank)");
   }
 
   // The records: split parameters are Shard(dim) on tp, the rest Replicate on tp.

@@ -7,7 +7,8 @@
 // reference's microbatch is the union of the ranks' microbatches (dp x microbatch). Also the export
 // under expert parallelism (transformers' per-expert tensors, equal to the gathered experts) and a
 // training checkpoint saved on ep 2 resumed in one process, and token dropping by a capacity
-// factor.
+// factor. Tensor parallelism with MoE layers (tp 2, tp 2 x ep 2, and on 4 ranks with Replicate or
+// FullyShard) against one process too.
 #include <algorithm>
 #include <fstream>
 #include <functional>
@@ -26,6 +27,7 @@
 
 #include "tests/core/core_test_util.hpp"
 #include "tests/parallel/parallel_test_util.hpp"
+#include "tests/support/error_of.hpp"
 
 namespace {
 
@@ -202,6 +204,62 @@ TEST(Moe_ExpertParallel_ws2, SequenceWiseAuxLossMatchesOneProcess) {
     d9d::testing::expect_same_run(train_moe<d9d::Plan<PpMesh, d9d::pipeline::OneFOneB<>, Fp64>>(
                                       ctx, sequence_run(dir + "/pp", 2, R"({"pp": 2})")),
                                   want, "pp 2, sequence-wise loss");
+  });
+}
+
+// Tensor parallelism splits attention and the dense layer by weights and the MoE layers by tokens:
+// each tp rank routes its half of the sequence (to the whole experts, or dispatched over ep), so
+// the routers' statistics span the tp ranks like data-parallel ones and the MoE parameters'
+// gradients are partial sums over tp. The embedding and the head stay whole (the MoE model splits
+// no vocabulary).
+using Tp = d9d::parallel::TensorParallel<>;
+
+TEST(Moe_TensorParallel_ws2, Tp2AndTp2TimesEp2MatchOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    // Both tp ranks train the same microbatches of 2.
+    const auto want = reference(env, ctx, 2);
+    const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
+    using TpMesh = d9d::mesh<d9d::tp<d9d::dynamic>>;
+    d9d::testing::expect_same_run(
+        train_moe<d9d::Plan<TpMesh, Tp, Fp64>>(ctx, moe_run(dir + "/tp", 2, R"({"tp": 2})")), want,
+        "tp 2, the experts whole");
+    using TpEpMesh = d9d::mesh<d9d::tp<d9d::dynamic>, d9d::ep<d9d::dynamic>>;
+    d9d::testing::expect_same_run(train_moe<d9d::Plan<TpEpMesh, Tp, Ep, Fp64>>(
+                                      ctx, moe_run(dir + "/tp_ep", 2, R"({"tp": 2, "ep": 2})")),
+                                  want, "tp 2 x ep 2");
+    // Sequence parallelism would need the embedding to split the residual stream.
+    using TpSp = d9d::parallel::TensorParallel<d9d::parallel::SequenceParallel::on>;
+    EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>([&] {
+                  (void)train_moe<d9d::Plan<TpMesh, TpSp, Fp64>>(
+                      ctx, moe_run(dir + "/sp", 2, R"({"tp": 2})"));
+                }),
+                ::testing::HasSubstr("which sequence parallelism needs to split the residual "
+                                     "stream. Fix: implement it"));
+  });
+}
+
+TEST(Moe_TensorParallel_ws4, Tp2TimesEp2TimesReplicateOrFullyShardMatchOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(4);
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    // 2 data-parallel ranks x microbatches of 2 = the reference's microbatches of 4; each
+    // microbatch's 2 x 16 tokens routed by 2 tp ranks, 8 tokens each, over ep 2.
+    const auto want = reference(env, ctx, 4);
+    const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
+    using DpTpEpMesh =
+        d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::tp<d9d::dynamic>, d9d::ep<d9d::dynamic>>;
+    d9d::testing::expect_same_run(
+        train_moe<d9d::Plan<DpTpEpMesh, Tp, Ep, Fp64>>(
+            ctx, moe_run(dir + "/replicate", 2, R"({"dp_replicate": 2, "tp": 2, "ep": 2})")),
+        want, "Replicate 2 x tp 2 x ep 2");
+    using ShardTpEpMesh =
+        d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::tp<d9d::dynamic>, d9d::ep<d9d::dynamic>>;
+    d9d::testing::expect_same_run(
+        train_moe<d9d::Plan<ShardTpEpMesh, Tp, Ep, d9d::parallel::Fsdp, Fp64>>(
+            ctx, moe_run(dir + "/fsdp", 2, R"({"dp_shard": 2, "tp": 2, "ep": 2})")),
+        want, "FullyShard 2 x tp 2 x ep 2");
   });
 }
 

@@ -62,6 +62,8 @@
 
 namespace d9d::model {
 
+class TensorParallelGroup;  // d9d/model/tensor_parallel.hpp
+
 /// The auxiliary-loss-free balancing's update of the selection bias, per expert e with load l_e
 /// (routings in the step) and mean load m: `sign` adds rate * sign(m - l_e) (DeepSeek-V3);
 /// `proportional` adds rate * (m - l_e) / m, which moves the overloaded experts as far as they are
@@ -257,6 +259,12 @@ class MoeLayerImpl : public torch::nn::Module {
   /// The data-parallel group over which the auxiliary loss's f is summed (global-batch
   /// statistics); set by the parallelize layer.
   void set_load_group(ProcessGroup group) { load_group_ = std::move(group); }
+  /// Under tensor parallelism (d9d::parallel::TensorParallel sets it) the layer splits its work
+  /// over the tp ranks by tokens, not by weights: each rank routes and runs its part of the
+  /// sequence (TensorParallelGroup::split_sequence before, gather_sequence after; under sequence
+  /// parallelism the part it already holds), so the router, the shared expert and the experts
+  /// stay whole (or ExpertParallel's) and their gradients are partial sums over tp.
+  void set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group);
   [[nodiscard]] int64_t layer_index() const { return layer_index_; }
   /// The statistics of the last forward pass this layer recorded into (null before any).
   [[nodiscard]] std::shared_ptr<MoeForwardStats> last_stats() const { return last_stats_; }
@@ -268,7 +276,11 @@ class MoeLayerImpl : public torch::nn::Module {
   Linear shared_expert_gate{nullptr};
 
  private:
+  // The layer on the tokens this rank routes (all of them without tensor parallelism).
+  at::Tensor forward_tokens(const at::Tensor& x, const std::shared_ptr<MoeForwardStats>& stats);
+
   MoeOptions options_;
+  std::shared_ptr<const TensorParallelGroup> tp_;
   int64_t layer_index_;
   ProcessGroup load_group_;
   std::shared_ptr<MoeForwardStats> last_stats_;

@@ -48,6 +48,15 @@ class TensorParallelGroup {
   /// Whether the residual stream between blocks is split by sequence (copy_in / reduce_out
   /// gather and scatter along dim 1).
   [[nodiscard]] virtual bool sequence_parallel() const = 0;
+  /// This rank's part of the tokens, for a layer that splits its work over the group by tokens
+  /// rather than by weights (a MoE layer: each rank routes and dispatches its own tokens): x
+  /// [B, T, ...] narrowed along dim 1 to [rank T / size, (rank + 1) T / size) in forward; backward
+  /// gathers the parts' gradients along dim 1, so every rank holds the whole input's gradient.
+  /// T must be a multiple of size() (a clear error otherwise).
+  [[nodiscard]] virtual at::Tensor split_sequence(const at::Tensor& x) const = 0;
+  /// The inverse of split_sequence: every rank's part concatenated along dim 1 (all-gather) in
+  /// forward; backward keeps this rank's part of the gradient (whole and equal on every rank).
+  [[nodiscard]] virtual at::Tensor gather_sequence(const at::Tensor& x) const = 0;
   /// Every rank's x concatenated along the last dimension; backward keeps this rank's slice.
   [[nodiscard]] virtual at::Tensor gather_last(const at::Tensor& x) const = 0;
   /// The summed cross-entropy of rows whose logits are split over the group by vocabulary: this
