@@ -21,12 +21,19 @@ for kernel in rms_norm_forward_kernel rms_norm_backward_kernel rope_kernel \
     grep -q "${kernel}<${dtype}," <<<"$symbols" || fail "$kernel<$dtype> missing"
   done
 done
-for kernel in adamw_stochastic_kernel copy_stochastic_kernel cross_entropy_rows_kernel; do
+for kernel in token_sum_kernel gather_rows_kernel unpermute_backward_kernel; do
+  for dtype in float double c10::BFloat16 c10::Half; do
+    grep -q "${kernel}<${dtype}," <<<"$symbols" || fail "$kernel<$dtype> missing"
+  done
+done
+for kernel in adamw_stochastic_kernel copy_stochastic_kernel cross_entropy_rows_kernel \
+  route_histogram_kernel route_scan_kernel route_place_kernel; do
   grep -q "$kernel" <<<"$symbols" || fail "$kernel missing"
 done
-for entry in cross_entropy_rows_cuda adamw_stochastic_cuda copy_stochastic_cuda rms_norm_forward_cuda rms_norm_backward_cuda rope_forward_cuda silu_mul_forward_cuda \
+for entry in moe_route_indices_cuda moe_permute_forward_cuda moe_permute_backward_cuda \
+  moe_unpermute_forward_cuda moe_unpermute_backward_cuda cross_entropy_rows_cuda adamw_stochastic_cuda copy_stochastic_cuda rms_norm_forward_cuda rms_norm_backward_cuda rope_forward_cuda silu_mul_forward_cuda \
   silu_mul_backward_cuda; do
   grep -q "$entry" <<<"$symbols" || fail "host entry point $entry missing"
 done
 grep -q "CudaMicrobatchGraph::capture" <<<"$symbols" || fail "the CUDA-graph capture is missing"
-echo "ok: sm_90 device code and the RMSNorm, RoPE and SiLU-mul kernels for 4 dtypes the stochastic-rounding and cross-entropy ones and the CUDA-graph capture are in $lib"
+echo "ok: sm_90 device code and the RMSNorm, RoPE, SiLU-mul and MoE permute kernels for 4 dtypes, the MoE routing, stochastic-rounding and cross-entropy ones and the CUDA-graph capture are in $lib"

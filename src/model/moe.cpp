@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <d9d/core/collectives.hpp>
+#include <d9d/kernels/moe_permute.hpp>
 #include <d9d/model/moe.hpp>
 #include <d9d/model/tensor_parallel.hpp>
 
@@ -410,23 +411,41 @@ at::Tensor MoeLayerImpl::forward_tokens(const at::Tensor& x,
 
   // Permute: the (token, slot) pairs sorted by expert (stable: token order within an expert).
   const auto chosen = routing.experts.reshape({-1});
-  auto [sorted_experts, order] =
-      at::sort(chosen, std::optional<bool>(true), /*dim=*/0, /*descending=*/false);
-  const auto counts = at::bincount(chosen, {}, options_.num_experts);
-  auto kept_counts = counts;
+  const int64_t capacity = expert_capacity(options_, tokens);
+  at::Tensor counts;
+  at::Tensor out;
   int64_t dropped = 0;
-  if (const int64_t capacity = expert_capacity(options_, tokens); capacity >= 0) {
-    // Token dropping: each expert keeps the first `capacity` of its routings.
-    order = order.masked_select(within_capacity(sorted_experts, counts, capacity));
-    kept_counts = at::clamp_max(counts, capacity);
-    dropped = chosen.numel() - order.numel();
+  if (fused_kernels()) {
+    // The indices on the device (d9d/kernels/moe_permute.hpp), one gather, one weighted sum per
+    // token; the kept counts' host copy (for the grouped GEMM) is the only synchronisation.
+    const auto route = kernels::moe_route_indices(chosen, options_.num_experts, k, capacity);
+    const auto kept_counts = to_vector(route.kept_counts);
+    const int64_t kept = std::accumulate(kept_counts.begin(), kept_counts.end(), int64_t{0});
+    counts = route.counts;
+    dropped = chosen.numel() - kept;
+    const auto outputs = experts->run(
+        kernels::moe_permute(flat, route.token.narrow(0, 0, kept), route.position), kept_counts);
+    out = kernels::moe_unpermute(outputs.to(x.scalar_type()), routing.weights.to(x.scalar_type()),
+                                 route.position);
+  } else {
+    // The ATen composition the kernels replace (the CPU kernels equal it in float32 / float64).
+    auto [sorted_experts, order] =
+        at::sort(chosen, std::optional<bool>(true), /*dim=*/0, /*descending=*/false);
+    counts = at::bincount(chosen, {}, options_.num_experts);
+    auto kept_counts = counts;
+    if (capacity >= 0) {
+      // Token dropping: each expert keeps the first `capacity` of its routings.
+      order = order.masked_select(within_capacity(sorted_experts, counts, capacity));
+      kept_counts = at::clamp_max(counts, capacity);
+      dropped = chosen.numel() - order.numel();
+    }
+    const auto token = at::div(order, k, "floor");
+    const auto outputs = experts->run(flat.index_select(0, token), to_vector(kept_counts));
+    // Un-permute: each pair's output weighted, summed per token (in expert order, as
+    // transformers).
+    const auto weights = routing.weights.to(x.scalar_type()).reshape({-1}).index_select(0, order);
+    out = at::zeros_like(flat).index_add(0, token, outputs * weights.unsqueeze(1));
   }
-  const auto token = at::div(order, k, "floor");
-  const auto outputs = experts->run(flat.index_select(0, token), to_vector(kept_counts));
-
-  // Un-permute: each pair's output weighted, summed per token (in expert order, as transformers).
-  const auto weights = routing.weights.to(x.scalar_type()).reshape({-1}).index_select(0, order);
-  auto out = at::zeros_like(flat).index_add(0, token, outputs * weights.unsqueeze(1));
   if (shared_expert) {
     out = out + at::sigmoid(shared_expert_gate(flat)) * shared_expert(flat);
   }

@@ -2,7 +2,8 @@
 // formulas: the grouped GEMM (loop and at::_grouped_mm), routing (top-k, renormalisation, the
 // selection bias), the layer against a per-token reference, the auxiliary loss's value and
 // gradient against transformers' load_balancing_loss_func written out, the bias update moving the
-// load towards uniform, and recompute counting a pass once.
+// load towards uniform, recompute counting a pass once, and the permute kernels against the ATen
+// composition they replace.
 #include <cmath>
 #include <cstddef>
 #include <memory>
@@ -13,6 +14,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <d9d/model/layers.hpp>
 #include <d9d/model/moe.hpp>
 
 #include "tests/support/error_of.hpp"
@@ -164,6 +166,46 @@ TEST(Model_Moe_Layer, CapacityDropsAnExpertsLaterRoutings) {
     EXPECT_GE(dropped, tokens * 2 - 4 * capacity) << "factor " << factor;
     if (factor == 0.5) {
       EXPECT_GT(dropped, 0);
+    }
+  }
+}
+
+// The layer with the permute kernels (d9d/kernels/moe_permute.hpp, on while fused_kernels()) and
+// with the ATen composition they replace, in float32 and float64, dropless and with a capacity:
+// the same output and expert gradients bit for bit (the rows are gathered and summed in the same
+// order), the router's and the input's gradients to rounding (the weights' gradient is a dot
+// product summed in another order).
+TEST(Model_Moe_Layer, PermuteKernelsEqualTheAtenComposition) {
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    for (const double factor : {0.0, 0.75}) {
+      torch::manual_seed(6);
+      // No shared expert: its SwiGLU switches to d9d::silu_mul with fused_kernels() too.
+      auto options = tiny(/*norm=*/true);
+      options.capacity_factor = factor;
+      MoeLayer layer(options, 0);
+      widen(*layer);
+      layer->to(dtype);
+      const auto x = at::randn({3, 7, 8}, dtype);
+      const auto dy = at::randn({3, 7, 8}, dtype);
+      std::vector<at::Tensor> results[2];
+      for (const bool fused : {true, false}) {
+        d9d::model::set_fused_kernels(fused);
+        layer->zero_grad();
+        const auto xi = x.clone().requires_grad_(true);
+        const auto y = layer(xi);
+        y.backward(dy);
+        results[fused ? 0 : 1] = {y.detach(), layer->experts->gate_proj.grad(),
+                                  layer->experts->down_proj.grad(), xi.grad(),
+                                  layer->gate->weight.grad()};
+      }
+      d9d::model::set_fused_kernels(true);
+      const auto what = std::string(c10::toString(dtype)) + " factor " + std::to_string(factor);
+      EXPECT_TRUE(at::equal(results[0][0], results[1][0])) << what << ": output";
+      EXPECT_TRUE(at::equal(results[0][1], results[1][1])) << what << ": gate_proj gradient";
+      EXPECT_TRUE(at::equal(results[0][2], results[1][2])) << what << ": down_proj gradient";
+      const double tol = dtype == at::kFloat ? 1e-5 : 1e-12;
+      EXPECT_TRUE(at::allclose(results[0][3], results[1][3], tol, tol)) << what << ": input grad";
+      EXPECT_TRUE(at::allclose(results[0][4], results[1][4], tol, tol)) << what << ": router grad";
     }
   }
 }
