@@ -37,10 +37,16 @@ std::vector<MeshDim> DeviceMesh::layout(const MeshShape& s, MeshDomain domain) {
               {"dp_cp_shard", s.dp_shard * s.cp_shard},
               {"cp_replicate", s.cp_replicate},
               {"tp", s.tp}};
-    case MeshDomain::expert:
+    case MeshDomain::expert: {
+      // The replicas of HSDP (dp_replicate, outermost in a stage) stay a dimension of their own
+      // when the expert groups fit inside one replica; otherwise the groups span replicas.
+      const auto stage = static_cast<int>(s.stage_size());
+      const int replicas = (stage / s.dp_replicate) % s.ep == 0 ? s.dp_replicate : 1;
       return {{"pp", s.pp},
-              {"ep_replicate", static_cast<int>(s.stage_size() / s.ep)},
+              {"ep_dp_replicate", replicas},
+              {"ep_replicate", stage / (replicas * s.ep)},
               {"ep_shard", s.ep}};
+    }
     case MeshDomain::batch:
       return {{"pp", s.pp},
               {"dp", s.dp_replicate * s.dp_shard},

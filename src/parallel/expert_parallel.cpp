@@ -2,16 +2,18 @@
 // over the expert domain's ep_shard ranks, tokens dispatched and combined by all-to-all.
 //
 // Layout. Layer experts [E, ...] are split along dim 0: ep_shard rank r holds experts
-// [r E/ep, (r + 1) E/ep) (Shard(0) on ep_shard, Replicate on ep_replicate, MeshDomain::expert).
+// [r E/ep, (r + 1) E/ep) (Shard(0) on ep_shard, Replicate on ep_dp_replicate and ep_replicate,
+// MeshDomain::expert).
 // A layer's rows arrive sorted by global expert with counts per expert; the rows for rank j's
 // experts go to j (first all-to-all; the per-expert counts travel first in a small all-to-all of
 // their own), are regrouped there from source-major to expert-major, run through the local experts
 // (one grouped GEMM per projection) and travel back in reverse (second all-to-all). Both
 // all-to-alls are autograd functions whose backward is the reverse all-to-all, so the experts'
 // gradients hold the contributions of every ep_shard rank's tokens; summing them over
-// ep_replicate (the ranks that hold the same experts) gives the gradient of the global batch.
-// Under FullyShard with ep_replicate > 1 the experts are sharded over ep_replicate as well
-// (fully_shard.cpp) and reduce-scattered there; the all-reduce below then has nothing to do.
+// ep_dp_replicate x ep_replicate (the ranks that hold the same experts) gives the gradient of the
+// global batch. Under FullyShard with ep_replicate > 1 the experts are sharded over ep_replicate as
+// well (fully_shard.cpp), reduce-scattered there and all-reduced over ep_dp_replicate (HSDP's
+// replicas); the all-reduce below then has nothing to do.
 #include <algorithm>
 #include <memory>
 #include <numeric>
@@ -122,13 +124,14 @@ class AllToAllDispatcher : public model::ExpertDispatcher {
   int64_t experts_;
 };
 
-// The experts' gradients summed over ep_replicate (Replicate's bucketed path on that group), for
-// the expert records still replicated there when the first step begins: the data-parallel
-// strategy comes after this one and may shard them over ep_replicate (FullyShard), and then
-// reduces them itself.
+// The experts' gradients summed over their replicas, ep_dp_replicate x ep_replicate (Replicate's
+// bucketed path on that group), for the expert records still replicated over ep_replicate when the
+// first step begins: the data-parallel strategy comes after this one and may shard them over
+// ep_replicate (FullyShard, which then reduces them itself, all-reducing over ep_dp_replicate).
 class ExpertReplicaSync : public GradientSync {
  public:
-  ExpertReplicaSync(ParallelModel& model, GradientTiming timing) : model_(model), timing_(timing) {}
+  ExpertReplicaSync(ParallelModel& model, GradientTiming timing, ProcessGroup replicas)
+      : model_(model), timing_(timing), replicas_(std::move(replicas)) {}
 
   void begin_step() override { inner().begin_step(); }
   void before_backward(int microbatch, int microbatches) override {
@@ -153,16 +156,15 @@ class ExpertReplicaSync : public GradientSync {
         }
       }
     }
-    inner_ =
-        replicated.empty()
-            ? std::make_unique<GradientSync>()
-            : make_replicate_sync(model_.mesh().group(MeshDomain::expert, "ep_replicate"),
-                                  std::move(replicated), model_.options().bucket_bytes, timing_);
+    inner_ = replicated.empty() ? std::make_unique<GradientSync>()
+                                : make_replicate_sync(replicas_, std::move(replicated),
+                                                      model_.options().bucket_bytes, timing_);
     return *inner_;
   }
 
   ParallelModel& model_;
   GradientTiming timing_;
+  ProcessGroup replicas_;
   std::unique_ptr<GradientSync> inner_;
 };
 
@@ -207,8 +209,8 @@ void apply_expert_parallel(ParallelModel& model, const ExpertParallelSettings& s
         for (auto& record : records) {
           if (record.name == prefix + name) {
             record.domain = MeshDomain::expert;
-            record.dims = {"ep_replicate", "ep_shard"};
-            record.placements = {::d9d::Replicate{}, ::d9d::Shard{0}};
+            record.dims = {"ep_dp_replicate", "ep_replicate", "ep_shard"};
+            record.placements = {::d9d::Replicate{}, ::d9d::Replicate{}, ::d9d::Shard{0}};
           }
         }
       }
@@ -222,7 +224,14 @@ void apply_expert_parallel(ParallelModel& model, const ExpertParallelSettings& s
         "Fix: use d9d::parallel::NoExpertParallel for dense models");
   }
   model.add_norm_dims({"ep_shard"}, MeshDomain::expert);
-  model.add_sync(std::make_unique<ExpertReplicaSync>(model, settings.timing));
+  // Every replica of this rank's experts (a group of one dimension where the other has one rank).
+  auto replicas = mesh.size(MeshDomain::expert, "ep_dp_replicate") == 1
+                      ? mesh.group(MeshDomain::expert, "ep_replicate")
+                  : mesh.size(MeshDomain::expert, "ep_replicate") == 1
+                      ? mesh.group(MeshDomain::expert, "ep_dp_replicate")
+                      : mesh.group(MeshDomain::expert,
+                                   std::vector<std::string>{"ep_dp_replicate", "ep_replicate"});
+  model.add_sync(std::make_unique<ExpertReplicaSync>(model, settings.timing, std::move(replicas)));
 }
 
 }  // namespace d9d::parallel::detail

@@ -44,9 +44,11 @@
 //
 // Experts. Under ExpertParallel the routed experts are records of the expert domain, already split
 // over ep_shard; when ep_replicate > 1 a second state shards them (their ep_shard slices) the same
-// way over ep_replicate — ZeRO-3 over the expert-data ranks — with the same units (the blocks), so
-// a block's forward gathers its regular parameters over dp_shard and its experts over
-// ep_replicate. Their records nest: Shard(0) on ep_shard, then Shard(0) on ep_replicate.
+// way over ep_replicate — ZeRO-3 over the expert-data ranks of one HSDP replica — with the same
+// units (the blocks), so a block's forward gathers its regular parameters over dp_shard and its
+// experts over ep_replicate; under HSDP the experts' shard gradients are all-reduced over
+// ep_dp_replicate (the replicas) like the regular ones over dp_replicate. Their records nest:
+// Shard(0) on ep_shard, then Shard(0) on ep_replicate (Replicate on ep_dp_replicate).
 #include <algorithm>
 #include <deque>
 #include <memory>
@@ -1081,13 +1083,15 @@ void apply_fully_shard(ParallelModel& model, const FullyShardSettings& settings)
     return record.domain == MeshDomain::expert;
   });
   if (experts && model.mesh().size(MeshDomain::expert, "ep_replicate") > 1) {
+    // Under HSDP (dp_replicate > 1) the experts are sharded within a replica and their shards'
+    // gradients all-reduced over the replicas (ep_dp_replicate), as the regular parameters are.
     auto expert_state = std::make_shared<FullyShardState>(
         model, settings,
         ShardLayout{.domain = MeshDomain::expert,
                     .shard_dim = "ep_replicate",
-                    .replicate_dims = {},
-                    .dims = {"ep_shard", "ep_replicate"},
-                    .placements = {::d9d::Shard{0}, ::d9d::Shard{0}}});
+                    .replicate_dims = {"ep_dp_replicate"},
+                    .dims = {"ep_dp_replicate", "ep_shard", "ep_replicate"},
+                    .placements = {::d9d::Replicate{}, ::d9d::Shard{0}, ::d9d::Shard{0}}});
     expert_state->build();
     expert_state->install_hooks();
     model.add_norm_dims({"ep_replicate", "ep_shard"}, MeshDomain::expert);

@@ -343,8 +343,9 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
   // Mixture-of-experts layers split their tokens over tp, not their weights: each rank routes and
   // runs its part of the sequence (MoeLayerImpl::set_tensor_parallel), so their parameters (the
   // router, the shared expert, the experts) stay whole and their gradients are partial sums over
-  // tp. ExpertParallel, applied later, moves the experts to the expert domain, whose ep_replicate
-  // reduction then sums them (PartialNormSync leaves parameters of other domains alone).
+  // tp. ExpertParallel, applied later, moves the experts to the expert domain, whose reduction
+  // over the experts' replicas (ep_dp_replicate x ep_replicate) then sums them (PartialNormSync
+  // leaves parameters of other domains alone).
   std::set<const torch::nn::Module*> inside_moe;
   for (const auto& root : model.modules()) {
     for (const auto& module : root->modules()) {

@@ -144,7 +144,11 @@ TEST(Core_Mesh_Layout, FiveDomainsOfOneShape) {
   EXPECT_EQ(names(d9d::DeviceMesh::layout(shape, MeshDomain::dense)),
             (V{"pp=2", "dp_replicate=2", "dp_cp_shard=6", "cp_replicate=1", "tp=2"}));
   EXPECT_EQ(names(d9d::DeviceMesh::layout(shape, MeshDomain::expert)),
-            (V{"pp=2", "ep_replicate=6", "ep_shard=4"}));
+            (V{"pp=2", "ep_dp_replicate=2", "ep_replicate=3", "ep_shard=4"}));
+  // ep = 2 does not divide a replica's one rank: the expert groups span the replicas.
+  EXPECT_EQ(
+      names(d9d::DeviceMesh::layout(MeshShape{.dp_replicate = 2, .ep = 2}, MeshDomain::expert)),
+      (V{"pp=1", "ep_dp_replicate=1", "ep_replicate=1", "ep_shard=2"}));
   EXPECT_EQ(names(d9d::DeviceMesh::layout(shape, MeshDomain::batch)),
             (V{"pp=2", "dp=6", "cp=2", "tp=2"}));
   EXPECT_EQ(names(d9d::DeviceMesh::layout(shape, MeshDomain::flat)), (V{"world=48"}));
@@ -165,8 +169,10 @@ TEST(Core_Mesh_Layout, DomainsAreViewsOfTheSameRanks) {
     // batch dp = dp_replicate * dp_shard, cp = cp_shard * cp_replicate
     EXPECT_EQ(batch[1], regular[1] * 2 + regular[2]);
     EXPECT_EQ(batch[2], regular[3]);
-    // expert: the stage's ranks split as [ep_replicate, ep_shard], ep_shard innermost
-    EXPECT_EQ(expert[2], (rank % 16) % 4);
+    // expert: the stage's ranks split as [ep_dp_replicate, ep_replicate, ep_shard], ep_shard
+    // innermost, ep_dp_replicate the regular dp_replicate
+    EXPECT_EQ(expert[3], (rank % 16) % 4);
+    EXPECT_EQ(expert[1], regular[1]);
   }
   for (const auto domain : {MeshDomain::regular, MeshDomain::dense, MeshDomain::expert,
                             MeshDomain::batch, MeshDomain::flat}) {

@@ -113,7 +113,8 @@ TEST(Moe_ExpertParallel_ws4, Fsdp4TimesEp2AndEp2TimesPp2MatchOneProcess) {
           ++experts;
           EXPECT_EQ(record.local.size(0), 1) << record.name;
           EXPECT_EQ(record.global_shape[0], 4) << record.name;
-          EXPECT_EQ(record.dims, (std::vector<std::string>{"ep_shard", "ep_replicate"}));
+          EXPECT_EQ(record.dims,
+                    (std::vector<std::string>{"ep_dp_replicate", "ep_shard", "ep_replicate"}));
           const auto ranges = record.sharded(core.mesh()).local_ranges();
           const int shard = core.mesh().coordinate(d9d::MeshDomain::expert, "ep_shard");
           const int replica = core.mesh().coordinate(d9d::MeshDomain::expert, "ep_replicate");
@@ -135,6 +136,54 @@ TEST(Moe_ExpertParallel_ws4, Fsdp4TimesEp2AndEp2TimesPp2MatchOneProcess) {
         train_moe<d9d::Plan<PpMesh, Ep, d9d::parallel::Fsdp, d9d::pipeline::OneFOneB<>, Fp64>>(
             ctx, moe_run(dir + "/pp", 2, R"({"pp": 2, "dp_shard": 2, "ep": 2})", false)),
         want, "ep 2 x FullyShard 2 x pp 2");
+  });
+}
+
+// HSDP of the experts: with dp_replicate 2 x dp_shard 4 and ep 2 each layer's 4 experts are split
+// over ep_shard 2, each half sharded over the 2 remaining ranks of its HSDP replica (ep_replicate)
+// and replicated over the 2 replicas (ep_dp_replicate), whose shard gradients are all-reduced.
+// Also HSDP 2 x 2 with ep 2, where a replica's ranks are one ep group: the experts are whole
+// there and all-reduced over the replicas.
+TEST(Moe_ExpertParallel_ws8, HsdpOfTheExpertsMatchesOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(8);
+  d9d::testing::run_on_ranks({.world_size = 8}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
+    using HsdpEpMesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::dp_shard<d9d::dynamic>,
+                                 d9d::ep<d9d::dynamic>>;
+    // 8 data-parallel ranks x microbatches of 1 = the reference's microbatches of 8.
+    const auto want = reference(env, ctx, 8);
+    const auto hsdp_layout = [&](d9d::detail::TrainerCore& core) {
+      const auto& mesh = core.mesh();
+      EXPECT_EQ(mesh.size(d9d::MeshDomain::expert, "ep_dp_replicate"), 2);
+      EXPECT_EQ(mesh.size(d9d::MeshDomain::expert, "ep_replicate"), 2);
+      EXPECT_EQ(mesh.coordinate(d9d::MeshDomain::expert, "ep_dp_replicate"),
+                mesh.coordinate(d9d::MeshDomain::regular, "dp_replicate"));
+      int experts = 0;
+      for (const auto& record : core.parallel().parameters()) {
+        if (record.domain != d9d::MeshDomain::expert) {
+          continue;
+        }
+        ++experts;
+        EXPECT_EQ(record.local.size(0), 1) << record.name;  // 4 experts / ep 2 / ep_replicate 2
+        EXPECT_EQ(record.dims,
+                  (std::vector<std::string>{"ep_dp_replicate", "ep_shard", "ep_replicate"}));
+        const auto ranges = record.sharded(mesh).local_ranges();
+        const int shard = mesh.coordinate(d9d::MeshDomain::expert, "ep_shard");
+        const int replica = mesh.coordinate(d9d::MeshDomain::expert, "ep_replicate");
+        EXPECT_EQ(ranges[0].offset, 2 * shard + replica) << record.name;
+      }
+      EXPECT_EQ(experts, 3 * 3) << "gate, up and down of 3 sparse layers";
+    };
+    d9d::testing::expect_same_run(
+        train_moe<d9d::Plan<HsdpEpMesh, Ep, d9d::parallel::Fsdp, Fp64>>(
+            ctx, moe_run(dir + "/hsdp", 1, R"({"dp_replicate": 2, "dp_shard": 4, "ep": 2})"),
+            hsdp_layout),
+        want, "HSDP 2 x 4, ep 2");
+    d9d::testing::expect_same_run(
+        train_moe<d9d::Plan<HsdpEpMesh, Ep, d9d::parallel::Fsdp, Fp64>>(
+            ctx, moe_run(dir + "/hsdp_whole", 1, R"({"dp_replicate": 4, "dp_shard": 2, "ep": 2})")),
+        want, "HSDP 4 x 2, ep 2 (the experts whole in a replica)");
   });
 }
 

@@ -7,12 +7,17 @@
 // Every domain is a row-major layout of the same world ranks, outer to inner:
 //   regular: pp, dp_replicate, dp_shard, cp_shard, cp_replicate, tp
 //   dense:   pp, dp_replicate, dp_cp_shard (= dp_shard*cp_shard), cp_replicate, tp
-//   expert:  pp, ep_replicate (= dp_replicate*dp_shard*cp_replicate*cp_shard*tp / ep), ep_shard (=
-//   ep) batch:   pp, dp (= dp_replicate*dp_shard), cp (= cp_shard*cp_replicate), tp flat:    world
-// so a rank has one coordinate per dimension of each domain. Building the mesh checks the shape
-// against the world (the same clear error on every rank, before any communication) and creates,
-// in one fixed order on every rank, the process group of every single dimension of every domain
-// (identical rank sets share one group). Groups over several dimensions are made on first request.
+//   expert:  pp, ep_dp_replicate (= dp_replicate), ep_replicate (= the rest of a stage / ep),
+//            ep_shard (= ep); when ep does not divide a replica's ranks (stage / dp_replicate):
+//            ep_dp_replicate = 1, ep_replicate = stage / ep
+//   batch:   pp, dp (= dp_replicate*dp_shard), cp (= cp_shard*cp_replicate), tp
+//   flat:    world
+// so a rank has one coordinate per dimension of each domain. The ranks holding the same experts
+// are those of ep_dp_replicate x ep_replicate (HSDP's replicas, and within one replica the ranks
+// FullyShard shards the experts over). Building the mesh checks the shape against the world (the
+// same clear error on every rank, before any communication) and creates, in one fixed order on
+// every rank, the process group of every single dimension of every domain (identical rank sets
+// share one group). Groups over several dimensions are made on first request.
 #pragma once
 
 #include <string>

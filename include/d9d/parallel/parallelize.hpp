@@ -321,11 +321,11 @@ void apply_fully_shard(ParallelModel& model, const FullyShardSettings& settings)
 /// ExpertParallel's run-time choices.
 struct ExpertParallelSettings {
   int num_experts = -1;  ///< the policy's static expert count, or -1 (d9d::dynamic)
-  GradientTiming timing = GradientTiming::backward;  ///< of the experts' ep_replicate reduction
+  GradientTiming timing = GradientTiming::backward;  ///< of the experts' replicas' reduction
 };
 /// Shards every d9d::model::GroupedExperts over the expert domain's ep_shard, dispatches tokens by
-/// all-to-all, records the experts on MeshDomain::expert and sums their gradients over
-/// ep_replicate (src/parallel/expert_parallel.cpp).
+/// all-to-all, records the experts on MeshDomain::expert and sums their gradients over their
+/// replicas, ep_dp_replicate x ep_replicate (src/parallel/expert_parallel.cpp).
 void apply_expert_parallel(ParallelModel& model, const ExpertParallelSettings& settings);
 
 /// For models with d9d::model::MoeLayer blocks (whatever the plan): sets their load group (the

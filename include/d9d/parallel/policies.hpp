@@ -64,15 +64,16 @@ struct FullyShard {
 /// FullyShard with its defaults.
 using Fsdp = FullyShard<>;
 
-/// Expert parallelism (the expert_parallel slot) over the mesh's expert domain (pp, ep_replicate,
-/// ep_shard = ep; d9d/core/device_mesh.hpp): each mixture-of-experts layer's routed experts
-/// (d9d::model::GroupedExperts) are split over the ep_shard ranks, E / ep consecutive experts
-/// each; every layer sends each (token, expert) row to the rank holding the expert and back by
-/// two all-to-alls with uneven splits (the per-expert counts are exchanged first). The experts'
-/// gradients are summed over ep_replicate (the ranks holding the same experts), the other
-/// parameters go to the data_parallel policy (Replicate or FullyShard) as usual. `NumExperts`
-/// (optional) states the model's expert count so that a static ep that does not divide it fails
-/// to compile; the model's count is checked at start-up either way.
+/// Expert parallelism (the expert_parallel slot) over the mesh's expert domain (pp,
+/// ep_dp_replicate, ep_replicate, ep_shard = ep; d9d/core/device_mesh.hpp): each mixture-of-experts
+/// layer's routed experts (d9d::model::GroupedExperts) are split over the ep_shard ranks, E / ep
+/// consecutive experts each; every layer sends each (token, expert) row to the rank holding the
+/// expert and back by two all-to-alls with uneven splits (the per-expert counts are exchanged
+/// first). The experts' gradients are summed over ep_dp_replicate x ep_replicate (the ranks holding
+/// the same experts; under FullyShard sharded over ep_replicate, HSDP's replicas over
+/// ep_dp_replicate), the other parameters go to the data_parallel policy (Replicate or FullyShard)
+/// as usual. `NumExperts` (optional) states the model's expert count so that a static ep that does
+/// not divide it fails to compile; the model's count is checked at start-up either way.
 ///
 /// Named ExpertParallel, not ep::Experts: d9d::ep<N> is the mesh degree (d9d/plan/degrees.hpp),
 /// so a namespace d9d::ep cannot exist (docs/design/0009-moe-expert-parallel.md).
