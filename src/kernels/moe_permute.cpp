@@ -185,66 +185,40 @@ void kept_positions(const char* op, const int64_t* position, int64_t t, int64_t 
   std::sort(mine.begin(), mine.end());
 }
 
-at::Tensor moe_permute_backward_cpu(const at::Tensor& grad_arg, const at::Tensor& position_arg) {
-  detail::check_moe_indices("moe_permute_backward", grad_arg, at::Tensor(), position_arg, -1);
-  const at::Tensor grad = grad_arg.contiguous();
+// out[t] = the sum over token t's kept pairs, in increasing position, of rows[position[t, j]]
+// (times weights[t, j] when weights is defined, each product rounded to the op-math type first),
+// accumulated in the op-math type and rounded once: moe_permute's backward (no weights) and
+// moe_unpermute's forward. Arguments checked by the caller.
+at::Tensor sum_kept_rows(const char* op, const at::Tensor& rows_arg, const at::Tensor& weights_arg,
+                         const at::Tensor& position_arg) {
+  const at::Tensor source = rows_arg.contiguous();
+  const at::Tensor weights = weights_arg.defined() ? weights_arg.contiguous() : at::Tensor();
   const at::Tensor position = position_arg.contiguous();
   const int64_t tokens = position.size(0);
   const int64_t top_k = position.size(1);
-  const int64_t rows = grad.size(0);
-  const int64_t hidden = grad.size(1);
-  at::Tensor out = at::empty({tokens, hidden}, grad.options());
+  const int64_t rows = source.size(0);
+  const int64_t hidden = source.size(1);
+  at::Tensor out = at::empty({tokens, hidden}, source.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kBFloat16, at::kHalf, grad.scalar_type(), "d9d::moe_permute_backward_cpu", [&] {
+      at::kBFloat16, at::kHalf, source.scalar_type(), "d9d::moe_sum_kept_rows_cpu", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        const scalar_t* g = grad.const_data_ptr<scalar_t>();
-        const int64_t* pos = position.const_data_ptr<int64_t>();
-        scalar_t* dx = out.mutable_data_ptr<scalar_t>();
-        at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-          std::vector<std::pair<int64_t, int64_t>> mine;
-          std::vector<acc_t> acc(static_cast<std::size_t>(hidden));
-          for (int64_t t = begin; t < end; ++t) {
-            kept_positions("moe_permute", pos, t, top_k, rows, mine);
-            std::fill(acc.begin(), acc.end(), acc_t(0));
-            for (const auto& [i, j] : mine) {
-              for (int64_t h = 0; h < hidden; ++h) {
-                acc[static_cast<std::size_t>(h)] += static_cast<acc_t>(g[i * hidden + h]);
-              }
-            }
-            for (int64_t h = 0; h < hidden; ++h) {
-              dx[t * hidden + h] = static_cast<scalar_t>(acc[static_cast<std::size_t>(h)]);
-            }
-          }
-        });
-      });
-  return out;
-}
-
-at::Tensor moe_unpermute_forward_cpu(const at::Tensor& outputs_arg, const at::Tensor& weights_arg,
-                                     const at::Tensor& position_arg) {
-  detail::check_moe_unpermute(outputs_arg, weights_arg, position_arg, at::Tensor());
-  const at::Tensor outputs = outputs_arg.contiguous();
-  const at::Tensor weights = weights_arg.contiguous();
-  const at::Tensor position = position_arg.contiguous();
-  const int64_t tokens = position.size(0);
-  const int64_t top_k = position.size(1);
-  const int64_t rows = outputs.size(0);
-  const int64_t hidden = outputs.size(1);
-  at::Tensor out = at::empty({tokens, hidden}, outputs.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kBFloat16, at::kHalf, outputs.scalar_type(), "d9d::moe_unpermute_forward_cpu", [&] {
-        using acc_t = at::opmath_type<scalar_t>;
-        const scalar_t* o = outputs.const_data_ptr<scalar_t>();
-        const scalar_t* w = weights.const_data_ptr<scalar_t>();
+        const scalar_t* o = source.const_data_ptr<scalar_t>();
+        const scalar_t* w = weights.defined() ? weights.const_data_ptr<scalar_t>() : nullptr;
         const int64_t* pos = position.const_data_ptr<int64_t>();
         scalar_t* y = out.mutable_data_ptr<scalar_t>();
         at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
           std::vector<std::pair<int64_t, int64_t>> mine;
           std::vector<acc_t> acc(static_cast<std::size_t>(hidden));
           for (int64_t t = begin; t < end; ++t) {
-            kept_positions("moe_unpermute", pos, t, top_k, rows, mine);
+            kept_positions(op, pos, t, top_k, rows, mine);
             std::fill(acc.begin(), acc.end(), acc_t(0));
             for (const auto& [i, j] : mine) {
+              if (w == nullptr) {
+                for (int64_t h = 0; h < hidden; ++h) {
+                  acc[static_cast<std::size_t>(h)] += static_cast<acc_t>(o[i * hidden + h]);
+                }
+                continue;
+              }
               const auto weight = static_cast<acc_t>(w[t * top_k + j]);
               for (int64_t h = 0; h < hidden; ++h) {
                 const acc_t product = static_cast<acc_t>(o[i * hidden + h]) * weight;
@@ -258,6 +232,17 @@ at::Tensor moe_unpermute_forward_cpu(const at::Tensor& outputs_arg, const at::Te
         });
       });
   return out;
+}
+
+at::Tensor moe_permute_backward_cpu(const at::Tensor& grad_arg, const at::Tensor& position_arg) {
+  detail::check_moe_indices("moe_permute_backward", grad_arg, at::Tensor(), position_arg, -1);
+  return sum_kept_rows("moe_permute", grad_arg, at::Tensor(), position_arg);
+}
+
+at::Tensor moe_unpermute_forward_cpu(const at::Tensor& outputs_arg, const at::Tensor& weights_arg,
+                                     const at::Tensor& position_arg) {
+  detail::check_moe_unpermute(outputs_arg, weights_arg, position_arg, at::Tensor());
+  return sum_kept_rows("moe_unpermute", outputs_arg, weights_arg, position_arg);
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_unpermute_backward_cpu(const at::Tensor& grad_arg,
