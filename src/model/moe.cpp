@@ -351,9 +351,45 @@ at::Tensor GroupedExpertsImpl::forward(const at::Tensor& rows, const std::vector
                          ? at::autocast::get_autocast_dtype(device)
                          : rows.scalar_type();
   const auto x = rows.to(dtype);
-  const auto gate = grouped_linear(x, gate_proj.to(dtype), counts, gemm);
-  const auto up = grouped_linear(x, up_proj.to(dtype), counts, gemm);
-  return grouped_linear(at::silu(gate) * up, down_proj.to(dtype), counts, gemm);
+  // Each projection, plus its adapter's low-rank addition: the rows times A_e^T (rank columns),
+  // scaled there (a pass over rank columns, not out columns), times B_e^T.
+  const auto project = [&](const at::Tensor& in, std::size_t index) {
+    auto out = grouped_linear(in, projection(index).to(dtype), counts, gemm);
+    if (const auto& adapter = adapters.at(index)) {
+      if (const auto update = adapter->low_rank(); update.a.defined()) {
+        // at::_grouped_mm needs 16-byte rows: bfloat16 ranks that are multiples of 8.
+        const auto how = gemm == GroupedGemm::automatic && update.a.size(1) % 8 != 0
+                             ? GroupedGemm::loop
+                             : gemm;
+        const auto low = grouped_linear(in, update.a.to(dtype), counts, how) * update.scale;
+        out = out + grouped_linear(low, update.b.to(dtype), counts, how);
+      }
+    }
+    return out;
+  };
+  return project(at::silu(project(x, 0)) * project(x, 1), 2);
+}
+
+at::Tensor& GroupedExpertsImpl::projection(std::size_t index) {
+  switch (index) {
+    case 0:
+      return gate_proj;
+    case 1:
+      return up_proj;
+    case 2:
+      return down_proj;
+    default:
+      throw std::out_of_range("d9d::model::GroupedExperts: no projection " +
+                              std::to_string(index) + " (gate_proj, up_proj, down_proj are 0-2)");
+  }
+}
+
+std::size_t GroupedExpertsImpl::projection_index(std::string_view name) {
+  std::size_t index = 0;
+  while (index < projections.size() && projections.at(index) != name) {
+    ++index;
+  }
+  return index;
 }
 
 at::Tensor GroupedExpertsImpl::run(const at::Tensor& rows, const std::vector<int64_t>& counts) {

@@ -1,6 +1,7 @@
 // d9d/peft/adapter_io.cpp — adapters in Hugging Face peft's file format, both ways, and the merged
 // model as a Hugging Face checkpoint.
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -84,10 +85,26 @@ std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> module_n
 std::set<std::string> adapter_parameter_names(const std::vector<LoraLayer>& layers) {
   std::set<std::string> out;
   for (const auto& layer : layers) {
-    out.insert(layer.name + ".lora_A.weight");
-    out.insert(layer.name + ".lora_B.weight");
+    out.insert(layer.a_name());
+    out.insert(layer.b_name());
   }
   return out;
+}
+
+// A's and B's names in the model for a layer of the contents (as LoraLayer::a_name / b_name).
+std::array<std::string, 2> factor_names(const AdapterContents::Layer& layer) {
+  if (layer.experts > 0) {
+    return {layer.name + "_lora_A", layer.name + "_lora_B"};
+  }
+  return {layer.name + ".lora_A.weight", layer.name + ".lora_B.weight"};
+}
+
+// An expert projection's per-expert module in peft's (transformers 4's) layout:
+// "<experts>.<e>.<projection>".
+std::string expert_module(const std::string& projection_name, int64_t expert) {
+  const auto dot = projection_name.rfind('.');
+  return projection_name.substr(0, dot) + "." + std::to_string(expert) +
+         projection_name.substr(dot);
 }
 
 Json number(double value) {
@@ -224,7 +241,7 @@ PeftConfig read_config(const std::string& dir) {
 // peft's check_target_module_exists for a module name (0.17: lists match by name or dotted suffix,
 // strings as a regular expression over the whole name, "all-linear" every linear layer but the
 // output layer; exclude_modules and modules to save are never targets).
-bool is_target(const PeftConfig& config, const std::string& name, const torch::nn::Module& module) {
+bool is_target(const PeftConfig& config, const std::string& name, bool linear) {
   const auto in_list = [&](const Json& names) {
     return std::any_of(names.begin(), names.end(), [&](const Json& item) {
       const auto key = item.get<std::string>();
@@ -244,8 +261,7 @@ bool is_target(const PeftConfig& config, const std::string& name, const torch::n
   if (config.target_modules.is_string()) {
     const auto target = config.target_modules.get<std::string>();
     if (target == "all-linear") {
-      return dynamic_cast<const model::LinearImpl*>(&module) != nullptr &&
-             last_component(name) != "lm_head";
+      return linear && last_component(name) != "lm_head";
     }
     return std::regex_match(name, std::regex(target));
   }
@@ -292,21 +308,21 @@ std::map<std::string, at::Tensor> read_weights(const std::string& dir, const std
   return out;
 }
 
-// Copies `tensors` into the named targets after checking all of them: every target has a
-// tensor, every tensor a target, the shapes agree.
-void copy_checked(const std::map<std::string, at::Tensor>& tensors,
-                  const std::map<std::string, at::Tensor>& targets, const std::string& who,
-                  const std::string& path) {
+// Checks that `tensors` fit the named target shapes: every target has a tensor, every tensor a
+// target, the shapes agree.
+void check_fit(const std::map<std::string, at::Tensor>& tensors,
+               const std::map<std::string, std::vector<int64_t>>& targets, const std::string& who,
+               const std::string& path) {
   std::vector<std::string> missing;
   std::vector<std::string> unexpected;
   std::vector<std::string> mismatched;
-  for (const auto& [name, target] : targets) {
+  for (const auto& [name, shape] : targets) {
     const auto it = tensors.find(name);
     if (it == tensors.end()) {
       missing.push_back(kPrefix + name);
-    } else if (it->second.sizes() != target.sizes()) {
+    } else if (it->second.sizes() != at::IntArrayRef(shape)) {
       mismatched.push_back(kPrefix + name + " (file " + c10::str(it->second.sizes()) + ", model " +
-                           c10::str(target.sizes()) + ")");
+                           c10::str(at::IntArrayRef(shape)) + ")");
     }
   }
   for (const auto& [name, tensor] : tensors) {
@@ -321,6 +337,17 @@ void copy_checked(const std::map<std::string, at::Tensor>& tensors,
                              " Fix: load it into the base model it was trained on, with the "
                              "same targets and ranks");
   }
+}
+
+// Copies `tensors` into the named targets (views of the model's tensors) after check_fit.
+void copy_checked(const std::map<std::string, at::Tensor>& tensors,
+                  const std::map<std::string, at::Tensor>& targets, const std::string& who,
+                  const std::string& path) {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& [name, target] : targets) {
+    shapes.emplace(name, target.sizes().vec());
+  }
+  check_fit(tensors, shapes, who, path);
   const at::NoGradGuard no_grad;
   for (const auto& [name, target] : targets) {
     at::Tensor(target).copy_(tensors.at(name));
@@ -379,9 +406,9 @@ std::vector<std::string> AdapterContents::tensor_names() const {
   std::set<std::string> adapter_names;
   std::vector<std::string> out;
   for (const auto& layer : layers) {
-    for (const char* suffix : {".lora_A.weight", ".lora_B.weight"}) {
-      adapter_names.insert(layer.name + suffix);
-      out.push_back(layer.name + suffix);
+    for (const auto& name : factor_names(layer)) {
+      adapter_names.insert(name);
+      out.push_back(name);
     }
   }
   // Other parameters that train go along as peft's modules_to_save: every parameter of their
@@ -419,7 +446,7 @@ std::string AdapterContents::to_json() const {
   Json out = {{"layers", Json::array()}, {"modules", modules}, {"parameters", Json::array()}};
   for (const auto& layer : layers) {
     const auto& o = layer.options;
-    out["layers"].push_back({layer.name, o.rank, o.alpha, o.dropout, o.rslora});
+    out["layers"].push_back({layer.name, o.rank, o.alpha, o.dropout, o.rslora, layer.experts});
   }
   for (const auto& [name, trains] : parameters) {
     out["parameters"].push_back({name, trains});
@@ -435,7 +462,8 @@ AdapterContents AdapterContents::from_json(const std::string& text) {
                           .options = {.rank = layer.at(1).get<int64_t>(),
                                       .alpha = layer.at(2).get<double>(),
                                       .dropout = layer.at(3).get<double>(),
-                                      .rslora = layer.at(4).get<bool>()}});
+                                      .rslora = layer.at(4).get<bool>()},
+                          .experts = layer.at(5).get<int64_t>()});
   }
   out.modules = json.at("modules").get<std::vector<std::string>>();
   for (const auto& parameter : json.at("parameters")) {
@@ -447,10 +475,18 @@ AdapterContents AdapterContents::from_json(const std::string& text) {
 AdapterContents adapter_contents(const torch::nn::Module& model) {
   AdapterContents out;
   for (const auto& layer : lora_layers(model)) {
-    out.layers.push_back({.name = layer.name, .options = layer.adapter->options()});
+    out.layers.push_back(
+        {.name = layer.name, .options = layer.options(), .experts = layer.num_experts()});
   }
-  for (const auto& item : module_names(model)) {
-    out.modules.push_back(item.first);
+  for (const auto& [name, module] : module_names(model)) {
+    out.modules.push_back(name);
+    // The experts' projections count as layers of their kind ("gate_proj" names them in peft's
+    // per-expert layout).
+    if (dynamic_cast<const model::GroupedExpertsImpl*>(module.get()) != nullptr) {
+      for (const auto projection : model::GroupedExpertsImpl::projections) {
+        out.modules.push_back(name + "." + std::string(projection));
+      }
+    }
   }
   for (const auto& item : model.named_parameters()) {
     out.parameters.emplace_back(item.key(), item.value().requires_grad());
@@ -485,12 +521,33 @@ std::vector<std::string> target_modules(const AdapterContents& contents,
           const bool same = module == last || ends_with(module, "." + last);
           return !same || adapted.count(module) > 0;
         });
-    const auto target = all_of_kind ? last : layer.name;
-    if (std::find(targets.begin(), targets.end(), target) == targets.end()) {
-      targets.push_back(target);
+    std::vector<std::string> names;
+    if (all_of_kind) {
+      names.push_back(last);
+    } else if (layer.experts > 0) {
+      for (int64_t e = 0; e < layer.experts; ++e) {
+        names.push_back(expert_module(layer.name, e));
+      }
+    } else {
+      names.push_back(layer.name);
+    }
+    for (auto& target : names) {
+      if (std::find(targets.begin(), targets.end(), target) == targets.end()) {
+        targets.push_back(std::move(target));
+      }
     }
   }
   return targets;
+}
+
+/// peft's rank_pattern / alpha_pattern key for a layer: its name as a regular expression (every
+/// expert's module "<experts>.<e>.<projection>" for an expert projection).
+std::string pattern_key(const AdapterContents::Layer& layer) {
+  if (layer.experts > 0) {
+    return regex_escape(owner_of(layer.name)) + "\\.[0-9]+\\." +
+           regex_escape(last_component(layer.name));
+  }
+  return regex_escape(layer.name);
 }
 
 /// peft's adapter_config.json for adapters of `first`'s options but the patterns.
@@ -542,17 +599,32 @@ void save_adapter(const AdapterContents& contents, const std::string& dir,
   const auto& first = layers.front().options;
   Json rank_pattern = Json::object();
   Json alpha_pattern = Json::object();
-  for (const auto& [name, o] : layers) {
+  // Each adapter tensor's key in the file ("<layer>.lora_A.weight"), or, for an expert
+  // projection's stacked one, the key of each expert's slice ("<experts>.<e>.gate_proj.lora_A.weight").
+  std::map<std::string, std::vector<std::string>> adapter_keys;
+  for (const auto& layer : layers) {
+    const auto& o = layer.options;
     if (o.rslora != first.rslora) {
-      throw std::invalid_argument(std::string(who) + ": " + name +
+      throw std::invalid_argument(std::string(who) + ": " + layer.name +
                                   " mixes rsLoRA and plain scaling with " + layers.front().name +
                                   "; peft's use_rslora holds for every layer");
     }
     if (o.rank != first.rank) {
-      rank_pattern[regex_escape(name)] = o.rank;
+      rank_pattern[pattern_key(layer)] = o.rank;
     }
     if (o.alpha != first.alpha) {
-      alpha_pattern[regex_escape(name)] = number(o.alpha);
+      alpha_pattern[pattern_key(layer)] = number(o.alpha);
+    }
+    const auto names = factor_names(layer);
+    for (std::size_t f = 0; f < names.size(); ++f) {
+      const std::string suffix = f == 0 ? ".lora_A.weight" : ".lora_B.weight";
+      auto& keys = adapter_keys[names.at(f)];
+      if (layer.experts == 0) {
+        keys.push_back(kPrefix + layer.name + suffix);
+      }
+      for (int64_t e = 0; e < layer.experts; ++e) {
+        keys.push_back(kPrefix + expert_module(layer.name, e) + suffix);
+      }
     }
   }
   state::NamedTensors tensors;
@@ -562,11 +634,27 @@ void save_adapter(const AdapterContents& contents, const std::string& dir,
     adapted.insert(layer.name);
   }
   for (const auto& name : contents.tensor_names()) {
-    tensors.emplace_back(kPrefix + name, tensor(name).detach().to(at::kCPU, options.dtype));
-    const auto owner = owner_of(name);
-    if (adapted.count(owner_of(owner)) == 0 &&
-        std::find(modules_to_save.begin(), modules_to_save.end(), owner) == modules_to_save.end()) {
-      modules_to_save.push_back(owner);
+    const auto value = tensor(name).detach().to(at::kCPU, options.dtype);
+    const auto keys = adapter_keys.find(name);
+    if (keys == adapter_keys.end()) {
+      tensors.emplace_back(kPrefix + name, value);
+      const auto owner = owner_of(name);
+      if (std::find(modules_to_save.begin(), modules_to_save.end(), owner) ==
+          modules_to_save.end()) {
+        modules_to_save.push_back(owner);
+      }
+    } else if (keys->second.size() == 1 && value.dim() == 2) {
+      tensors.emplace_back(keys->second.front(), value);
+    } else {
+      if (value.dim() != 3 || value.size(0) != static_cast<int64_t>(keys->second.size())) {
+        throw std::invalid_argument(std::string(who) + ": " + name + " is " +
+                                    c10::str(value.sizes()) + ", not the stacked factors of " +
+                                    std::to_string(keys->second.size()) +
+                                    " experts (is the tensor whole?)");
+      }
+      for (std::size_t e = 0; e < keys->second.size(); ++e) {
+        tensors.emplace_back(keys->second[e], value.select(0, static_cast<int64_t>(e)).contiguous());
+      }
     }
   }
 
@@ -588,54 +676,116 @@ void load_adapter(torch::nn::Module& model, const std::string& dir) {
   const auto tensors = read_weights(dir, who);
   const auto modules = module_names(model);
   std::vector<std::pair<std::string, model::LinearImpl*>> targets;
+  // Expert projections peft adapts expert by expert ("<experts>.<e>.gate_proj"): d9d adapts all
+  // of a projection's experts or none, with one rank and scale.
+  struct ExpertTarget {
+    std::string name;  // "<experts>.gate_proj"
+    model::GroupedExpertsImpl* experts;
+    std::size_t index;
+    LoraOptions options;
+  };
+  std::vector<ExpertTarget> expert_targets;
   for (const auto& [name, module] : modules) {
-    if (!is_target(config, name, *module)) {
+    if (auto* experts = dynamic_cast<model::GroupedExpertsImpl*>(module.get())) {
+      for (std::size_t p = 0; p < model::GroupedExpertsImpl::projections.size(); ++p) {
+        const auto projection = name + "." + std::string(model::GroupedExpertsImpl::projections[p]);
+        std::vector<int64_t> hit;
+        for (int64_t e = 0; e < experts->num_experts(); ++e) {
+          if (is_target(config, expert_module(projection, e), /*linear=*/true)) {
+            hit.push_back(e);
+          }
+        }
+        if (hit.empty()) {
+          continue;
+        }
+        const auto options = options_for(config, expert_module(projection, 0));
+        for (int64_t e = 0; e < experts->num_experts(); ++e) {
+          const auto here = options_for(config, expert_module(projection, e));
+          if (static_cast<int64_t>(hit.size()) != experts->num_experts() ||
+              here.rank != options.rank || here.alpha != options.alpha) {
+            throw std::runtime_error(
+                who + ": the adapter targets " + std::to_string(hit.size()) + " of the " +
+                std::to_string(experts->num_experts()) + " experts of " + projection +
+                " or gives them different ranks or alphas; d9d adapts every expert of a "
+                "projection alike (stacked factors). Fix: target all of them with one rank");
+          }
+        }
+        if (options.dropout > 0.0) {
+          throw std::runtime_error(who + ": \"lora_dropout\" = " +
+                                   std::to_string(options.dropout) + " on the experts of " +
+                                   projection +
+                                   "; d9d's expert adapters take no dropout. Fix: save the "
+                                   "adapter with lora_dropout 0");
+        }
+        expert_targets.push_back({projection, experts, p, options});
+      }
       continue;
     }
     auto* layer = dynamic_cast<model::LinearImpl*>(module.get());
+    if (!is_target(config, name, layer != nullptr)) {
+      continue;
+    }
     if (layer == nullptr) {
       // peft adapts containers' children, not containers; a non-linear leaf is an error there.
       if (module->children().empty()) {
         throw std::runtime_error(who + ": the adapter targets " + name +
                                  ", which is not a linear layer (d9d adapts d9d::model::Linear "
-                                 "only)");
+                                 "and the grouped experts' projections only)");
       }
       continue;
     }
     targets.emplace_back(name, layer);
   }
-  if (targets.empty()) {
+  if (targets.empty() && expert_targets.empty()) {
     throw std::runtime_error(who + ": target_modules " + config.target_modules.dump() +
                              " matches no linear layer of the model. Fix: load the adapter into "
                              "the model it was trained for");
   }
+  // Every tensor's shape is checked before the model changes.
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& [name, layer] : targets) {
+    const auto rank = options_for(config, name).rank;
+    shapes[name + ".lora_A.weight"] = {rank, layer->in_features()};
+    shapes[name + ".lora_B.weight"] = {layer->out_features(), rank};
+  }
+  for (const auto& target : expert_targets) {
+    const auto& weight = target.experts->projection(target.index);
+    for (int64_t e = 0; e < target.experts->num_experts(); ++e) {
+      shapes[expert_module(target.name, e) + ".lora_A.weight"] = {target.options.rank,
+                                                                   weight.size(2)};
+      shapes[expert_module(target.name, e) + ".lora_B.weight"] = {weight.size(1),
+                                                                   target.options.rank};
+    }
+  }
+  // Modules to save: every parameter of a module whose name ends with an entry (peft's rule, a
+  // plain suffix).
   std::map<std::string, at::Tensor> destinations;
+  for (const auto& item : model.named_parameters()) {
+    const auto owner = owner_of(item.key());
+    for (const auto& save : config.modules_to_save) {
+      if (ends_with(owner, save)) {
+        destinations[item.key()] = item.value();
+        shapes[item.key()] = item.value().sizes().vec();
+      }
+    }
+  }
+  check_fit(tensors, shapes, who, files::join(dir, kWeightsFile));
   for (const auto& [name, layer] : targets) {
     auto adapter = std::make_shared<LoraAdapter>(*layer, options_for(config, name), 0, name);
     destinations[name + ".lora_A.weight"] = adapter->lora_A->weight;
     destinations[name + ".lora_B.weight"] = adapter->lora_B->weight;
     layer->adapter = adapter;
   }
-  // Modules to save: every parameter of a module whose name ends with an entry (peft's rule, a
-  // plain suffix).
-  for (const auto& item : model.named_parameters()) {
-    const auto owner = owner_of(item.key());
-    for (const auto& save : config.modules_to_save) {
-      if (ends_with(owner, save)) {
-        destinations[item.key()] = item.value();
-      }
+  for (const auto& target : expert_targets) {
+    auto adapter = std::make_shared<ExpertLoraAdapter>(*target.experts, target.index,
+                                                       target.options, 0, target.name);
+    for (int64_t e = 0; e < target.experts->num_experts(); ++e) {
+      destinations[expert_module(target.name, e) + ".lora_A.weight"] = adapter->lora_A.select(0, e);
+      destinations[expert_module(target.name, e) + ".lora_B.weight"] = adapter->lora_B.select(0, e);
     }
+    target.experts->adapters.at(target.index) = adapter;
   }
-  try {
-    copy_checked(tensors, destinations, who, files::join(dir, kWeightsFile));
-  } catch (...) {
-    for (const auto& [name, layer] : targets) {
-      layer->adapter.reset();
-      layer->unregister_module("lora_A");
-      layer->unregister_module("lora_B");
-    }
-    throw;
-  }
+  copy_checked(tensors, destinations, who, files::join(dir, kWeightsFile));
   for (auto& parameter : model.parameters()) {
     parameter.requires_grad_(false);
   }
@@ -651,18 +801,36 @@ void load_adapter_weights(torch::nn::Module& model, const std::string& dir) {
   }
   const auto config = read_config(dir);
   std::map<std::string, at::Tensor> destinations;
-  for (const auto& [name, layer, adapter] : layers) {
-    const auto want = options_for(config, name);
-    const auto& have = adapter->options();
+  for (const auto& layer : layers) {
+    const int64_t experts = layer.num_experts();
+    const auto want =
+        options_for(config, experts > 0 ? expert_module(layer.name, 0) : layer.name);
+    const auto& have = layer.options();
     if (want.rank != have.rank || std::abs(want.scale() - have.scale()) > 1e-12 * have.scale()) {
-      throw std::runtime_error(who + ": " + name + " has rank " + std::to_string(have.rank) +
+      throw std::runtime_error(who + ": " + layer.name + " has rank " + std::to_string(have.rank) +
                                " and scale " + std::to_string(have.scale()) + ", the file rank " +
                                std::to_string(want.rank) + " and scale " +
                                std::to_string(want.scale()) +
                                ". Fix: build the model with the adapter's rank and alpha");
     }
-    destinations[name + ".lora_A.weight"] = adapter->lora_A->weight;
-    destinations[name + ".lora_B.weight"] = adapter->lora_B->weight;
+    if (experts == 0) {
+      destinations[layer.a_name()] = layer.adapter->lora_A->weight;
+      destinations[layer.b_name()] = layer.adapter->lora_B->weight;
+      continue;
+    }
+    const auto& a = layer.expert_adapter->lora_A;
+    if (a.size(0) != experts) {
+      throw std::invalid_argument(who + ": " + layer.name + " holds " +
+                                  std::to_string(a.size(0)) + " of its " +
+                                  std::to_string(experts) +
+                                  " experts here (expert parallelism). Fix: load the adapter "
+                                  "into the whole model, then parallelize");
+    }
+    for (int64_t e = 0; e < experts; ++e) {
+      destinations[expert_module(layer.name, e) + ".lora_A.weight"] = a.select(0, e);
+      destinations[expert_module(layer.name, e) + ".lora_B.weight"] =
+          layer.expert_adapter->lora_B.select(0, e);
+    }
   }
   const auto tensors = read_weights(dir, who);
   const auto parameters = model.named_parameters();

@@ -222,6 +222,63 @@ model::LowRankUpdate LoraAdapter::low_rank() const {
   return {.a = lora_A->weight, .b = lora_B->weight, .scale = options_.scale()};
 }
 
+ExpertLoraAdapter::ExpertLoraAdapter(model::GroupedExpertsImpl& experts, std::size_t projection,
+                                     const LoraOptions& options, uint64_t seed,
+                                     const std::string& name)
+    : options_(options) {
+  if (options.rank < 1) {
+    throw std::invalid_argument("d9d::peft::ExpertLoraAdapter: rank must be >= 1 (got " +
+                                std::to_string(options.rank) + ") for " + name);
+  }
+  if (options.dropout > 0.0) {
+    throw std::invalid_argument(
+        "d9d::peft::Lora: " + name +
+        " is a stacked expert projection, where LoRA takes no dropout (the rows of every expert "
+        "share one product; peft refuses lora_dropout on expert parameters too). Fix: a Lora "
+        "without with_dropout for the experts, e.g. a second Lora method naming them");
+  }
+  const auto& weight = experts.projection(projection);
+  const int64_t count = weight.size(0);
+  const int64_t out = weight.size(1);
+  const int64_t in = weight.size(2);
+  const std::string base(model::GroupedExpertsImpl::projections.at(projection));
+  const auto like = at::TensorOptions().dtype(weight.scalar_type()).device(weight.device());
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(name_seed(seed, name + ".lora_A"));
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  lora_A = experts.register_parameter(
+      base + "_lora_A", at::empty({count, options.rank, in}, at::TensorOptions().dtype(at::kFloat))
+                            .uniform_(-bound, bound, generator)
+                            .to(like));
+  lora_B = experts.register_parameter(base + "_lora_B", at::zeros({count, out, options.rank}, like));
+}
+
+model::LowRankUpdate ExpertLoraAdapter::low_rank() const {
+  if (merged()) {
+    return {};
+  }
+  return {.a = lora_A, .b = lora_B, .scale = options_.scale()};
+}
+
+std::string LoraLayer::weight_name() const { return experts != nullptr ? name : name + ".weight"; }
+
+std::string LoraLayer::a_name() const {
+  return experts != nullptr ? name + "_lora_A" : name + ".lora_A.weight";
+}
+
+std::string LoraLayer::b_name() const {
+  return experts != nullptr ? name + "_lora_B" : name + ".lora_B.weight";
+}
+
+const LoraOptions& LoraLayer::options() const {
+  return expert_adapter != nullptr ? expert_adapter->options() : adapter->options();
+}
+
+bool LoraLayer::merged() const {
+  return expert_adapter != nullptr ? expert_adapter->merged() : adapter->merged();
+}
+
+int64_t LoraLayer::num_experts() const { return experts != nullptr ? experts->num_experts() : 0; }
+
 at::Tensor LoraAdapter::delta_weight() const {
   const at::NoGradGuard no_grad;
   const auto& a = lora_A->weight;
@@ -232,6 +289,17 @@ at::Tensor LoraAdapter::delta_weight() const {
 std::vector<LoraLayer> lora_layers(const torch::nn::Module& model) {
   std::vector<LoraLayer> out;
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    if (auto* experts = dynamic_cast<model::GroupedExpertsImpl*>(item.value().get())) {
+      for (std::size_t p = 0; p < experts->adapters.size(); ++p) {
+        if (auto* adapter = dynamic_cast<ExpertLoraAdapter*>(experts->adapters.at(p).get())) {
+          const std::string projection(model::GroupedExpertsImpl::projections.at(p));
+          out.push_back({.name = item.key().empty() ? projection : item.key() + "." + projection,
+                         .experts = experts,
+                         .expert_adapter = adapter});
+        }
+      }
+      continue;
+    }
     auto* layer = dynamic_cast<model::LinearImpl*>(item.value().get());
     if (layer == nullptr || !layer->adapter) {
       continue;
@@ -246,42 +314,69 @@ std::vector<LoraLayer> lora_layers(const torch::nn::Module& model) {
 
 bool has_lora(const torch::nn::Module& model) { return !lora_layers(model).empty(); }
 
+namespace {
+
+// The adapted weight and the factors of a layer (the experts' stacked ones).
+struct MergeParts {
+  at::Tensor weight;
+  at::Tensor a;
+  at::Tensor b;
+};
+
+MergeParts merge_parts(const LoraLayer& layer) {
+  if (layer.expert_adapter != nullptr) {
+    const auto index = model::GroupedExpertsImpl::projection_index(last_component(layer.name));
+    return {.weight = layer.experts->projection(index),
+            .a = layer.expert_adapter->lora_A,
+            .b = layer.expert_adapter->lora_B};
+  }
+  return {.weight = layer.layer->weight,
+          .a = layer.adapter->lora_A->weight,
+          .b = layer.adapter->lora_B->weight};
+}
+
+}  // namespace
+
 void merge(torch::nn::Module& model) {
   const at::NoGradGuard no_grad;
-  for (const auto& [name, layer, adapter] : lora_layers(model)) {
-    if (adapter->merged()) {
+  for (const auto& layer : lora_layers(model)) {
+    if (layer.merged()) {
       continue;
     }
-    for (const auto* weight :
-         {&adapter->lora_A->weight, &adapter->lora_B->weight, &layer->weight}) {
+    auto parts = merge_parts(layer);
+    auto& original = layer.expert_adapter != nullptr ? layer.expert_adapter->original_
+                                                     : layer.adapter->original_;
+    for (const auto* weight : {&parts.a, &parts.b, &parts.weight}) {
       if (weight->storage().nbytes() < static_cast<std::size_t>(weight->nbytes())) {
         throw std::invalid_argument(
-            "d9d::peft::merge: the parameters of " + name +
+            "d9d::peft::merge: the parameters of " + layer.name +
             " are not whole on this rank (FullyShard frees them between steps). Fix: save the "
             "adapter (d9d::peft::save_adapter from the records) and merge in one process after "
             "d9d::peft::load_adapter");
       }
     }
-    adapter->original_ = layer->weight.detach().clone();
-    layer->weight.copy_(merged_weight(adapter->original_, adapter->lora_A->weight,
-                                      adapter->lora_B->weight, adapter->options()));
+    original = parts.weight.detach().clone();
+    parts.weight.copy_(merged_weight(original, parts.a, parts.b, layer.options()));
   }
 }
 
 at::Tensor merged_weight(const at::Tensor& weight, const at::Tensor& lora_a,
                          const at::Tensor& lora_b, const LoraOptions& options) {
   const at::NoGradGuard no_grad;
-  return weight + (lora_b.mm(lora_a) * options.scale()).to(weight.scalar_type());
+  // matmul: mm for a layer's [out, rank] x [rank, in], bmm expert by expert for stacked factors.
+  return weight + (at::matmul(lora_b, lora_a) * options.scale()).to(weight.scalar_type());
 }
 
 void unmerge(torch::nn::Module& model) {
   const at::NoGradGuard no_grad;
-  for (const auto& [name, layer, adapter] : lora_layers(model)) {
-    if (!adapter->merged()) {
+  for (const auto& layer : lora_layers(model)) {
+    if (!layer.merged()) {
       continue;
     }
-    layer->weight.copy_(adapter->original_);
-    adapter->original_ = at::Tensor();
+    auto& original = layer.expert_adapter != nullptr ? layer.expert_adapter->original_
+                                                     : layer.adapter->original_;
+    merge_parts(layer).weight.copy_(original);
+    original = at::Tensor();
   }
 }
 
@@ -339,6 +434,23 @@ void apply_stack(const std::vector<std::shared_ptr<torch::nn::Module>>& roots,
     return std::any_of(parameters.begin(), parameters.end(),
                        [&](const auto& item) { return item.first == name; });
   };
+  // The grouped experts' stacked projections ("...mlp.experts.gate_proj"): targets like linear
+  // layers, each adapted for every expert.
+  struct ExpertProjection {
+    std::string name;
+    model::GroupedExpertsImpl* experts;
+    std::size_t index;
+  };
+  std::vector<ExpertProjection> expert_projections;
+  for (const auto& [name, module] : modules) {
+    if (auto* experts = dynamic_cast<model::GroupedExpertsImpl*>(module.get())) {
+      for (std::size_t p = 0; p < model::GroupedExpertsImpl::projections.size(); ++p) {
+        expert_projections.push_back(
+            {name + "." + std::string(model::GroupedExpertsImpl::projections.at(p)), experts, p});
+      }
+    }
+  }
+  std::vector<std::pair<std::size_t, std::size_t>> adapt_experts;  // projection, Lora method
 
   for (std::size_t m = 0; m < spec.methods.size(); ++m) {
     const auto& method = spec.methods[m];
@@ -364,8 +476,9 @@ void apply_stack(const std::vector<std::shared_ptr<torch::nn::Module>>& roots,
             if (error.empty()) {
               error = "d9d::peft::Lora: the target \"" + pattern + "\" of " + method.describe() +
                       " matches " + name + ", a " + kind_of(*module) +
-                      "; LoRA wraps linear layers (d9d::model::Linear) only. Fix: target the "
-                      "linear layers, e.g. \"*.q_proj\"; linear layers here: " +
+                      "; LoRA wraps linear layers (d9d::model::Linear) and the grouped experts' "
+                      "projections (\"*.experts.gate_proj\", up_proj, down_proj) only. Fix: "
+                      "target those, e.g. \"*.q_proj\"; linear layers here: " +
                       module_listing([&] {
                         std::vector<NamedModule> linear;
                         for (const auto& item : modules) {
@@ -391,6 +504,30 @@ void apply_stack(const std::vector<std::shared_ptr<torch::nn::Module>>& roots,
               claim(name + suffix, m, pattern);
             }
           }
+        }
+        for (std::size_t t = 0; t < expert_projections.size(); ++t) {
+          const auto& target = expert_projections[t];
+          if (!every_linear && !pattern_matches(pattern, target.name)) {
+            continue;
+          }
+          ++matched;
+          if (method.dropout > 0.0 && error.empty()) {
+            error = "d9d::peft::Lora: the target \"" + pattern + "\" of " + method.describe() +
+                    " matches " + target.name +
+                    ", a stacked expert projection, where LoRA takes no dropout (peft refuses "
+                    "lora_dropout on expert parameters too). Fix: adapt the experts with a Lora "
+                    "without with_dropout, and the other layers with a second Lora method";
+          }
+          if (target.experts->adapters.at(target.index) && error.empty()) {
+            error = "d9d::peft::Lora: " + target.name +
+                    " already has an adapter (a peft stack is applied once). Fix: apply one "
+                    "d9d::peft::Stack with every method";
+          }
+          if (std::find(adapt_experts.begin(), adapt_experts.end(), std::make_pair(t, m)) ==
+              adapt_experts.end()) {
+            adapt_experts.emplace_back(t, m);
+          }
+          claim(target.name, m, pattern);
         }
         counts.push_back(matched);
         counted.emplace_back(m, pattern);
@@ -447,6 +584,14 @@ void apply_stack(const std::vector<std::shared_ptr<torch::nn::Module>>& roots,
     parameter.requires_grad_(spec.methods[it->second.method].kind == MethodKind::train);
   }
   std::map<std::string, std::shared_ptr<torch::nn::Module>> by_name(modules.begin(), modules.end());
+  for (const auto& [t, m] : adapt_experts) {
+    const auto& method = spec.methods[m];
+    const auto& target = expert_projections[t];
+    target.experts->adapters.at(target.index) = std::make_shared<ExpertLoraAdapter>(
+        *target.experts, target.index,
+        LoraOptions{.rank = method.rank, .alpha = static_cast<double>(method.alpha)}, seed,
+        target.name);
+  }
   for (const auto& [name, m] : adapt) {
     const auto& method = spec.methods[m];
     auto& layer = dynamic_cast<model::LinearImpl&>(*by_name.at(name));

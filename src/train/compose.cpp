@@ -16,17 +16,13 @@
 namespace d9d::detail {
 namespace {
 
-// The parameters of the LoRA adapters (lora_A and lora_B, child modules of the layers they adapt),
-// by their names under `root`: a base checkpoint does not hold them, and they keep their initial
-// values.
+// The parameters of the LoRA adapters (lora_A and lora_B), by their names under `root`: a base
+// checkpoint does not hold them, and they keep their initial values.
 std::set<std::string> adapter_parameters(const torch::nn::Module& root) {
   std::set<std::string> out;
   for (const auto& lora : peft::lora_layers(root)) {
-    for (const auto& child : lora.layer->named_children()) {
-      for (const auto& item : child.value()->named_parameters()) {
-        out.insert(lora.name + "." + child.key() + "." + item.key());
-      }
-    }
+    out.insert(lora.a_name());
+    out.insert(lora.b_name());
   }
   return out;
 }

@@ -86,9 +86,9 @@ Adapters export_adapters(const parallel::ParallelModel& parallel, const torch::n
                          const std::vector<peft::LoraLayer>& layers, const ExportRequest& request) {
   Adapters out;
   for (const auto& layer : layers) {
-    out.adapted_weight[layer.name + ".weight"] = &layer;
-    out.parameters.insert(layer.name + ".lora_A.weight");
-    out.parameters.insert(layer.name + ".lora_B.weight");
+    out.adapted_weight[layer.weight_name()] = &layer;
+    out.parameters.insert(layer.a_name());
+    out.parameters.insert(layer.b_name());
   }
   if (layers.empty()) {
     return out;
@@ -124,11 +124,10 @@ ExportResult export_whole_model(const parallel::ParallelModel& parallel,
     at::Tensor out =
         it != adapters.trained.end() ? it->second : whole_parameter(parallel, name, value);
     if (const auto layer_it = adapters.adapted_weight.find(name);
-        layer_it != adapters.adapted_weight.end() && !layer_it->second->adapter->merged()) {
+        layer_it != adapters.adapted_weight.end() && !layer_it->second->merged()) {
       const auto& layer = *layer_it->second;
-      out = peft::merged_weight(out, adapters.trained.at(layer.name + ".lora_A.weight"),
-                                adapters.trained.at(layer.name + ".lora_B.weight"),
-                                layer.adapter->options());
+      out = peft::merged_weight(out, adapters.trained.at(layer.a_name()),
+                                adapters.trained.at(layer.b_name()), layer.options());
     }
     return out;
   };
@@ -200,9 +199,9 @@ std::map<int, StagePart> stage_parts(const parallel::ParallelModel& parallel,
     StagePart part{.named = stages[i]->named_parameters(), .mapper = {}, .adapted = {}};
     std::set<std::string> adapter_parameters;
     for (const auto& layer : peft::lora_layers(*stages[i])) {
-      part.adapted.emplace(layer.name + ".weight", layer);
-      adapter_parameters.insert(layer.name + ".lora_A.weight");
-      adapter_parameters.insert(layer.name + ".lora_B.weight");
+      part.adapted.emplace(layer.weight_name(), layer);
+      adapter_parameters.insert(layer.a_name());
+      adapter_parameters.insert(layer.b_name());
     }
     std::vector<std::string> names;
     names.reserve(part.named.size());
@@ -326,13 +325,13 @@ std::vector<at::Tensor> entry_tensors(const parallel::ParallelModel& parallel,
       // An adapted weight goes out with its adapter merged in (collective like the weight's
       // gather: every rank of the owner's pp coordinate runs the same entries in order).
       if (const auto it = part.adapted.find(key);
-          it != part.adapted.end() && !it->second.adapter->merged()) {
+          it != part.adapted.end() && !it->second.merged()) {
         const auto& layer = it->second;
-        const auto a = layer.name + ".lora_A.weight";
-        const auto b = layer.name + ".lora_B.weight";
+        const auto a = layer.a_name();
+        const auto b = layer.b_name();
         value = peft::merged_weight(value, whole_parameter(parallel, a, part.named[a]),
                                     whole_parameter(parallel, b, part.named[b]),
-                                    layer.adapter->options());
+                                    layer.options());
       }
       inputs.emplace(key, std::move(value));
     }

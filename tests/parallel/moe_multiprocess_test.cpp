@@ -8,7 +8,7 @@
 // under expert parallelism (transformers' per-expert tensors, equal to the gathered experts) and a
 // training checkpoint saved on ep 2 resumed in one process, and token dropping by a capacity
 // factor. Tensor parallelism with MoE layers (tp 2, tp 2 x ep 2, and on 4 ranks with Replicate or
-// FullyShard) against one process too.
+// FullyShard) against one process too, and LoRA on the experts under ep 2 and ep 2 x FullyShard 2.
 #include <algorithm>
 #include <fstream>
 #include <functional>
@@ -253,6 +253,54 @@ TEST(Moe_ExpertParallel_ws2, SequenceWiseAuxLossMatchesOneProcess) {
     d9d::testing::expect_same_run(train_moe<d9d::Plan<PpMesh, d9d::pipeline::OneFOneB<>, Fp64>>(
                                       ctx, sequence_run(dir + "/pp", 2, R"({"pp": 2})")),
                                   want, "pp 2, sequence-wise loss");
+  });
+}
+
+// LoRA on the experts (every expert of each projection adapted, stacked factors) and on q_proj:
+// the adapters are expert parameters, sliced and dispatched with the experts under ep 2 and
+// sharded over ep_replicate under FullyShard; the runs equal one process, frozen weights and all.
+// The exported adapter holds each expert's factors under peft's per-expert keys.
+using ExpertLora = d9d::peft::Lora<4, 8, "q_proj", "gate_proj", "up_proj", "down_proj">;
+
+TEST(Moe_ExpertParallel_ws2, LoraOnExpertsMatchesOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
+    const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
+    const auto want = train_moe<d9d::Plan<ExpertLora, Fp64>>(local, moe_run(dir + "/one", 4));
+    // The adapters trained (B starts at zero) and the base did not.
+    const auto& b = want.parameters.at("model.layers.0.mlp.experts.down_proj_lora_B");
+    EXPECT_EQ(b.sizes(), (std::vector<int64_t>{4, 32, 4}));
+    EXPECT_GT(b.abs().max().item<double>(), 0.0);
+    d9d::testing::expect_same_run(
+        train_moe<d9d::Plan<EpMesh, Ep, ExpertLora, Fp64>>(ctx, moe_run(dir + "/ep", 2, R"({"ep": 2})")),
+        want, "ep 2, LoRA on the experts");
+    auto config = moe_run(dir + "/fsdp", 2, R"({"dp_shard": 2, "ep": 2})", true, /*outputs=*/true);
+    d9d::Trainer<d9d::Plan<ShardEpMesh, Ep, d9d::parallel::Fsdp, ExpertLora, Fp64>> trainer(
+        ctx, d9d::Qwen3MoeProvider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+        config);
+    RunOutcome fsdp;
+    fsdp.result = trainer.train();
+    fsdp.parameters = d9d::testing::full_parameters(trainer.core());
+    d9d::testing::expect_same_run(fsdp, want, "ep 2 x FullyShard 2, LoRA on the experts");
+    if (env.rank() != 0) {
+      return;
+    }
+    ASSERT_FALSE(fsdp.result.adapter_dir.empty());
+    const auto file =
+        d9d::state::SafetensorsFile(fsdp.result.adapter_dir + "/adapter_model.safetensors");
+    for (int64_t e = 0; e < 4; ++e) {
+      const auto key = "base_model.model.model.layers.0.mlp.experts." + std::to_string(e) +
+                       ".down_proj.lora_B.weight";
+      ASSERT_TRUE(file.contains(key)) << key;
+      const auto saved = file.tensor(key);
+      EXPECT_TRUE(at::equal(saved, fsdp.parameters.at("model.layers.0.mlp.experts.down_proj_lora_B")
+                                       .select(0, e)
+                                       .to(saved.scalar_type())))
+          << key;
+    }
+    EXPECT_FALSE(file.contains("base_model.model.model.layers.0.mlp.experts.down_proj_lora_B"));
   });
 }
 

@@ -1,7 +1,8 @@
 // PEFT in one process (include/d9d/peft): the policies' facts, patterns, LoRA's forward against
 // the merged model, exact unmerge, where gradients go, training with Trainer<Plan<peft::...>>,
-// gradient memory, adapter files written and read back, the merged export, and the start-up
-// errors.
+// gradient memory, adapter files written and read back, the merged export, LoRA on grouped
+// experts against its definition (and in peft's per-expert file layout), and the start-up errors.
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -97,7 +98,9 @@ void randomize_adapters(torch::nn::Module& model) {
   const at::NoGradGuard no_grad;
   auto generator = at::detail::createCPUGenerator(17);
   for (const auto& layer : peft::lora_layers(model)) {
-    layer.adapter->lora_B->weight.normal_(0.0, 0.1, generator);
+    (layer.expert_adapter != nullptr ? layer.expert_adapter->lora_B
+                                     : layer.adapter->lora_B->weight)
+        .normal_(0.0, 0.1, generator);
   }
 }
 
@@ -302,6 +305,201 @@ TEST(Peft_Lora_r4, SplitBackwardQueuesTheAdaptersWeightGradients) {
 
 // ---- start-up errors -------------------------------------------------------------------------
 
+std::string scratch(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  return std::string(tmp != nullptr ? tmp : "/tmp") + "/" + name;
+}
+
+// ---- LoRA on grouped experts ------------------------------------------------------------------
+
+// Layer 0 has 4 experts (top 2, hidden 32, expert width 16), layer 1 a dense MLP.
+d9d::model::Qwen3MoeForCausalLM tiny_moe_model() {
+  torch::manual_seed(5);
+  d9d::model::Qwen3MoeForCausalLM model(d9d::model::Qwen3MoeConfig::from_json_text(
+      R"({"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32,
+          "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6,
+          "rope_theta": 10000.0, "tie_word_embeddings": false, "num_experts": 4,
+          "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": true,
+          "mlp_only_layers": [1]})"));
+  model->to(at::kDouble);
+  return model;
+}
+
+using ExpertProjections = peft::Lora<4, 8, "gate_proj", "up_proj", "down_proj">;
+
+TEST(Peft_ExpertLora, AdaptsEveryExpertWithStackedFactors) {
+  auto model = tiny_moe_model();
+  model->eval();
+  const auto ids = tokens();
+  const auto plain = model(ids).detach();
+  peft::apply_stack(*model, peft::stack_spec<ExpertProjections>());
+  std::vector<std::string> names;
+  for (const auto& layer : peft::lora_layers(*model)) {
+    names.push_back(layer.name + (layer.num_experts() > 0 ? " x" + std::to_string(layer.num_experts()) : ""));
+  }
+  EXPECT_THAT(names, ::testing::ElementsAre(
+                         "model.layers.0.mlp.experts.gate_proj x4", "model.layers.0.mlp.experts.up_proj x4",
+                         "model.layers.0.mlp.experts.down_proj x4", "model.layers.1.mlp.gate_proj",
+                         "model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"));
+  const auto parameters = model->named_parameters();
+  EXPECT_EQ(parameters["model.layers.0.mlp.experts.gate_proj_lora_A"].sizes(),
+            (std::vector<int64_t>{4, 4, 32}));
+  EXPECT_EQ(parameters["model.layers.0.mlp.experts.gate_proj_lora_B"].sizes(),
+            (std::vector<int64_t>{4, 16, 4}));
+  EXPECT_EQ(parameters["model.layers.0.mlp.experts.down_proj_lora_A"].sizes(),
+            (std::vector<int64_t>{4, 4, 16}));
+  EXPECT_EQ(parameters["model.layers.0.mlp.experts.down_proj_lora_B"].sizes(),
+            (std::vector<int64_t>{4, 32, 4}));
+  for (const auto& item : parameters) {
+    EXPECT_EQ(item.value().requires_grad(), item.key().find("lora_") != std::string::npos)
+        << item.key();
+  }
+  EXPECT_TRUE(at::equal(model(ids), plain)) << "fresh adapters (B = 0) change nothing";
+  // Each expert's A is drawn on its own, as peft draws one per expert layer: not all alike.
+  const auto& a = parameters["model.layers.0.mlp.experts.up_proj_lora_A"];
+  EXPECT_FALSE(at::equal(a.select(0, 0), a.select(0, 1)));
+  EXPECT_LE(a.abs().max().item<double>(), 1.0 / std::sqrt(32.0));
+}
+
+// The experts' output against the definition: expert e's rows through W_e + scale B_e A_e in each
+// projection, forward and every adapter gradient; then merge and unmerge on the whole model.
+TEST(Peft_ExpertLora, EachExpertComputesItsOwnAdapterAndMergesExactly) {
+  auto model = tiny_moe_model();
+  peft::apply_stack(*model, peft::stack_spec<ExpertProjections>());
+  randomize_adapters(*model);
+  auto& experts = *model->model->layers[0]->as<d9d::model::Qwen3MoeDecoderLayerImpl>()->moe->experts;
+  auto generator = at::detail::createCPUGenerator(23);
+  const auto x = at::randn({10, 32}, generator, at::kDouble);
+  const std::vector<int64_t> counts = {3, 0, 5, 2};  // an expert without rows too
+  const auto y = experts.forward(x, counts);
+  const auto probe = at::randn(y.sizes(), generator, at::kDouble);
+  (y * probe).sum().backward();
+
+  // The reference: leaf copies of the factors, one expert at a time.
+  std::vector<at::Tensor> a;
+  std::vector<at::Tensor> b;
+  std::vector<at::Tensor> adapted;
+  for (std::size_t p = 0; p < 3; ++p) {
+    const auto& adapter = dynamic_cast<peft::ExpertLoraAdapter&>(*experts.adapters.at(p));
+    a.push_back(adapter.lora_A.detach().clone().requires_grad_());
+    b.push_back(adapter.lora_B.detach().clone().requires_grad_());
+    EXPECT_DOUBLE_EQ(adapter.options().scale(), 2.0);
+    adapted.push_back(experts.projection(p).detach() + 2.0 * at::matmul(b[p], a[p]));
+  }
+  std::vector<at::Tensor> parts;
+  int64_t offset = 0;
+  for (int64_t e = 0; e < 4; ++e) {
+    const auto rows = x.narrow(0, offset, counts[static_cast<std::size_t>(e)]);
+    offset += counts[static_cast<std::size_t>(e)];
+    const auto h = at::silu(at::linear(rows, adapted[0][e])) * at::linear(rows, adapted[1][e]);
+    parts.push_back(at::linear(h, adapted[2][e]));
+  }
+  const auto want = at::cat(parts, 0);
+  (want * probe).sum().backward();
+  EXPECT_TRUE(at::allclose(y, want, 1e-12, 1e-12))
+      << "max diff " << (y - want).abs().max().item<double>();
+  for (std::size_t p = 0; p < 3; ++p) {
+    const auto& adapter = dynamic_cast<peft::ExpertLoraAdapter&>(*experts.adapters.at(p));
+    EXPECT_TRUE(at::allclose(adapter.lora_A.grad(), a[p].grad(), 1e-12, 1e-12)) << p;
+    EXPECT_TRUE(at::allclose(adapter.lora_B.grad(), b[p].grad(), 1e-12, 1e-12)) << p;
+    EXPECT_FALSE(experts.projection(p).grad().defined()) << "the base stays frozen";
+  }
+  const auto& up = dynamic_cast<peft::ExpertLoraAdapter&>(*experts.adapters.at(1));
+  EXPECT_EQ(up.lora_A.grad().select(0, 1).abs().max().item<double>(), 0.0)
+      << "expert 1 had no rows";
+
+  model->eval();
+  const auto ids = tokens();
+  const auto lora = model(ids).detach();
+  const auto before = snapshot(*model);
+  peft::merge(*model);
+  EXPECT_TRUE(at::allclose(experts.down_proj, adapted[2].detach(), 0.0, 1e-15));
+  EXPECT_TRUE(at::allclose(model(ids), lora, 0.0, 1e-12));
+  peft::unmerge(*model);
+  for (const auto& item : model->named_parameters()) {
+    EXPECT_TRUE(at::equal(item.value(), before.at(item.key()))) << item.key();
+  }
+}
+
+TEST(Peft_ExpertLora, AdapterFilesHoldEachExpertUnderPeftsKeys) {
+  auto model = tiny_moe_model();
+  const auto base = snapshot(*model);
+  using Mixed = peft::Stack<peft::Lora<4, 8, "q_proj", "gate_proj", "up_proj">,
+                            peft::Lora<2, 6, "down_proj">>;
+  peft::apply_stack(*model, peft::stack_spec<Mixed>());
+  randomize_adapters(*model);
+  model->eval();
+  const auto ids = tokens();
+  const auto want = model(ids).detach();
+  const auto dir = scratch("peft_expert_adapter");
+  peft::save_adapter(*model, dir, {.dtype = at::kDouble});
+
+  const auto config =
+      nlohmann::json::parse(d9d::model::read_text_file(dir + "/adapter_config.json"));
+  EXPECT_EQ(config["target_modules"],
+            nlohmann::json({"q_proj", "gate_proj", "up_proj", "down_proj"}));
+  const auto pattern = nlohmann::json({{R"(model\.layers\.0\.mlp\.experts\.[0-9]+\.down_proj)", 2},
+                                       {R"(model\.layers\.1\.mlp\.down_proj)", 2}});
+  EXPECT_EQ(config["rank_pattern"], pattern);
+  EXPECT_EQ(config["modules_to_save"], nullptr);
+  const d9d::state::SafetensorsFile file(dir + "/adapter_model.safetensors");
+  // q_proj x 2 layers, 3 dense projections, 3 x 4 expert ones; A and B each.
+  EXPECT_EQ(file.entries().size(), 2U * (2 + 3 + 12));
+  const auto parameters = model->named_parameters();
+  for (int64_t e = 0; e < 4; ++e) {
+    const auto key = "base_model.model.model.layers.0.mlp.experts." + std::to_string(e) +
+                     ".down_proj.lora_A.weight";
+    ASSERT_TRUE(file.contains(key)) << key;
+    EXPECT_TRUE(at::equal(file.tensor(key),
+                          parameters["model.layers.0.mlp.experts.down_proj_lora_A"].select(0, e)));
+  }
+
+  auto fresh = tiny_moe_model();
+  fresh->eval();
+  for (const auto& item : fresh->named_parameters()) {
+    ASSERT_TRUE(at::equal(item.value(), base.at(item.key()))) << "the same base model";
+  }
+  peft::load_adapter(*fresh, dir);
+  EXPECT_TRUE(at::equal(fresh(ids), want));
+  EXPECT_EQ(peft::lora_layers(*fresh).size(), 2U + 3U + 3U);
+  auto same = tiny_moe_model();
+  same->eval();
+  peft::apply_stack(*same, peft::stack_spec<Mixed>());
+  peft::load_adapter_weights(*same, dir);
+  EXPECT_TRUE(at::equal(same(ids), want));
+
+  // An adapter on some experts of a projection only: d9d stacks every expert's factors.
+  auto partial = config;
+  partial["target_modules"] = {"q_proj", "model.layers.0.mlp.experts.1.gate_proj"};
+  partial["rank_pattern"] = nlohmann::json::object();
+  partial["alpha_pattern"] = nlohmann::json::object();
+  const auto partial_dir = scratch("peft_partial_experts");
+  peft::save_adapter(*model, partial_dir, {.dtype = at::kDouble});
+  {
+    std::FILE* out = std::fopen((partial_dir + "/adapter_config.json").c_str(), "w");
+    ASSERT_NE(out, nullptr);
+    std::fputs(partial.dump().c_str(), out);
+    std::fclose(out);
+  }
+  auto other = tiny_moe_model();
+  EXPECT_THAT(
+      d9d::testing::error_of<std::runtime_error>([&] { peft::load_adapter(*other, partial_dir); }),
+      HasSubstr("targets 1 of the 4 experts of model.layers.0.mlp.experts.gate_proj"));
+  EXPECT_TRUE(peft::lora_layers(*other).empty()) << "the model is left as it was";
+}
+
+TEST(Peft_ExpertLora, DropoutOnExpertsIsRefused) {
+  auto model = tiny_moe_model();
+  const auto error = d9d::testing::error_of<std::invalid_argument>([&] {
+    peft::apply_stack(*model,
+                      peft::stack_spec<peft::Lora<4, 8, "*.experts.up_proj">::with_dropout<10>>());
+  });
+  EXPECT_THAT(error, HasSubstr("matches model.layers.0.mlp.experts.up_proj, a stacked expert "
+                               "projection, where LoRA takes no dropout"));
+  EXPECT_TRUE(peft::lora_layers(*model).empty());
+}
+
 TEST(Peft_Errors, APatternThatMatchesNothingListsTheModules) {
   auto model = tiny_model();
   const auto message = d9d::testing::error_of<std::invalid_argument>(
@@ -345,11 +543,6 @@ TEST(Peft_Errors, TwoMethodsClaimingOneParameter) {
 }
 
 // ---- adapter files and the merged export --------------------------------------------------------
-
-std::string scratch(const std::string& name) {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  return std::string(tmp != nullptr ? tmp : "/tmp") + "/" + name;
-}
 
 TEST(Peft_Adapter, SavedAdapterLoadsIntoTheBaseModelWithTheSameLogits) {
   auto model = tiny_model();

@@ -46,11 +46,13 @@
 // rows every rank sends them.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -208,11 +210,32 @@ class MoeRouterImpl : public torch::nn::Module {
 };
 TORCH_MODULE(MoeRouter);
 
+/// What a parameter-efficient method adds to one stacked projection of GroupedExperts
+/// (d9d/peft/lora.hpp: LoRA on experts): to the rows of expert e, scale (x A_e^T) B_e^T, with the
+/// factors stacked over the experts, A [E, rank, in] and B [E, out, rank] (this rank's experts
+/// under expert parallelism). The factors are parameters of the experts module, so they are
+/// named after the projection ("...experts.gate_proj_lora_A") and sharded with the experts.
+class GroupedAdapter {
+ public:
+  GroupedAdapter() = default;
+  virtual ~GroupedAdapter() = default;
+  GroupedAdapter(const GroupedAdapter&) = delete;
+  GroupedAdapter& operator=(const GroupedAdapter&) = delete;
+  GroupedAdapter(GroupedAdapter&&) = delete;
+  GroupedAdapter& operator=(GroupedAdapter&&) = delete;
+  /// The stacked factors, or undefined ones for no addition (e.g. while merged into the weight).
+  [[nodiscard]] virtual LowRankUpdate low_rank() const = 0;
+};
+
 /// The routed experts, stacked: gate_proj, up_proj [E, I, H], down_proj [E, H, I] (Hugging Face
 /// stores them per expert as mlp.experts.<e>.gate_proj.weight, ...). Under expert parallelism
 /// each rank holds experts [first_expert(), first_expert() + local_experts()).
 class GroupedExpertsImpl : public torch::nn::Module {
  public:
+  /// The stacked projections' names, in the order of `adapters`.
+  static constexpr std::array<std::string_view, 3> projections = {"gate_proj", "up_proj",
+                                                                  "down_proj"};
+
   explicit GroupedExpertsImpl(const MoeOptions& options);
   /// Rows sorted by local expert, counts[e] for local expert e: SwiGLU of each row by its expert.
   at::Tensor forward(const at::Tensor& rows, const std::vector<int64_t>& counts);
@@ -227,8 +250,16 @@ class GroupedExpertsImpl : public torch::nn::Module {
   /// after it sliced them) and rows go through `dispatcher`.
   void set_expert_parallel(int64_t first, std::shared_ptr<ExpertDispatcher> dispatcher);
 
+  /// The stacked weight of projections[index].
+  [[nodiscard]] at::Tensor& projection(std::size_t index);
+  /// The index in `projections` of `name`, or projections.size() for another name.
+  [[nodiscard]] static std::size_t projection_index(std::string_view name);
+
   at::Tensor gate_proj, up_proj, down_proj;
   GroupedGemm gemm = GroupedGemm::automatic;
+  /// Set by d9d::peft (LoRA on experts): the additions to gate_proj, up_proj and down_proj (the
+  /// order of `projections`); null for none.
+  std::array<std::shared_ptr<GroupedAdapter>, 3> adapters{};
 
  private:
   MoeOptions options_;

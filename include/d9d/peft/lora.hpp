@@ -20,6 +20,14 @@
 // unchanged; A is drawn from a generator seeded by (seed, parameter name), so every rank and
 // every pipeline split draws the same values.
 //
+// LoRA on experts: a target that names a stacked projection of d9d::model::GroupedExperts
+// ("*.experts.gate_proj", or "gate_proj", which also names every expert's gate_proj in Hugging
+// Face's per-expert layout) adapts every expert of it, each with its own A [rank, in] and
+// B [out, rank], stacked as "<experts>.gate_proj_lora_A" [E, rank, in] and "..._lora_B"
+// [E, out, rank] (ExpertLoraAdapter): what peft puts on transformers 4's per-expert linear layers
+// ("mlp.experts.<e>.gate_proj"), whose keys the adapter files use. Dropout is refused there, as
+// peft refuses it on stacked expert weights.
+//
 // Adapter files (peft 0.17's save_pretrained): adapter_model.safetensors with keys
 // "base_model.model.<layer>.lora_A.weight" / "...lora_B.weight" (and "base_model.model.<name>"
 // for trained base parameters, listed as modules_to_save), and adapter_config.json with
@@ -39,6 +47,7 @@
 #include <torch/nn/module.h>
 
 #include <d9d/model/layers.hpp>
+#include <d9d/model/moe.hpp>
 #include <d9d/peft/stack.hpp>
 
 namespace d9d::peft {
@@ -81,14 +90,56 @@ class LoraAdapter final : public model::LinearAdapter {
   at::Tensor original_;  ///< the base weight as it was before merge (defined while merged)
 };
 
-/// A linear layer with a LoRA adapter, by its name in the model.
-struct LoraLayer {
-  std::string name;
-  model::LinearImpl* layer = nullptr;
-  LoraAdapter* adapter = nullptr;
+/// LoRA on every expert of one stacked projection of d9d::model::GroupedExperts (see the file
+/// comment): per expert e, scale (x A_e^T) B_e^T on its rows.
+class ExpertLoraAdapter final : public model::GroupedAdapter {
+ public:
+  /// Registers "<projection>_lora_A" [E, rank, in] and "<projection>_lora_B" [E, out, rank] on
+  /// `experts` (the projection of that index in GroupedExpertsImpl::projections), in the weight's
+  /// dtype and on its device; each expert's A as LoraAdapter draws one (a generator seeded by
+  /// (`seed`, `name` + ".lora_A"), the experts' A one after another), B zero. `name` is the
+  /// projection's name in the model. std::invalid_argument for dropout or a rank below 1.
+  ExpertLoraAdapter(model::GroupedExpertsImpl& experts, std::size_t projection,
+                    const LoraOptions& options, uint64_t seed, const std::string& name);
+  /// The stacked factors and the scale; none while merged.
+  [[nodiscard]] model::LowRankUpdate low_rank() const override;
+
+  [[nodiscard]] const LoraOptions& options() const { return options_; }
+  [[nodiscard]] bool merged() const { return original_.defined(); }
+
+  at::Tensor lora_A;  // NOLINT(readability-identifier-naming): peft's names
+  at::Tensor lora_B;  // NOLINT(readability-identifier-naming)
+
+ private:
+  friend void merge(torch::nn::Module& model);
+  friend void unmerge(torch::nn::Module& model);
+  LoraOptions options_;
+  at::Tensor original_;  ///< the stacked weight before merge (defined while merged)
 };
 
-/// Every adapted layer of `model`, in module order.
+/// An adapted weight, by its name in the model: a linear layer ("...q_proj") with its LoraAdapter,
+/// or a stacked expert projection ("...mlp.experts.gate_proj") with its ExpertLoraAdapter.
+struct LoraLayer {
+  std::string name;
+  model::LinearImpl* layer = nullptr;  ///< null for an expert projection
+  LoraAdapter* adapter = nullptr;      ///< null for an expert projection
+  model::GroupedExpertsImpl* experts = nullptr;  ///< null for a linear layer
+  ExpertLoraAdapter* expert_adapter = nullptr;   ///< null for a linear layer
+
+  /// The adapted weight's name: "<name>.weight", or the expert projection's own name.
+  [[nodiscard]] std::string weight_name() const;
+  /// A's and B's names: "<name>.lora_A.weight" / "<name>.lora_B.weight", or "<name>_lora_A" /
+  /// "<name>_lora_B" for an expert projection.
+  [[nodiscard]] std::string a_name() const;
+  [[nodiscard]] std::string b_name() const;
+  [[nodiscard]] const LoraOptions& options() const;
+  [[nodiscard]] bool merged() const;
+  /// The experts stacked in the whole model (0 for a linear layer).
+  [[nodiscard]] int64_t num_experts() const;
+};
+
+/// Every adapted layer of `model`, in module order (a module's expert projections in the order
+/// gate_proj, up_proj, down_proj).
 [[nodiscard]] std::vector<LoraLayer> lora_layers(const torch::nn::Module& model);
 [[nodiscard]] bool has_lora(const torch::nn::Module& model);
 
@@ -108,7 +159,8 @@ void unmerge(torch::nn::Module& model);
 
 /// weight + scale * B A in weight's dtype: what merge writes into a layer, for whole tensors held
 /// elsewhere (the Trainer's streamed export merges gathered adapters this way, bit for bit as
-/// merge does).
+/// merge does). Stacked experts (weight [E, out, in], A [E, rank, in], B [E, out, rank]) merge
+/// expert by expert.
 [[nodiscard]] at::Tensor merged_weight(const at::Tensor& weight, const at::Tensor& lora_a,
                                        const at::Tensor& lora_b, const LoraOptions& options);
 
@@ -148,13 +200,15 @@ struct AdapterContents {
   struct Layer {
     std::string name;
     LoraOptions options;
+    int64_t experts = 0;  ///< stacked experts of an expert projection (0: a linear layer)
   };
   std::vector<Layer> layers;
   std::vector<std::string> modules;                      ///< without the adapters' own
   std::vector<std::pair<std::string, bool>> parameters;  ///< name, trains
 
-  /// The file's tensors by model name (without peft's prefix), in the file's order: each
-  /// adapter's lora_A and lora_B, then every parameter of the modules to save.
+  /// The tensors the file is made of by model name, in the file's order: each adapter's lora_A
+  /// and lora_B (an expert projection's stacked ones, which the file holds expert by expert),
+  /// then every parameter of the modules to save.
   [[nodiscard]] std::vector<std::string> tensor_names() const;
   /// Appends `other`'s layers, modules and parameters not seen yet (a later pipeline stage).
   void merge(const AdapterContents& other);
