@@ -358,9 +358,8 @@ at::Tensor GroupedExpertsImpl::forward(const at::Tensor& rows, const std::vector
     if (const auto& adapter = adapters.at(index)) {
       if (const auto update = adapter->low_rank(); update.a.defined()) {
         // at::_grouped_mm needs 16-byte rows: bfloat16 ranks that are multiples of 8.
-        const auto how = gemm == GroupedGemm::automatic && update.a.size(1) % 8 != 0
-                             ? GroupedGemm::loop
-                             : gemm;
+        const auto how =
+            gemm == GroupedGemm::automatic && update.a.size(1) % 8 != 0 ? GroupedGemm::loop : gemm;
         const auto low = grouped_linear(in, update.a.to(dtype), counts, how) * update.scale;
         out = out + grouped_linear(low, update.b.to(dtype), counts, how);
       }
@@ -379,8 +378,8 @@ at::Tensor& GroupedExpertsImpl::projection(std::size_t index) {
     case 2:
       return down_proj;
     default:
-      throw std::out_of_range("d9d::model::GroupedExperts: no projection " +
-                              std::to_string(index) + " (gate_proj, up_proj, down_proj are 0-2)");
+      throw std::out_of_range("d9d::model::GroupedExperts: no projection " + std::to_string(index) +
+                              " (gate_proj, up_proj, down_proj are 0-2)");
   }
 }
 

@@ -202,16 +202,30 @@ void apply_expert_parallel(ParallelModel& model, const ExpertParallelSettings& s
       for (const auto& item : experts->named_parameters(/*recurse=*/false)) {
         const std::string& name = item.key();
         auto param = item.value();
+        const auto whole = param.sizes().vec();
         {
           const at::NoGradGuard no_grad;
           param.set_data(param.detach().narrow(0, rank * per_rank, per_rank).clone());
         }
+        bool trained = false;
         for (auto& record : records) {
           if (record.name == prefix + name) {
             record.domain = MeshDomain::expert;
             record.dims = {"ep_dp_replicate", "ep_replicate", "ep_shard"};
             record.placements = {::d9d::Replicate{}, ::d9d::Replicate{}, ::d9d::Shard{0}};
+            trained = true;
           }
+        }
+        // A frozen expert weight (LoRA on the experts, or a Freeze) is split all the same: its
+        // layout is recorded so that exports and checkpoints gather it.
+        if (!trained) {
+          model.mutable_frozen_split_parameters().push_back(ParameterRecord{
+              .name = prefix + name,
+              .local = param,
+              .global_shape = whole,
+              .domain = MeshDomain::expert,
+              .dims = {"ep_dp_replicate", "ep_replicate", "ep_shard"},
+              .placements = {::d9d::Replicate{}, ::d9d::Replicate{}, ::d9d::Shard{0}}});
         }
       }
       experts->set_expert_parallel(rank * per_rank,

@@ -600,7 +600,8 @@ void save_adapter(const AdapterContents& contents, const std::string& dir,
   Json rank_pattern = Json::object();
   Json alpha_pattern = Json::object();
   // Each adapter tensor's key in the file ("<layer>.lora_A.weight"), or, for an expert
-  // projection's stacked one, the key of each expert's slice ("<experts>.<e>.gate_proj.lora_A.weight").
+  // projection's stacked one, the key of each expert's slice
+  // ("<experts>.<e>.gate_proj.lora_A.weight").
   std::map<std::string, std::vector<std::string>> adapter_keys;
   for (const auto& layer : layers) {
     const auto& o = layer.options;
@@ -653,7 +654,8 @@ void save_adapter(const AdapterContents& contents, const std::string& dir,
                                     " experts (is the tensor whole?)");
       }
       for (std::size_t e = 0; e < keys->second.size(); ++e) {
-        tensors.emplace_back(keys->second[e], value.select(0, static_cast<int64_t>(e)).contiguous());
+        tensors.emplace_back(keys->second[e],
+                             value.select(0, static_cast<int64_t>(e)).contiguous());
       }
     }
   }
@@ -711,9 +713,8 @@ void load_adapter(torch::nn::Module& model, const std::string& dir) {
           }
         }
         if (options.dropout > 0.0) {
-          throw std::runtime_error(who + ": \"lora_dropout\" = " +
-                                   std::to_string(options.dropout) + " on the experts of " +
-                                   projection +
+          throw std::runtime_error(who + ": \"lora_dropout\" = " + std::to_string(options.dropout) +
+                                   " on the experts of " + projection +
                                    "; d9d's expert adapters take no dropout. Fix: save the "
                                    "adapter with lora_dropout 0");
         }
@@ -752,9 +753,9 @@ void load_adapter(torch::nn::Module& model, const std::string& dir) {
     const auto& weight = target.experts->projection(target.index);
     for (int64_t e = 0; e < target.experts->num_experts(); ++e) {
       shapes[expert_module(target.name, e) + ".lora_A.weight"] = {target.options.rank,
-                                                                   weight.size(2)};
+                                                                  weight.size(2)};
       shapes[expert_module(target.name, e) + ".lora_B.weight"] = {weight.size(1),
-                                                                   target.options.rank};
+                                                                  target.options.rank};
     }
   }
   // Modules to save: every parameter of a module whose name ends with an entry (peft's rule, a
@@ -803,8 +804,7 @@ void load_adapter_weights(torch::nn::Module& model, const std::string& dir) {
   std::map<std::string, at::Tensor> destinations;
   for (const auto& layer : layers) {
     const int64_t experts = layer.num_experts();
-    const auto want =
-        options_for(config, experts > 0 ? expert_module(layer.name, 0) : layer.name);
+    const auto want = options_for(config, experts > 0 ? expert_module(layer.name, 0) : layer.name);
     const auto& have = layer.options();
     if (want.rank != have.rank || std::abs(want.scale() - have.scale()) > 1e-12 * have.scale()) {
       throw std::runtime_error(who + ": " + layer.name + " has rank " + std::to_string(have.rank) +
@@ -820,9 +820,8 @@ void load_adapter_weights(torch::nn::Module& model, const std::string& dir) {
     }
     const auto& a = layer.expert_adapter->lora_A;
     if (a.size(0) != experts) {
-      throw std::invalid_argument(who + ": " + layer.name + " holds " +
-                                  std::to_string(a.size(0)) + " of its " +
-                                  std::to_string(experts) +
+      throw std::invalid_argument(who + ": " + layer.name + " holds " + std::to_string(a.size(0)) +
+                                  " of its " + std::to_string(experts) +
                                   " experts here (expert parallelism). Fix: load the adapter "
                                   "into the whole model, then parallelize");
     }

@@ -249,7 +249,8 @@ ExpertLoraAdapter::ExpertLoraAdapter(model::GroupedExpertsImpl& experts, std::si
       base + "_lora_A", at::empty({count, options.rank, in}, at::TensorOptions().dtype(at::kFloat))
                             .uniform_(-bound, bound, generator)
                             .to(like));
-  lora_B = experts.register_parameter(base + "_lora_B", at::zeros({count, out, options.rank}, like));
+  lora_B =
+      experts.register_parameter(base + "_lora_B", at::zeros({count, out, options.rank}, like));
 }
 
 model::LowRankUpdate ExpertLoraAdapter::low_rank() const {

@@ -330,8 +330,7 @@ std::vector<at::Tensor> entry_tensors(const parallel::ParallelModel& parallel,
         const auto a = layer.a_name();
         const auto b = layer.b_name();
         value = peft::merged_weight(value, whole_parameter(parallel, a, part.named[a]),
-                                    whole_parameter(parallel, b, part.named[b]),
-                                    layer.options());
+                                    whole_parameter(parallel, b, part.named[b]), layer.options());
       }
       inputs.emplace(key, std::move(value));
     }

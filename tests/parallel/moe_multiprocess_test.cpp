@@ -258,8 +258,9 @@ TEST(Moe_ExpertParallel_ws2, SequenceWiseAuxLossMatchesOneProcess) {
 
 // LoRA on the experts (every expert of each projection adapted, stacked factors) and on q_proj:
 // the adapters are expert parameters, sliced and dispatched with the experts under ep 2 and
-// sharded over ep_replicate under FullyShard; the runs equal one process, frozen weights and all.
-// The exported adapter holds each expert's factors under peft's per-expert keys.
+// sharded over ep_replicate under FullyShard; the runs equal one process. The frozen experts stay
+// split (their layout recorded), so the export gathers them and merges each expert's adapter; the
+// exported adapter holds each expert's factors under peft's per-expert keys.
 using ExpertLora = d9d::peft::Lora<4, 8, "q_proj", "gate_proj", "up_proj", "down_proj">;
 
 TEST(Moe_ExpertParallel_ws2, LoraOnExpertsMatchesOneProcess) {
@@ -273,9 +274,9 @@ TEST(Moe_ExpertParallel_ws2, LoraOnExpertsMatchesOneProcess) {
     const auto& b = want.parameters.at("model.layers.0.mlp.experts.down_proj_lora_B");
     EXPECT_EQ(b.sizes(), (std::vector<int64_t>{4, 32, 4}));
     EXPECT_GT(b.abs().max().item<double>(), 0.0);
-    d9d::testing::expect_same_run(
-        train_moe<d9d::Plan<EpMesh, Ep, ExpertLora, Fp64>>(ctx, moe_run(dir + "/ep", 2, R"({"ep": 2})")),
-        want, "ep 2, LoRA on the experts");
+    d9d::testing::expect_same_run(train_moe<d9d::Plan<EpMesh, Ep, ExpertLora, Fp64>>(
+                                      ctx, moe_run(dir + "/ep", 2, R"({"ep": 2})")),
+                                  want, "ep 2, LoRA on the experts");
     auto config = moe_run(dir + "/fsdp", 2, R"({"dp_shard": 2, "ep": 2})", true, /*outputs=*/true);
     d9d::Trainer<d9d::Plan<ShardEpMesh, Ep, d9d::parallel::Fsdp, ExpertLora, Fp64>> trainer(
         ctx, d9d::Qwen3MoeProvider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
@@ -284,9 +285,23 @@ TEST(Moe_ExpertParallel_ws2, LoraOnExpertsMatchesOneProcess) {
     fsdp.result = trainer.train();
     fsdp.parameters = d9d::testing::full_parameters(trainer.core());
     d9d::testing::expect_same_run(fsdp, want, "ep 2 x FullyShard 2, LoRA on the experts");
+    // The frozen experts are split too (their layout recorded): gathered whole for the export.
+    const std::string down = "model.layers.0.mlp.experts.down_proj";
+    const auto* layout = trainer.core().parallel().layout(down);
+    ASSERT_NE(layout, nullptr);
+    const auto w = layout->sharded(trainer.core().mesh()).full_tensor().cpu();
     if (env.rank() != 0) {
       return;
     }
+    // The export merges each expert's adapter: W_e + (8 / 4) B_e A_e.
+    const auto merged = w + 2.0 * at::matmul(fsdp.parameters.at(down + "_lora_B"),
+                                             fsdp.parameters.at(down + "_lora_A"));
+    const auto exported = d9d::model::load_hf_qwen3_moe(fsdp.result.export_dir);
+    const auto got = exported->named_parameters()[down].to(at::kDouble);
+    EXPECT_EQ(w.sizes(), (std::vector<int64_t>{4, 32, 16}));
+    EXPECT_TRUE(at::allclose(got, merged, 1e-6, 1e-7))
+        << "max diff " << (got - merged).abs().max().item<double>();
+    EXPECT_GT((got - w).abs().max().item<double>(), 1e-4) << "the adapter is merged in";
     ASSERT_FALSE(fsdp.result.adapter_dir.empty());
     const auto file =
         d9d::state::SafetensorsFile(fsdp.result.adapter_dir + "/adapter_model.safetensors");

@@ -61,8 +61,7 @@ void randomize_b(torch::nn::Module& model) {
   const at::NoGradGuard no_grad;
   at::manual_seed(13);
   for (const auto& layer : peft::lora_layers(model)) {
-    (layer.expert_adapter != nullptr ? layer.expert_adapter->lora_B
-                                     : layer.adapter->lora_B->weight)
+    (layer.expert_adapter != nullptr ? layer.expert_adapter->lora_B : layer.adapter->lora_B->weight)
         .normal_(0.0, 0.2);
   }
 }

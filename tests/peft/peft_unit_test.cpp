@@ -98,8 +98,7 @@ void randomize_adapters(torch::nn::Module& model) {
   const at::NoGradGuard no_grad;
   auto generator = at::detail::createCPUGenerator(17);
   for (const auto& layer : peft::lora_layers(model)) {
-    (layer.expert_adapter != nullptr ? layer.expert_adapter->lora_B
-                                     : layer.adapter->lora_B->weight)
+    (layer.expert_adapter != nullptr ? layer.expert_adapter->lora_B : layer.adapter->lora_B->weight)
         .normal_(0.0, 0.1, generator);
   }
 }
@@ -336,12 +335,14 @@ TEST(Peft_ExpertLora, AdaptsEveryExpertWithStackedFactors) {
   peft::apply_stack(*model, peft::stack_spec<ExpertProjections>());
   std::vector<std::string> names;
   for (const auto& layer : peft::lora_layers(*model)) {
-    names.push_back(layer.name + (layer.num_experts() > 0 ? " x" + std::to_string(layer.num_experts()) : ""));
+    names.push_back(layer.name +
+                    (layer.num_experts() > 0 ? " x" + std::to_string(layer.num_experts()) : ""));
   }
-  EXPECT_THAT(names, ::testing::ElementsAre(
-                         "model.layers.0.mlp.experts.gate_proj x4", "model.layers.0.mlp.experts.up_proj x4",
-                         "model.layers.0.mlp.experts.down_proj x4", "model.layers.1.mlp.gate_proj",
-                         "model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"));
+  EXPECT_THAT(
+      names, ::testing::ElementsAre(
+                 "model.layers.0.mlp.experts.gate_proj x4", "model.layers.0.mlp.experts.up_proj x4",
+                 "model.layers.0.mlp.experts.down_proj x4", "model.layers.1.mlp.gate_proj",
+                 "model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"));
   const auto parameters = model->named_parameters();
   EXPECT_EQ(parameters["model.layers.0.mlp.experts.gate_proj_lora_A"].sizes(),
             (std::vector<int64_t>{4, 4, 32}));
@@ -368,7 +369,8 @@ TEST(Peft_ExpertLora, EachExpertComputesItsOwnAdapterAndMergesExactly) {
   auto model = tiny_moe_model();
   peft::apply_stack(*model, peft::stack_spec<ExpertProjections>());
   randomize_adapters(*model);
-  auto& experts = *model->model->layers[0]->as<d9d::model::Qwen3MoeDecoderLayerImpl>()->moe->experts;
+  auto& experts =
+      *model->model->layers[0]->as<d9d::model::Qwen3MoeDecoderLayerImpl>()->moe->experts;
   auto generator = at::detail::createCPUGenerator(23);
   const auto x = at::randn({10, 32}, generator, at::kDouble);
   const std::vector<int64_t> counts = {3, 0, 5, 2};  // an expert without rows too

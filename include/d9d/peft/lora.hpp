@@ -121,8 +121,8 @@ class ExpertLoraAdapter final : public model::GroupedAdapter {
 /// or a stacked expert projection ("...mlp.experts.gate_proj") with its ExpertLoraAdapter.
 struct LoraLayer {
   std::string name;
-  model::LinearImpl* layer = nullptr;  ///< null for an expert projection
-  LoraAdapter* adapter = nullptr;      ///< null for an expert projection
+  model::LinearImpl* layer = nullptr;            ///< null for an expert projection
+  LoraAdapter* adapter = nullptr;                ///< null for an expert projection
   model::GroupedExpertsImpl* experts = nullptr;  ///< null for a linear layer
   ExpertLoraAdapter* expert_adapter = nullptr;   ///< null for a linear layer
 
