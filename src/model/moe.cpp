@@ -87,6 +87,19 @@ std::vector<int64_t> to_vector(const at::Tensor& counts) {
 
 }  // namespace
 
+at::Tensor host_index_tensor(const std::vector<int64_t>& values, const c10::Device& device,
+                             at::ScalarType dtype) {
+  auto host = at::tensor(values, at::TensorOptions().dtype(at::kLong));
+  if (dtype != at::kLong) {
+    host = host.to(dtype);
+  }
+  if (!device.is_cuda()) {
+    return host.to(device);
+  }
+  // The caching host allocator keeps the pinned block until the copy on the stream is done.
+  return host.pin_memory().to(device, /*non_blocking=*/true);
+}
+
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w,
                           const std::vector<int64_t>& counts, GroupedGemm how) {
   if (w.dim() != 3 || x.dim() != 2 || x.size(1) != w.size(2) ||
@@ -105,14 +118,13 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w,
                        (how == GroupedGemm::automatic && x.is_cuda() &&
                         x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16);
   if (grouped) {
-    std::vector<int32_t> ends(counts.size());
+    std::vector<int64_t> ends(counts.size());
     int64_t end = 0;
     for (std::size_t g = 0; g < counts.size(); ++g) {
       end += counts[g];
-      ends[g] = static_cast<int32_t>(end);
+      ends[g] = end;
     }
-    const auto offsets =
-        at::tensor(ends, at::TensorOptions().dtype(at::kInt)).to(x.device(), /*non_blocking=*/true);
+    const auto offsets = host_index_tensor(ends, x.device(), at::kInt);
     return at::_grouped_mm(x, w.transpose(-2, -1), offsets);
   }
   // Every group, also the empty ones: their weights then get zero gradients, not none.
@@ -391,14 +403,14 @@ std::size_t GroupedExpertsImpl::projection_index(std::string_view name) {
   return index;
 }
 
-at::Tensor GroupedExpertsImpl::run(const at::Tensor& rows, const std::vector<int64_t>& counts) {
+at::Tensor GroupedExpertsImpl::run(const at::Tensor& rows, const at::Tensor& counts) {
   if (dispatcher_) {
     return dispatcher_->dispatch(
         rows, counts, [this](const at::Tensor& local, const std::vector<int64_t>& local_counts) {
           return forward(local, local_counts);
         });
   }
-  return forward(rows, counts);
+  return forward(rows, to_vector(counts));
 }
 
 void GroupedExpertsImpl::set_expert_parallel(int64_t first,
@@ -452,10 +464,17 @@ at::Tensor MoeLayerImpl::forward_tokens(const at::Tensor& x,
   int64_t dropped = 0;
   if (fused_kernels()) {
     // The indices on the device (d9d/kernels/moe_permute.hpp), one gather, one weighted sum per
-    // token; the kept counts' host copy (for the grouped GEMM) is the only synchronisation.
+    // token. Dropless, every routing is kept and the experts read the counts to the host (the
+    // grouped GEMM's segments; under expert parallelism with the dispatcher's exchange): one
+    // synchronisation. With a capacity the kept rows are counted here first.
     const auto route = kernels::moe_route_indices(chosen, options_.num_experts, k, capacity);
-    const auto kept_counts = to_vector(route.kept_counts);
-    const int64_t kept = std::accumulate(kept_counts.begin(), kept_counts.end(), int64_t{0});
+    int64_t kept = chosen.numel();
+    at::Tensor kept_counts = route.kept_counts;
+    if (capacity >= 0) {
+      const auto host = to_vector(route.kept_counts);
+      kept = std::accumulate(host.begin(), host.end(), int64_t{0});
+      kept_counts = at::tensor(host, at::TensorOptions().dtype(at::kLong));
+    }
     counts = route.counts;
     dropped = chosen.numel() - kept;
     const auto outputs = experts->run(
@@ -475,7 +494,7 @@ at::Tensor MoeLayerImpl::forward_tokens(const at::Tensor& x,
       dropped = chosen.numel() - order.numel();
     }
     const auto token = at::div(order, k, "floor");
-    const auto outputs = experts->run(flat.index_select(0, token), to_vector(kept_counts));
+    const auto outputs = experts->run(flat.index_select(0, token), kept_counts);
     // Un-permute: each pair's output weighted, summed per token (in expert order, as
     // transformers).
     const auto weights = routing.weights.to(x.scalar_type()).reshape({-1}).index_select(0, order);
@@ -510,7 +529,11 @@ at::Tensor MoeLayerImpl::forward_tokens(const at::Tensor& x,
   }
   if (first_time && is_training()) {
     const at::NoGradGuard no_grad;
-    routed_.add_(counts.to(at::kCPU, at::kDouble));
+    // Accumulated where the counts are (no synchronisation); take_load() reads it per step.
+    if (routed_.device() != counts.device()) {
+      routed_ = routed_.to(counts.device());
+    }
+    routed_.add_(counts.to(at::kDouble));
     tokens_ += tokens;
     dropped_ += dropped;
   }
@@ -518,7 +541,10 @@ at::Tensor MoeLayerImpl::forward_tokens(const at::Tensor& x,
 }
 
 RouterLoad MoeLayerImpl::take_load() {
-  RouterLoad load{.routed = routed_.clone(), .tokens = tokens_, .dropped = dropped_};
+  RouterLoad load{
+      .routed = routed_.to(at::kCPU, at::kDouble, /*non_blocking=*/false, /*copy=*/true),
+      .tokens = tokens_,
+      .dropped = dropped_};
   routed_.zero_();
   tokens_ = 0;
   dropped_ = 0;

@@ -6,14 +6,15 @@
 // MeshDomain::expert).
 // A layer's rows arrive sorted by global expert with counts per expert; the rows for rank j's
 // experts go to j (first all-to-all; the per-expert counts travel first in a small all-to-all of
-// their own), are regrouped there from source-major to expert-major, run through the local experts
-// (one grouped GEMM per projection) and travel back in reverse (second all-to-all). Both
-// all-to-alls are autograd functions whose backward is the reverse all-to-all, so the experts'
-// gradients hold the contributions of every ep_shard rank's tokens; summing them over
-// ep_dp_replicate x ep_replicate (the ranks that hold the same experts) gives the gradient of the
-// global batch. Under FullyShard with ep_replicate > 1 the experts are sharded over ep_replicate as
-// well (fully_shard.cpp), reduce-scattered there and all-reduced over ep_dp_replicate (HSDP's
-// replicas); the all-reduce below then has nothing to do.
+// their own, on the device, and are read to the host in one copy with the rank's own counts: the
+// layer's one synchronisation when dropless), are regrouped there from source-major to
+// expert-major, run through the local experts (one grouped GEMM per projection) and travel back in
+// reverse (second all-to-all). Both all-to-alls are autograd functions whose backward is the
+// reverse all-to-all, so the experts' gradients hold the contributions of every ep_shard rank's
+// tokens; summing them over ep_dp_replicate x ep_replicate (the ranks that hold the same experts)
+// gives the gradient of the global batch. Under FullyShard with ep_replicate > 1 the experts are
+// sharded over ep_replicate as well (fully_shard.cpp), reduce-scattered there and all-reduced over
+// ep_dp_replicate (HSDP's replicas); the all-reduce below then has nothing to do.
 #include <algorithm>
 #include <memory>
 #include <numeric>
@@ -79,23 +80,37 @@ class AllToAllDispatcher : public model::ExpertDispatcher {
   AllToAllDispatcher(ProcessGroup group, int64_t experts)
       : group_(std::move(group)), ranks_(std::max(1, group_.size())), experts_(experts) {}
 
-  at::Tensor dispatch(const at::Tensor& rows, const std::vector<int64_t>& counts,
+  at::Tensor dispatch(const at::Tensor& rows, const at::Tensor& counts,
                       const LocalExperts& local) override {
     const int64_t per_rank = experts_ / ranks_;
-    if (ranks_ == 1) {
-      return local(rows, counts);
+    // The counts on the rows' device (copied without a synchronisation when they come from the
+    // host), exchanged there, then this rank's counts and the exchanged table read to the host
+    // together: the layer's one synchronisation.
+    at::Tensor device_counts = counts.to(at::kLong).contiguous();
+    if (device_counts.is_cpu() && !rows.is_cpu()) {
+      const int64_t* host = device_counts.data_ptr<int64_t>();
+      device_counts = model::host_index_tensor(
+          std::vector<int64_t>(host, host + device_counts.numel()), rows.device());
+    } else {
+      device_counts = device_counts.to(rows.device());
     }
-    // Rows per destination, and each source's rows per local expert (a [ranks, per_rank] table).
-    std::vector<int64_t> send(static_cast<std::size_t>(ranks_), 0);
-    for (int64_t e = 0; e < experts_; ++e) {
-      send[static_cast<std::size_t>(e / per_rank)] += counts[static_cast<std::size_t>(e)];
+    if (ranks_ == 1) {
+      const auto host = device_counts.to(at::kCPU).contiguous();
+      const int64_t* data = host.data_ptr<int64_t>();
+      return local(rows, std::vector<int64_t>(data, data + host.numel()));
     }
     const std::vector<int64_t> blocks(static_cast<std::size_t>(ranks_), per_rank);
-    const auto table_tensor =
-        all_to_all(group_, at::tensor(counts, at::TensorOptions().dtype(at::kLong)), blocks, blocks)
-            .to(at::kCPU)
-            .contiguous();
-    const int64_t* table = table_tensor.data_ptr<int64_t>();
+    const auto both = at::cat({device_counts, all_to_all(group_, device_counts, blocks, blocks)})
+                          .to(at::kCPU)
+                          .contiguous();
+    const int64_t* own = both.data_ptr<int64_t>();
+    // Each source's rows per local expert: a [ranks, per_rank] table.
+    const int64_t* table = own + experts_;
+    // Rows per destination.
+    std::vector<int64_t> send(static_cast<std::size_t>(ranks_), 0);
+    for (int64_t e = 0; e < experts_; ++e) {
+      send[static_cast<std::size_t>(e / per_rank)] += own[e];
+    }
     std::vector<int64_t> recv(static_cast<std::size_t>(ranks_), 0);
     std::vector<int64_t> local_counts(static_cast<std::size_t>(per_rank), 0);
     for (int64_t src = 0; src < ranks_; ++src) {
@@ -128,9 +143,8 @@ class AllToAllDispatcher : public model::ExpertDispatcher {
     for (std::size_t i = 0; i < order.size(); ++i) {
       inverse[static_cast<std::size_t>(order[i])] = static_cast<int64_t>(i);
     }
-    const auto index_options = at::TensorOptions().dtype(at::kLong).device(rows.device());
-    const auto to_expert_major = at::tensor(order, at::kLong).to(index_options);
-    const auto to_source_major = at::tensor(inverse, at::kLong).to(index_options);
+    const auto to_expert_major = model::host_index_tensor(order, rows.device());
+    const auto to_source_major = model::host_index_tensor(inverse, rows.device());
     const auto grouped = PermuteRows::apply(received, to_expert_major, to_source_major);
     const auto outputs = local(grouped, local_counts);
     const auto back = PermuteRows::apply(outputs, to_source_major, to_expert_major);

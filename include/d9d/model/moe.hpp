@@ -119,6 +119,12 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w,
                           const std::vector<int64_t>& counts,
                           GroupedGemm how = GroupedGemm::automatic);
 
+/// `values` as a tensor of `dtype` (int64 or int32) on `device`. To a CUDA device it is copied
+/// from pinned host memory without making the host wait (ordered on the current stream), where a
+/// copy from ordinary host memory would synchronise; elsewhere a plain copy.
+at::Tensor host_index_tensor(const std::vector<int64_t>& values, const c10::Device& device,
+                             at::ScalarType dtype = at::kLong);
+
 /// What expert parallelism does with a layer's sorted rows (d9d::parallel::ExpertParallel).
 class ExpertDispatcher {
  public:
@@ -130,9 +136,11 @@ class ExpertDispatcher {
   ExpertDispatcher& operator=(const ExpertDispatcher&) = delete;
   ExpertDispatcher(ExpertDispatcher&&) = delete;
   ExpertDispatcher& operator=(ExpertDispatcher&&) = delete;
-  /// `rows` [M, H] are sorted by global expert, counts[e] of them for expert e (host, all
-  /// experts). Returns each row's expert output, in the order of `rows` (differentiable).
-  virtual at::Tensor dispatch(const at::Tensor& rows, const std::vector<int64_t>& counts,
+  /// `rows` [M, H] are sorted by global expert, counts[e] of them for expert e (`counts` [E]
+  /// int64, on the rows' device or the host: the dispatcher reads it to the host together with
+  /// what it exchanges, so the layer need not). Returns each row's expert output, in the order of
+  /// `rows` (differentiable).
+  virtual at::Tensor dispatch(const at::Tensor& rows, const at::Tensor& counts,
                               const LocalExperts& local) = 0;
 };
 
@@ -239,9 +247,10 @@ class GroupedExpertsImpl : public torch::nn::Module {
   explicit GroupedExpertsImpl(const MoeOptions& options);
   /// Rows sorted by local expert, counts[e] for local expert e: SwiGLU of each row by its expert.
   at::Tensor forward(const at::Tensor& rows, const std::vector<int64_t>& counts);
-  /// Every row of `rows` (sorted by global expert, counts per global expert) through its expert:
-  /// locally, or through the dispatcher under expert parallelism.
-  at::Tensor run(const at::Tensor& rows, const std::vector<int64_t>& counts);
+  /// Every row of `rows` (sorted by global expert, `counts` [E] int64 per global expert, on any
+  /// device) through its expert: locally (the counts read to the host: one synchronisation), or
+  /// through the dispatcher under expert parallelism (which reads them with its own exchange).
+  at::Tensor run(const at::Tensor& rows, const at::Tensor& counts);
 
   [[nodiscard]] int64_t num_experts() const { return options_.num_experts; }
   [[nodiscard]] int64_t local_experts() const { return gate_proj.size(0); }
