@@ -684,16 +684,23 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
       return;
     }
     const at::NoGradGuard no_grad;
-    auto amax = at::stack(maxima);
-    if (world_ > 1) {
-      amax = all_reduce(shard_group_, amax, ReduceOp::max);
-    }
-    amax = amax.view(at::kFloat).to(settings_.compute_dtype).to(at::kFloat).view(at::kInt);
+    const auto amax = maxima_over_shards(maxima)
+                          .view(at::kFloat)
+                          .to(settings_.compute_dtype)
+                          .to(at::kFloat)
+                          .view(at::kInt);
     int64_t next = 0;
     for (const auto& [u, count] : spans) {
       units_[u].f8_amax = amax.narrow(0, next, count);
       next += count;
     }
+  }
+
+  // Per-tensor largest magnitudes (float bits, one per tensor, from this rank's rows): the maximum
+  // over the shard group, i.e. of the whole tensors.
+  [[nodiscard]] at::Tensor maxima_over_shards(const std::vector<at::Tensor>& maxima) const {
+    const auto amax = at::stack(maxima);
+    return world_ > 1 ? all_reduce(shard_group_, amax, ReduceOp::max) : amax;
   }
 
   // This rank's rows of the unit's float8 weights, quantised from the compute dtype as the layer
@@ -716,13 +723,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
         maxima.push_back(kernels::float8_amax_bits(rows[i]));
       }
     }
-    at::Tensor amax = unit.f8_amax;
-    if (!maxima.empty()) {
-      amax = at::stack(maxima);
-      if (world_ > 1) {
-        amax = all_reduce(shard_group_, amax, ReduceOp::max);
-      }
-    }
+    const at::Tensor amax = maxima.empty() ? unit.f8_amax : maxima_over_shards(maxima);
     int64_t next_amax = 0;
     for (std::size_t i = 0; i < unit.params.size(); ++i) {
       const auto& param = params_[unit.params[i]];

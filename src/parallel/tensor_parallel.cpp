@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -302,32 +303,25 @@ void require_divides(int64_t ranks, int64_t size, const std::string& key) {
   }
 }
 
-}  // namespace
+// Which parameter tensor (by TensorImpl) a pass split along which dimension, and the splitting.
+class Splits {
+ public:
+  Splits(int64_t ranks, int64_t rank) : ranks_(ranks), rank_(rank) {}
 
-std::shared_ptr<const model::TensorParallelGroup> make_tensor_parallel_group(
-    const ProcessGroup& group, bool sequence_parallel) {
-  return std::make_shared<const Group>(group, sequence_parallel);
-}
+  [[nodiscard]] int64_t ranks() const { return ranks_; }
 
-void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& settings) {
-  const auto& mesh = model.mesh();
-  const auto process_group = mesh.group(MeshDomain::regular, "tp");
-  const int64_t ranks = mesh.size(MeshDomain::regular, "tp");
-  const int64_t rank = mesh.coordinate(MeshDomain::regular, "tp");
-  const auto group = make_tensor_parallel_group(process_group, settings.sequence_parallel);
-
-  // Which tensor (by TensorImpl) is split along which dimension.
-  std::map<const void*, int64_t> split;
-  const at::NoGradGuard no_grad;
-  const auto narrow = [&](at::Tensor& param, int64_t dim) {
-    if (split.count(param.unsafeGetTensorImpl()) != 0) {
-      return;  // a tied parameter, narrowed once
+  // This rank's part of `param` along `dim` (once: a tied parameter is met twice).
+  void narrow(at::Tensor& param, int64_t dim) {
+    if (dims_.count(param.unsafeGetTensorImpl()) != 0) {
+      return;
     }
-    const int64_t part = param.size(dim) / ranks;
-    param.set_data(param.detach().narrow(dim, rank * part, part).clone());
-    split[param.unsafeGetTensorImpl()] = dim;
-  };
-  const auto narrow_linear = [&](model::LinearImpl& linear, int64_t dim) {
+    const int64_t part = param.size(dim) / ranks_;
+    param.set_data(param.detach().narrow(dim, rank_ * part, part).clone());
+    dims_[param.unsafeGetTensorImpl()] = dim;
+  }
+
+  // A column-parallel (dim 0: its output features) or row-parallel (dim 1) projection.
+  void narrow_linear(model::LinearImpl& linear, int64_t dim) {
     narrow(linear.weight, dim);
     if (linear.bias.defined()) {
       if (dim != 0) {
@@ -337,15 +331,33 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
       }
       narrow(linear.bias, 0);
     }
-  };
+  }
 
-  std::vector<at::Tensor> partial_norms;
-  // Mixture-of-experts layers split their tokens over tp, not their weights: each rank routes and
-  // runs its part of the sequence (MoeLayerImpl::set_tensor_parallel), so their parameters (the
-  // router, the shared expert, the experts) stay whole and their gradients are partial sums over
-  // tp. ExpertParallel, applied later, moves the experts to the expert domain, whose reduction
-  // over the experts' replicas (ep_dp_replicate x ep_replicate) then sums them (PartialNormSync
-  // leaves parameters of other domains alone).
+  // The dimension `tensor` was split along, or none.
+  [[nodiscard]] std::optional<int64_t> dim_of(const at::Tensor& tensor) const {
+    const auto found = dims_.find(tensor.unsafeGetTensorImpl());
+    return found == dims_.end() ? std::nullopt : std::optional<int64_t>(found->second);
+  }
+
+  // Forgets `tensor` (recorded elsewhere); true when it was split.
+  bool forget(const at::Tensor& tensor) { return dims_.erase(tensor.unsafeGetTensorImpl()) > 0; }
+
+ private:
+  int64_t ranks_;
+  int64_t rank_;
+  std::map<const void*, int64_t> dims_;
+};
+
+// Mixture-of-experts layers split their tokens over tp, not their weights: each rank routes and
+// runs its part of the sequence (MoeLayerImpl::set_tensor_parallel), so their parameters (the
+// router, the shared expert, the experts) stay whole and their gradients are partial sums over
+// tp (appended to `partial`). ExpertParallel, applied later, moves the experts to the expert
+// domain, whose reduction over the experts' replicas (ep_dp_replicate x ep_replicate) then sums
+// them (PartialNormSync leaves parameters of other domains alone). Returns every module inside a
+// MoE layer (the weight pass leaves them whole).
+std::set<const torch::nn::Module*> split_moe_layers(
+    ParallelModel& model, const std::shared_ptr<const model::TensorParallelGroup>& group,
+    std::vector<at::Tensor>& partial) {
   std::set<const torch::nn::Module*> inside_moe;
   for (const auto& root : model.modules()) {
     for (const auto& module : root->modules()) {
@@ -355,11 +367,22 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
           inside_moe.insert(inner.get());
         }
         for (const auto& param : moe->parameters()) {
-          partial_norms.push_back(param);
+          partial.push_back(param);
         }
       }
     }
   }
+  return inside_moe;
+}
+
+// Attention (heads) and SwiGLU (intermediate features) split by weights, the q/k norms' gradients
+// partial (appended to `partial`), and the embedding and head of a VocabParallelModel split over
+// the vocabulary. Returns how many roots split their vocabulary.
+int split_layers(ParallelModel& model,
+                 const std::shared_ptr<const model::TensorParallelGroup>& group,
+                 const std::set<const torch::nn::Module*>& inside_moe, Splits& splits,
+                 std::vector<at::Tensor>& partial) {
+  const int64_t ranks = splits.ranks();
   int vocab_models = 0;
   for (const auto& root : model.modules()) {
     for (const auto& module : root->modules()) {
@@ -369,21 +392,21 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
       if (auto attention = std::dynamic_pointer_cast<model::AttentionImpl>(module)) {
         require_divides(ranks, attention->local_heads(), "num_attention_heads");
         require_divides(ranks, attention->local_kv_heads(), "num_key_value_heads");
-        narrow_linear(*attention->q_proj, 0);
-        narrow_linear(*attention->k_proj, 0);
-        narrow_linear(*attention->v_proj, 0);
-        narrow_linear(*attention->o_proj, 1);
+        splits.narrow_linear(*attention->q_proj, 0);
+        splits.narrow_linear(*attention->k_proj, 0);
+        splits.narrow_linear(*attention->v_proj, 0);
+        splits.narrow_linear(*attention->o_proj, 1);
         for (const auto& norm : {attention->q_norm, attention->k_norm}) {
           if (norm) {
-            partial_norms.push_back(norm->weight);
+            partial.push_back(norm->weight);
           }
         }
         attention->set_tensor_parallel(group);
       } else if (auto mlp = std::dynamic_pointer_cast<model::SwiGluImpl>(module)) {
         require_divides(ranks, mlp->gate_proj->out_features(), "intermediate_size");
-        narrow_linear(*mlp->gate_proj, 0);
-        narrow_linear(*mlp->up_proj, 0);
-        narrow_linear(*mlp->down_proj, 1);
+        splits.narrow_linear(*mlp->gate_proj, 0);
+        splits.narrow_linear(*mlp->up_proj, 0);
+        splits.narrow_linear(*mlp->down_proj, 1);
         mlp->set_tensor_parallel(group);
       }
     }
@@ -397,29 +420,32 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
                                  "\" as a vocabulary parameter but has none");
         }
         auto param = *found;
-        narrow(param, 0);
+        splits.narrow(param, 0);
       }
       vocab->set_tensor_parallel(group);
       ++vocab_models;
     }
   }
-  // LoRA adapters split with their layer (the adapter's output is added to the base layer's, so it
-  // takes the same slice of it): under a column-parallel layer (weight [out / R, in]) lora_B is
-  // split on dim 0 like the weight and lora_A [rank, in] stays whole; under a row-parallel one
-  // (weight [out, in / R]) lora_A is split on dim 1 and lora_B [out, rank] stays whole, so the
-  // partial outputs B A_r x_r join the base layer's before its reduce_out (no collective of their
-  // own). The whole factor's gradient is a partial sum on each rank in both cases: A's is
-  // sum_r (B_r^T dy_r) x^T, this rank's output columns only (copy_in sums the input's gradient,
-  // not A's); B's is dy (A_r x_r)^T, this rank's part of A x only. Both are summed over tp below.
-  std::vector<at::Tensor> partial_adapters;
+  return vocab_models;
+}
+
+// LoRA adapters split with their layer (the adapter's output is added to the base layer's, so it
+// takes the same slice of it): under a column-parallel layer (weight [out / R, in]) lora_B is
+// split on dim 0 like the weight and lora_A [rank, in] stays whole; under a row-parallel one
+// (weight [out, in / R]) lora_A is split on dim 1 and lora_B [out, rank] stays whole, so the
+// partial outputs B A_r x_r join the base layer's before its reduce_out (no collective of their
+// own). The whole factor's gradient is a partial sum on each rank in both cases: A's is
+// sum_r (B_r^T dy_r) x^T, this rank's output columns only (copy_in sums the input's gradient,
+// not A's); B's is dy (A_r x_r)^T, this rank's part of A x only. Both go to `partial`.
+void split_adapters(ParallelModel& model, Splits& splits, std::vector<at::Tensor>& partial) {
   for (const auto& root : model.modules()) {
     for (const auto& item : root->named_modules()) {
       const auto linear = std::dynamic_pointer_cast<model::LinearImpl>(item.value());
       if (!linear || !linear->adapter) {
         continue;
       }
-      const auto found = split.find(linear->weight.unsafeGetTensorImpl());
-      if (found == split.end()) {
+      const auto dim = splits.dim_of(linear->weight);
+      if (!dim) {
         continue;  // a whole layer keeps its whole adapter
       }
       auto* lora = dynamic_cast<peft::LoraAdapter*>(linear->adapter.get());
@@ -430,16 +456,82 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
             "parallelism splits LoRA adapters only. Fix: apply the adapters through the plan's "
             "peft slot (d9d::peft::Lora), or unmerge them first");
       }
-      if (found->second == 0) {
-        narrow(lora->lora_B->weight, 0);
-        partial_adapters.push_back(lora->lora_A->weight);
+      if (*dim == 0) {
+        splits.narrow(lora->lora_B->weight, 0);
+        partial.push_back(lora->lora_A->weight);
       } else {
-        narrow(lora->lora_A->weight, 1);
-        partial_adapters.push_back(lora->lora_B->weight);
+        splits.narrow(lora->lora_A->weight, 1);
+        partial.push_back(lora->lora_B->weight);
       }
     }
   }
+}
 
+// The records: split parameters are Shard(dim) on tp, the rest Replicate on tp. Returns the names
+// of the trained parameters whose gradients are partial sums over tp: those in `partial`, and
+// under sequence parallelism every replicated one (the norms see this rank's tokens only). The
+// split parameters that do not train (LoRA's frozen base weights) get their layout recorded, so
+// that export gathers them.
+std::vector<std::string> record_layouts(ParallelModel& model, bool sequence_parallel,
+                                        Splits& splits, const std::vector<at::Tensor>& partial) {
+  std::vector<std::string> partial_trained;
+  for (auto& record : model.mutable_parameters()) {
+    const auto dim = splits.dim_of(record.local);
+    record.dims.emplace_back("tp");
+    if (dim) {
+      record.placements.emplace_back(::d9d::Shard{*dim});
+    } else {
+      record.placements.emplace_back(::d9d::Replicate{});
+    }
+    const bool listed = std::any_of(partial.begin(), partial.end(), [&](const at::Tensor& tensor) {
+      return tensor.unsafeGetTensorImpl() == record.local.unsafeGetTensorImpl();
+    });
+    if ((sequence_parallel && !dim) || listed) {
+      partial_trained.push_back(record.name);
+    }
+  }
+  for (const auto& record : model.parameters()) {
+    splits.forget(record.local);
+  }
+  for (const auto& root : model.modules()) {
+    for (const auto& item : root->named_parameters()) {
+      const auto dim = splits.dim_of(item.value());
+      if (!dim) {
+        continue;
+      }
+      auto whole = item.value().sizes().vec();
+      whole[*dim] *= splits.ranks();
+      model.mutable_frozen_split_parameters().push_back(ParameterRecord{
+          .name = item.key(),
+          .local = item.value(),
+          .global_shape = std::move(whole),
+          .domain = MeshDomain::regular,
+          .dims = {"dp_replicate", "dp_shard", "tp"},
+          .placements = {::d9d::Replicate{}, ::d9d::Replicate{}, ::d9d::Shard{*dim}}});
+      splits.forget(item.value());  // a tied parameter, recorded once
+    }
+  }
+  return partial_trained;
+}
+
+}  // namespace
+
+std::shared_ptr<const model::TensorParallelGroup> make_tensor_parallel_group(
+    const ProcessGroup& group, bool sequence_parallel) {
+  return std::make_shared<const Group>(group, sequence_parallel);
+}
+
+void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& settings) {
+  const auto& mesh = model.mesh();
+  const auto process_group = mesh.group(MeshDomain::regular, "tp");
+  const auto group = make_tensor_parallel_group(process_group, settings.sequence_parallel);
+  Splits splits(mesh.size(MeshDomain::regular, "tp"), mesh.coordinate(MeshDomain::regular, "tp"));
+  const at::NoGradGuard no_grad;
+  // Parameters whose gradients are partial sums over tp: summed there by PartialNormSync.
+  std::vector<at::Tensor> partial;
+  const auto inside_moe = split_moe_layers(model, group, partial);
+  const int vocab_models = split_layers(model, group, inside_moe, splits, partial);
+  split_adapters(model, splits, partial);
   // A model that cannot split its embedding and head keeps them whole on every tp rank (their
   // gradients are then whole and equal there), unless the residual stream is split by sequence,
   // which the embedding's reduce-scatter starts.
@@ -452,53 +544,7 @@ void apply_tensor_parallel(ParallelModel& model, const TensorParallelSettings& s
         "d9d::parallel::TensorParallel<> (the embedding and the head then stay whole on every "
         "tp rank)");
   }
-
-  // The records: split parameters are Shard(dim) on tp, the rest Replicate on tp.
-  std::vector<std::string> partial_trained;
-  for (auto& record : model.mutable_parameters()) {
-    const auto found = split.find(record.local.unsafeGetTensorImpl());
-    record.dims.emplace_back("tp");
-    if (found != split.end()) {
-      record.placements.emplace_back(::d9d::Shard{found->second});
-    } else {
-      record.placements.emplace_back(::d9d::Replicate{});
-    }
-    // Under sequence parallelism every replicated parameter (the norms) sees this rank's tokens
-    // only: all of their gradients are partial sums.
-    const auto listed = [&](const std::vector<at::Tensor>& list) {
-      return std::any_of(list.begin(), list.end(), [&](const at::Tensor& tensor) {
-        return tensor.unsafeGetTensorImpl() == record.local.unsafeGetTensorImpl();
-      });
-    };
-    const bool partial = (settings.sequence_parallel && found == split.end()) ||
-                         listed(partial_norms) || listed(partial_adapters);
-    if (partial) {
-      partial_trained.push_back(record.name);
-    }
-  }
-  // The split parameters that do not train (LoRA's frozen base weights): their layout, so that
-  // export gathers them.
-  for (const auto& record : model.parameters()) {
-    split.erase(record.local.unsafeGetTensorImpl());
-  }
-  for (const auto& root : model.modules()) {
-    for (const auto& item : root->named_parameters()) {
-      const auto found = split.find(item.value().unsafeGetTensorImpl());
-      if (found == split.end()) {
-        continue;
-      }
-      auto whole = item.value().sizes().vec();
-      whole[found->second] *= ranks;
-      model.mutable_frozen_split_parameters().push_back(ParameterRecord{
-          .name = item.key(),
-          .local = item.value(),
-          .global_shape = std::move(whole),
-          .domain = MeshDomain::regular,
-          .dims = {"dp_replicate", "dp_shard", "tp"},
-          .placements = {::d9d::Replicate{}, ::d9d::Replicate{}, ::d9d::Shard{found->second}}});
-      split.erase(found);  // a tied parameter, recorded once
-    }
-  }
+  auto partial_trained = record_layouts(model, settings.sequence_parallel, splits, partial);
   model.add_norm_dims({"tp"});
   model.add_sync(
       std::make_unique<PartialNormSync>(model, process_group, std::move(partial_trained)));
