@@ -8,7 +8,8 @@ step and its launches, the kernels by total time per step, and each stream's bus
 the traced span (what the compute stream leaves idle), and then the compute stream's idle gaps:
 whether the host had not yet launched the next kernel ("host late") or had launched it and the
 stream was waiting ("stream waited"), the d9d annotation and the operator the host was inside
-when the stream ran dry, and the synchronising runtime calls during the gap.
+when the stream ran dry, and the synchronising runtime calls during the gap; and the host's
+synchronisations per step (stream, device, event), by annotation and operator.
 """
 import bisect
 import collections
@@ -60,6 +61,41 @@ def main() -> None:
               f"span), of which NCCL {nccl / 1000 / steps:.2f} ms, {len(kernels_on) // steps} kernels")
 
     gaps(events, steps)
+    synchronisations(events, steps)
+
+
+def synchronisations(events, steps, top=12):
+    """The host's waits for the GPU (stream, device and event synchronisations) per step, by the
+    d9d annotation and the chain of operators they ran in: each lets the GPU run dry until the host
+    has launched the next work."""
+    waits = [e for e in events if e.get("cat") == "cuda_runtime" and e["name"] in
+             ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")]
+    if not waits:
+        return
+    annotations = Spans(e for e in events
+                        if e.get("cat") == "user_annotation" and e["name"].startswith("d9d::"))
+    operators = [e for e in events if e.get("cat") == "cpu_op"]
+    by_tid = collections.defaultdict(list)
+    for e in operators:
+        by_tid[e.get("tid")].append(e)
+    for spans in by_tid.values():
+        spans.sort(key=lambda e: e["ts"])
+    rows = collections.defaultdict(lambda: [0.0, 0])
+    for w in waits:
+        where = annotations.innermost(w["ts"])
+        spans = by_tid.get(w.get("tid"), [])
+        k = bisect.bisect_right([e["ts"] for e in spans], w["ts"])
+        chain = [e["name"] for e in spans[max(0, k - 200):k]
+                 if e["ts"] + e["dur"] >= w["ts"] + w["dur"]]
+        key = (where["name"] if where else "-", " > ".join(chain[:2]) if chain else "-")
+        rows[key][0] += w["dur"]
+        rows[key][1] += 1
+    total = sum(n for _, n in rows.values())
+    print(f"host synchronisations: {total / steps:.1f} per step, "
+          f"{sum(us for us, _ in rows.values()) / 1000 / steps:.2f} ms per step waited; by the "
+          "annotation and the outer operators:")
+    for (where, chain), (us, n) in sorted(rows.items(), key=lambda x: -x[1][1])[:top]:
+        print(f"  {n / steps:6.1f} x  {us / 1000 / steps:7.2f} ms  {where[:30]:<30} {chain[:70]}")
 
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
