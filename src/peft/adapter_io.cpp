@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <d9d/model/hf.hpp>
+#include <d9d/model/hf_moe.hpp>
 #include <d9d/peft/lora.hpp>
 #include <d9d/state/safetensors.hpp>
 #include <d9d/util/files.hpp>
@@ -847,7 +848,7 @@ void save_merged_hf_checkpoint(torch::nn::Module& model, const std::string& dir,
   const auto adapter_names = adapter_parameter_names(layers);
   std::vector<std::string> merged_here;
   for (const auto& layer : layers) {
-    if (!layer.adapter->merged()) {
+    if (!layer.merged()) {
       merged_here.push_back(layer.name);
     }
   }
@@ -862,10 +863,18 @@ void save_merged_hf_checkpoint(torch::nn::Module& model, const std::string& dir,
     restore.arm();
   }
   std::vector<std::pair<std::string, at::Tensor>> base;
+  std::vector<std::string> names;
   for (const auto& item : model.named_parameters()) {
     if (adapter_names.count(item.key()) == 0) {
       base.emplace_back(item.key(), item.value());
+      names.push_back(item.key());
     }
+  }
+  // Qwen3-MoE's stacked experts go out as transformers' per-expert tensors.
+  if (const auto* moe = dynamic_cast<const model::Qwen3MoeForCausalLMImpl*>(&model)) {
+    model::save_hf_mapped(model, model::qwen3_moe_hf_export_mapper(moe->config(), names), dir,
+                          config_json, dtype);
+    return;
   }
   model::save_hf_checkpoint(*tree_of(base), dir, config_json, dtype);
 }

@@ -18,6 +18,7 @@
 
 #include <d9d/core/weight_grad.hpp>
 #include <d9d/d9d.hpp>
+#include <d9d/model/hf_moe.hpp>
 #include <d9d/peft/lora.hpp>
 #include <d9d/state/safetensors.hpp>
 
@@ -489,6 +490,33 @@ TEST(Peft_ExpertLora, AdapterFilesHoldEachExpertUnderPeftsKeys) {
       d9d::testing::error_of<std::runtime_error>([&] { peft::load_adapter(*other, partial_dir); }),
       HasSubstr("targets 1 of the 4 experts of model.layers.0.mlp.experts.gate_proj"));
   EXPECT_TRUE(peft::lora_layers(*other).empty()) << "the model is left as it was";
+}
+
+// The merged Qwen3-MoE as transformers' checkpoint: per-expert tensors with the adapters merged
+// in, no adapter tensor; it loads back with the adapted model's logits.
+TEST(Peft_ExpertLora, MergedExportWritesTransformersPerExpertTensors) {
+  auto model = tiny_moe_model();
+  peft::apply_stack(*model, peft::stack_spec<ExpertProjections>());
+  randomize_adapters(*model);
+  model->eval();
+  const auto ids = tokens();
+  const auto want = model(ids).detach();
+  const auto dir = scratch("peft_merged_moe");
+  peft::save_merged_hf_checkpoint(*model, dir, model->config().to_hf_json(), at::kDouble);
+  EXPECT_FALSE(peft::lora_layers(*model).front().merged()) << "left as it was";
+  const d9d::state::SafetensorsFile file(dir + "/model.safetensors");
+  EXPECT_TRUE(file.contains("model.layers.0.mlp.experts.3.down_proj.weight"));
+  EXPECT_FALSE(file.contains("model.layers.0.mlp.experts.down_proj"));
+  for (const auto& entry : file.entries()) {
+    EXPECT_EQ(entry.name.find("lora"), std::string::npos) << entry.name;
+  }
+  // Into a float64 Qwen3-MoE (the file's dtype), streamed through transformers' names.
+  d9d::model::Qwen3MoeForCausalLM loaded(model->config());
+  loaded->to(at::kDouble);
+  d9d::model::load_hf_qwen3_moe_into(*loaded, model->config(), dir);
+  loaded->eval();
+  EXPECT_TRUE(at::allclose(loaded(ids), want, 0.0, 1e-12))
+      << "max diff " << (loaded(ids) - want).abs().max().item<double>();
 }
 
 TEST(Peft_ExpertLora, DropoutOnExpertsIsRefused) {
