@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <regex>
 #include <set>
 #include <stdexcept>
@@ -585,6 +586,40 @@ Json peft_config(const LoraOptions& first, const Json& rank_pattern, const Json&
   };
 }
 
+// The options of an expert projection's adapter in a peft file (`experts` experts), or none when
+// the file targets none of them. d9d adapts all of a projection's experts or none, with one rank
+// and scale and no dropout: std::runtime_error otherwise.
+std::optional<LoraOptions> expert_options(const PeftConfig& config, const std::string& projection,
+                                          int64_t experts, const std::string& who) {
+  int64_t hit = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    hit += is_target(config, expert_module(projection, e), /*linear=*/true) ? 1 : 0;
+  }
+  if (hit == 0) {
+    return std::nullopt;
+  }
+  const auto options = options_for(config, expert_module(projection, 0));
+  bool alike = true;
+  for (int64_t e = 1; e < experts && alike; ++e) {
+    const auto here = options_for(config, expert_module(projection, e));
+    alike = here.rank == options.rank && here.alpha == options.alpha;
+  }
+  if (hit != experts || !alike) {
+    throw std::runtime_error(who + ": the adapter targets " + std::to_string(hit) + " of the " +
+                             std::to_string(experts) + " experts of " + projection +
+                             " or gives them different ranks or alphas; d9d adapts every expert "
+                             "of a projection alike (stacked factors). Fix: target all of them "
+                             "with one rank");
+  }
+  if (options.dropout > 0.0) {
+    throw std::runtime_error(who + ": \"lora_dropout\" = " + std::to_string(options.dropout) +
+                             " on the experts of " + projection +
+                             "; d9d's expert adapters take no dropout. Fix: save the adapter "
+                             "with lora_dropout 0");
+  }
+  return options;
+}
+
 }  // namespace
 
 void save_adapter(const AdapterContents& contents, const std::string& dir,
@@ -692,34 +727,11 @@ void load_adapter(torch::nn::Module& model, const std::string& dir) {
     if (auto* experts = dynamic_cast<model::GroupedExpertsImpl*>(module.get())) {
       for (std::size_t p = 0; p < model::GroupedExpertsImpl::projections.size(); ++p) {
         const auto projection = name + "." + std::string(model::GroupedExpertsImpl::projections[p]);
-        std::vector<int64_t> hit;
-        for (int64_t e = 0; e < experts->num_experts(); ++e) {
-          if (is_target(config, expert_module(projection, e), /*linear=*/true)) {
-            hit.push_back(e);
-          }
-        }
-        if (hit.empty()) {
+        const auto options = expert_options(config, projection, experts->num_experts(), who);
+        if (!options) {
           continue;
         }
-        const auto options = options_for(config, expert_module(projection, 0));
-        for (int64_t e = 0; e < experts->num_experts(); ++e) {
-          const auto here = options_for(config, expert_module(projection, e));
-          if (static_cast<int64_t>(hit.size()) != experts->num_experts() ||
-              here.rank != options.rank || here.alpha != options.alpha) {
-            throw std::runtime_error(
-                who + ": the adapter targets " + std::to_string(hit.size()) + " of the " +
-                std::to_string(experts->num_experts()) + " experts of " + projection +
-                " or gives them different ranks or alphas; d9d adapts every expert of a "
-                "projection alike (stacked factors). Fix: target all of them with one rank");
-          }
-        }
-        if (options.dropout > 0.0) {
-          throw std::runtime_error(who + ": \"lora_dropout\" = " + std::to_string(options.dropout) +
-                                   " on the experts of " + projection +
-                                   "; d9d's expert adapters take no dropout. Fix: save the "
-                                   "adapter with lora_dropout 0");
-        }
-        expert_targets.push_back({projection, experts, p, options});
+        expert_targets.push_back({projection, experts, p, *options});
       }
       continue;
     }

@@ -277,19 +277,20 @@ TEST(Moe_ExpertParallel_ws2, LoraOnExpertsMatchesOneProcess) {
     d9d::testing::expect_same_run(train_moe<d9d::Plan<EpMesh, Ep, ExpertLora, Fp64>>(
                                       ctx, moe_run(dir + "/ep", 2, R"({"ep": 2})")),
                                   want, "ep 2, LoRA on the experts");
-    auto config = moe_run(dir + "/fsdp", 2, R"({"dp_shard": 2, "ep": 2})", true, /*outputs=*/true);
-    d9d::Trainer<d9d::Plan<ShardEpMesh, Ep, d9d::parallel::Fsdp, ExpertLora, Fp64>> trainer(
-        ctx, d9d::Qwen3MoeProvider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
-        config);
-    RunOutcome fsdp;
-    fsdp.result = trainer.train();
-    fsdp.parameters = d9d::testing::full_parameters(trainer.core());
-    d9d::testing::expect_same_run(fsdp, want, "ep 2 x FullyShard 2, LoRA on the experts");
     // The frozen experts are split too (their layout recorded): gathered whole for the export.
     const std::string down = "model.layers.0.mlp.experts.down_proj";
-    const auto* layout = trainer.core().parallel().layout(down);
-    ASSERT_NE(layout, nullptr);
-    const auto w = layout->sharded(trainer.core().mesh()).full_tensor().cpu();
+    bool laid_out = false;
+    at::Tensor w;
+    const auto fsdp = train_moe<d9d::Plan<ShardEpMesh, Ep, d9d::parallel::Fsdp, ExpertLora, Fp64>>(
+        ctx, moe_run(dir + "/fsdp", 2, R"({"dp_shard": 2, "ep": 2})", true, /*outputs=*/true),
+        [&](d9d::detail::TrainerCore& core) {
+          if (const auto* layout = core.parallel().layout(down)) {
+            laid_out = true;
+            w = layout->sharded(core.mesh()).full_tensor().cpu();
+          }
+        });
+    d9d::testing::expect_same_run(fsdp, want, "ep 2 x FullyShard 2, LoRA on the experts");
+    ASSERT_TRUE(laid_out) << down << " has no layout record";
     if (env.rank() != 0) {
       return;
     }
