@@ -6,7 +6,7 @@
 //   tools/d9drun -n 2 bazel-bin/examples/05_qwen3_moe_pretraining/05_qwen3_moe_pretraining
 //       examples/05_qwen3_moe_pretraining/moe_cpu.json --data corpus.bin --output runs/moe
 //   # 2 x H200 (ep 2, the Qwen3-30B-A3B layer shape with 8 layers, bf16): tools/gpu/moe-bench, or
-//   # the same command with qwen3_30b_a3b_8l_gpu.json --bf16 --peak-tflops 989
+//   # the same command with qwen3_30b_a3b_8l_gpu.json --bf16-params --peak-tflops 989
 //
 // The configuration block below is the plan: every rank is a data-parallel rank (dp_shard from the
 // world size), the config's "mesh.ep" splits each layer's experts over that many of them
@@ -34,7 +34,7 @@ using ExpertParallel = d9d::parallel::ExpertParallel<>;  // or NoExpertParallel 
 using Pipeline = d9d::pipeline::NoPipeline;              // or OneFOneB<> with d9d::pp in the mesh
 using Peft = d9d::peft::FullTune;                        // every parameter trains
 using Recompute = d9d::recompute::None;                  // or d9d::recompute::Full
-template <class Precision>                               // Fp32, or Bf16Mixed with --bf16 (GPU)
+template <class Precision>  // Fp32; Bf16Mixed with --bf16, Bf16Params<> with --bf16-params (GPU)
 using MoePlan = d9d::Plan<Mesh, DataParallel, ExpertParallel, Pipeline, Peft, Precision, Recompute>;
 // -----------------------------------------------------------------------------------------------
 
@@ -96,6 +96,7 @@ int main(int argc, char** argv) {
   int64_t steps = 0;
   int ep = 0;
   bool bf16 = false;
+  bool bf16_params = false;
   double peak_tflops = 0;
   app.add_option("config", config_path, "trainer configuration (JSON)")->required();
   app.add_option("--data", data, "token file (u16), replacing data.paths");
@@ -103,6 +104,10 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "optimizer steps, replacing run.total_steps");
   app.add_option("--ep", ep, "expert-parallel degree, replacing mesh.ep");
   app.add_flag("--bf16", bf16, "bf16 mixed precision (d9d::precision::Bf16Mixed)");
+  app.add_flag("--bf16-params", bf16_params,
+               "bfloat16 parameters, gradients and compute with stochastic rounding, no float32 "
+               "master copy (d9d::precision::Bf16Params<>)")
+      ->excludes("--bf16");
   app.add_option("--peak-tflops", peak_tflops,
                  "per-device peak for the MFU line (e.g. 989 for H100/H200 bf16)");
   CLI11_PARSE(app, argc, argv);
@@ -126,6 +131,9 @@ int main(int argc, char** argv) {
       overrides.emplace_back("mesh.ep", std::to_string(ep));
     }
     const auto cfg = d9d::TrainerConfig::from_file(config_path, overrides);
+    if (bf16_params) {
+      return run<MoePlan<d9d::precision::Bf16Params<>>>(ctx, cfg, peak_tflops);
+    }
     return bf16 ? run<MoePlan<d9d::precision::Bf16Mixed>>(ctx, cfg, peak_tflops)
                 : run<MoePlan<d9d::precision::Fp32>>(ctx, cfg, peak_tflops);
   });
