@@ -17,7 +17,9 @@
 // program's plan (d9d/pipeline/picture.hpp). Results also go to --json. `--profile DIR` writes a
 // Kineto trace of the first mode's last timed step per rank (the executor names each compute
 // action, each P2P post and wait); `tools/gpu/trace_summary.py DIR/rank-0.trace.json 1` says where
-// the compute stream idles and what the host was doing then.
+// the compute stream idles and what the host was doing then. `--pairs` runs each forward and the
+// other stage's backward that follows it at once (DualPipeV's overlap, ExecutorOptions::
+// overlap_pairs); a pair's span then counts once as busy time and as the cost of both its actions.
 //
 // Stages start with the values of the whole model built after the same seed (d9d::model::
 // init_qwen3_parameters initialises by name). With --check every rank then builds that whole model,
@@ -185,6 +187,7 @@ int main(int argc, char** argv) {
   int warmup = 2;
   bool bf16 = false;
   bool check = false;
+  bool pairs = false;
   std::string overlap = "both";
   std::string timeline_path;
   std::string profile_dir;
@@ -203,6 +206,9 @@ int main(int argc, char** argv) {
                  "on: batches of sends/receives in flight until compute needs them; off: each "
                  "waited for before the next compute action; both (one after the other)")
       ->check(CLI::IsMember({"on", "off", "both"}));
+  app.add_flag("--pairs", pairs,
+               "run each forward and the other stage's backward that follows it at once "
+               "(ExecutorOptions::overlap_pairs; DualPipeV's overlap)");
   app.add_option("--timeline", timeline_path,
                  "draw the last step as every rank ran it, under the program's plan (SVG)");
   app.add_option("--profile", profile_dir,
@@ -264,7 +270,8 @@ int main(int argc, char** argv) {
             return d9d::pipeline::TensorSpec{.sizes = {microbatch_size, seq, config.hidden_size},
                                              .dtype = at::kFloat};
           },
-          d9d::pipeline::ExecutorOptions{.overlap_p2p = on, .record_timeline = true});
+          d9d::pipeline::ExecutorOptions{
+              .overlap_p2p = on, .record_timeline = true, .overlap_pairs = pairs});
     }
 
     // The same tokens on every rank (the first stage reads the inputs, the last the labels).
@@ -324,9 +331,14 @@ int main(int argc, char** argv) {
         step_ms.push_back(ms);
         out.last = executor.timeline();
         double busy = 0;
-        for (const auto& slot : out.last) {
+        for (std::size_t i = 0; i < out.last.size(); ++i) {
+          const auto& slot = out.last[i];
           const double duration = 1e3 * (slot.end - slot.start);
-          busy += duration;
+          // The two actions of a pair (--pairs) share one span: busy once, and each action's
+          // cost is then the pair's.
+          const bool paired =
+              i > 0 && out.last[i - 1].start == slot.start && out.last[i - 1].end == slot.end;
+          busy += paired ? 0.0 : duration;
           out.costs[slot.action.op].push_back(duration);
         }
         shares.push_back(busy / ms);
@@ -482,6 +494,7 @@ int main(int argc, char** argv) {
                               {"seq", seq},
                               {"bf16", bf16},
                               {"overlap_p2p", modes.front()},
+                              {"pairs", pairs},
                               {"step_ms", step},
                               {"measured_bubble", bubble},
                               {"cost_ms", {{"F", f}, {"B", b}, {"I", i}, {"W", w}}},

@@ -4,23 +4,30 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
 #include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/core/weight_grad.hpp>
 #include <d9d/pipeline/executor.hpp>
+#include <d9d/pipeline/pairs.hpp>
+#include <d9d/pipeline/schedules.hpp>
 
 namespace d9d::pipeline {
 namespace {
@@ -60,18 +67,22 @@ void keep_until_exit(std::vector<Pending> batches) {
 }
 
 // When each compute action of a step ran: the clock on the CPU, events on the current stream on
-// CUDA (resolved only when asked for).
+// CUDA (resolved only when asked for). Each action spans two of the recorded points; the two
+// actions of a pair share theirs.
 struct Recorder {
   c10::Device device{at::kCPU};
   std::chrono::steady_clock::time_point start;
   std::unique_ptr<c10::Event> start_event;
   std::vector<Action> actions;
-  std::vector<double> seconds;                      // CPU: start, end per action
-  std::vector<std::unique_ptr<c10::Event>> events;  // CUDA: start, end per action
+  static constexpr std::size_t kUnfinished = static_cast<std::size_t>(-1);
+  std::vector<std::pair<std::size_t, std::size_t>> spans;  // per action: its two points
+  std::vector<double> seconds;                             // CPU: the points
+  std::vector<std::unique_ptr<c10::Event>> events;         // CUDA: the points
 
   void begin(c10::Device on) {
     device = on;
     actions.clear();
+    spans.clear();
     seconds.clear();
     events.clear();
     start_event = nullptr;
@@ -88,32 +99,41 @@ struct Recorder {
     event->record(guard.getStream(device));
     return event;
   }
-  void mark(const Action& action, bool done) {
-    if (!done) {
-      actions.push_back(action);
-    }
+  std::size_t point() {
     if (device.is_cuda()) {
       events.push_back(mark_event());
-    } else {
-      seconds.push_back(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      return events.size() - 1;
+    }
+    seconds.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    return seconds.size() - 1;
+  }
+  // Before (done = false) and after (done = true) one action, or both actions of a pair.
+  void mark(const std::vector<Action>& running, bool done) {
+    const std::size_t p = point();
+    if (!done) {
+      for (const auto& action : running) {
+        actions.push_back(action);
+        spans.emplace_back(p, kUnfinished);
+      }
+      return;
+    }
+    for (std::size_t i = spans.size() - running.size(); i < spans.size(); ++i) {
+      spans[i].second = p;
     }
   }
   [[nodiscard]] std::vector<Timeline::Slot> slots() const {
     std::vector<Timeline::Slot> out;
-    for (std::size_t i = 0;
-         i < actions.size() && 2 * i + 1 < std::max(events.size(), seconds.size()); ++i) {
-      double begin = 0;
-      double end = 0;
+    const auto at = [&](std::size_t p) {
       if (device.is_cuda()) {
-        events[2 * i + 1]->synchronize();
-        begin = start_event->elapsedTime(*events[2 * i]) / 1e3;
-        end = start_event->elapsedTime(*events[2 * i + 1]) / 1e3;
-      } else {
-        begin = seconds[2 * i];
-        end = seconds[2 * i + 1];
+        events[p]->synchronize();
+        return start_event->elapsedTime(*events[p]) / 1e3;
       }
-      out.push_back({.action = actions[i], .start = begin, .end = end});
+      return seconds[p];
+    };
+    for (std::size_t i = 0; i < actions.size() && spans[i].second != kUnfinished; ++i) {
+      out.push_back(
+          {.action = actions[i], .start = at(spans[i].first), .end = at(spans[i].second)});
     }
     return out;
   }
@@ -297,31 +317,93 @@ struct Executor::Impl {
     outputs[key] = out;
   }
 
-  void backward(const Action& a, bool defer) {
+  // A backward's tensors, taken from the step's maps on the executor's thread, so that the
+  // autograd call itself may run on another (a pair's helper).
+  struct BackwardWork {
+    at::Tensor out;
+    at::Tensor x;
+    at::Tensor grad;                   // undefined on the last stage (out is the loss)
+    WeightGradQueue* queue = nullptr;  // when the weight part is deferred (I)
+  };
+
+  BackwardWork take_backward(const Action& a) {
     const Key key{a.stage, a.microbatch};
-    auto out = take(outputs, key, a, "forward output");
-    auto x = take(inputs, key, a, "forward input");
-    at::Tensor grad;
+    BackwardWork work;
+    work.out = take(outputs, key, a, "forward output");
+    work.x = take(inputs, key, a, "forward input");
     if (a.stage < last_stage()) {
-      grad = local(a.stage + 1) ? take(grad_input, {a.stage + 1, a.microbatch}, a,
-                                       "input gradient of the next stage")
-                                : take(grad_output, key, a, "received gradient");
+      work.grad = local(a.stage + 1) ? take(grad_input, {a.stage + 1, a.microbatch}, a,
+                                            "input gradient of the next stage")
+                                     : take(grad_output, key, a, "received gradient");
     }
-    if (out.requires_grad()) {
-      std::unique_ptr<DeferWeightGrads> deferred;
-      if (defer) {
-        deferred = std::make_unique<DeferWeightGrads>(*queues.at(key));
-      }
-      if (grad.defined()) {
-        torch::autograd::backward({out}, {grad});
-      } else {
-        torch::autograd::backward({out});
-      }
+    if (a.op == Op::backward_input) {
+      work.queue = queues.at(key).get();
     }
+    return work;
+  }
+
+  static void run_backward(const BackwardWork& work) {
+    if (!work.out.requires_grad()) {
+      return;
+    }
+    std::unique_ptr<DeferWeightGrads> deferred;
+    if (work.queue != nullptr) {
+      deferred = std::make_unique<DeferWeightGrads>(*work.queue);
+    }
+    if (work.grad.defined()) {
+      torch::autograd::backward({work.out}, {work.grad});
+    } else {
+      torch::autograd::backward({work.out});
+    }
+  }
+
+  void store_backward(const Action& a, const BackwardWork& work) {
     if (a.stage > 0) {
-      const auto& g = x.grad();
-      grad_input[key] = g.defined() ? g : at::zeros_like(x);
+      const auto& g = work.x.grad();
+      grad_input[{a.stage, a.microbatch}] = g.defined() ? g : at::zeros_like(work.x);
     }
+  }
+
+  void backward(const Action& a) {
+    const auto work = take_backward(a);
+    run_backward(work);
+    store_backward(a, work);
+  }
+
+  // A pair (d9d/pipeline/pairs.hpp): the backward `b` on a helper thread, with this thread's
+  // autograd state and (CUDA) current stream, while this thread runs the forward `f`. The maps are
+  // touched on this thread only; the two share no tensor they write.
+  void pair(const Action& f, const Action& b, const std::vector<at::Tensor>& step_inputs,
+            const LossFn& loss) {
+    const auto work = take_backward(b);
+    const at::ThreadLocalState state;
+    std::optional<c10::Stream> stream;
+    if (work.out.device().is_cuda()) {
+      stream = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(work.out.device());
+    }
+    std::exception_ptr failed;
+    std::thread helper([&] {
+      try {
+        const at::ThreadLocalStateGuard thread_state(state);
+        const c10::OptionalStreamGuard on(stream);
+        RECORD_USER_SCOPE("d9d::pipeline::" + to_string(b));
+        run_backward(work);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    });
+    try {
+      RECORD_USER_SCOPE("d9d::pipeline::" + to_string(f));
+      forward(f, step_inputs, loss);
+    } catch (...) {
+      helper.join();
+      throw;
+    }
+    helper.join();
+    if (failed) {
+      std::rethrow_exception(failed);
+    }
+    store_backward(b, work);
   }
 
   void weight(const Action& a) {
@@ -407,7 +489,9 @@ struct Executor::Impl {
       no_grad = std::make_unique<at::NoGradGuard>();
     }
     try {
-      for (const auto& a : program.ranks[static_cast<std::size_t>(rank)]) {
+      const auto& actions = program.ranks[static_cast<std::size_t>(rank)];
+      for (std::size_t i = 0; i < actions.size(); ++i) {
+        const Action& a = actions[i];
         if (trace) {
           std::fprintf(stderr, "[d9d pipeline rank %d] %s\n", rank, to_string(a).c_str());
         }
@@ -424,36 +508,53 @@ struct Executor::Impl {
             break;
         }
         post();
-        await_inputs(a);
-        if (hook) {
-          hook(a, false);
+        // This action alone, or with the next one as a pair.
+        std::vector<Action> running{a};
+        if (options.overlap_pairs && pair_at(actions, i)) {
+          running.push_back(actions[++i]);
+          if (trace) {
+            std::fprintf(stderr, "[d9d pipeline rank %d] %s (with the previous)\n", rank,
+                         to_string(running[1]).c_str());
+          }
+        }
+        for (const auto& r : running) {
+          await_inputs(r);
+        }
+        for (const auto& r : running) {
+          if (hook) {
+            hook(r, false);
+          }
         }
         if (recorded) {
-          recorder.mark(a, false);
+          recorder.mark(running, false);
         }
-        // A profiler's trace names each compute action (the name is built only while one runs).
-        RECORD_USER_SCOPE("d9d::pipeline::" + to_string(a));
-        switch (a.op) {
-          case Op::forward:
-            forward(a, step_inputs, loss);
-            break;
-          case Op::backward:
-            backward(a, false);
-            break;
-          case Op::backward_input:
-            backward(a, true);
-            break;
-          case Op::backward_weight:
-            weight(a);
-            break;
-          default:
-            break;
+        if (running.size() == 2) {
+          pair(running[0], running[1], step_inputs, loss);
+        } else {
+          // A profiler's trace names each compute action (built only while one runs).
+          RECORD_USER_SCOPE("d9d::pipeline::" + to_string(a));
+          switch (a.op) {
+            case Op::forward:
+              forward(a, step_inputs, loss);
+              break;
+            case Op::backward:
+            case Op::backward_input:
+              backward(a);
+              break;
+            case Op::backward_weight:
+              weight(a);
+              break;
+            default:
+              break;
+          }
         }
         if (recorded) {
-          recorder.mark(a, true);
+          recorder.mark(running, true);
         }
-        if (hook) {
-          hook(a, true);
+        for (const auto& r : running) {
+          if (hook) {
+            hook(r, true);
+          }
         }
       }
       post();
@@ -510,6 +611,19 @@ Executor::Executor(Program program, ProcessGroup group, std::vector<Stage> stage
   if (!activation && program.pp > 1) {
     throw std::invalid_argument(
         "d9d::pipeline::Executor: several ranks need the activation spec of each stage");
+  }
+  if (options.overlap_pairs) {
+    // Each pair's receives before it and its forward's sends after it (d9d/pipeline/pairs.hpp):
+    // a new posting order, verified again.
+    program = group_pairs(std::move(program));
+    const auto verdict = verify(program);
+    if (!verdict.ok()) {
+      throw std::invalid_argument(
+          std::string("d9d::pipeline::Executor: overlap_pairs regroups the program's sends and "
+                      "receives around its pairs, and the result breaks rule ") +
+          to_string(verdict.rule) + " on rank " + std::to_string(verdict.rank) + " at action " +
+          to_string(verdict.action) + ". Fix: run this schedule without overlap_pairs");
+    }
   }
   impl.program = std::move(program);
   impl.group = std::move(group);

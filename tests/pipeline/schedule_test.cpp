@@ -3,6 +3,7 @@
 // fractions match the known formulas, memory matches 1F1B where the schedule promises it, and
 // verify() catches each rule on deliberately broken programs.
 #include <algorithm>
+#include <iterator>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -10,6 +11,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <d9d/pipeline/pairs.hpp>
 #include <d9d/pipeline/picture.hpp>
 #include <d9d/pipeline/schedules.hpp>
 
@@ -31,6 +33,7 @@ static_assert(pl::verify(pl::with_communication(pl::zero_bubble_v(4, 8))).ok());
 static_assert(pl::verify(pl::with_communication(pl::dual_pipe_v(4, 8))).ok());
 static_assert(pl::verify(pl::with_communication(pl::looped_bfs(2, 3, 4))).ok());
 static_assert(pl::verify(pl::with_communication(pl::inference(4, 4))).ok());
+static_assert(pl::verify(pl::group_pairs(pl::with_communication(pl::dual_pipe_v(4, 8)))).ok());
 static_assert(pl::pipeline_schedule<pl::ZeroBubbleH1<pl::microbatches<8>>>);
 static_assert(!pl::pipeline_schedule<pl::NoPipeline>);
 
@@ -152,6 +155,101 @@ TEST(Pipeline_DualPipeV_pp1to8, VerifiesWithCommunication) {
       "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3I1 3W1 3F2 0I0 0W0 3I2 3W2 3F3 0I1 0W1 3I3 3W3 0I2 0W2 "
       "0I3 0W3 ");
   EXPECT_THROW((void)pl::dual_pipe_v(4, 7), std::invalid_argument);
+}
+
+// ---- pairs: a forward and another stage's backward at once (d9d/pipeline/pairs.hpp) -------------
+
+// The actions of a rank as sorted strings: the same multiset before and after regrouping.
+std::vector<std::string> sorted_names(const std::vector<Action>& actions) {
+  std::vector<std::string> out;
+  out.reserve(actions.size());
+  for (const auto& a : actions) {
+    out.push_back(pl::to_string(a));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<Action> compute_only(const std::vector<Action>& actions) {
+  std::vector<Action> out;
+  std::copy_if(actions.begin(), actions.end(), std::back_inserter(out),
+               [](const Action& a) { return a.is_compute(); });
+  return out;
+}
+
+// DualPipeV regrouped: it still verifies, every rank keeps its actions and its compute order, and
+// every forward followed (in compute order) by the other chunk's backward is a pair: two per
+// steady-state group F0 B1 F1 B0 at least.
+TEST(Pipeline_Pairs_pp1to8, DualPipeVRegroupedVerifiesAndPairsEveryCandidate) {
+  for (int pp = 1; pp <= 8; ++pp) {
+    for (const int m : {2 * pp, 2 * pp + 1, 3 * pp, 4 * pp}) {
+      const auto program = pl::with_communication(pl::dual_pipe_v(pp, m));
+      const auto grouped = pl::group_pairs(program);
+      const auto verdict = pl::verify(grouped);
+      ASSERT_TRUE(verdict.ok()) << "pp " << pp << " mb " << m << ": " << describe(verdict);
+      for (int r = 0; r < pp; ++r) {
+        const auto& before = program.ranks[static_cast<std::size_t>(r)];
+        const auto& after = grouped.ranks[static_cast<std::size_t>(r)];
+        EXPECT_EQ(sorted_names(before), sorted_names(after)) << "pp " << pp << " rank " << r;
+        const auto computed = compute_only(before);
+        EXPECT_EQ(computed, compute_only(after)) << "pp " << pp << " rank " << r;
+        int candidates = 0;
+        for (std::size_t i = 0; i + 1 < computed.size(); ++i) {
+          candidates += pl::pair_at(computed, i) ? 1 : 0;
+        }
+        int pairs = 0;
+        for (std::size_t i = 0; i < after.size(); ++i) {
+          pairs += pl::pair_at(after, i) ? 1 : 0;
+        }
+        EXPECT_EQ(pairs, candidates) << "pp " << pp << " mb " << m << " rank " << r;
+        EXPECT_GE(pairs, 2 * (m - 2 * pp + r + 1)) << "pp " << pp << " mb " << m << " rank " << r;
+      }
+    }
+  }
+  // Rank 0 of pp 2, m 4: the send of 0F3's output moves after 3I1 (stage 3, the last, gets its
+  // gradient from the loss), and the receive of 0I0's gradient stands before 3F2.
+  const auto grouped = pl::group_pairs(pl::with_communication(pl::dual_pipe_v(2, 4)));
+  std::string rank0;
+  for (const auto& a : grouped.ranks[0]) {
+    rank0 += pl::to_string(a) + " ";
+  }
+  EXPECT_THAT(rank0, ::testing::HasSubstr(" 0F3 3I1 0SA3>1 "));
+  EXPECT_THAT(rank0, ::testing::HasSubstr(" 0RG0<1 3F2 0I0 "));
+}
+
+// A forward and a backward of the same stage never pair, nor does a backward and a forward; a
+// program with one stage per rank is unchanged, and every training schedule still verifies once
+// regrouped (the executor's overlap_pairs takes any of them).
+TEST(Pipeline_Pairs, OnlyAForwardThenAnotherStagesBackwardPairs) {
+  const std::vector<Action> same{{.op = Op::forward, .stage = 1, .microbatch = 0},
+                                 {.op = Op::backward_input, .stage = 1, .microbatch = 0}};
+  EXPECT_FALSE(pl::pair_at(same, 0));
+  const std::vector<Action> reversed{{.op = Op::backward, .stage = 2, .microbatch = 0},
+                                     {.op = Op::forward, .stage = 1, .microbatch = 1}};
+  EXPECT_FALSE(pl::pair_at(reversed, 0));
+  const std::vector<Action> weight{{.op = Op::forward, .stage = 1, .microbatch = 1},
+                                   {.op = Op::backward_weight, .stage = 2, .microbatch = 0}};
+  EXPECT_FALSE(pl::pair_at(weight, 0));
+  const std::vector<Action> other{{.op = Op::forward, .stage = 1, .microbatch = 1},
+                                  {.op = Op::backward, .stage = 2, .microbatch = 0}};
+  EXPECT_TRUE(pl::pair_at(other, 0));
+  EXPECT_FALSE(pl::pair_at(other, 1));
+  const auto one = pl::with_communication(pl::one_f_one_b(4, 8));
+  EXPECT_EQ(pl::group_pairs(one).ranks, one.ranks);
+  int checked = 0;
+  for (const std::string name : {"GPipe", "OneFOneB", "Interleaved1F1B_v2", "LoopedBfs_v2",
+                                 "ZeroBubbleH1", "ZeroBubbleV", "DualPipeV"}) {
+    for (int pp = 1; pp <= 4; ++pp) {
+      for (const int m : {2 * pp, 4 * pp}) {
+        const auto grouped = pl::group_pairs(pl::with_communication(build(name, pp, m)));
+        const auto verdict = pl::verify(grouped);
+        EXPECT_TRUE(verdict.ok()) << name << " pp " << pp << " mb " << m << ": "
+                                  << describe(verdict);
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 56);
 }
 
 // ---- bubbles for equal F, I, W costs ---------------------------------------------------------

@@ -1,9 +1,9 @@
 // Pipelines on pp = 2 and 4 Gloo ranks: every schedule, microbatches 1, 2, 4, 8 where the schedule
 // allows, trainable and partly frozen weights; losses and every parameter gradient equal a
-// single-process, non-pipelined reference, with point-to-point overlap (the default) and without;
-// inference outputs equal the reference's logits. Compute does not wait for sends (a rank runs
-// all its forwards before its peer posts a receive); every rank's measured timeline is gathered
-// and drawn under the plan.
+// single-process, non-pipelined reference, with point-to-point overlap (the default), without,
+// and with pairs run at once (overlap_pairs); inference outputs equal the reference's logits.
+// Compute does not wait for sends (a rank runs all its forwards before its peer posts a receive);
+// every rank's measured timeline is gathered and drawn under the plan.
 #include <chrono>
 #include <string>
 
@@ -13,6 +13,7 @@
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/core/device_mesh.hpp>
+#include <d9d/pipeline/pairs.hpp>
 #include <d9d/pipeline/picture.hpp>
 
 #include "tests/core/core_test_util.hpp"
@@ -73,6 +74,41 @@ TEST_P(Pipeline_Gloo, WithoutOverlapEverySchedulesGradientsEqualTheReference) {
           d9d::testing::expect_matches(run, references.at(m), what + " without overlap");
         });
     EXPECT_GE(ran, 9);
+  });
+}
+
+// ExecutorOptions::overlap_pairs: each rank runs a forward and the backward of its other stage at
+// once where the regrouped program pairs them (DualPipeV's steady state, ZBV's), with its sends
+// and receives around the pair; gradients and losses equal the single-process reference, for
+// every schedule, trainable and frozen.
+TEST_P(Pipeline_Gloo, OverlappedPairsGradientsEqualTheReference) {
+  d9d::testing::run_on_ranks({.world_size = GetParam()}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{.pp = env.world_size()});
+    const auto group = mesh.group(d9d::MeshDomain::regular, "pp");
+    int paired = 0;
+    for (const bool frozen : {false, true}) {
+      std::map<int, d9d::testing::Reference> references;
+      const int ran = d9d::testing::for_each_program(
+          env.world_size(), {4, 8},
+          [&](const std::string& what, const d9d::pipeline::Program& program) {
+            const int m = program.microbatches;
+            if (references.count(m) == 0) {
+              references.emplace(m, d9d::testing::reference_step(m, frozen, ctx.device()));
+            }
+            const auto run = d9d::testing::pipeline_step(program, group, group.rank(), frozen,
+                                                         ctx.device(), {}, {.overlap_pairs = true});
+            d9d::testing::expect_matches(run, references.at(m),
+                                         what + (frozen ? " frozen" : " trainable") + ", pairs");
+            const auto grouped = d9d::pipeline::group_pairs(program);
+            const auto& mine = grouped.ranks[static_cast<std::size_t>(group.rank())];
+            for (std::size_t i = 0; i < mine.size(); ++i) {
+              paired += d9d::pipeline::pair_at(mine, i) ? 1 : 0;
+            }
+          });
+      EXPECT_GE(ran, 10);
+    }
+    EXPECT_GT(paired, 0) << "rank " << group.rank();
   });
 }
 

@@ -1,15 +1,21 @@
 // The executor and stage models in one process: layer distribution, stages that compose to the
-// whole model, every schedule with all its stages on one rank (local hand-over), the recorded
-// timeline and its picture, and the errors.
+// whole model, every schedule with all its stages on one rank (local hand-over), pairs run at once
+// (overlap_pairs), the recorded timeline and its picture, and the errors.
+#include <atomic>
+#include <chrono>
+#include <future>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <d9d/model/qwen3_moe.hpp>
 #include <d9d/model/stage_layers.hpp>
+#include <d9d/pipeline/pairs.hpp>
 #include <d9d/pipeline/picture.hpp>
 
 #include "tests/pipeline_run/pipeline_fixture.hpp"
@@ -279,6 +285,122 @@ TEST(Pipeline_Executor, TimelineHasOneEntryPerComputeActionInProgramOrder) {
   one.record_timeline(true);
   (void)one.run({x, x}, loss);
   d9d::testing::expect_timeline_of(one.timeline(), program, 0, "GPipe m=2");
+}
+
+// overlap_pairs on one rank: every schedule equals the reference, trainable and frozen (the
+// V-placed ones run pairs: a forward and the other stage's backward at once); in the timeline the
+// two actions of a pair span the same interval, and everything else follows in program order.
+TEST(Pipeline_Executor, OverlappedPairsOnOneRankEqualTheReference) {
+  int paired = 0;
+  for (const bool frozen : {false, true}) {
+    const int ran = d9d::testing::for_each_program(
+        1, {2, 3, 4}, [&](const std::string& what, const d9d::pipeline::Program& program) {
+          const auto reference = d9d::testing::reference_step(program.microbatches, frozen);
+          const auto run =
+              d9d::testing::pipeline_step(program, d9d::ProcessGroup(), 0, frozen, at::kCPU, {},
+                                          {.record_timeline = true, .overlap_pairs = true});
+          d9d::testing::expect_matches(run, reference, what + " with pairs at once");
+          const auto actions = d9d::testing::compute_actions(program, 0);
+          ASSERT_EQ(run.timeline.size(), actions.size()) << what;
+          double previous_end = 0;
+          for (std::size_t i = 0; i < actions.size(); ++i) {
+            const auto& slot = run.timeline[i];
+            EXPECT_EQ(slot.action, actions[i]) << what << " entry " << i;
+            EXPECT_LE(slot.start, slot.end) << what << " entry " << i;
+            if (d9d::pipeline::pair_at(actions, i)) {
+              const auto& second = run.timeline[i + 1];
+              EXPECT_EQ(second.action, actions[i + 1]) << what << " entry " << i + 1;
+              EXPECT_EQ(second.start, slot.start) << what << " entry " << i;
+              EXPECT_EQ(second.end, slot.end) << what << " entry " << i;
+              EXPECT_LE(previous_end, slot.start) << what << " entry " << i;
+              previous_end = slot.end;
+              ++i;
+              paired += frozen ? 0 : 1;
+              continue;
+            }
+            EXPECT_LE(previous_end, slot.start) << what << " entry " << i;
+            previous_end = slot.end;
+          }
+        });
+    EXPECT_GE(ran, 15);
+  }
+  EXPECT_GE(paired, 6);  // ZeroBubbleV and DualPipeV at m = 2, 3, 4 have some
+}
+
+// A pair really runs at once. DualPipeV on one rank (stages 0 and 1, m = 2) pairs 0F1 with 1I0:
+// stage 0's second forward waits (up to 10 s) for a backward of stage 1 to begin, which only a
+// concurrent backward can do, and that backward runs on another thread. Without overlap_pairs
+// the wait times out. Gradients equal the sequential run's.
+struct Rendezvous {
+  std::promise<std::thread::id> backward_began;
+  std::atomic<bool> signalled{false};
+};
+
+// Identity whose first backward tells the rendezvous that it has begun, and on which thread.
+struct SignalBackward : torch::autograd::Function<SignalBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y,
+                            int64_t rendezvous) {
+    ctx->saved_data["r"] = rendezvous;
+    return y.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    // NOLINTNEXTLINE(performance-no-int-to-ptr): the rendezvous outlives the step
+    auto* r = reinterpret_cast<Rendezvous*>(ctx->saved_data["r"].toInt());
+    if (!r->signalled.exchange(true)) {
+      r->backward_began.set_value(std::this_thread::get_id());
+    }
+    return {grads[0], torch::autograd::Variable()};
+  }
+};
+
+TEST(Pipeline_Executor, APairsBackwardRunsWhileItsForwardDoes) {
+  const auto program = d9d::pipeline::build_program<d9d::pipeline::DualPipeV<>>(1, 2);
+  const auto pairs = d9d::pipeline::group_pairs(program);
+  std::string order;
+  for (const auto& a : d9d::testing::compute_actions(pairs, 0)) {
+    order += d9d::pipeline::to_string(a) + " ";
+  }
+  EXPECT_THAT(order, HasSubstr("0F1 1I0 "));
+  const auto step = [&](bool overlap, std::chrono::milliseconds wait, bool* concurrent,
+                        std::thread::id* backward_thread) {
+    auto rendezvous = std::make_shared<Rendezvous>();
+    auto began = rendezvous->backward_began.get_future();
+    const auto w0 = at::full({3}, 0.5, at::kDouble).requires_grad_(true);
+    const auto w1 = at::full({3}, -2.0, at::kDouble).requires_grad_(true);
+    int stage0_calls = 0;
+    const auto stage0 = [&, rendezvous](const at::Tensor& x) {
+      if (++stage0_calls == 2) {  // 0F1, the forward paired with 1I0
+        *concurrent = began.wait_for(wait) == std::future_status::ready;
+        if (*concurrent) {
+          *backward_thread = began.get();
+        }
+      }
+      return x * w0;
+    };
+    const auto stage1 = [&, rendezvous](const at::Tensor& y) {
+      return SignalBackward::apply(y, reinterpret_cast<int64_t>(rendezvous.get())) * w1;
+    };
+    d9d::pipeline::Executor executor(
+        program, d9d::ProcessGroup(),
+        {{.index = 0, .forward = stage0}, {.index = 1, .forward = stage1}}, nullptr,
+        {.overlap_pairs = overlap});
+    const auto x = at::arange(3, at::kDouble);
+    (void)executor.run({x, x + 1}, [](const at::Tensor& out, int) { return out.sum(); });
+    return std::make_pair(w0.grad().clone(), w1.grad().clone());
+  };
+  bool concurrent = false;
+  std::thread::id backward_thread;
+  const auto overlapped = step(true, std::chrono::seconds(10), &concurrent, &backward_thread);
+  EXPECT_TRUE(concurrent) << "1I0 did not begin while 0F1 ran";
+  EXPECT_NE(backward_thread, std::this_thread::get_id());
+  bool sequential_concurrent = true;
+  // In sequence 1I0 starts only after 0F1 has returned: a short wait shows it.
+  const auto sequential =
+      step(false, std::chrono::milliseconds(300), &sequential_concurrent, &backward_thread);
+  EXPECT_FALSE(sequential_concurrent);
+  EXPECT_TRUE(at::equal(overlapped.first, sequential.first));
+  EXPECT_TRUE(at::equal(overlapped.second, sequential.second));
 }
 
 // On CUDA the timeline comes from events on the current stream, resolved by timeline(): still

@@ -30,6 +30,9 @@
 // order, only later, so it cannot deadlock either (docs/design/0015). A step that fails leaves
 // the batches it had in flight to the backend (their tensors are kept alive) and rethrows.
 //
+// With ExecutorOptions::overlap_pairs a forward and the backward of another stage that follows it
+// run at once (DualPipe's overlap; d9d/pipeline/pairs.hpp).
+//
 // With record_timeline(true) the executor records when each compute action ran (timeline());
 // gather_timeline() collects every rank's, and d9d/pipeline/picture.hpp draws them under the
 // program's plan.
@@ -79,6 +82,18 @@ struct ExecutorOptions {
   bool overlap_p2p = true;
   /// Record when each compute action runs (Executor::timeline()); see also record_timeline().
   bool record_timeline = false;
+  /// Run each pair of the program (d9d/pipeline/pairs.hpp: a forward directly followed by a
+  /// backward of another stage of this rank, as in DualPipeV's steady state) at once: the backward
+  /// on a helper thread, the forward on the caller's. The constructor regroups the program with
+  /// group_pairs() and throws std::invalid_argument when the result does not verify(). A pair's
+  /// hooks (on_compute) are called as both "before"s, then both "after"s, and its two timeline
+  /// slots both span the pair. On CUDA the helper takes the caller's current stream, so the two
+  /// overlap on the host (launches) and their kernels interleave on one stream (streams per stage
+  /// are not built).
+  /// Only for stages that may run from two threads at once: no collectives inside the stages
+  /// (tensor or expert parallelism) and no per-action hooks that keep state (FullyShard's
+  /// gathers).
+  bool overlap_pairs = false;
 };
 
 /// Runs a program's actions for this rank (see the file comment).
