@@ -1,0 +1,124 @@
+// d9d/advise/state_memory.hpp — the bytes each rank keeps between steps under a Plan, known before
+// launch: its parameters, their gradients and AdamW's two moments. The first part of the Plan
+// advisor (docs/advise.md); activations, gathered units and communication buffers come later.
+//
+//   const auto parameters = d9d::advise::qwen3_parameters(config);           // names and shapes
+//   const auto rules = d9d::advise::state_rules<MyPlan>(d9d::MeshShape{.dp_shard = 8});
+//   const d9d::advise::StateBytes bytes = d9d::advise::state_bytes(parameters, rules, 0);
+//   bytes.parameters; bytes.gradients; bytes.optimizer; bytes.total();      // on dp_shard rank 0
+//
+// The rules are the library's own (tests/advise checks them against what Trainer<Plan> allocates):
+// every trained parameter is held in the precision's parameter dtype, whole under Replicate, and
+// under FullyShard split along its first dimension over dp_shard x cp_shard by torch.chunk's rule
+// (ceil(n / ranks) rows per rank, the last ranks fewer or none); its gradient is a tensor of the
+// same shape and dtype; AdamW keeps exp_avg and exp_avg_sq of that shape, in the parameter dtype
+// (d9d::optim::FusedAdamW, torch's AdamW) or in the precision's optimizer_state dtype under
+// stochastic rounding (d9d::optim::StochasticAdamW).
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <c10/core/ScalarType.h>
+
+#include <d9d/core/mesh_shape.hpp>
+#include <d9d/plan/defaults.hpp>
+#include <d9d/precision/policies.hpp>
+#include <d9d/precision/scalar_type.hpp>
+
+namespace d9d::model {
+struct Qwen3Config;
+}  // namespace d9d::model
+
+namespace d9d::advise {
+
+/// One parameter as the model registers it.
+struct ParameterShape {
+  std::string name;            ///< as named_parameters() names it
+  std::vector<int64_t> sizes;  ///< its whole shape
+  bool trained = true;         ///< false: frozen (no gradient, no optimizer state)
+
+  [[nodiscard]] int64_t numel() const;
+};
+
+/// d9d::model::Qwen3ForCausalLM's parameters for `config`, in registration order.
+[[nodiscard]] std::vector<ParameterShape> qwen3_parameters(const model::Qwen3Config& config);
+
+/// How a Plan stores each trained parameter's state.
+struct StateRules {
+  at::ScalarType parameters = at::kFloat;  ///< the parameter's dtype (the master copy)
+  at::ScalarType gradients = at::kFloat;   ///< its .grad's dtype
+  at::ScalarType optimizer = at::kFloat;   ///< AdamW's exp_avg and exp_avg_sq
+  /// Ranks each parameter's rows are split over (FullyShard: dp_shard x cp_shard); 1: whole.
+  int shard_ranks = 1;
+};
+
+/// What one rank keeps between steps, in bytes.
+struct StateBytes {
+  int64_t parameters = 0;
+  int64_t gradients = 0;
+  int64_t optimizer = 0;
+
+  [[nodiscard]] int64_t total() const { return parameters + gradients + optimizer; }
+};
+
+/// The rows of an n-row parameter that rank `rank` of `ranks` holds (torch.chunk's rule).
+[[nodiscard]] int64_t shard_rows(int64_t rows, int ranks, int rank);
+
+/// The state that rank `shard_rank` (its coordinate in the shard group, 0 when unsharded) keeps.
+/// std::invalid_argument for a rank outside the group.
+[[nodiscard]] StateBytes state_bytes(const std::vector<ParameterShape>& parameters,
+                                     const StateRules& rules, int shard_rank);
+
+/// The rules of `Plan` on a mesh of `shape` (resolved degrees). Predicted so far: Replicate and
+/// FullyShard, every precision but Float8, FullTune, no tensor, expert or context parallelism and
+/// no pipeline; other Plans get std::invalid_argument naming what is not predicted yet.
+template <class Plan>
+StateRules state_rules(const MeshShape& shape) {
+  using P = typename Plan::precision;
+  const auto not_yet = [](const char* what) {
+    return std::invalid_argument(std::string("d9d::advise::state_rules: ") + what +
+                                 " is not predicted yet (predicted: Replicate or FullyShard, "
+                                 "FullTune, no tensor, expert or context parallelism, no pipeline, "
+                                 "no Float8)");
+  };
+  if (!std::is_same_v<typename Plan::tensor_parallel, parallel::NoTensorParallel>) {
+    throw not_yet("tensor parallelism");
+  }
+  if (!std::is_same_v<typename Plan::expert_parallel, parallel::NoExpertParallel>) {
+    throw not_yet("expert parallelism");
+  }
+  if (!std::is_same_v<typename Plan::context_parallel, parallel::NoContextParallel>) {
+    throw not_yet("context parallelism");
+  }
+  if (!std::is_same_v<typename Plan::pipeline, pipeline::NoPipeline>) {
+    throw not_yet("a pipeline schedule");
+  }
+  if (!std::is_same_v<typename Plan::peft, peft::FullTune>) {
+    throw not_yet("a PEFT policy other than FullTune");
+  }
+  if constexpr (precision::has_float8<P>) {
+    throw not_yet("Float8");
+  } else {
+    StateRules rules;
+    rules.parameters = precision::scalar_type(P::parameters);
+    rules.gradients = rules.parameters;
+    rules.optimizer = rules.parameters;
+    if constexpr (requires { P::stochastic_rounding; }) {
+      if constexpr (P::stochastic_rounding) {
+        rules.optimizer = precision::scalar_type(P::optimizer_state);
+      }
+    }
+    if constexpr (requires { Plan::data_parallel::shards_parameters; }) {
+      if constexpr (Plan::data_parallel::shards_parameters) {
+        rules.shard_ranks = shape.dp_shard * shape.cp_shard;
+      }
+    }
+    return rules;
+  }
+}
+
+}  // namespace d9d::advise

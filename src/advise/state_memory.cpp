@@ -1,0 +1,91 @@
+// d9d/advise/state_memory.cpp — the state bytes of a rank under a Plan
+// (d9d/advise/state_memory.hpp).
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <c10/core/ScalarType.h>
+
+#include <d9d/advise/state_memory.hpp>
+#include <d9d/model/qwen3.hpp>
+
+namespace d9d::advise {
+
+int64_t ParameterShape::numel() const {
+  int64_t n = 1;
+  for (const int64_t size : sizes) {
+    n *= size;
+  }
+  return n;
+}
+
+std::vector<ParameterShape> qwen3_parameters(const model::Qwen3Config& config) {
+  const int64_t h = config.hidden_size;
+  const int64_t d = config.head_dim;
+  const int64_t q = config.num_attention_heads * d;
+  const int64_t kv = config.num_key_value_heads * d;
+  const int64_t i = config.intermediate_size;
+  std::vector<ParameterShape> out;
+  out.push_back({.name = "model.embed_tokens.weight", .sizes = {config.vocab_size, h}});
+  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    const std::string prefix = "model.layers." + std::to_string(layer) + ".";
+    // The order of registration: the input norm, attention (q, k, v, o, then the q/k norms), the
+    // post-attention norm, then the MLP.
+    out.push_back({.name = prefix + "input_layernorm.weight", .sizes = {h}});
+    out.push_back({.name = prefix + "self_attn.q_proj.weight", .sizes = {q, h}});
+    out.push_back({.name = prefix + "self_attn.k_proj.weight", .sizes = {kv, h}});
+    out.push_back({.name = prefix + "self_attn.v_proj.weight", .sizes = {kv, h}});
+    out.push_back({.name = prefix + "self_attn.o_proj.weight", .sizes = {h, q}});
+    out.push_back({.name = prefix + "self_attn.q_norm.weight", .sizes = {d}});
+    out.push_back({.name = prefix + "self_attn.k_norm.weight", .sizes = {d}});
+    out.push_back({.name = prefix + "post_attention_layernorm.weight", .sizes = {h}});
+    out.push_back({.name = prefix + "mlp.gate_proj.weight", .sizes = {i, h}});
+    out.push_back({.name = prefix + "mlp.up_proj.weight", .sizes = {i, h}});
+    out.push_back({.name = prefix + "mlp.down_proj.weight", .sizes = {h, i}});
+  }
+  out.push_back({.name = "model.norm.weight", .sizes = {h}});
+  if (!config.tie_word_embeddings) {
+    out.push_back({.name = "lm_head.weight", .sizes = {config.vocab_size, h}});
+  }
+  return out;
+}
+
+int64_t shard_rows(int64_t rows, int ranks, int rank) {
+  if (ranks < 1 || rank < 0 || rank >= ranks) {
+    throw std::invalid_argument("d9d::advise::shard_rows: rank " + std::to_string(rank) + " of " +
+                                std::to_string(ranks) + " ranks");
+  }
+  const int64_t per_rank = (rows + ranks - 1) / ranks;  // torch.chunk's ceil(n / ranks)
+  const int64_t begin = per_rank * rank;
+  return std::max<int64_t>(0, std::min(rows, begin + per_rank) - begin);
+}
+
+StateBytes state_bytes(const std::vector<ParameterShape>& parameters, const StateRules& rules,
+                       int shard_rank) {
+  if (rules.shard_ranks < 1 || shard_rank < 0 || shard_rank >= rules.shard_ranks) {
+    throw std::invalid_argument("d9d::advise::state_bytes: shard rank " +
+                                std::to_string(shard_rank) + " outside a group of " +
+                                std::to_string(rules.shard_ranks));
+  }
+  const auto size = [](at::ScalarType dtype) {
+    return static_cast<int64_t>(c10::elementSize(dtype));
+  };
+  StateBytes out;
+  for (const auto& p : parameters) {
+    if (!p.trained) {
+      out.parameters += p.numel() * size(rules.parameters);
+      continue;
+    }
+    int64_t numel = p.numel();
+    if (rules.shard_ranks > 1 && !p.sizes.empty() && p.sizes.front() > 0) {
+      numel = numel / p.sizes.front() * shard_rows(p.sizes.front(), rules.shard_ranks, shard_rank);
+    }
+    out.parameters += numel * size(rules.parameters);
+    out.gradients += numel * size(rules.gradients);
+    out.optimizer += 2 * numel * size(rules.optimizer);
+  }
+  return out;
+}
+
+}  // namespace d9d::advise

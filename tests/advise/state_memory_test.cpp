@@ -1,0 +1,150 @@
+// d9d::advise's state prediction (d9d/advise/state_memory.hpp) against what Trainer<Plan> holds:
+// every rank's parameter, gradient and AdamW-moment bytes, exactly, after three steps of the tiny
+// Qwen3, under Replicate (2 Gloo ranks) and FullyShard (3 ranks, so rows split unevenly) in four
+// precisions; the parameter list against the model's own; torch.chunk's row rule; and the Plans
+// not predicted yet are refused by name.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <d9d/advise/state_memory.hpp>
+#include <d9d/d9d.hpp>
+
+#include "tests/core/core_test_util.hpp"
+#include "tests/parallel/parallel_test_util.hpp"
+#include "tests/support/error_of.hpp"
+
+namespace {
+
+using d9d::advise::StateBytes;
+using d9d::testing::RankEnv;
+using ::testing::HasSubstr;
+
+TEST(Advise_StateMemory, Qwen3ParametersAreTheModelsOwnInOrder) {
+  for (const bool tied : {false, true}) {
+    const auto config =
+        d9d::model::Qwen3Config::from_json_text(d9d::testing::tiny_qwen3_json(tied, 3));
+    const d9d::model::Qwen3ForCausalLM model(config);
+    const auto predicted = d9d::advise::qwen3_parameters(config);
+    const auto actual = model->named_parameters();
+    ASSERT_EQ(predicted.size(), actual.size()) << (tied ? "tied" : "untied");
+    for (std::size_t i = 0; i < predicted.size(); ++i) {
+      EXPECT_EQ(predicted[i].name, actual[i].key());
+      EXPECT_EQ(at::IntArrayRef(predicted[i].sizes), actual[i].value().sizes()) << actual[i].key();
+      EXPECT_EQ(predicted[i].numel(), actual[i].value().numel()) << actual[i].key();
+    }
+  }
+}
+
+TEST(Advise_StateMemory, ShardRowsFollowTorchChunk) {
+  for (const int64_t rows : {0, 1, 2, 7, 8, 64}) {
+    for (const int ranks : {1, 2, 3, 4}) {
+      const auto chunks = at::empty({rows}).chunk(ranks);
+      int64_t total = 0;
+      for (int r = 0; r < ranks; ++r) {
+        const int64_t want =
+            r < static_cast<int>(chunks.size()) ? chunks[static_cast<std::size_t>(r)].size(0) : 0;
+        EXPECT_EQ(d9d::advise::shard_rows(rows, ranks, r), want)
+            << rows << " rows, rank " << r << " of " << ranks;
+        total += d9d::advise::shard_rows(rows, ranks, r);
+      }
+      EXPECT_EQ(total, rows);
+    }
+  }
+  EXPECT_THAT(d9d::testing::error_of([] { (void)d9d::advise::shard_rows(8, 2, 2); }),
+              HasSubstr("rank 2 of 2 ranks"));
+  EXPECT_THAT(
+      d9d::testing::error_of([] { (void)d9d::advise::state_bytes({}, {.shard_ranks = 2}, 3); }),
+      HasSubstr("shard rank 3 outside a group of 2"));
+}
+
+TEST(Advise_StateMemory, PlansNotPredictedYetAreRefusedByName) {
+  const d9d::MeshShape shape{.tp = 2};
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                (void)d9d::advise::state_rules<
+                    d9d::Plan<d9d::mesh<d9d::tp<2>>, d9d::parallel::TensorParallel<>>>(shape);
+              }),
+              HasSubstr("tensor parallelism is not predicted yet"));
+  EXPECT_THAT(
+      d9d::testing::error_of([&] {
+        (void)d9d::advise::state_rules<d9d::Plan<d9d::mesh<d9d::pp<2>>, d9d::pipeline::OneFOneB<>>>(
+            d9d::MeshShape{.pp = 2});
+      }),
+      HasSubstr("a pipeline schedule is not predicted yet"));
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                (void)d9d::advise::state_rules<d9d::Plan<d9d::peft::Lora<8, 16>>>(d9d::MeshShape{});
+              }),
+              HasSubstr("PEFT policy other than FullTune is not predicted yet"));
+}
+
+// Three steps of `Plan`, then this rank's held bytes against the prediction for its shard rank.
+template <class Plan>
+void expect_predicted(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& config,
+                      const std::string& what) {
+  d9d::Trainer<Plan> trainer(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                             d9d::CausalLmTask{}, config);
+  int64_t gradients = -1;  // at the optimizer, when every gradient is there
+  trainer.template on<d9d::events::BeforeOptimizer>([&](const d9d::events::BeforeOptimizer&) {
+    gradients = 0;
+    for (const auto& record : trainer.core().parallel().parameters()) {
+      const auto& g = record.local.grad();
+      gradients += g.defined() ? static_cast<int64_t>(g.nbytes()) : 0;
+    }
+  });
+  (void)trainer.train();
+  StateBytes held;
+  held.gradients = gradients;
+  for (const auto& record : trainer.core().parallel().parameters()) {
+    held.parameters += static_cast<int64_t>(record.local.nbytes());
+  }
+  held.optimizer = d9d::testing::optimizer_state_bytes(trainer.core().optimizer());
+
+  const auto& mesh = trainer.core().mesh();
+  const auto parameters = d9d::advise::qwen3_parameters(
+      d9d::model::Qwen3Config::from_json_text(config.sections.at("model")));
+  ASSERT_EQ(trainer.core().parallel().parameters().size(), parameters.size()) << what;
+  const auto rules = d9d::advise::state_rules<Plan>(mesh.shape());
+  const int shard_rank =
+      rules.shard_ranks > 1 ? mesh.coordinate(d9d::MeshDomain::dense, "dp_cp_shard") : 0;
+  const auto predicted = d9d::advise::state_bytes(parameters, rules, shard_rank);
+  const auto rank = " (rank " + std::to_string(ctx.rank()) + ")";
+  EXPECT_GT(held.parameters, 0) << what << rank;
+  EXPECT_EQ(predicted.parameters, held.parameters) << what << rank;
+  EXPECT_EQ(predicted.gradients, held.gradients) << what << rank;
+  EXPECT_EQ(predicted.optimizer, held.optimizer) << what << rank;
+  EXPECT_EQ(predicted.total(), held.parameters + held.gradients + held.optimizer) << what << rank;
+}
+
+using ReplicateMesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>>;
+using ShardMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>>;
+
+TEST(Advise_StateMemory_ws2, ReplicateEqualsWhatTheTrainerHolds) {
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto config = d9d::testing::tiny_run(env.scratch_dir() + "/r", 3, 4, 2);
+    expect_predicted<d9d::Plan<ReplicateMesh>>(ctx, config, "Replicate, Fp32");
+    expect_predicted<d9d::Plan<ReplicateMesh, d9d::precision::Bf16Mixed>>(ctx, config,
+                                                                          "Replicate, Bf16Mixed");
+  });
+}
+
+// Three ranks: the vocabulary's 64 rows split 22, 22, 20 and the 8-row norms 3, 3, 2.
+TEST(Advise_StateMemory_ws3, FullyShardEqualsWhatTheTrainerHoldsOnUnevenRows) {
+  d9d::testing::run_on_ranks({.world_size = 3}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto config = d9d::testing::tiny_run(env.scratch_dir() + "/s", 3, 6, 2);
+    using Fsdp = d9d::parallel::FullyShard<>;
+    expect_predicted<d9d::Plan<ShardMesh, Fsdp>>(ctx, config, "FullyShard, Fp32");
+    expect_predicted<d9d::Plan<ShardMesh, Fsdp, d9d::precision::Bf16Params<>>>(
+        ctx, config, "FullyShard, Bf16Params (float32 moments)");
+    expect_predicted<
+        d9d::Plan<ShardMesh, Fsdp, d9d::precision::Bf16Params<d9d::precision::NearestRounding>>>(
+        ctx, config, "FullyShard, Bf16Params<NearestRounding> (bfloat16 moments)");
+  });
+}
+
+}  // namespace
