@@ -9,6 +9,7 @@
 
 #include <d9d/advise/state_memory.hpp>
 #include <d9d/model/qwen3.hpp>
+#include <d9d/model/stage_layers.hpp>
 
 namespace d9d::advise {
 
@@ -20,15 +21,23 @@ int64_t ParameterShape::numel() const {
   return n;
 }
 
-std::vector<ParameterShape> qwen3_parameters(const model::Qwen3Config& config) {
+namespace {
+
+// A stage's parameters as detail::register_stage_modules registers them: "model.embed_tokens"
+// (first stage, or a last stage holding a tied head's copy), "model.layers.<i>..." for the
+// stage's layers, "model.norm" (last), "lm_head" (last, untied).
+std::vector<ParameterShape> stage_parameters(const model::Qwen3Config& config, bool first,
+                                             bool last, model::LayerRange layers) {
   const int64_t h = config.hidden_size;
   const int64_t d = config.head_dim;
   const int64_t q = config.num_attention_heads * d;
   const int64_t kv = config.num_key_value_heads * d;
   const int64_t i = config.intermediate_size;
   std::vector<ParameterShape> out;
-  out.push_back({.name = "model.embed_tokens.weight", .sizes = {config.vocab_size, h}});
-  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+  if (first || (last && config.tie_word_embeddings)) {
+    out.push_back({.name = "model.embed_tokens.weight", .sizes = {config.vocab_size, h}});
+  }
+  for (int layer = layers.begin; layer < layers.end; ++layer) {
     const std::string prefix = "model.layers." + std::to_string(layer) + ".";
     // The order of registration: the input norm, attention (q, k, v, o, then the q/k norms), the
     // post-attention norm, then the MLP.
@@ -44,11 +53,34 @@ std::vector<ParameterShape> qwen3_parameters(const model::Qwen3Config& config) {
     out.push_back({.name = prefix + "mlp.up_proj.weight", .sizes = {i, h}});
     out.push_back({.name = prefix + "mlp.down_proj.weight", .sizes = {h, i}});
   }
-  out.push_back({.name = "model.norm.weight", .sizes = {h}});
-  if (!config.tie_word_embeddings) {
+  if (last) {
+    out.push_back({.name = "model.norm.weight", .sizes = {h}});
+  }
+  if (last && !config.tie_word_embeddings) {
     out.push_back({.name = "lm_head.weight", .sizes = {config.vocab_size, h}});
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<ParameterShape> qwen3_parameters(const model::Qwen3Config& config) {
+  return stage_parameters(config, true, true,
+                          {.begin = 0, .end = static_cast<int>(config.num_hidden_layers)});
+}
+
+std::vector<ParameterShape> qwen3_stage_parameters(const model::Qwen3Config& config, int stage,
+                                                   int stages, int64_t sequence_length) {
+  if (stages < 1 || stage < 0 || stage >= stages) {
+    throw std::invalid_argument("d9d::advise::qwen3_stage_parameters: stage " +
+                                std::to_string(stage) + " is not one of " + std::to_string(stages) +
+                                " stages");
+  }
+  const auto ranges =
+      model::distribute_layers(static_cast<int>(config.num_hidden_layers), stages,
+                               model::pipeline_virtual_layers(config, sequence_length));
+  return stage_parameters(config, stage == 0, stage == stages - 1,
+                          ranges[static_cast<std::size_t>(stage)]);
 }
 
 int64_t shard_rows(int64_t rows, int ranks, int rank) {

@@ -1,7 +1,8 @@
 // d9d::advise's state prediction (d9d/advise/state_memory.hpp) against what Trainer<Plan> holds:
 // every rank's parameter, gradient and AdamW-moment bytes, exactly, after three steps of the tiny
-// Qwen3, under Replicate (2 Gloo ranks) and FullyShard (3 ranks, so rows split unevenly) in four
-// precisions; the parameter list against the model's own; torch.chunk's row rule; and the Plans
+// Qwen3, under Replicate (2 Gloo ranks), FullyShard (3 ranks, so rows split unevenly) in four
+// precisions and pipelines (1F1B, ZBV with a tied head, 1F1B x FullyShard on 4 ranks); the
+// parameter lists against the model's and the stages' own; torch.chunk's row rule; and the Plans
 // not predicted yet are refused by name.
 #include <cstdint>
 #include <string>
@@ -40,6 +41,33 @@ TEST(Advise_StateMemory, Qwen3ParametersAreTheModelsOwnInOrder) {
   }
 }
 
+TEST(Advise_StateMemory, Qwen3StageParametersAreTheStagesOwn) {
+  for (const bool tied : {false, true}) {
+    const auto config =
+        d9d::model::Qwen3Config::from_json_text(d9d::testing::tiny_qwen3_json(tied, 4));
+    for (int stages = 1; stages <= 4; ++stages) {
+      const auto ranges =
+          d9d::model::distribute_layers(4, stages, d9d::model::pipeline_virtual_layers(config, 16));
+      for (int s = 0; s < stages; ++s) {
+        const d9d::model::Qwen3Stage stage(config, s, stages, ranges[static_cast<std::size_t>(s)]);
+        const auto predicted = d9d::advise::qwen3_stage_parameters(config, s, stages, 16);
+        const auto actual = stage->named_parameters();
+        const auto what = std::string(tied ? "tied" : "untied") + ", stage " + std::to_string(s) +
+                          " of " + std::to_string(stages);
+        ASSERT_EQ(predicted.size(), actual.size()) << what;
+        for (std::size_t i = 0; i < predicted.size(); ++i) {
+          EXPECT_EQ(predicted[i].name, actual[i].key()) << what;
+          EXPECT_EQ(at::IntArrayRef(predicted[i].sizes), actual[i].value().sizes()) << what;
+        }
+      }
+    }
+  }
+  EXPECT_THAT(d9d::testing::error_of([] {
+                (void)d9d::advise::qwen3_stage_parameters(d9d::model::Qwen3Config{}, 2, 2, 16);
+              }),
+              HasSubstr("stage 2 is not one of 2 stages"));
+}
+
 TEST(Advise_StateMemory, ShardRowsFollowTorchChunk) {
   for (const int64_t rows : {0, 1, 2, 7, 8, 64}) {
     for (const int ranks : {1, 2, 3, 4}) {
@@ -71,10 +99,9 @@ TEST(Advise_StateMemory, PlansNotPredictedYetAreRefusedByName) {
               HasSubstr("tensor parallelism is not predicted yet"));
   EXPECT_THAT(
       d9d::testing::error_of([&] {
-        (void)d9d::advise::state_rules<d9d::Plan<d9d::mesh<d9d::pp<2>>, d9d::pipeline::OneFOneB<>>>(
-            d9d::MeshShape{.pp = 2});
+        (void)d9d::advise::state_rules<d9d::Plan<d9d::precision::Float8<>>>(d9d::MeshShape{});
       }),
-      HasSubstr("a pipeline schedule is not predicted yet"));
+      HasSubstr("Float8 is not predicted yet"));
   EXPECT_THAT(d9d::testing::error_of([&] {
                 (void)d9d::advise::state_rules<d9d::Plan<d9d::peft::Lora<8, 16>>>(d9d::MeshShape{});
               }),
@@ -104,10 +131,15 @@ void expect_predicted(const d9d::DistributedContext& ctx, const d9d::TrainerConf
   held.optimizer = d9d::testing::optimizer_state_bytes(trainer.core().optimizer());
 
   const auto& mesh = trainer.core().mesh();
-  const auto parameters = d9d::advise::qwen3_parameters(
-      d9d::model::Qwen3Config::from_json_text(config.sections.at("model")));
+  const auto& shape = mesh.shape();
+  const auto microbatches =
+      static_cast<int>(config.batch.global_batch_size /
+                       (config.batch.microbatch_size * shape.dp_replicate * shape.dp_shard));
+  const auto parameters = d9d::advise::qwen3_rank_parameters<Plan>(
+      d9d::model::Qwen3Config::from_json_text(config.sections.at("model")), shape,
+      mesh.coordinate(d9d::MeshDomain::regular, "pp"), microbatches, config.batch.sequence_length);
   ASSERT_EQ(trainer.core().parallel().parameters().size(), parameters.size()) << what;
-  const auto rules = d9d::advise::state_rules<Plan>(mesh.shape());
+  const auto rules = d9d::advise::state_rules<Plan>(shape);
   const int shard_rank =
       rules.shard_ranks > 1 ? mesh.coordinate(d9d::MeshDomain::dense, "dp_cp_shard") : 0;
   const auto predicted = d9d::advise::state_bytes(parameters, rules, shard_rank);
@@ -144,6 +176,32 @@ TEST(Advise_StateMemory_ws3, FullyShardEqualsWhatTheTrainerHoldsOnUnevenRows) {
     expect_predicted<
         d9d::Plan<ShardMesh, Fsdp, d9d::precision::Bf16Params<d9d::precision::NearestRounding>>>(
         ctx, config, "FullyShard, Bf16Params<NearestRounding> (bfloat16 moments)");
+  });
+}
+
+// Pipelines: each rank holds its stages' parameters. 1F1B on 2 ranks (4 layers split by the
+// stages' FLOPs); ZBV's V placement with a tied head (rank 0 holds stage 0's embedding and the last
+// stage's copy of it); and 1F1B x FullyShard 2 on 4 ranks in Bf16Mixed.
+TEST(Advise_StateMemory_ws2, PipelineStagesEqualWhatTheTrainerHolds) {
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto config = d9d::testing::tiny_run(env.scratch_dir() + "/p", 3, 4, 2, false, 4);
+    expect_predicted<d9d::Plan<d9d::mesh<d9d::pp<2>>, d9d::pipeline::OneFOneB<>>>(
+        ctx, config, "1F1B pp 2, Fp32");
+    auto tied = config;
+    tied.sections["model"] = d9d::testing::tiny_qwen3_json(true, 4);
+    expect_predicted<d9d::Plan<d9d::mesh<d9d::pp<2>>, d9d::pipeline::ZeroBubbleV<>>>(
+        ctx, tied, "ZBV pp 2, tied head, Fp32");
+  });
+}
+
+TEST(Advise_StateMemory_ws4, PipelineTimesFullyShardEqualsWhatTheTrainerHolds) {
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto config = d9d::testing::tiny_run(env.scratch_dir() + "/pf", 3, 8, 2, false, 4);
+    expect_predicted<d9d::Plan<d9d::mesh<d9d::pp<2>, d9d::dp_shard<2>>, d9d::parallel::FullyShard<>,
+                               d9d::pipeline::OneFOneB<>, d9d::precision::Bf16Mixed>>(
+        ctx, config, "1F1B pp 2 x FullyShard 2, Bf16Mixed");
   });
 }
 

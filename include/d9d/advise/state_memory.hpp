@@ -3,6 +3,7 @@
 // advisor (docs/advise.md); activations, gathered units and communication buffers come later.
 //
 //   const auto parameters = d9d::advise::qwen3_parameters(config);           // names and shapes
+//   // under a pipeline: d9d::advise::qwen3_rank_parameters<MyPlan>(config, shape, pp_rank, m, T)
 //   const auto rules = d9d::advise::state_rules<MyPlan>(d9d::MeshShape{.dp_shard = 8});
 //   const d9d::advise::StateBytes bytes = d9d::advise::state_bytes(parameters, rules, 0);
 //   bytes.parameters; bytes.gradients; bytes.optimizer; bytes.total();      // on dp_shard rank 0
@@ -25,6 +26,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <d9d/core/mesh_shape.hpp>
+#include <d9d/pipeline/program.hpp>
 #include <d9d/plan/defaults.hpp>
 #include <d9d/precision/policies.hpp>
 #include <d9d/precision/scalar_type.hpp>
@@ -46,6 +48,42 @@ struct ParameterShape {
 
 /// d9d::model::Qwen3ForCausalLM's parameters for `config`, in registration order.
 [[nodiscard]] std::vector<ParameterShape> qwen3_parameters(const model::Qwen3Config& config);
+
+/// The parameters of d9d::model::Qwen3Stage `stage` of `stages`, in registration order: decoder
+/// layers by d9d::model::distribute_layers weighed by pipeline_virtual_layers at
+/// `sequence_length` (as Qwen3Provider builds them), the embedding on the first stage, the final
+/// norm and the head on the last, and under a tied head a copy of the embedding on a last stage
+/// that is not the first.
+[[nodiscard]] std::vector<ParameterShape> qwen3_stage_parameters(const model::Qwen3Config& config,
+                                                                 int stage, int stages,
+                                                                 int64_t sequence_length);
+
+/// The parameters pipeline rank `pp_rank` holds under `Plan`: its stages' (qwen3_stage_parameters
+/// for each stage the schedule's program places on it, in stage order), or the whole model's
+/// without a pipeline. `microbatches` per step (the program's; placement does not depend on it,
+/// but a schedule may refuse a count).
+template <class Plan>
+std::vector<ParameterShape> qwen3_rank_parameters(const model::Qwen3Config& config,
+                                                  const MeshShape& shape, int pp_rank,
+                                                  int microbatches, int64_t sequence_length) {
+  using Schedule = typename Plan::pipeline;
+  if constexpr (std::is_same_v<Schedule, pipeline::NoPipeline>) {
+    (void)shape;
+    (void)pp_rank;
+    (void)microbatches;
+    (void)sequence_length;
+    return qwen3_parameters(config);
+  } else {
+    const auto program = Schedule::build(shape.pp, microbatches);
+    std::vector<ParameterShape> out;
+    for (const int stage :
+         pipeline::rank_stages(program.placement, program.pp, program.stages_per_rank, pp_rank)) {
+      auto part = qwen3_stage_parameters(config, stage, program.stages(), sequence_length);
+      out.insert(out.end(), part.begin(), part.end());
+    }
+    return out;
+  }
+}
 
 /// How a Plan stores each trained parameter's state.
 struct StateRules {
@@ -74,15 +112,16 @@ struct StateBytes {
                                      const StateRules& rules, int shard_rank);
 
 /// The rules of `Plan` on a mesh of `shape` (resolved degrees). Predicted so far: Replicate and
-/// FullyShard, every precision but Float8, FullTune, no tensor, expert or context parallelism and
-/// no pipeline; other Plans get std::invalid_argument naming what is not predicted yet.
+/// FullyShard, every pipeline schedule (with qwen3_rank_parameters), every precision but Float8,
+/// FullTune, no tensor, expert or context parallelism; other Plans get std::invalid_argument
+/// naming what is not predicted yet.
 template <class Plan>
 StateRules state_rules(const MeshShape& shape) {
   using P = typename Plan::precision;
   const auto not_yet = [](const char* what) {
     return std::invalid_argument(std::string("d9d::advise::state_rules: ") + what +
                                  " is not predicted yet (predicted: Replicate or FullyShard, "
-                                 "FullTune, no tensor, expert or context parallelism, no pipeline, "
+                                 "pipelines, FullTune, no tensor, expert or context parallelism, "
                                  "no Float8)");
   };
   if (!std::is_same_v<typename Plan::tensor_parallel, parallel::NoTensorParallel>) {
@@ -93,9 +132,6 @@ StateRules state_rules(const MeshShape& shape) {
   }
   if (!std::is_same_v<typename Plan::context_parallel, parallel::NoContextParallel>) {
     throw not_yet("context parallelism");
-  }
-  if (!std::is_same_v<typename Plan::pipeline, pipeline::NoPipeline>) {
-    throw not_yet("a pipeline schedule");
   }
   if (!std::is_same_v<typename Plan::peft, peft::FullTune>) {
     throw not_yet("a PEFT policy other than FullTune");
