@@ -35,29 +35,38 @@ std::vector<ParameterShape> stage_parameters(const model::Qwen3Config& config, b
   const int64_t i = config.intermediate_size;
   std::vector<ParameterShape> out;
   if (first || (last && config.tie_word_embeddings)) {
-    out.push_back({.name = "model.embed_tokens.weight", .sizes = {config.vocab_size, h}});
+    out.push_back({.name = "model.embed_tokens.weight",
+                   .sizes = {config.vocab_size, h},
+                   .tensor_split_dim = 0});
   }
   for (int layer = layers.begin; layer < layers.end; ++layer) {
     const std::string prefix = "model.layers." + std::to_string(layer) + ".";
     // The order of registration: the input norm, attention (q, k, v, o, then the q/k norms), the
     // post-attention norm, then the MLP.
     out.push_back({.name = prefix + "input_layernorm.weight", .sizes = {h}});
-    out.push_back({.name = prefix + "self_attn.q_proj.weight", .sizes = {q, h}});
-    out.push_back({.name = prefix + "self_attn.k_proj.weight", .sizes = {kv, h}});
-    out.push_back({.name = prefix + "self_attn.v_proj.weight", .sizes = {kv, h}});
-    out.push_back({.name = prefix + "self_attn.o_proj.weight", .sizes = {h, q}});
+    out.push_back(
+        {.name = prefix + "self_attn.q_proj.weight", .sizes = {q, h}, .tensor_split_dim = 0});
+    out.push_back(
+        {.name = prefix + "self_attn.k_proj.weight", .sizes = {kv, h}, .tensor_split_dim = 0});
+    out.push_back(
+        {.name = prefix + "self_attn.v_proj.weight", .sizes = {kv, h}, .tensor_split_dim = 0});
+    out.push_back(
+        {.name = prefix + "self_attn.o_proj.weight", .sizes = {h, q}, .tensor_split_dim = 1});
     out.push_back({.name = prefix + "self_attn.q_norm.weight", .sizes = {d}});
     out.push_back({.name = prefix + "self_attn.k_norm.weight", .sizes = {d}});
     out.push_back({.name = prefix + "post_attention_layernorm.weight", .sizes = {h}});
-    out.push_back({.name = prefix + "mlp.gate_proj.weight", .sizes = {i, h}});
-    out.push_back({.name = prefix + "mlp.up_proj.weight", .sizes = {i, h}});
-    out.push_back({.name = prefix + "mlp.down_proj.weight", .sizes = {h, i}});
+    out.push_back(
+        {.name = prefix + "mlp.gate_proj.weight", .sizes = {i, h}, .tensor_split_dim = 0});
+    out.push_back({.name = prefix + "mlp.up_proj.weight", .sizes = {i, h}, .tensor_split_dim = 0});
+    out.push_back(
+        {.name = prefix + "mlp.down_proj.weight", .sizes = {h, i}, .tensor_split_dim = 1});
   }
   if (last) {
     out.push_back({.name = "model.norm.weight", .sizes = {h}});
   }
   if (last && !config.tie_word_embeddings) {
-    out.push_back({.name = "lm_head.weight", .sizes = {config.vocab_size, h}});
+    out.push_back(
+        {.name = "lm_head.weight", .sizes = {config.vocab_size, h}, .tensor_split_dim = 0});
   }
   return out;
 }
@@ -103,15 +112,33 @@ StateBytes state_bytes(const std::vector<ParameterShape>& parameters, const Stat
   const auto size = [](at::ScalarType dtype) {
     return static_cast<int64_t>(c10::elementSize(dtype));
   };
+  if (rules.tensor_ranks < 1) {
+    throw std::invalid_argument("d9d::advise::state_bytes: tensor_ranks " +
+                                std::to_string(rules.tensor_ranks) + " < 1");
+  }
   StateBytes out;
   for (const auto& p : parameters) {
+    auto sizes = p.sizes;
+    if (rules.tensor_ranks > 1 && p.tensor_split_dim >= 0) {
+      auto& split = sizes.at(static_cast<std::size_t>(p.tensor_split_dim));
+      if (split % rules.tensor_ranks != 0) {
+        throw std::invalid_argument("d9d::advise::state_bytes: " + p.name + "'s dimension " +
+                                    std::to_string(p.tensor_split_dim) + " (" +
+                                    std::to_string(split) + ") does not split over " +
+                                    std::to_string(rules.tensor_ranks) + " tensor ranks");
+      }
+      split /= rules.tensor_ranks;
+    }
+    int64_t numel = 1;
+    for (const int64_t size : sizes) {
+      numel *= size;
+    }
     if (!p.trained) {
-      out.parameters += p.numel() * size(rules.parameters);
+      out.parameters += numel * size(rules.parameters);
       continue;
     }
-    int64_t numel = p.numel();
-    if (rules.shard_ranks > 1 && !p.sizes.empty() && p.sizes.front() > 0) {
-      numel = numel / p.sizes.front() * shard_rows(p.sizes.front(), rules.shard_ranks, shard_rank);
+    if (rules.shard_ranks > 1 && !sizes.empty() && sizes.front() > 0) {
+      numel = numel / sizes.front() * shard_rows(sizes.front(), rules.shard_ranks, shard_rank);
     }
     out.parameters += numel * size(rules.parameters);
     out.gradients += numel * size(rules.gradients);

@@ -1,9 +1,10 @@
 // d9d::advise's state prediction (d9d/advise/state_memory.hpp) against what Trainer<Plan> holds:
 // every rank's parameter, gradient and AdamW-moment bytes, exactly, after three steps of the tiny
 // Qwen3, under Replicate (2 Gloo ranks), FullyShard (3 ranks, so rows split unevenly) in four
-// precisions and pipelines (1F1B, ZBV with a tied head, 1F1B x FullyShard on 4 ranks); the
-// parameter lists against the model's and the stages' own; torch.chunk's row rule; and the Plans
-// not predicted yet are refused by name.
+// precisions, tensor parallelism (alone, with sequence parallelism, x FullyShard on 4 ranks) and
+// pipelines (1F1B, ZBV with a tied head, 1F1B x FullyShard on 4 ranks); the parameter lists against
+// the model's and the stages' own; torch.chunk's row rule; and the Plans not predicted yet are
+// refused by name.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -88,15 +89,28 @@ TEST(Advise_StateMemory, ShardRowsFollowTorchChunk) {
   EXPECT_THAT(
       d9d::testing::error_of([] { (void)d9d::advise::state_bytes({}, {.shard_ranks = 2}, 3); }),
       HasSubstr("shard rank 3 outside a group of 2"));
+  // A tensor-parallel split that does not divide is named.
+  const std::vector<d9d::advise::ParameterShape> odd{
+      {.name = "w", .sizes = {3, 4}, .tensor_split_dim = 0}};
+  EXPECT_THAT(
+      d9d::testing::error_of([&] { (void)d9d::advise::state_bytes(odd, {.tensor_ranks = 2}, 0); }),
+      HasSubstr("w's dimension 0 (3) does not split over 2 tensor ranks"));
 }
 
 TEST(Advise_StateMemory, PlansNotPredictedYetAreRefusedByName) {
-  const d9d::MeshShape shape{.tp = 2};
+  EXPECT_THAT(
+      d9d::testing::error_of([&] {
+        (void)d9d::advise::state_rules<
+            d9d::Plan<d9d::mesh<d9d::dp_shard<2>, d9d::ep<2>>, d9d::parallel::ExpertParallel<>>>(
+            d9d::MeshShape{.dp_shard = 2, .ep = 2});
+      }),
+      HasSubstr("expert parallelism is not predicted yet"));
   EXPECT_THAT(d9d::testing::error_of([&] {
                 (void)d9d::advise::state_rules<
-                    d9d::Plan<d9d::mesh<d9d::tp<2>>, d9d::parallel::TensorParallel<>>>(shape);
+                    d9d::Plan<d9d::mesh<d9d::cp_shard<2>>, d9d::parallel::ContextParallel<>>>(
+                    d9d::MeshShape{.cp_shard = 2});
               }),
-              HasSubstr("tensor parallelism is not predicted yet"));
+              HasSubstr("context parallelism is not predicted yet"));
   EXPECT_THAT(
       d9d::testing::error_of([&] {
         (void)d9d::advise::state_rules<d9d::Plan<d9d::precision::Float8<>>>(d9d::MeshShape{});
@@ -202,6 +216,32 @@ TEST(Advise_StateMemory_ws4, PipelineTimesFullyShardEqualsWhatTheTrainerHolds) {
     expect_predicted<d9d::Plan<d9d::mesh<d9d::pp<2>, d9d::dp_shard<2>>, d9d::parallel::FullyShard<>,
                                d9d::pipeline::OneFOneB<>, d9d::precision::Bf16Mixed>>(
         ctx, config, "1F1B pp 2 x FullyShard 2, Bf16Mixed");
+  });
+}
+
+// Tensor parallelism (Megatron's layout: q/k/v, gate/up, embedding and head by rows, o and down
+// by columns, norms whole) on 2 ranks, with sequence parallelism, and under FullyShard 2 (4 ranks),
+// which shards the tensor-parallel pieces' rows.
+TEST(Advise_StateMemory_ws2, TensorParallelEqualsWhatTheTrainerHolds) {
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto config = d9d::testing::tiny_run(env.scratch_dir() + "/t", 3, 4, 2);
+    expect_predicted<d9d::Plan<d9d::mesh<d9d::tp<2>>, d9d::parallel::TensorParallel<>>>(
+        ctx, config, "tp 2, Fp32");
+    expect_predicted<d9d::Plan<d9d::mesh<d9d::tp<2>>,
+                               d9d::parallel::TensorParallel<d9d::parallel::SequenceParallel::on>,
+                               d9d::precision::Bf16Mixed>>(ctx, config,
+                                                           "tp 2 with sequence parallelism");
+  });
+}
+
+TEST(Advise_StateMemory_ws4, TensorParallelTimesFullyShardEqualsWhatTheTrainerHolds) {
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto config = d9d::testing::tiny_run(env.scratch_dir() + "/tf", 3, 4, 2);
+    expect_predicted<d9d::Plan<d9d::mesh<d9d::dp_shard<2>, d9d::tp<2>>, d9d::parallel::FullyShard<>,
+                               d9d::parallel::TensorParallel<>, d9d::precision::Bf16Params<>>>(
+        ctx, config, "tp 2 x FullyShard 2, Bf16Params");
   });
 }
 

@@ -42,6 +42,9 @@ struct ParameterShape {
   std::string name;            ///< as named_parameters() names it
   std::vector<int64_t> sizes;  ///< its whole shape
   bool trained = true;         ///< false: frozen (no gradient, no optimizer state)
+  /// The dimension tensor parallelism splits (Megatron's layout, src/parallel/tensor_parallel.cpp:
+  /// 0 for q/k/v, gate/up, the embedding and the head; 1 for o and down), -1: replicated.
+  int tensor_split_dim = -1;
 
   [[nodiscard]] int64_t numel() const;
 };
@@ -92,6 +95,8 @@ struct StateRules {
   at::ScalarType optimizer = at::kFloat;   ///< AdamW's exp_avg and exp_avg_sq
   /// Ranks each parameter's rows are split over (FullyShard: dp_shard x cp_shard); 1: whole.
   int shard_ranks = 1;
+  /// Ranks tensor parallelism splits each parameter's tensor_split_dim over (tp); 1: none.
+  int tensor_ranks = 1;
 };
 
 /// What one rank keeps between steps, in bytes.
@@ -106,27 +111,26 @@ struct StateBytes {
 /// The rows of an n-row parameter that rank `rank` of `ranks` holds (torch.chunk's rule).
 [[nodiscard]] int64_t shard_rows(int64_t rows, int ranks, int rank);
 
-/// The state that rank `shard_rank` (its coordinate in the shard group, 0 when unsharded) keeps.
-/// std::invalid_argument for a rank outside the group.
+/// The state that rank `shard_rank` (its coordinate in the shard group, 0 when unsharded) keeps:
+/// each parameter split first by tensor parallelism (evenly; std::invalid_argument when a split
+/// dimension does not divide), then its rows by the shard rule. std::invalid_argument for a rank
+/// outside the group.
 [[nodiscard]] StateBytes state_bytes(const std::vector<ParameterShape>& parameters,
                                      const StateRules& rules, int shard_rank);
 
 /// The rules of `Plan` on a mesh of `shape` (resolved degrees). Predicted so far: Replicate and
-/// FullyShard, every pipeline schedule (with qwen3_rank_parameters), every precision but Float8,
-/// FullTune, no tensor, expert or context parallelism; other Plans get std::invalid_argument
-/// naming what is not predicted yet.
+/// FullyShard, tensor parallelism (with or without sequence parallelism), every pipeline schedule
+/// (with qwen3_rank_parameters), every precision but Float8, FullTune, no expert or context
+/// parallelism; other Plans get std::invalid_argument naming what is not predicted yet.
 template <class Plan>
 StateRules state_rules(const MeshShape& shape) {
   using P = typename Plan::precision;
   const auto not_yet = [](const char* what) {
     return std::invalid_argument(std::string("d9d::advise::state_rules: ") + what +
                                  " is not predicted yet (predicted: Replicate or FullyShard, "
-                                 "pipelines, FullTune, no tensor, expert or context parallelism, "
-                                 "no Float8)");
+                                 "tensor parallelism, pipelines, FullTune, no expert or context "
+                                 "parallelism, no Float8)");
   };
-  if (!std::is_same_v<typename Plan::tensor_parallel, parallel::NoTensorParallel>) {
-    throw not_yet("tensor parallelism");
-  }
   if (!std::is_same_v<typename Plan::expert_parallel, parallel::NoExpertParallel>) {
     throw not_yet("expert parallelism");
   }
@@ -147,6 +151,9 @@ StateRules state_rules(const MeshShape& shape) {
       if constexpr (P::stochastic_rounding) {
         rules.optimizer = precision::scalar_type(P::optimizer_state);
       }
+    }
+    if constexpr (!std::is_same_v<typename Plan::tensor_parallel, parallel::NoTensorParallel>) {
+      rules.tensor_ranks = shape.tp;
     }
     if constexpr (requires { Plan::data_parallel::shards_parameters; }) {
       if constexpr (Plan::data_parallel::shards_parameters) {
