@@ -105,12 +105,6 @@ TEST(Advise_StateMemory, PlansNotPredictedYetAreRefusedByName) {
             d9d::MeshShape{.dp_shard = 2, .ep = 2});
       }),
       HasSubstr("expert parallelism is not predicted yet"));
-  EXPECT_THAT(d9d::testing::error_of([&] {
-                (void)d9d::advise::state_rules<
-                    d9d::Plan<d9d::mesh<d9d::cp_shard<2>>, d9d::parallel::ContextParallel<>>>(
-                    d9d::MeshShape{.cp_shard = 2});
-              }),
-              HasSubstr("context parallelism is not predicted yet"));
   EXPECT_THAT(
       d9d::testing::error_of([&] {
         (void)d9d::advise::state_rules<d9d::Plan<d9d::precision::Float8<>>>(d9d::MeshShape{});
@@ -242,6 +236,28 @@ TEST(Advise_StateMemory_ws4, TensorParallelTimesFullyShardEqualsWhatTheTrainerHo
     expect_predicted<d9d::Plan<d9d::mesh<d9d::dp_shard<2>, d9d::tp<2>>, d9d::parallel::FullyShard<>,
                                d9d::parallel::TensorParallel<>, d9d::precision::Bf16Params<>>>(
         ctx, config, "tp 2 x FullyShard 2, Bf16Params");
+  });
+}
+
+// Context parallelism splits no parameter: whole under Replicate (cp 2 on 2 ranks), FullyShard's
+// rows over dp_shard x cp_shard (2 x 2 on 4 ranks: 16 of the vocabulary's 64 rows per rank, 2 of
+// the q/k norms' 8).
+TEST(Advise_StateMemory_ws4, ContextParallelEqualsWhatTheTrainerHolds) {
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto config = d9d::testing::tiny_run(env.scratch_dir() + "/c", 3, 4, 2);
+    expect_predicted<d9d::Plan<d9d::mesh<d9d::dp_shard<2>, d9d::cp_shard<2>>,
+                               d9d::parallel::FullyShard<>, d9d::parallel::ContextParallel<>>>(
+        ctx, config, "cp 2 x FullyShard 2, Fp32");
+  });
+}
+
+TEST(Advise_StateMemory_ws2, ContextParallelEqualsWhatTheTrainerHolds) {
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto config = d9d::testing::tiny_run(env.scratch_dir() + "/c2", 3, 2, 2);
+    expect_predicted<d9d::Plan<d9d::mesh<d9d::cp_shard<2>>, d9d::parallel::ContextParallel<>>>(
+        ctx, config, "cp 2, Replicate, Fp32");
   });
 }
 

@@ -119,23 +119,21 @@ struct StateBytes {
                                      const StateRules& rules, int shard_rank);
 
 /// The rules of `Plan` on a mesh of `shape` (resolved degrees). Predicted so far: Replicate and
-/// FullyShard, tensor parallelism (with or without sequence parallelism), every pipeline schedule
-/// (with qwen3_rank_parameters), every precision but Float8, FullTune, no expert or context
-/// parallelism; other Plans get std::invalid_argument naming what is not predicted yet.
+/// FullyShard, tensor and context parallelism (context parallelism splits no parameter; FullyShard
+/// then shards over dp_shard x cp_shard), every pipeline schedule (with qwen3_rank_parameters),
+/// every precision but Float8, FullTune, no expert parallelism; other Plans get
+/// std::invalid_argument naming what is not predicted yet.
 template <class Plan>
 StateRules state_rules(const MeshShape& shape) {
   using P = typename Plan::precision;
   const auto not_yet = [](const char* what) {
     return std::invalid_argument(std::string("d9d::advise::state_rules: ") + what +
                                  " is not predicted yet (predicted: Replicate or FullyShard, "
-                                 "tensor parallelism, pipelines, FullTune, no expert or context "
+                                 "tensor and context parallelism, pipelines, FullTune, no expert "
                                  "parallelism, no Float8)");
   };
   if (!std::is_same_v<typename Plan::expert_parallel, parallel::NoExpertParallel>) {
     throw not_yet("expert parallelism");
-  }
-  if (!std::is_same_v<typename Plan::context_parallel, parallel::NoContextParallel>) {
-    throw not_yet("context parallelism");
   }
   if (!std::is_same_v<typename Plan::peft, peft::FullTune>) {
     throw not_yet("a PEFT policy other than FullTune");
