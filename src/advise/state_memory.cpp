@@ -92,6 +92,23 @@ std::vector<ParameterShape> qwen3_stage_parameters(const model::Qwen3Config& con
                           ranges[static_cast<std::size_t>(stage)]);
 }
 
+std::vector<ParameterShape> qwen3_rank_parameters(const model::Qwen3Config& config,
+                                                  const pipeline::Program& program, int pp_rank,
+                                                  int64_t sequence_length) {
+  if (pp_rank < 0 || pp_rank >= program.pp) {
+    throw std::invalid_argument("d9d::advise::qwen3_rank_parameters: pipeline rank " +
+                                std::to_string(pp_rank) + " of a program for " +
+                                std::to_string(program.pp) + " ranks");
+  }
+  std::vector<ParameterShape> out;
+  for (const int stage :
+       pipeline::rank_stages(program.placement, program.pp, program.stages_per_rank, pp_rank)) {
+    auto part = qwen3_stage_parameters(config, stage, program.stages(), sequence_length);
+    out.insert(out.end(), part.begin(), part.end());
+  }
+  return out;
+}
+
 int64_t shard_rows(int64_t rows, int ranks, int rank) {
   if (ranks < 1 || rank < 0 || rank >= ranks) {
     throw std::invalid_argument("d9d::advise::shard_rows: rank " + std::to_string(rank) + " of " +

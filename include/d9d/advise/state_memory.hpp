@@ -61,10 +61,16 @@ struct ParameterShape {
                                                                  int stage, int stages,
                                                                  int64_t sequence_length);
 
-/// The parameters pipeline rank `pp_rank` holds under `Plan`: its stages' (qwen3_stage_parameters
-/// for each stage the schedule's program places on it, in stage order), or the whole model's
-/// without a pipeline. `microbatches` per step (the program's; placement does not depend on it,
-/// but a schedule may refuse a count).
+/// The parameters pipeline rank `pp_rank` holds under `program` (d9d/pipeline/program.hpp): its
+/// stages' (qwen3_stage_parameters for each stage the program places on it, in stage order).
+[[nodiscard]] std::vector<ParameterShape> qwen3_rank_parameters(const model::Qwen3Config& config,
+                                                                const pipeline::Program& program,
+                                                                int pp_rank,
+                                                                int64_t sequence_length);
+
+/// The parameters pipeline rank `pp_rank` holds under `Plan`: those of the program its schedule
+/// builds for `shape.pp` ranks and `microbatches` (placement does not depend on the count, but a
+/// schedule may refuse one), or the whole model's without a pipeline.
 template <class Plan>
 std::vector<ParameterShape> qwen3_rank_parameters(const model::Qwen3Config& config,
                                                   const MeshShape& shape, int pp_rank,
@@ -77,14 +83,8 @@ std::vector<ParameterShape> qwen3_rank_parameters(const model::Qwen3Config& conf
     (void)sequence_length;
     return qwen3_parameters(config);
   } else {
-    const auto program = Schedule::build(shape.pp, microbatches);
-    std::vector<ParameterShape> out;
-    for (const int stage :
-         pipeline::rank_stages(program.placement, program.pp, program.stages_per_rank, pp_rank)) {
-      auto part = qwen3_stage_parameters(config, stage, program.stages(), sequence_length);
-      out.insert(out.end(), part.begin(), part.end());
-    }
-    return out;
+    return qwen3_rank_parameters(config, Schedule::build(shape.pp, microbatches), pp_rank,
+                                 sequence_length);
   }
 }
 

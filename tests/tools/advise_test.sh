@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# tools/advise on the quickstart's config (a tied 4-layer Qwen3, vocabulary 258): FullyShard's
+# shards add up to Replicate's bytes (258 rows over 3 ranks: 86 each), bfloat16 parameters halve
+# the parameter and gradient bytes, a pipeline's ranks add up to the whole model plus the tied
+# head's copy of the embedding, and bad input is named with a non-zero status.
+set -uo pipefail
+tool=$1
+config=$2
+fail() { echo "FAIL: $*" >&2; exit 1; }
+column() {  # the n-th byte count (1 parameters, 2 gradients, 3 moments, 4 total) summed over ranks
+  awk -v n="$1" '/^  pp [0-9]+, shard [0-9]+:/ {s += $(4 + n)} END {print s}'
+}
+whole=$("$tool" --config "$config") || fail "advise failed"
+sharded=$("$tool" --config "$config" --data-parallel fully_shard --dp-shard 3) ||
+  fail "advise --dp-shard 3 failed"
+[ "$(echo "$sharded" | grep -c '^  pp 0, shard ')" = 3 ] || fail "not 3 shard lines: $sharded"
+for n in 1 2 3 4; do
+  [ "$(echo "$whole" | column $n)" = "$(echo "$sharded" | column $n)" ] ||
+    fail "column $n: the shards do not add up to the whole: $whole / $sharded"
+done
+half=$("$tool" --config "$config" --precision bf16_params) || fail "bf16_params failed"
+[ $(($(echo "$whole" | column 1) / 2)) = "$(echo "$half" | column 1)" ] ||
+  fail "bfloat16 parameters are not half: $half"
+[ "$(echo "$whole" | column 3)" = "$(echo "$half" | column 3)" ] ||
+  fail "stochastic rounding's float32 moments changed: $half"
+# pp 2 with a tied head: the last stage holds a copy of the 258 x 256 embedding (float32).
+piped=$("$tool" --config "$config" --pp 2 --schedule 1f1b --microbatches 4) || fail "pp 2 failed"
+[ $(($(echo "$whole" | column 1) + 258 * 256 * 4)) = "$(echo "$piped" | column 1)" ] ||
+  fail "the stages do not add up to the whole model and the tied copy: $piped"
+echo "$piped" | grep -q '^largest: ' || fail "no largest line: $piped"
+"$tool" --config "$config" --pp 2 --schedule nope >"${TEST_TMPDIR:-/tmp}/err" 2>&1 &&
+  fail "an unknown schedule was accepted"
+grep -q 'unknown schedule "nope"' "${TEST_TMPDIR:-/tmp}/err" || fail "$(cat "${TEST_TMPDIR:-/tmp}/err")"
+"$tool" --config "$config" --tp 3 >"${TEST_TMPDIR:-/tmp}/err" 2>&1 && fail "tp 3 was accepted"
+grep -q 'does not split over 3 tensor ranks' "${TEST_TMPDIR:-/tmp}/err" ||
+  fail "$(cat "${TEST_TMPDIR:-/tmp}/err")"
+echo "advise_test: ok"

@@ -1,0 +1,155 @@
+// tools/advise — what each rank keeps between steps under a Plan, before launch: its parameters,
+// gradients and AdamW moments (d9d/advise/state_memory.hpp), for a trainer config's Qwen3 model.
+//
+//   bazel run //tools/advise -- --config examples/03_qwen3_quickstart/qwen3_8b_gpu.json
+//       --data-parallel fully_shard --dp-shard 2 --precision bf16_mixed      (one line)
+//   bazel run //tools/advise -- --config ... --pp 2 --schedule zbv --tp 2 --precision bf16_params
+//
+// One line per distinct rank (pipeline rank x shard rank): bytes and GiB of each part, then the
+// largest. Activations, gathered units and communication buffers are not predicted yet.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include <d9d/advise/state_memory.hpp>
+#include <d9d/d9d.hpp>
+
+namespace {
+
+d9d::pipeline::Program build(const std::string& name, int pp, int m) {
+  namespace pl = d9d::pipeline;
+  if (name == "gpipe") {
+    return pl::build_program<pl::GPipe<>>(pp, m);
+  }
+  if (name == "1f1b") {
+    return pl::build_program<pl::OneFOneB<>>(pp, m);
+  }
+  if (name == "interleaved") {
+    return pl::build_program<pl::Interleaved1F1B<pl::stages_per_rank<2>>>(pp, m);
+  }
+  if (name == "zbh1") {
+    return pl::build_program<pl::ZeroBubbleH1<>>(pp, m);
+  }
+  if (name == "zbv") {
+    return pl::build_program<pl::ZeroBubbleV<>>(pp, m);
+  }
+  if (name == "dualpipev") {
+    return pl::build_program<pl::DualPipeV<>>(pp, m);
+  }
+  throw std::invalid_argument(
+      "advise: unknown schedule \"" + name +
+      "\" (gpipe, 1f1b, interleaved (2 stages per rank), zbh1, zbv, dualpipev)");
+}
+
+// The precision's dtypes (d9d/precision/policies.hpp) as state rules.
+d9d::advise::StateRules precision_rules(const std::string& name) {
+  d9d::advise::StateRules rules;
+  if (name == "fp32" || name == "bf16_mixed") {
+    return rules;  // float32 parameters, gradients and moments (bf16 only in compute)
+  }
+  if (name == "fp64") {
+    rules.parameters = rules.gradients = rules.optimizer = at::kDouble;
+    return rules;
+  }
+  if (name == "bf16_params") {  // Bf16Params<>: stochastic rounding, float32 moments
+    rules.parameters = rules.gradients = at::kBFloat16;
+    return rules;
+  }
+  if (name == "bf16_params_nearest") {  // Bf16Params<NearestRounding>: bfloat16 moments
+    rules.parameters = rules.gradients = rules.optimizer = at::kBFloat16;
+    return rules;
+  }
+  throw std::invalid_argument("advise: unknown precision \"" + name +
+                              "\" (fp32, bf16_mixed, bf16_params, bf16_params_nearest, fp64)");
+}
+
+double gib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"What each rank keeps between steps under a Plan (d9d::advise)"};
+  std::string config_path;
+  std::string data_parallel = "replicate";
+  std::string precision = "bf16_mixed";
+  std::string schedule = "1f1b";
+  int dp_shard = 1;
+  int cp_shard = 1;
+  int tp = 1;
+  int pp = 1;
+  int microbatches = 0;
+  app.add_option("--config", config_path, "trainer configuration (JSON) with a Qwen3 model")
+      ->required();
+  app.add_option("--data-parallel", data_parallel, "replicate or fully_shard")
+      ->check(CLI::IsMember({"replicate", "fully_shard"}));
+  app.add_option("--precision", precision,
+                 "fp32, bf16_mixed, bf16_params, bf16_params_nearest, fp64");
+  app.add_option("--dp-shard", dp_shard, "ranks FullyShard shards over");
+  app.add_option("--cp-shard", cp_shard, "context-parallel ranks (shard with FullyShard)");
+  app.add_option("--tp", tp, "tensor-parallel degree");
+  app.add_option("--pp", pp, "pipeline degree");
+  app.add_option("--schedule", schedule, "gpipe, 1f1b, interleaved, zbh1, zbv, dualpipev");
+  app.add_option("--microbatches", microbatches,
+                 "microbatches per step (default: the config's global / (dp x microbatch))");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    const auto config = d9d::TrainerConfig::from_file(config_path);
+    const auto model = d9d::model::Qwen3Config::from_json_text(config.sections.at("model"));
+    auto rules = precision_rules(precision);
+    if (data_parallel == "fully_shard") {
+      rules.shard_ranks = dp_shard * cp_shard;
+    }
+    rules.tensor_ranks = tp;
+    if (microbatches < 1) {
+      const int64_t per_step = config.batch.microbatch_size * dp_shard;
+      microbatches = static_cast<int>(
+          std::max<int64_t>(1, per_step > 0 ? config.batch.global_batch_size / per_step : 1));
+    }
+    const auto program = pp > 1 ? build(schedule, pp, microbatches) : d9d::pipeline::Program{};
+    const auto all = d9d::advise::qwen3_parameters(model);
+    int64_t count = 0;
+    for (const auto& p : all) {
+      count += p.numel();
+    }
+    std::printf("model: %.3fB parameters (Qwen3, %lld layers, vocab %lld)\n",
+                static_cast<double>(count) / 1e9, static_cast<long long>(model.num_hidden_layers),
+                static_cast<long long>(model.vocab_size));
+    std::printf(
+        "plan: %s over %d shard rank(s), %s, tp %d, pp %d%s\n", data_parallel.c_str(),
+        rules.shard_ranks, precision.c_str(), tp, pp,
+        pp > 1 ? (" (" + schedule + ", " + std::to_string(microbatches) + " microbatches)").c_str()
+               : "");
+    std::printf("state per rank: parameters, gradients, AdamW moments, total (bytes, GiB)\n");
+    int64_t largest = 0;
+    std::string where;
+    for (int p = 0; p < pp; ++p) {
+      const auto mine = pp > 1 ? d9d::advise::qwen3_rank_parameters(model, program, p,
+                                                                    config.batch.sequence_length)
+                               : all;
+      for (int s = 0; s < rules.shard_ranks; ++s) {
+        const auto bytes = d9d::advise::state_bytes(mine, rules, s);
+        std::printf(
+            "  pp %d, shard %d: %lld %lld %lld %lld  (%.2f %.2f %.2f %.2f GiB)\n", p, s,
+            static_cast<long long>(bytes.parameters), static_cast<long long>(bytes.gradients),
+            static_cast<long long>(bytes.optimizer), static_cast<long long>(bytes.total()),
+            gib(bytes.parameters), gib(bytes.gradients), gib(bytes.optimizer), gib(bytes.total()));
+        if (bytes.total() > largest) {
+          largest = bytes.total();
+          where = "pp " + std::to_string(p) + ", shard " + std::to_string(s);
+        }
+      }
+    }
+    std::printf(
+        "largest: %.2f GiB (%s); activations, gathered units and communication buffers "
+        "are not predicted yet\n",
+        gib(largest), where.c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "advise: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
