@@ -13,15 +13,15 @@
 
 namespace d9d::advise {
 
-int64_t ParameterShape::numel() const {
+namespace {
+
+int64_t product(const std::vector<int64_t>& sizes) {
   int64_t n = 1;
   for (const int64_t size : sizes) {
     n *= size;
   }
   return n;
 }
-
-namespace {
 
 // A stage's parameters as detail::register_stage_modules registers them: "model.embed_tokens"
 // (first stage, or a last stage holding a tied head's copy), "model.layers.<i>..." for the
@@ -72,6 +72,8 @@ std::vector<ParameterShape> stage_parameters(const model::Qwen3Config& config, b
 }
 
 }  // namespace
+
+int64_t ParameterShape::numel() const { return product(sizes); }
 
 std::vector<ParameterShape> qwen3_parameters(const model::Qwen3Config& config) {
   return stage_parameters(config, true, true,
@@ -146,10 +148,7 @@ StateBytes state_bytes(const std::vector<ParameterShape>& parameters, const Stat
       }
       split /= rules.tensor_ranks;
     }
-    int64_t numel = 1;
-    for (const int64_t size : sizes) {
-      numel *= size;
-    }
+    int64_t numel = product(sizes);
     if (!p.trained) {
       out.parameters += numel * size(rules.parameters);
       continue;

@@ -108,17 +108,17 @@ class AllToAllDispatcher : public model::ExpertDispatcher {
     // host), exchanged there, then this rank's counts and the exchanged table read to the host
     // together: the layer's one synchronisation.
     at::Tensor device_counts = counts.to(at::kLong).contiguous();
+    if (ranks_ == 1) {  // nothing to exchange: the counts to the host, where they may already be
+      const auto host = device_counts.to(at::kCPU).contiguous();
+      const int64_t* data = host.data_ptr<int64_t>();
+      return local(rows, std::vector<int64_t>(data, data + host.numel()));
+    }
     if (device_counts.is_cpu() && !rows.is_cpu()) {
       const int64_t* host = device_counts.data_ptr<int64_t>();
       device_counts = model::host_index_tensor(
           std::vector<int64_t>(host, host + device_counts.numel()), rows.device());
     } else {
       device_counts = device_counts.to(rows.device());
-    }
-    if (ranks_ == 1) {
-      const auto host = device_counts.to(at::kCPU).contiguous();
-      const int64_t* data = host.data_ptr<int64_t>();
-      return local(rows, std::vector<int64_t>(data, data + host.numel()));
     }
     const std::vector<int64_t> blocks(static_cast<std::size_t>(ranks_), per_rank);
     const auto exchanged = all_to_all(group_, device_counts, blocks, blocks);

@@ -473,6 +473,52 @@ struct Executor::Impl {
     return at::kCPU;
   }
 
+  // One compute action, or a pair, with what surrounds it: its received inputs waited for, the
+  // hooks and the timeline before and after.
+  void compute(const std::vector<Action>& running, const std::vector<at::Tensor>& step_inputs,
+               const LossFn& loss) {
+    for (const auto& r : running) {
+      await_inputs(r);
+    }
+    for (const auto& r : running) {
+      if (hook) {
+        hook(r, false);
+      }
+    }
+    if (recorded) {
+      recorder.mark(running, false);
+    }
+    if (running.size() == 2) {
+      pair(running[0], running[1], step_inputs, loss);
+    } else {
+      const Action& a = running.front();
+      // A profiler's trace names each compute action (built only while one runs).
+      RECORD_USER_SCOPE("d9d::pipeline::" + to_string(a));
+      switch (a.op) {
+        case Op::forward:
+          forward(a, step_inputs, loss);
+          break;
+        case Op::backward:
+        case Op::backward_input:
+          backward(a);
+          break;
+        case Op::backward_weight:
+          weight(a);
+          break;
+        default:
+          break;
+      }
+    }
+    if (recorded) {
+      recorder.mark(running, true);
+    }
+    for (const auto& r : running) {
+      if (hook) {
+        hook(r, true);
+      }
+    }
+  }
+
   StepResult run(const std::vector<at::Tensor>& step_inputs, const LossFn& loss) {
     clear_step();
     result = {};
@@ -517,45 +563,7 @@ struct Executor::Impl {
                          to_string(running[1]).c_str());
           }
         }
-        for (const auto& r : running) {
-          await_inputs(r);
-        }
-        for (const auto& r : running) {
-          if (hook) {
-            hook(r, false);
-          }
-        }
-        if (recorded) {
-          recorder.mark(running, false);
-        }
-        if (running.size() == 2) {
-          pair(running[0], running[1], step_inputs, loss);
-        } else {
-          // A profiler's trace names each compute action (built only while one runs).
-          RECORD_USER_SCOPE("d9d::pipeline::" + to_string(a));
-          switch (a.op) {
-            case Op::forward:
-              forward(a, step_inputs, loss);
-              break;
-            case Op::backward:
-            case Op::backward_input:
-              backward(a);
-              break;
-            case Op::backward_weight:
-              weight(a);
-              break;
-            default:
-              break;
-          }
-        }
-        if (recorded) {
-          recorder.mark(running, true);
-        }
-        for (const auto& r : running) {
-          if (hook) {
-            hook(r, true);
-          }
-        }
+        compute(running, step_inputs, loss);
       }
       post();
       wait_all();
@@ -567,6 +575,57 @@ struct Executor::Impl {
     return std::move(result);
   }
 };
+
+namespace {
+
+// Each pair's receives before it and its forward's sends after it (d9d/pipeline/pairs.hpp): a new
+// posting order, verified again.
+Program regrouped_for_pairs(Program program) {
+  program = group_pairs(std::move(program));
+  const auto verdict = verify(program);
+  if (!verdict.ok()) {
+    throw std::invalid_argument(
+        std::string("d9d::pipeline::Executor: overlap_pairs regroups the program's sends and "
+                    "receives around its pairs, and the result breaks rule ") +
+        to_string(verdict.rule) + " on rank " + std::to_string(verdict.rank) + " at action " +
+        to_string(verdict.action) + ". Fix: run this schedule without overlap_pairs");
+  }
+  return program;
+}
+
+// NCCL creates a group's communicator, and the connections between two ranks, on first use, and
+// both sides must set them up with the same calls: a barrier opens the communicator, then one
+// symmetric batch (a send to and a receive from every peer of this rank's program, under a tag
+// the steps do not use) opens the connections in both directions before the program's first,
+// asymmetric, batch.
+void open_connections(const ProcessGroup& group, const std::vector<Action>& actions,
+                      int hello_tag) {
+  group.barrier();
+  std::vector<int> peers;
+  for (const auto& a : actions) {
+    if (!a.is_compute() && std::find(peers.begin(), peers.end(), a.peer) == peers.end()) {
+      peers.push_back(a.peer);
+    }
+  }
+  std::sort(peers.begin(), peers.end());
+  std::vector<P2POp> hello;
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(group.device());
+  for (const int peer : peers) {
+    hello.push_back({.kind = P2POp::Kind::send,
+                     .tensor = at::zeros({1}, options),
+                     .peer = peer,
+                     .tag = hello_tag});
+    hello.push_back({.kind = P2POp::Kind::recv,
+                     .tensor = at::empty({1}, options),
+                     .peer = peer,
+                     .tag = hello_tag});
+  }
+  if (!hello.empty()) {
+    batch_isend_irecv(group, hello).wait();
+  }
+}
+
+}  // namespace
 
 Executor::Executor(Program program, ProcessGroup group, std::vector<Stage> stages,
                    std::function<TensorSpec(int stage)> activation, ExecutorOptions options)
@@ -613,49 +672,13 @@ Executor::Executor(Program program, ProcessGroup group, std::vector<Stage> stage
         "d9d::pipeline::Executor: several ranks need the activation spec of each stage");
   }
   if (options.overlap_pairs) {
-    // Each pair's receives before it and its forward's sends after it (d9d/pipeline/pairs.hpp):
-    // a new posting order, verified again.
-    program = group_pairs(std::move(program));
-    const auto verdict = verify(program);
-    if (!verdict.ok()) {
-      throw std::invalid_argument(
-          std::string("d9d::pipeline::Executor: overlap_pairs regroups the program's sends and "
-                      "receives around its pairs, and the result breaks rule ") +
-          to_string(verdict.rule) + " on rank " + std::to_string(verdict.rank) + " at action " +
-          to_string(verdict.action) + ". Fix: run this schedule without overlap_pairs");
-    }
+    program = regrouped_for_pairs(std::move(program));
   }
   impl.program = std::move(program);
   impl.group = std::move(group);
-  // NCCL creates a group's communicator, and the connections between two ranks, on first use,
-  // and both sides must set them up with the same calls: a barrier opens the communicator, then
-  // one symmetric batch (a send to and a receive from every peer of this rank's program) opens
-  // the connections in both directions before the program's first, asymmetric, batch.
   if (impl.group.valid() && impl.group.size() > 1) {
-    impl.group.barrier();
-    std::vector<int> peers;
-    for (const auto& a : impl.program.ranks[static_cast<std::size_t>(impl.rank)]) {
-      if (!a.is_compute() && std::find(peers.begin(), peers.end(), a.peer) == peers.end()) {
-        peers.push_back(a.peer);
-      }
-    }
-    std::sort(peers.begin(), peers.end());
-    std::vector<P2POp> hello;
-    const int hello_tag = 2 * impl.program.stages() * impl.program.microbatches;  // unused by steps
-    const auto options = at::TensorOptions().dtype(at::kFloat).device(impl.group.device());
-    for (const int peer : peers) {
-      hello.push_back({.kind = P2POp::Kind::send,
-                       .tensor = at::zeros({1}, options),
-                       .peer = peer,
-                       .tag = hello_tag});
-      hello.push_back({.kind = P2POp::Kind::recv,
-                       .tensor = at::empty({1}, options),
-                       .peer = peer,
-                       .tag = hello_tag});
-    }
-    if (!hello.empty()) {
-      batch_isend_irecv(impl.group, hello).wait();
-    }
+    open_connections(impl.group, impl.program.ranks[static_cast<std::size_t>(impl.rank)],
+                     2 * impl.program.stages() * impl.program.microbatches);
   }
   impl.activation = std::move(activation);
 }

@@ -45,23 +45,23 @@ d9d::pipeline::Program build(const std::string& name, int pp, int m) {
       "\" (gpipe, 1f1b, interleaved (2 stages per rank), zbh1, zbv, dualpipev)");
 }
 
-// The precision's dtypes (d9d/precision/policies.hpp) as state rules.
+// The precision policy's state dtypes (d9d::advise::precision_rules).
 d9d::advise::StateRules precision_rules(const std::string& name) {
-  d9d::advise::StateRules rules;
-  if (name == "fp32" || name == "bf16_mixed") {
-    return rules;  // float32 parameters, gradients and moments (bf16 only in compute)
+  namespace p = d9d::precision;
+  if (name == "fp32") {
+    return d9d::advise::precision_rules<p::Fp32>();
+  }
+  if (name == "bf16_mixed") {
+    return d9d::advise::precision_rules<p::Bf16Mixed>();
   }
   if (name == "fp64") {
-    rules.parameters = rules.gradients = rules.optimizer = at::kDouble;
-    return rules;
+    return d9d::advise::precision_rules<p::Fp64>();
   }
-  if (name == "bf16_params") {  // Bf16Params<>: stochastic rounding, float32 moments
-    rules.parameters = rules.gradients = at::kBFloat16;
-    return rules;
+  if (name == "bf16_params") {
+    return d9d::advise::precision_rules<p::Bf16Params<>>();
   }
-  if (name == "bf16_params_nearest") {  // Bf16Params<NearestRounding>: bfloat16 moments
-    rules.parameters = rules.gradients = rules.optimizer = at::kBFloat16;
-    return rules;
+  if (name == "bf16_params_nearest") {
+    return d9d::advise::precision_rules<p::Bf16Params<p::NearestRounding>>();
   }
   throw std::invalid_argument("advise: unknown precision \"" + name +
                               "\" (fp32, bf16_mixed, bf16_params, bf16_params_nearest, fp64)");

@@ -118,6 +118,23 @@ struct StateBytes {
 [[nodiscard]] StateBytes state_bytes(const std::vector<ParameterShape>& parameters,
                                      const StateRules& rules, int shard_rank);
 
+/// The dtypes precision policy `P` stores a parameter's state in (unsplit): the parameter dtype
+/// for the parameters, their gradients and AdamW's moments, or the policy's optimizer_state for
+/// the moments under stochastic rounding.
+template <class P>
+StateRules precision_rules() {
+  StateRules rules;
+  rules.parameters = precision::scalar_type(P::parameters);
+  rules.gradients = rules.parameters;
+  rules.optimizer = rules.parameters;
+  if constexpr (requires { P::stochastic_rounding; }) {
+    if constexpr (P::stochastic_rounding) {
+      rules.optimizer = precision::scalar_type(P::optimizer_state);
+    }
+  }
+  return rules;
+}
+
 /// The rules of `Plan` on a mesh of `shape` (resolved degrees). Predicted so far: Replicate and
 /// FullyShard, tensor and context parallelism (context parallelism splits no parameter; FullyShard
 /// then shards over dp_shard x cp_shard), every pipeline schedule (with qwen3_rank_parameters),
@@ -141,15 +158,7 @@ StateRules state_rules(const MeshShape& shape) {
   if constexpr (precision::has_float8<P>) {
     throw not_yet("Float8");
   } else {
-    StateRules rules;
-    rules.parameters = precision::scalar_type(P::parameters);
-    rules.gradients = rules.parameters;
-    rules.optimizer = rules.parameters;
-    if constexpr (requires { P::stochastic_rounding; }) {
-      if constexpr (P::stochastic_rounding) {
-        rules.optimizer = precision::scalar_type(P::optimizer_state);
-      }
-    }
+    StateRules rules = precision_rules<P>();
     if constexpr (!std::is_same_v<typename Plan::tensor_parallel, parallel::NoTensorParallel>) {
       rules.tensor_ranks = shape.tp;
     }
