@@ -193,6 +193,27 @@ struct Executor::Impl {
     }
   }
 
+  // Adds `op` to the batch not posted yet, which gets index pending.size() when posted; returns
+  // that index. An NCCL group runs its operations with one peer in steps, each step the next
+  // send and the next receive, so a second send (or receive) to the same peer waits for the
+  // first step's receive (or send): in a group [send a, send b, receive c] with one peer, b is
+  // sent only once c arrives, which deadlocks when the peer sends c only after receiving b (it
+  // did with overlap_pairs, whose pairs put two sends to the same peer side by side). So a batch
+  // holds at most one send and one receive per peer, and an operation that would be the second
+  // posts the batch first; every operation of a batch then completes on its own, as verify()'s
+  // model of a batch assumes. tests/pipeline/schedule_test.cpp (Pipeline_NcclModel) runs every
+  // schedule's program, with and without pairs, through this rule and NCCL's ordering.
+  std::size_t enqueue(P2POp op) {
+    const bool repeats = std::any_of(batch.begin(), batch.end(), [&](const P2POp& queued) {
+      return queued.kind == op.kind && queued.peer == op.peer;
+    });
+    if (repeats) {
+      post();
+    }
+    batch.push_back(std::move(op));
+    return pending.size();
+  }
+
   void wait_batch(std::size_t index) {
     auto& posted = pending[index];
     if (posted.done) {
@@ -434,10 +455,10 @@ struct Executor::Impl {
                                     " expects the activation spec's sizes and dtype" + where(a));
       }
     }
-    batch.push_back({.kind = P2POp::Kind::send,
-                     .tensor = t.contiguous(),
-                     .peer = a.peer,
-                     .tag = tag(gradient, gradient ? a.stage - 1 : a.stage + 1, a.microbatch)});
+    enqueue({.kind = P2POp::Kind::send,
+             .tensor = t.contiguous(),
+             .peer = a.peer,
+             .tag = tag(gradient, gradient ? a.stage - 1 : a.stage + 1, a.microbatch)});
   }
 
   void receive(const Action& a) {
@@ -448,17 +469,17 @@ struct Executor::Impl {
       const auto& out = outputs.at(key);
       buffer = at::empty(out.sizes(), out.options().device(group.device()));
       grad_output[key] = buffer;
-      gradient_batch[key] = pending.size();  // the index the current batch gets when posted
     } else {
       const auto spec = activation(a.stage);
       buffer = at::empty(spec.sizes, at::TensorOptions().dtype(spec.dtype).device(group.device()));
       received[key] = buffer;
-      activation_batch[key] = pending.size();
     }
-    batch.push_back({.kind = P2POp::Kind::recv,
-                     .tensor = buffer,
-                     .peer = a.peer,
-                     .tag = tag(gradient, a.stage, a.microbatch)});
+    // The index the batch holding this receive gets when posted.
+    (gradient ? gradient_batch : activation_batch)[key] =
+        enqueue({.kind = P2POp::Kind::recv,
+                 .tensor = buffer,
+                 .peer = a.peer,
+                 .tag = tag(gradient, a.stage, a.microbatch)});
   }
 
   [[nodiscard]] c10::Device timing_device(const std::vector<at::Tensor>& step_inputs) const {
