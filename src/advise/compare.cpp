@@ -114,7 +114,7 @@ advise::StateBytes held_state(::d9d::detail::TrainerCore& core, int64_t gradient
 }
 
 PlanRow finish_row(const DistributedContext& ctx, std::string name, const PlanMeasure& measure,
-                   const TrainResult& result, const advise::StateBytes& held,
+                   const TrainResult& result, int64_t host_peak, const advise::StateBytes& held,
                    const std::optional<advise::StateBytes>& predicted, std::string not_predicted,
                    const CompareOptions& options) {
   PlanRow row;
@@ -127,7 +127,9 @@ PlanRow finish_row(const DistributedContext& ctx, std::string name, const PlanMe
     row.mfu = row.tokens_per_second * options.flops_per_token /
               (static_cast<double>(ctx.world_size()) * options.peak_tflops * 1e12);
   }
-  row.peak_memory_bytes = result.peak_memory_bytes;  // already the world's maximum
+  // The device allocator's peak is already the world's maximum; the host's is this rank's.
+  row.peak_memory_bytes =
+      ctx.device().is_cpu() ? world_max(ctx, host_peak) : result.peak_memory_bytes;
   row.state_bytes = world_max(ctx, held.total());
   // Every rank predicts or none does (the same Plan and config everywhere).
   if (predicted) {

@@ -1,6 +1,6 @@
 // d9d::bench::compare (d9d/advise/compare.hpp): three Plans of the tiny Qwen3 (Replicate,
 // FullyShard, 1F1B pp 2) on 2 Gloo ranks in one call — every row's fields (throughput and its
-// ratio, MFU from the given FLOPs, no device memory on the CPU, the state held equal to the
+// ratio, MFU from the given FLOPs, the host's peak above the state, the state held equal to the
 // advisor's prediction), the same first loss under every Plan, the table the main rank prints and
 // the JSON it writes; and the errors of bad names and warm-ups.
 #include <cmath>
@@ -58,7 +58,8 @@ TEST(Bench_Compare_ws2, ThreePlansSideBySideWithTheirPredictions) {
       EXPECT_DOUBLE_EQ(row.ratio, row.tokens_per_second / first) << row.name;
       ASSERT_TRUE(row.mfu.has_value()) << row.name;
       EXPECT_DOUBLE_EQ(*row.mfu, row.tokens_per_second * kFlopsPerToken / (2 * 1e12)) << row.name;
-      EXPECT_EQ(row.peak_memory_bytes, 0) << row.name << ": no device memory on the CPU";
+      // On the CPU the host bytes of the run: the state, the step's activations and more.
+      EXPECT_GT(row.peak_memory_bytes, row.state_bytes) << row.name;
       EXPECT_GT(row.state_bytes, 0) << row.name;
       ASSERT_TRUE(row.predicted_state_bytes.has_value()) << row.name << ": " << row.not_predicted;
       EXPECT_EQ(*row.predicted_state_bytes, row.state_bytes) << row.name;

@@ -13,8 +13,9 @@
 // Each Plan gets a Trainer<Plan> over the same provider, data, task and config (its output under
 // config.run.output_dir/<name>), runs config.run.total_steps and is measured: tokens/s over the
 // steps after `warmup_steps` (wall time of each step, events::StepEnd), MFU when the model FLOPs
-// per token and the device's peak are given, the device memory the most loaded rank allocated
-// (CUDA; 0 on the CPU), and the parameter, gradient and AdamW-moment bytes the most loaded rank
+// per token and the device's peak are given, the memory the most loaded rank allocated at once
+// (the device allocator's peak; on the CPU the host bytes of the Plan's run, CpuMemoryMeter), and
+// the parameter, gradient and AdamW-moment bytes the most loaded rank
 // holds next to d9d::advise's prediction of them (d9d/advise/state_memory.hpp; Qwen3Provider's
 // models and the Plans it predicts, else the reason it does not). Collective: every rank calls it
 // with the same arguments; every rank gets the same table.
@@ -28,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include <d9d/advise/memory_meter.hpp>
 #include <d9d/advise/state_memory.hpp>
 #include <d9d/core/distributed_context.hpp>
 #include <d9d/model/qwen3.hpp>
@@ -58,11 +60,14 @@ struct CompareOptions {
 /// One Plan's measurement and prediction.
 struct PlanRow {
   std::string name{};
-  int64_t timed_steps = 0;        ///< steps after the warm-up
-  double tokens_per_second = 0;   ///< over all ranks, over the timed steps
-  double ratio = 0;               ///< tokens_per_second / the first Plan's
-  std::optional<double> mfu{};    ///< of flops_per_token at peak_tflops per rank; none without
-  int64_t peak_memory_bytes = 0;  ///< the most device memory any rank allocated (0 on the CPU)
+  int64_t timed_steps = 0;       ///< steps after the warm-up
+  double tokens_per_second = 0;  ///< over all ranks, over the timed steps
+  double ratio = 0;              ///< tokens_per_second / the first Plan's
+  std::optional<double> mfu{};   ///< of flops_per_token at peak_tflops per rank; none without
+  /// The most memory any rank had allocated at once: the device allocator's peak on an
+  /// accelerator; on the CPU the host bytes the Plan's run (its trainer's construction included)
+  /// allocated through LibTorch (d9d::advise::CpuMemoryMeter).
+  int64_t peak_memory_bytes = 0;
   int64_t state_bytes = 0;  ///< parameters + gradients + AdamW moments, the most any rank holds
   std::optional<int64_t> predicted_state_bytes{};  ///< the advisor's, the most any rank holds
   std::string not_predicted{};  ///< why there is no prediction (empty when there is one)
@@ -113,10 +118,11 @@ class PlanMeasure {
 [[nodiscard]] advise::StateBytes held_state(::d9d::detail::TrainerCore& core,
                                             int64_t gradient_bytes);
 
-/// The row from this rank's measurement: maxima over the world for the memory figures (collective).
+/// The row from this rank's measurement: maxima over the world for the memory figures, the device
+/// allocator's peak on an accelerator and `host_peak` (CpuMemoryMeter) on the CPU (collective).
 [[nodiscard]] PlanRow finish_row(const DistributedContext& ctx, std::string name,
                                  const PlanMeasure& measure, const TrainResult& result,
-                                 const advise::StateBytes& held,
+                                 int64_t host_peak, const advise::StateBytes& held,
                                  const std::optional<advise::StateBytes>& predicted,
                                  std::string not_predicted, const CompareOptions& options);
 
@@ -165,6 +171,7 @@ PlanRow run_plan(const DistributedContext& ctx, const std::string& name, const P
                  const Dataset& dataset, const Task& task, const TrainerConfig& config,
                  const CompareOptions& options) {
   const auto plan_cfg = plan_config(config, name);
+  const advise::CpuMemoryMeter meter;  // the host memory of this Plan's run, from its construction
   Trainer<Plan> trainer(ctx, provider, dataset, task, plan_cfg);
   PlanMeasure measure(options.warmup_steps);
   trainer.template on<events::StepEnd>([&](const events::StepEnd& e) { measure.step_end(e); });
@@ -173,14 +180,15 @@ PlanRow run_plan(const DistributedContext& ctx, const std::string& name, const P
   const auto result = trainer.train();
   const auto held = held_state(trainer.core(), measure.gradient_bytes());
   auto [predicted, why] = predict_state<Plan, Provider>(trainer, plan_cfg);
-  return finish_row(ctx, name, measure, result, held, predicted, std::move(why), options);
+  return finish_row(ctx, name, measure, result, meter.peak(), held, predicted, std::move(why),
+                    options);
 }
 
 }  // namespace detail
 
 /// Trains each of `Plans` in turn for config.run.total_steps over the same model, data and task and
 /// returns (and on the main rank prints) one row per Plan: tokens/s, the ratio to the first Plan,
-/// MFU, peak device memory, and the state each rank holds next to the advisor's prediction (see the
+/// MFU, peak memory, and the state each rank holds next to the advisor's prediction (see the
 /// file comment). Collective over the world. std::invalid_argument for names that do not match the
 /// Plans, or a warm-up that leaves no timed step.
 template <class... Plans, class Provider, class Dataset, class Task>
