@@ -2,7 +2,8 @@
 # tools/advise on the quickstart's config (a tied 4-layer Qwen3, vocabulary 258): FullyShard's
 # shards add up to Replicate's bytes (258 rows over 3 ranks: 86 each), bfloat16 parameters halve
 # the parameter and gradient bytes, a pipeline's ranks add up to the whole model plus the tied
-# head's copy of the embedding, and bad input is named with a non-zero status.
+# head's copy of the embedding, fp32's activations of a microbatch are the formula's (and are not
+# claimed where they are not predicted), and bad input is named with a non-zero status.
 set -uo pipefail
 tool=$1
 config=$2
@@ -28,6 +29,14 @@ piped=$("$tool" --config "$config" --pp 2 --schedule 1f1b --microbatches 4) || f
 [ $(($(echo "$whole" | column 1) + 258 * 256 * 4)) = "$(echo "$piped" | column 1)" ] ||
   fail "the stages do not add up to the whole model and the tied copy: $piped"
 echo "$piped" | grep -q '^largest: ' || fail "no largest line: $piped"
+echo "$piped" | grep -q '^not predicted yet: activations' || fail "activations claimed: $piped"
+# fp32, one microbatch of 8 x 256 tokens: per token of a layer 3,734 floats (hidden 256, q 256,
+# kv 128, intermediate 768, 8/4 heads), 4 layers; embedding, rstd and head input gradient (513
+# floats) per token and the head's 258 x 256 weight gradient; rotary tables 2 x 256 x 16.
+fp32=$("$tool" --config "$config" --precision fp32) || fail "fp32 failed"
+want=$(( (4 * 3734 * 2048 + 513 * 2048 + 258 * 256 + 2 * 256 * 16) * 4 ))
+echo "$fp32" | grep -q "^activations of a microbatch: $want " ||
+  fail "activations are not $want: $fp32"
 "$tool" --config "$config" --pp 2 --schedule nope >"${TEST_TMPDIR:-/tmp}/err" 2>&1 &&
   fail "an unknown schedule was accepted"
 grep -q 'unknown schedule "nope"' "${TEST_TMPDIR:-/tmp}/err" || fail "$(cat "${TEST_TMPDIR:-/tmp}/err")"
