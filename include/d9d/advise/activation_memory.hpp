@@ -7,10 +7,10 @@
 //   kept.layers; kept.loss; kept.rope; kept.total();
 //
 // Predicted so far: the dense Qwen3 (d9d::model::Qwen3ForCausalLM::loss) with d9d's fused kernels
-// (the default), activations in float32 (the Fp32 precision policy),
-// no recompute, no tensor or context parallelism, the whole model on one rank. What each term is
-// comes from the model's code, per token of a layer (H hidden, Q = heads x head_dim, K = KV heads x
-// head_dim, I intermediate):
+// (the default), in float32 (Fp32) or under bfloat16 autocast over float32 parameters
+// (Bf16Mixed), no recompute, no tensor or context parallelism, the whole model on one rank. What
+// each term is comes from the model's code; in float32, per token of a layer (H hidden,
+// Q = heads x head_dim, K = KV heads x head_dim, I intermediate), in elements:
 //   the input norm's output and its rstd                      H + 1
 //   q, k (kept by the q/k norms) and their per-head rstds     Q + K + heads + kv_heads
 //   v, the rotated q and k, the attention's output and its    K + Q + K + Q + heads (lse, float)
@@ -21,11 +21,25 @@
 // and per token of the model: the embedding's output (H) and the fused head's gradient of its
 // input (H) and the final norm's rstd (1), plus per microbatch the head's weight gradient
 // (vocab x H, computed in the forward by d9d::model::linear_cross_entropy) and the rotary tables
-// (2 x T x head_dim / 2). tests/advise checks it against the bytes the forward leaves allocated
-// (d9d::advise::CpuMemoryMeter).
+// (2 x T x head_dim / 2). Under bfloat16 autocast the residual stream stays float32 and every
+// linear layer casts its input itself, so per token of a layer, in bytes:
+//   the residual after attention and the layer's output (float32)   4 H + 4 H
+//   the input norm's output cast by q, k and v; the MLP norm's       3 x 2 H + 2 x 2 H
+//   output cast by gate and up (bfloat16)
+//   the two norms' rstds (float32)                                   8
+//   q, k, v, the rotated q and k, the attention's output (bf16)       3 x 2 Q + 3 x 2 K
+//   the q/k norms' rstds and the log-sum-exp (float32)               4 heads + 4 kv_heads + 4 heads
+//   gate and up (bfloat16)                                           2 x 2 I
+// plus per layer the bfloat16 casts of its seven weight matrices and of the q/k norms' weights,
+// which the matmuls and norms keep; per token of the model the embedding's output (float32), the
+// head's input gradient (bfloat16) and the final rstd; per microbatch the head's weight gradient
+// (float32) and the rotary tables (float32). tests/advise checks both against the bytes the
+// forward leaves allocated (d9d::advise::CpuMemoryMeter).
 #pragma once
 
 #include <cstdint>
+
+#include <c10/core/ScalarType.h>
 
 namespace d9d::model {
 struct Qwen3Config;
@@ -43,10 +57,12 @@ struct ActivationBytes {
 };
 
 /// The bytes d9d::model::Qwen3ForCausalLM's loss() keeps for the backward of one microbatch of
-/// `microbatch_size` sequences of `sequence_length` tokens in float32 (see the file comment).
-/// std::invalid_argument for a size below 1.
+/// `microbatch_size` sequences of `sequence_length` tokens, its matmuls in `autocast`: at::kFloat
+/// (no autocast: Fp32) or at::kBFloat16 (bfloat16 autocast over float32 parameters: Bf16Mixed);
+/// see the file comment. std::invalid_argument for a size below 1 or another dtype.
 [[nodiscard]] ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config,
                                                      int64_t microbatch_size,
-                                                     int64_t sequence_length);
+                                                     int64_t sequence_length,
+                                                     at::ScalarType autocast = at::kFloat);
 
 }  // namespace d9d::advise
