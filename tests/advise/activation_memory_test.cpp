@@ -141,7 +141,7 @@ TEST(Advise_ActivationMemory, TheTermsAndTheirErrors) {
   // Under bfloat16 autocast: per layer the weights' bfloat16 casts, whatever the batch.
   const auto bf16_one = d9d::advise::qwen3_activation_bytes(config, 1, 16, at::kBFloat16);
   const auto bf16_two = d9d::advise::qwen3_activation_bytes(config, 2, 16, at::kBFloat16);
-  const int64_t casts = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 160 + 2 * 16) * 2;
+  const int64_t casts = int64_t{2} * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 160 + 2 * 16) * 2;
   EXPECT_EQ(2 * bf16_one.layers - bf16_two.layers, casts);
 }
 
