@@ -3,26 +3,18 @@
 #include <stdexcept>
 #include <string>
 
-#include <c10/core/ScalarType.h>
-
 #include <d9d/advise/activation_memory.hpp>
 #include <d9d/model/qwen3.hpp>
 
 namespace d9d::advise {
 
 ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t microbatch_size,
-                                       int64_t sequence_length, at::ScalarType autocast) {
+                                       int64_t sequence_length, Compute compute) {
   if (microbatch_size < 1 || sequence_length < 1) {
     throw std::invalid_argument(
         "d9d::advise::qwen3_activation_bytes: microbatch_size and sequence_length must be at "
         "least 1, got " +
         std::to_string(microbatch_size) + " and " + std::to_string(sequence_length));
-  }
-  if (autocast != at::kFloat && autocast != at::kBFloat16) {
-    throw std::invalid_argument(
-        std::string("d9d::advise::qwen3_activation_bytes: activations are predicted in float32 "
-                    "(no autocast) and under bfloat16 autocast, not ") +
-        c10::toString(autocast));
   }
   constexpr int64_t kFloat = 4;
   constexpr int64_t kHalf = 2;
@@ -34,23 +26,36 @@ ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t
   const int64_t k = kv_heads * config.head_dim;
   const int64_t i = config.intermediate_size;
   ActivationBytes out;
-  if (autocast == at::kFloat) {
-    // Per token of one layer, in float32 elements (the file comment's first table).
-    const int64_t layer =
-        (h + 1) + (q + k + heads + kv_heads) + (k + q + k + q + heads) + (h + h + 1) + 2 * i + h;
-    out.layers = config.num_hidden_layers * layer * tokens * kFloat;
-    out.loss = ((2 * h + 1) * tokens + config.vocab_size * h) * kFloat;
-  } else {
-    // Per token of one layer, in bytes (the second table): the residual stream in float32, the
-    // matmuls' inputs and outputs in bfloat16 (each linear casts its input itself), the rstds
-    // and the log-sum-exp in float32.
-    const int64_t layer = h * (kFloat + kFloat + 3 * kHalf + 2 * kHalf) + 2 * kFloat +
-                          q * 3 * kHalf + k * 3 * kHalf + heads * 2 * kFloat + kv_heads * kFloat +
-                          i * 2 * kHalf;
-    // Per layer: the bfloat16 casts of its weights, which the matmuls keep for the backward.
-    const int64_t weights = (h * q + 2 * h * k + q * h + 3 * h * i + 2 * config.head_dim) * kHalf;
-    out.layers = config.num_hidden_layers * (layer * tokens + weights);
-    out.loss = (h * (kFloat + kHalf) + kFloat) * tokens + config.vocab_size * h * kFloat;
+  switch (compute) {
+    case Compute::float32: {
+      // Per token of one layer, in float32 elements (the file comment's first table).
+      const int64_t layer =
+          (h + 1) + (q + k + heads + kv_heads) + (k + q + k + q + heads) + (h + h + 1) + 2 * i + h;
+      out.layers = config.num_hidden_layers * layer * tokens * kFloat;
+      out.loss = ((2 * h + 1) * tokens + config.vocab_size * h) * kFloat;
+      break;
+    }
+    case Compute::bf16_autocast: {
+      // Per token of one layer, in bytes (the second table): the residual stream in float32, the
+      // matmuls' inputs and outputs in bfloat16 (each linear casts its input itself), the rstds
+      // and the log-sum-exp in float32.
+      const int64_t layer = h * (kFloat + kFloat + 3 * kHalf + 2 * kHalf) + 2 * kFloat +
+                            q * 3 * kHalf + k * 3 * kHalf + heads * 2 * kFloat + kv_heads * kFloat +
+                            i * 2 * kHalf;
+      // Per layer: the bfloat16 casts of its weights, which the matmuls and q/k norms keep.
+      const int64_t weights = (h * q + 2 * h * k + q * h + 3 * h * i + 2 * config.head_dim) * kHalf;
+      out.layers = config.num_hidden_layers * (layer * tokens + weights);
+      out.loss = (h * (kFloat + kHalf) + kFloat) * tokens + config.vocab_size * h * kFloat;
+      break;
+    }
+    case Compute::bf16_parameters: {
+      // Everything in bfloat16 but the rstds and the log-sum-exp; no casts.
+      const int64_t layer = 4 * h * kHalf + 2 * kFloat + q * 3 * kHalf + k * 3 * kHalf +
+                            heads * 2 * kFloat + kv_heads * kFloat + i * 2 * kHalf;
+      out.layers = config.num_hidden_layers * layer * tokens;
+      out.loss = (2 * h * kHalf + kFloat) * tokens + config.vocab_size * h * kHalf;
+      break;
+    }
   }
   out.rope = 2 * sequence_length * (config.head_dim / 2) * kFloat;
   return out;

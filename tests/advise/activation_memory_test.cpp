@@ -1,8 +1,8 @@
 // d9d::advise::qwen3_activation_bytes (d9d/advise/activation_memory.hpp) against the bytes
 // Qwen3ForCausalLM::loss() leaves allocated for its backward (d9d::advise::CpuMemoryMeter), in
-// float32 and under bfloat16 autocast (as Bf16Mixed runs), for tied and untied heads, several
-// widths, head counts, head sizes, depths, batches and sequence lengths, each term checked by
-// varying one size at a time.
+// float32, under bfloat16 autocast (as Bf16Mixed runs) and with bfloat16 parameters, for tied and
+// untied heads, several widths, head counts, head sizes, depths, batches and sequence lengths, each
+// term checked by varying one size at a time.
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -45,15 +45,19 @@ d9d::model::Qwen3Config config_of(const Shape& s) {
 // The bytes the forward of one microbatch leaves allocated until its backward, its matmuls in
 // `autocast` (bfloat16: under autocast, as the train step runs Bf16Mixed).
 int64_t measured(const d9d::model::Qwen3Config& config, int64_t batch, int64_t seq,
-                 at::ScalarType autocast) {
+                 d9d::advise::Compute compute) {
+  using d9d::advise::Compute;
   torch::manual_seed(3);
   d9d::model::Qwen3ForCausalLM model(config);
+  if (compute == Compute::bf16_parameters) {
+    model->to(at::kBFloat16);
+  }
   const auto ids = torch::randint(config.vocab_size, {batch, seq}, torch::kLong);
   const auto labels = torch::randint(config.vocab_size, {batch, seq}, torch::kLong);
   d9d::advise::CpuMemoryMeter meter;
   at::Tensor loss;
   {
-    const d9d::detail::AutocastScope scope(autocast == at::kBFloat16, c10::DeviceType::CPU);
+    const d9d::detail::AutocastScope scope(compute != Compute::float32, c10::DeviceType::CPU);
     loss = model->loss(ids, labels).loss_sum;
   }
   const int64_t kept = meter.live();
@@ -93,14 +97,15 @@ TEST(Advise_ActivationMemory, PredictsWhatTheForwardKeeps) {
   vocab.tied = true;
   shapes.push_back(vocab);
   int checked = 0;
-  for (const auto autocast : {at::kFloat, at::kBFloat16}) {
+  using d9d::advise::Compute;
+  for (const auto compute : {Compute::float32, Compute::bf16_autocast, Compute::bf16_parameters}) {
     for (const auto& shape : shapes) {
       const auto config = config_of(shape);
       for (const auto& [batch, seq] : {std::pair<int64_t, int64_t>{1, 16}, {3, 16}, {2, 40}}) {
         const auto predicted =
-            d9d::advise::qwen3_activation_bytes(config, batch, seq, autocast).total();
-        const auto kept = measured(config, batch, seq, autocast);
-        const auto what = std::string(c10::toString(autocast)) + ", hidden " +
+            d9d::advise::qwen3_activation_bytes(config, batch, seq, compute).total();
+        const auto kept = measured(config, batch, seq, compute);
+        const auto what = "compute " + std::to_string(static_cast<int>(compute)) + ", hidden " +
                           std::to_string(shape.hidden) + ", intermediate " +
                           std::to_string(shape.intermediate) + ", heads " +
                           std::to_string(shape.heads) + "/" + std::to_string(shape.kv_heads) +
@@ -114,7 +119,7 @@ TEST(Advise_ActivationMemory, PredictsWhatTheForwardKeeps) {
       }
     }
   }
-  EXPECT_EQ(checked, 42);
+  EXPECT_EQ(checked, 63);
 }
 
 TEST(Advise_ActivationMemory, TheTermsAndTheirErrors) {
@@ -135,14 +140,19 @@ TEST(Advise_ActivationMemory, TheTermsAndTheirErrors) {
   EXPECT_THAT(
       d9d::testing::error_of([&] { (void)d9d::advise::qwen3_activation_bytes(config, 0, 16); }),
       ::testing::HasSubstr("must be at least 1, got 0 and 16"));
-  EXPECT_THAT(d9d::testing::error_of(
-                  [&] { (void)d9d::advise::qwen3_activation_bytes(config, 1, 16, at::kHalf); }),
-              ::testing::HasSubstr("not Half"));
   // Under bfloat16 autocast: per layer the weights' bfloat16 casts, whatever the batch.
-  const auto bf16_one = d9d::advise::qwen3_activation_bytes(config, 1, 16, at::kBFloat16);
-  const auto bf16_two = d9d::advise::qwen3_activation_bytes(config, 2, 16, at::kBFloat16);
+  using d9d::advise::Compute;
+  const auto bf16_one = d9d::advise::qwen3_activation_bytes(config, 1, 16, Compute::bf16_autocast);
+  const auto bf16_two = d9d::advise::qwen3_activation_bytes(config, 2, 16, Compute::bf16_autocast);
   const int64_t casts = int64_t{2} * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 160 + 2 * 16) * 2;
   EXPECT_EQ(2 * bf16_one.layers - bf16_two.layers, casts);
+  // With bfloat16 parameters nothing is cast: the layers' bytes are per token only.
+  const auto params_one =
+      d9d::advise::qwen3_activation_bytes(config, 1, 16, Compute::bf16_parameters);
+  const auto params_two =
+      d9d::advise::qwen3_activation_bytes(config, 2, 16, Compute::bf16_parameters);
+  EXPECT_EQ(params_two.layers, 2 * params_one.layers);
+  EXPECT_LT(params_one.total(), bf16_one.total());
 }
 
 }  // namespace

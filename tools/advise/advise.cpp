@@ -6,8 +6,7 @@
 //   bazel run //tools/advise -- --config ... --pp 2 --schedule zbv --tp 2 --precision bf16_params
 //
 // One line per distinct rank (pipeline rank x shard rank): bytes and GiB of each part, then the
-// largest; in fp32 and bf16_mixed without tp, cp or a pipeline also the activations one microbatch
-// keeps
+// largest; without fp64, tp, cp or a pipeline also the activations one microbatch keeps
 // (d9d/advise/activation_memory.hpp). Gathered units and communication buffers are not predicted
 // yet.
 #include <algorithm>
@@ -149,10 +148,16 @@ int main(int argc, char** argv) {
     }
     std::printf("largest: %.2f GiB (%s)\n", gib(largest), where.c_str());
     // One microbatch is in flight without a pipeline (gradient accumulation runs them in turn).
-    if ((precision == "fp32" || precision == "bf16_mixed") && tp == 1 && cp_shard == 1 && pp == 1) {
-      const auto kept = d9d::advise::qwen3_activation_bytes(
-          model, config.batch.microbatch_size, config.batch.sequence_length,
-          precision == "fp32" ? at::kFloat : at::kBFloat16);
+    if (precision != "fp64" && tp == 1 && cp_shard == 1 && pp == 1) {
+      // Bf16Mixed computes under autocast over float32 parameters under Replicate, with the
+      // bfloat16 copies FullyShard gathers under FullyShard.
+      using d9d::advise::Compute;
+      const Compute compute = precision == "fp32" ? Compute::float32
+                              : precision == "bf16_mixed" && data_parallel == "replicate"
+                                  ? Compute::bf16_autocast
+                                  : Compute::bf16_parameters;
+      const auto kept = d9d::advise::qwen3_activation_bytes(model, config.batch.microbatch_size,
+                                                            config.batch.sequence_length, compute);
       std::printf(
           "activations of a microbatch: %lld (%.2f GiB: layers %.2f, head and embedding %.2f, "
           "rotary tables %.4f); state + activations: %.2f GiB\n",
@@ -163,8 +168,8 @@ int main(int argc, char** argv) {
           "buffers\n");
     } else {
       std::printf(
-          "not predicted yet: activations (predicted for fp32 and bf16_mixed without tp, cp or a "
-          "pipeline so far), gathered units, communication buffers\n");
+          "not predicted yet: activations (predicted without fp64, tp, cp or a pipeline so "
+          "far), gathered units, communication buffers\n");
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "advise: %s\n", e.what());

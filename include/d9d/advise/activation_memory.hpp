@@ -7,10 +7,11 @@
 //   kept.layers; kept.loss; kept.rope; kept.total();
 //
 // Predicted so far: the dense Qwen3 (d9d::model::Qwen3ForCausalLM::loss) with d9d's fused kernels
-// (the default), in float32 (Fp32) or under bfloat16 autocast over float32 parameters
-// (Bf16Mixed), no recompute, no tensor or context parallelism, the whole model on one rank. What
-// each term is comes from the model's code; in float32, per token of a layer (H hidden,
-// Q = heads x head_dim, K = KV heads x head_dim, I intermediate), in elements:
+// (the default), in float32 (Fp32), under bfloat16 autocast over float32 parameters (Bf16Mixed)
+// or with bfloat16 parameters (Bf16Params, and FullyShard's bfloat16 gathers), no recompute, no
+// tensor or context parallelism, the whole model on one rank. What each term is comes from the
+// model's code; in float32, per token of a layer (H hidden, Q = heads x head_dim, K = KV heads x
+// head_dim, I intermediate), in elements:
 //   the input norm's output and its rstd                      H + 1
 //   q, k (kept by the q/k norms) and their per-head rstds     Q + K + heads + kv_heads
 //   v, the rotated q and k, the attention's output and its    K + Q + K + Q + heads (lse, float)
@@ -33,19 +34,28 @@
 // plus per layer the bfloat16 casts of its seven weight matrices and of the q/k norms' weights,
 // which the matmuls and norms keep; per token of the model the embedding's output (float32), the
 // head's input gradient (bfloat16) and the final rstd; per microbatch the head's weight gradient
-// (float32) and the rotary tables (float32). tests/advise checks both against the bytes the
-// forward leaves allocated (d9d::advise::CpuMemoryMeter).
+// (float32) and the rotary tables (float32). With bfloat16 parameters everything is bfloat16
+// but the rstds, the log-sum-exp and the rotary tables (float32), with no casts: per token of a
+// layer 4 x 2 H + 8 + 6 Q + 6 K + 8 heads + 4 kv_heads + 2 x 2 I bytes, per token of the model
+// 2 x 2 H + 4, and the head's weight gradient in bfloat16. tests/advise checks all three against
+// the bytes the forward leaves allocated (d9d::advise::CpuMemoryMeter).
 #pragma once
 
 #include <cstdint>
-
-#include <c10/core/ScalarType.h>
 
 namespace d9d::model {
 struct Qwen3Config;
 }  // namespace d9d::model
 
 namespace d9d::advise {
+
+/// How the model computes: the dtypes its forward keeps tensors in.
+enum class Compute : unsigned char {
+  float32,          ///< float32 parameters, no autocast (Fp32)
+  bf16_autocast,    ///< float32 parameters under bfloat16 autocast (Bf16Mixed under Replicate)
+  bf16_parameters,  ///< bfloat16 parameters (Bf16Params; Bf16Mixed under FullyShard, which
+                    ///< gathers bfloat16 copies); autocast on or off alike
+};
 
 /// What one microbatch's forward keeps until its backward, in bytes.
 struct ActivationBytes {
@@ -57,12 +67,11 @@ struct ActivationBytes {
 };
 
 /// The bytes d9d::model::Qwen3ForCausalLM's loss() keeps for the backward of one microbatch of
-/// `microbatch_size` sequences of `sequence_length` tokens, its matmuls in `autocast`: at::kFloat
-/// (no autocast: Fp32) or at::kBFloat16 (bfloat16 autocast over float32 parameters: Bf16Mixed);
-/// see the file comment. std::invalid_argument for a size below 1 or another dtype.
+/// `microbatch_size` sequences of `sequence_length` tokens, computed as `compute` says (see the
+/// file comment). std::invalid_argument for a size below 1.
 [[nodiscard]] ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config,
                                                      int64_t microbatch_size,
                                                      int64_t sequence_length,
-                                                     at::ScalarType autocast = at::kFloat);
+                                                     Compute compute = Compute::float32);
 
 }  // namespace d9d::advise
