@@ -3,7 +3,8 @@
 # shards add up to Replicate's bytes (258 rows over 3 ranks: 86 each), bfloat16 parameters halve
 # the parameter and gradient bytes, a pipeline's ranks add up to the whole model plus the tied
 # head's copy of the embedding, fp32's activations of a microbatch are the formula's (and are not
-# claimed where they are not predicted), and bad input is named with a non-zero status.
+# claimed where they are not predicted), --candidates lists and counts the Plan shapes for a
+# world, and bad input is named with a non-zero status.
 set -uo pipefail
 tool=$1
 config=$2
@@ -37,6 +38,17 @@ fp32=$("$tool" --config "$config" --precision fp32) || fail "fp32 failed"
 want=$(( (4 * 3734 * 2048 + 513 * 2048 + 258 * 256 + 2 * 256 * 16) * 4 ))
 echo "$fp32" | grep -q "^activations of a microbatch: $want " ||
   fail "activations are not $want: $fp32"
+# --candidates: the header's count is the number of Plans listed, and the summary counts the
+# lines marked as not fitting (state + predicted activations above --memory-gib).
+listed=$("$tool" --config "$config" --candidates 2 --precision fp32 --memory-gib 0.1) ||
+  fail "--candidates failed"
+count=$(echo "$listed" | sed -n 's/^\([0-9][0-9]*\) candidate Plans for 2 ranks.*/\1/p')
+[ -n "$count" ] && [ "$count" = "$(echo "$listed" | grep -c '^  [rf]')" ] ||
+  fail "the count is not the lines: $listed"
+marked=$(echo "$listed" | grep -c '(does not fit)')
+[ "$marked" -ge 1 ] && echo "$listed" | grep -q "^$marked of $count do not fit in 0.1 GiB" ||
+  fail "the summary does not count the marked lines: $listed"
+echo "$listed" | grep -q '^  replicate pp 2 (1f1b), 2 microbatches ' || fail "no 1f1b pp 2: $listed"
 "$tool" --config "$config" --pp 2 --schedule nope >"${TEST_TMPDIR:-/tmp}/err" 2>&1 &&
   fail "an unknown schedule was accepted"
 grep -q 'unknown schedule "nope"' "${TEST_TMPDIR:-/tmp}/err" || fail "$(cat "${TEST_TMPDIR:-/tmp}/err")"

@@ -18,35 +18,11 @@
 #include <CLI/CLI.hpp>
 
 #include <d9d/advise/activation_memory.hpp>
+#include <d9d/advise/candidates.hpp>
 #include <d9d/advise/state_memory.hpp>
 #include <d9d/d9d.hpp>
 
 namespace {
-
-d9d::pipeline::Program build(const std::string& name, int pp, int m) {
-  namespace pl = d9d::pipeline;
-  if (name == "gpipe") {
-    return pl::build_program<pl::GPipe<>>(pp, m);
-  }
-  if (name == "1f1b") {
-    return pl::build_program<pl::OneFOneB<>>(pp, m);
-  }
-  if (name == "interleaved") {
-    return pl::build_program<pl::Interleaved1F1B<pl::stages_per_rank<2>>>(pp, m);
-  }
-  if (name == "zbh1") {
-    return pl::build_program<pl::ZeroBubbleH1<>>(pp, m);
-  }
-  if (name == "zbv") {
-    return pl::build_program<pl::ZeroBubbleV<>>(pp, m);
-  }
-  if (name == "dualpipev") {
-    return pl::build_program<pl::DualPipeV<>>(pp, m);
-  }
-  throw std::invalid_argument(
-      "advise: unknown schedule \"" + name +
-      "\" (gpipe, 1f1b, interleaved (2 stages per rank), zbh1, zbv, dualpipev)");
-}
 
 // The precision policy's state dtypes (d9d::advise::precision_rules).
 d9d::advise::StateRules precision_rules(const std::string& name) {
@@ -72,6 +48,59 @@ d9d::advise::StateRules precision_rules(const std::string& name) {
 
 double gib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); }
 
+// --candidates N: every Plan shape for N ranks (d9d/advise/candidates.hpp) with the most state
+// any of its ranks keeps, and the activations of a microbatch where they are predicted.
+void print_candidates(const d9d::TrainerConfig& config, const d9d::model::Qwen3Config& model,
+                      const std::string& precision, int world, double memory_gib) {
+  const auto candidates = d9d::advise::enumerate_candidates(config, world);
+  std::printf(
+      "%zu candidate Plans for %d ranks, %s; per rank: the most state any rank keeps, "
+      "the activations of one microbatch (- where not predicted yet)\n",
+      candidates.size(), world, precision.c_str());
+  const auto whole = d9d::advise::qwen3_parameters(model);
+  int over = 0;
+  for (const auto& c : candidates) {
+    auto rules = precision_rules(precision);
+    rules.tensor_ranks = c.tp;
+    rules.shard_ranks = c.fully_shard ? c.dp_shard * c.cp : 1;
+    int64_t state = 0;
+    for (int p = 0; p < c.pp; ++p) {
+      const auto mine =
+          c.pp > 1 ? d9d::advise::qwen3_rank_parameters(
+                         model, d9d::advise::build_schedule(c.schedule, c.pp, c.microbatches), p,
+                         config.batch.sequence_length)
+                   : whole;
+      state =
+          std::max(state, d9d::advise::state_bytes(mine, rules, 0).total());  // rank 0: most rows
+    }
+    std::string activations = "-";
+    int64_t total = state;
+    if (precision != "fp64" && c.tp == 1 && c.cp == 1 && c.pp == 1) {
+      using d9d::advise::Compute;
+      const Compute compute = precision == "fp32" ? Compute::float32
+                              : precision == "bf16_mixed" && !c.fully_shard
+                                  ? Compute::bf16_autocast
+                                  : Compute::bf16_parameters;
+      const int64_t kept =
+          d9d::advise::qwen3_activation_bytes(model, config.batch.microbatch_size,
+                                              config.batch.sequence_length, compute)
+              .total();
+      char text[32];
+      std::snprintf(text, sizeof(text), "%.2f", gib(kept));
+      activations = text;
+      total += kept;
+    }
+    const bool fits = memory_gib <= 0 || gib(total) <= memory_gib;
+    over += fits ? 0 : 1;
+    std::printf("  %-58s state %8.2f GiB  activations %8s GiB%s\n", c.describe().c_str(),
+                gib(state), activations.c_str(), fits ? "" : "  (does not fit)");
+  }
+  if (memory_gib > 0) {
+    std::printf("%d of %zu do not fit in %.1f GiB by the bytes predicted so far\n", over,
+                candidates.size(), memory_gib);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -96,12 +125,21 @@ int main(int argc, char** argv) {
   app.add_option("--tp", tp, "tensor-parallel degree");
   app.add_option("--pp", pp, "pipeline degree");
   app.add_option("--schedule", schedule, "gpipe, 1f1b, interleaved, zbh1, zbv, dualpipev");
+  int candidates = 0;
+  double memory_gib = 0;
+  app.add_option("--candidates", candidates,
+                 "list every Plan shape for this many ranks with its predicted memory instead");
+  app.add_option("--memory-gib", memory_gib, "with --candidates: mark those that do not fit");
   app.add_option("--microbatches", microbatches,
                  "microbatches per step (default: the config's global / (dp x microbatch))");
   CLI11_PARSE(app, argc, argv);
   try {
     const auto config = d9d::TrainerConfig::from_file(config_path);
     const auto model = d9d::model::Qwen3Config::from_json_text(config.sections.at("model"));
+    if (candidates > 0) {
+      print_candidates(config, model, precision, candidates, memory_gib);
+      return 0;
+    }
     auto rules = precision_rules(precision);
     if (data_parallel == "fully_shard") {
       rules.shard_ranks = dp_shard * cp_shard;
@@ -112,7 +150,8 @@ int main(int argc, char** argv) {
       microbatches = static_cast<int>(
           std::max<int64_t>(1, per_step > 0 ? config.batch.global_batch_size / per_step : 1));
     }
-    const auto program = pp > 1 ? build(schedule, pp, microbatches) : d9d::pipeline::Program{};
+    const auto program =
+        pp > 1 ? d9d::advise::build_schedule(schedule, pp, microbatches) : d9d::pipeline::Program{};
     const auto all = d9d::advise::qwen3_parameters(model);
     int64_t count = 0;
     for (const auto& p : all) {
