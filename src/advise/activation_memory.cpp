@@ -1,10 +1,12 @@
 // d9d::advise::qwen3_activation_bytes (d9d/advise/activation_memory.hpp).
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 
 #include <d9d/advise/activation_memory.hpp>
 #include <d9d/model/qwen3.hpp>
+#include <d9d/model/stage_layers.hpp>
 
 namespace d9d::advise {
 
@@ -59,6 +61,69 @@ ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t
   }
   out.rope = 2 * sequence_length * (config.head_dim / 2) * kFloat;
   return out;
+}
+
+StageActivationBytes qwen3_stage_activation_bytes(const model::Qwen3Config& config, int stage,
+                                                  int stages, int64_t microbatch_size,
+                                                  int64_t sequence_length, Compute compute) {
+  if (stages < 1 || stage < 0 || stage >= stages) {
+    throw std::invalid_argument("d9d::advise::qwen3_stage_activation_bytes: stage " +
+                                std::to_string(stage) + " is not one of " + std::to_string(stages) +
+                                " stages");
+  }
+  const auto ranges =
+      model::distribute_layers(static_cast<int>(config.num_hidden_layers), stages,
+                               model::pipeline_virtual_layers(config, sequence_length));
+  const int layers = ranges[static_cast<std::size_t>(stage)].size();
+  // One layer's bytes and the model's rotary tables, from the whole model's prediction.
+  auto one = config;
+  one.num_hidden_layers = 1;
+  const auto whole = qwen3_activation_bytes(one, microbatch_size, sequence_length, compute);
+  constexpr int64_t kFloat = 4;
+  constexpr int64_t kHalf = 2;
+  const int64_t tokens = microbatch_size * sequence_length;
+  const int64_t h = config.hidden_size;
+  const int64_t residual = compute == Compute::bf16_parameters ? kHalf : kFloat;
+  StageActivationBytes out;
+  out.layers = layers * whole.layers;
+  out.rope = layers > 0 ? whole.rope : 0;
+  out.input = tokens * h * residual;
+  if (stage == stages - 1) {
+    // The log-softmax (float32) over the vocabulary, the final rstd, and the head's input as the
+    // head's matmul keeps it: float32, or its bfloat16 cast (autocast) or bfloat16 parameters.
+    out.head = tokens * (config.vocab_size * kFloat + kFloat) +
+               tokens * h * (compute == Compute::float32 ? kFloat : kHalf);
+    if (compute == Compute::bf16_autocast) {
+      out.head += config.vocab_size * h * kHalf;  // the head weight's bfloat16 cast
+    }
+  }
+  return out;
+}
+
+int64_t peak_rank_activation_bytes(const pipeline::Program& program, int pp_rank,
+                                   const std::vector<int64_t>& per_stage) {
+  if (pp_rank < 0 || pp_rank >= static_cast<int>(program.ranks.size())) {
+    throw std::invalid_argument("d9d::advise::peak_rank_activation_bytes: rank " +
+                                std::to_string(pp_rank) + " of " +
+                                std::to_string(program.ranks.size()));
+  }
+  if (per_stage.size() != static_cast<std::size_t>(program.stages())) {
+    throw std::invalid_argument(
+        "d9d::advise::peak_rank_activation_bytes: " + std::to_string(per_stage.size()) +
+        " stage sizes for " + std::to_string(program.stages()) + " stages");
+  }
+  int64_t live = 0;
+  int64_t peak = 0;
+  for (const auto& a : program.ranks[static_cast<std::size_t>(pp_rank)]) {
+    const int64_t bytes = per_stage[static_cast<std::size_t>(a.stage)];
+    if (a.op == pipeline::Op::forward) {
+      live += bytes;
+      peak = std::max(peak, live);
+    } else if (a.op == pipeline::Op::backward || a.op == pipeline::Op::backward_input) {
+      live -= bytes;
+    }
+  }
+  return peak;
 }
 
 }  // namespace d9d::advise

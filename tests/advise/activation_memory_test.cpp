@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -120,6 +122,83 @@ TEST(Advise_ActivationMemory, PredictsWhatTheForwardKeeps) {
     }
   }
   EXPECT_EQ(checked, 63);
+}
+
+// Each pipeline stage's forward (and on the last the loss the pipelined step runs on its logits),
+// measured alike: the received input is made before the meter, the embedding's output inside it.
+TEST(Advise_ActivationMemory, StagesPredictWhatTheirForwardKeeps) {
+  using d9d::advise::Compute;
+  int checked = 0;
+  for (const auto compute : {Compute::float32, Compute::bf16_autocast, Compute::bf16_parameters}) {
+    for (const auto& [hidden, vocab, tied] :
+         {std::tuple<int64_t, int64_t, bool>{64, 96, false}, {96, 200, false}, {64, 96, true}}) {
+      const auto config = config_of({.hidden = hidden,
+                                     .intermediate = 160,
+                                     .heads = 4,
+                                     .kv_heads = 2,
+                                     .head_dim = 16,
+                                     .layers = 5,
+                                     .vocab = vocab,
+                                     .tied = tied});
+      for (const int stages : {2, 3}) {
+        constexpr int64_t kBatch = 2;
+        constexpr int64_t kSeq = 16;
+        const auto ranges = d9d::model::distribute_layers(
+            5, stages, d9d::model::pipeline_virtual_layers(config, kSeq));
+        for (int s = 0; s < stages; ++s) {
+          torch::manual_seed(4);
+          d9d::model::Qwen3Stage stage(config, s, stages, ranges[static_cast<std::size_t>(s)]);
+          const auto dtype = compute == Compute::bf16_parameters ? at::kBFloat16 : at::kFloat;
+          stage->to(dtype);
+          const auto labels = torch::randint(vocab, {kBatch, kSeq}, torch::kLong);
+          const auto input = s == 0 ? torch::randint(vocab, {kBatch, kSeq}, torch::kLong)
+                                    : torch::randn({kBatch, kSeq, hidden}, dtype).requires_grad_();
+          int64_t kept = 0;
+          at::Tensor out;
+          {
+            d9d::advise::CpuMemoryMeter meter;
+            {
+              const d9d::detail::AutocastScope scope(compute != Compute::float32,
+                                                     c10::DeviceType::CPU);
+              out = stage(input);
+              if (s == stages - 1) {
+                out = d9d::model::causal_lm_loss(out, labels).loss_sum;
+              }
+            }
+            kept = meter.live();
+          }
+          const auto predicted =
+              d9d::advise::qwen3_stage_activation_bytes(config, s, stages, kBatch, kSeq, compute);
+          const int64_t expected = predicted.total() - (s == 0 ? 0 : predicted.input);
+          EXPECT_LE(std::abs(expected - kept), 64)
+              << "compute " << static_cast<int>(compute) << ", hidden " << hidden << ", vocab "
+              << vocab << (tied ? " tied" : "") << ", stage " << s << " of " << stages
+              << ": predicted " << expected << ", kept " << kept;
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 45);
+}
+
+// A rank's peak: the forwards in flight on it, each at its stage's bytes.
+TEST(Advise_ActivationMemory, APipelineRankHoldsItsMicrobatchesInFlight) {
+  namespace pl = d9d::pipeline;
+  const std::vector<int64_t> per_stage{10, 100};
+  const auto one_f_one_b = pl::with_communication(pl::one_f_one_b(2, 4));
+  EXPECT_EQ(d9d::advise::peak_rank_activation_bytes(one_f_one_b, 0, per_stage), 2 * 10);
+  EXPECT_EQ(d9d::advise::peak_rank_activation_bytes(one_f_one_b, 1, per_stage), 1 * 100);
+  const auto gpipe = pl::gpipe(2, 4);
+  EXPECT_EQ(d9d::advise::peak_rank_activation_bytes(gpipe, 0, per_stage), 4 * 10);
+  EXPECT_EQ(d9d::advise::peak_rank_activation_bytes(gpipe, 1, per_stage), 4 * 100);
+  EXPECT_THAT(d9d::testing::error_of(
+                  [&] { (void)d9d::advise::peak_rank_activation_bytes(gpipe, 2, per_stage); }),
+              ::testing::HasSubstr("rank 2 of 2"));
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                (void)d9d::advise::peak_rank_activation_bytes(gpipe, 0, {1, 2, 3});
+              }),
+              ::testing::HasSubstr("3 stage sizes for 2 stages"));
 }
 
 TEST(Advise_ActivationMemory, TheTermsAndTheirErrors) {

@@ -30,7 +30,10 @@ piped=$("$tool" --config "$config" --pp 2 --schedule 1f1b --microbatches 4) || f
 [ $(($(echo "$whole" | column 1) + 258 * 256 * 4)) = "$(echo "$piped" | column 1)" ] ||
   fail "the stages do not add up to the whole model and the tied copy: $piped"
 echo "$piped" | grep -q '^largest: ' || fail "no largest line: $piped"
-echo "$piped" | grep -q '^not predicted yet: activations' || fail "activations claimed: $piped"
+# pp 2 in bf16_mixed: each rank's microbatches in flight (1F1B: rank 0 holds two, rank 1 one).
+echo "$piped" | grep -q '^  pp 1: [0-9]' || fail "no activations in flight: $piped"
+tp2=$("$tool" --config "$config" --tp 2) || fail "tp 2 failed"
+echo "$tp2" | grep -q '^not predicted yet: activations' || fail "activations claimed: $tp2"
 # fp32, one microbatch of 8 x 256 tokens: per token of a layer 3,734 floats (hidden 256, q 256,
 # kv 128, intermediate 768, 8/4 heads), 4 layers; embedding, rstd and head input gradient (513
 # floats) per token and the head's 258 x 256 weight gradient; rotary tables 2 x 256 x 16.

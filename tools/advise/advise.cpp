@@ -6,7 +6,8 @@
 //   bazel run //tools/advise -- --config ... --pp 2 --schedule zbv --tp 2 --precision bf16_params
 //
 // One line per distinct rank (pipeline rank x shard rank): bytes and GiB of each part, then the
-// largest; without fp64, tp, cp or a pipeline also the activations one microbatch keeps
+// largest; without fp64, tp or cp also the activations one microbatch keeps, or under a pipeline
+// each rank's microbatches in flight
 // (d9d/advise/activation_memory.hpp). Gathered units and communication buffers are not predicted
 // yet.
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <cstdio>
 #include <map>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -186,8 +188,7 @@ int main(int argc, char** argv) {
       }
     }
     std::printf("largest: %.2f GiB (%s)\n", gib(largest), where.c_str());
-    // One microbatch is in flight without a pipeline (gradient accumulation runs them in turn).
-    if (precision != "fp64" && tp == 1 && cp_shard == 1 && pp == 1) {
+    if (precision != "fp64" && tp == 1 && cp_shard == 1) {
       // Bf16Mixed computes under autocast over float32 parameters under Replicate, with the
       // bfloat16 copies FullyShard gathers under FullyShard.
       using d9d::advise::Compute;
@@ -195,20 +196,39 @@ int main(int argc, char** argv) {
                               : precision == "bf16_mixed" && data_parallel == "replicate"
                                   ? Compute::bf16_autocast
                                   : Compute::bf16_parameters;
-      const auto kept = d9d::advise::qwen3_activation_bytes(model, config.batch.microbatch_size,
-                                                            config.batch.sequence_length, compute);
-      std::printf(
-          "activations of a microbatch: %lld (%.2f GiB: layers %.2f, head and embedding %.2f, "
-          "rotary tables %.4f); state + activations: %.2f GiB\n",
-          static_cast<long long>(kept.total()), gib(kept.total()), gib(kept.layers), gib(kept.loss),
-          gib(kept.rope), gib(largest + kept.total()));
+      const int64_t mb = config.batch.microbatch_size;
+      const int64_t seq = config.batch.sequence_length;
+      if (pp == 1) {
+        // One microbatch is in flight without a pipeline (accumulation runs them in turn).
+        const auto kept = d9d::advise::qwen3_activation_bytes(model, mb, seq, compute);
+        std::printf(
+            "activations of a microbatch: %lld (%.2f GiB: layers %.2f, head and embedding %.2f, "
+            "rotary tables %.4f); state + activations: %.2f GiB\n",
+            static_cast<long long>(kept.total()), gib(kept.total()), gib(kept.layers),
+            gib(kept.loss), gib(kept.rope), gib(largest + kept.total()));
+      } else {
+        // Each pipeline rank: its stages' microbatches in flight as the program runs them.
+        std::vector<int64_t> per_stage;
+        per_stage.reserve(static_cast<std::size_t>(program.stages()));
+        for (int s = 0; s < program.stages(); ++s) {
+          per_stage.push_back(d9d::advise::qwen3_stage_activation_bytes(model, s, program.stages(),
+                                                                        mb, seq, compute)
+                                  .total());
+        }
+        std::printf("activations in flight per pipeline rank (bytes, GiB):\n");
+        for (int p = 0; p < pp; ++p) {
+          const auto peak = d9d::advise::peak_rank_activation_bytes(program, p, per_stage);
+          std::printf("  pp %d: %lld  (%.2f GiB)\n", p, static_cast<long long>(peak), gib(peak));
+        }
+      }
       std::printf(
           "not predicted yet: gathered units, communication buffers, the step's transient "
-          "buffers\n");
+          "buffers%s\n",
+          program.split_backward ? ", what W reads after I (split backward)" : "");
     } else {
       std::printf(
-          "not predicted yet: activations (predicted without fp64, tp, cp or a pipeline so "
-          "far), gathered units, communication buffers\n");
+          "not predicted yet: activations (predicted without fp64, tp or cp so far), gathered "
+          "units, communication buffers\n");
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "advise: %s\n", e.what());

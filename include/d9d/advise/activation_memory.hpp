@@ -42,6 +42,9 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
+
+#include <d9d/pipeline/program.hpp>
 
 namespace d9d::model {
 struct Qwen3Config;
@@ -73,5 +76,35 @@ struct ActivationBytes {
                                                      int64_t microbatch_size,
                                                      int64_t sequence_length,
                                                      Compute compute = Compute::float32);
+
+/// What one microbatch's forward keeps on pipeline stage `stage` of `stages` (the stages of
+/// d9d::model::Qwen3Stage, layers split by d9d::model::distribute_layers weighed by
+/// pipeline_virtual_layers at `sequence_length`, as Qwen3Provider builds them), in bytes: its
+/// layers (as above) and rotary tables; on the first stage the embedding's output; on the others
+/// the received input the executor keeps (`input`); on the last the final norm, the head and the
+/// unfused loss the pipelined step runs on its logits (causal_lm_loss: the float32 log-softmax of
+/// every token over the vocabulary, the head's input and rstd, and under autocast the head
+/// weight's bfloat16 cast).
+struct StageActivationBytes {
+  int64_t layers = 0;
+  int64_t rope = 0;
+  int64_t input = 0;  ///< the embedding's output (first stage) or the received hidden states
+  int64_t head = 0;   ///< last stage: final norm, head and loss
+
+  [[nodiscard]] int64_t total() const { return layers + rope + input + head; }
+};
+
+[[nodiscard]] StageActivationBytes qwen3_stage_activation_bytes(const model::Qwen3Config& config,
+                                                                int stage, int stages,
+                                                                int64_t microbatch_size,
+                                                                int64_t sequence_length,
+                                                                Compute compute = Compute::float32);
+
+/// The most activation bytes pipeline rank `pp_rank` holds at once under `program` (with or
+/// without communication), each forward adding its stage's bytes (`per_stage[stage]`) and each
+/// B or I of the same stage and microbatch taking them away. (Under a split backward the weight
+/// gradient's W still reads the layers' inputs after I; that part is not counted.)
+[[nodiscard]] int64_t peak_rank_activation_bytes(const pipeline::Program& program, int pp_rank,
+                                                 const std::vector<int64_t>& per_stage);
 
 }  // namespace d9d::advise
