@@ -11,7 +11,8 @@
 namespace d9d::advise {
 
 ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t microbatch_size,
-                                       int64_t sequence_length, Compute compute) {
+                                       int64_t sequence_length, Compute compute,
+                                       bool recompute_layers) {
   if (microbatch_size < 1 || sequence_length < 1) {
     throw std::invalid_argument(
         "d9d::advise::qwen3_activation_bytes: microbatch_size and sequence_length must be at "
@@ -58,6 +59,11 @@ ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t
       out.loss = (2 * h * kHalf + kFloat) * tokens + config.vocab_size * h * kHalf;
       break;
     }
+  }
+  if (recompute_layers) {
+    // Each layer keeps its output in the residual stream's dtype; nothing else of it.
+    out.layers = config.num_hidden_layers * tokens * h *
+                 (compute == Compute::bf16_parameters ? kHalf : kFloat);
   }
   out.rope = 2 * sequence_length * (config.head_dim / 2) * kFloat;
   return out;

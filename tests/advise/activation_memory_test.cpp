@@ -182,6 +182,59 @@ TEST(Advise_ActivationMemory, StagesPredictWhatTheirForwardKeeps) {
   EXPECT_EQ(checked, 45);
 }
 
+// Every decoder layer recomputed (recompute::Full through parallelize, as the Trainer applies it):
+// the forward keeps each layer's output and the head's part, in the three ways of computing.
+TEST(Advise_ActivationMemory, RecomputedLayersKeepTheirOutputsOnly) {
+  using d9d::advise::Compute;
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{});
+  int checked = 0;
+  for (const auto compute : {Compute::float32, Compute::bf16_autocast, Compute::bf16_parameters}) {
+    for (const int layers : {2, 3}) {
+      const auto config = config_of({.hidden = 64,
+                                     .intermediate = 160,
+                                     .heads = 4,
+                                     .kv_heads = 2,
+                                     .head_dim = 16,
+                                     .layers = layers,
+                                     .vocab = 96,
+                                     .tied = false});
+      torch::manual_seed(5);
+      d9d::model::Qwen3ForCausalLM model(config);
+      // Bf16Params' parallelize stores the parameters in bfloat16; the others keep float32.
+      const auto parallel =
+          compute == Compute::bf16_parameters
+              ? d9d::parallel::parallelize<
+                    d9d::Plan<d9d::recompute::Full, d9d::precision::Bf16Params<>>>(mesh,
+                                                                                   {model.ptr()})
+              : d9d::parallel::parallelize<d9d::Plan<d9d::recompute::Full>>(mesh, {model.ptr()});
+      ASSERT_EQ(model->lm_head->weight.scalar_type(),
+                compute == Compute::bf16_parameters ? at::kBFloat16 : at::kFloat);
+      const auto ids = torch::randint(96, {2, 16}, torch::kLong);
+      int64_t kept = 0;
+      at::Tensor loss;
+      {
+        d9d::advise::CpuMemoryMeter meter;
+        {
+          const d9d::detail::AutocastScope scope(compute != Compute::float32, c10::DeviceType::CPU);
+          loss = model->loss(ids, ids).loss_sum;
+        }
+        kept = meter.live();
+        loss.backward();
+      }
+      const auto predicted =
+          d9d::advise::qwen3_activation_bytes(config, 2, 16, compute, /*recompute_layers=*/true);
+      EXPECT_LE(std::abs(predicted.total() - kept), 64)
+          << "compute " << static_cast<int>(compute) << ", " << layers << " layers: predicted "
+          << predicted.total() << ", kept " << kept;
+      EXPECT_LT(predicted.total(),
+                d9d::advise::qwen3_activation_bytes(config, 2, 16, compute).total());
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 6);
+}
+
 // A rank's peak: the forwards in flight on it, each at its stage's bytes.
 TEST(Advise_ActivationMemory, APipelineRankHoldsItsMicrobatchesInFlight) {
   namespace pl = d9d::pipeline;

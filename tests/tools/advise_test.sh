@@ -41,6 +41,11 @@ fp32=$("$tool" --config "$config" --precision fp32) || fail "fp32 failed"
 want=$(( (4 * 3734 * 2048 + 513 * 2048 + 258 * 256 + 2 * 256 * 16) * 4 ))
 echo "$fp32" | grep -q "^activations of a microbatch: $want " ||
   fail "activations are not $want: $fp32"
+# Full recompute: each of the 4 layers keeps its output only (float32, 2,048 tokens x 256).
+full=$("$tool" --config "$config" --precision fp32 --recompute full) || fail "--recompute failed"
+want=$(( (4 * 256 * 2048 + 513 * 2048 + 258 * 256 + 2 * 256 * 16) * 4 ))
+echo "$full" | grep -q "^activations of a microbatch: $want " ||
+  fail "recomputed activations are not $want: $full"
 # --candidates: the header's count is the number of Plans listed, and the summary counts the
 # lines marked as not fitting (state + predicted activations above --memory-gib).
 listed=$("$tool" --config "$config" --candidates 2 --precision fp32 --memory-gib 0.1) ||

@@ -127,6 +127,10 @@ int main(int argc, char** argv) {
   app.add_option("--tp", tp, "tensor-parallel degree");
   app.add_option("--pp", pp, "pipeline degree");
   app.add_option("--schedule", schedule, "gpipe, 1f1b, interleaved, zbh1, zbv, dualpipev");
+  std::string recompute = "none";
+  app.add_option("--recompute", recompute,
+                 "none, or full: every decoder layer recomputed in backward (recompute::Full)")
+      ->check(CLI::IsMember({"none", "full"}));
   int candidates = 0;
   double memory_gib = 0;
   app.add_option("--candidates", candidates,
@@ -188,7 +192,8 @@ int main(int argc, char** argv) {
       }
     }
     std::printf("largest: %.2f GiB (%s)\n", gib(largest), where.c_str());
-    if (precision != "fp64" && tp == 1 && cp_shard == 1) {
+    const bool recomputed = recompute == "full";
+    if (precision != "fp64" && tp == 1 && cp_shard == 1 && !(recomputed && pp > 1)) {
       // Bf16Mixed computes under autocast over float32 parameters under Replicate, with the
       // bfloat16 copies FullyShard gathers under FullyShard.
       using d9d::advise::Compute;
@@ -200,7 +205,7 @@ int main(int argc, char** argv) {
       const int64_t seq = config.batch.sequence_length;
       if (pp == 1) {
         // One microbatch is in flight without a pipeline (accumulation runs them in turn).
-        const auto kept = d9d::advise::qwen3_activation_bytes(model, mb, seq, compute);
+        const auto kept = d9d::advise::qwen3_activation_bytes(model, mb, seq, compute, recomputed);
         std::printf(
             "activations of a microbatch: %lld (%.2f GiB: layers %.2f, head and embedding %.2f, "
             "rotary tables %.4f); state + activations: %.2f GiB\n",
@@ -227,8 +232,8 @@ int main(int argc, char** argv) {
           program.split_backward ? ", what W reads after I (split backward)" : "");
     } else {
       std::printf(
-          "not predicted yet: activations (predicted without fp64, tp or cp so far), gathered "
-          "units, communication buffers\n");
+          "not predicted yet: activations (predicted without fp64, tp or cp, and recompute "
+          "without a pipeline, so far), gathered units, communication buffers\n");
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "advise: %s\n", e.what());

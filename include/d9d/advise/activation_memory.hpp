@@ -72,10 +72,13 @@ struct ActivationBytes {
 /// The bytes d9d::model::Qwen3ForCausalLM's loss() keeps for the backward of one microbatch of
 /// `microbatch_size` sequences of `sequence_length` tokens, computed as `compute` says (see the
 /// file comment). std::invalid_argument for a size below 1.
+/// With `recompute_layers` (d9d::recompute::Full) every decoder layer runs its forward without
+/// saving and again in backward, so it keeps only its output (the next layer's input).
 [[nodiscard]] ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config,
                                                      int64_t microbatch_size,
                                                      int64_t sequence_length,
-                                                     Compute compute = Compute::float32);
+                                                     Compute compute = Compute::float32,
+                                                     bool recompute_layers = false);
 
 /// What one microbatch's forward keeps on pipeline stage `stage` of `stages` (the stages of
 /// d9d::model::Qwen3Stage, layers split by d9d::model::distribute_layers weighed by
