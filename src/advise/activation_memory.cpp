@@ -10,6 +10,14 @@
 
 namespace d9d::advise {
 
+namespace {
+
+// The bytes of one element of the residual stream (the layers' inputs and outputs): bfloat16 with
+// bfloat16 parameters, else float32 (autocast casts the matmuls' inputs, not the stream).
+int64_t residual_bytes(Compute compute) { return compute == Compute::bf16_parameters ? 2 : 4; }
+
+}  // namespace
+
 ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t microbatch_size,
                                        int64_t sequence_length, Compute compute,
                                        bool recompute_layers) {
@@ -62,8 +70,7 @@ ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t
   }
   if (recompute_layers) {
     // Each layer keeps its output in the residual stream's dtype; nothing else of it.
-    out.layers = config.num_hidden_layers * tokens * h *
-                 (compute == Compute::bf16_parameters ? kHalf : kFloat);
+    out.layers = config.num_hidden_layers * tokens * h * residual_bytes(compute);
   }
   out.rope = 2 * sequence_length * (config.head_dim / 2) * kFloat;
   return out;
@@ -89,11 +96,10 @@ StageActivationBytes qwen3_stage_activation_bytes(const model::Qwen3Config& conf
   constexpr int64_t kHalf = 2;
   const int64_t tokens = microbatch_size * sequence_length;
   const int64_t h = config.hidden_size;
-  const int64_t residual = compute == Compute::bf16_parameters ? kHalf : kFloat;
   StageActivationBytes out;
   out.layers = layers * whole.layers;
   out.rope = layers > 0 ? whole.rope : 0;
-  out.input = tokens * h * residual;
+  out.input = tokens * h * residual_bytes(compute);
   if (stage == stages - 1) {
     // The log-softmax (float32) over the vocabulary, the final rstd, and the head's input as the
     // head's matmul keeps it: float32, or its bfloat16 cast (autocast) or bfloat16 parameters.

@@ -52,6 +52,17 @@ double gib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0
 
 // --candidates N: every Plan shape for N ranks (d9d/advise/candidates.hpp) with the most state
 // any of its ranks keeps, and the activations of a microbatch where they are predicted.
+// How the model computes under `precision`: Bf16Mixed under autocast over float32 parameters
+// under Replicate, with the bfloat16 copies FullyShard gathers under FullyShard.
+d9d::advise::Compute compute_of(const std::string& precision, bool fully_shard) {
+  using d9d::advise::Compute;
+  if (precision == "fp32") {
+    return Compute::float32;
+  }
+  return precision == "bf16_mixed" && !fully_shard ? Compute::bf16_autocast
+                                                   : Compute::bf16_parameters;
+}
+
 void print_candidates(const d9d::TrainerConfig& config, const d9d::model::Qwen3Config& model,
                       const std::string& precision, int world, double memory_gib) {
   const auto candidates = d9d::advise::enumerate_candidates(config, world);
@@ -66,27 +77,22 @@ void print_candidates(const d9d::TrainerConfig& config, const d9d::model::Qwen3C
     rules.tensor_ranks = c.tp;
     rules.shard_ranks = c.fully_shard ? c.dp_shard * c.cp : 1;
     int64_t state = 0;
+    const auto program = c.pp > 1 ? d9d::advise::build_schedule(c.schedule, c.pp, c.microbatches)
+                                  : d9d::pipeline::Program{};
     for (int p = 0; p < c.pp; ++p) {
-      const auto mine =
-          c.pp > 1 ? d9d::advise::qwen3_rank_parameters(
-                         model, d9d::advise::build_schedule(c.schedule, c.pp, c.microbatches), p,
-                         config.batch.sequence_length)
-                   : whole;
+      const auto mine = c.pp > 1 ? d9d::advise::qwen3_rank_parameters(model, program, p,
+                                                                      config.batch.sequence_length)
+                                 : whole;
       state =
           std::max(state, d9d::advise::state_bytes(mine, rules, 0).total());  // rank 0: most rows
     }
     std::string activations = "-";
     int64_t total = state;
     if (precision != "fp64" && c.tp == 1 && c.cp == 1 && c.pp == 1) {
-      using d9d::advise::Compute;
-      const Compute compute = precision == "fp32" ? Compute::float32
-                              : precision == "bf16_mixed" && !c.fully_shard
-                                  ? Compute::bf16_autocast
-                                  : Compute::bf16_parameters;
-      const int64_t kept =
-          d9d::advise::qwen3_activation_bytes(model, config.batch.microbatch_size,
-                                              config.batch.sequence_length, compute)
-              .total();
+      const int64_t kept = d9d::advise::qwen3_activation_bytes(model, config.batch.microbatch_size,
+                                                               config.batch.sequence_length,
+                                                               compute_of(precision, c.fully_shard))
+                               .total();
       char text[32];
       std::snprintf(text, sizeof(text), "%.2f", gib(kept));
       activations = text;
@@ -194,13 +200,7 @@ int main(int argc, char** argv) {
     std::printf("largest: %.2f GiB (%s)\n", gib(largest), where.c_str());
     const bool recomputed = recompute == "full";
     if (precision != "fp64" && tp == 1 && cp_shard == 1 && !(recomputed && pp > 1)) {
-      // Bf16Mixed computes under autocast over float32 parameters under Replicate, with the
-      // bfloat16 copies FullyShard gathers under FullyShard.
-      using d9d::advise::Compute;
-      const Compute compute = precision == "fp32" ? Compute::float32
-                              : precision == "bf16_mixed" && data_parallel == "replicate"
-                                  ? Compute::bf16_autocast
-                                  : Compute::bf16_parameters;
+      const auto compute = compute_of(precision, data_parallel == "fully_shard");
       const int64_t mb = config.batch.microbatch_size;
       const int64_t seq = config.batch.sequence_length;
       if (pp == 1) {
