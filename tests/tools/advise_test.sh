@@ -4,10 +4,12 @@
 # the parameter and gradient bytes, a pipeline's ranks add up to the whole model plus the tied
 # head's copy of the embedding, fp32's activations of a microbatch are the formula's (and are not
 # claimed where they are not predicted), --candidates lists and counts the Plan shapes for a
-# world, and bad input is named with a non-zero status.
+# world, with a machine profile the step time and the ranking, and bad input is named with a
+# non-zero status.
 set -uo pipefail
 tool=$1
 config=$2
+profile=$3
 fail() { echo "FAIL: $*" >&2; exit 1; }
 column() {  # the n-th byte count (1 parameters, 2 gradients, 3 moments, 4 total) summed over ranks
   awk -v n="$1" '/^  pp [0-9]+, shard [0-9]+:/ {s += $(4 + n)} END {print s}'
@@ -57,6 +59,23 @@ marked=$(echo "$listed" | grep -c '(does not fit)')
 [ "$marked" -ge 1 ] && echo "$listed" | grep -q "^$marked of $count do not fit in 0.1 GiB" ||
   fail "the summary does not count the marked lines: $listed"
 echo "$listed" | grep -q '^  replicate pp 2 (1f1b), 2 microbatches ' || fail "no 1f1b pp 2: $listed"
+# --profile (the committed one-H200 profile): the step's line, its tokens/s the step's tokens over
+# its time; ranked candidates fastest first, written as JSON; two ranks need measured collectives.
+timed=$("$tool" --config "$config" --profile "$profile") || fail "--profile failed"
+line=$(echo "$timed" | grep '^step time on NVIDIA H200: ') || fail "no step time: $timed"
+echo "$line" | awk '{ms = $(NF - 7); tps = $(NF - 5); tok = substr($(NF - 3), 2)
+  if (tok != 4096 || ms <= 0 || (tok / (ms / 1000) / tps - 1) ^ 2 > 1e-5) exit 1}' ||
+  fail "tokens/s is not the step's tokens over its time: $line"
+ranked=$("$tool" --config "$config" --candidates 1 --profile "$profile" \
+  --json "${TEST_TMPDIR:-/tmp}/ranking.json") || fail "--candidates --profile failed"
+echo "$ranked" | awk '/^  [rf].* step / {t = $(NF - 1); if (seen && t > last + 0.5) exit 1; last = t; seen = 1}
+  END {if (!seen) exit 1}' || fail "not fastest first: $ranked"
+[ "$(grep -c '"tokens_per_second"' "${TEST_TMPDIR:-/tmp}/ranking.json")" = \
+  "$(echo "$ranked" | grep -c '^  [rf]')" ] || fail "the JSON does not list every Plan"
+"$tool" --config "$config" --dp-shard 2 --profile "$profile" >"${TEST_TMPDIR:-/tmp}/err" 2>&1 &&
+  fail "two ranks were timed without measured collectives"
+grep -q 'no measured all_reduce (profiled on 1 GPU(s)' "${TEST_TMPDIR:-/tmp}/err" ||
+  fail "$(cat "${TEST_TMPDIR:-/tmp}/err")"
 "$tool" --config "$config" --pp 2 --schedule nope >"${TEST_TMPDIR:-/tmp}/err" 2>&1 &&
   fail "an unknown schedule was accepted"
 grep -q 'unknown schedule "nope"' "${TEST_TMPDIR:-/tmp}/err" || fail "$(cat "${TEST_TMPDIR:-/tmp}/err")"

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <map>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -21,92 +23,77 @@
 
 #include <d9d/advise/activation_memory.hpp>
 #include <d9d/advise/candidates.hpp>
+#include <d9d/advise/ranking.hpp>
 #include <d9d/advise/state_memory.hpp>
+#include <d9d/advise/step_time.hpp>
 #include <d9d/d9d.hpp>
 
 namespace {
 
-// The precision policy's state dtypes (d9d::advise::precision_rules).
-d9d::advise::StateRules precision_rules(const std::string& name) {
-  namespace p = d9d::precision;
-  if (name == "fp32") {
-    return d9d::advise::precision_rules<p::Fp32>();
-  }
-  if (name == "bf16_mixed") {
-    return d9d::advise::precision_rules<p::Bf16Mixed>();
-  }
-  if (name == "fp64") {
-    return d9d::advise::precision_rules<p::Fp64>();
-  }
-  if (name == "bf16_params") {
-    return d9d::advise::precision_rules<p::Bf16Params<>>();
-  }
-  if (name == "bf16_params_nearest") {
-    return d9d::advise::precision_rules<p::Bf16Params<p::NearestRounding>>();
-  }
-  throw std::invalid_argument("advise: unknown precision \"" + name +
-                              "\" (fp32, bf16_mixed, bf16_params, bf16_params_nearest, fp64)");
-}
+using d9d::advise::compute_of;
+using d9d::advise::precision_rules;
 
 double gib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); }
 
-// --candidates N: every Plan shape for N ranks (d9d/advise/candidates.hpp) with the most state
-// any of its ranks keeps, and the activations of a microbatch where they are predicted.
-// How the model computes under `precision`: Bf16Mixed under autocast over float32 parameters
-// under Replicate, with the bfloat16 copies FullyShard gathers under FullyShard.
-d9d::advise::Compute compute_of(const std::string& precision, bool fully_shard) {
-  using d9d::advise::Compute;
-  if (precision == "fp32") {
-    return Compute::float32;
+// --candidates N: every Plan shape for N ranks (d9d/advise/ranking.hpp) with the memory its
+// fullest rank is predicted to need and, with --profile, its predicted step, ranked.
+void print_candidates(const d9d::TrainerConfig& config, const d9d::advise::RankOptions& options,
+                      int world, const std::string& json_path) {
+  const auto ranked = d9d::advise::rank_plans(config, world, options);
+  std::printf(
+      "%zu candidate Plans for %d ranks, %s; per rank: the most state any rank keeps, its "
+      "activations (- where not predicted yet)%s\n",
+      ranked.size(), world, options.precision.c_str(),
+      options.machine != nullptr ? ("; the predicted step on " + options.machine->device).c_str()
+                                 : "");
+  int over = 0;
+  for (const auto& r : ranked) {
+    std::string activations = "-";
+    if (r.activation_bytes) {
+      char text[32];
+      std::snprintf(text, sizeof(text), "%.2f", gib(*r.activation_bytes));
+      activations = text;
+    }
+    std::string time;
+    if (r.time) {
+      char text[64];
+      std::snprintf(text, sizeof(text), "  step %8.1f ms %9.0f tokens/s", r.time->total * 1e3,
+                    r.time->tokens_per_second());
+      time = text;
+    }
+    over += r.fits ? 0 : 1;
+    std::printf("  %-58s state %8.2f GiB  activations %8s GiB%s%s\n", r.plan.describe().c_str(),
+                gib(r.state_bytes), activations.c_str(), time.c_str(),
+                r.fits ? "" : "  (does not fit)");
   }
-  return precision == "bf16_mixed" && !fully_shard ? Compute::bf16_autocast
-                                                   : Compute::bf16_parameters;
+  if (options.memory_bytes > 0) {
+    std::printf("%d of %zu do not fit in %.1f GiB by the bytes predicted so far\n", over,
+                ranked.size(), gib(options.memory_bytes));
+  }
+  if (!json_path.empty()) {
+    std::FILE* f = std::fopen(json_path.c_str(), "w");
+    if (f == nullptr) {
+      throw std::runtime_error("cannot write " + json_path);
+    }
+    const auto text = d9d::advise::ranking_json(ranked);
+    std::fwrite(text.data(), 1, text.size(), f);
+    std::fclose(f);
+    std::printf("ranking written to %s\n", json_path.c_str());
+  }
 }
 
-void print_candidates(const d9d::TrainerConfig& config, const d9d::model::Qwen3Config& model,
-                      const std::string& precision, int world, double memory_gib) {
-  const auto candidates = d9d::advise::enumerate_candidates(config, world);
+// "step time on DEVICE: ..." and its breakdown (d9d/advise/step_time.hpp).
+void print_step_time(const d9d::advise::StepTime& t, const std::string& device) {
+  const auto ms = [](double s) { return s * 1e3; };
+  std::printf("step time on %s: %.3f ms, %.0f tokens/s (%lld tokens per step)\n", device.c_str(),
+              ms(t.total), t.tokens_per_second(), static_cast<long long>(t.tokens));
   std::printf(
-      "%zu candidate Plans for %d ranks, %s; per rank: the most state any rank keeps, "
-      "the activations of one microbatch (- where not predicted yet)\n",
-      candidates.size(), world, precision.c_str());
-  const auto whole = d9d::advise::qwen3_parameters(model);
-  int over = 0;
-  for (const auto& c : candidates) {
-    auto rules = precision_rules(precision);
-    rules.tensor_ranks = c.tp;
-    rules.shard_ranks = c.fully_shard ? c.dp_shard * c.cp : 1;
-    int64_t state = 0;
-    const auto program = c.pp > 1 ? d9d::advise::build_schedule(c.schedule, c.pp, c.microbatches)
-                                  : d9d::pipeline::Program{};
-    for (int p = 0; p < c.pp; ++p) {
-      const auto mine = c.pp > 1 ? d9d::advise::qwen3_rank_parameters(model, program, p,
-                                                                      config.batch.sequence_length)
-                                 : whole;
-      state =
-          std::max(state, d9d::advise::state_bytes(mine, rules, 0).total());  // rank 0: most rows
-    }
-    std::string activations = "-";
-    int64_t total = state;
-    if (precision != "fp64" && c.tp == 1 && c.cp == 1 && c.pp == 1) {
-      const int64_t kept = d9d::advise::qwen3_activation_bytes(model, config.batch.microbatch_size,
-                                                               config.batch.sequence_length,
-                                                               compute_of(precision, c.fully_shard))
-                               .total();
-      char text[32];
-      std::snprintf(text, sizeof(text), "%.2f", gib(kept));
-      activations = text;
-      total += kept;
-    }
-    const bool fits = memory_gib <= 0 || gib(total) <= memory_gib;
-    over += fits ? 0 : 1;
-    std::printf("  %-58s state %8.2f GiB  activations %8s GiB%s\n", c.describe().c_str(),
-                gib(state), activations.c_str(), fits ? "" : "  (does not fit)");
-  }
-  if (memory_gib > 0) {
-    std::printf("%d of %zu do not fit in %.1f GiB by the bytes predicted so far\n", over,
-                candidates.size(), memory_gib);
-  }
+      "  matmuls %.1f, attention %.1f, elementwise %.1f, optimizer %.1f, tensor parallel %.1f, "
+      "context parallel %.1f, pipeline p2p %.1f, bubble %.1f, data parallel %.1f (%.1f exposed) "
+      "ms\n",
+      ms(t.gemm), ms(t.attention), ms(t.memory), ms(t.optimizer), ms(t.tensor_parallel),
+      ms(t.context_parallel), ms(t.pipeline_p2p), ms(t.bubble), ms(t.data_parallel),
+      ms(t.data_parallel_exposed));
 }
 
 }  // namespace
@@ -128,7 +115,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"replicate", "fully_shard"}));
   app.add_option("--precision", precision,
                  "fp32, bf16_mixed, bf16_params, bf16_params_nearest, fp64");
-  app.add_option("--dp-shard", dp_shard, "ranks FullyShard shards over");
+  app.add_option("--dp-shard", dp_shard,
+                 "data-parallel ranks (FullyShard shards over them; Replicate replicates)");
   app.add_option("--cp-shard", cp_shard, "context-parallel ranks (shard with FullyShard)");
   app.add_option("--tp", tp, "tensor-parallel degree");
   app.add_option("--pp", pp, "pipeline degree");
@@ -144,12 +132,34 @@ int main(int argc, char** argv) {
   app.add_option("--memory-gib", memory_gib, "with --candidates: mark those that do not fit");
   app.add_option("--microbatches", microbatches,
                  "microbatches per step (default: the config's global / (dp x microbatch))");
+  std::string profile_path;
+  app.add_option("--profile", profile_path,
+                 "machine profile (tools/gpu/profile-machine's JSON): predict the step time");
+  std::string reshard = "after_forward";
+  app.add_option("--reshard", reshard,
+                 "FullyShard: after_forward (gathered again for backward) or never (once a step)")
+      ->check(CLI::IsMember({"after_forward", "never"}));
+  bool reduce_once = false;
+  bool reduce_bf16 = false;
+  app.add_flag("--reduce-once", reduce_once, "FullyShard: one reduce-scatter per step");
+  app.add_flag("--reduce-bf16", reduce_bf16, "data-parallel gradients reduced in bfloat16");
+  std::string json_path;
+  app.add_option("--json", json_path, "with --candidates and --profile: write the ranking here");
   CLI11_PARSE(app, argc, argv);
   try {
     const auto config = d9d::TrainerConfig::from_file(config_path);
     const auto model = d9d::model::Qwen3Config::from_json_text(config.sections.at("model"));
+    std::optional<d9d::advise::MachineProfile> machine;
+    if (!profile_path.empty()) {
+      machine = d9d::advise::MachineProfile::from_file(profile_path);
+    }
     if (candidates > 0) {
-      print_candidates(config, model, precision, candidates, memory_gib);
+      print_candidates(config,
+                       {.precision = precision,
+                        .recompute_layers = recompute == "full",
+                        .memory_bytes = static_cast<int64_t>(memory_gib * 1024 * 1024 * 1024),
+                        .machine = machine ? &*machine : nullptr},
+                       candidates, json_path);
       return 0;
     }
     auto rules = precision_rules(precision);
@@ -198,6 +208,30 @@ int main(int argc, char** argv) {
       }
     }
     std::printf("largest: %.2f GiB (%s)\n", gib(largest), where.c_str());
+    if (machine &&
+        compute_of(precision, data_parallel == "fully_shard") == d9d::advise::Compute::float32) {
+      std::printf("step time: not predicted for %s (the profile measures bfloat16 matmuls)\n",
+                  precision.c_str());
+    } else if (machine) {
+      d9d::advise::Candidate plan{.fully_shard = data_parallel == "fully_shard",
+                                  .dp_replicate = data_parallel == "fully_shard" ? 1 : dp_shard,
+                                  .dp_shard = data_parallel == "fully_shard" ? dp_shard : 1,
+                                  .cp = cp_shard,
+                                  .tp = tp,
+                                  .pp = pp,
+                                  .schedule = pp > 1 ? schedule : std::string{},
+                                  .microbatches = microbatches};
+      const d9d::advise::StepOptions options{.microbatch_size = config.batch.microbatch_size,
+                                             .sequence_length = config.batch.sequence_length,
+                                             .precision = precision_rules(precision),
+                                             .compute = compute_of(precision, plan.fully_shard),
+                                             .recompute_layers = recompute == "full",
+                                             .reduce_bf16 = reduce_bf16,
+                                             .reshard_after_forward = reshard == "after_forward",
+                                             .reduce_every_microbatch = !reduce_once};
+      print_step_time(d9d::advise::predict_step_time(model, plan, options, *machine),
+                      machine->device);
+    }
     const bool recomputed = recompute == "full";
     if (precision != "fp64" && tp == 1 && cp_shard == 1 && !(recomputed && pp > 1)) {
       const auto compute = compute_of(precision, data_parallel == "fully_shard");

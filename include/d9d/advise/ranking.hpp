@@ -1,0 +1,78 @@
+// d9d/advise/ranking.hpp — the candidate Plans for a world of ranks, each with the memory its
+// fullest rank is predicted to need and, given a machine profile, its predicted step, ranked
+// (docs/advise.md, "Ranking").
+//
+//   const auto machine = d9d::advise::MachineProfile::from_file("docs/profiles/h200-1gpu.json");
+//   const auto ranked = d9d::advise::rank_plans(config, /*world_size=*/8,
+//                                               {.precision = "bf16_mixed",
+//                                                .memory_bytes = 141LL << 30,
+//                                                .machine = &machine});
+//   ranked.front().plan.describe();  // the fastest Plan predicted to fit
+//   std::puts(d9d::advise::ranking_json(ranked).c_str());
+//
+// The memory is the state the fullest rank keeps (parameters, gradients, AdamW's moments) plus the
+// activations it holds (one microbatch without a pipeline, the program's peak under one) where
+// they are predicted (not under fp64, tensor or context parallelism, or recompute with a
+// pipeline); the step time is d9d::advise::predict_step_time's. Plans predicted to fit come first,
+// by predicted tokens/s (fastest first, in enumeration order without a machine profile), then
+// those whose activations are not predicted, then those predicted not to fit.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <d9d/advise/activation_memory.hpp>
+#include <d9d/advise/candidates.hpp>
+#include <d9d/advise/state_memory.hpp>
+#include <d9d/advise/step_time.hpp>
+
+namespace d9d {
+struct TrainerConfig;
+}  // namespace d9d
+
+namespace d9d::advise {
+
+/// The precision by its name in tools/advise: fp32, bf16_mixed, bf16_params (stochastic
+/// rounding), bf16_params_nearest, fp64. std::invalid_argument for another.
+[[nodiscard]] StateRules precision_rules(const std::string& name);
+
+/// How the model computes under the named precision: float32 for fp32 (and fp64, which the
+/// activation model does not predict), Bf16Mixed autocast under Replicate and the bfloat16
+/// copies FullyShard gathers under FullyShard, bfloat16 parameters for the bf16_params kinds.
+[[nodiscard]] Compute compute_of(const std::string& precision, bool fully_shard);
+
+/// What to rank.
+struct RankOptions {
+  std::string precision = "bf16_mixed";     ///< as precision_rules names it
+  bool recompute_layers = false;            ///< recompute::Full
+  int64_t memory_bytes = 0;                 ///< a rank's memory; 0: everything fits
+  const MachineProfile* machine = nullptr;  ///< predict the step time on it; null: none
+  CandidateOptions candidates{};
+};
+
+/// One candidate with its predictions.
+struct RankedPlan {
+  Candidate plan{};
+  int64_t state_bytes = 0;                    ///< the fullest rank's state
+  std::optional<int64_t> activation_bytes{};  ///< the fullest rank's activations, if predicted
+  std::optional<StepTime> time{};             ///< with a machine profile
+  bool fits = true;  ///< state (+ activations where predicted) within memory_bytes
+
+  [[nodiscard]] int64_t predicted_bytes() const {
+    return state_bytes + activation_bytes.value_or(0);
+  }
+};
+
+/// Every candidate of enumerate_candidates(config, world_size, options.candidates) with its
+/// predictions, ranked (see the file comment).
+[[nodiscard]] std::vector<RankedPlan> rank_plans(const TrainerConfig& config, int world_size,
+                                                 const RankOptions& options);
+
+/// The ranking as JSON: an array of {"plan": describe(), the Plan's degrees, "state_bytes",
+/// "activation_bytes" (null if not predicted), "fits", "step_seconds" and "tokens_per_second"
+/// (null without a machine profile)}.
+[[nodiscard]] std::string ranking_json(const std::vector<RankedPlan>& ranked);
+
+}  // namespace d9d::advise

@@ -1,0 +1,169 @@
+// d9d/advise/step_time.hpp — how long a Plan's training step will take on a machine, before
+// launch: the Plan advisor's step time (docs/advise.md, "Step time"), from a machine profile that
+// tools/gpu/profile-machine measures once.
+//
+//   const auto machine = d9d::advise::MachineProfile::from_file("docs/profiles/h200-1gpu.json");
+//   const auto time = d9d::advise::predict_step_time(model_config, candidate,
+//                                                    {.microbatch_size = 4,
+//                                                     .sequence_length = 2048,
+//                                                     .precision = rules,
+//                                                     .compute = Compute::bf16_autocast},
+//                                                    machine);
+//   time.total; time.tokens_per_second(); time.gemm; time.bubble; ...
+//
+// The model (dense Qwen3 as d9d::model::Qwen3ForCausalLM runs it), per rank and microbatch:
+//   gemm       every linear layer's three matmuls (forward x W^T, input gradient dy W, weight
+//              gradient dy^T x) at the profile's measured time for that shape and layout (the
+//              nearest measured shape's rate where the exact one was not measured); under tensor
+//              parallelism each rank's slice (Megatron's layout), under context parallelism its
+//              chunks' tokens; the head's on the last stage
+//   attention  the causal attention kernel's forward and backward at the nearest measured shape,
+//              scaled by FLOPs (a cp rank does 1/cp of the sequence's)
+//   memory     the elementwise kernels (norms, rotary, SiLU-mul, residual adds, autocast's casts)
+//              as bytes moved at the profile's elementwise bandwidth: the forward's bytes counted
+//              from the model's code, the backward's as twice them; per microbatch the weight casts
+//              under autocast and the gradient accumulation; per step the optimizer (AdamW reads
+//              the parameter, gradient and moments and writes three of them), the clipping norm
+//              and the gradients' zeroing
+//   recompute  Full recompute runs every layer's forward again in its backward
+// and the communication at the profile's measured collective times (scaled from the ranks it
+// was measured on to the group's size by the ring's (g - 1) / g):
+//   Replicate     one all-reduce of the gradients per step, overlapped with the last
+//                 microbatch's backward (what exceeds it, plus one bucket's, is exposed)
+//   FullyShard    all-gathers of the bfloat16 parameters (forward, and again in backward when
+//                 units reshard after forward) and reduce-scatters of the gradients (every
+//                 microbatch, or once with reduce_every_microbatch off), prefetched on their own
+//                 stream: what exceeds the compute, plus one layer's gather and reduce-scatter,
+//                 is exposed; HSDP adds the replicas' all-reduce of the shards
+//   tensor        sequence parallelism's all-gather and reduce-scatter around attention and the
+//                 MLP (two each per layer in the forward, two each in the backward) and around
+//                 the head, on the critical path
+//   context       the ring's K/V exchanges (and dK/dV in the backward), hidden behind attention
+//                 where they fit
+//   pipeline      the schedule program simulated (d9d::pipeline::simulate) at one stage's
+//                 forward, input-gradient and weight-gradient times with the activations'
+//                 point-to-point transfer added to F and I; the idle time is the bubble
+// The step is the microbatches' compute (under a pipeline the program's makespan) plus the
+// optimizer and the exposed data-parallel communication. Not modelled: host time between
+// kernels, the SMs NCCL takes from overlapped compute, expert parallelism, LoRA, Float8.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <d9d/advise/activation_memory.hpp>
+#include <d9d/advise/candidates.hpp>
+#include <d9d/advise/state_memory.hpp>
+
+namespace d9d::model {
+struct Qwen3Config;
+}  // namespace d9d::model
+
+namespace d9d::advise {
+
+/// One measured bfloat16 matmul C[m, n] = A[m, k] B[k, n] (float32 accumulation). `layout`: "nt"
+/// (A row-major, B the transpose of a row-major [n, k]: a linear layer's forward), "nn" (its
+/// input gradient) or "tn" (A the transpose of a row-major [k, m]: its weight gradient).
+struct MeasuredGemm {
+  int64_t m = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+  std::string layout{};
+  double seconds = 0;
+};
+
+/// One measured causal attention ([batch, heads, sequence, head_dim] queries, kv_heads keys and
+/// values), forward and backward.
+struct MeasuredAttention {
+  int64_t batch = 0;
+  int64_t sequence = 0;
+  int64_t heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  double forward_seconds = 0;
+  double backward_seconds = 0;
+};
+
+/// A collective's time by the bytes each rank passes, measured on `MachineProfile::ranks`.
+struct CollectiveCurve {
+  std::vector<std::pair<int64_t, double>> points{};  ///< (bytes, seconds), ascending bytes
+
+  /// Log-log interpolation between the points; below the first, the first's time (latency);
+  /// above the last, the last's bandwidth. std::logic_error without points.
+  [[nodiscard]] double seconds(int64_t bytes) const;
+};
+
+/// What tools/gpu/profile-machine measured (its JSON: tools/gpu/profile_machine.py).
+struct MachineProfile {
+  std::string device{};
+  int ranks = 1;  ///< the GPUs the collectives ran over
+  std::vector<MeasuredGemm> gemm{};
+  std::vector<MeasuredAttention> attention{};
+  double memory_bytes_per_second = 0;  ///< an elementwise kernel's bytes read and written
+  /// all_reduce, all_gather (bytes: its output), reduce_scatter (its input), all_to_all, p2p.
+  std::map<std::string, CollectiveCurve, std::less<>> collectives{};
+
+  /// std::invalid_argument naming what is missing or malformed.
+  [[nodiscard]] static MachineProfile from_json_text(std::string_view text);
+  [[nodiscard]] static MachineProfile from_file(const std::string& path);
+
+  /// The seconds of an (m, n, k) matmul in `layout`: the measured time of that shape, else the
+  /// nearest measured shape of the layout (by the sum of |log| size ratios) at its FLOP rate.
+  /// std::invalid_argument when the profile has no matmul of the layout.
+  [[nodiscard]] double gemm_seconds(int64_t m, int64_t n, int64_t k, std::string_view layout) const;
+  /// Forward and backward seconds of causal attention, from the nearest measured shape (by
+  /// batch x heads, sequence and head_dim) scaled by FLOPs (batch x heads x sequence^2 x dim).
+  [[nodiscard]] std::pair<double, double> attention_seconds(int64_t batch, int64_t sequence,
+                                                            int64_t heads, int64_t kv_heads,
+                                                            int64_t head_dim) const;
+  /// The seconds of collective `name` passing `bytes` per rank over `group` ranks: the measured
+  /// curve scaled by (group - 1) / group over (ranks - 1) / ranks (p2p: not scaled); 0 for a
+  /// group of one. std::invalid_argument when the profile did not measure it (one GPU).
+  [[nodiscard]] double collective_seconds(std::string_view name, int64_t bytes, int group) const;
+};
+
+/// What the Plan runs, besides its shape (the Candidate).
+struct StepOptions {
+  int64_t microbatch_size = 1;
+  int64_t sequence_length = 1;
+  StateRules precision{};               ///< the parameters', gradients' and moments' dtypes
+  Compute compute = Compute::float32;   ///< how the forward computes
+  bool recompute_layers = false;        ///< d9d::recompute::Full
+  bool reduce_bf16 = false;             ///< data-parallel gradients reduced in bfloat16
+  bool reshard_after_forward = true;    ///< FullyShard: units gathered again for the backward
+  bool reduce_every_microbatch = true;  ///< FullyShard: a reduce-scatter per microbatch
+  int64_t bucket_bytes = 100LL << 20;   ///< Replicate's gradient buckets
+};
+
+/// A rank's predicted step, in seconds (see the file comment).
+struct StepTime {
+  double gemm = 0;                   ///< matmuls of the step (all microbatches)
+  double attention = 0;              ///< attention kernels of the step
+  double memory = 0;                 ///< elementwise kernels, weight casts, gradient accumulation
+  double optimizer = 0;              ///< AdamW, clipping, zeroing
+  double tensor_parallel = 0;        ///< sequence parallelism's collectives (on the critical path)
+  double context_parallel = 0;       ///< the ring's exchanges not hidden behind attention
+  double pipeline_p2p = 0;           ///< activations and their gradients sent between stages
+  double bubble = 0;                 ///< idle time of the pipeline program
+  double data_parallel = 0;          ///< the data-parallel collectives' whole time
+  double data_parallel_exposed = 0;  ///< the part not hidden behind compute
+  double total = 0;
+  int64_t tokens = 0;  ///< the whole step's tokens (all ranks)
+
+  [[nodiscard]] double tokens_per_second() const {
+    return total > 0 ? static_cast<double>(tokens) / total : 0.0;
+  }
+};
+
+/// The step of `candidate` for `config`'s dense Qwen3 on `machine` (see the file comment): the
+/// slowest pipeline rank's. std::invalid_argument for sizes below 1 or a collective the profile
+/// lacks.
+[[nodiscard]] StepTime predict_step_time(const model::Qwen3Config& config,
+                                         const Candidate& candidate, const StepOptions& options,
+                                         const MachineProfile& machine);
+
+}  // namespace d9d::advise

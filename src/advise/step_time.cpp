@@ -1,0 +1,429 @@
+// d9d::advise::MachineProfile and predict_step_time (d9d/advise/step_time.hpp).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include <d9d/advise/step_time.hpp>
+#include <d9d/model/qwen3.hpp>
+#include <d9d/pipeline/verify.hpp>
+
+namespace d9d::advise {
+
+namespace {
+
+[[noreturn]] void bad_profile(const std::string& what) {
+  throw std::invalid_argument("d9d::advise::MachineProfile: " + what);
+}
+
+double log_ratio(double a, double b) { return std::abs(std::log(a / b)); }
+
+// The ring's share of the bytes each rank moves in a collective over `group` ranks.
+double ring_share(int group) {
+  return group > 1 ? static_cast<double>(group - 1) / static_cast<double>(group) : 0.0;
+}
+
+}  // namespace
+
+double CollectiveCurve::seconds(int64_t bytes) const {
+  if (points.empty()) {
+    throw std::logic_error("d9d::advise::CollectiveCurve: no measured points");
+  }
+  if (bytes <= points.front().first) {
+    return points.front().second;
+  }
+  if (bytes >= points.back().first) {
+    return points.back().second * static_cast<double>(bytes) /
+           static_cast<double>(points.back().first);
+  }
+  const auto upper = std::lower_bound(points.begin(), points.end(), bytes,
+                                      [](const auto& p, int64_t b) { return p.first < b; });
+  const auto lower = upper - 1;
+  const double x0 = std::log(static_cast<double>(lower->first));
+  const double x1 = std::log(static_cast<double>(upper->first));
+  const double t = (std::log(static_cast<double>(bytes)) - x0) / (x1 - x0);
+  return std::exp(std::log(lower->second) +
+                  t * (std::log(upper->second) - std::log(lower->second)));
+}
+
+MachineProfile MachineProfile::from_json_text(std::string_view text) {
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    bad_profile(std::string("not JSON: ") + e.what());
+  }
+  MachineProfile out;
+  try {
+    out.device = json.value("device", std::string{});
+    out.ranks = json.value("ranks", 1);
+    if (!json.contains("gemm") || !json.contains("memory_bytes_per_second")) {
+      bad_profile("needs \"gemm\" and \"memory_bytes_per_second\" (tools/gpu/profile-machine)");
+    }
+    for (const auto& g : json.at("gemm")) {
+      out.gemm.push_back({.m = g.at("m"),
+                          .n = g.at("n"),
+                          .k = g.at("k"),
+                          .layout = g.at("layout"),
+                          .seconds = g.at("seconds")});
+    }
+    const auto attention = json.value("attention", nlohmann::json::array());
+    for (const auto& a : attention) {
+      out.attention.push_back({.batch = a.at("batch"),
+                               .sequence = a.at("sequence"),
+                               .heads = a.at("heads"),
+                               .kv_heads = a.at("kv_heads"),
+                               .head_dim = a.at("head_dim"),
+                               .forward_seconds = a.at("forward_seconds"),
+                               .backward_seconds = a.at("backward_seconds")});
+    }
+    out.memory_bytes_per_second = json.at("memory_bytes_per_second");
+    const auto collectives = json.value("collectives", nlohmann::json::object());
+    for (const auto& [name, curve] : collectives.items()) {
+      CollectiveCurve c;
+      for (const auto& point : curve) {
+        c.points.emplace_back(point.at(0).get<int64_t>(), point.at(1).get<double>());
+      }
+      std::sort(c.points.begin(), c.points.end());
+      if (!c.points.empty()) {
+        out.collectives.emplace(name, std::move(c));
+      }
+    }
+  } catch (const nlohmann::json::exception& e) {
+    bad_profile(std::string("malformed: ") + e.what());
+  }
+  for (const auto& g : out.gemm) {
+    if (g.m < 1 || g.n < 1 || g.k < 1 || g.seconds <= 0 ||
+        (g.layout != "nt" && g.layout != "nn" && g.layout != "tn")) {
+      bad_profile("a matmul needs sizes >= 1, seconds > 0 and layout nt, nn or tn");
+    }
+  }
+  if (out.memory_bytes_per_second <= 0 || out.ranks < 1) {
+    bad_profile("needs memory_bytes_per_second > 0 and ranks >= 1");
+  }
+  return out;
+}
+
+MachineProfile MachineProfile::from_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    bad_profile("cannot read " + path);
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  return from_json_text(text.str());
+}
+
+double MachineProfile::gemm_seconds(int64_t m, int64_t n, int64_t k,
+                                    std::string_view layout) const {
+  const MeasuredGemm* best = nullptr;
+  double best_distance = std::numeric_limits<double>::infinity();
+  for (const auto& g : gemm) {
+    if (g.layout != layout) {
+      continue;
+    }
+    const double d = log_ratio(static_cast<double>(g.m), static_cast<double>(m)) +
+                     log_ratio(static_cast<double>(g.n), static_cast<double>(n)) +
+                     log_ratio(static_cast<double>(g.k), static_cast<double>(k));
+    if (d < best_distance) {
+      best_distance = d;
+      best = &g;
+    }
+  }
+  if (best == nullptr) {
+    bad_profile("no measured matmul of layout \"" + std::string(layout) + "\"");
+  }
+  const double flops = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  const double measured =
+      static_cast<double>(best->m) * static_cast<double>(best->n) * static_cast<double>(best->k);
+  return best->seconds * flops / measured;
+}
+
+std::pair<double, double> MachineProfile::attention_seconds(int64_t batch, int64_t sequence,
+                                                            int64_t heads, int64_t kv_heads,
+                                                            int64_t head_dim) const {
+  (void)kv_heads;  // grouped-query attention's FLOPs follow the query heads
+  const MeasuredAttention* best = nullptr;
+  double best_distance = std::numeric_limits<double>::infinity();
+  const auto work = [](int64_t b, int64_t h, int64_t s, int64_t d) {
+    return static_cast<double>(b) * static_cast<double>(h) * static_cast<double>(s) *
+           static_cast<double>(s) * static_cast<double>(d);
+  };
+  for (const auto& a : attention) {
+    const double d =
+        log_ratio(static_cast<double>(a.batch * a.heads), static_cast<double>(batch * heads)) +
+        log_ratio(static_cast<double>(a.sequence), static_cast<double>(sequence)) +
+        log_ratio(static_cast<double>(a.head_dim), static_cast<double>(head_dim));
+    if (d < best_distance) {
+      best_distance = d;
+      best = &a;
+    }
+  }
+  if (best == nullptr) {
+    bad_profile("no measured attention");
+  }
+  const double scale = work(batch, heads, sequence, head_dim) /
+                       work(best->batch, best->heads, best->sequence, best->head_dim);
+  return {best->forward_seconds * scale, best->backward_seconds * scale};
+}
+
+double MachineProfile::collective_seconds(std::string_view name, int64_t bytes, int group) const {
+  if (group <= 1 || bytes <= 0) {
+    return 0.0;
+  }
+  const auto it = collectives.find(name);
+  if (it == collectives.end()) {
+    bad_profile("no measured " + std::string(name) + " (profiled on " + std::to_string(ranks) +
+                " GPU(s); tools/gpu/profile-machine measures collectives on two or more)");
+  }
+  const double t = it->second.seconds(bytes);
+  if (name == "p2p" || ranks == group) {
+    return t;
+  }
+  return ranks > 1 ? t * ring_share(group) / ring_share(ranks) : t;
+}
+
+namespace {
+
+// A rank's work of one microbatch on one stage (the whole model's over the stages), in seconds.
+struct MicrobatchCosts {
+  double forward = 0;          // F: matmuls, attention, elementwise, tp and cp communication
+  double backward_input = 0;   // I: input gradients (and the recomputed forward)
+  double backward_weight = 0;  // W: weight gradients and their accumulation
+  double gemm = 0;
+  double attention = 0;
+  double memory = 0;
+  double tensor_parallel = 0;
+  double context_parallel = 0;
+};
+
+MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& cand,
+                                 const StepOptions& o, const MachineProfile& machine,
+                                 int64_t weight_elements) {
+  const int64_t tp = cand.tp;
+  const int64_t tokens = o.microbatch_size * o.sequence_length / cand.cp;
+  const int64_t h = c.hidden_size;
+  const int64_t q = c.num_attention_heads * c.head_dim;
+  const int64_t kv = c.num_key_value_heads * c.head_dim;
+  const int64_t inter = c.intermediate_size;
+  const auto layers = static_cast<double>(c.num_hidden_layers);
+  MicrobatchCosts out;
+  double forward_gemm = 0;
+  double input_gemm = 0;
+  double weight_gemm = 0;
+  const auto linear = [&](int64_t n, int64_t k, double count) {
+    forward_gemm += count * machine.gemm_seconds(tokens, n, k, "nt");
+    input_gemm += count * machine.gemm_seconds(tokens, k, n, "nn");
+    weight_gemm += count * machine.gemm_seconds(n, k, tokens, "tn");
+  };
+  // A decoder layer's q, k, v, o, gate, up, down (Megatron's slices), then the head.
+  linear(q / tp, h, layers);
+  linear(kv / tp, h, 2 * layers);
+  linear(h, q / tp, layers);
+  linear(inter / tp, h, 2 * layers);
+  linear(h, inter / tp, layers);
+  linear(c.vocab_size / tp, h, 1);
+  auto [attention_forward, attention_backward] =
+      machine.attention_seconds(o.microbatch_size, o.sequence_length, c.num_attention_heads / tp,
+                                c.num_key_value_heads / tp, c.head_dim);
+  attention_forward *= layers / static_cast<double>(cand.cp);
+  attention_backward *= layers / static_cast<double>(cand.cp);
+  // Elementwise bytes per token of a layer's forward (the file comment): r the residual stream's
+  // element, a the activations'.
+  const int64_t r = o.compute == Compute::bf16_parameters ? 2 : 4;
+  const int64_t a = o.compute == Compute::float32 ? 4 : 2;
+  int64_t layer_bytes = 8 * h * r + 2 * h * a + 4 * (q + kv) * a + 2 * q * a + 3 * inter * a;
+  if (o.compute == Compute::bf16_autocast) {
+    layer_bytes += 5 * h * (4 + 2);  // the norms' outputs cast by q, k, v, gate and up
+  }
+  // The loss: float32 logits written, read for the log-sum-exp, read and written for the gradient.
+  const int64_t loss_bytes = 4 * c.vocab_size * 4 + 4 * h * r;
+  const double forward_bytes =
+      static_cast<double>(tokens) *
+      (layers * static_cast<double>(layer_bytes) + static_cast<double>(loss_bytes)) /
+      static_cast<double>(tp);
+  const double bandwidth = machine.memory_bytes_per_second;
+  double weight_casts = 0;
+  double accumulation = 0;
+  const auto elements = static_cast<double>(weight_elements);
+  if (o.compute == Compute::bf16_autocast) {
+    weight_casts = elements * (4 + 2) / bandwidth;
+    accumulation = elements * (2 + 4 + 4) / bandwidth;  // bfloat16 gradient into float32 .grad
+  } else {
+    const double g = o.compute == Compute::float32 ? 4 : 2;
+    accumulation = elements * 3 * g / bandwidth;
+  }
+  out.memory = 3 * forward_bytes / bandwidth + weight_casts + accumulation;
+  // Sequence parallelism: per layer two all-gathers and two reduce-scatters of [tokens, H] in
+  // the forward and as many in the backward; one more of each around the head.
+  if (tp > 1) {
+    const int64_t bytes = tokens * h * a;
+    const double pair = machine.collective_seconds("all_gather", bytes, cand.tp) +
+                        machine.collective_seconds("reduce_scatter", bytes, cand.tp);
+    out.tensor_parallel = pair * (4 * layers + 2);
+  }
+  // Context parallelism: cp - 1 exchanges of K and V per layer forward, of K, V, dK, dV backward.
+  double cp_forward = 0;
+  double cp_backward = 0;
+  if (cand.cp > 1) {
+    const int64_t kv_bytes = tokens * 2 * kv / tp * a;
+    const double hop = machine.collective_seconds("p2p", kv_bytes, 2);
+    const double per_layer_forward = hop * (cand.cp - 1);
+    cp_forward = layers * std::max(0.0, per_layer_forward - attention_forward / layers);
+    cp_backward = layers * std::max(0.0, 2 * per_layer_forward - attention_backward / layers);
+    out.context_parallel = cp_forward + cp_backward;
+  }
+  out.gemm = forward_gemm + input_gemm + weight_gemm;
+  out.attention = attention_forward + attention_backward;
+  const double forward_memory = forward_bytes / bandwidth + weight_casts;
+  const double forward = forward_gemm + attention_forward + forward_memory;
+  out.forward = forward + out.tensor_parallel / 2 + cp_forward;
+  out.backward_input = input_gemm + attention_backward + 2 * forward_bytes / bandwidth +
+                       out.tensor_parallel / 2 + cp_backward;
+  if (o.recompute_layers) {
+    out.backward_input += forward;
+    out.gemm += forward_gemm;
+    out.attention += attention_forward;
+    out.memory += forward_memory;
+  }
+  out.backward_weight = weight_gemm + accumulation;
+  return out;
+}
+
+int64_t element_bytes(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble:
+      return 8;
+    case at::kFloat:
+      return 4;
+    default:
+      return 2;
+  }
+}
+
+}  // namespace
+
+StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& candidate,
+                           const StepOptions& options, const MachineProfile& machine) {
+  if (options.microbatch_size < 1 || options.sequence_length < 1 || candidate.microbatches < 1 ||
+      candidate.tp < 1 || candidate.cp < 1 || candidate.pp < 1 || candidate.dp_shard < 1 ||
+      candidate.dp_replicate < 1) {
+    throw std::invalid_argument(
+        "d9d::advise::predict_step_time: sizes, degrees and microbatches must be at least 1");
+  }
+  if (options.compute == Compute::float32) {
+    throw std::invalid_argument(
+        "d9d::advise::predict_step_time: float32 steps are not predicted (the machine profile "
+        "measures bfloat16 matmuls)");
+  }
+  const int m = candidate.microbatches;
+  const int data_ranks = candidate.dp_replicate * candidate.dp_shard;
+  StepTime out;
+  out.tokens =
+      static_cast<int64_t>(data_ranks) * m * options.microbatch_size * options.sequence_length;
+
+  const auto program =
+      candidate.pp > 1 ? build_schedule(candidate.schedule, candidate.pp, m) : pipeline::Program{};
+  const int stages = candidate.pp > 1 ? program.stages() : 1;
+  // The slowest pipeline rank's state (the per-rank figures below take the largest).
+  StateRules rules = options.precision;
+  rules.tensor_ranks = candidate.tp;
+  rules.shard_ranks = 1;
+  StateBytes whole;    // the rank's (tp-sliced) parameters, unsharded
+  StateBytes sharded;  // what it keeps under FullyShard
+  for (int r = 0; r < candidate.pp; ++r) {
+    const auto parameters = candidate.pp > 1
+                                ? qwen3_rank_parameters(config, program, r, options.sequence_length)
+                                : qwen3_parameters(config);
+    const auto w = state_bytes(parameters, rules, 0);
+    if (w.total() > whole.total()) {
+      whole = w;
+      StateRules shard_rules = rules;
+      shard_rules.shard_ranks = candidate.fully_shard ? candidate.dp_shard * candidate.cp : 1;
+      sharded = state_bytes(parameters, shard_rules, 0);
+    }
+  }
+  const int64_t weight_elements = whole.parameters / element_bytes(rules.parameters);
+  auto costs = microbatch_costs(config, candidate, options, machine, weight_elements);
+  const double per_microbatch = costs.forward + costs.backward_input + costs.backward_weight;
+
+  // Under a pipeline each stage does its share of the model; the program decides the idle time.
+  double compute = 0;
+  if (candidate.pp > 1) {
+    const double share = 1.0 / static_cast<double>(stages);
+    const int64_t boundary_bytes = options.microbatch_size * options.sequence_length /
+                                   candidate.cp * config.hidden_size *
+                                   (options.compute == Compute::bf16_parameters ? 2 : 4);
+    const double hop = machine.collective_seconds("p2p", boundary_bytes, 2);
+    const pipeline::Costs stage{.forward = costs.forward * share + hop,
+                                .backward_input = costs.backward_input * share + hop,
+                                .backward_weight = costs.backward_weight * share};
+    const auto timeline = pipeline::simulate(program, stage);
+    compute = timeline.makespan;
+    const double busy = static_cast<double>(m) * static_cast<double>(stages) /
+                        static_cast<double>(candidate.pp) *
+                        (stage.forward + stage.backward_input + stage.backward_weight);
+    out.pipeline_p2p = static_cast<double>(m) * static_cast<double>(stages) /
+                       static_cast<double>(candidate.pp) * 2 * hop;
+    out.bubble = std::max(0.0, compute - busy);
+    const double rank_share =
+        static_cast<double>(stages) / static_cast<double>(candidate.pp) * share;
+    out.gemm = costs.gemm * m * rank_share;
+    out.attention = costs.attention * m * rank_share;
+    out.memory = costs.memory * m * rank_share;
+    out.tensor_parallel = costs.tensor_parallel * m * rank_share;
+    out.context_parallel = costs.context_parallel * m * rank_share;
+  } else {
+    compute = per_microbatch * m;
+    out.gemm = costs.gemm * m;
+    out.attention = costs.attention * m;
+    out.memory = costs.memory * m;
+    out.tensor_parallel = costs.tensor_parallel * m;
+    out.context_parallel = costs.context_parallel * m;
+  }
+  // AdamW reads the parameter, gradient and both moments and writes the parameter and moments;
+  // the clipping norm reads the gradients, the clipping scales them, zeroing writes them.
+  out.optimizer =
+      static_cast<double>(2 * sharded.parameters + 5 * sharded.gradients + 2 * sharded.optimizer) /
+      machine.memory_bytes_per_second;
+
+  // Data parallelism: Replicate over dp_replicate x cp; FullyShard over dp_shard x cp, with HSDP
+  // replicas all-reducing the shards.
+  const int64_t reduce_element = options.reduce_bf16 ? 2 : element_bytes(rules.gradients);
+  const int64_t gradient_bytes = weight_elements * reduce_element;
+  if (candidate.fully_shard) {
+    const int group = candidate.dp_shard * candidate.cp;
+    const int64_t gather_element = options.compute == Compute::float32 ? 4 : 2;
+    const double gathers = options.reshard_after_forward ? 2.0 * m : 1.0;
+    const double reduces = options.reduce_every_microbatch ? m : 1.0;
+    const double gather =
+        machine.collective_seconds("all_gather", weight_elements * gather_element, group);
+    const double reduce = machine.collective_seconds("reduce_scatter", gradient_bytes, group);
+    const double replicas = machine.collective_seconds(
+        "all_reduce", gradient_bytes / std::max(group, 1), candidate.dp_replicate);
+    out.data_parallel = gathers * gather + reduces * reduce + replicas;
+    const double layers = static_cast<double>(config.num_hidden_layers);
+    const double edges = (gather + reduce) / layers;  // the first layer's gather, the last's reduce
+    out.data_parallel_exposed = group > 1 || candidate.dp_replicate > 1
+                                    ? std::max(0.0, out.data_parallel - compute) + edges + replicas
+                                    : 0.0;
+  } else {
+    const int group = candidate.dp_replicate * candidate.cp;
+    out.data_parallel = machine.collective_seconds("all_reduce", gradient_bytes, group);
+    const double last_backward = costs.backward_input + costs.backward_weight;
+    const double bucket = machine.collective_seconds(
+        "all_reduce", std::min(gradient_bytes, options.bucket_bytes), group);
+    out.data_parallel_exposed =
+        group > 1 ? std::max(0.0, out.data_parallel - last_backward) + bucket : 0.0;
+  }
+  out.total = compute + out.optimizer + out.data_parallel_exposed;
+  return out;
+}
+
+}  // namespace d9d::advise

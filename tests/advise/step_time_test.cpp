@@ -1,0 +1,331 @@
+// d9d::advise::MachineProfile, predict_step_time and rank_plans (d9d/advise/step_time.hpp,
+// d9d/advise/ranking.hpp): the profile's lookups (a measured collective curve, the nearest
+// measured matmul), and the step's parts against independent counts on a machine whose every
+// matmul runs at one rate — the matmuls' time is 6 x tokens x the linear weights over the rate,
+// tensor parallelism halves it, recompute adds the forward's third, Replicate all-reduces the
+// gradient bytes state_bytes counts, FullyShard gathers and reduce-scatters them as its settings
+// say, and GPipe's bubble is (p - 1) / (m + p - 1) of the step; the ranking's order and JSON.
+#include <cmath>
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <d9d/advise/ranking.hpp>
+#include <d9d/advise/step_time.hpp>
+#include <d9d/d9d.hpp>
+
+#include "tests/support/error_of.hpp"
+
+namespace {
+
+using d9d::advise::Candidate;
+using d9d::advise::CollectiveCurve;
+using d9d::advise::Compute;
+using d9d::advise::MachineProfile;
+using d9d::advise::StepOptions;
+
+constexpr double kRate = 1e14;  // every matmul's FLOP/s on the uniform machine
+
+// A machine whose matmuls all run at kRate (one measured shape per layout: other shapes take its
+// rate), with one measured attention, 1 TB/s elementwise and collectives measured on two ranks.
+MachineProfile uniform_machine() {
+  MachineProfile m;
+  m.device = "uniform";
+  m.ranks = 2;
+  for (const char* layout : {"nt", "nn", "tn"}) {
+    m.gemm.push_back({.m = 1024,
+                      .n = 1024,
+                      .k = 1024,
+                      .layout = layout,
+                      .seconds = 2.0 * 1024 * 1024 * 1024 / kRate});
+  }
+  m.attention.push_back({.batch = 1,
+                         .sequence = 16,
+                         .heads = 4,
+                         .kv_heads = 2,
+                         .head_dim = 8,
+                         .forward_seconds = 1e-5,
+                         .backward_seconds = 2.5e-5});
+  m.memory_bytes_per_second = 1e12;
+  for (const char* name : {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}) {
+    m.collectives[name] = CollectiveCurve{.points = {{1024, 1e-5}, {1LL << 30, 1e-2}}};
+  }
+  return m;
+}
+
+constexpr const char* kModel = R"({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                         "num_hidden_layers": 4, "num_attention_heads": 4,
+                         "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6,
+                         "rope_theta": 10000.0, "tie_word_embeddings": false})";
+
+d9d::model::Qwen3Config model() { return d9d::model::Qwen3Config::from_json_text(kModel); }
+
+StepOptions bf16(Compute compute = Compute::bf16_autocast) {
+  return {.microbatch_size = 2,
+          .sequence_length = 16,
+          .precision = d9d::advise::precision_rules("bf16_mixed"),
+          .compute = compute};
+}
+
+// The linear layers' weights (every 2-D parameter but the embedding; the head is untied).
+double linear_weights() {
+  double sum = 0;
+  for (const auto& p : d9d::advise::qwen3_parameters(model())) {
+    if (p.sizes.size() == 2 && p.name != "model.embed_tokens.weight") {
+      sum += static_cast<double>(p.numel());
+    }
+  }
+  return sum;
+}
+
+bool near(double a, double b) { return std::abs(a - b) <= 1e-9 * std::max(std::abs(b), 1e-30); }
+
+TEST(Advise_MachineProfile, CollectiveCurveInterpolatesMeasuredPoints) {
+  const CollectiveCurve c{.points = {{1000, 1e-5}, {100000, 1e-3}}};
+  EXPECT_DOUBLE_EQ(c.seconds(1000), 1e-5);
+  EXPECT_DOUBLE_EQ(c.seconds(100000), 1e-3);
+  EXPECT_DOUBLE_EQ(c.seconds(10), 1e-5);         // latency below the first point
+  EXPECT_NEAR(c.seconds(10000), 1e-4, 1e-12);    // log-log between the points
+  EXPECT_NEAR(c.seconds(1000000), 1e-2, 1e-12);  // the last point's bandwidth beyond
+  EXPECT_THROW((void)CollectiveCurve{}.seconds(1), std::logic_error);
+}
+
+TEST(Advise_MachineProfile, CollectivesScaleToTheGroupByTheRing) {
+  const auto m = uniform_machine();
+  const double two = m.collective_seconds("all_gather", 1LL << 30, 2);
+  EXPECT_DOUBLE_EQ(two, 1e-2);
+  EXPECT_DOUBLE_EQ(m.collective_seconds("all_gather", 1LL << 30, 4), two * 0.75 / 0.5);
+  EXPECT_DOUBLE_EQ(m.collective_seconds("p2p", 1LL << 30, 4), two);  // one link, not a ring
+  EXPECT_EQ(m.collective_seconds("all_reduce", 1LL << 30, 1), 0.0);
+  auto one_gpu = m;
+  one_gpu.collectives.clear();
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>(
+                  [&] { (void)one_gpu.collective_seconds("all_reduce", 1024, 2); }),
+              ::testing::HasSubstr("no measured all_reduce (profiled on 2 GPU(s); "
+                                   "tools/gpu/profile-machine"));
+}
+
+TEST(Advise_MachineProfile, NearestMeasuredMatmulGivesItsRate) {
+  MachineProfile m = uniform_machine();
+  m.gemm = {{.m = 1024, .n = 1024, .k = 1024, .layout = "nt", .seconds = 1e-4},
+            {.m = 8192, .n = 8192, .k = 8192, .layout = "nt", .seconds = 2e-3}};
+  EXPECT_DOUBLE_EQ(m.gemm_seconds(1024, 1024, 1024, "nt"), 1e-4);
+  // 2048^3 is nearer 1024^3: its rate, 8x its FLOPs.
+  EXPECT_DOUBLE_EQ(m.gemm_seconds(2048, 2048, 2048, "nt"), 8e-4);
+  EXPECT_DOUBLE_EQ(m.gemm_seconds(8192, 8192, 4096, "nt"), 1e-3);
+  EXPECT_THAT(
+      d9d::testing::error_of<std::invalid_argument>([&] { (void)m.gemm_seconds(1, 1, 1, "tn"); }),
+      ::testing::HasSubstr("no measured matmul of layout \"tn\""));
+}
+
+TEST(Advise_MachineProfile, ReadsTheToolsJsonAndNamesWhatIsMissing) {
+  const auto m = MachineProfile::from_json_text(R"({
+      "device": "X", "ranks": 2,
+      "gemm": [{"m": 4, "n": 8, "k": 16, "layout": "nt", "seconds": 0.5}],
+      "attention": [{"batch": 1, "sequence": 2, "heads": 3, "kv_heads": 1, "head_dim": 4,
+                     "forward_seconds": 0.25, "backward_seconds": 0.75}],
+      "memory_bytes_per_second": 1e12,
+      "collectives": {"p2p": [[4096, 0.002], [1024, 0.001]]}})");
+  EXPECT_EQ(m.device, "X");
+  EXPECT_EQ(m.ranks, 2);
+  ASSERT_EQ(m.gemm.size(), 1U);
+  EXPECT_EQ(m.gemm[0].layout, "nt");
+  EXPECT_DOUBLE_EQ(m.gemm[0].seconds, 0.5);
+  ASSERT_EQ(m.attention.size(), 1U);
+  EXPECT_DOUBLE_EQ(m.attention[0].backward_seconds, 0.75);
+  const auto& p2p = m.collectives.at("p2p").points;
+  ASSERT_EQ(p2p.size(), 2U);
+  EXPECT_EQ(p2p[0].first, 1024);  // sorted by bytes
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>(
+                  [] { (void)MachineProfile::from_json_text(R"({"gemm": []})"); }),
+              ::testing::HasSubstr("needs \"gemm\" and \"memory_bytes_per_second\""));
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>([] {
+                (void)MachineProfile::from_json_text(
+                    R"({"gemm": [{"m": 1, "n": 1, "k": 1, "layout": "xx", "seconds": 1}],
+                        "memory_bytes_per_second": 1})");
+              }),
+              ::testing::HasSubstr("layout nt, nn or tn"));
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>(
+                  [] { (void)MachineProfile::from_json_text("{"); }),
+              ::testing::HasSubstr("not JSON"));
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>(
+                  [] { (void)MachineProfile::from_file("/nonexistent/profile.json"); }),
+              ::testing::HasSubstr("cannot read /nonexistent/profile.json"));
+}
+
+TEST(Advise_StepTime, MatmulsAreSixFlopsPerWeightAndTokenAtTheRate) {
+  const auto m = uniform_machine();
+  const Candidate one{.microbatches = 3};
+  const auto t = d9d::advise::predict_step_time(model(), one, bf16(), m);
+  const double tokens = 3.0 * 2 * 16;
+  EXPECT_TRUE(near(t.gemm, 6.0 * tokens * linear_weights() / kRate)) << t.gemm;
+  EXPECT_EQ(t.tokens, 96);
+  // One rank, no pipeline: the step is its parts.
+  EXPECT_TRUE(near(t.total, t.gemm + t.attention + t.memory + t.optimizer));
+  EXPECT_EQ(t.bubble, 0.0);
+  EXPECT_EQ(t.data_parallel, 0.0);
+  EXPECT_TRUE(near(t.tokens_per_second(), 96.0 / t.total));
+
+  // Attention: the measured shape's forward and backward per layer and microbatch (the model's
+  // heads, microbatch 2: twice the measured batch's FLOPs).
+  EXPECT_TRUE(near(t.attention, 3 * 4 * 2 * (1e-5 + 2.5e-5)));
+
+  // Full recompute runs the forward again: the matmuls' forward third once more.
+  auto recomputed = bf16();
+  recomputed.recompute_layers = true;
+  const auto r = d9d::advise::predict_step_time(model(), one, recomputed, m);
+  EXPECT_TRUE(near(r.gemm, t.gemm * 4.0 / 3.0));
+  EXPECT_TRUE(near(r.attention, t.attention + 3 * 4 * 2 * 1e-5));
+  EXPECT_GT(r.total, t.total);
+}
+
+TEST(Advise_StepTime, TensorParallelHalvesTheMatmulsAndAddsItsCollectives) {
+  const auto m = uniform_machine();
+  const auto t1 = d9d::advise::predict_step_time(model(), {.microbatches = 2}, bf16(), m);
+  const auto t2 = d9d::advise::predict_step_time(model(), {.tp = 2, .microbatches = 2}, bf16(), m);
+  EXPECT_TRUE(near(t2.gemm, t1.gemm / 2));
+  // Per microbatch and layer two all-gathers and two reduce-scatters forward, as many backward,
+  // one of each more around the head; [tokens, hidden] in bfloat16.
+  const int64_t bytes = int64_t{2} * 16 * 32 * 2;
+  const double pair = m.collective_seconds("all_gather", bytes, 2) +
+                      m.collective_seconds("reduce_scatter", bytes, 2);
+  EXPECT_TRUE(near(t2.tensor_parallel, 2 * (4 * 4 + 2) * pair));
+  EXPECT_EQ(t2.tokens, t1.tokens);  // tp ranks share their tokens
+}
+
+TEST(Advise_StepTime, DataParallelMovesTheStatesGradientBytes) {
+  const auto m = uniform_machine();
+  auto rules = d9d::advise::precision_rules("bf16_mixed");
+  const auto grads = d9d::advise::state_bytes(d9d::advise::qwen3_parameters(model()), rules, 0);
+  // Replicate over two ranks: one all-reduce of the float32 gradients per step.
+  const auto rep =
+      d9d::advise::predict_step_time(model(), {.dp_replicate = 2, .microbatches = 2}, bf16(), m);
+  EXPECT_TRUE(near(rep.data_parallel, m.collective_seconds("all_reduce", grads.gradients, 2)));
+  EXPECT_EQ(rep.tokens, 2 * 2 * 2 * 16);
+  auto in_bf16 = bf16();
+  in_bf16.reduce_bf16 = true;
+  const auto rep16 =
+      d9d::advise::predict_step_time(model(), {.dp_replicate = 2, .microbatches = 2}, in_bf16, m);
+  EXPECT_TRUE(
+      near(rep16.data_parallel, m.collective_seconds("all_reduce", grads.gradients / 2, 2)));
+
+  // FullyShard over two: bfloat16 gathers forward and backward per microbatch, a reduce-scatter
+  // of the float32 gradients per microbatch; reshard never and one reduce: one of each.
+  const Candidate fsdp{.fully_shard = true, .dp_shard = 2, .microbatches = 3};
+  const int64_t elements = grads.gradients / 4;
+  const double gather = m.collective_seconds("all_gather", elements * 2, 2);
+  const double reduce = m.collective_seconds("reduce_scatter", grads.gradients, 2);
+  const auto each =
+      d9d::advise::predict_step_time(model(), fsdp, bf16(Compute::bf16_parameters), m);
+  EXPECT_TRUE(near(each.data_parallel, 6 * gather + 3 * reduce));
+  auto once = bf16(Compute::bf16_parameters);
+  once.reshard_after_forward = false;
+  once.reduce_every_microbatch = false;
+  const auto o = d9d::advise::predict_step_time(model(), fsdp, once, m);
+  EXPECT_TRUE(near(o.data_parallel, gather + reduce));
+  EXPECT_GE(o.data_parallel_exposed, 0.0);
+  EXPECT_LE(o.data_parallel_exposed, o.data_parallel + 1e-15);
+  // The optimizer runs on half the parameters.
+  const auto whole = d9d::advise::predict_step_time(model(), {.microbatches = 3},
+                                                    bf16(Compute::bf16_parameters), m);
+  EXPECT_LT(each.optimizer, whole.optimizer * 0.6);
+}
+
+TEST(Advise_StepTime, GPipesBubbleIsItsClosedForm) {
+  const auto m = uniform_machine();
+  for (const int micro : {2, 4, 8}) {
+    const auto t = d9d::advise::predict_step_time(
+        model(), {.pp = 2, .schedule = "gpipe", .microbatches = micro}, bf16(), m);
+    const double makespan = t.total - t.optimizer - t.data_parallel_exposed;
+    EXPECT_NEAR(t.bubble / makespan, 1.0 / (micro + 1), 1e-9) << micro;
+    EXPECT_GT(t.pipeline_p2p, 0.0);
+  }
+  // 1F1B's program idles as long as GPipe's at these uniform costs; ZB-H1's fills some of it.
+  const auto ofob = d9d::advise::predict_step_time(
+      model(), {.pp = 2, .schedule = "1f1b", .microbatches = 4}, bf16(), m);
+  const auto zb = d9d::advise::predict_step_time(
+      model(), {.pp = 2, .schedule = "zbh1", .microbatches = 4}, bf16(), m);
+  EXPECT_LT(zb.bubble, ofob.bubble);
+}
+
+TEST(Advise_StepTime, ErrorsNameTheFix) {
+  const auto m = uniform_machine();
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>([&] {
+                (void)d9d::advise::predict_step_time(model(), {}, bf16(Compute::float32), m);
+              }),
+              ::testing::HasSubstr("float32 steps are not predicted"));
+  auto bad = bf16();
+  bad.microbatch_size = 0;
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>(
+                  [&] { (void)d9d::advise::predict_step_time(model(), {}, bad, m); }),
+              ::testing::HasSubstr("must be at least 1"));
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>(
+                  [] { (void)d9d::advise::precision_rules("fp16"); }),
+              ::testing::HasSubstr("unknown precision \"fp16\""));
+  EXPECT_EQ(d9d::advise::compute_of("bf16_mixed", false), Compute::bf16_autocast);
+  EXPECT_EQ(d9d::advise::compute_of("bf16_mixed", true), Compute::bf16_parameters);
+  EXPECT_EQ(d9d::advise::compute_of("bf16_params", false), Compute::bf16_parameters);
+  EXPECT_EQ(d9d::advise::compute_of("fp32", true), Compute::float32);
+}
+
+d9d::TrainerConfig config() {
+  return d9d::TrainerConfig::from_json_text(
+      std::string(R"({"run": {"output_dir": "unused", "total_steps": 1},
+          "batch": {"global_batch_size": 8, "microbatch_size": 2, "sequence_length": 16},
+          "model": )") +
+      kModel + "}");
+}
+
+TEST(Advise_Ranking, FittingPlansFirstFastestFirstAndAsJson) {
+  const auto m = uniform_machine();
+  const auto all = d9d::advise::enumerate_candidates(config(), 4);
+  const auto ranked = d9d::advise::rank_plans(config(), 4, {.machine = &m});
+  ASSERT_EQ(ranked.size(), all.size());
+  std::set<std::string> seen;
+  for (const auto& r : ranked) {
+    seen.insert(r.plan.describe());
+    EXPECT_TRUE(r.fits);
+    ASSERT_TRUE(r.time.has_value()) << r.plan.describe();
+    EXPECT_GT(r.state_bytes, 0);
+    // Activations are predicted without tp and cp.
+    EXPECT_EQ(r.activation_bytes.has_value(), r.plan.tp == 1 && r.plan.cp == 1)
+        << r.plan.describe();
+  }
+  EXPECT_EQ(seen.size(), all.size());
+  for (std::size_t i = 1; i < ranked.size(); ++i) {
+    const bool same_group =
+        ranked[i - 1].activation_bytes.has_value() == ranked[i].activation_bytes.has_value();
+    if (same_group) {
+      EXPECT_GE(ranked[i - 1].time->tokens_per_second(), ranked[i].time->tokens_per_second());
+    } else {
+      EXPECT_TRUE(ranked[i - 1].activation_bytes.has_value());  // predicted ones first
+    }
+  }
+  // A memory below every prediction: nothing fits; the order keeps the predicted ones first.
+  const auto none = d9d::advise::rank_plans(config(), 4, {.memory_bytes = 1, .machine = &m});
+  for (const auto& r : none) {
+    EXPECT_FALSE(r.fits);
+  }
+  // Without a profile no step time; float32 is not timed either.
+  for (const auto& r : d9d::advise::rank_plans(config(), 2, {})) {
+    EXPECT_FALSE(r.time.has_value());
+  }
+  for (const auto& r : d9d::advise::rank_plans(config(), 2, {.precision = "fp32", .machine = &m})) {
+    EXPECT_FALSE(r.time.has_value());
+  }
+  const auto json = nlohmann::json::parse(d9d::advise::ranking_json(ranked));
+  ASSERT_EQ(json.size(), ranked.size());
+  EXPECT_EQ(json[0]["plan"], ranked[0].plan.describe());
+  EXPECT_EQ(json[0]["tp"], ranked[0].plan.tp);
+  EXPECT_DOUBLE_EQ(json[0]["tokens_per_second"].get<double>(), ranked[0].time->tokens_per_second());
+  EXPECT_EQ(json[0]["state_bytes"].get<int64_t>(), ranked[0].state_bytes);
+  EXPECT_TRUE(json.back()["activation_bytes"].is_null() ||
+              json.back()["activation_bytes"].is_number());
+}
+
+}  // namespace
