@@ -25,6 +25,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <d9d/advise/preflight.hpp>
 #include <d9d/d9d.hpp>
 #include <d9d/peft/lora.hpp>
 
@@ -112,6 +113,16 @@ struct Options {
 
 template <class Plan>
 int run(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, double peak_tflops) {
+  // With an "advise" section: the advisor's prediction for this Plan before anything is built.
+  if (const auto advice = d9d::advise::preflight<Plan>(
+          cfg, d9d::resolve_mesh<typename Plan::mesh>(ctx.world_size(), cfg.mesh))) {
+    if (ctx.is_main_process()) {
+      for (const auto& line : advice->lines) {
+        std::printf("%s\n", line.c_str());
+      }
+      std::fflush(stdout);
+    }
+  }
   d9d::Qwen3Provider models;
   d9d::Trainer<Plan> trainer{ctx, models, d9d::TokenFilesProvider{}, d9d::CausalLmTask{}, cfg};
   constexpr bool kFrozenBase = !std::is_same_v<typename Plan::peft, d9d::peft::FullTune>;

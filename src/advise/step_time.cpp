@@ -311,6 +311,16 @@ int64_t element_bytes(at::ScalarType t) {
 
 StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& candidate,
                            const StepOptions& options, const MachineProfile& machine) {
+  const auto program =
+      candidate.pp > 1 && candidate.microbatches >= 1
+          ? build_schedule(candidate.schedule, candidate.pp, candidate.microbatches)
+          : pipeline::Program{};
+  return predict_step_time(config, candidate, program, options, machine);
+}
+
+StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& candidate,
+                           const pipeline::Program& program, const StepOptions& options,
+                           const MachineProfile& machine) {
   if (options.microbatch_size < 1 || options.sequence_length < 1 || candidate.microbatches < 1 ||
       candidate.tp < 1 || candidate.cp < 1 || candidate.pp < 1 || candidate.dp_shard < 1 ||
       candidate.dp_replicate < 1) {
@@ -328,8 +338,12 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
   out.tokens =
       static_cast<int64_t>(data_ranks) * m * options.microbatch_size * options.sequence_length;
 
-  const auto program =
-      candidate.pp > 1 ? build_schedule(candidate.schedule, candidate.pp, m) : pipeline::Program{};
+  if (candidate.pp > 1 && (program.pp != candidate.pp || program.microbatches != m)) {
+    throw std::invalid_argument(
+        "d9d::advise::predict_step_time: the program is for pp " + std::to_string(program.pp) +
+        " and " + std::to_string(program.microbatches) + " microbatches, the Plan has pp " +
+        std::to_string(candidate.pp) + " and " + std::to_string(m));
+  }
   const int stages = candidate.pp > 1 ? program.stages() : 1;
   // The slowest pipeline rank's state (the per-rank figures below take the largest).
   StateRules rules = options.precision;
@@ -408,6 +422,22 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
     const double replicas = machine.collective_seconds(
         "all_reduce", gradient_bytes / std::max(group, 1), candidate.dp_replicate);
     out.data_parallel = gathers * gather + reduces * reduce + replicas;
+    // FullyShard's own copies on the compute stream (src/parallel/fully_shard.cpp), at any group
+    // size: each gather casts the shard into the flat gather input; each reduction lays the
+    // gathered gradients out for the reduce-scatter and adds its output to the shard's gradient.
+    const auto shard_elements =
+        static_cast<double>(sharded.parameters / element_bytes(rules.parameters));
+    const auto whole_elements = static_cast<double>(weight_elements);
+    const double gather_copy =
+        shard_elements * static_cast<double>(element_bytes(rules.parameters) + gather_element) /
+        machine.memory_bytes_per_second;
+    const double reduce_copy =
+        (whole_elements * static_cast<double>(gather_element + reduce_element) +
+         shard_elements * 3.0 * static_cast<double>(reduce_element)) /
+        machine.memory_bytes_per_second;
+    const double copies = gathers * gather_copy + reduces * reduce_copy;
+    out.memory += copies;
+    compute += copies;
     const double layers = static_cast<double>(config.num_hidden_layers);
     const double edges = (gather + reduce) / layers;  // the first layer's gather, the last's reduce
     out.data_parallel_exposed = group > 1 || candidate.dp_replicate > 1

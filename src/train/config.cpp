@@ -401,7 +401,7 @@ TrainerConfig TrainerConfig::from_json_text(const std::string& text, const Overr
   read_parallel(root, cfg);
   read_outputs(root, cfg);
   read_checkpoint(root, cfg);
-  for (const char* name : {"model", "data"}) {
+  for (const char* name : {"model", "data", "advise"}) {
     if (const Json* section = root.find(name)) {
       if (!section->is_object()) {
         Section::fail_at(name, section->dump(), "expected a JSON object");

@@ -230,6 +230,16 @@ TEST(Advise_StepTime, DataParallelMovesTheStatesGradientBytes) {
   EXPECT_TRUE(near(o.data_parallel, gather + reduce));
   EXPECT_GE(o.data_parallel_exposed, 0.0);
   EXPECT_LE(o.data_parallel_exposed, o.data_parallel + 1e-15);
+  // On one rank FullyShard still copies: each gather casts the float32 shard into the bfloat16
+  // gather input (4 + 2 bytes per element), each reduction lays the bfloat16 gradients out as
+  // float32 (2 + 4) and adds into the shard's gradient (3 x 4).
+  const auto alone = d9d::advise::predict_step_time(
+      model(), {.fully_shard = true, .microbatches = 3}, bf16(Compute::bf16_parameters), m);
+  const auto plain = d9d::advise::predict_step_time(model(), {.microbatches = 3},
+                                                    bf16(Compute::bf16_parameters), m);
+  const auto w = static_cast<double>(elements);
+  EXPECT_TRUE(near(alone.memory - plain.memory, (6 * w * 6 + 3 * (w * 6 + w * 12)) / 1e12));
+  EXPECT_EQ(alone.data_parallel, 0.0);
   // The optimizer runs on half the parameters.
   const auto whole = d9d::advise::predict_step_time(model(), {.microbatches = 3},
                                                     bf16(Compute::bf16_parameters), m);

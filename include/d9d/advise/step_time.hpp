@@ -166,4 +166,11 @@ struct StepTime {
                                          const Candidate& candidate, const StepOptions& options,
                                          const MachineProfile& machine);
 
+/// The same with the pipeline's program given (a Plan's own schedule, Plan::pipeline::build)
+/// instead of built from candidate.schedule; unused when candidate.pp is 1.
+[[nodiscard]] StepTime predict_step_time(const model::Qwen3Config& config,
+                                         const Candidate& candidate,
+                                         const pipeline::Program& program,
+                                         const StepOptions& options, const MachineProfile& machine);
+
 }  // namespace d9d::advise

@@ -1,0 +1,206 @@
+// d9d::advise::preflight (d9d/advise/preflight.hpp): the runtime part, which reads the config's
+// "advise" section and the Plan's facts and writes the lines to log.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include <d9d/advise/preflight.hpp>
+#include <d9d/model/qwen3.hpp>
+#include <d9d/train/config.hpp>
+
+namespace d9d::advise {
+
+namespace {
+
+[[noreturn]] void bad_setting(const std::string& what) {
+  throw std::invalid_argument("d9d config: advise." + what);
+}
+
+std::string gib(int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.2f GiB",
+                static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
+  return text;
+}
+
+// Why the activations are not predicted for this Plan, or empty when they are.
+std::string activations_unknown(const PreflightPlan& plan) {
+  if (!plan.compute) {
+    return "fp64";
+  }
+  if (plan.candidate.tp > 1) {
+    return "tensor parallelism";
+  }
+  if (plan.candidate.cp > 1) {
+    return "context parallelism";
+  }
+  if (plan.partial_recompute) {
+    return "a recompute policy other than Full";
+  }
+  if (plan.recompute_layers && plan.candidate.pp > 1) {
+    return "recompute under a pipeline";
+  }
+  return {};
+}
+
+}  // namespace
+
+PreflightSettings preflight_settings(const TrainerConfig& config) {
+  PreflightSettings out;
+  const auto found = config.sections.find("advise");
+  if (found == config.sections.end()) {
+    return out;
+  }
+  const auto json = nlohmann::json::parse(found->second);
+  out.enabled = true;
+  for (const auto& [key, value] : json.items()) {
+    if (key == "enabled") {
+      if (!value.is_boolean()) {
+        bad_setting("enabled: expected true or false, got " + value.dump());
+      }
+      out.enabled = value.get<bool>();
+    } else if (key == "memory_gib") {
+      if (!value.is_number() || value.get<double>() < 0) {
+        bad_setting("memory_gib: expected a number of GiB >= 0, got " + value.dump());
+      }
+      out.memory_gib = value.get<double>();
+    } else if (key == "profile") {
+      if (!value.is_string()) {
+        bad_setting(
+            "profile: expected the path of a machine profile (tools/gpu/profile-machine), "
+            "got " +
+            value.dump());
+      }
+      out.profile = value.get<std::string>();
+    } else {
+      bad_setting(key + ": unknown key (advise takes enabled, memory_gib, profile)");
+    }
+  }
+  return out;
+}
+
+std::optional<Preflight> preflight(const TrainerConfig& config, const PreflightPlan& plan) {
+  const auto settings = preflight_settings(config);
+  if (!settings.enabled) {
+    return std::nullopt;
+  }
+  Preflight out;
+  const auto& c = plan.candidate;
+  out.plan = c.describe();
+  std::vector<std::string> lines;
+  std::optional<model::Qwen3Config> model;
+  try {
+    model = model::Qwen3Config::from_json_text(config.section("model"));
+  } catch (const std::exception& e) {
+    out.lines.push_back("advise: " + out.plan +
+                        ": not predicted: the model section is not a "
+                        "dense Qwen3 config (" +
+                        e.what() + ")");
+    return out;
+  }
+  if (!plan.rules) {
+    out.lines.push_back("advise: " + out.plan + ": not predicted: " + plan.not_predicted);
+    return out;
+  }
+  const int64_t mb = config.batch.microbatch_size;
+  const int64_t seq = config.batch.sequence_length;
+  const bool piped = c.pp > 1;
+  const auto unknown = activations_unknown(plan);
+  std::vector<int64_t> per_stage;
+  if (unknown.empty() && piped) {
+    for (int s = 0; s < plan.program.stages(); ++s) {
+      per_stage.push_back(
+          qwen3_stage_activation_bytes(*model, s, plan.program.stages(), mb, seq, *plan.compute)
+              .total());
+    }
+  }
+  StateBytes fullest;
+  int64_t most = -1;
+  for (int p = 0; p < c.pp; ++p) {
+    const auto mine =
+        piped ? qwen3_rank_parameters(*model, plan.program, p, seq) : qwen3_parameters(*model);
+    const auto state = state_bytes(mine, *plan.rules, 0);  // shard rank 0 keeps the most rows
+    int64_t kept = 0;
+    if (unknown.empty()) {
+      kept = piped ? peak_rank_activation_bytes(plan.program, p, per_stage)
+                   : qwen3_activation_bytes(*model, mb, seq, *plan.compute, plan.recompute_layers)
+                         .total();
+    }
+    if (state.total() + kept > most) {
+      most = state.total() + kept;
+      fullest = state;
+      out.state_bytes = state.total();
+      if (unknown.empty()) {
+        out.activation_bytes = kept;
+      }
+    }
+  }
+  std::string memory = "advise: " + out.plan + "; predicted for the fullest rank: state " +
+                       gib(out.state_bytes) + " (parameters " + gib(fullest.parameters) +
+                       ", gradients " + gib(fullest.gradients) + ", AdamW moments " +
+                       gib(fullest.optimizer) + ")";
+  if (out.activation_bytes) {
+    memory += " + activations " + gib(*out.activation_bytes) + " = " +
+              gib(out.state_bytes + *out.activation_bytes);
+  } else {
+    memory += "; activations not predicted (" + unknown + ")";
+  }
+  lines.push_back(memory +
+                  "; not counted: the step's transient buffers, gathered units, "
+                  "communication buffers");
+  if (!settings.profile.empty()) {
+    if (!unknown.empty() || *plan.compute == Compute::float32) {
+      lines.emplace_back("advise: step time not predicted (" +
+                         (unknown.empty() ? std::string("float32") : unknown) + ")");
+    } else {
+      try {
+        const auto machine = MachineProfile::from_file(settings.profile);
+        const StepOptions options{
+            .microbatch_size = mb,
+            .sequence_length = seq,
+            .precision = *plan.rules,
+            .compute = *plan.compute,
+            .recompute_layers = plan.recompute_layers,
+            .reduce_bf16 = plan.reduce_bf16,
+            .reshard_after_forward = config.data_parallel.reshard != "never",
+            .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch,
+            .bucket_bytes =
+                static_cast<int64_t>(config.data_parallel.bucket_size_mb * 1024 * 1024)};
+        out.time = predict_step_time(*model, c, plan.program, options, machine);
+        char text[256];
+        std::snprintf(text, sizeof(text),
+                      "advise: predicted step on %s: %.1f ms, %.0f tokens/s (bubble %.1f ms, "
+                      "data parallel exposed %.1f ms)",
+                      machine.device.c_str(), out.time->total * 1e3, out.time->tokens_per_second(),
+                      out.time->bubble * 1e3, out.time->data_parallel_exposed * 1e3);
+        lines.emplace_back(text);
+      } catch (const std::invalid_argument& e) {
+        lines.push_back(std::string("advise: step time not predicted: ") + e.what());
+      }
+    }
+  }
+  if (settings.memory_gib > 0) {
+    const auto limit = static_cast<int64_t>(settings.memory_gib * 1024 * 1024 * 1024);
+    out.fits = out.state_bytes + out.activation_bytes.value_or(0) <= limit;
+    if (!out.fits) {
+      const long long world = 1LL * c.dp_replicate * c.dp_shard * c.cp * c.tp * c.pp;
+      char text[320];
+      std::snprintf(text, sizeof(text),
+                    "advise: warning: the prediction exceeds memory_gib (%.1f GiB): this Plan will "
+                    "likely run out of memory; `tools/advise --config <this config> --candidates "
+                    "%lld --memory-gib %.1f` lists the Plan shapes predicted to fit",
+                    settings.memory_gib, world, settings.memory_gib);
+      out.lines.emplace_back(text);
+    }
+  }
+  out.lines.insert(out.lines.end(), lines.begin(), lines.end());
+  return out;
+}
+
+}  // namespace d9d::advise

@@ -1,0 +1,170 @@
+// d9d::advise::preflight<Plan> (d9d/advise/preflight.hpp): the config's "advise" section turns it
+// on and is checked key by key; its figures are the advisor's own for the Plan's slots (the state
+// under Replicate and FullyShard, the activations without and with a pipeline, the step time from
+// the profile named), it warns first when the prediction exceeds memory_gib, and it says what it
+// does not predict (LoRA, tensor parallelism's activations) instead of guessing.
+#include <algorithm>
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <d9d/advise/preflight.hpp>
+#include <d9d/advise/ranking.hpp>
+#include <d9d/d9d.hpp>
+#include <d9d/peft/lora.hpp>
+
+#include "tests/support/error_of.hpp"
+
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr const char* kModel = R"({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false})";
+
+d9d::TrainerConfig config_with(const std::string& advise) {
+  return d9d::TrainerConfig::from_json_text(
+      std::string(R"({"run": {"output_dir": "unused", "total_steps": 1},
+          "batch": {"global_batch_size": 8, "microbatch_size": 2, "sequence_length": 16},
+          "model": )") +
+      kModel + (advise.empty() ? "" : R"(, "advise": )" + advise) + "}");
+}
+
+d9d::model::Qwen3Config model() { return d9d::model::Qwen3Config::from_json_text(kModel); }
+
+// A profile whose matmuls run at 100 TFLOP/s, with collectives measured on two ranks.
+std::string write_profile() {
+  const std::string path = ::testing::TempDir() + "/preflight_profile.json";
+  std::ofstream(path) << R"({"device": "Test GPU", "ranks": 2,
+      "gemm": [{"m": 1024, "n": 1024, "k": 1024, "layout": "nt", "seconds": 2.147483648e-5},
+               {"m": 1024, "n": 1024, "k": 1024, "layout": "nn", "seconds": 2.147483648e-5},
+               {"m": 1024, "n": 1024, "k": 1024, "layout": "tn", "seconds": 2.147483648e-5}],
+      "attention": [{"batch": 1, "sequence": 16, "heads": 4, "kv_heads": 2, "head_dim": 8,
+                     "forward_seconds": 1e-5, "backward_seconds": 2.5e-5}],
+      "memory_bytes_per_second": 1e12,
+      "collectives": {"all_reduce": [[1024, 1e-5], [1073741824, 1e-2]],
+                      "all_gather": [[1024, 1e-5], [1073741824, 1e-2]],
+                      "reduce_scatter": [[1024, 1e-5], [1073741824, 1e-2]],
+                      "p2p": [[1024, 1e-5], [1073741824, 1e-2]]}})";
+  return path;
+}
+
+TEST(Advise_Preflight, TheAdviseSectionTurnsItOnAndIsChecked) {
+  EXPECT_FALSE(d9d::advise::preflight_settings(config_with("")).enabled);
+  EXPECT_FALSE(d9d::advise::preflight<d9d::Plan<>>(config_with(""), {}).has_value());
+  EXPECT_FALSE(
+      d9d::advise::preflight<d9d::Plan<>>(config_with(R"({"enabled": false})"), {}).has_value());
+  const auto s =
+      d9d::advise::preflight_settings(config_with(R"({"memory_gib": 80, "profile": "p.json"})"));
+  EXPECT_TRUE(s.enabled);
+  EXPECT_DOUBLE_EQ(s.memory_gib, 80);
+  EXPECT_EQ(s.profile, "p.json");
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>(
+                  [] { (void)d9d::advise::preflight_settings(config_with(R"({"memory": 80})")); }),
+              HasSubstr("advise.memory: unknown key (advise takes enabled, memory_gib, profile)"));
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>([] {
+                (void)d9d::advise::preflight_settings(config_with(R"({"memory_gib": -1})"));
+              }),
+              HasSubstr("advise.memory_gib: expected a number of GiB >= 0, got -1"));
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>([] {
+                (void)d9d::advise::preflight_settings(config_with(R"({"enabled": "yes"})"));
+              }),
+              HasSubstr("advise.enabled: expected true or false"));
+}
+
+TEST(Advise_Preflight, FiguresAreTheAdvisorsForThePlansSlots) {
+  // Replicate, float32: the whole model's state and one microbatch's activations.
+  const auto config = config_with("{}");
+  const auto rep = d9d::advise::preflight<d9d::Plan<>>(config, {});
+  ASSERT_TRUE(rep.has_value());
+  const auto whole = d9d::advise::qwen3_parameters(model());
+  EXPECT_EQ(rep->state_bytes,
+            d9d::advise::state_bytes(whole, d9d::advise::precision_rules("fp32"), 0).total());
+  ASSERT_TRUE(rep->activation_bytes.has_value());
+  EXPECT_EQ(*rep->activation_bytes, d9d::advise::qwen3_activation_bytes(model(), 2, 16).total());
+  EXPECT_TRUE(rep->fits);
+  EXPECT_FALSE(rep->time.has_value());
+  ASSERT_EQ(rep->lines.size(), 1U);
+  EXPECT_THAT(rep->lines[0], HasSubstr("advise: replicate (one rank), 4 microbatches; predicted"));
+
+  // FullyShard over 2 in Bf16Mixed: shard 0's state, bfloat16 gathered copies' activations.
+  using Fsdp = d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>>, d9d::parallel::FullyShard<>,
+                         d9d::precision::Bf16Mixed>;
+  const auto fs = d9d::advise::preflight<Fsdp>(config, d9d::MeshShape{.dp_shard = 2});
+  ASSERT_TRUE(fs.has_value());
+  auto rules = d9d::advise::precision_rules("bf16_mixed");
+  rules.shard_ranks = 2;
+  EXPECT_EQ(fs->state_bytes, d9d::advise::state_bytes(whole, rules, 0).total());
+  EXPECT_EQ(*fs->activation_bytes, d9d::advise::qwen3_activation_bytes(
+                                       model(), 2, 16, d9d::advise::Compute::bf16_parameters)
+                                       .total());
+  EXPECT_THAT(fs->plan, HasSubstr("fully_shard dp_shard 2, 2 microbatches"));
+
+  // 1F1B over 2 stages: the fullest rank's state and its microbatches in flight.
+  using Piped = d9d::Plan<d9d::mesh<d9d::pp<2>>, d9d::pipeline::OneFOneB<>>;
+  const auto pp = d9d::advise::preflight<Piped>(config, d9d::MeshShape{.pp = 2});
+  ASSERT_TRUE(pp.has_value());
+  const auto program = d9d::pipeline::OneFOneB<>::build(2, 4);
+  std::vector<int64_t> per_stage;
+  for (int s = 0; s < 2; ++s) {
+    per_stage.push_back(d9d::advise::qwen3_stage_activation_bytes(model(), s, 2, 2, 16).total());
+  }
+  int64_t most = 0;
+  for (int r = 0; r < 2; ++r) {
+    const auto mine = d9d::advise::qwen3_rank_parameters(model(), program, r, 16);
+    most = std::max(
+        most, d9d::advise::state_bytes(mine, d9d::advise::precision_rules("fp32"), 0).total() +
+                  d9d::advise::peak_rank_activation_bytes(program, r, per_stage));
+  }
+  EXPECT_EQ(pp->state_bytes + *pp->activation_bytes, most);
+}
+
+TEST(Advise_Preflight, StepTimeFromTheProfileAndTheWarningFirst) {
+  const auto path = write_profile();
+  using Fsdp = d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>>, d9d::parallel::FullyShard<>,
+                         d9d::precision::Bf16Mixed>;
+  const auto config = config_with(R"({"memory_gib": 1e-6, "profile": ")" + path + R"("})");
+  const auto p = d9d::advise::preflight<Fsdp>(config, d9d::MeshShape{.dp_shard = 2});
+  ASSERT_TRUE(p.has_value());
+  ASSERT_TRUE(p->time.has_value());
+  const auto machine = d9d::advise::MachineProfile::from_file(path);
+  const auto direct = d9d::advise::predict_step_time(
+      model(), {.fully_shard = true, .dp_shard = 2, .microbatches = 2},
+      {.microbatch_size = 2,
+       .sequence_length = 16,
+       .precision = d9d::advise::precision_rules("bf16_mixed"),
+       .compute = d9d::advise::Compute::bf16_parameters,
+       .bucket_bytes = 25LL << 20},
+      machine);
+  EXPECT_DOUBLE_EQ(p->time->total, direct.total);
+  EXPECT_FALSE(p->fits);
+  ASSERT_EQ(p->lines.size(), 3U);
+  EXPECT_THAT(p->lines[0], HasSubstr("advise: warning: the prediction exceeds memory_gib"));
+  EXPECT_THAT(p->lines[0], HasSubstr("--candidates 2"));
+  EXPECT_THAT(p->lines[2], HasSubstr("advise: predicted step on Test GPU: "));
+  // A profile that is not there is said, not thrown.
+  const auto missing = d9d::advise::preflight<Fsdp>(
+      config_with(R"({"profile": "/nonexistent.json"})"), d9d::MeshShape{.dp_shard = 2});
+  EXPECT_THAT(missing->lines.back(), HasSubstr("step time not predicted: "));
+  EXPECT_THAT(missing->lines.back(), HasSubstr("cannot read /nonexistent.json"));
+}
+
+TEST(Advise_Preflight, SaysWhatItDoesNotPredict) {
+  const auto config = config_with("{}");
+  const auto lora = d9d::advise::preflight<d9d::Plan<d9d::peft::Lora<8, 16>>>(config, {});
+  ASSERT_TRUE(lora.has_value());
+  EXPECT_THAT(lora->lines.at(0), HasSubstr("not predicted: "));
+  EXPECT_THAT(lora->lines.at(0), HasSubstr("PEFT"));
+  using Tp = d9d::Plan<d9d::mesh<d9d::tp<2>>, d9d::parallel::TensorParallel<>>;
+  const auto tp = d9d::advise::preflight<Tp>(config, d9d::MeshShape{.tp = 2});
+  ASSERT_TRUE(tp.has_value());
+  EXPECT_FALSE(tp->activation_bytes.has_value());
+  EXPECT_THAT(tp->lines.at(0), HasSubstr("activations not predicted (tensor parallelism)"));
+}
+
+}  // namespace
