@@ -425,8 +425,8 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
     // FullyShard's own copies on the compute stream (src/parallel/fully_shard.cpp), at any group
     // size: each gather casts the shard into the flat gather input; each reduction lays the
     // gathered gradients out for the reduce-scatter and adds its output to the shard's gradient.
-    const auto shard_elements =
-        static_cast<double>(sharded.parameters / element_bytes(rules.parameters));
+    const double shard_elements = static_cast<double>(sharded.parameters) /
+                                  static_cast<double>(element_bytes(rules.parameters));
     const auto whole_elements = static_cast<double>(weight_elements);
     const double gather_copy =
         shard_elements * static_cast<double>(element_bytes(rules.parameters) + gather_element) /

@@ -110,10 +110,9 @@ TEST(Advise_Preflight, FiguresAreTheAdvisorsForThePlansSlots) {
   const auto pp = d9d::advise::preflight<Piped>(config, d9d::MeshShape{.pp = 2});
   ASSERT_TRUE(pp.has_value());
   const auto program = d9d::pipeline::OneFOneB<>::build(2, 4);
-  std::vector<int64_t> per_stage;
-  for (int s = 0; s < 2; ++s) {
-    per_stage.push_back(d9d::advise::qwen3_stage_activation_bytes(model(), s, 2, 2, 16).total());
-  }
+  const std::vector<int64_t> per_stage{
+      d9d::advise::qwen3_stage_activation_bytes(model(), 0, 2, 2, 16).total(),
+      d9d::advise::qwen3_stage_activation_bytes(model(), 1, 2, 2, 16).total()};
   int64_t most = 0;
   for (int r = 0; r < 2; ++r) {
     const auto mine = d9d::advise::qwen3_rank_parameters(model(), program, r, 16);
