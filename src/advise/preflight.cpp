@@ -19,7 +19,7 @@ namespace d9d::advise {
 namespace {
 
 [[noreturn]] void bad_setting(const std::string& what) {
-  throw std::invalid_argument("d9d config: advise." + what);
+  throw ConfigError("d9d config: advise." + what);
 }
 
 std::string gib(int64_t bytes) {
@@ -169,9 +169,7 @@ std::optional<Preflight> preflight(const TrainerConfig& config, const PreflightP
             .recompute_layers = plan.recompute_layers,
             .reduce_bf16 = plan.reduce_bf16,
             .reshard_after_forward = config.data_parallel.reshard != "never",
-            .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch,
-            .bucket_bytes =
-                static_cast<int64_t>(config.data_parallel.bucket_size_mb * 1024 * 1024)};
+            .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch};
         out.time = predict_step_time(*model, c, plan.program, options, machine);
         char text[256];
         std::snprintf(text, sizeof(text),

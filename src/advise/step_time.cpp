@@ -263,7 +263,7 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
   // Sequence parallelism: per layer two all-gathers and two reduce-scatters of [tokens, H] in
   // the forward and as many in the backward; one more of each around the head.
   if (tp > 1) {
-    const int64_t bytes = tokens * h * a;
+    const int64_t bytes = tokens * h * r;  // the residual stream (float32 under autocast)
     const double pair = machine.collective_seconds("all_gather", bytes, cand.tp) +
                         machine.collective_seconds("reduce_scatter", bytes, cand.tp);
     out.tensor_parallel = pair * (4 * layers + 2);
@@ -438,19 +438,11 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
     const double copies = gathers * gather_copy + reduces * reduce_copy;
     out.memory += copies;
     compute += copies;
-    const double layers = static_cast<double>(config.num_hidden_layers);
-    const double edges = (gather + reduce) / layers;  // the first layer's gather, the last's reduce
-    out.data_parallel_exposed = group > 1 || candidate.dp_replicate > 1
-                                    ? std::max(0.0, out.data_parallel - compute) + edges + replicas
-                                    : 0.0;
+    out.data_parallel_exposed = out.data_parallel;
   } else {
     const int group = candidate.dp_replicate * candidate.cp;
     out.data_parallel = machine.collective_seconds("all_reduce", gradient_bytes, group);
-    const double last_backward = costs.backward_input + costs.backward_weight;
-    const double bucket = machine.collective_seconds(
-        "all_reduce", std::min(gradient_bytes, options.bucket_bytes), group);
-    out.data_parallel_exposed =
-        group > 1 ? std::max(0.0, out.data_parallel - last_backward) + bucket : 0.0;
+    out.data_parallel_exposed = out.data_parallel;
   }
   out.total = compute + out.optimizer + out.data_parallel_exposed;
   return out;

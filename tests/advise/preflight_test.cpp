@@ -137,8 +137,7 @@ TEST(Advise_Preflight, StepTimeFromTheProfileAndTheWarningFirst) {
       {.microbatch_size = 2,
        .sequence_length = 16,
        .precision = d9d::advise::precision_rules("bf16_mixed"),
-       .compute = d9d::advise::Compute::bf16_parameters,
-       .bucket_bytes = 25LL << 20},
+       .compute = d9d::advise::Compute::bf16_parameters},
       machine);
   EXPECT_DOUBLE_EQ(p->time->total, direct.total);
   EXPECT_FALSE(p->fits);

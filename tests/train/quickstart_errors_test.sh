@@ -39,6 +39,8 @@ config ', "optimizer": {"lr": 0.1}, "optimizer": {"lr": 0.2}' >"$dir/twice.json"
 config "" | sed 's/"global_batch_size": 2, "microbatch_size": 1/"global_batch_size": 3, "microbatch_size": 2/' \
   >"$dir/indivisible.json"
 printf '{"run": ' >"$dir/truncated.json"
+config ', "advise": {"memory": 80}' >"$dir/advise_typo.json"
+config ', "advise": {"memory_gib": 1e-6}' >"$dir/advise_small.json"
 
 # expect <status> <message substring> <quickstart arguments...>
 expect() {
@@ -67,6 +69,12 @@ expect 2 "--pp 2 needs a pipeline schedule" "$dir/good.json" --data "$dir/good.b
 expect 2 "not below the model's vocabulary size 258" "$dir/good.json" --data "$dir/id300.bin"
 expect 2 "cannot open" "$dir/good.json" --data "$dir/missing.bin"
 expect 2 "is not divisible by data-parallel ranks" "$dir/indivisible.json" --data "$dir/good.bin"
+# The advisor's pre-flight: a bad key is a config error; a prediction above memory_gib warns and
+# the run goes on; with an indivisible batch the Trainer's error is the one shown.
+expect 2 "advise.memory: unknown key (advise takes enabled, memory_gib, profile)" \
+  "$dir/advise_typo.json" --data "$dir/good.bin"
+expect 0 "advise: warning: the prediction exceeds memory_gib" "$dir/advise_small.json" \
+  --data "$dir/good.bin"
 # A pipeline of 2 stages in a world of 1 rank: the mesh does not fit the world.
 expect 2 "d9d config: d9d::mesh: " "$dir/good.json" --data "$dir/good.bin" --pipeline 1f1b --pp 2
 # Tensor parallelism: one rank cannot hold a sequence-parallel tp mesh; --tp is compiled alone.

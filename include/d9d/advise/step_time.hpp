@@ -28,16 +28,17 @@
 //   recompute  Full recompute runs every layer's forward again in its backward
 // and the communication at the profile's measured collective times (scaled from the ranks it
 // was measured on to the group's size by the ring's (g - 1) / g):
-//   Replicate     one all-reduce of the gradients per step, overlapped with the last
-//                 microbatch's backward (what exceeds it, plus one bucket's, is exposed)
+//   Replicate     one all-reduce of the gradients per step
 //   FullyShard    all-gathers of the bfloat16 parameters (forward, and again in backward when
 //                 units reshard after forward) and reduce-scatters of the gradients (every
-//                 microbatch, or once with reduce_every_microbatch off), prefetched on their own
-//                 stream: what exceeds the compute, plus one layer's gather and reduce-scatter,
-//                 is exposed; HSDP adds the replicas' all-reduce of the shards
-//   tensor        sequence parallelism's all-gather and reduce-scatter around attention and the
-//                 MLP (two each per layer in the forward, two each in the backward) and around
-//                 the head, on the critical path
+//                 microbatch, or once with reduce_every_microbatch off); HSDP adds the replicas'
+//                 all-reduce of the shards
+//                 Both count whole: on two H200s the measured steps grew by about the
+//                 collectives' time over one GPU's (the overlap d9d issues does not shorten the
+//                 step yet; docs/measurements/2026-11-28-advisor-step-time-2xh200.txt)
+//   tensor        sequence parallelism's all-gather and reduce-scatter of the residual stream
+//                 around attention and the MLP (two each per layer in the forward, two each in
+//                 the backward) and around the head, on the critical path
 //   context       the ring's K/V exchanges (and dK/dV in the backward), hidden behind attention
 //                 where they fit
 //   pipeline      the schedule program simulated (d9d::pipeline::simulate) at one stage's
@@ -45,7 +46,7 @@
 //                 point-to-point transfer added to F and I; the idle time is the bubble
 // The step is the microbatches' compute (under a pipeline the program's makespan) plus the
 // optimizer and the exposed data-parallel communication. Not modelled: host time between
-// kernels, the SMs NCCL takes from overlapped compute, expert parallelism, LoRA, Float8.
+// kernels (what bounds tensor parallelism's step today), expert parallelism, LoRA, Float8.
 #pragma once
 
 #include <cstdint>
@@ -136,7 +137,6 @@ struct StepOptions {
   bool reduce_bf16 = false;             ///< data-parallel gradients reduced in bfloat16
   bool reshard_after_forward = true;    ///< FullyShard: units gathered again for the backward
   bool reduce_every_microbatch = true;  ///< FullyShard: a reduce-scatter per microbatch
-  int64_t bucket_bytes = 100LL << 20;   ///< Replicate's gradient buckets
 };
 
 /// A rank's predicted step, in seconds (see the file comment).
@@ -150,7 +150,7 @@ struct StepTime {
   double pipeline_p2p = 0;           ///< activations and their gradients sent between stages
   double bubble = 0;                 ///< idle time of the pipeline program
   double data_parallel = 0;          ///< the data-parallel collectives' whole time
-  double data_parallel_exposed = 0;  ///< the part not hidden behind compute
+  double data_parallel_exposed = 0;  ///< the part on the step's time (all of it, so far)
   double total = 0;
   int64_t tokens = 0;  ///< the whole step's tokens (all ranks)
 
