@@ -9,6 +9,7 @@
 // holds next to the advisor's prediction; --json writes the rows. The Plans below are the ones
 // compared; each is a type, so a variant is one `using` line and one name.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -44,6 +45,7 @@ struct Options {
   bool bf16 = false;
   double peak_tflops = 0;
   std::string json;
+  std::string profile;
 };
 
 template <class Precision>
@@ -56,6 +58,11 @@ int compare(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, c
       model, model.non_embedding_parameter_count(), cfg.batch.sequence_length);
   options.peak_tflops = o.peak_tflops;
   options.json_path = o.json;
+  std::optional<d9d::advise::MachineProfile> machine;
+  if (!o.profile.empty()) {
+    machine = d9d::advise::MachineProfile::from_file(o.profile);
+    options.machine = &*machine;
+  }
   (void)
       d9d::bench::compare<Replicated<Precision>, Sharded<Precision>, ShardedRecomputed<Precision>>(
           ctx, d9d::Qwen3Provider{}, d9d::TokenFilesProvider{}, d9d::CausalLmTask{}, cfg, options);
@@ -100,6 +107,8 @@ int main(int argc, char** argv) {
                  "one device's peak TFLOP/s for the MFU column (e.g. 989 for H100/H200 bf16)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--json", o.json, "write the rows as JSON here (main rank)");
+  app.add_option("--profile", o.profile,
+                 "machine profile (tools/gpu/profile-machine): the predicted tokens/s column");
   CLI11_PARSE(app, argc, argv);
   return d9d::run_main(argc, argv, [&o] { return run(o); });
 }

@@ -112,30 +112,67 @@ StageActivationBytes qwen3_stage_activation_bytes(const model::Qwen3Config& conf
   return out;
 }
 
-int64_t peak_rank_activation_bytes(const pipeline::Program& program, int pp_rank,
-                                   const std::vector<int64_t>& per_stage) {
+namespace {
+
+void check_rank(const char* who, const pipeline::Program& program, int pp_rank,
+                const std::vector<int64_t>& per_stage) {
   if (pp_rank < 0 || pp_rank >= static_cast<int>(program.ranks.size())) {
-    throw std::invalid_argument("d9d::advise::peak_rank_activation_bytes: rank " +
+    throw std::invalid_argument(std::string("d9d::advise::") + who + ": rank " +
                                 std::to_string(pp_rank) + " of " +
                                 std::to_string(program.ranks.size()));
   }
   if (per_stage.size() != static_cast<std::size_t>(program.stages())) {
-    throw std::invalid_argument(
-        "d9d::advise::peak_rank_activation_bytes: " + std::to_string(per_stage.size()) +
-        " stage sizes for " + std::to_string(program.stages()) + " stages");
+    throw std::invalid_argument(std::string("d9d::advise::") + who + ": " +
+                                std::to_string(per_stage.size()) + " stage sizes for " +
+                                std::to_string(program.stages()) + " stages");
   }
+}
+
+// The largest of held + activations in flight (+ gradients once a weight gradient ran) after any
+// action of the rank.
+int64_t walk(const pipeline::Program& program, int pp_rank, const std::vector<int64_t>& per_stage,
+             int64_t held, int64_t gradients) {
   int64_t live = 0;
-  int64_t peak = 0;
+  int64_t peak = held;
+  bool with_gradients = false;
   for (const auto& a : program.ranks[static_cast<std::size_t>(pp_rank)]) {
     const int64_t bytes = per_stage[static_cast<std::size_t>(a.stage)];
     if (a.op == pipeline::Op::forward) {
       live += bytes;
-      peak = std::max(peak, live);
     } else if (a.op == pipeline::Op::backward || a.op == pipeline::Op::backward_input) {
       live -= bytes;
+      with_gradients = with_gradients || a.op == pipeline::Op::backward;
+    } else if (a.op == pipeline::Op::backward_weight) {
+      with_gradients = true;
+    } else {
+      continue;
     }
+    peak = std::max(peak, held + live + (with_gradients ? gradients : 0));
   }
   return peak;
+}
+
+}  // namespace
+
+int64_t peak_rank_activation_bytes(const pipeline::Program& program, int pp_rank,
+                                   const std::vector<int64_t>& per_stage) {
+  check_rank("peak_rank_activation_bytes", program, pp_rank, per_stage);
+  return walk(program, pp_rank, per_stage, 0, 0);
+}
+
+int64_t peak_rank_step_bytes(const pipeline::Program& program, int pp_rank,
+                             const std::vector<int64_t>& per_stage, const StateBytes& state) {
+  check_rank("peak_rank_step_bytes", program, pp_rank, per_stage);
+  return walk(program, pp_rank, per_stage, state.parameters + state.optimizer, state.gradients);
+}
+
+int64_t peak_step_bytes(const StateBytes& state, int64_t activations, int microbatches) {
+  if (microbatches < 1) {
+    throw std::invalid_argument("d9d::advise::peak_step_bytes: microbatches must be at least 1");
+  }
+  const int64_t held = state.parameters + state.optimizer;
+  return held + (microbatches > 1 ? activations + state.gradients
+                                  : std::max(activations, state.gradients));
 }
 
 }  // namespace d9d::advise

@@ -37,11 +37,16 @@ std::string memory(int64_t bytes) {
 
 // 123,456 (thousands separated).
 std::string grouped(double value) {
-  auto digits = std::to_string(static_cast<int64_t>(value + 0.5));
-  for (auto i = static_cast<int64_t>(digits.size()) - 3; i > 0; i -= 3) {
-    digits.insert(static_cast<std::size_t>(i), ",");
+  const auto digits = std::to_string(static_cast<int64_t>(value + 0.5));
+  std::string out;
+  out.reserve(digits.size() + digits.size() / 3);
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) {
+      out.push_back(',');
+    }
+    out.push_back(digits[i]);
   }
-  return digits;
+  return out;
 }
 
 std::string fixed(double value, const char* format) {
@@ -207,15 +212,19 @@ void finish(const DistributedContext& ctx, Comparison& comparison, const Compare
 }  // namespace detail
 
 std::string Comparison::table() const {
-  const std::vector<std::string> header{"plan",        "tokens/s",   "x first",        "MFU",
-                                        "peak memory", "state held", "state predicted"};
+  const std::vector<std::string> header{"plan",           "tokens/s",   "tokens/s predicted",
+                                        "x first",        "MFU",        "peak memory",
+                                        "peak predicted", "state held", "state predicted"};
   std::vector<std::vector<std::string>> cells{header};
   for (const auto& row : rows) {
-    cells.push_back({row.name, grouped(row.tokens_per_second), fixed(row.ratio, "%.2f"),
-                     row.mfu ? fixed(100.0 * *row.mfu, "%.1f%%") : "-",
-                     row.peak_memory_bytes > 0 ? memory(row.peak_memory_bytes) : "-",
-                     memory(row.state_bytes),
-                     row.predicted_state_bytes ? memory(*row.predicted_state_bytes) : "-"});
+    cells.push_back(
+        {row.name, grouped(row.tokens_per_second),
+         row.predicted_tokens_per_second ? grouped(*row.predicted_tokens_per_second) : "-",
+         fixed(row.ratio, "%.2f"), row.mfu ? fixed(100.0 * *row.mfu, "%.1f%%") : "-",
+         row.peak_memory_bytes > 0 ? memory(row.peak_memory_bytes) : "-",
+         row.predicted_peak_bytes ? memory(*row.predicted_peak_bytes) : "-",
+         memory(row.state_bytes),
+         row.predicted_state_bytes ? memory(*row.predicted_state_bytes) : "-"});
   }
   std::vector<std::size_t> widths(header.size(), 0);
   for (const auto& line : cells) {
@@ -256,6 +265,12 @@ std::string Comparison::json() const {
                                       ? nlohmann::json(*row.predicted_state_bytes)
                                       : nlohmann::json(nullptr)},
         {"not_predicted", row.not_predicted},
+        {"predicted_peak_bytes", row.predicted_peak_bytes
+                                     ? nlohmann::json(*row.predicted_peak_bytes)
+                                     : nlohmann::json(nullptr)},
+        {"predicted_tokens_per_second", row.predicted_tokens_per_second
+                                            ? nlohmann::json(*row.predicted_tokens_per_second)
+                                            : nlohmann::json(nullptr)},
         {"first_loss", row.first_loss},
         {"last_loss", row.last_loss},
     });

@@ -90,6 +90,24 @@ std::optional<Preflight> preflight(const TrainerConfig& config, const PreflightP
   if (!settings.enabled) {
     return std::nullopt;
   }
+  std::optional<MachineProfile> machine;
+  std::string unread;
+  if (!settings.profile.empty()) {
+    try {
+      machine = MachineProfile::from_file(settings.profile);
+    } catch (const std::invalid_argument& e) {
+      unread = e.what();
+    }
+  }
+  auto out = predict_plan(config, plan, machine ? &*machine : nullptr, settings.memory_gib);
+  if (!unread.empty()) {
+    out.lines.push_back("advise: step time not predicted: " + unread);
+  }
+  return out;
+}
+
+Preflight predict_plan(const TrainerConfig& config, const PreflightPlan& plan,
+                       const MachineProfile* machine, double memory_gib) {
   Preflight out;
   const auto& c = plan.candidate;
   out.plan = c.describe();
@@ -127,17 +145,24 @@ std::optional<Preflight> preflight(const TrainerConfig& config, const PreflightP
         piped ? qwen3_rank_parameters(*model, plan.program, p, seq) : qwen3_parameters(*model);
     const auto state = state_bytes(mine, *plan.rules, 0);  // shard rank 0 keeps the most rows
     int64_t kept = 0;
+    int64_t peak = state.total();
     if (unknown.empty()) {
-      kept = piped ? peak_rank_activation_bytes(plan.program, p, per_stage)
-                   : qwen3_activation_bytes(*model, mb, seq, *plan.compute, plan.recompute_layers)
-                         .total();
+      if (piped) {
+        kept = peak_rank_activation_bytes(plan.program, p, per_stage);
+        peak = peak_rank_step_bytes(plan.program, p, per_stage, state);
+      } else {
+        kept =
+            qwen3_activation_bytes(*model, mb, seq, *plan.compute, plan.recompute_layers).total();
+        peak = peak_step_bytes(state, kept, c.microbatches);
+      }
     }
-    if (state.total() + kept > most) {
-      most = state.total() + kept;
+    if (peak > most) {
+      most = peak;
       fullest = state;
       out.state_bytes = state.total();
       if (unknown.empty()) {
         out.activation_bytes = kept;
+        out.peak_bytes = peak;
       }
     }
   }
@@ -146,21 +171,20 @@ std::optional<Preflight> preflight(const TrainerConfig& config, const PreflightP
                        ", gradients " + gib(fullest.gradients) + ", AdamW moments " +
                        gib(fullest.optimizer) + ")";
   if (out.activation_bytes) {
-    memory += " + activations " + gib(*out.activation_bytes) + " = " +
-              gib(out.state_bytes + *out.activation_bytes);
+    memory += ", activations " + gib(*out.activation_bytes) + ", peak during a step " +
+              gib(*out.peak_bytes);
   } else {
     memory += "; activations not predicted (" + unknown + ")";
   }
   lines.push_back(memory +
                   "; not counted: the step's transient buffers, gathered units, "
                   "communication buffers");
-  if (!settings.profile.empty()) {
+  if (machine != nullptr) {
     if (!unknown.empty() || *plan.compute == Compute::float32) {
       lines.emplace_back("advise: step time not predicted (" +
                          (unknown.empty() ? std::string("float32") : unknown) + ")");
     } else {
       try {
-        const auto machine = MachineProfile::from_file(settings.profile);
         const StepOptions options{
             .microbatch_size = mb,
             .sequence_length = seq,
@@ -170,12 +194,12 @@ std::optional<Preflight> preflight(const TrainerConfig& config, const PreflightP
             .reduce_bf16 = plan.reduce_bf16,
             .reshard_after_forward = config.data_parallel.reshard != "never",
             .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch};
-        out.time = predict_step_time(*model, c, plan.program, options, machine);
+        out.time = predict_step_time(*model, c, plan.program, options, *machine);
         char text[256];
         std::snprintf(text, sizeof(text),
                       "advise: predicted step on %s: %.1f ms, %.0f tokens/s (bubble %.1f ms, "
-                      "data parallel exposed %.1f ms)",
-                      machine.device.c_str(), out.time->total * 1e3, out.time->tokens_per_second(),
+                      "data parallel %.1f ms)",
+                      machine->device.c_str(), out.time->total * 1e3, out.time->tokens_per_second(),
                       out.time->bubble * 1e3, out.time->data_parallel_exposed * 1e3);
         lines.emplace_back(text);
       } catch (const std::invalid_argument& e) {
@@ -183,9 +207,9 @@ std::optional<Preflight> preflight(const TrainerConfig& config, const PreflightP
       }
     }
   }
-  if (settings.memory_gib > 0) {
-    const auto limit = static_cast<int64_t>(settings.memory_gib * 1024 * 1024 * 1024);
-    out.fits = out.state_bytes + out.activation_bytes.value_or(0) <= limit;
+  if (memory_gib > 0) {
+    const auto limit = static_cast<int64_t>(memory_gib * 1024 * 1024 * 1024);
+    out.fits = out.peak_bytes.value_or(out.state_bytes) <= limit;
     if (!out.fits) {
       const long long world = 1LL * c.dp_replicate * c.dp_shard * c.cp * c.tp * c.pp;
       char text[320];
@@ -193,7 +217,7 @@ std::optional<Preflight> preflight(const TrainerConfig& config, const PreflightP
                     "advise: warning: the prediction exceeds memory_gib (%.1f GiB): this Plan will "
                     "likely run out of memory; `tools/advise --config <this config> --candidates "
                     "%lld --memory-gib %.1f` lists the Plan shapes predicted to fit",
-                    settings.memory_gib, world, settings.memory_gib);
+                    memory_gib, world, memory_gib);
       out.lines.emplace_back(text);
     }
   }

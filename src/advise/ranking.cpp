@@ -71,19 +71,24 @@ std::vector<RankedPlan> rank_plans(const TrainerConfig& config, int world_size,
     int64_t most = -1;
     for (int p = 0; p < c.pp; ++p) {
       const auto mine = c.pp > 1 ? qwen3_rank_parameters(model, program, p, seq) : whole;
-      const int64_t state = state_bytes(mine, rules, 0).total();  // shard rank 0: most rows
+      const auto state = state_bytes(mine, rules, 0);  // shard rank 0: most rows
       int64_t kept = 0;
+      int64_t peak = state.total();
       if (predicted) {
-        kept =
-            c.pp > 1
-                ? peak_rank_activation_bytes(program, p, per_stage)
-                : qwen3_activation_bytes(model, mb, seq, compute, options.recompute_layers).total();
+        if (c.pp > 1) {
+          kept = peak_rank_activation_bytes(program, p, per_stage);
+          peak = peak_rank_step_bytes(program, p, per_stage, state);
+        } else {
+          kept = qwen3_activation_bytes(model, mb, seq, compute, options.recompute_layers).total();
+          peak = peak_step_bytes(state, kept, c.microbatches);
+        }
       }
-      if (state + kept > most) {
-        most = state + kept;
-        row.state_bytes = state;
+      if (peak > most) {
+        most = peak;
+        row.state_bytes = state.total();
         if (predicted) {
           row.activation_bytes = kept;
+          row.peak_bytes = peak;
         }
       }
     }
@@ -128,12 +133,16 @@ std::string ranking_json(const std::vector<RankedPlan>& ranked) {
         {"microbatches", c.microbatches},
         {"state_bytes", r.state_bytes},
         {"activation_bytes", nullptr},
+        {"peak_bytes", nullptr},
         {"fits", r.fits},
         {"step_seconds", nullptr},
         {"tokens_per_second", nullptr},
     };
     if (r.activation_bytes) {
       row["activation_bytes"] = *r.activation_bytes;
+    }
+    if (r.peak_bytes) {
+      row["peak_bytes"] = *r.peak_bytes;
     }
     if (r.time) {
       row["step_seconds"] = r.time->total;

@@ -70,6 +70,14 @@ TEST(Bench_Compare_ws2, ThreePlansSideBySideWithTheirPredictions) {
           << row.name;
       EXPECT_NE(row.last_loss, row.first_loss) << row.name << " trained";
     }
+    // The advisor's peak (state + activations of the fullest rank) under the host's measured
+    // peak, which also holds the step's transient buffers; no tokens/s without a profile.
+    for (const auto& row : comparison.rows) {
+      ASSERT_TRUE(row.predicted_peak_bytes.has_value()) << row.name;
+      EXPECT_GT(*row.predicted_peak_bytes, *row.predicted_state_bytes) << row.name;
+      EXPECT_LT(*row.predicted_peak_bytes, row.peak_memory_bytes) << row.name;
+      EXPECT_FALSE(row.predicted_tokens_per_second.has_value()) << row.name;
+    }
     EXPECT_DOUBLE_EQ(comparison.rows[0].ratio, 1.0);
     // FullyShard halves the state over two ranks; each pipeline rank holds its stage's.
     EXPECT_LT(comparison.rows[1].state_bytes, comparison.rows[0].state_bytes);
@@ -77,8 +85,8 @@ TEST(Bench_Compare_ws2, ThreePlansSideBySideWithTheirPredictions) {
 
     const auto table = comparison.table();
     EXPECT_THAT(table, HasSubstr("plan"));
-    for (const char* column :
-         {"tokens/s", "x first", "MFU", "peak memory", "state held", "state predicted"}) {
+    for (const char* column : {"tokens/s", "tokens/s predicted", "x first", "MFU", "peak memory",
+                               "peak predicted", "state held", "state predicted"}) {
       EXPECT_THAT(table, HasSubstr(column));
     }
     for (const auto& name : names) {

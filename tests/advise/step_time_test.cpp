@@ -340,3 +340,32 @@ TEST(Advise_Ranking, FittingPlansFirstFastestFirstAndAsJson) {
 }
 
 }  // namespace
+
+namespace {
+
+// d9d::advise::peak_step_bytes and peak_rank_step_bytes: parameters and moments throughout, the
+// activations in flight, the gradients from the first backward on.
+TEST(Advise_PeakStep, GradientsCountFromTheFirstBackward) {
+  const d9d::advise::StateBytes state{.parameters = 10, .gradients = 3, .optimizer = 20};
+  // F0 B0: the larger of the activations and the gradients; F0 B0 F1 B1: both.
+  EXPECT_EQ(d9d::advise::peak_step_bytes(state, 5, 1), 30 + 5);
+  EXPECT_EQ(d9d::advise::peak_step_bytes(state, 2, 1), 30 + 3);
+  EXPECT_EQ(d9d::advise::peak_step_bytes(state, 5, 2), 30 + 5 + 3);
+  EXPECT_THROW((void)d9d::advise::peak_step_bytes(state, 5, 0), std::invalid_argument);
+
+  const d9d::advise::StateBytes big{.parameters = 10, .gradients = 7, .optimizer = 20};
+  const std::vector<int64_t> per_stage{100, 1};
+  // GPipe: every forward before any backward. Rank 0 peaks at its four microbatches (400; after
+  // B0, 300 + 7); rank 1, whose microbatches are small, after B0: three in flight and the
+  // gradients (3 + 7 > 4).
+  const auto gpipe = d9d::pipeline::GPipe<>::build(2, 4);
+  EXPECT_EQ(d9d::advise::peak_rank_step_bytes(gpipe, 0, per_stage, big), 30 + 4 * 100);
+  EXPECT_EQ(d9d::advise::peak_rank_step_bytes(gpipe, 1, per_stage, big), 30 + 3 * 1 + 7);
+  // 1F1B on rank 0: F0 F1 B0 F2 ...: two in flight before the first backward (200), then two in
+  // flight with the gradients (200 + 7).
+  const auto ofob = d9d::pipeline::OneFOneB<>::build(2, 4);
+  EXPECT_EQ(d9d::advise::peak_rank_step_bytes(ofob, 0, per_stage, big), 30 + 200 + 7);
+  EXPECT_EQ(d9d::advise::peak_rank_activation_bytes(ofob, 0, per_stage), 200);
+}
+
+}  // namespace

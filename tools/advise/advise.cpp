@@ -190,12 +190,16 @@ int main(int argc, char** argv) {
     std::printf("state per rank: parameters, gradients, AdamW moments, total (bytes, GiB)\n");
     int64_t largest = 0;
     std::string where;
+    std::vector<d9d::advise::StateBytes> shard0(static_cast<std::size_t>(pp));  // the most rows
     for (int p = 0; p < pp; ++p) {
       const auto mine = pp > 1 ? d9d::advise::qwen3_rank_parameters(model, program, p,
                                                                     config.batch.sequence_length)
                                : all;
       for (int s = 0; s < rules.shard_ranks; ++s) {
         const auto bytes = d9d::advise::state_bytes(mine, rules, s);
+        if (s == 0) {
+          shard0[static_cast<std::size_t>(p)] = bytes;
+        }
         std::printf(
             "  pp %d, shard %d: %lld %lld %lld %lld  (%.2f %.2f %.2f %.2f GiB)\n", p, s,
             static_cast<long long>(bytes.parameters), static_cast<long long>(bytes.gradients),
@@ -245,6 +249,10 @@ int main(int argc, char** argv) {
             "rotary tables %.4f); state + activations: %.2f GiB\n",
             static_cast<long long>(kept.total()), gib(kept.total()), gib(kept.layers),
             gib(kept.loss), gib(kept.rope), gib(largest + kept.total()));
+        std::printf(
+            "peak during a step: %.2f GiB (parameters and moments, the activations, the gradients "
+            "from the first backward; %d microbatch(es))\n",
+            gib(d9d::advise::peak_step_bytes(shard0[0], kept.total(), microbatches)), microbatches);
       } else {
         // Each pipeline rank: its stages' microbatches in flight as the program runs them.
         std::vector<int64_t> per_stage;
@@ -254,10 +262,14 @@ int main(int argc, char** argv) {
                                                                         mb, seq, compute)
                                   .total());
         }
-        std::printf("activations in flight per pipeline rank (bytes, GiB):\n");
+        std::printf(
+            "activations in flight per pipeline rank (bytes, GiB), and its peak during a step:\n");
         for (int p = 0; p < pp; ++p) {
           const auto peak = d9d::advise::peak_rank_activation_bytes(program, p, per_stage);
-          std::printf("  pp %d: %lld  (%.2f GiB)\n", p, static_cast<long long>(peak), gib(peak));
+          const auto step = d9d::advise::peak_rank_step_bytes(program, p, per_stage,
+                                                              shard0[static_cast<std::size_t>(p)]);
+          std::printf("  pp %d: %lld  (%.2f GiB), peak %.2f GiB\n", p, static_cast<long long>(peak),
+                      gib(peak), gib(step));
         }
       }
       std::printf(

@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <vector>
 
+#include <d9d/advise/state_memory.hpp>
 #include <d9d/pipeline/program.hpp>
 
 namespace d9d::model {
@@ -109,5 +110,20 @@ struct StageActivationBytes {
 /// gradient's W still reads the layers' inputs after I; that part is not counted.)
 [[nodiscard]] int64_t peak_rank_activation_bytes(const pipeline::Program& program, int pp_rank,
                                                  const std::vector<int64_t>& per_stage);
+
+/// The most bytes a rank holds at once during a step, from its state and activations: the
+/// parameters and AdamW moments throughout, the activations of the microbatches in flight, and
+/// the gradients from the first backward on (the Trainer drops them at the start of each step:
+/// zero_grad with set_to_none). Without a pipeline the microbatches run F0 B0 F1 B1 ...: one
+/// microbatch peaks at the larger of its activations and the gradients, more at both.
+[[nodiscard]] int64_t peak_step_bytes(const StateBytes& state, int64_t activations,
+                                      int microbatches);
+
+/// The same under `program` on pipeline rank `pp_rank`: each F adds its stage's activations, each
+/// B or I takes them away, and the gradients count from the rank's first B or W (an I computes no
+/// weight gradient); the largest sum after any action.
+[[nodiscard]] int64_t peak_rank_step_bytes(const pipeline::Program& program, int pp_rank,
+                                           const std::vector<int64_t>& per_stage,
+                                           const StateBytes& state);
 
 }  // namespace d9d::advise

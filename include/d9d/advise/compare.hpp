@@ -8,7 +8,8 @@
 //       {.names = {"replicate", "fsdp"}, .warmup_steps = 2, .flops_per_token = f,
 //        .peak_tflops = 989});
 //   // the main rank prints one line per Plan under this header (docs/advise.md shows a run):
-//   //   plan  tokens/s  x first  MFU  peak memory  state held  state predicted
+//   //   plan  tokens/s  tokens/s predicted  x first  MFU  peak memory  peak predicted
+//   //         state held  state predicted
 //
 // Each Plan gets a Trainer<Plan> over the same provider, data, task and config (its output under
 // config.run.output_dir/<name>), runs config.run.total_steps and is measured: tokens/s over the
@@ -17,7 +18,9 @@
 // (the device allocator's peak; on the CPU the host bytes of the Plan's run, CpuMemoryMeter), and
 // the parameter, gradient and AdamW-moment bytes the most loaded rank
 // holds next to d9d::advise's prediction of them (d9d/advise/state_memory.hpp; Qwen3Provider's
-// models and the Plans it predicts, else the reason it does not). Collective: every rank calls it
+// models and the Plans it predicts, else the reason it does not), and the advisor's state +
+// activations of the fullest rank and, with a machine profile, its tokens/s
+// (d9d/advise/preflight.hpp's predict_plan). Collective: every rank calls it
 // with the same arguments; every rank gets the same table.
 #pragma once
 
@@ -30,6 +33,7 @@
 #include <vector>
 
 #include <d9d/advise/memory_meter.hpp>
+#include <d9d/advise/preflight.hpp>
 #include <d9d/advise/state_memory.hpp>
 #include <d9d/core/distributed_context.hpp>
 #include <d9d/model/qwen3.hpp>
@@ -55,6 +59,9 @@ struct CompareOptions {
   std::string json_path{};
   /// The main rank prints the table on stdout.
   bool print = true;
+  /// A machine profile (tools/gpu/profile-machine) to predict each Plan's step on: the
+  /// "tokens/s predicted" column; null: none.
+  const advise::MachineProfile* machine = nullptr;
 };
 
 /// One Plan's measurement and prediction.
@@ -71,8 +78,13 @@ struct PlanRow {
   int64_t state_bytes = 0;  ///< parameters + gradients + AdamW moments, the most any rank holds
   std::optional<int64_t> predicted_state_bytes{};  ///< the advisor's, the most any rank holds
   std::string not_predicted{};  ///< why there is no prediction (empty when there is one)
-  double first_loss = 0;        ///< the first step's loss
-  double last_loss = 0;         ///< the last step's loss
+  /// The advisor's peak of the fullest rank during a step (d9d::advise::predict_plan), where its
+  /// activations are predicted: next to peak_memory_bytes, which also holds transient buffers.
+  std::optional<int64_t> predicted_peak_bytes{};
+  /// The advisor's tokens/s on CompareOptions::machine, where predicted.
+  std::optional<double> predicted_tokens_per_second{};
+  double first_loss = 0;  ///< the first step's loss
+  double last_loss = 0;   ///< the last step's loss
 };
 
 /// The rows of compare(), in the Plans' order.
@@ -180,8 +192,21 @@ PlanRow run_plan(const DistributedContext& ctx, const std::string& name, const P
   const auto result = trainer.train();
   const auto held = held_state(trainer.core(), measure.gradient_bytes());
   auto [predicted, why] = predict_state<Plan, Provider>(trainer, plan_cfg);
-  return finish_row(ctx, name, measure, result, meter.peak(), held, predicted, std::move(why),
-                    options);
+  auto row = finish_row(ctx, name, measure, result, meter.peak(), held, predicted, std::move(why),
+                        options);
+  if constexpr (std::is_same_v<std::decay_t<Provider>, Qwen3Provider>) {
+    try {
+      const auto whole = advise::predict_plan(
+          plan_cfg, advise::preflight_plan<Plan>(plan_cfg, trainer.core().mesh().shape()),
+          options.machine, 0);
+      row.predicted_peak_bytes = whole.peak_bytes;
+      if (whole.time) {
+        row.predicted_tokens_per_second = whole.time->tokens_per_second();
+      }
+    } catch (const std::invalid_argument&) {  // not_predicted already says why
+    }
+  }
+  return row;
 }
 
 }  // namespace detail

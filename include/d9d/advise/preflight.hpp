@@ -53,9 +53,12 @@ struct Preflight {
   std::string plan{};                         ///< Candidate::describe()
   int64_t state_bytes = 0;                    ///< the fullest rank's
   std::optional<int64_t> activation_bytes{};  ///< where predicted
-  std::optional<StepTime> time{};             ///< with a profile, where predicted
-  bool fits = true;                           ///< within memory_gib (true without it)
-  std::vector<std::string> lines{};           ///< what to log, the warning first
+  /// The fullest rank's peak during a step (peak_step_bytes / peak_rank_step_bytes), where the
+  /// activations are predicted.
+  std::optional<int64_t> peak_bytes{};
+  std::optional<StepTime> time{};    ///< with a profile, where predicted
+  bool fits = true;                  ///< the peak (or the state) within memory_gib; true without it
+  std::vector<std::string> lines{};  ///< what to log, the warning first
 };
 
 /// The runtime facts of a Plan the pre-flight reads (preflight<Plan> fills them from its slots).
@@ -70,20 +73,22 @@ struct PreflightPlan {
   bool reduce_bf16 = false;           ///< Bf16MixedBf16Reduce
 };
 
+/// The prediction for a Plan given by its runtime facts: its figures, and its lines with the step
+/// on `machine` (null: none) and the warning when above `memory_gib` (0: no check). What
+/// preflight and d9d::bench::compare print.
+[[nodiscard]] Preflight predict_plan(const TrainerConfig& config, const PreflightPlan& plan,
+                                     const MachineProfile* machine, double memory_gib);
+
 /// The pre-flight of a Plan given by its runtime facts; std::nullopt when not enabled.
 [[nodiscard]] std::optional<Preflight> preflight(const TrainerConfig& config,
                                                  const PreflightPlan& plan);
 
-/// The pre-flight of `Plan` on a mesh of `shape` (see the file comment); std::nullopt when the
-/// config does not enable it.
+/// The runtime facts of `Plan` on a mesh of `shape`, read from its slots.
 template <class Plan>
-std::optional<Preflight> preflight(const TrainerConfig& config, const MeshShape& shape) {
+PreflightPlan preflight_plan(const TrainerConfig& config, const MeshShape& shape) {
   using P = typename Plan::precision;
   using R = typename Plan::activation_checkpointing;
   using Schedule = typename Plan::pipeline;
-  if (!preflight_settings(config).enabled) {
-    return std::nullopt;
-  }
   constexpr bool shards = [] {
     if constexpr (requires { Plan::data_parallel::shards_parameters; }) {
       return Plan::data_parallel::shards_parameters;
@@ -119,7 +124,17 @@ std::optional<Preflight> preflight(const TrainerConfig& config, const MeshShape&
   }
   plan.recompute_layers = R::every_nth == 1 && R::scope == recompute::Scope::block;
   plan.partial_recompute = R::every_nth > 0 && !plan.recompute_layers;
-  return preflight(config, plan);
+  return plan;
+}
+
+/// The pre-flight of `Plan` on a mesh of `shape` (see the file comment); std::nullopt when the
+/// config does not enable it.
+template <class Plan>
+std::optional<Preflight> preflight(const TrainerConfig& config, const MeshShape& shape) {
+  if (!preflight_settings(config).enabled) {
+    return std::nullopt;
+  }
+  return preflight(config, preflight_plan<Plan>(config, shape));
 }
 
 }  // namespace d9d::advise

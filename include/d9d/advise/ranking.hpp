@@ -10,12 +10,13 @@
 //   ranked.front().plan.describe();  // the fastest Plan predicted to fit
 //   std::puts(d9d::advise::ranking_json(ranked).c_str());
 //
-// The memory is the state the fullest rank keeps (parameters, gradients, AdamW's moments) plus the
-// activations it holds (one microbatch without a pipeline, the program's peak under one) where
-// they are predicted (not under fp64, tensor or context parallelism, or recompute with a
-// pipeline); the step time is d9d::advise::predict_step_time's. Plans predicted to fit come first,
-// by predicted tokens/s (fastest first, in enumeration order without a machine profile), then
-// those whose activations are not predicted, then those predicted not to fit.
+// The memory is the fullest rank's peak during a step: its parameters and AdamW moments, the
+// activations in flight (one microbatch without a pipeline, as the program runs them under one)
+// and the gradients from the first backward on, where the activations are predicted (not under
+// fp64, tensor or context parallelism, or recompute with a pipeline); the step time is
+// d9d::advise::predict_step_time's. Plans predicted to fit come first, by predicted tokens/s
+// (fastest first, in enumeration order without a machine profile), then those whose activations are
+// not predicted, then those predicted not to fit.
 #pragma once
 
 #include <cstdint>
@@ -57,12 +58,13 @@ struct RankedPlan {
   Candidate plan{};
   int64_t state_bytes = 0;                    ///< the fullest rank's state
   std::optional<int64_t> activation_bytes{};  ///< the fullest rank's activations, if predicted
-  std::optional<StepTime> time{};             ///< with a machine profile
-  bool fits = true;  ///< state (+ activations where predicted) within memory_bytes
+  /// The fullest rank's peak during a step (peak_step_bytes / peak_rank_step_bytes), if the
+  /// activations are predicted.
+  std::optional<int64_t> peak_bytes{};
+  std::optional<StepTime> time{};  ///< with a machine profile
+  bool fits = true;  ///< the peak (the state where the activations are not predicted) fits
 
-  [[nodiscard]] int64_t predicted_bytes() const {
-    return state_bytes + activation_bytes.value_or(0);
-  }
+  [[nodiscard]] int64_t predicted_bytes() const { return peak_bytes.value_or(state_bytes); }
 };
 
 /// Every candidate of enumerate_candidates(config, world_size, options.candidates) with its
@@ -71,7 +73,8 @@ struct RankedPlan {
                                                  const RankOptions& options);
 
 /// The ranking as JSON: an array of {"plan": describe(), the Plan's degrees, "state_bytes",
-/// "activation_bytes" (null if not predicted), "fits", "step_seconds" and "tokens_per_second"
+/// "activation_bytes" and "peak_bytes" (null if not predicted), "fits", "step_seconds" and
+/// "tokens_per_second"
 /// (null without a machine profile)}.
 [[nodiscard]] std::string ranking_json(const std::vector<RankedPlan>& ranked);
 
