@@ -128,21 +128,27 @@ void check_rank(const char* who, const pipeline::Program& program, int pp_rank,
   }
 }
 
-// The largest of held + activations in flight (+ gradients once a weight gradient ran) after any
-// action of the rank.
+// The largest of held + activations in flight (+ what deferred weight gradients keep, +
+// gradients once a weight gradient ran) after any action of the rank.
 int64_t walk(const pipeline::Program& program, int pp_rank, const std::vector<int64_t>& per_stage,
-             int64_t held, int64_t gradients) {
+             int64_t held, int64_t gradients, const std::vector<int64_t>& deferred) {
   int64_t live = 0;
   int64_t peak = held;
   bool with_gradients = false;
+  const auto kept_for_w = [&](int stage) {
+    return deferred.empty() ? int64_t{0} : deferred[static_cast<std::size_t>(stage)];
+  };
   for (const auto& a : program.ranks[static_cast<std::size_t>(pp_rank)]) {
     const int64_t bytes = per_stage[static_cast<std::size_t>(a.stage)];
     if (a.op == pipeline::Op::forward) {
       live += bytes;
-    } else if (a.op == pipeline::Op::backward || a.op == pipeline::Op::backward_input) {
+    } else if (a.op == pipeline::Op::backward) {
       live -= bytes;
-      with_gradients = with_gradients || a.op == pipeline::Op::backward;
+      with_gradients = true;
+    } else if (a.op == pipeline::Op::backward_input) {
+      live += kept_for_w(a.stage) - bytes;
     } else if (a.op == pipeline::Op::backward_weight) {
+      live -= kept_for_w(a.stage);
       with_gradients = true;
     } else {
       continue;
@@ -157,13 +163,51 @@ int64_t walk(const pipeline::Program& program, int pp_rank, const std::vector<in
 int64_t peak_rank_activation_bytes(const pipeline::Program& program, int pp_rank,
                                    const std::vector<int64_t>& per_stage) {
   check_rank("peak_rank_activation_bytes", program, pp_rank, per_stage);
-  return walk(program, pp_rank, per_stage, 0, 0);
+  return walk(program, pp_rank, per_stage, 0, 0, {});
 }
 
 int64_t peak_rank_step_bytes(const pipeline::Program& program, int pp_rank,
-                             const std::vector<int64_t>& per_stage, const StateBytes& state) {
+                             const std::vector<int64_t>& per_stage, const StateBytes& state,
+                             const std::vector<int64_t>& deferred) {
   check_rank("peak_rank_step_bytes", program, pp_rank, per_stage);
-  return walk(program, pp_rank, per_stage, state.parameters + state.optimizer, state.gradients);
+  if (!deferred.empty() && deferred.size() != per_stage.size()) {
+    throw std::invalid_argument(
+        "d9d::advise::peak_rank_step_bytes: " + std::to_string(deferred.size()) +
+        " deferred sizes for " + std::to_string(per_stage.size()) + " stages");
+  }
+  return walk(program, pp_rank, per_stage, state.parameters + state.optimizer, state.gradients,
+              deferred);
+}
+
+int64_t qwen3_stage_weight_gradient_bytes(const model::Qwen3Config& config, int stage, int stages,
+                                          int64_t microbatch_size, int64_t sequence_length,
+                                          Compute compute) {
+  if (stages < 1 || stage < 0 || stage >= stages) {
+    throw std::invalid_argument("d9d::advise::qwen3_stage_weight_gradient_bytes: stage " +
+                                std::to_string(stage) + " is not one of " + std::to_string(stages) +
+                                " stages");
+  }
+  const auto ranges =
+      model::distribute_layers(static_cast<int>(config.num_hidden_layers), stages,
+                               model::pipeline_virtual_layers(config, sequence_length));
+  const int64_t layers = ranges[static_cast<std::size_t>(stage)].size();
+  const int64_t tokens = microbatch_size * sequence_length;
+  const int64_t h = config.hidden_size;
+  const int64_t q = config.num_attention_heads * config.head_dim;
+  const int64_t k = config.num_key_value_heads * config.head_dim;
+  const int64_t i = config.intermediate_size;
+  const int64_t element = compute == Compute::float32 ? 4 : 2;
+  // Inputs: q/k/v's (three casts under autocast, else one tensor), o's, gate/up's (two casts or
+  // one), down's silu(gate) * up (which its backward computes at I for the queued GEMM); then the
+  // seven output gradients.
+  const bool casts = compute == Compute::bf16_autocast;
+  const int64_t inputs = (casts ? 3 : 1) * h + q + (casts ? 2 : 1) * h + i;
+  const int64_t gradients = q + 2 * k + 2 * h + 2 * i;
+  int64_t out = layers * tokens * (inputs + gradients) * element;
+  if (stage == stages - 1) {
+    out += tokens * (h + config.vocab_size) * element;  // the head's input and output gradient
+  }
+  return out;
 }
 
 int64_t peak_step_bytes(const StateBytes& state, int64_t activations, int microbatches) {

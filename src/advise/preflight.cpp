@@ -131,11 +131,18 @@ Preflight predict_plan(const TrainerConfig& config, const PreflightPlan& plan,
   const bool piped = c.pp > 1;
   const auto unknown = activations_unknown(plan);
   std::vector<int64_t> per_stage;
+  std::vector<int64_t> deferred;  // what split backward keeps for W
   if (unknown.empty() && piped) {
     for (int s = 0; s < plan.program.stages(); ++s) {
       per_stage.push_back(
           qwen3_stage_activation_bytes(*model, s, plan.program.stages(), mb, seq, *plan.compute)
               .total());
+    }
+    if (plan.program.split_backward) {
+      for (int s = 0; s < plan.program.stages(); ++s) {
+        deferred.push_back(qwen3_stage_weight_gradient_bytes(*model, s, plan.program.stages(), mb,
+                                                             seq, *plan.compute));
+      }
     }
   }
   StateBytes fullest;
@@ -149,7 +156,7 @@ Preflight predict_plan(const TrainerConfig& config, const PreflightPlan& plan,
     if (unknown.empty()) {
       if (piped) {
         kept = peak_rank_activation_bytes(plan.program, p, per_stage);
-        peak = peak_rank_step_bytes(plan.program, p, per_stage, state);
+        peak = peak_rank_step_bytes(plan.program, p, per_stage, state, deferred);
       } else {
         kept =
             qwen3_activation_bytes(*model, mb, seq, *plan.compute, plan.recompute_layers).total();

@@ -60,12 +60,19 @@ std::vector<RankedPlan> rank_plans(const TrainerConfig& config, int world_size,
         c.pp > 1 ? build_schedule(c.schedule, c.pp, c.microbatches) : pipeline::Program{};
     const auto compute = compute_of(options.precision, c.fully_shard);
     std::vector<int64_t> per_stage;
+    std::vector<int64_t> deferred;  // what split backward keeps for W
     const bool predicted =
         activations_known && c.tp == 1 && c.cp == 1 && !(c.pp > 1 && options.recompute_layers);
     if (predicted && c.pp > 1) {
       for (int s = 0; s < program.stages(); ++s) {
         per_stage.push_back(
             qwen3_stage_activation_bytes(model, s, program.stages(), mb, seq, compute).total());
+      }
+      if (program.split_backward) {
+        for (int s = 0; s < program.stages(); ++s) {
+          deferred.push_back(
+              qwen3_stage_weight_gradient_bytes(model, s, program.stages(), mb, seq, compute));
+        }
       }
     }
     int64_t most = -1;
@@ -77,7 +84,7 @@ std::vector<RankedPlan> rank_plans(const TrainerConfig& config, int world_size,
       if (predicted) {
         if (c.pp > 1) {
           kept = peak_rank_activation_bytes(program, p, per_stage);
-          peak = peak_rank_step_bytes(program, p, per_stage, state);
+          peak = peak_rank_step_bytes(program, p, per_stage, state, deferred);
         } else {
           kept = qwen3_activation_bytes(model, mb, seq, compute, options.recompute_layers).total();
           peak = peak_step_bytes(state, kept, c.microbatches);

@@ -16,6 +16,7 @@
 #include <d9d/advise/activation_memory.hpp>
 #include <d9d/advise/memory_meter.hpp>
 #include <d9d/core/detail/autocast_scope.hpp>
+#include <d9d/core/weight_grad.hpp>
 #include <d9d/d9d.hpp>
 
 #include "tests/support/error_of.hpp"
@@ -180,6 +181,78 @@ TEST(Advise_ActivationMemory, StagesPredictWhatTheirForwardKeeps) {
     }
   }
   EXPECT_EQ(checked, 45);
+}
+
+// Under a split backward each stage's I leaves what its queued weight gradients read (every linear
+// layer's input and output gradient) until W: measured after I as the bytes still allocated, less
+// the gradients I itself produced (the norms' and the embedding's weights, the received input's):
+// within 64 bytes, in the three ways of computing, on both stages.
+TEST(Advise_ActivationMemory, SplitBackwardKeepsWhatWReads) {
+  using d9d::advise::Compute;
+  int checked = 0;
+  for (const auto compute : {Compute::float32, Compute::bf16_autocast, Compute::bf16_parameters}) {
+    const auto config = config_of({.hidden = 64,
+                                   .intermediate = 160,
+                                   .heads = 4,
+                                   .kv_heads = 2,
+                                   .head_dim = 16,
+                                   .layers = 5,
+                                   .vocab = 96,
+                                   .tied = false});
+    constexpr int stages = 2;
+    constexpr int64_t kBatch = 2;
+    constexpr int64_t kSeq = 16;
+    const auto ranges =
+        d9d::model::distribute_layers(5, stages, d9d::model::pipeline_virtual_layers(config, kSeq));
+    for (int s = 0; s < stages; ++s) {
+      torch::manual_seed(4);
+      d9d::model::Qwen3Stage stage(config, s, stages, ranges[static_cast<std::size_t>(s)]);
+      const auto dtype = compute == Compute::bf16_parameters ? at::kBFloat16 : at::kFloat;
+      stage->to(dtype);
+      const auto labels = torch::randint(96, {kBatch, kSeq}, torch::kLong);
+      const auto input = s == 0 ? torch::randint(96, {kBatch, kSeq}, torch::kLong)
+                                : torch::randn({kBatch, kSeq, 64}, dtype).requires_grad_();
+      d9d::WeightGradQueue queue;
+      int64_t left = 0;
+      {
+        d9d::advise::CpuMemoryMeter meter;
+        {
+          at::Tensor out;
+          {
+            const d9d::RecordWeightGrads record(queue);
+            const d9d::detail::AutocastScope scope(compute != Compute::float32,
+                                                   c10::DeviceType::CPU);
+            out = stage(input);
+            if (s == stages - 1) {
+              out = d9d::model::causal_lm_loss(out, labels).loss_sum;
+            }
+          }
+          const d9d::DeferWeightGrads defer(queue);
+          torch::autograd::backward({out}, {torch::ones_like(out)});
+        }
+        left = meter.live();
+      }
+      // What I produced and the test keeps: the non-linear parameters' gradients, the input's.
+      int64_t produced = 0;
+      for (const auto& p : stage->parameters()) {
+        if (p.grad().defined()) {
+          produced += p.grad().numel() * p.grad().element_size();
+        }
+      }
+      if (s > 0) {
+        produced += input.grad().numel() * input.grad().element_size();
+      }
+      const int64_t kept = left - produced;
+      const int64_t predicted =
+          d9d::advise::qwen3_stage_weight_gradient_bytes(config, s, stages, kBatch, kSeq, compute);
+      EXPECT_LE(std::abs(predicted - kept), 64)
+          << "compute " << static_cast<int>(compute) << ", stage " << s << ": predicted "
+          << predicted << ", kept " << kept;
+      queue.drain();
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 6);
 }
 
 // Every decoder layer recomputed (recompute::Full through parallelize, as the Trainer applies it):

@@ -262,20 +262,26 @@ int main(int argc, char** argv) {
                                                                         mb, seq, compute)
                                   .total());
         }
+        std::vector<int64_t> deferred;  // what a split backward keeps from I until W
+        if (program.split_backward) {
+          for (int s = 0; s < program.stages(); ++s) {
+            deferred.push_back(d9d::advise::qwen3_stage_weight_gradient_bytes(
+                model, s, program.stages(), mb, seq, compute));
+          }
+        }
         std::printf(
             "activations in flight per pipeline rank (bytes, GiB), and its peak during a step:\n");
         for (int p = 0; p < pp; ++p) {
           const auto peak = d9d::advise::peak_rank_activation_bytes(program, p, per_stage);
-          const auto step = d9d::advise::peak_rank_step_bytes(program, p, per_stage,
-                                                              shard0[static_cast<std::size_t>(p)]);
+          const auto step = d9d::advise::peak_rank_step_bytes(
+              program, p, per_stage, shard0[static_cast<std::size_t>(p)], deferred);
           std::printf("  pp %d: %lld  (%.2f GiB), peak %.2f GiB\n", p, static_cast<long long>(peak),
                       gib(peak), gib(step));
         }
       }
       std::printf(
           "not predicted yet: gathered units, communication buffers, the step's transient "
-          "buffers%s\n",
-          program.split_backward ? ", what W reads after I (split backward)" : "");
+          "buffers\n");
     } else {
       std::printf(
           "not predicted yet: activations (predicted without fp64, tp or cp, and recompute "

@@ -111,6 +111,20 @@ struct StageActivationBytes {
 [[nodiscard]] int64_t peak_rank_activation_bytes(const pipeline::Program& program, int pp_rank,
                                                  const std::vector<int64_t>& per_stage);
 
+/// What stage `stage`'s deferred weight gradients keep from its I until its W under a split
+/// backward (d9d::WeightGradQueue; src/model/split_linear.cpp), in bytes: every linear layer's
+/// input and output gradient, which the queued GEMM reads. Per token of a layer, in elements of
+/// the compute dtype: the inputs of q, k, v (one cast each under autocast, one shared tensor
+/// otherwise), of o (the attention's output), of gate and up (likewise) and of down
+/// (silu(gate) * up, which its backward computes at I for the queued GEMM), and the gradients of
+/// the seven outputs
+/// (Q + 2 K + 2 H + 2 I); on the last stage also the head's input and its output gradient over the
+/// vocabulary. Everything else the backward saved is freed at I.
+[[nodiscard]] int64_t qwen3_stage_weight_gradient_bytes(const model::Qwen3Config& config, int stage,
+                                                        int stages, int64_t microbatch_size,
+                                                        int64_t sequence_length,
+                                                        Compute compute = Compute::float32);
+
 /// The most bytes a rank holds at once during a step, from its state and activations: the
 /// parameters and AdamW moments throughout, the activations of the microbatches in flight, and
 /// the gradients from the first backward on (the Trainer drops them at the start of each step:
@@ -122,8 +136,11 @@ struct StageActivationBytes {
 /// The same under `program` on pipeline rank `pp_rank`: each F adds its stage's activations, each
 /// B or I takes them away, and the gradients count from the rank's first B or W (an I computes no
 /// weight gradient); the largest sum after any action.
+/// With `deferred` (per stage, qwen3_stage_weight_gradient_bytes) under a split backward, an I
+/// leaves its stage's deferred bytes until the stage's next W.
 [[nodiscard]] int64_t peak_rank_step_bytes(const pipeline::Program& program, int pp_rank,
                                            const std::vector<int64_t>& per_stage,
-                                           const StateBytes& state);
+                                           const StateBytes& state,
+                                           const std::vector<int64_t>& deferred = {});
 
 }  // namespace d9d::advise
