@@ -219,4 +219,53 @@ int64_t peak_step_bytes(const StateBytes& state, int64_t activations, int microb
                                   : std::max(activations, state.gradients));
 }
 
+RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline::Program& program,
+                               int pp, int microbatches, const StateRules& rules,
+                               int64_t microbatch_size, int64_t sequence_length,
+                               std::optional<Compute> compute, bool recompute_layers) {
+  const bool piped = pp > 1;
+  std::vector<int64_t> per_stage;
+  std::vector<int64_t> deferred;  // what a split backward keeps for W
+  if (compute && piped) {
+    for (int s = 0; s < program.stages(); ++s) {
+      per_stage.push_back(qwen3_stage_activation_bytes(config, s, program.stages(), microbatch_size,
+                                                       sequence_length, *compute)
+                              .total());
+      if (program.split_backward) {
+        deferred.push_back(qwen3_stage_weight_gradient_bytes(
+            config, s, program.stages(), microbatch_size, sequence_length, *compute));
+      }
+    }
+  }
+  RankMemory out;
+  int64_t most = -1;
+  for (int p = 0; p < pp; ++p) {
+    const auto mine = piped ? qwen3_rank_parameters(config, program, p, sequence_length)
+                            : qwen3_parameters(config);
+    const auto state = state_bytes(mine, rules, 0);  // shard rank 0 keeps the most rows
+    int64_t kept = 0;
+    int64_t peak = state.total();
+    if (compute) {
+      if (piped) {
+        kept = peak_rank_activation_bytes(program, p, per_stage);
+        peak = peak_rank_step_bytes(program, p, per_stage, state, deferred);
+      } else {
+        kept = qwen3_activation_bytes(config, microbatch_size, sequence_length, *compute,
+                                      recompute_layers)
+                   .total();
+        peak = peak_step_bytes(state, kept, microbatches);
+      }
+    }
+    if (peak > most) {
+      most = peak;
+      out.state = state;
+      if (compute) {
+        out.activations = kept;
+        out.peak = peak;
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace d9d::advise

@@ -128,51 +128,14 @@ Preflight predict_plan(const TrainerConfig& config, const PreflightPlan& plan,
   }
   const int64_t mb = config.batch.microbatch_size;
   const int64_t seq = config.batch.sequence_length;
-  const bool piped = c.pp > 1;
   const auto unknown = activations_unknown(plan);
-  std::vector<int64_t> per_stage;
-  std::vector<int64_t> deferred;  // what split backward keeps for W
-  if (unknown.empty() && piped) {
-    for (int s = 0; s < plan.program.stages(); ++s) {
-      per_stage.push_back(
-          qwen3_stage_activation_bytes(*model, s, plan.program.stages(), mb, seq, *plan.compute)
-              .total());
-    }
-    if (plan.program.split_backward) {
-      for (int s = 0; s < plan.program.stages(); ++s) {
-        deferred.push_back(qwen3_stage_weight_gradient_bytes(*model, s, plan.program.stages(), mb,
-                                                             seq, *plan.compute));
-      }
-    }
-  }
-  StateBytes fullest;
-  int64_t most = -1;
-  for (int p = 0; p < c.pp; ++p) {
-    const auto mine =
-        piped ? qwen3_rank_parameters(*model, plan.program, p, seq) : qwen3_parameters(*model);
-    const auto state = state_bytes(mine, *plan.rules, 0);  // shard rank 0 keeps the most rows
-    int64_t kept = 0;
-    int64_t peak = state.total();
-    if (unknown.empty()) {
-      if (piped) {
-        kept = peak_rank_activation_bytes(plan.program, p, per_stage);
-        peak = peak_rank_step_bytes(plan.program, p, per_stage, state, deferred);
-      } else {
-        kept =
-            qwen3_activation_bytes(*model, mb, seq, *plan.compute, plan.recompute_layers).total();
-        peak = peak_step_bytes(state, kept, c.microbatches);
-      }
-    }
-    if (peak > most) {
-      most = peak;
-      fullest = state;
-      out.state_bytes = state.total();
-      if (unknown.empty()) {
-        out.activation_bytes = kept;
-        out.peak_bytes = peak;
-      }
-    }
-  }
+  const auto rank =
+      fullest_rank_memory(*model, plan.program, c.pp, c.microbatches, *plan.rules, mb, seq,
+                          unknown.empty() ? plan.compute : std::nullopt, plan.recompute_layers);
+  const StateBytes& fullest = rank.state;
+  out.state_bytes = fullest.total();
+  out.activation_bytes = rank.activations;
+  out.peak_bytes = rank.peak;
   std::string memory = "advise: " + out.plan + "; predicted for the fullest rank: state " +
                        gib(out.state_bytes) + " (parameters " + gib(fullest.parameters) +
                        ", gradients " + gib(fullest.gradients) + ", AdamW moments " +

@@ -48,7 +48,6 @@ std::vector<RankedPlan> rank_plans(const TrainerConfig& config, int world_size,
   const auto model = model::Qwen3Config::from_json_text(config.sections.at("model"));
   const int64_t mb = config.batch.microbatch_size;
   const int64_t seq = config.batch.sequence_length;
-  const auto whole = qwen3_parameters(model);
   const bool activations_known = options.precision != "fp64";
   std::vector<RankedPlan> out;
   for (const auto& c : enumerate_candidates(config, world_size, options.candidates)) {
@@ -59,46 +58,14 @@ std::vector<RankedPlan> rank_plans(const TrainerConfig& config, int world_size,
     const auto program =
         c.pp > 1 ? build_schedule(c.schedule, c.pp, c.microbatches) : pipeline::Program{};
     const auto compute = compute_of(options.precision, c.fully_shard);
-    std::vector<int64_t> per_stage;
-    std::vector<int64_t> deferred;  // what split backward keeps for W
     const bool predicted =
         activations_known && c.tp == 1 && c.cp == 1 && !(c.pp > 1 && options.recompute_layers);
-    if (predicted && c.pp > 1) {
-      for (int s = 0; s < program.stages(); ++s) {
-        per_stage.push_back(
-            qwen3_stage_activation_bytes(model, s, program.stages(), mb, seq, compute).total());
-      }
-      if (program.split_backward) {
-        for (int s = 0; s < program.stages(); ++s) {
-          deferred.push_back(
-              qwen3_stage_weight_gradient_bytes(model, s, program.stages(), mb, seq, compute));
-        }
-      }
-    }
-    int64_t most = -1;
-    for (int p = 0; p < c.pp; ++p) {
-      const auto mine = c.pp > 1 ? qwen3_rank_parameters(model, program, p, seq) : whole;
-      const auto state = state_bytes(mine, rules, 0);  // shard rank 0: most rows
-      int64_t kept = 0;
-      int64_t peak = state.total();
-      if (predicted) {
-        if (c.pp > 1) {
-          kept = peak_rank_activation_bytes(program, p, per_stage);
-          peak = peak_rank_step_bytes(program, p, per_stage, state, deferred);
-        } else {
-          kept = qwen3_activation_bytes(model, mb, seq, compute, options.recompute_layers).total();
-          peak = peak_step_bytes(state, kept, c.microbatches);
-        }
-      }
-      if (peak > most) {
-        most = peak;
-        row.state_bytes = state.total();
-        if (predicted) {
-          row.activation_bytes = kept;
-          row.peak_bytes = peak;
-        }
-      }
-    }
+    const auto memory = fullest_rank_memory(
+        model, program, c.pp, c.microbatches, rules, mb, seq,
+        predicted ? std::optional<Compute>(compute) : std::nullopt, options.recompute_layers);
+    row.state_bytes = memory.state.total();
+    row.activation_bytes = memory.activations;
+    row.peak_bytes = memory.peak;
     row.fits = options.memory_bytes <= 0 || row.predicted_bytes() <= options.memory_bytes;
     if (options.machine != nullptr && compute != Compute::float32) {
       row.time = predict_step_time(model, c,

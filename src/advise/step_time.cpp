@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include <c10/core/ScalarType.h>
 #include <nlohmann/json.hpp>
 
 #include <d9d/advise/step_time.hpp>
@@ -296,15 +297,51 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
   return out;
 }
 
-int64_t element_bytes(at::ScalarType t) {
-  switch (t) {
-    case at::kDouble:
-      return 8;
-    case at::kFloat:
-      return 4;
-    default:
-      return 2;
+// The data-parallel strategy's cost of a step: its collectives' seconds and, under FullyShard,
+// its own copies on the compute stream.
+struct DataParallelTime {
+  double collectives = 0;
+  double copies = 0;
+};
+
+// Replicate over dp_replicate x cp; FullyShard over dp_shard x cp, with HSDP replicas
+// all-reducing the shards. `weight_elements`: the rank's (tp-sliced) parameters;
+// `shard_elements`: what it keeps of them under FullyShard.
+DataParallelTime data_parallel_time(const Candidate& candidate, const StepOptions& options,
+                                    const MachineProfile& machine, int64_t weight_elements,
+                                    double shard_elements) {
+  const int m = candidate.microbatches;
+  const auto& rules = options.precision;
+  const auto reduce_element =
+      static_cast<int64_t>(options.reduce_bf16 ? 2 : c10::elementSize(rules.gradients));
+  const int64_t gradient_bytes = weight_elements * reduce_element;
+  DataParallelTime out;
+  if (!candidate.fully_shard) {
+    out.collectives = machine.collective_seconds("all_reduce", gradient_bytes,
+                                                 candidate.dp_replicate * candidate.cp);
+    return out;
   }
+  const int group = candidate.dp_shard * candidate.cp;
+  const int64_t gather_element = options.compute == Compute::float32 ? 4 : 2;
+  const double gathers = options.reshard_after_forward ? 2.0 * m : 1.0;
+  const double reduces = options.reduce_every_microbatch ? m : 1.0;
+  const double gather =
+      machine.collective_seconds("all_gather", weight_elements * gather_element, group);
+  const double reduce = machine.collective_seconds("reduce_scatter", gradient_bytes, group);
+  const double replicas = machine.collective_seconds(
+      "all_reduce", gradient_bytes / std::max(group, 1), candidate.dp_replicate);
+  out.collectives = gathers * gather + reduces * reduce + replicas;
+  // FullyShard's own copies (src/parallel/fully_shard.cpp), at any group size: each gather casts
+  // the shard into the flat gather input; each reduction lays the gathered gradients out for the
+  // reduce-scatter and adds its output to the shard's gradient.
+  const auto parameter_element = static_cast<double>(c10::elementSize(rules.parameters));
+  const double gather_copy =
+      shard_elements * (parameter_element + static_cast<double>(gather_element));
+  const double reduce_copy =
+      static_cast<double>(weight_elements) * static_cast<double>(gather_element + reduce_element) +
+      shard_elements * 3.0 * static_cast<double>(reduce_element);
+  out.copies = (gathers * gather_copy + reduces * reduce_copy) / machine.memory_bytes_per_second;
+  return out;
 }
 
 }  // namespace
@@ -363,12 +400,14 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
       sharded = state_bytes(parameters, shard_rules, 0);
     }
   }
-  const int64_t weight_elements = whole.parameters / element_bytes(rules.parameters);
+  const auto weight_elements =
+      static_cast<int64_t>(whole.parameters / c10::elementSize(rules.parameters));
   auto costs = microbatch_costs(config, candidate, options, machine, weight_elements);
-  const double per_microbatch = costs.forward + costs.backward_input + costs.backward_weight;
 
-  // Under a pipeline each stage does its share of the model; the program decides the idle time.
-  double compute = 0;
+  // Each rank runs its 1/pp of the model's work for the m microbatches; under a pipeline the
+  // program decides the idle time.
+  const double per_rank = static_cast<double>(m) / static_cast<double>(candidate.pp);
+  double compute = (costs.forward + costs.backward_input + costs.backward_weight) * m;
   if (candidate.pp > 1) {
     const double share = 1.0 / static_cast<double>(stages);
     const int64_t boundary_bytes = options.microbatch_size * options.sequence_length /
@@ -378,72 +417,31 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
     const pipeline::Costs stage{.forward = costs.forward * share + hop,
                                 .backward_input = costs.backward_input * share + hop,
                                 .backward_weight = costs.backward_weight * share};
-    const auto timeline = pipeline::simulate(program, stage);
-    compute = timeline.makespan;
-    const double busy = static_cast<double>(m) * static_cast<double>(stages) /
-                        static_cast<double>(candidate.pp) *
-                        (stage.forward + stage.backward_input + stage.backward_weight);
-    out.pipeline_p2p = static_cast<double>(m) * static_cast<double>(stages) /
-                       static_cast<double>(candidate.pp) * 2 * hop;
-    out.bubble = std::max(0.0, compute - busy);
-    const double rank_share =
-        static_cast<double>(stages) / static_cast<double>(candidate.pp) * share;
-    out.gemm = costs.gemm * m * rank_share;
-    out.attention = costs.attention * m * rank_share;
-    out.memory = costs.memory * m * rank_share;
-    out.tensor_parallel = costs.tensor_parallel * m * rank_share;
-    out.context_parallel = costs.context_parallel * m * rank_share;
-  } else {
-    compute = per_microbatch * m;
-    out.gemm = costs.gemm * m;
-    out.attention = costs.attention * m;
-    out.memory = costs.memory * m;
-    out.tensor_parallel = costs.tensor_parallel * m;
-    out.context_parallel = costs.context_parallel * m;
+    compute = pipeline::simulate(program, stage).makespan;
+    const double actions = static_cast<double>(m) * static_cast<double>(stages) /
+                           static_cast<double>(candidate.pp);  // each of F, I and W
+    out.pipeline_p2p = actions * 2 * hop;
+    out.bubble = std::max(
+        0.0, compute - actions * (stage.forward + stage.backward_input + stage.backward_weight));
   }
+  out.gemm = costs.gemm * per_rank;
+  out.attention = costs.attention * per_rank;
+  out.memory = costs.memory * per_rank;
+  out.tensor_parallel = costs.tensor_parallel * per_rank;
+  out.context_parallel = costs.context_parallel * per_rank;
   // AdamW reads the parameter, gradient and both moments and writes the parameter and moments;
   // the clipping norm reads the gradients, the clipping scales them, zeroing writes them.
   out.optimizer =
       static_cast<double>(2 * sharded.parameters + 5 * sharded.gradients + 2 * sharded.optimizer) /
       machine.memory_bytes_per_second;
-
-  // Data parallelism: Replicate over dp_replicate x cp; FullyShard over dp_shard x cp, with HSDP
-  // replicas all-reducing the shards.
-  const int64_t reduce_element = options.reduce_bf16 ? 2 : element_bytes(rules.gradients);
-  const int64_t gradient_bytes = weight_elements * reduce_element;
-  if (candidate.fully_shard) {
-    const int group = candidate.dp_shard * candidate.cp;
-    const int64_t gather_element = options.compute == Compute::float32 ? 4 : 2;
-    const double gathers = options.reshard_after_forward ? 2.0 * m : 1.0;
-    const double reduces = options.reduce_every_microbatch ? m : 1.0;
-    const double gather =
-        machine.collective_seconds("all_gather", weight_elements * gather_element, group);
-    const double reduce = machine.collective_seconds("reduce_scatter", gradient_bytes, group);
-    const double replicas = machine.collective_seconds(
-        "all_reduce", gradient_bytes / std::max(group, 1), candidate.dp_replicate);
-    out.data_parallel = gathers * gather + reduces * reduce + replicas;
-    // FullyShard's own copies on the compute stream (src/parallel/fully_shard.cpp), at any group
-    // size: each gather casts the shard into the flat gather input; each reduction lays the
-    // gathered gradients out for the reduce-scatter and adds its output to the shard's gradient.
-    const double shard_elements = static_cast<double>(sharded.parameters) /
-                                  static_cast<double>(element_bytes(rules.parameters));
-    const auto whole_elements = static_cast<double>(weight_elements);
-    const double gather_copy =
-        shard_elements * static_cast<double>(element_bytes(rules.parameters) + gather_element) /
-        machine.memory_bytes_per_second;
-    const double reduce_copy =
-        (whole_elements * static_cast<double>(gather_element + reduce_element) +
-         shard_elements * 3.0 * static_cast<double>(reduce_element)) /
-        machine.memory_bytes_per_second;
-    const double copies = gathers * gather_copy + reduces * reduce_copy;
-    out.memory += copies;
-    compute += copies;
-    out.data_parallel_exposed = out.data_parallel;
-  } else {
-    const int group = candidate.dp_replicate * candidate.cp;
-    out.data_parallel = machine.collective_seconds("all_reduce", gradient_bytes, group);
-    out.data_parallel_exposed = out.data_parallel;
-  }
+  // The data-parallel collectives count whole (see the file comment).
+  const auto data = data_parallel_time(candidate, options, machine, weight_elements,
+                                       static_cast<double>(sharded.parameters) /
+                                           static_cast<double>(c10::elementSize(rules.parameters)));
+  out.memory += data.copies;
+  compute += data.copies;
+  out.data_parallel = data.collectives;
+  out.data_parallel_exposed = data.collectives;
   out.total = compute + out.optimizer + out.data_parallel_exposed;
   return out;
 }

@@ -42,6 +42,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include <d9d/advise/state_memory.hpp>
@@ -142,5 +143,23 @@ struct StageActivationBytes {
                                            const std::vector<int64_t>& per_stage,
                                            const StateBytes& state,
                                            const std::vector<int64_t>& deferred = {});
+
+/// The memory of a Plan's fullest pipeline rank during a step.
+struct RankMemory {
+  StateBytes state{};                    ///< its state (shard rank 0, which keeps the most rows)
+  std::optional<int64_t> activations{};  ///< its activations in flight, where predicted
+  std::optional<int64_t> peak{};         ///< its peak during a step, where predicted
+};
+
+/// Of the `pp` pipeline ranks `program` places `config`'s stages on (pp 1: the whole model; the
+/// program is unused), the one with the largest peak during a step (peak_step_bytes, or
+/// peak_rank_step_bytes with the split backward's deferred bytes), its state under `rules`.
+/// Without `compute` the activations are not predicted, and the fullest rank is the one with the
+/// most state.
+[[nodiscard]] RankMemory fullest_rank_memory(const model::Qwen3Config& config,
+                                             const pipeline::Program& program, int pp,
+                                             int microbatches, const StateRules& rules,
+                                             int64_t microbatch_size, int64_t sequence_length,
+                                             std::optional<Compute> compute, bool recompute_layers);
 
 }  // namespace d9d::advise
