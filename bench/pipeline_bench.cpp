@@ -50,6 +50,7 @@
 #include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/core/device_mesh.hpp>
 #include <d9d/core/distributed_context.hpp>
+#include <d9d/model/linear_cross_entropy.hpp>
 #include <d9d/model/qwen3.hpp>
 #include <d9d/model/qwen3_stage.hpp>
 #include <d9d/model/stage_layers.hpp>
@@ -286,8 +287,10 @@ int main(int argc, char** argv) {
       labels.push_back(tokens.narrow(1, 1, seq).contiguous());
     }
     const double tokens = static_cast<double>(microbatches * microbatch_size * seq);
+    // The loss the Trainer's pipelined step runs (d9d::CausalLmTask::output_loss).
     const auto loss = [&](const at::Tensor& logits, int mb) {
-      return d9d::model::causal_lm_loss(logits, labels[static_cast<std::size_t>(mb)]).loss_sum /
+      return d9d::model::logits_cross_entropy(logits, labels[static_cast<std::size_t>(mb)])
+                 .loss_sum /
              tokens;
     };
 

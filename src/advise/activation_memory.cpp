@@ -101,10 +101,12 @@ StageActivationBytes qwen3_stage_activation_bytes(const model::Qwen3Config& conf
   out.rope = layers > 0 ? whole.rope : 0;
   out.input = tokens * h * residual_bytes(compute);
   if (stage == stages - 1) {
-    // The log-softmax (float32) over the vocabulary, the final rstd, and the head's input as the
-    // head's matmul keeps it: float32, or its bfloat16 cast (autocast) or bfloat16 parameters.
-    out.head = tokens * (config.vocab_size * kFloat + kFloat) +
-               tokens * h * (compute == Compute::float32 ? kFloat : kHalf);
+    // The loss's softmax - one-hot over the vocabulary in the logits' dtype (the fused
+    // model::logits_cross_entropy the pipelined step runs: float32, else bfloat16), the final
+    // rstd, and the head's input as the head's matmul keeps it: float32, or its bfloat16 cast
+    // (autocast) or bfloat16 parameters.
+    const int64_t element = compute == Compute::float32 ? kFloat : kHalf;
+    out.head = tokens * (config.vocab_size * element + kFloat) + tokens * h * element;
     if (compute == Compute::bf16_autocast) {
       out.head += config.vocab_size * h * kHalf;  // the head weight's bfloat16 cast
     }

@@ -109,7 +109,48 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
   }
 };
 
+// The cross-entropy of whole logits by the fused kernel: the forward leaves softmax - one-hot
+// over a copy of the logits (the caller's stay as they were), the backward scales it.
+struct LogitsCrossEntropy : torch::autograd::Function<LogitsCrossEntropy> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& labels, int64_t ignore_index, bool grads_wanted) {
+    const bool grads = grads_wanted && logits.requires_grad();
+    const at::NoGradGuard no_grad;
+    at::Tensor g = logits.clone(at::MemoryFormat::Contiguous);
+    auto loss_sum = kernels::cross_entropy_rows(g, labels.to(at::kLong), ignore_index).sum();
+    ctx->saved_data["grad"] = grads ? g : at::Tensor();
+    return loss_sum;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto g = ctx->saved_data["grad"].toTensor();
+    if (!g.defined()) {
+      throw std::logic_error(
+          "d9d::model::logits_cross_entropy: backward of a forward run without gradients");
+    }
+    // The 0-dim float scale against the logits' dtype: computed in float, rounded once.
+    auto dl = g * grads[0];
+    ctx->saved_data["grad"] = at::Tensor();
+    return {dl, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+CausalLmLoss logits_cross_entropy(const at::Tensor& logits, const at::Tensor& labels,
+                                  int64_t ignore_index) {
+  if (logits.dim() < 1 || labels.numel() * logits.size(-1) != logits.numel()) {
+    throw std::invalid_argument(
+        "d9d::model::logits_cross_entropy: logits [..., V] with one row per label expected, got " +
+        c10::str(logits.sizes()) + " and labels " + c10::str(labels.sizes()));
+  }
+  const auto flat_labels = labels.reshape({-1});
+  auto loss_sum = LogitsCrossEntropy::apply(logits.reshape({-1, logits.size(-1)}), flat_labels,
+                                            ignore_index, at::GradMode::is_enabled());
+  auto tokens = (flat_labels != ignore_index).sum();
+  return {.loss_sum = std::move(loss_sum), .tokens = std::move(tokens)};
+}
 
 CausalLmLoss linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
                                   const at::Tensor& labels, int64_t ignore_index,

@@ -7,6 +7,8 @@
 
 #include <d9d/data/token_dataset.hpp>
 #include <d9d/model/hf_moe.hpp>
+#include <d9d/model/layers.hpp>
+#include <d9d/model/linear_cross_entropy.hpp>
 #include <d9d/train/causal_lm.hpp>
 #include <d9d/train/config.hpp>
 
@@ -231,7 +233,8 @@ LossOutput CausalLmTask::output_loss(const at::Tensor& logits, const CausalLmBat
   const auto labels =
       part(batch.tokens.narrow(1, 1, batch.tokens.size(1) - 1), 1).to(logits.device());
   if (vocab.whole()) {
-    const auto loss = model::causal_lm_loss(logits, labels);
+    const auto loss = model::fused_kernels() ? model::logits_cross_entropy(logits, labels)
+                                             : model::causal_lm_loss(logits, labels);
     return {.loss_sum = loss.loss_sum, .weight = loss.tokens};
   }
   const auto flat_labels = labels.reshape({-1});
@@ -243,7 +246,9 @@ LossOutput CausalLmTask::output_loss(const at::Tensor& logits, const CausalLmBat
 at::Tensor VocabPart::cross_entropy_sum(const at::Tensor& logits, const at::Tensor& labels,
                                         int64_t ignore_index) const {
   if (whole()) {
-    return model::causal_lm_loss(logits, labels, ignore_index).loss_sum;
+    return (model::fused_kernels() ? model::logits_cross_entropy(logits, labels, ignore_index)
+                                   : model::causal_lm_loss(logits, labels, ignore_index))
+        .loss_sum;
   }
   return slice.group->cross_entropy_sum(logits, labels, slice.start, ignore_index);
 }

@@ -1,5 +1,6 @@
 // d9d/train/pipeline_step.cpp — the pipelined optimizer step: program, dp reduction, clipping.
 #include <algorithm>
+#include <any>
 #include <cstdint>
 #include <map>
 #include <stdexcept>
@@ -92,6 +93,8 @@ struct PipelineStepCore::Impl {
   optim::PiecewiseSchedule schedule;
   c10::Device device = c10::Device(c10::kCPU);
   bool holds_first = false;
+  /// This rank runs the program's last stage (its loss reads each microbatch's targets).
+  bool holds_last = false;
 };
 
 namespace {
@@ -182,6 +185,7 @@ PipelineStepCore::PipelineStepCore(std::unique_ptr<parallel::ParallelModel> mode
   s.schedule = optim::PiecewiseSchedule::build(s.options.lr_schedule, s.options.total_steps);
   for (const auto& item : s.parts.stages.stages) {
     s.holds_first = s.holds_first || item.second.index == 0;
+    s.holds_last = s.holds_last || item.second.index == s.parts.stages.program.stages() - 1;
   }
   s.executor = make_executor(s.parts.stages, s.pp, s.options.bf16_autocast, s.device);
   sync_after_actions(*s.executor, s.parts.stages, s.parallel.get());
@@ -222,10 +226,24 @@ StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int6
   begin_step(*s.optimizer, lr);
   s.parallel->begin_step();
 
+  // The step's microbatches on the device before the program runs, copied without waiting for
+  // the device (TrainStepOptions::copier). A copy inside the last stage's loss (the task moving
+  // its targets) waited for everything queued before it, the receives of the stage's input
+  // included: on 2 x H200 that held the last stage's host 220 ms per step
+  // (docs/measurements/2026-11-29-pipelined-step-trace-2xh200.txt).
+  std::vector<std::any> on_device;
+  if ((s.holds_first || s.holds_last) && s.options.copier.clone) {
+    RECORD_USER_SCOPE("d9d::microbatches_to_device");
+    on_device.reserve(m);
+    for (const auto& microbatch : microbatches) {
+      on_device.push_back(s.options.copier.clone(microbatch, s.device));
+    }
+  }
+  const auto& batches = on_device.empty() ? microbatches : on_device;
   std::vector<at::Tensor> inputs;
   if (s.holds_first) {
     inputs.reserve(m);
-    for (const auto& microbatch : microbatches) {
+    for (const auto& microbatch : batches) {
       inputs.push_back(s.parts.input(microbatch).to(s.device));
     }
   }
@@ -237,7 +255,7 @@ StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int6
     LossOutput out;
     {
       const AutocastScope autocast(s.options.bf16_autocast, s.device.type());
-      out = s.parts.loss(output, microbatches[static_cast<std::size_t>(mb)]);
+      out = s.parts.loss(output, batches[static_cast<std::size_t>(mb)]);
     }
     accumulate_loss(out, loss_sum, weight_sum, "output_loss");
     return out.loss_sum;

@@ -18,6 +18,7 @@
 #include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/core/weight_grad.hpp>
 #include <d9d/d9d.hpp>
+#include <d9d/model/linear_cross_entropy.hpp>
 
 #include "tests/support/error_of.hpp"
 
@@ -163,7 +164,7 @@ TEST(Advise_ActivationMemory, StagesPredictWhatTheirForwardKeeps) {
                                                      c10::DeviceType::CPU);
               out = stage(input);
               if (s == stages - 1) {
-                out = d9d::model::causal_lm_loss(out, labels).loss_sum;
+                out = d9d::model::logits_cross_entropy(out, labels).loss_sum;
               }
             }
             kept = meter.live();
@@ -224,7 +225,7 @@ TEST(Advise_ActivationMemory, SplitBackwardKeepsWhatWReads) {
                                                    c10::DeviceType::CPU);
             out = stage(input);
             if (s == stages - 1) {
-              out = d9d::model::causal_lm_loss(out, labels).loss_sum;
+              out = d9d::model::logits_cross_entropy(out, labels).loss_sum;
             }
           }
           const d9d::DeferWeightGrads defer(queue);

@@ -412,6 +412,37 @@ TEST(Model_LinearCrossEntropy, EqualsTheHeadThenTheLossInDouble) {
               want.loss_sum.item<double>(), 1e-12);
 }
 
+TEST(Model_LogitsCrossEntropy, EqualsTheLossOfTheLogitsAndLeavesThemAlone) {
+  // Whole logits [B, T, V] (a pipeline's last stage output): loss, tokens and the logits' gradient
+  // under an incoming 0.7 equal causal_lm_loss's in double; in float32 to float32 rounding; the
+  // caller's logits keep their values (the kernel writes over a copy).
+  at::manual_seed(9);
+  auto labels = at::randint(29, {3, 7}, at::kLong);
+  labels.index_put_({0, at::arange(0, 7, 3)}, -100);  // ignored rows
+  for (const auto dtype : {at::kDouble, at::kFloat}) {
+    const double tol = dtype == at::kDouble ? 1e-12 : 2e-6;
+    const auto logits = (at::randn({3, 7, 29}, at::kDouble) * 3).to(dtype).requires_grad_(true);
+    const auto before = logits.detach().clone();
+    const auto want = d9d::model::causal_lm_loss(logits, labels);
+    const auto want_grad = torch::autograd::grad({want.loss_sum * 0.7}, {logits})[0];
+    const auto got = d9d::model::logits_cross_entropy(logits, labels);
+    EXPECT_TRUE(at::equal(logits.detach(), before));
+    EXPECT_EQ(got.loss_sum.scalar_type(), want.loss_sum.scalar_type());
+    EXPECT_NEAR(got.loss_sum.item<double>(), want.loss_sum.item<double>(),
+                tol * std::abs(want.loss_sum.item<double>()));
+    EXPECT_EQ(got.tokens.item<int64_t>(), 18);
+    const auto grad = torch::autograd::grad({got.loss_sum * 0.7}, {logits})[0];
+    EXPECT_EQ(grad.sizes(), logits.sizes());
+    EXPECT_TRUE(at::allclose(grad, want_grad, tol, tol)) << dtype;
+    EXPECT_TRUE(at::equal(grad.select(0, 0).select(0, 3), at::zeros({29}, dtype)));  // ignored
+  }
+  // Labels that do not match the rows are named.
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>([] {
+                (void)d9d::model::logits_cross_entropy(at::zeros({2, 5}), at::zeros({3}, at::kLong));
+              }),
+              testing::HasSubstr("one row per label"));
+}
+
 TEST(Model_SiluMulLinear, EqualsTheCompositionWithAndWithoutDeferredWeightGradients) {
   // down(silu(gate) * up) recomputing its input in backward: output and the gradients of gate, up
   // and W equal the composition's in float64 (to rounding), also with W's gradient deferred to a

@@ -87,9 +87,9 @@ struct ActivationBytes {
 /// pipeline_virtual_layers at `sequence_length`, as Qwen3Provider builds them), in bytes: its
 /// layers (as above) and rotary tables; on the first stage the embedding's output; on the others
 /// the received input the executor keeps (`input`); on the last the final norm, the head and the
-/// unfused loss the pipelined step runs on its logits (causal_lm_loss: the float32 log-softmax of
-/// every token over the vocabulary, the head's input and rstd, and under autocast the head
-/// weight's bfloat16 cast).
+/// loss the pipelined step runs on its logits (d9d::model::logits_cross_entropy: softmax − one-hot
+/// of every token over the vocabulary in the logits' dtype, the head's input and rstd, and under
+/// autocast the head weight's bfloat16 cast).
 struct StageActivationBytes {
   int64_t layers = 0;
   int64_t rope = 0;

@@ -32,4 +32,12 @@ namespace d9d::model {
                                                 int64_t ignore_index = -100,
                                                 int64_t chunk_rows = 0);
 
+/// The causal-LM loss of whole `logits` [..., V] against `labels` (one per row) by the same
+/// kernel: CausalLmLoss{loss_sum, tokens} as causal_lm_loss(logits, labels) gives, to rounding.
+/// It keeps softmax − one-hot in the logits' dtype for the backward (2 bytes per logit in bf16)
+/// where causal_lm_loss keeps float32 log-probabilities (4 bytes) and passes through two more
+/// float32 copies of the logits. What a pipeline's last stage runs (its output is the logits).
+[[nodiscard]] CausalLmLoss logits_cross_entropy(const at::Tensor& logits, const at::Tensor& labels,
+                                                int64_t ignore_index = -100);
+
 }  // namespace d9d::model

@@ -112,7 +112,8 @@ struct CausalLmOptions {
 /// Next-token prediction with the summed loss and the number of target tokens as its weight.
 /// Under a pipeline plan the first stage reads stage_input (tokens[:, :-1]) and the last stage's
 /// logits go to output_loss (against tokens[:, 1:], this rank's part of them under context
-/// parallelism).
+/// parallelism), whose cross-entropy is d9d's fused kernel (model::logits_cross_entropy) unless
+/// model::set_fused_kernels(false).
 class CausalLmTask {
  public:
   using train_task_concept = train_task_tag;

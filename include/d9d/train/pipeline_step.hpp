@@ -203,6 +203,7 @@ struct step_component<Schedule> {
       std::function<void(const LossOutput&, const std::any&)> after_microbatch,
       const TrainerConfig& config, TrainStepOptions options) {
     detail::check_pipeline_config(config);
+    options.copier = microbatch_copier<Batch>();
     detail::PipelineParts parts{.stages = std::move(composed.modules), .input = {}, .loss = {}};
     const auto& contributions = composed.contributions;
     const auto share = contributions.sequence_part(*composed.mesh);

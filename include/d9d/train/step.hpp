@@ -49,10 +49,12 @@ class Optimizer;
 namespace d9d {
 
 /// How a step copies microbatches of a type-erased batch: CUDA graphs keep one captured
-/// microbatch and copy the next ones' tensors into it. microbatch_copier<Batch>() makes it for a
+/// microbatch and copy the next ones' tensors into it; the pipelined step moves each step's
+/// microbatches to the device before its program runs. microbatch_copier<Batch>() makes it for a
 /// batch tree (d9d/core/batch_tree.hpp).
 struct MicrobatchCopier {
-  /// A copy with its own tensors on `device` (the captured microbatch).
+  /// A copy with its own tensors on `device` (the captured microbatch). Host tensors reach a
+  /// CUDA device through pinned memory on the current stream, without waiting for the device.
   std::function<std::any(const std::any& microbatch, c10::Device device)> clone;
   /// Copies `from`'s tensors into `into`'s: "" when done, else why the two differ in layout
   /// (sizes, dtypes, lengths, other values) and nothing was copied.
@@ -64,9 +66,13 @@ MicrobatchCopier microbatch_copier() {
   return {.clone = [](const std::any& microbatch, c10::Device device) -> std::any {
             return detail::map_tree(std::any_cast<const Batch&>(microbatch), "",
                                     [device](const std::string& /*path*/, const at::Tensor& t) {
-                                      return t.defined() ? t.to(device, /*non_blocking=*/false,
-                                                                /*copy=*/true)
-                                                         : t;
+                                      if (!t.defined()) {
+                                        return t;
+                                      }
+                                      if (device.is_cuda() && t.device().is_cpu()) {
+                                        return t.pin_memory().to(device, /*non_blocking=*/true);
+                                      }
+                                      return t.to(device, /*non_blocking=*/false, /*copy=*/true);
                                     });
           },
           .copy = [](std::any& into, const std::any& from) -> std::string {
