@@ -437,10 +437,11 @@ TEST(Model_LogitsCrossEntropy, EqualsTheLossOfTheLogitsAndLeavesThemAlone) {
     EXPECT_TRUE(at::equal(grad.select(0, 0).select(0, 3), at::zeros({29}, dtype)));  // ignored
   }
   // Labels that do not match the rows are named.
-  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>([] {
-                (void)d9d::model::logits_cross_entropy(at::zeros({2, 5}), at::zeros({3}, at::kLong));
-              }),
-              testing::HasSubstr("one row per label"));
+  EXPECT_THAT(
+      d9d::testing::error_of<std::invalid_argument>([] {
+        (void)d9d::model::logits_cross_entropy(at::zeros({2, 5}), at::zeros({3}, at::kLong));
+      }),
+      testing::HasSubstr("one row per label"));
 }
 
 TEST(Model_SiluMulLinear, EqualsTheCompositionWithAndWithoutDeferredWeightGradients) {
