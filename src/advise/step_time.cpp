@@ -255,7 +255,8 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
   const auto elements = static_cast<double>(weight_elements);
   if (o.compute == Compute::bf16_autocast) {
     weight_casts = elements * (4 + 2) / bandwidth;
-    accumulation = elements * (2 + 4 + 4) / bandwidth;  // bfloat16 gradient into float32 .grad
+    // The GEMM writes the float32 gradient (src/model/split_linear.cpp), added into .grad.
+    accumulation = elements * (4 + 4) / bandwidth;
   } else {
     const double g = o.compute == Compute::float32 ? 4 : 2;
     accumulation = elements * 3 * g / bandwidth;

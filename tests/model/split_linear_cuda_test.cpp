@@ -1,0 +1,75 @@
+// The linear layer's weight gradient under bf16 mixed precision on CUDA (GPU machines only; ctest
+// label "gpu"): a float32 weight, bfloat16 autocast, three microbatches, the gradient accumulated
+// into .grad by the autograd engine (B) and by a deferred d9d::WeightGradQueue (W). The GEMM writes
+// the float32 product itself (src/model/split_linear.cpp), so .grad equals the float64 sum of the
+// bfloat16 operands' products to float32 accumulation — a bfloat16 product rounded before the add
+// would be ~1e-3 off.
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+#include <d9d/core/detail/autocast_scope.hpp>
+#include <d9d/core/weight_grad.hpp>
+#include <d9d/model/layers.hpp>
+
+namespace {
+
+TEST(Model_Linear_Cuda, Bf16MixedWeightGradientIsTheFloat32Product) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  constexpr int kMicrobatches = 3;
+  at::manual_seed(11);
+  std::vector<at::Tensor> xs;
+  std::vector<at::Tensor> ups;
+  for (int m = 0; m < kMicrobatches; ++m) {
+    // Values bfloat16 holds exactly, so the reference sees the GEMM's operands.
+    xs.push_back(at::randn({2, 96, 256}, at::kCUDA).to(at::kBFloat16).to(at::kFloat));
+    ups.push_back(at::randn({2, 96, 384}, at::kCUDA).to(at::kBFloat16));
+  }
+  auto want = at::zeros({384, 256}, at::kDouble);
+  for (int m = 0; m < kMicrobatches; ++m) {
+    want += ups[m].to(at::kDouble).cpu().reshape({-1, 384}).t().mm(
+        xs[m].to(at::kDouble).cpu().reshape({-1, 256}));
+  }
+  for (const bool deferred : {false, true}) {
+    at::manual_seed(12);
+    d9d::model::Linear layer(256, 384);
+    layer->to(at::kCUDA);
+    ASSERT_EQ(layer->weight.scalar_type(), at::kFloat);
+    d9d::WeightGradQueue queue;
+    for (int m = 0; m < kMicrobatches; ++m) {
+      at::Tensor y;
+      {
+        const d9d::detail::AutocastScope autocast(true, c10::DeviceType::CUDA);
+        if (deferred) {
+          const d9d::RecordWeightGrads record(queue);
+          y = layer(xs[m]);
+        } else {
+          y = layer(xs[m]);
+        }
+      }
+      ASSERT_EQ(y.scalar_type(), at::kBFloat16);
+      if (deferred) {
+        const d9d::DeferWeightGrads defer(queue);
+        y.backward(ups[m]);
+      } else {
+        y.backward(ups[m]);
+      }
+    }
+    if (deferred) {
+      EXPECT_FALSE(layer->weight.grad().defined()) << "the weight gradient waits for W";
+      queue.drain();
+    }
+    const auto& grad = layer->weight.grad();
+    ASSERT_TRUE(grad.defined());
+    EXPECT_EQ(grad.scalar_type(), at::kFloat);
+    const double error = (grad.cpu().to(at::kDouble) - want).abs().max().item<double>() /
+                         want.abs().max().item<double>();
+    EXPECT_LT(error, 1e-5) << (deferred ? "deferred (W)" : "autograd (B)");
+  }
+}
+
+}  // namespace
