@@ -31,8 +31,12 @@ TEST(Model_Linear_Cuda, Bf16MixedWeightGradientIsTheFloat32Product) {
   }
   auto want = at::zeros({384, 256}, at::kDouble);
   for (int m = 0; m < kMicrobatches; ++m) {
-    want += ups[m].to(at::kDouble).cpu().reshape({-1, 384}).t().mm(
-        xs[m].to(at::kDouble).cpu().reshape({-1, 256}));
+    want += ups[m]
+                .to(at::kDouble)
+                .cpu()
+                .reshape({-1, 384})
+                .t()
+                .mm(xs[m].to(at::kDouble).cpu().reshape({-1, 256}));
   }
   for (const bool deferred : {false, true}) {
     at::manual_seed(12);
