@@ -224,7 +224,8 @@ int64_t peak_step_bytes(const StateBytes& state, int64_t activations, int microb
 RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline::Program& program,
                                int pp, int microbatches, const StateRules& rules,
                                int64_t microbatch_size, int64_t sequence_length,
-                               std::optional<Compute> compute, bool recompute_layers) {
+                               std::optional<Compute> compute, bool recompute_layers,
+                               bool reshard_after_forward) {
   const bool piped = pp > 1;
   std::vector<int64_t> per_stage;
   std::vector<int64_t> deferred;  // what a split backward keeps for W
@@ -256,6 +257,13 @@ RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline:
                                       recompute_layers)
                    .total();
         peak = peak_step_bytes(state, kept, microbatches);
+        if (rules.shard_ranks > 1) {
+          // FullyShard gathers in the compute dtype: float32, else bfloat16.
+          peak += fully_shard_gathered_bytes(
+                      mine, rules, *compute == Compute::float32 ? at::kFloat : at::kBFloat16,
+                      reshard_after_forward)
+                      .total();
+        }
       }
     }
     if (peak > most) {

@@ -131,7 +131,8 @@ Preflight predict_plan(const TrainerConfig& config, const PreflightPlan& plan,
   const auto unknown = activations_unknown(plan);
   const auto rank =
       fullest_rank_memory(*model, plan.program, c.pp, c.microbatches, *plan.rules, mb, seq,
-                          unknown.empty() ? plan.compute : std::nullopt, plan.recompute_layers);
+                          unknown.empty() ? plan.compute : std::nullopt, plan.recompute_layers,
+                          config.data_parallel.reshard != "never");
   const StateBytes& fullest = rank.state;
   out.state_bytes = fullest.total();
   out.activation_bytes = rank.activations;
@@ -146,9 +147,8 @@ Preflight predict_plan(const TrainerConfig& config, const PreflightPlan& plan,
   } else {
     memory += "; activations not predicted (" + unknown + ")";
   }
-  lines.push_back(memory +
-                  "; not counted: the step's transient buffers, gathered units, "
-                  "communication buffers");
+  lines.push_back(memory + "; not counted: the step's transient buffers, communication buffers" +
+                  (c.pp > 1 && c.fully_shard ? ", FullyShard's gathered units" : ""));
   if (machine != nullptr) {
     if (!unknown.empty() || *plan.compute == Compute::float32) {
       lines.emplace_back("advise: step time not predicted (" +

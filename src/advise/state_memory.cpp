@@ -1,6 +1,7 @@
 // d9d/advise/state_memory.cpp — the state bytes of a rank under a Plan
 // (d9d/advise/state_memory.hpp).
 #include <algorithm>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -159,6 +160,45 @@ StateBytes state_bytes(const std::vector<ParameterShape>& parameters, const Stat
     out.parameters += numel * size(rules.parameters);
     out.gradients += numel * size(rules.gradients);
     out.optimizer += 2 * numel * size(rules.optimizer);
+  }
+  return out;
+}
+
+GatheredBytes fully_shard_gathered_bytes(const std::vector<ParameterShape>& parameters,
+                                         const StateRules& rules, at::ScalarType gathered,
+                                         bool reshard_after_forward, int prefetch) {
+  if (rules.tensor_ranks < 1) {
+    throw std::invalid_argument("d9d::advise::fully_shard_gathered_bytes: tensor_ranks " +
+                                std::to_string(rules.tensor_ranks) + " < 1");
+  }
+  const std::string layers = "model.layers.";
+  std::map<int64_t, int64_t> layer_bytes;  // layer index -> its unit's bytes
+  int64_t rest = 0;
+  const auto element = static_cast<int64_t>(c10::elementSize(gathered));
+  for (const auto& p : parameters) {
+    auto numel = product(p.sizes);
+    if (rules.tensor_ranks > 1 && p.tensor_split_dim >= 0) {
+      numel /= rules.tensor_ranks;
+    }
+    if (p.name.rfind(layers, 0) == 0) {
+      layer_bytes[std::stoll(p.name.substr(layers.size()))] += numel * element;
+    } else {
+      rest += numel * element;
+    }
+  }
+  GatheredBytes out{.units = rest};
+  int64_t largest = 0;
+  for (const auto& [layer, bytes] : layer_bytes) {
+    largest = std::max(largest, bytes);
+    if (!reshard_after_forward) {
+      out.units += bytes;
+    }
+  }
+  if (reshard_after_forward) {
+    // A layer's gather lands in its storage when the layer runs, after the previous one was
+    // freed; the next one's, started then, is the all-gather's output until it runs.
+    out.units += largest;
+    out.in_flight = prefetch > 0 && layer_bytes.size() > 1 ? largest : 0;
   }
   return out;
 }

@@ -157,6 +157,15 @@ void expect_predicted(const d9d::DistributedContext& ctx, const d9d::TrainerConf
   EXPECT_EQ(predicted.gradients, held.gradients) << what << rank;
   EXPECT_EQ(predicted.optimizer, held.optimizer) << what << rank;
   EXPECT_EQ(predicted.total(), held.parameters + held.gradients + held.optimizer) << what << rank;
+  // FullyShard without a pipeline: the units gathered at once at the step's peak (the config's
+  // reshard, "after_forward" unless set).
+  if (rules.shard_ranks > 1 && shape.pp == 1) {
+    const bool reshard = config.data_parallel.reshard != "never";
+    const auto gathered = d9d::advise::fully_shard_gathered_bytes(
+        parameters, rules, d9d::precision::scalar_type(Plan::precision::compute), reshard);
+    EXPECT_EQ(gathered.units, trainer.core().parallel().peak_extra_bytes())
+        << what << rank << ", reshard " << config.data_parallel.reshard;
+  }
 }
 
 using ReplicateMesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>>;
@@ -184,6 +193,10 @@ TEST(Advise_StateMemory_ws3, FullyShardEqualsWhatTheTrainerHoldsOnUnevenRows) {
     expect_predicted<
         d9d::Plan<ShardMesh, Fsdp, d9d::precision::Bf16Params<d9d::precision::NearestRounding>>>(
         ctx, config, "FullyShard, Bf16Params<NearestRounding> (bfloat16 moments)");
+    auto kept = config;  // every unit stays gathered
+    kept.data_parallel.reshard = "never";
+    expect_predicted<d9d::Plan<ShardMesh, Fsdp, d9d::precision::Bf16Mixed>>(
+        ctx, kept, "FullyShard, Bf16Mixed");
   });
 }
 

@@ -11,6 +11,7 @@
 // (d9d/advise/activation_memory.hpp). Gathered units and communication buffers are not predicted
 // yet.
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <map>
@@ -249,10 +250,24 @@ int main(int argc, char** argv) {
             "rotary tables %.4f); state + activations: %.2f GiB\n",
             static_cast<long long>(kept.total()), gib(kept.total()), gib(kept.layers),
             gib(kept.loss), gib(kept.rope), gib(largest + kept.total()));
+        int64_t gathered = 0;
+        if (rules.shard_ranks > 1) {
+          gathered =
+              d9d::advise::fully_shard_gathered_bytes(
+                  all, rules, compute == d9d::advise::Compute::float32 ? at::kFloat : at::kBFloat16,
+                  reshard != "never")
+                  .total();
+        }
+        std::array<char, 96> units{};
+        if (gathered > 0) {
+          std::snprintf(units.data(), units.size(), ", FullyShard's gathered units %.2f GiB",
+                        gib(gathered));
+        }
         std::printf(
             "peak during a step: %.2f GiB (parameters and moments, the activations, the gradients "
-            "from the first backward; %d microbatch(es))\n",
-            gib(d9d::advise::peak_step_bytes(shard0[0], kept.total(), microbatches)), microbatches);
+            "from the first backward%s; %d microbatch(es))\n",
+            gib(d9d::advise::peak_step_bytes(shard0[0], kept.total(), microbatches) + gathered),
+            units.data(), microbatches);
       } else {
         // Each pipeline rank: its stages' microbatches in flight as the program runs them.
         std::vector<int64_t> per_stage;
@@ -279,9 +294,8 @@ int main(int argc, char** argv) {
                       gib(peak), gib(step));
         }
       }
-      std::printf(
-          "not predicted yet: gathered units, communication buffers, the step's transient "
-          "buffers\n");
+      std::printf("not predicted yet: %scommunication buffers, the step's transient buffers\n",
+                  pp > 1 && rules.shard_ranks > 1 ? "gathered units under a pipeline, " : "");
     } else {
       std::printf(
           "not predicted yet: activations (predicted without fp64, tp or cp, and recompute "

@@ -155,11 +155,14 @@ struct RankMemory {
 /// program is unused), the one with the largest peak during a step (peak_step_bytes, or
 /// peak_rank_step_bytes with the split backward's deferred bytes), its state under `rules`.
 /// Without `compute` the activations are not predicted, and the fullest rank is the one with the
-/// most state.
+/// most state. Under FullyShard without a pipeline (rules.shard_ranks > 1, pp 1) the peak adds
+/// the units gathered at once (fully_shard_gathered_bytes, `reshard_after_forward` as the run's
+/// reshard setting says); under a pipeline they are not counted yet.
 [[nodiscard]] RankMemory fullest_rank_memory(const model::Qwen3Config& config,
                                              const pipeline::Program& program, int pp,
                                              int microbatches, const StateRules& rules,
                                              int64_t microbatch_size, int64_t sequence_length,
-                                             std::optional<Compute> compute, bool recompute_layers);
+                                             std::optional<Compute> compute, bool recompute_layers,
+                                             bool reshard_after_forward = true);
 
 }  // namespace d9d::advise

@@ -118,6 +118,26 @@ struct StateBytes {
 [[nodiscard]] StateBytes state_bytes(const std::vector<ParameterShape>& parameters,
                                      const StateRules& rules, int shard_rank);
 
+/// What FullyShard holds gathered at the peak of a step, in bytes.
+struct GatheredBytes {
+  /// Units gathered into their storage: ParallelModel::peak_extra_bytes.
+  int64_t units = 0;
+  /// The prefetched unit's all-gather output, in flight beside them (not in peak_extra_bytes).
+  int64_t in_flight = 0;
+
+  [[nodiscard]] int64_t total() const { return units + in_flight; }
+};
+
+/// What FullyShard holds gathered at the peak of a step for a whole model's `parameters` (no
+/// pipeline; each split by tensor parallelism as `rules` says). Its units are the decoder layers
+/// ("model.layers.N.") and one unit of the rest (embedding, final norm, head), gathered whole in
+/// `gathered` (the precision's compute dtype). With `reshard_after_forward` (Reshard::after_forward
+/// or all_but_last) the rest's unit and the largest layer, and with `prefetch` > 0 the next
+/// layer's all-gather in flight; otherwise every unit.
+[[nodiscard]] GatheredBytes fully_shard_gathered_bytes(
+    const std::vector<ParameterShape>& parameters, const StateRules& rules, at::ScalarType gathered,
+    bool reshard_after_forward, int prefetch = 1);
+
 /// The dtypes precision policy `P` stores a parameter's state in (unsplit): the parameter dtype
 /// for the parameters, their gradients and AdamW's moments, or the policy's optimizer_state for
 /// the moments under stochastic rounding.
