@@ -221,6 +221,18 @@ int64_t peak_step_bytes(const StateBytes& state, int64_t activations, int microb
                                   : std::max(activations, state.gradients));
 }
 
+int64_t fully_shard_gathered_step_bytes(const std::vector<ParameterShape>& parameters,
+                                        const StateRules& rules, Compute compute,
+                                        bool reshard_after_forward) {
+  if (rules.shard_ranks <= 1) {
+    return 0;
+  }
+  return fully_shard_gathered_bytes(parameters, rules,
+                                    compute == Compute::float32 ? at::kFloat : at::kBFloat16,
+                                    reshard_after_forward)
+      .total();
+}
+
 RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline::Program& program,
                                int pp, int microbatches, const StateRules& rules,
                                int64_t microbatch_size, int64_t sequence_length,
@@ -256,14 +268,8 @@ RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline:
         kept = qwen3_activation_bytes(config, microbatch_size, sequence_length, *compute,
                                       recompute_layers)
                    .total();
-        peak = peak_step_bytes(state, kept, microbatches);
-        if (rules.shard_ranks > 1) {
-          // FullyShard gathers in the compute dtype: float32, else bfloat16.
-          peak += fully_shard_gathered_bytes(
-                      mine, rules, *compute == Compute::float32 ? at::kFloat : at::kBFloat16,
-                      reshard_after_forward)
-                      .total();
-        }
+        peak = peak_step_bytes(state, kept, microbatches) +
+               fully_shard_gathered_step_bytes(mine, rules, *compute, reshard_after_forward);
       }
     }
     if (peak > most) {

@@ -250,14 +250,8 @@ int main(int argc, char** argv) {
             "rotary tables %.4f); state + activations: %.2f GiB\n",
             static_cast<long long>(kept.total()), gib(kept.total()), gib(kept.layers),
             gib(kept.loss), gib(kept.rope), gib(largest + kept.total()));
-        int64_t gathered = 0;
-        if (rules.shard_ranks > 1) {
-          gathered =
-              d9d::advise::fully_shard_gathered_bytes(
-                  all, rules, compute == d9d::advise::Compute::float32 ? at::kFloat : at::kBFloat16,
-                  reshard != "never")
-                  .total();
-        }
+        const int64_t gathered =
+            d9d::advise::fully_shard_gathered_step_bytes(all, rules, compute, reshard != "never");
         std::array<char, 96> units{};
         if (gathered > 0) {
           std::snprintf(units.data(), units.size(), ", FullyShard's gathered units %.2f GiB",

@@ -144,6 +144,13 @@ struct StageActivationBytes {
                                            const StateBytes& state,
                                            const std::vector<int64_t>& deferred = {});
 
+/// FullyShard's units gathered at the peak of a whole-model step, fully_shard_gathered_bytes's
+/// total in the dtype it gathers in under `compute` (float32, else bfloat16); 0 when `rules` shard
+/// no parameter (shard_ranks 1).
+[[nodiscard]] int64_t fully_shard_gathered_step_bytes(const std::vector<ParameterShape>& parameters,
+                                                      const StateRules& rules, Compute compute,
+                                                      bool reshard_after_forward);
+
 /// The memory of a Plan's fullest pipeline rank during a step.
 struct RankMemory {
   StateBytes state{};                    ///< its state (shard rank 0, which keeps the most rows)
@@ -157,7 +164,8 @@ struct RankMemory {
 /// Without `compute` the activations are not predicted, and the fullest rank is the one with the
 /// most state. Under FullyShard without a pipeline (rules.shard_ranks > 1, pp 1) the peak adds
 /// the units gathered at once (fully_shard_gathered_bytes, `reshard_after_forward` as the run's
-/// reshard setting says); under a pipeline they are not counted yet.
+/// reshard setting says: fully_shard_gathered_step_bytes); under a pipeline they are not counted
+/// yet.
 [[nodiscard]] RankMemory fullest_rank_memory(const model::Qwen3Config& config,
                                              const pipeline::Program& program, int pp,
                                              int microbatches, const StateRules& rules,
