@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <d9d/advise/activation_memory.hpp>
 #include <d9d/model/qwen3.hpp>
@@ -15,6 +16,19 @@ namespace {
 // The bytes of one element of the residual stream (the layers' inputs and outputs): bfloat16 with
 // bfloat16 parameters, else float32 (autocast casts the matmuls' inputs, not the stream).
 int64_t residual_bytes(Compute compute) { return compute == Compute::bf16_parameters ? 2 : 4; }
+
+// Under autocast, the bfloat16 copies of one layer's weights that its forward casts (the seven
+// matrices and the q/k norms' weights); 0 otherwise.
+int64_t layer_weight_cast_bytes(const model::Qwen3Config& config, Compute compute) {
+  if (compute != Compute::bf16_autocast) {
+    return 0;
+  }
+  const int64_t h = config.hidden_size;
+  const int64_t q = config.num_attention_heads * config.head_dim;
+  const int64_t k = config.num_key_value_heads * config.head_dim;
+  const int64_t i = config.intermediate_size;
+  return (h * q + 2 * h * k + q * h + 3 * h * i + 2 * config.head_dim) * 2;
+}
 
 }  // namespace
 
@@ -54,8 +68,8 @@ ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t
                             q * 3 * kHalf + k * 3 * kHalf + heads * 2 * kFloat + kv_heads * kFloat +
                             i * 2 * kHalf;
       // Per layer: the bfloat16 casts of its weights, which the matmuls and q/k norms keep.
-      const int64_t weights = (h * q + 2 * h * k + q * h + 3 * h * i + 2 * config.head_dim) * kHalf;
-      out.layers = config.num_hidden_layers * (layer * tokens + weights);
+      out.layers = config.num_hidden_layers *
+                   (layer * tokens + layer_weight_cast_bytes(config, Compute::bf16_autocast));
       out.loss = (h * (kFloat + kHalf) + kFloat) * tokens + config.vocab_size * h * kFloat;
       break;
     }
@@ -97,7 +111,9 @@ StageActivationBytes qwen3_stage_activation_bytes(const model::Qwen3Config& conf
   const int64_t tokens = microbatch_size * sequence_length;
   const int64_t h = config.hidden_size;
   StageActivationBytes out;
-  out.layers = layers * whole.layers;
+  // The layers' weight casts apart: the train step makes them once for all microbatches.
+  out.weight_casts = layers * layer_weight_cast_bytes(config, compute);
+  out.layers = layers * whole.layers - out.weight_casts;
   out.rope = layers > 0 ? whole.rope : 0;
   out.input = tokens * h * residual_bytes(compute);
   if (stage == stages - 1) {
@@ -108,7 +124,7 @@ StageActivationBytes qwen3_stage_activation_bytes(const model::Qwen3Config& conf
     const int64_t element = compute == Compute::float32 ? kFloat : kHalf;
     out.head = tokens * (config.vocab_size * element + kFloat) + tokens * h * element;
     if (compute == Compute::bf16_autocast) {
-      out.head += config.vocab_size * h * kHalf;  // the head weight's bfloat16 cast
+      out.weight_casts += config.vocab_size * h * kHalf;  // the head weight's bfloat16 cast
     }
   }
   return out;
@@ -128,6 +144,17 @@ void check_rank(const char* who, const pipeline::Program& program, int pp_rank,
                                 std::to_string(per_stage.size()) + " stage sizes for " +
                                 std::to_string(program.stages()) + " stages");
   }
+}
+
+// The stages whose actions pipeline rank `pp_rank` runs, each once.
+std::vector<int> rank_stages(const pipeline::Program& program, int pp_rank) {
+  std::vector<int> out;
+  for (const auto& a : program.ranks[static_cast<std::size_t>(pp_rank)]) {
+    if (std::find(out.begin(), out.end(), a.stage) == out.end()) {
+      out.push_back(a.stage);
+    }
+  }
+  return out;
 }
 
 // The largest of held + activations in flight (+ what deferred weight gradients keep, +
@@ -240,12 +267,14 @@ RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline:
                                bool reshard_after_forward) {
   const bool piped = pp > 1;
   std::vector<int64_t> per_stage;
+  std::vector<int64_t> casts;     // each stage's weight casts, made once per step
   std::vector<int64_t> deferred;  // what a split backward keeps for W
   if (compute && piped) {
     for (int s = 0; s < program.stages(); ++s) {
-      per_stage.push_back(qwen3_stage_activation_bytes(config, s, program.stages(), microbatch_size,
-                                                       sequence_length, *compute)
-                              .total());
+      const auto stage = qwen3_stage_activation_bytes(config, s, program.stages(), microbatch_size,
+                                                      sequence_length, *compute);
+      per_stage.push_back(stage.total() - stage.weight_casts);
+      casts.push_back(stage.weight_casts);
       if (program.split_backward) {
         deferred.push_back(qwen3_stage_weight_gradient_bytes(
             config, s, program.stages(), microbatch_size, sequence_length, *compute));
@@ -262,12 +291,22 @@ RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline:
     int64_t peak = state.total();
     if (compute) {
       if (piped) {
-        kept = peak_rank_activation_bytes(program, p, per_stage);
-        peak = peak_rank_step_bytes(program, p, per_stage, state, deferred);
+        // The rank's stages' weight casts, counted for the whole step.
+        int64_t cast = 0;
+        for (const int s : rank_stages(program, p)) {
+          cast += casts[static_cast<std::size_t>(s)];
+        }
+        kept = peak_rank_activation_bytes(program, p, per_stage) + cast;
+        peak = peak_rank_step_bytes(program, p, per_stage, state, deferred) + cast;
       } else {
         kept = qwen3_activation_bytes(config, microbatch_size, sequence_length, *compute,
                                       recompute_layers)
                    .total();
+        if (recompute_layers && microbatches > 1) {
+          // Several microbatches keep the layers' weight casts for the step; recompute does not
+          // free them.
+          kept += config.num_hidden_layers * layer_weight_cast_bytes(config, *compute);
+        }
         peak = peak_step_bytes(state, kept, microbatches) +
                fully_shard_gathered_step_bytes(mine, rules, *compute, reshard_after_forward);
       }

@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/init.h>
 
+#include <d9d/core/detail/weight_casts.hpp>
 #include <d9d/core/weight_grad.hpp>
 #include <d9d/kernels/float8.hpp>
 #include <d9d/kernels/silu_mul.hpp>
@@ -42,6 +43,17 @@ at::Tensor autocast_like(const at::Tensor& t, const at::Tensor& x) {
     return t.to(at::autocast::get_autocast_dtype(device_type));
   }
   return t;
+}
+
+// A weight as autocast_like casts it, through the step's cast cache
+// (d9d/core/detail/weight_casts.hpp): cast once per step, not once per microbatch, while the train
+// step keeps a scope open.
+at::Tensor autocast_weight(const at::Tensor& w, const at::Tensor& x) {
+  const auto device_type = x.device().type();
+  if (w.defined() && at::autocast::is_autocast_enabled(device_type) && x.is_floating_point()) {
+    return detail::cast_weight(w, at::autocast::get_autocast_dtype(device_type));
+  }
+  return w;
 }
 
 // The queue forward bound this node to (its address in saved_data["queue"]) while it defers, else
@@ -108,8 +120,8 @@ struct SplitLinear : torch::autograd::Function<SplitLinear<HasBias>> {
                                 const at::Tensor& weight, const at::Tensor& bias,
                                 int64_t queue_address) {
     const auto xc = autocast_like(x, x);
-    const auto wc = autocast_like(weight, x);
-    const auto bc = autocast_like(bias, x);
+    const auto wc = autocast_weight(weight, x);
+    const auto bc = autocast_weight(bias, x);
     ctx->save_for_backward({xc, wc});
     ctx->saved_data["queue"] = queue_address;
     ctx->saved_data["weight"] = weight;
@@ -173,7 +185,7 @@ struct SplitLinear : torch::autograd::Function<SplitLinear<HasBias>> {
 struct SiluMulLinear : torch::autograd::Function<SiluMulLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate,
                             const at::Tensor& up, const at::Tensor& weight, int64_t queue_address) {
-    const auto wc = autocast_like(weight, gate);
+    const auto wc = autocast_weight(weight, gate);
     // gate and up come from linear layers, so they already have the autocast dtype.
     ctx->save_for_backward({gate, up, wc});
     ctx->saved_data["queue"] = queue_address;
@@ -221,9 +233,9 @@ struct LowRankLinear : torch::autograd::Function<LowRankLinear> {
                             const at::Tensor& weight, const at::Tensor& a, const at::Tensor& b,
                             double scale, int64_t queue_address) {
     const auto xc = autocast_like(x, x);
-    const auto wc = autocast_like(weight, x);
-    const auto ac = autocast_like(a, x);
-    const auto bc = autocast_like(b, x);
+    const auto wc = autocast_weight(weight, x);
+    const auto ac = autocast_weight(a, x);
+    const auto bc = autocast_weight(b, x);
     const int64_t out_features = wc.size(0);
     const auto rows = xc.reshape({-1, wc.size(1)});
     const auto h = at::mm(rows, ac.t()).mul_(scale);
@@ -363,7 +375,7 @@ struct Float8LinearFunction : torch::autograd::Function<Float8LinearFunction> {
                 " features, the weight ", weight.size(1));
     const auto w = how.weight.data.defined()
                        ? how.weight
-                       : kernels::float8_quantize(autocast_like(weight, x), e4m3, how.rowwise);
+                       : kernels::float8_quantize(autocast_weight(weight, x), e4m3, how.rowwise);
     const auto [rows, columns] = quantized_input(x, xc, how.rowwise, weight_trains);
     const auto y = kernels::float8_matmul(rows, w, xc.scalar_type(), /*fast_accum=*/true);
     ctx->saved_data["queue"] = queue_address;
@@ -488,7 +500,13 @@ at::Tensor LinearImpl::forward(const at::Tensor& x) {
   }
   at::Tensor y;
   auto* queue = recording_weight_grads();
-  if (queue == nullptr) {
+  // Without a queue, at::linear — unless autocast casts the weight: the autograd function then
+  // takes the step's cached cast and (on CUDA) has the GEMM write the float32 gradient, where
+  // at::linear casts again per microbatch and rounds the gradient to bfloat16 before converting.
+  const bool casts_weight =
+      at::autocast::is_autocast_enabled(x.device().type()) && x.is_floating_point() &&
+      weight.scalar_type() != at::autocast::get_autocast_dtype(x.device().type());
+  if (queue == nullptr && !casts_weight) {
     y = at::linear(x, weight, bias);
   } else {
     const auto address = queue_address(queue);

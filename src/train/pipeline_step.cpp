@@ -13,6 +13,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <d9d/core/detail/autocast_scope.hpp>
+#include <d9d/core/detail/weight_casts.hpp>
 #include <d9d/optim/lr_schedule.hpp>
 #include <d9d/pipeline/picture.hpp>
 #include <d9d/track/svg.hpp>
@@ -251,15 +252,20 @@ StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int6
   at::Tensor weight_sum;
   const bool draw = step == s.options.timeline_step;
   s.executor->record_timeline(draw);
-  (void)s.executor->run(inputs, [&](const at::Tensor& output, int mb) {
-    LossOutput out;
-    {
-      const AutocastScope autocast(s.options.bf16_autocast, s.device.type());
-      out = s.parts.loss(output, batches[static_cast<std::size_t>(mb)]);
-    }
-    accumulate_loss(out, loss_sum, weight_sum, "output_loss");
-    return out.loss_sum;
-  });
+  {
+    // Bf16 mixed: each weight cast once for the program, not once per microbatch (and one copy
+    // for all the microbatches in flight).
+    const WeightCastScope casts(s.options.bf16_autocast);
+    (void)s.executor->run(inputs, [&](const at::Tensor& output, int mb) {
+      LossOutput out;
+      {
+        const AutocastScope autocast(s.options.bf16_autocast, s.device.type());
+        out = s.parts.loss(output, batches[static_cast<std::size_t>(mb)]);
+      }
+      accumulate_loss(out, loss_sum, weight_sum, "output_loss");
+      return out.loss_sum;
+    });
+  }
   {
     RECORD_USER_SCOPE("d9d::gradient_sync");
     s.parallel->finish();

@@ -9,6 +9,7 @@
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/core/detail/autocast_scope.hpp>
+#include <d9d/core/detail/weight_casts.hpp>
 #include <d9d/kernels/cuda_graph.hpp>
 #include <d9d/optim/adamw.hpp>
 #include <d9d/train/detail/export.hpp>
@@ -357,11 +358,16 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
   const int count = static_cast<int>(microbatches.size());
   int replayed = 0;
   const auto issue_start = std::chrono::steady_clock::now();
-  for (int i = 0; i < count; ++i) {
-    replayed += s.microbatch(microbatches[static_cast<std::size_t>(i)], i, count, graphs, loss_sum,
-                             weight_sum)
-                    ? 1
-                    : 0;
+  {
+    // Bf16 mixed over several microbatches: each weight cast once for the step (eager steps only:
+    // a replayed graph recasts inside its kernels).
+    const WeightCastScope casts(s.options.bf16_autocast && count > 1 && !graphs);
+    for (int i = 0; i < count; ++i) {
+      replayed += s.microbatch(microbatches[static_cast<std::size_t>(i)], i, count, graphs,
+                               loss_sum, weight_sum)
+                      ? 1
+                      : 0;
+    }
   }
   const double issue_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - issue_start).count();

@@ -16,6 +16,7 @@
 #include <d9d/advise/activation_memory.hpp>
 #include <d9d/advise/memory_meter.hpp>
 #include <d9d/core/detail/autocast_scope.hpp>
+#include <d9d/core/detail/weight_casts.hpp>
 #include <d9d/core/weight_grad.hpp>
 #include <d9d/d9d.hpp>
 #include <d9d/model/linear_cross_entropy.hpp>
@@ -182,6 +183,68 @@ TEST(Advise_ActivationMemory, StagesPredictWhatTheirForwardKeeps) {
     }
   }
   EXPECT_EQ(checked, 45);
+}
+
+// The train step casts each weight once for all its microbatches
+// (d9d/core/detail/weight_casts.hpp): two microbatches' forwards through a stage under bfloat16
+// autocast keep two sets of activations but one set of weight casts
+// (StageActivationBytes::weight_casts), as fullest_rank_memory counts them for a pipeline rank.
+// Without the step's scope each forward casts its own.
+TEST(Advise_ActivationMemory, TheStepCastsEachWeightOnceForItsMicrobatches) {
+  using d9d::advise::Compute;
+  const auto config = config_of({.hidden = 64,
+                                 .intermediate = 160,
+                                 .heads = 4,
+                                 .kv_heads = 2,
+                                 .head_dim = 16,
+                                 .layers = 5,
+                                 .vocab = 96,
+                                 .tied = false});
+  constexpr int stages = 2;
+  constexpr int64_t kBatch = 2;
+  constexpr int64_t kSeq = 16;
+  const auto ranges =
+      d9d::model::distribute_layers(5, stages, d9d::model::pipeline_virtual_layers(config, kSeq));
+  for (const bool step : {true, false}) {
+    for (int s = 0; s < stages; ++s) {
+      torch::manual_seed(4);
+      d9d::model::Qwen3Stage stage(config, s, stages, ranges[static_cast<std::size_t>(s)]);
+      std::vector<at::Tensor> inputs;
+      std::vector<at::Tensor> labels;
+      for (int m = 0; m < 2; ++m) {
+        labels.push_back(torch::randint(96, {kBatch, kSeq}, torch::kLong));
+        inputs.push_back(s == 0 ? torch::randint(96, {kBatch, kSeq}, torch::kLong)
+                                : torch::randn({kBatch, kSeq, 64}).requires_grad_());
+      }
+      int64_t kept = 0;
+      {
+        std::vector<at::Tensor> outs;
+        d9d::advise::CpuMemoryMeter meter;
+        {
+          const d9d::detail::WeightCastScope casts(step);
+          for (int m = 0; m < 2; ++m) {
+            const d9d::detail::AutocastScope scope(true, c10::DeviceType::CPU);
+            auto out = stage(inputs[static_cast<std::size_t>(m)]);
+            if (s == stages - 1) {
+              out = d9d::model::logits_cross_entropy(out, labels[static_cast<std::size_t>(m)])
+                        .loss_sum;
+            }
+            outs.push_back(out);
+          }
+          kept = meter.live();
+        }
+      }
+      const auto one = d9d::advise::qwen3_stage_activation_bytes(config, s, stages, kBatch, kSeq,
+                                                                 Compute::bf16_autocast);
+      ASSERT_GT(one.weight_casts, 0);
+      const int64_t per_microbatch = one.total() - one.weight_casts - (s == 0 ? 0 : one.input);
+      const int64_t expected = 2 * per_microbatch + (step ? 1 : 2) * one.weight_casts;
+      // Within 128 bytes a microbatch: the loss's scalars.
+      EXPECT_LE(std::abs(expected - kept), 256)
+          << (step ? "in the step's scope" : "without it") << ", stage " << s << ": predicted "
+          << expected << ", kept " << kept;
+    }
+  }
 }
 
 // Under a split backward each stage's I leaves what its queued weight gradients read (every linear

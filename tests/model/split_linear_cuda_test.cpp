@@ -1,6 +1,7 @@
 // The linear layer's weight gradient under bf16 mixed precision on CUDA (GPU machines only; ctest
 // label "gpu"): a float32 weight, bfloat16 autocast, three microbatches, the gradient accumulated
-// into .grad by the autograd engine (B) and by a deferred d9d::WeightGradQueue (W). The GEMM writes
+// into .grad by the autograd engine (B; without a queue too, and with the step's weight-cast cache)
+// and by a deferred d9d::WeightGradQueue (W). The GEMM writes
 // the float32 product itself (src/model/split_linear.cpp), so .grad equals the float64 sum of the
 // bfloat16 operands' products to float32 accumulation — a bfloat16 product rounded before the add
 // would be ~1e-3 off.
@@ -11,6 +12,7 @@
 #include <torch/cuda.h>
 
 #include <d9d/core/detail/autocast_scope.hpp>
+#include <d9d/core/detail/weight_casts.hpp>
 #include <d9d/core/weight_grad.hpp>
 #include <d9d/model/layers.hpp>
 
@@ -38,12 +40,15 @@ TEST(Model_Linear_Cuda, Bf16MixedWeightGradientIsTheFloat32Product) {
                 .t()
                 .mm(xs[m].to(at::kDouble).cpu().reshape({-1, 256}));
   }
-  for (const bool deferred : {false, true}) {
+  enum class Mode { autograd, cached, deferred };
+  for (const auto mode : {Mode::autograd, Mode::cached, Mode::deferred}) {
+    const bool deferred = mode == Mode::deferred;
     at::manual_seed(12);
     d9d::model::Linear layer(256, 384);
     layer->to(at::kCUDA);
     ASSERT_EQ(layer->weight.scalar_type(), at::kFloat);
     d9d::WeightGradQueue queue;
+    const d9d::detail::WeightCastScope casts(mode == Mode::cached);
     for (int m = 0; m < kMicrobatches; ++m) {
       at::Tensor y;
       {
@@ -72,7 +77,12 @@ TEST(Model_Linear_Cuda, Bf16MixedWeightGradientIsTheFloat32Product) {
     EXPECT_EQ(grad.scalar_type(), at::kFloat);
     const double error = (grad.cpu().to(at::kDouble) - want).abs().max().item<double>() /
                          want.abs().max().item<double>();
-    EXPECT_LT(error, 1e-5) << (deferred ? "deferred (W)" : "autograd (B)");
+    EXPECT_LT(error, 1e-5) << (deferred               ? "deferred (W)"
+                               : mode == Mode::cached ? "autograd (B), casts cached"
+                                                      : "autograd (B)");
+    if (mode == Mode::cached) {
+      EXPECT_EQ(d9d::detail::cached_weight_casts(), 1U);
+    }
   }
 }
 

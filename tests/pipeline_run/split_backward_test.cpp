@@ -1,15 +1,19 @@
 // Split backward (d9d/core/weight_grad.hpp): for every layer type, I (input gradients, weight
 // gradients queued) followed by W (the queue drained) gives the gradients of a full backward.
+// And the step's weight casts (d9d/core/detail/weight_casts.hpp): one cast per weight and step,
+// made again when the weight's values change.
 #include <functional>
 #include <map>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/autograd.h>
 
+#include <d9d/core/detail/weight_casts.hpp>
 #include <d9d/core/weight_grad.hpp>
 #include <d9d/model/layers.hpp>
 #include <d9d/model/qwen3.hpp>
@@ -222,6 +226,94 @@ TEST(SplitBackward, AutocastComputesInTheAutocastDtypeLikeLinear) {
   const auto expected = x.to(at::kBFloat16).sum(0).to(at::kFloat).expand({8, 16});
   EXPECT_TRUE(at::allclose(linear->weight.grad(), expected, 1e-2, 1e-2));
   EXPECT_EQ(input.grad().scalar_type(), at::kFloat);
+}
+
+TEST(WeightCasts, OneCastPerScopeWhileTheWeightHoldsTheSameValues) {
+  using d9d::detail::cached_weight_casts;
+  using d9d::detail::cast_weight;
+  at::manual_seed(9);
+  const auto weight = at::randn({8, 16}).requires_grad_(true);
+  // No scope: a new copy each time, nothing kept.
+  EXPECT_NE(cast_weight(weight, at::kBFloat16).const_data_ptr(),
+            cast_weight(weight, at::kBFloat16).const_data_ptr());
+  EXPECT_EQ(cached_weight_casts(), 0U);
+  // The weight's own dtype: the weight itself.
+  EXPECT_TRUE(cast_weight(weight, at::kFloat).is_same(weight));
+  {
+    const d9d::detail::WeightCastScope outer(true);
+    const auto first = cast_weight(weight, at::kBFloat16);
+    {
+      const d9d::detail::WeightCastScope inner(true);
+      EXPECT_TRUE(cast_weight(weight, at::kBFloat16).is_same(first));
+    }
+    // The inner scope's end keeps the outer one's casts.
+    EXPECT_EQ(cached_weight_casts(), 1U);
+    EXPECT_TRUE(cast_weight(weight, at::kBFloat16).is_same(first));
+    EXPECT_TRUE(at::equal(first, weight.detach().to(at::kBFloat16)));
+    EXPECT_FALSE(first.requires_grad()) << "a copy of the values, without autograd history";
+    // An in-place update moves the version counter: a new cast with the new values.
+    {
+      const at::NoGradGuard no_grad;
+      weight.add_(1.0);
+    }
+    const auto updated = cast_weight(weight, at::kBFloat16);
+    EXPECT_FALSE(updated.is_same(first));
+    EXPECT_TRUE(at::equal(updated, weight.detach().to(at::kBFloat16)));
+    // New memory under the same tensor (set_data): a new cast too.
+    {
+      const at::NoGradGuard no_grad;
+      weight.set_data(at::randn({8, 16}));
+    }
+    EXPECT_TRUE(at::equal(cast_weight(weight, at::kBFloat16), weight.detach().to(at::kBFloat16)));
+    // A tensor with autograd history (an activation, not a parameter) is cast but not kept.
+    const auto activation = weight * 2.0;
+    const auto before = cached_weight_casts();
+    (void)cast_weight(activation, at::kBFloat16);
+    EXPECT_EQ(cached_weight_casts(), before);
+    // A disabled scope changes nothing.
+    const d9d::detail::WeightCastScope off(false);
+    EXPECT_TRUE(cast_weight(weight, at::kBFloat16).is_same(cast_weight(weight, at::kBFloat16)));
+  }
+  EXPECT_EQ(cached_weight_casts(), 0U);
+}
+
+// Under autocast a d9d::model::Linear without a recording queue runs the split-capable function
+// (for the step's cached cast): outputs and gradients as at::linear gives them, over two
+// microbatches whose weight gradients add up, with the weight cast once.
+TEST(WeightCasts, AutocastLinearOverMicrobatchesMatchesAtLinear) {
+  at::manual_seed(10);
+  d9d::model::Linear linear(16, 8);
+  const auto reference_weight = linear->weight.detach().clone().requires_grad_(true);
+  const std::vector<at::Tensor> microbatches = {at::randn({4, 16}), at::randn({4, 16})};
+  at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+  std::vector<at::Tensor> input_grads;
+  std::vector<at::Tensor> reference_input_grads;
+  {
+    const d9d::detail::WeightCastScope casts(true);
+    for (const auto& x : microbatches) {
+      const auto input = x.detach().requires_grad_(true);
+      const auto reference_input = x.detach().requires_grad_(true);
+      at::autocast::set_autocast_enabled(at::kCPU, true);
+      const auto out = linear(input);
+      const auto reference_out = at::linear(reference_input, reference_weight);
+      at::autocast::set_autocast_enabled(at::kCPU, false);
+      at::autocast::clear_cache();
+      EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+      EXPECT_TRUE(at::equal(out, reference_out));
+      loss_of(out.to(at::kFloat)).backward();
+      loss_of(reference_out.to(at::kFloat)).backward();
+      input_grads.push_back(input.grad());
+      reference_input_grads.push_back(reference_input.grad());
+    }
+    EXPECT_EQ(d9d::detail::cached_weight_casts(), 1U);
+  }
+  EXPECT_EQ(d9d::detail::cached_weight_casts(), 0U);
+  ASSERT_TRUE(linear->weight.grad().defined());
+  EXPECT_EQ(linear->weight.grad().scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(linear->weight.grad(), reference_weight.grad()));
+  for (std::size_t i = 0; i < microbatches.size(); ++i) {
+    EXPECT_TRUE(at::equal(input_grads[i], reference_input_grads[i]));
+  }
 }
 
 }  // namespace

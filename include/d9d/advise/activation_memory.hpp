@@ -95,8 +95,11 @@ struct StageActivationBytes {
   int64_t rope = 0;
   int64_t input = 0;  ///< the embedding's output (first stage) or the received hidden states
   int64_t head = 0;   ///< last stage: final norm, head and loss
+  /// Under autocast, the bfloat16 copies of the stage's weights (the layers' and the head's): a
+  /// lone forward makes its own, the pipelined train step one set for all its microbatches.
+  int64_t weight_casts = 0;
 
-  [[nodiscard]] int64_t total() const { return layers + rope + input + head; }
+  [[nodiscard]] int64_t total() const { return layers + rope + input + head + weight_casts; }
 };
 
 [[nodiscard]] StageActivationBytes qwen3_stage_activation_bytes(const model::Qwen3Config& config,
@@ -165,7 +168,10 @@ struct RankMemory {
 /// most state. Under FullyShard without a pipeline (rules.shard_ranks > 1, pp 1) the peak adds
 /// the units gathered at once (fully_shard_gathered_bytes, `reshard_after_forward` as the run's
 /// reshard setting says: fully_shard_gathered_step_bytes); under a pipeline they are not counted
-/// yet.
+/// yet. Under bfloat16 autocast the train step casts each weight once for all its microbatches
+/// (src/core/weight_casts.cpp): a pipeline rank holds its stages' casts (weight_casts) once, for
+/// the whole step, not per microbatch in flight; with recomputed layers and more than one
+/// microbatch the casts stay through the backward too.
 [[nodiscard]] RankMemory fullest_rank_memory(const model::Qwen3Config& config,
                                              const pipeline::Program& program, int pp,
                                              int microbatches, const StateRules& rules,
