@@ -19,7 +19,8 @@ int64_t residual_bytes(Compute compute) { return compute == Compute::bf16_parame
 
 // Under autocast, the bfloat16 copies of one layer's weights that its forward casts (the seven
 // matrices and the q/k norms' weights); 0 otherwise.
-int64_t layer_weight_cast_bytes(const model::Qwen3Config& config, Compute compute) {
+// Under tensor parallelism over `tp` ranks, this rank's slices of the matrices.
+int64_t layer_weight_cast_bytes(const model::Qwen3Config& config, Compute compute, int64_t tp = 1) {
   if (compute != Compute::bf16_autocast) {
     return 0;
   }
@@ -27,64 +28,113 @@ int64_t layer_weight_cast_bytes(const model::Qwen3Config& config, Compute comput
   const int64_t q = config.num_attention_heads * config.head_dim;
   const int64_t k = config.num_key_value_heads * config.head_dim;
   const int64_t i = config.intermediate_size;
-  return (h * q + 2 * h * k + q * h + 3 * h * i + 2 * config.head_dim) * 2;
+  return ((h * q + 2 * h * k + q * h + 3 * h * i) / tp + 2 * config.head_dim) * 2;
 }
 
 }  // namespace
 
 ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t microbatch_size,
                                        int64_t sequence_length, Compute compute,
-                                       bool recompute_layers) {
+                                       Recompute recompute, TensorSplit tensor) {
   if (microbatch_size < 1 || sequence_length < 1) {
     throw std::invalid_argument(
         "d9d::advise::qwen3_activation_bytes: microbatch_size and sequence_length must be at "
         "least 1, got " +
         std::to_string(microbatch_size) + " and " + std::to_string(sequence_length));
   }
+  const int64_t n = tensor.ranks;
+  const int64_t sp = tensor.sequence_parallel && n > 1 ? n : 1;
+  if (n < 1 || config.num_attention_heads % n != 0 || config.num_key_value_heads % n != 0 ||
+      config.intermediate_size % n != 0 || config.vocab_size % n != 0 ||
+      sequence_length % sp != 0) {
+    throw std::invalid_argument(
+        "d9d::advise::qwen3_activation_bytes: tensor parallelism over " + std::to_string(n) +
+        " ranks must divide the heads, KV heads, intermediate size and vocabulary (and, with "
+        "sequence parallelism, the sequence length)");
+  }
   constexpr int64_t kFloat = 4;
   constexpr int64_t kHalf = 2;
+  // `tokens` of the microbatch; `stream` of them in this rank's residual stream (1/tp of them
+  // under sequence parallelism, whose gathers give the blocks' matmuls every token).
   const int64_t tokens = microbatch_size * sequence_length;
+  const int64_t stream = tokens / sp;
   const int64_t h = config.hidden_size;
-  const int64_t heads = config.num_attention_heads;
-  const int64_t kv_heads = config.num_key_value_heads;
+  // This rank's heads, projections and MLP width (Megatron's slices; all of them without tp).
+  const int64_t heads = config.num_attention_heads / n;
+  const int64_t kv_heads = config.num_key_value_heads / n;
   const int64_t q = heads * config.head_dim;
   const int64_t k = kv_heads * config.head_dim;
-  const int64_t i = config.intermediate_size;
+  const int64_t i = config.intermediate_size / n;
+  const int64_t vocab = config.vocab_size / n;
   ActivationBytes out;
+  // One layer's bytes kept whole, and with its attention part recomputed (the MLP part kept:
+  // the residual after attention, the MLP norm's output or its casts and rstd, gate and up, the
+  // layer's output).
+  int64_t whole = 0;
+  int64_t attention_recomputed = 0;
   switch (compute) {
     case Compute::float32: {
-      // Per token of one layer, in float32 elements (the file comment's first table).
-      const int64_t layer =
-          (h + 1) + (q + k + heads + kv_heads) + (k + q + k + q + heads) + (h + h + 1) + 2 * i + h;
-      out.layers = config.num_hidden_layers * layer * tokens * kFloat;
-      out.loss = ((2 * h + 1) * tokens + config.vocab_size * h) * kFloat;
+      // Per token of one layer, in float32 elements (the file comment's first table): the norms'
+      // outputs (gathered under sequence parallelism) and this rank's heads over every token,
+      // the residual stream's tensors and the norms' rstds over the stream's tokens.
+      whole = (tokens * (h + (q + k + heads + kv_heads) + (k + q + k + q + heads) + h + 2 * i) +
+               stream * (1 + h + 1 + h)) *
+              kFloat;
+      attention_recomputed = (tokens * (h + 2 * i) + stream * (2 * h + 1)) * kFloat;
       break;
     }
     case Compute::bf16_autocast: {
       // Per token of one layer, in bytes (the second table): the residual stream in float32, the
       // matmuls' inputs and outputs in bfloat16 (each linear casts its input itself), the rstds
       // and the log-sum-exp in float32.
-      const int64_t layer = h * (kFloat + kFloat + 3 * kHalf + 2 * kHalf) + 2 * kFloat +
-                            q * 3 * kHalf + k * 3 * kHalf + heads * 2 * kFloat + kv_heads * kFloat +
-                            i * 2 * kHalf;
-      // Per layer: the bfloat16 casts of its weights, which the matmuls and q/k norms keep.
-      out.layers = config.num_hidden_layers *
-                   (layer * tokens + layer_weight_cast_bytes(config, Compute::bf16_autocast));
-      out.loss = (h * (kFloat + kHalf) + kFloat) * tokens + config.vocab_size * h * kFloat;
+      whole = tokens * (h * (3 * kHalf + 2 * kHalf) + q * 3 * kHalf + k * 3 * kHalf +
+                        heads * 2 * kFloat + kv_heads * kFloat + i * 2 * kHalf) +
+              stream * (h * (kFloat + kFloat) + 2 * kFloat);
+      // Per layer: the bfloat16 casts of its weights, which the matmuls and q/k norms keep (the
+      // MLP's three when only the attention part is recomputed).
+      whole += layer_weight_cast_bytes(config, Compute::bf16_autocast, n);
+      attention_recomputed = tokens * (h * 2 * kHalf + i * 2 * kHalf) +
+                             stream * (h * (kFloat + kFloat) + kFloat) + 3 * h * i * kHalf;
       break;
     }
     case Compute::bf16_parameters: {
       // Everything in bfloat16 but the rstds and the log-sum-exp; no casts.
-      const int64_t layer = 4 * h * kHalf + 2 * kFloat + q * 3 * kHalf + k * 3 * kHalf +
-                            heads * 2 * kFloat + kv_heads * kFloat + i * 2 * kHalf;
-      out.layers = config.num_hidden_layers * layer * tokens;
-      out.loss = (2 * h * kHalf + kFloat) * tokens + config.vocab_size * h * kHalf;
+      whole = tokens * (2 * h * kHalf + q * 3 * kHalf + k * 3 * kHalf + heads * 2 * kFloat +
+                        kv_heads * kFloat + i * 2 * kHalf) +
+              stream * (2 * h * kHalf + 2 * kFloat);
+      attention_recomputed =
+          tokens * (h * kHalf + i * 2 * kHalf) + stream * (2 * h * kHalf + kFloat);
       break;
     }
   }
-  if (recompute_layers) {
-    // Each layer keeps its output in the residual stream's dtype; nothing else of it.
-    out.layers = config.num_hidden_layers * tokens * h * residual_bytes(compute);
+  const int64_t r = residual_bytes(compute);
+  const int64_t a = compute == Compute::float32 ? kFloat : kHalf;  // the matmuls' inputs
+  if (n == 1) {
+    // The embedding's output, the final rstd, and the fused head (linear_cross_entropy): the
+    // gradient of its input (in the matmuls' dtype) and of its weight (the parameters'), computed
+    // in the forward.
+    const int64_t weight = compute == Compute::bf16_parameters ? kHalf : kFloat;
+    out.loss = (h * (r + a) + kFloat) * tokens + config.vocab_size * h * weight;
+  } else {
+    // Under tp: the vocabulary-parallel embedding's masked ids (int64) and mask (bool), its output
+    // in the stream, the final rstd, the head's input as its matmul keeps it (gathered under
+    // sequence parallelism; its bfloat16 cast under autocast, and the head weight's), and the
+    // loss-parallel cross-entropy's softmax - one-hot over this rank's vocabulary (float32).
+    out.loss =
+        tokens * (8 + 1) + stream * (h * r + kFloat) + tokens * h * a + tokens * vocab * kFloat;
+    if (compute == Compute::bf16_autocast) {
+      out.loss += vocab * h * kHalf;
+    }
+  }
+  // A recomputed layer keeps only its output, in the residual stream's dtype (its input is the
+  // previous layer's output, counted there, or the embedding's).
+  const int64_t recomputed = stream * h * r;
+  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    if (!recompute.recomputes(layer)) {
+      out.layers += whole;
+    } else {
+      out.layers += recompute.attention_only ? attention_recomputed : recomputed;
+    }
   }
   out.rope = 2 * sequence_length * (config.head_dim / 2) * kFloat;
   return out;
@@ -105,7 +155,7 @@ StageActivationBytes qwen3_stage_activation_bytes(const model::Qwen3Config& conf
   // One layer's bytes and the model's rotary tables, from the whole model's prediction.
   auto one = config;
   one.num_hidden_layers = 1;
-  const auto whole = qwen3_activation_bytes(one, microbatch_size, sequence_length, compute);
+  const auto whole = qwen3_activation_bytes(one, microbatch_size, sequence_length, compute, {});
   constexpr int64_t kFloat = 4;
   constexpr int64_t kHalf = 2;
   const int64_t tokens = microbatch_size * sequence_length;
@@ -239,6 +289,23 @@ int64_t qwen3_stage_weight_gradient_bytes(const model::Qwen3Config& config, int 
   return out;
 }
 
+int64_t qwen3_rank_weight_cast_bytes(const model::Qwen3Config& config,
+                                     const pipeline::Program& program, int pp_rank,
+                                     int64_t sequence_length, Compute compute) {
+  if (pp_rank < 0 || pp_rank >= static_cast<int>(program.ranks.size())) {
+    throw std::invalid_argument("d9d::advise::qwen3_rank_weight_cast_bytes: pipeline rank " +
+                                std::to_string(pp_rank) + " is not one of the program's " +
+                                std::to_string(program.ranks.size()));
+  }
+  int64_t out = 0;
+  for (const int s : rank_stages(program, pp_rank)) {
+    // The casts do not depend on the microbatch's size.
+    out += qwen3_stage_activation_bytes(config, s, program.stages(), 1, sequence_length, compute)
+               .weight_casts;
+  }
+  return out;
+}
+
 int64_t peak_step_bytes(const StateBytes& state, int64_t activations, int microbatches) {
   if (microbatches < 1) {
     throw std::invalid_argument("d9d::advise::peak_step_bytes: microbatches must be at least 1");
@@ -263,18 +330,16 @@ int64_t fully_shard_gathered_step_bytes(const std::vector<ParameterShape>& param
 RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline::Program& program,
                                int pp, int microbatches, const StateRules& rules,
                                int64_t microbatch_size, int64_t sequence_length,
-                               std::optional<Compute> compute, bool recompute_layers,
-                               bool reshard_after_forward) {
+                               std::optional<Compute> compute, Recompute recompute,
+                               bool reshard_after_forward, bool sequence_parallel) {
   const bool piped = pp > 1;
   std::vector<int64_t> per_stage;
-  std::vector<int64_t> casts;     // each stage's weight casts, made once per step
   std::vector<int64_t> deferred;  // what a split backward keeps for W
   if (compute && piped) {
     for (int s = 0; s < program.stages(); ++s) {
       const auto stage = qwen3_stage_activation_bytes(config, s, program.stages(), microbatch_size,
                                                       sequence_length, *compute);
       per_stage.push_back(stage.total() - stage.weight_casts);
-      casts.push_back(stage.weight_casts);
       if (program.split_backward) {
         deferred.push_back(qwen3_stage_weight_gradient_bytes(
             config, s, program.stages(), microbatch_size, sequence_length, *compute));
@@ -292,22 +357,38 @@ RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline:
     if (compute) {
       if (piped) {
         // The rank's stages' weight casts, counted for the whole step.
-        int64_t cast = 0;
-        for (const int s : rank_stages(program, p)) {
-          cast += casts[static_cast<std::size_t>(s)];
-        }
+        const int64_t cast =
+            qwen3_rank_weight_cast_bytes(config, program, p, sequence_length, *compute);
         kept = peak_rank_activation_bytes(program, p, per_stage) + cast;
         peak = peak_rank_step_bytes(program, p, per_stage, state, deferred) + cast;
       } else {
-        kept = qwen3_activation_bytes(config, microbatch_size, sequence_length, *compute,
-                                      recompute_layers)
+        const int64_t tp = rules.tensor_ranks;
+        kept = qwen3_activation_bytes(
+                   config, microbatch_size, sequence_length, *compute, recompute,
+                   {.ranks = static_cast<int>(tp), .sequence_parallel = sequence_parallel})
                    .total();
-        if (recompute_layers && microbatches > 1) {
-          // Several microbatches keep the layers' weight casts for the step; recompute does not
-          // free them.
-          kept += config.num_hidden_layers * layer_weight_cast_bytes(config, *compute);
+        if (microbatches > 1) {
+          // Several microbatches keep the layers' weight casts for the step; recomputing a layer
+          // does not free them (the MLP's of an attention-recomputed layer are counted already).
+          const int64_t all = layer_weight_cast_bytes(config, *compute, tp);
+          const int64_t attention =
+              all - (*compute == Compute::bf16_autocast
+                         ? 3 * config.hidden_size * config.intermediate_size / tp * 2
+                         : 0);
+          for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+            if (recompute.recomputes(layer)) {
+              kept += recompute.attention_only ? attention : all;
+            }
+          }
         }
-        peak = peak_step_bytes(state, kept, microbatches) +
+        // Under tp the loss-parallel cross-entropy runs while the head's logits over this rank's
+        // vocabulary (in the matmuls' dtype) are still alive next to its float32 working copy,
+        // which the activations count as the kept gradient.
+        const int64_t logits = tp > 1
+                                   ? microbatch_size * sequence_length * (config.vocab_size / tp) *
+                                         (*compute == Compute::float32 ? 4 : 2)
+                                   : 0;
+        peak = peak_step_bytes(state, kept + logits, microbatches) +
                fully_shard_gathered_step_bytes(mine, rules, *compute, reshard_after_forward);
       }
     }

@@ -34,16 +34,13 @@ std::string activations_unknown(const PreflightPlan& plan) {
   if (!plan.compute) {
     return "fp64";
   }
-  if (plan.candidate.tp > 1) {
-    return "tensor parallelism";
+  if (plan.candidate.tp > 1 && plan.candidate.pp > 1) {
+    return "tensor parallelism under a pipeline";
   }
   if (plan.candidate.cp > 1) {
     return "context parallelism";
   }
-  if (plan.partial_recompute) {
-    return "a recompute policy other than Full";
-  }
-  if (plan.recompute_layers && plan.candidate.pp > 1) {
+  if (plan.recompute.any() && plan.candidate.pp > 1) {
     return "recompute under a pipeline";
   }
   return {};
@@ -131,8 +128,8 @@ Preflight predict_plan(const TrainerConfig& config, const PreflightPlan& plan,
   const auto unknown = activations_unknown(plan);
   const auto rank =
       fullest_rank_memory(*model, plan.program, c.pp, c.microbatches, *plan.rules, mb, seq,
-                          unknown.empty() ? plan.compute : std::nullopt, plan.recompute_layers,
-                          config.data_parallel.reshard != "never");
+                          unknown.empty() ? plan.compute : std::nullopt, plan.recompute,
+                          config.data_parallel.reshard != "never", plan.sequence_parallel);
   const StateBytes& fullest = rank.state;
   out.state_bytes = fullest.total();
   out.activation_bytes = rank.activations;
@@ -160,7 +157,7 @@ Preflight predict_plan(const TrainerConfig& config, const PreflightPlan& plan,
             .sequence_length = seq,
             .precision = *plan.rules,
             .compute = *plan.compute,
-            .recompute_layers = plan.recompute_layers,
+            .recompute = plan.recompute,
             .reduce_bf16 = plan.reduce_bf16,
             .reshard_after_forward = config.data_parallel.reshard != "never",
             .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch};

@@ -59,10 +59,10 @@ std::vector<RankedPlan> rank_plans(const TrainerConfig& config, int world_size,
         c.pp > 1 ? build_schedule(c.schedule, c.pp, c.microbatches) : pipeline::Program{};
     const auto compute = compute_of(options.precision, c.fully_shard);
     const bool predicted =
-        activations_known && c.tp == 1 && c.cp == 1 && !(c.pp > 1 && options.recompute_layers);
+        activations_known && c.tp == 1 && c.cp == 1 && !(c.pp > 1 && options.recompute.any());
     const auto memory = fullest_rank_memory(
         model, program, c.pp, c.microbatches, rules, mb, seq,
-        predicted ? std::optional<Compute>(compute) : std::nullopt, options.recompute_layers);
+        predicted ? std::optional<Compute>(compute) : std::nullopt, options.recompute);
     row.state_bytes = memory.state.total();
     row.activation_bytes = memory.activations;
     row.peak_bytes = memory.peak;
@@ -73,7 +73,7 @@ std::vector<RankedPlan> rank_plans(const TrainerConfig& config, int world_size,
                                     .sequence_length = seq,
                                     .precision = precision_rules(options.precision),
                                     .compute = compute,
-                                    .recompute_layers = options.recompute_layers},
+                                    .recompute = options.recompute},
                                    *options.machine);
     }
     out.push_back(std::move(row));

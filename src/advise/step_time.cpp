@@ -219,16 +219,17 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
   double input_gemm = 0;
   double weight_gemm = 0;
   const auto linear = [&](int64_t n, int64_t k, double count) {
-    forward_gemm += count * machine.gemm_seconds(tokens, n, k, "nt");
+    const double forward = count * machine.gemm_seconds(tokens, n, k, "nt");
+    forward_gemm += forward;
     input_gemm += count * machine.gemm_seconds(tokens, k, n, "nn");
     weight_gemm += count * machine.gemm_seconds(n, k, tokens, "tn");
+    return forward;
   };
-  // A decoder layer's q, k, v, o, gate, up, down (Megatron's slices), then the head.
-  linear(q / tp, h, layers);
-  linear(kv / tp, h, 2 * layers);
-  linear(h, q / tp, layers);
-  linear(inter / tp, h, 2 * layers);
-  linear(h, inter / tp, layers);
+  // A decoder layer's q, k, v, o, gate, up, down (Megatron's slices), then the head; the
+  // layers' forward matmuls of the attention and MLP parts apart (what recompute runs again).
+  const double attention_gemm =
+      linear(q / tp, h, layers) + linear(kv / tp, h, 2 * layers) + linear(h, q / tp, layers);
+  const double mlp_gemm = linear(inter / tp, h, 2 * layers) + linear(h, inter / tp, layers);
   linear(c.vocab_size / tp, h, 1);
   auto [attention_forward, attention_backward] =
       machine.attention_seconds(o.microbatch_size, o.sequence_length, c.num_attention_heads / tp,
@@ -240,8 +241,11 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
   const int64_t r = o.compute == Compute::bf16_parameters ? 2 : 4;
   const int64_t a = o.compute == Compute::float32 ? 4 : 2;
   int64_t layer_bytes = 8 * h * r + 2 * h * a + 4 * (q + kv) * a + 2 * q * a + 3 * inter * a;
+  // Of which the attention part's: its norm, q, k, v, the rotations, the attention's output.
+  int64_t attention_bytes = 4 * h * r + h * a + 4 * (q + kv) * a + 2 * q * a;
   if (o.compute == Compute::bf16_autocast) {
-    layer_bytes += 5 * h * (4 + 2);  // the norms' outputs cast by q, k, v, gate and up
+    layer_bytes += 5 * h * (4 + 2);      // the norms' outputs cast by q, k, v, gate and up
+    attention_bytes += 3 * h * (4 + 2);  // q's, k's and v's
   }
   // The loss: float32 logits written, read for the log-sum-exp, read and written for the gradient.
   const int64_t loss_bytes = 4 * c.vocab_size * 4 + 4 * h * r;
@@ -254,7 +258,8 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
   double accumulation = 0;
   const auto elements = static_cast<double>(weight_elements);
   if (o.compute == Compute::bf16_autocast) {
-    weight_casts = elements * (4 + 2) / bandwidth;
+    // Cast once per step (d9d/core/detail/weight_casts.hpp): a microbatch's share.
+    weight_casts = elements * (4 + 2) / bandwidth / std::max(1, cand.microbatches);
     // The GEMM writes the float32 gradient (src/model/split_linear.cpp), added into .grad.
     accumulation = elements * (4 + 4) / bandwidth;
   } else {
@@ -288,11 +293,24 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
   out.forward = forward + out.tensor_parallel / 2 + cp_forward;
   out.backward_input = input_gemm + attention_backward + 2 * forward_bytes / bandwidth +
                        out.tensor_parallel / 2 + cp_backward;
-  if (o.recompute_layers) {
-    out.backward_input += forward;
-    out.gemm += forward_gemm;
-    out.attention += attention_forward;
-    out.memory += forward_memory;
+  if (o.recompute.any()) {
+    // The recomputed layers' forward (or its attention part) once more, in I.
+    double recomputed = 0;
+    for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
+      recomputed += o.recompute.recomputes(layer) ? 1.0 : 0.0;
+    }
+    const double share = recomputed / layers;
+    const double per_byte =
+        static_cast<double>(tokens) * layers / static_cast<double>(tp) / bandwidth;
+    const double gemm =
+        share * (o.recompute.attention_only ? attention_gemm : attention_gemm + mlp_gemm);
+    const double memory =
+        share * per_byte *
+        static_cast<double>(o.recompute.attention_only ? attention_bytes : layer_bytes);
+    out.backward_input += gemm + share * attention_forward + memory;
+    out.gemm += gemm;
+    out.attention += share * attention_forward;
+    out.memory += memory;
   }
   out.backward_weight = weight_gemm + accumulation;
   return out;

@@ -179,11 +179,15 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
                             const at::Tensor& labels, int64_t vocab_start, int64_t ignore_index,
                             int64_t group) {
     const auto& g = group_at(group);
-    // At least float32 (bf16 logits are upcast; float64 stays float64), as causal_lm_loss.
-    const auto x = logits.to(at::promote_types(logits.scalar_type(), at::kFloat));
-    const int64_t columns = x.size(1);
+    // At least float32 (bf16 logits are upcast; float64 stays float64), as causal_lm_loss: one
+    // working copy of the logits that becomes the gradient in place (no second [N, V / tp]
+    // temporary; the row maxima are exact in the logits' own dtype).
+    const auto dtype = at::promote_types(logits.scalar_type(), at::kFloat);
+    const int64_t columns = logits.size(1);
     const auto targets = labels.to(at::kLong);
-    auto shifted = x - all_reduce(g, std::get<0>(x.max(1)), ReduceOp::max).unsqueeze(1);
+    const auto row_max = all_reduce(g, std::get<0>(logits.max(1)).to(dtype), ReduceOp::max);
+    auto shifted = logits.to(dtype, /*non_blocking=*/false, /*copy=*/true);
+    shifted.sub_(row_max.unsqueeze(1));
     const auto valid = targets != ignore_index;
     const auto local = targets - vocab_start;
     const auto mine = valid.logical_and(local >= 0).logical_and(local < columns);

@@ -2,10 +2,13 @@
 // Qwen3ForCausalLM::loss() leaves allocated for its backward (d9d::advise::CpuMemoryMeter), in
 // float32, under bfloat16 autocast (as Bf16Mixed runs) and with bfloat16 parameters, for tied and
 // untied heads, several widths, head counts, head sizes, depths, batches and sequence lengths, each
-// term checked by varying one size at a time.
+// term checked by varying one size at a time; per pipeline stage, under the recompute policies,
+// with the step's weight casts, and per rank under tensor parallelism on 2 Gloo ranks.
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -21,9 +24,13 @@
 #include <d9d/d9d.hpp>
 #include <d9d/model/linear_cross_entropy.hpp>
 
+#include "tests/advise/all_threads_meter.hpp"
+#include "tests/core/core_test_util.hpp"
 #include "tests/support/error_of.hpp"
 
 namespace {
+
+using d9d::testing::RankEnv;
 
 struct Shape {
   int64_t hidden;
@@ -319,10 +326,42 @@ TEST(Advise_ActivationMemory, SplitBackwardKeepsWhatWReads) {
   EXPECT_EQ(checked, 6);
 }
 
-// Every decoder layer recomputed (recompute::Full through parallelize, as the Trainer applies it):
-// the forward keeps each layer's output and the head's part, in the three ways of computing.
-TEST(Advise_ActivationMemory, RecomputedLayersKeepTheirOutputsOnly) {
+// Recomputed decoder layers (the recompute policies through parallelize, as the Trainer applies
+// them): Full and EveryNth<2> keep only a recomputed layer's output, Attention<1> and
+// Attention<2> a recomputed layer's MLP part and output; within 64 bytes in the three ways of
+// computing, at 2 and 3 layers (EveryNth<2> and Attention<2> recompute the second layer only).
+template <class Policy>
+int64_t kept_under(const d9d::DeviceMesh& mesh, const d9d::model::Qwen3Config& config,
+                   d9d::advise::Compute compute) {
   using d9d::advise::Compute;
+  torch::manual_seed(5);
+  d9d::model::Qwen3ForCausalLM model(config);
+  // Bf16Params' parallelize stores the parameters in bfloat16; the others keep float32.
+  const auto parallel =
+      compute == Compute::bf16_parameters
+          ? d9d::parallel::parallelize<d9d::Plan<Policy, d9d::precision::Bf16Params<>>>(
+                mesh, {model.ptr()})
+          : d9d::parallel::parallelize<d9d::Plan<Policy>>(mesh, {model.ptr()});
+  EXPECT_EQ(model->lm_head->weight.scalar_type(),
+            compute == Compute::bf16_parameters ? at::kBFloat16 : at::kFloat);
+  const auto ids = torch::randint(96, {2, 16}, torch::kLong);
+  int64_t kept = 0;
+  at::Tensor loss;
+  {
+    d9d::advise::CpuMemoryMeter meter;
+    {
+      const d9d::detail::AutocastScope scope(compute != Compute::float32, c10::DeviceType::CPU);
+      loss = model->loss(ids, ids).loss_sum;
+    }
+    kept = meter.live();
+    loss.backward();
+  }
+  return kept;
+}
+
+TEST(Advise_ActivationMemory, RecomputedLayersKeepWhatTheirPolicyLeaves) {
+  using d9d::advise::Compute;
+  using d9d::advise::Recompute;
   const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
   const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{});
   int checked = 0;
@@ -336,40 +375,31 @@ TEST(Advise_ActivationMemory, RecomputedLayersKeepTheirOutputsOnly) {
                                      .layers = layers,
                                      .vocab = 96,
                                      .tied = false});
-      torch::manual_seed(5);
-      d9d::model::Qwen3ForCausalLM model(config);
-      // Bf16Params' parallelize stores the parameters in bfloat16; the others keep float32.
-      const auto parallel =
-          compute == Compute::bf16_parameters
-              ? d9d::parallel::parallelize<
-                    d9d::Plan<d9d::recompute::Full, d9d::precision::Bf16Params<>>>(mesh,
-                                                                                   {model.ptr()})
-              : d9d::parallel::parallelize<d9d::Plan<d9d::recompute::Full>>(mesh, {model.ptr()});
-      ASSERT_EQ(model->lm_head->weight.scalar_type(),
-                compute == Compute::bf16_parameters ? at::kBFloat16 : at::kFloat);
-      const auto ids = torch::randint(96, {2, 16}, torch::kLong);
-      int64_t kept = 0;
-      at::Tensor loss;
-      {
-        d9d::advise::CpuMemoryMeter meter;
-        {
-          const d9d::detail::AutocastScope scope(compute != Compute::float32, c10::DeviceType::CPU);
-          loss = model->loss(ids, ids).loss_sum;
-        }
-        kept = meter.live();
-        loss.backward();
-      }
-      const auto predicted =
-          d9d::advise::qwen3_activation_bytes(config, 2, 16, compute, /*recompute_layers=*/true);
-      EXPECT_LE(std::abs(predicted.total() - kept), 64)
-          << "compute " << static_cast<int>(compute) << ", " << layers << " layers: predicted "
-          << predicted.total() << ", kept " << kept;
-      EXPECT_LT(predicted.total(),
-                d9d::advise::qwen3_activation_bytes(config, 2, 16, compute).total());
-      ++checked;
+      const auto none = d9d::advise::qwen3_activation_bytes(config, 2, 16, compute).total();
+      const auto check = [&](int64_t kept, Recompute recompute, const char* policy) {
+        const auto predicted =
+            d9d::advise::qwen3_activation_bytes(config, 2, 16, compute, recompute).total();
+        EXPECT_LE(std::abs(predicted - kept), 64)
+            << policy << ", compute " << static_cast<int>(compute) << ", " << layers
+            << " layers: predicted " << predicted << ", kept " << kept;
+        EXPECT_LT(predicted, none) << policy;
+        ++checked;
+        return predicted;
+      };
+      const auto full =
+          check(kept_under<d9d::recompute::Full>(mesh, config, compute), Recompute::full(), "Full");
+      const auto every2 = check(kept_under<d9d::recompute::EveryNth<2>>(mesh, config, compute),
+                                {.every_nth = 2}, "EveryNth<2>");
+      const auto attention = check(kept_under<d9d::recompute::Attention<>>(mesh, config, compute),
+                                   {.every_nth = 1, .attention_only = true}, "Attention<1>");
+      check(kept_under<d9d::recompute::Attention<2>>(mesh, config, compute),
+            {.every_nth = 2, .attention_only = true}, "Attention<2>");
+      // Recomputing every whole layer keeps the least.
+      EXPECT_LT(full, every2);
+      EXPECT_LT(full, attention);
     }
   }
-  EXPECT_EQ(checked, 6);
+  EXPECT_EQ(checked, 24);
 }
 
 // A rank's peak: the forwards in flight on it, each at its stage's bytes.
@@ -422,6 +452,95 @@ TEST(Advise_ActivationMemory, TheTermsAndTheirErrors) {
       d9d::advise::qwen3_activation_bytes(config, 2, 16, Compute::bf16_parameters);
   EXPECT_EQ(params_two.layers, 2 * params_one.layers);
   EXPECT_LT(params_one.total(), bf16_one.total());
+}
+
+// Tensor parallelism over 2 Gloo ranks (as parallelize applies it, with and without sequence
+// parallelism): each rank's forward keeps qwen3_activation_bytes(..., {.ranks = 2, ...}) in the
+// three ways of computing, over widths, MLP widths, head counts, KV heads, head sizes, depths,
+// vocabularies, tied heads and sequence lengths, and under Full and Attention<> recompute.
+// Measured on every thread (d9d::testing::AllThreadsCpuMeter): the collectives' worker threads
+// free some of the forward's buffers. Within 1,024 bytes (Gloo's small transient buffers, at
+// most 516 bytes in the runs so far).
+template <class... Slots>
+int64_t tp_kept(const d9d::DeviceMesh& mesh, const d9d::model::Qwen3Config& config,
+                d9d::advise::Compute compute, int64_t seq) {
+  using d9d::advise::Compute;
+  using TpMesh = d9d::mesh<d9d::tp<d9d::dynamic>>;
+  torch::manual_seed(5);
+  d9d::model::Qwen3ForCausalLM model(config);
+  const auto parallel =
+      compute == Compute::bf16_parameters
+          ? d9d::parallel::parallelize<d9d::Plan<TpMesh, Slots..., d9d::precision::Bf16Params<>>>(
+                mesh, {model.ptr()})
+          : d9d::parallel::parallelize<d9d::Plan<TpMesh, Slots...>>(mesh, {model.ptr()});
+  const auto ids = torch::randint(config.vocab_size, {2, seq}, torch::kLong);
+  int64_t kept = 0;
+  at::Tensor loss;
+  {
+    d9d::testing::AllThreadsCpuMeter meter;
+    {
+      const d9d::detail::AutocastScope scope(compute != Compute::float32, c10::DeviceType::CPU);
+      loss = model->loss(ids, ids).loss_sum;
+    }
+    // The collectives' worker threads drop their works' last references to the forward's
+    // buffers some time after the work completes: read once the count has settled (unchanged
+    // for 100 ms, at most 5 s).
+    mesh.context().barrier();
+    kept = meter.live();
+    for (int still = 0, tries = 0; still < 5 && tries < 250; ++tries) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      const int64_t now = meter.live();
+      still = now == kept ? still + 1 : 0;
+      kept = now;
+    }
+    loss.backward();
+  }
+  return kept;
+}
+
+TEST(Advise_ActivationMemory_ws2, TensorParallelRanksKeepTheirSlices) {
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    using d9d::advise::Compute;
+    using d9d::advise::Recompute;
+    using Tp = d9d::parallel::TensorParallel<>;
+    using TpSp = d9d::parallel::TensorParallel<d9d::parallel::SequenceParallel::on>;
+    const auto ctx = d9d::testing::rank_context(env);
+    const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{.tp = 2});
+    int checked = 0;
+    const auto check = [&](int64_t kept, const d9d::model::Qwen3Config& config, Compute compute,
+                           int64_t seq, bool sp, Recompute recompute) {
+      const auto predicted = d9d::advise::qwen3_activation_bytes(
+          config, 2, seq, compute, recompute, {.ranks = 2, .sequence_parallel = sp});
+      EXPECT_LE(std::abs(predicted.total() - kept), 1024)
+          << "rank " << env.rank() << ", compute " << static_cast<int>(compute)
+          << (sp ? ", sequence parallel" : "") << ", recompute every " << recompute.every_nth
+          << (recompute.attention_only ? " (attention)" : "") << ", hidden " << config.hidden_size
+          << ", layers " << config.num_hidden_layers << ", seq " << seq << ": predicted "
+          << predicted.total() << ", kept " << kept;
+      ++checked;
+    };
+    for (const auto compute :
+         {Compute::float32, Compute::bf16_autocast, Compute::bf16_parameters}) {
+      for (const auto& shape : std::vector<Shape>{{64, 160, 4, 2, 16, 2, 96, false},
+                                                  {96, 192, 4, 2, 16, 3, 96, false},
+                                                  {64, 160, 8, 4, 32, 2, 192, false},
+                                                  {64, 160, 4, 2, 16, 2, 96, true}}) {
+        const auto config = config_of(shape);
+        for (const int64_t seq : {16, 32}) {
+          check(tp_kept<Tp>(mesh, config, compute, seq), config, compute, seq, false, {});
+          check(tp_kept<TpSp>(mesh, config, compute, seq), config, compute, seq, true, {});
+        }
+      }
+      const auto config = config_of({64, 160, 4, 2, 16, 3, 96, false});
+      check(tp_kept<TpSp, d9d::recompute::Full>(mesh, config, compute, 16), config, compute, 16,
+            true, Recompute::full());
+      check(tp_kept<Tp, d9d::recompute::Attention<>>(mesh, config, compute, 16), config, compute,
+            16, false, {.every_nth = 1, .attention_only = true});
+      check(tp_kept<TpSp, d9d::recompute::Attention<2>>(mesh, config, compute, 16), config, compute,
+            16, true, {.every_nth = 2, .attention_only = true});
+    }
+    EXPECT_EQ(checked, 3 * (4 * 2 * 2 + 3));
+  });
 }
 
 }  // namespace

@@ -2,7 +2,7 @@
 // on and is checked key by key; its figures are the advisor's own for the Plan's slots (the state
 // under Replicate and FullyShard, the activations without and with a pipeline, the step time from
 // the profile named), it warns first when the prediction exceeds memory_gib, and it says what it
-// does not predict (LoRA, tensor parallelism's activations) instead of guessing.
+// does not predict (LoRA, tensor parallelism's activations under a pipeline) instead of guessing.
 #include <algorithm>
 #include <cstdint>
 #include <fstream>
@@ -158,11 +158,48 @@ TEST(Advise_Preflight, SaysWhatItDoesNotPredict) {
   ASSERT_TRUE(lora.has_value());
   EXPECT_THAT(lora->lines.at(0), HasSubstr("not predicted: "));
   EXPECT_THAT(lora->lines.at(0), HasSubstr("PEFT"));
+  // Tensor parallelism: one rank's activations, with its sequence-parallel setting; under a
+  // pipeline not predicted.
   using Tp = d9d::Plan<d9d::mesh<d9d::tp<2>>, d9d::parallel::TensorParallel<>>;
   const auto tp = d9d::advise::preflight<Tp>(config, d9d::MeshShape{.tp = 2});
   ASSERT_TRUE(tp.has_value());
-  EXPECT_FALSE(tp->activation_bytes.has_value());
-  EXPECT_THAT(tp->lines.at(0), HasSubstr("activations not predicted (tensor parallelism)"));
+  ASSERT_TRUE(tp->activation_bytes.has_value());
+  EXPECT_EQ(*tp->activation_bytes,
+            d9d::advise::qwen3_activation_bytes(model(), 2, 16, d9d::advise::Compute::float32, {},
+                                                {.ranks = 2})
+                .total());
+  using TpSp = d9d::Plan<d9d::mesh<d9d::tp<2>>,
+                         d9d::parallel::TensorParallel<d9d::parallel::SequenceParallel::on>>;
+  const auto sp = d9d::advise::preflight<TpSp>(config, d9d::MeshShape{.tp = 2});
+  ASSERT_TRUE(sp.has_value());
+  ASSERT_TRUE(sp->activation_bytes.has_value());
+  EXPECT_EQ(*sp->activation_bytes,
+            d9d::advise::qwen3_activation_bytes(model(), 2, 16, d9d::advise::Compute::float32, {},
+                                                {.ranks = 2, .sequence_parallel = true})
+                .total());
+  EXPECT_LT(*sp->activation_bytes, *tp->activation_bytes);
+  using TpPiped = d9d::Plan<d9d::mesh<d9d::pp<2>, d9d::tp<2>>, d9d::parallel::TensorParallel<>,
+                            d9d::pipeline::OneFOneB<>>;
+  const auto tp_piped = d9d::advise::preflight<TpPiped>(config, d9d::MeshShape{.pp = 2, .tp = 2});
+  ASSERT_TRUE(tp_piped.has_value());
+  EXPECT_FALSE(tp_piped->activation_bytes.has_value());
+  EXPECT_THAT(tp_piped->lines.at(0),
+              HasSubstr("activations not predicted (tensor parallelism under a pipeline)"));
+  // Recompute under a pipeline is not predicted; selective recompute without one is.
+  using PipedRecompute =
+      d9d::Plan<d9d::mesh<d9d::pp<2>>, d9d::pipeline::OneFOneB<>, d9d::recompute::Full>;
+  const auto piped = d9d::advise::preflight<PipedRecompute>(config, d9d::MeshShape{.pp = 2});
+  ASSERT_TRUE(piped.has_value());
+  EXPECT_THAT(piped->lines.at(0),
+              HasSubstr("activations not predicted (recompute under a pipeline)"));
+  const auto selective =
+      d9d::advise::preflight<d9d::Plan<d9d::recompute::Attention<2>>>(config, {});
+  ASSERT_TRUE(selective.has_value());
+  ASSERT_TRUE(selective->activation_bytes.has_value());
+  EXPECT_EQ(*selective->activation_bytes,
+            d9d::advise::qwen3_activation_bytes(model(), 2, 16, d9d::advise::Compute::float32,
+                                                {.every_nth = 2, .attention_only = true})
+                .total());
 }
 
 }  // namespace

@@ -175,13 +175,38 @@ TEST(Advise_StepTime, MatmulsAreSixFlopsPerWeightAndTokenAtTheRate) {
   // heads, microbatch 2: twice the measured batch's FLOPs).
   EXPECT_TRUE(near(t.attention, 3 * 4 * 2 * (1e-5 + 2.5e-5)));
 
-  // Full recompute runs the forward again: the matmuls' forward third once more.
+  // Full recompute runs the layers' forward again: their matmuls' forward third once more (not
+  // the head's), and the attention's forward.
+  double head = 0;
+  double attention_weights = 0;
+  for (const auto& p : d9d::advise::qwen3_parameters(model())) {
+    if (p.name == "lm_head.weight") {
+      head = static_cast<double>(p.numel());
+    }
+    if (p.sizes.size() == 2 && p.name.find("self_attn") != std::string::npos) {
+      attention_weights += static_cast<double>(p.numel());
+    }
+  }
+  ASSERT_GT(head, 0.0);
+  ASSERT_GT(attention_weights, 0.0);
   auto recomputed = bf16();
-  recomputed.recompute_layers = true;
+  recomputed.recompute = d9d::advise::Recompute::full();
   const auto r = d9d::advise::predict_step_time(model(), one, recomputed, m);
-  EXPECT_TRUE(near(r.gemm, t.gemm * 4.0 / 3.0));
+  EXPECT_TRUE(near(r.gemm, t.gemm + 2.0 * tokens * (linear_weights() - head) / kRate)) << r.gemm;
   EXPECT_TRUE(near(r.attention, t.attention + 3 * 4 * 2 * 1e-5));
   EXPECT_GT(r.total, t.total);
+  // Every other layer (EveryNth<2>, 4 layers): half of that.
+  recomputed.recompute = {.every_nth = 2};
+  const auto half = d9d::advise::predict_step_time(model(), one, recomputed, m);
+  EXPECT_TRUE(near(half.gemm, t.gemm + 1.0 * tokens * (linear_weights() - head) / kRate));
+  EXPECT_TRUE(near(half.attention, t.attention + 3 * 2 * 2 * 1e-5));
+  // Selective (Attention<1>): the attention part's matmuls (q, k, v, o) and the attention.
+  recomputed.recompute = {.every_nth = 1, .attention_only = true};
+  const auto selective = d9d::advise::predict_step_time(model(), one, recomputed, m);
+  EXPECT_TRUE(near(selective.gemm, t.gemm + 2.0 * tokens * attention_weights / kRate));
+  EXPECT_TRUE(near(selective.attention, r.attention));
+  EXPECT_LT(selective.total, r.total);
+  EXPECT_GT(selective.total, t.total);
 }
 
 TEST(Advise_StepTime, TensorParallelHalvesTheMatmulsAndAddsItsCollectives) {

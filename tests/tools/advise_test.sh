@@ -34,8 +34,19 @@ piped=$("$tool" --config "$config" --pp 2 --schedule 1f1b --microbatches 4) || f
 echo "$piped" | grep -q '^largest: ' || fail "no largest line: $piped"
 # pp 2 in bf16_mixed: each rank's microbatches in flight (1F1B: rank 0 holds two, rank 1 one).
 echo "$piped" | grep -q '^  pp 1: [0-9]' || fail "no activations in flight: $piped"
-tp2=$("$tool" --config "$config" --tp 2) || fail "tp 2 failed"
-echo "$tp2" | grep -q '^not predicted yet: activations' || fail "activations claimed: $tp2"
+# tp 2, fp32: one rank's activations. Per token of a layer 1,866 floats over every token (the
+# norms' outputs, its 4 of 8 heads, 384 of 768 MLP columns) and 514 over the residual stream's;
+# per token 9 bytes of the vocabulary-parallel embedding's ids and mask, the stream's embedding
+# output and final rstd (1,028), the head's input (1,024) and the loss-parallel softmax over
+# 129 words (516). Sequence parallelism splits the stream's part over the 2 ranks.
+tp2=$("$tool" --config "$config" --precision fp32 --tp 2) || fail "tp 2 failed"
+want=$(( 4 * 2048 * (1866 + 514) * 4 + 2048 * (9 + 1028 + 1024 + 516) + 2 * 256 * 16 * 4 ))
+echo "$tp2" | grep -q "^activations of a microbatch: $want " || fail "tp 2 is not $want: $tp2"
+sp2=$("$tool" --config "$config" --precision fp32 --tp 2 --sequence-parallel) ||
+  fail "--sequence-parallel failed"
+want=$(( 4 * 2048 * (1866 * 4 + 514 * 4 / 2) + 2048 * (9 + 1028 / 2 + 1024 + 516) + 2 * 256 * 16 * 4 ))
+echo "$sp2" | grep -q "^activations of a microbatch: $want " ||
+  fail "tp 2 with sequence parallelism is not $want: $sp2"
 # fp32, one microbatch of 8 x 256 tokens: per token of a layer 3,734 floats (hidden 256, q 256,
 # kv 128, intermediate 768, 8/4 heads), 4 layers; embedding, rstd and head input gradient (513
 # floats) per token and the head's 258 x 256 weight gradient; rotary tables 2 x 256 x 16.
@@ -48,6 +59,18 @@ full=$("$tool" --config "$config" --precision fp32 --recompute full) || fail "--
 want=$(( (4 * 256 * 2048 + 513 * 2048 + 258 * 256 + 2 * 256 * 16) * 4 ))
 echo "$full" | grep -q "^activations of a microbatch: $want " ||
   fail "recomputed activations are not $want: $full"
+# Every other layer (layers 1 and 3): two keep everything, two their output.
+every=$("$tool" --config "$config" --precision fp32 --recompute full --recompute-every 2) ||
+  fail "--recompute-every failed"
+want=$(( (2 * 3734 * 2048 + 2 * 256 * 2048 + 513 * 2048 + 258 * 256 + 2 * 256 * 16) * 4 ))
+echo "$every" | grep -q "^activations of a microbatch: $want " ||
+  fail "every other layer recomputed is not $want: $every"
+# Selective recompute: each layer keeps its MLP part and output (3 x 256 + 1 + 2 x 768 floats).
+selective=$("$tool" --config "$config" --precision fp32 --recompute attention) ||
+  fail "--recompute attention failed"
+want=$(( (4 * 2305 * 2048 + 513 * 2048 + 258 * 256 + 2 * 256 * 16) * 4 ))
+echo "$selective" | grep -q "^activations of a microbatch: $want " ||
+  fail "attention recomputed is not $want: $selective"
 # --candidates: the header's count is the number of Plans listed, and the summary counts the
 # lines marked as not fitting (state + predicted activations above --memory-gib).
 listed=$("$tool" --config "$config" --candidates 2 --precision fp32 --memory-gib 0.1) ||

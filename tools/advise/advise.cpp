@@ -120,12 +120,20 @@ int main(int argc, char** argv) {
                  "data-parallel ranks (FullyShard shards over them; Replicate replicates)");
   app.add_option("--cp-shard", cp_shard, "context-parallel ranks (shard with FullyShard)");
   app.add_option("--tp", tp, "tensor-parallel degree");
+  bool sequence_parallel = false;
+  app.add_flag("--sequence-parallel", sequence_parallel,
+               "with --tp: the residual stream split by tokens too (TensorParallel<on>)");
   app.add_option("--pp", pp, "pipeline degree");
   app.add_option("--schedule", schedule, "gpipe, 1f1b, interleaved, zbh1, zbv, dualpipev");
   std::string recompute = "none";
   app.add_option("--recompute", recompute,
-                 "none, or full: every decoder layer recomputed in backward (recompute::Full)")
-      ->check(CLI::IsMember({"none", "full"}));
+                 "none; full: decoder layers recomputed in backward (recompute::Full, "
+                 "EveryNth<K>); attention: only their attention part (recompute::Attention<K>)")
+      ->check(CLI::IsMember({"none", "full", "attention"}));
+  int recompute_every = 1;
+  app.add_option("--recompute-every", recompute_every,
+                 "with --recompute: every K-th layer (layers K-1, 2K-1, ...; default 1: all)")
+      ->check(CLI::PositiveNumber);
   int candidates = 0;
   double memory_gib = 0;
   app.add_option("--candidates", candidates,
@@ -154,10 +162,12 @@ int main(int argc, char** argv) {
     if (!profile_path.empty()) {
       machine = d9d::advise::MachineProfile::from_file(profile_path);
     }
+    const d9d::advise::Recompute recomputing{.every_nth = recompute == "none" ? 0 : recompute_every,
+                                             .attention_only = recompute == "attention"};
     if (candidates > 0) {
       print_candidates(config,
                        {.precision = precision,
-                        .recompute_layers = recompute == "full",
+                        .recompute = recomputing,
                         .memory_bytes = static_cast<int64_t>(memory_gib * 1024 * 1024 * 1024),
                         .machine = machine ? &*machine : nullptr},
                        candidates, json_path);
@@ -230,21 +240,23 @@ int main(int argc, char** argv) {
                                              .sequence_length = config.batch.sequence_length,
                                              .precision = precision_rules(precision),
                                              .compute = compute_of(precision, plan.fully_shard),
-                                             .recompute_layers = recompute == "full",
+                                             .recompute = recomputing,
                                              .reduce_bf16 = reduce_bf16,
                                              .reshard_after_forward = reshard == "after_forward",
                                              .reduce_every_microbatch = !reduce_once};
       print_step_time(d9d::advise::predict_step_time(model, plan, options, *machine),
                       machine->device);
     }
-    const bool recomputed = recompute == "full";
-    if (precision != "fp64" && tp == 1 && cp_shard == 1 && !(recomputed && pp > 1)) {
+    if (precision != "fp64" && (tp == 1 || pp == 1) && cp_shard == 1 &&
+        !(recomputing.any() && pp > 1)) {
       const auto compute = compute_of(precision, data_parallel == "fully_shard");
       const int64_t mb = config.batch.microbatch_size;
       const int64_t seq = config.batch.sequence_length;
       if (pp == 1) {
         // One microbatch is in flight without a pipeline (accumulation runs them in turn).
-        const auto kept = d9d::advise::qwen3_activation_bytes(model, mb, seq, compute, recomputed);
+        const auto kept = d9d::advise::qwen3_activation_bytes(
+            model, mb, seq, compute, recomputing,
+            {.ranks = tp, .sequence_parallel = sequence_parallel});
         std::printf(
             "activations of a microbatch: %lld (%.2f GiB: layers %.2f, head and embedding %.2f, "
             "rotary tables %.4f); state + activations: %.2f GiB\n",
@@ -260,16 +272,20 @@ int main(int argc, char** argv) {
         std::printf(
             "peak during a step: %.2f GiB (parameters and moments, the activations, the gradients "
             "from the first backward%s; %d microbatch(es))\n",
-            gib(d9d::advise::peak_step_bytes(shard0[0], kept.total(), microbatches) + gathered),
+            gib(*d9d::advise::fullest_rank_memory(model, program, 1, microbatches, rules, mb, seq,
+                                                  compute, recomputing, reshard != "never",
+                                                  sequence_parallel)
+                     .peak),
             units.data(), microbatches);
       } else {
         // Each pipeline rank: its stages' microbatches in flight as the program runs them.
         std::vector<int64_t> per_stage;
         per_stage.reserve(static_cast<std::size_t>(program.stages()));
         for (int s = 0; s < program.stages(); ++s) {
-          per_stage.push_back(d9d::advise::qwen3_stage_activation_bytes(model, s, program.stages(),
-                                                                        mb, seq, compute)
-                                  .total());
+          // A stage's weight casts count once per rank and step (below), not per microbatch.
+          const auto stage = d9d::advise::qwen3_stage_activation_bytes(model, s, program.stages(),
+                                                                       mb, seq, compute);
+          per_stage.push_back(stage.total() - stage.weight_casts);
         }
         std::vector<int64_t> deferred;  // what a split backward keeps from I until W
         if (program.split_backward) {
@@ -281,9 +297,13 @@ int main(int argc, char** argv) {
         std::printf(
             "activations in flight per pipeline rank (bytes, GiB), and its peak during a step:\n");
         for (int p = 0; p < pp; ++p) {
-          const auto peak = d9d::advise::peak_rank_activation_bytes(program, p, per_stage);
-          const auto step = d9d::advise::peak_rank_step_bytes(
-              program, p, per_stage, shard0[static_cast<std::size_t>(p)], deferred);
+          const int64_t casts =
+              d9d::advise::qwen3_rank_weight_cast_bytes(model, program, p, seq, compute);
+          const auto peak = d9d::advise::peak_rank_activation_bytes(program, p, per_stage) + casts;
+          const auto step =
+              d9d::advise::peak_rank_step_bytes(program, p, per_stage,
+                                                shard0[static_cast<std::size_t>(p)], deferred) +
+              casts;
           std::printf("  pp %d: %lld  (%.2f GiB), peak %.2f GiB\n", p, static_cast<long long>(peak),
                       gib(peak), gib(step));
         }
@@ -292,7 +312,7 @@ int main(int argc, char** argv) {
                   pp > 1 && rules.shard_ranks > 1 ? "gathered units under a pipeline, " : "");
     } else {
       std::printf(
-          "not predicted yet: activations (predicted without fp64, tp or cp, and recompute "
+          "not predicted yet: activations (predicted without fp64 or cp, tp and recompute "
           "without a pipeline, so far), gathered units, communication buffers\n");
     }
   } catch (const std::exception& e) {

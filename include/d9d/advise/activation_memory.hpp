@@ -8,10 +8,10 @@
 //
 // Predicted so far: the dense Qwen3 (d9d::model::Qwen3ForCausalLM::loss) with d9d's fused kernels
 // (the default), in float32 (Fp32), under bfloat16 autocast over float32 parameters (Bf16Mixed)
-// or with bfloat16 parameters (Bf16Params, and FullyShard's bfloat16 gathers), no recompute, no
-// tensor or context parallelism, the whole model on one rank. What each term is comes from the
-// model's code; in float32, per token of a layer (H hidden, Q = heads x head_dim, K = KV heads x
-// head_dim, I intermediate), in elements:
+// or with bfloat16 parameters (Bf16Params, and FullyShard's bfloat16 gathers), with or without
+// recompute (Recompute, below), no tensor or context parallelism, the whole model on one rank. What
+// each term is comes from the model's code; in float32, per token of a layer (H hidden, Q = heads x
+// head_dim, K = KV heads x head_dim, I intermediate), in elements:
 //   the input norm's output and its rstd                      H + 1
 //   q, k (kept by the q/k norms) and their per-head rstds     Q + K + heads + kv_heads
 //   v, the rotated q and k, the attention's output and its    K + Q + K + Q + heads (lse, float)
@@ -62,6 +62,31 @@ enum class Compute : unsigned char {
                     ///< gathers bfloat16 copies); autocast on or off alike
 };
 
+/// Which decoder layers recompute their activations in backward, and what of them (the
+/// d9d::recompute policies): layer i (0-based) recomputes when every_nth > 0 and
+/// i % every_nth == every_nth - 1 — all of it (Full, EveryNth<K>: the layer keeps only its
+/// output) or only its attention part (Attention<K>: the input norm, projections, rotary
+/// embedding and attention; the MLP keeps its activations).
+struct Recompute {
+  int every_nth = 0;            ///< 0: none (recompute::None); 1: every layer
+  bool attention_only = false;  ///< recompute::Attention<K>
+
+  [[nodiscard]] constexpr bool recomputes(int64_t layer) const {
+    return every_nth > 0 && layer % every_nth == every_nth - 1;
+  }
+  [[nodiscard]] constexpr bool any() const { return every_nth > 0; }
+  /// recompute::Full.
+  [[nodiscard]] static constexpr Recompute full() { return {.every_nth = 1}; }
+};
+
+/// How tensor parallelism splits the model (d9d::parallel::TensorParallel): each rank computes its
+/// `ranks`-th of the heads, the MLP width and the vocabulary (Megatron's layout), and with
+/// `sequence_parallel` the residual stream between blocks holds 1/ranks of the tokens.
+struct TensorSplit {
+  int ranks = 1;
+  bool sequence_parallel = false;
+};
+
 /// What one microbatch's forward keeps until its backward, in bytes.
 struct ActivationBytes {
   int64_t layers = 0;  ///< every decoder layer's saved tensors
@@ -74,13 +99,19 @@ struct ActivationBytes {
 /// The bytes d9d::model::Qwen3ForCausalLM's loss() keeps for the backward of one microbatch of
 /// `microbatch_size` sequences of `sequence_length` tokens, computed as `compute` says (see the
 /// file comment). std::invalid_argument for a size below 1.
-/// With `recompute_layers` (d9d::recompute::Full) every decoder layer runs its forward without
-/// saving and again in backward, so it keeps only its output (the next layer's input).
-[[nodiscard]] ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config,
-                                                     int64_t microbatch_size,
-                                                     int64_t sequence_length,
-                                                     Compute compute = Compute::float32,
-                                                     bool recompute_layers = false);
+/// Under `recompute` a recomputed decoder layer runs its forward without saving and again in
+/// backward, so it keeps only its output (the next layer's input); one whose attention part is
+/// recomputed keeps what its MLP part saves and its output.
+/// Under `tensor` (tp > 1) one rank's: the norms' outputs whole (gathered under sequence
+/// parallelism) since every rank's matmuls read them, its heads' and MLP slice's tensors, the
+/// residual stream over its tokens; the loss side is the vocabulary-parallel embedding's masked
+/// ids and mask, the head's input, and the loss-parallel cross-entropy's softmax - one-hot over
+/// its vocabulary slice in float32 (instead of the fused head's gradients). std::invalid_argument
+/// when the ranks do not divide the heads, KV heads, intermediate size, vocabulary or (with
+/// sequence parallelism) the sequence.
+[[nodiscard]] ActivationBytes qwen3_activation_bytes(
+    const model::Qwen3Config& config, int64_t microbatch_size, int64_t sequence_length,
+    Compute compute = Compute::float32, Recompute recompute = {}, TensorSplit tensor = {});
 
 /// What one microbatch's forward keeps on pipeline stage `stage` of `stages` (the stages of
 /// d9d::model::Qwen3Stage, layers split by d9d::model::distribute_layers weighed by
@@ -129,6 +160,14 @@ struct StageActivationBytes {
                                                         int64_t sequence_length,
                                                         Compute compute = Compute::float32);
 
+/// The weight casts pipeline rank `pp_rank` holds through a step under bfloat16 autocast: each of
+/// its stages' StageActivationBytes::weight_casts once (the train step casts each weight once for
+/// all its microbatches); 0 under the other ways of computing. std::invalid_argument for a rank
+/// outside `program`.
+[[nodiscard]] int64_t qwen3_rank_weight_cast_bytes(const model::Qwen3Config& config,
+                                                   const pipeline::Program& program, int pp_rank,
+                                                   int64_t sequence_length, Compute compute);
+
 /// The most bytes a rank holds at once during a step, from its state and activations: the
 /// parameters and AdamW moments throughout, the activations of the microbatches in flight, and
 /// the gradients from the first backward on (the Trainer drops them at the start of each step:
@@ -170,13 +209,18 @@ struct RankMemory {
 /// reshard setting says: fully_shard_gathered_step_bytes); under a pipeline they are not counted
 /// yet. Under bfloat16 autocast the train step casts each weight once for all its microbatches
 /// (src/core/weight_casts.cpp): a pipeline rank holds its stages' casts (weight_casts) once, for
-/// the whole step, not per microbatch in flight; with recomputed layers and more than one
-/// microbatch the casts stay through the backward too.
+/// the whole step, not per microbatch in flight; with recomputed layers (`recompute`, predicted
+/// without a pipeline) and more than one microbatch the casts stay through the backward too.
+/// Under tensor parallelism (rules.tensor_ranks > 1, without a pipeline) the activations are one
+/// rank's (TensorSplit, with `sequence_parallel` as the Plan's TensorParallel says), and the peak
+/// adds the head's logits over the rank's vocabulary, alive while the loss-parallel
+/// cross-entropy makes its float32 copy.
 [[nodiscard]] RankMemory fullest_rank_memory(const model::Qwen3Config& config,
                                              const pipeline::Program& program, int pp,
                                              int microbatches, const StateRules& rules,
                                              int64_t microbatch_size, int64_t sequence_length,
-                                             std::optional<Compute> compute, bool recompute_layers,
-                                             bool reshard_after_forward = true);
+                                             std::optional<Compute> compute, Recompute recompute,
+                                             bool reshard_after_forward = true,
+                                             bool sequence_parallel = false);
 
 }  // namespace d9d::advise

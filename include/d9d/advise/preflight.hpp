@@ -68,8 +68,8 @@ struct PreflightPlan {
   std::optional<StateRules> rules{};  ///< none: the state is not predicted (why below)
   std::string not_predicted{};        ///< what the Plan has that is not predicted
   std::optional<Compute> compute{};   ///< none: fp64
-  bool recompute_layers = false;      ///< recompute::Full
-  bool partial_recompute = false;     ///< EveryNth<K > 1> or Attention<>: not predicted
+  Recompute recompute{};              ///< the Plan's recompute policy
+  bool sequence_parallel = false;     ///< TensorParallel<SequenceParallel::on>
   bool reduce_bf16 = false;           ///< Bf16MixedBf16Reduce
 };
 
@@ -103,6 +103,9 @@ PreflightPlan preflight_plan(const TrainerConfig& config, const MeshShape& shape
   c.dp_shard = shards ? shape.dp_shard : 1;
   c.cp = shape.cp_shard;
   c.tp = std::is_same_v<typename Plan::tensor_parallel, parallel::NoTensorParallel> ? 1 : shape.tp;
+  if constexpr (requires { Plan::tensor_parallel::sequence_parallel; }) {
+    plan.sequence_parallel = Plan::tensor_parallel::sequence_parallel;
+  }
   c.pp = shape.pp;
   c.microbatches = static_cast<int>(config.microbatches_per_step(c.dp_replicate * c.dp_shard));
   if constexpr (!std::is_same_v<Schedule, pipeline::NoPipeline>) {
@@ -122,8 +125,8 @@ PreflightPlan preflight_plan(const TrainerConfig& config, const MeshShape& shape
   } else if constexpr (P::compute == precision::Dtype::float32) {
     plan.compute = Compute::float32;
   }
-  plan.recompute_layers = R::every_nth == 1 && R::scope == recompute::Scope::block;
-  plan.partial_recompute = R::every_nth > 0 && !plan.recompute_layers;
+  plan.recompute = {.every_nth = R::every_nth,
+                    .attention_only = R::scope == recompute::Scope::attention};
   return plan;
 }
 

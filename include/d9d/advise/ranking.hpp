@@ -47,7 +47,7 @@ namespace d9d::advise {
 /// What to rank.
 struct RankOptions {
   std::string precision = "bf16_mixed";     ///< as precision_rules names it
-  bool recompute_layers = false;            ///< recompute::Full
+  Recompute recompute{};                    ///< the Plans' recompute policy
   int64_t memory_bytes = 0;                 ///< a rank's memory; 0: everything fits
   const MachineProfile* machine = nullptr;  ///< predict the step time on it; null: none
   CandidateOptions candidates{};

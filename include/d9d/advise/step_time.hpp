@@ -21,11 +21,13 @@
 //              scaled by FLOPs (a cp rank does 1/cp of the sequence's)
 //   memory     the elementwise kernels (norms, rotary, SiLU-mul, residual adds, autocast's casts)
 //              as bytes moved at the profile's elementwise bandwidth: the forward's bytes counted
-//              from the model's code, the backward's as twice them; per microbatch the weight casts
-//              under autocast and the gradient accumulation; per step the optimizer (AdamW reads
+//              from the model's code, the backward's as twice them; per microbatch the gradient
+//              accumulation, and under autocast its share of the step's weight casts (each
+//              weight is cast once per step); per step the optimizer (AdamW reads
 //              the parameter, gradient and moments and writes three of them), the clipping norm
 //              and the gradients' zeroing
-//   recompute  Full recompute runs every layer's forward again in its backward
+//   recompute  a recomputed layer's forward matmuls, attention and elementwise bytes run again
+//              in its backward (only its attention part's under recompute::Attention<K>)
 // and the communication at the profile's measured collective times (scaled from the ranks it
 // was measured on to the group's size by the ring's (g - 1) / g):
 //   Replicate     one all-reduce of the gradients per step
@@ -133,7 +135,7 @@ struct StepOptions {
   int64_t sequence_length = 1;
   StateRules precision{};               ///< the parameters', gradients' and moments' dtypes
   Compute compute = Compute::float32;   ///< how the forward computes
-  bool recompute_layers = false;        ///< d9d::recompute::Full
+  Recompute recompute{};                ///< which layers recompute what in backward
   bool reduce_bf16 = false;             ///< data-parallel gradients reduced in bfloat16
   bool reshard_after_forward = true;    ///< FullyShard: units gathered again for the backward
   bool reduce_every_microbatch = true;  ///< FullyShard: a reduce-scatter per microbatch
