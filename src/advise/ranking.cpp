@@ -58,11 +58,13 @@ std::vector<RankedPlan> rank_plans(const TrainerConfig& config, int world_size,
     const auto program =
         c.pp > 1 ? build_schedule(c.schedule, c.pp, c.microbatches) : pipeline::Program{};
     const auto compute = compute_of(options.precision, c.fully_shard);
-    const bool predicted =
-        activations_known && c.tp == 1 && c.cp == 1 && !(c.pp > 1 && options.recompute.any());
+    // Tensor parallelism with sequence parallelism, as the step time models it.
+    const bool predicted = activations_known && c.cp == 1 &&
+                           !(c.pp > 1 && (options.recompute.any() || c.tp > 1)) && seq % c.tp == 0;
     const auto memory = fullest_rank_memory(
         model, program, c.pp, c.microbatches, rules, mb, seq,
-        predicted ? std::optional<Compute>(compute) : std::nullopt, options.recompute);
+        predicted ? std::optional<Compute>(compute) : std::nullopt, options.recompute,
+        /*reshard_after_forward=*/true, /*sequence_parallel=*/c.tp > 1);
     row.state_bytes = memory.state.total();
     row.activation_bytes = memory.activations;
     row.peak_bytes = memory.peak;

@@ -328,8 +328,8 @@ TEST(Advise_Ranking, FittingPlansFirstFastestFirstAndAsJson) {
     EXPECT_TRUE(r.fits);
     ASSERT_TRUE(r.time.has_value()) << r.plan.describe();
     EXPECT_GT(r.state_bytes, 0);
-    // Activations are predicted without tp and cp.
-    EXPECT_EQ(r.activation_bytes.has_value(), r.plan.tp == 1 && r.plan.cp == 1)
+    // Activations are predicted without cp, and without tp under a pipeline.
+    EXPECT_EQ(r.activation_bytes.has_value(), r.plan.cp == 1 && (r.plan.tp == 1 || r.plan.pp == 1))
         << r.plan.describe();
   }
   EXPECT_EQ(seen.size(), all.size());
