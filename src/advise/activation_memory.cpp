@@ -142,11 +142,19 @@ ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t
 
 StageActivationBytes qwen3_stage_activation_bytes(const model::Qwen3Config& config, int stage,
                                                   int stages, int64_t microbatch_size,
-                                                  int64_t sequence_length, Compute compute) {
+                                                  int64_t sequence_length, Compute compute,
+                                                  Recompute recompute) {
   if (stages < 1 || stage < 0 || stage >= stages) {
     throw std::invalid_argument("d9d::advise::qwen3_stage_activation_bytes: stage " +
                                 std::to_string(stage) + " is not one of " + std::to_string(stages) +
                                 " stages");
+  }
+  if (recompute.every_nth > 1) {
+    throw std::invalid_argument(
+        "d9d::advise::qwen3_stage_activation_bytes: recompute of every " +
+        std::to_string(recompute.every_nth) +
+        "-th layer under a pipeline is not predicted (the policy counts a rank's blocks across "
+        "its stages); every layer (every_nth 1) or none is");
   }
   const auto ranges =
       model::distribute_layers(static_cast<int>(config.num_hidden_layers), stages,
@@ -155,15 +163,24 @@ StageActivationBytes qwen3_stage_activation_bytes(const model::Qwen3Config& conf
   // One layer's bytes and the model's rotary tables, from the whole model's prediction.
   auto one = config;
   one.num_hidden_layers = 1;
-  const auto whole = qwen3_activation_bytes(one, microbatch_size, sequence_length, compute, {});
+  const auto whole =
+      qwen3_activation_bytes(one, microbatch_size, sequence_length, compute, recompute);
   constexpr int64_t kFloat = 4;
   constexpr int64_t kHalf = 2;
   const int64_t tokens = microbatch_size * sequence_length;
   const int64_t h = config.hidden_size;
   StageActivationBytes out;
-  // The layers' weight casts apart: the train step makes them once for all microbatches.
-  out.weight_casts = layers * layer_weight_cast_bytes(config, compute);
-  out.layers = layers * whole.layers - out.weight_casts;
+  // The layers' weight casts apart: the train step makes them once for all microbatches. A lone
+  // forward keeps those of the parts it does not recompute (an attention-recomputed layer's
+  // MLP's three).
+  const int64_t all_casts = layer_weight_cast_bytes(config, compute);
+  const int64_t mlp_casts = compute == Compute::bf16_autocast
+                                ? 3 * config.hidden_size * config.intermediate_size * kHalf
+                                : 0;
+  const int64_t kept_casts =
+      !recompute.any() ? all_casts : (recompute.attention_only ? mlp_casts : 0);
+  out.weight_casts = layers * kept_casts;
+  out.layers = layers * (whole.layers - kept_casts);
   out.rope = layers > 0 ? whole.rope : 0;
   out.input = tokens * h * residual_bytes(compute);
   if (stage == stages - 1) {
@@ -338,7 +355,7 @@ RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline:
   if (compute && piped) {
     for (int s = 0; s < program.stages(); ++s) {
       const auto stage = qwen3_stage_activation_bytes(config, s, program.stages(), microbatch_size,
-                                                      sequence_length, *compute);
+                                                      sequence_length, *compute, recompute);
       per_stage.push_back(stage.total() - stage.weight_casts);
       if (program.split_backward) {
         deferred.push_back(qwen3_stage_weight_gradient_bytes(

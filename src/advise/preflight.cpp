@@ -40,8 +40,8 @@ std::string activations_unknown(const PreflightPlan& plan) {
   if (plan.candidate.cp > 1) {
     return "context parallelism";
   }
-  if (plan.recompute.any() && plan.candidate.pp > 1) {
-    return "recompute under a pipeline";
+  if (plan.recompute.every_nth > 1 && plan.candidate.pp > 1) {
+    return "recompute of every K-th layer under a pipeline";
   }
   return {};
 }

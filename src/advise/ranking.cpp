@@ -60,7 +60,8 @@ std::vector<RankedPlan> rank_plans(const TrainerConfig& config, int world_size,
     const auto compute = compute_of(options.precision, c.fully_shard);
     // Tensor parallelism with sequence parallelism, as the step time models it.
     const bool predicted = activations_known && c.cp == 1 &&
-                           !(c.pp > 1 && (options.recompute.any() || c.tp > 1)) && seq % c.tp == 0;
+                           !(c.pp > 1 && (options.recompute.every_nth > 1 || c.tp > 1)) &&
+                           seq % c.tp == 0;
     const auto memory = fullest_rank_memory(
         model, program, c.pp, c.microbatches, rules, mb, seq,
         predicted ? std::optional<Compute>(compute) : std::nullopt, options.recompute,

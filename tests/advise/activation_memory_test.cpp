@@ -402,6 +402,84 @@ TEST(Advise_ActivationMemory, RecomputedLayersKeepWhatTheirPolicyLeaves) {
   EXPECT_EQ(checked, 24);
 }
 
+// Every layer of a stage recomputed, whole (Full) or its attention part (Attention<1>), through
+// parallelize on the stage module as the Trainer applies it per rank: within 64 bytes of
+// qwen3_stage_activation_bytes with the same Recompute, on both stages of 2, in the three ways
+// of computing.
+TEST(Advise_ActivationMemory, RecomputedStagesKeepWhatTheirPolicyLeaves) {
+  using d9d::advise::Compute;
+  using d9d::advise::Recompute;
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{});
+  const auto config = config_of({.hidden = 64,
+                                 .intermediate = 160,
+                                 .heads = 4,
+                                 .kv_heads = 2,
+                                 .head_dim = 16,
+                                 .layers = 5,
+                                 .vocab = 96,
+                                 .tied = false});
+  constexpr int stages = 2;
+  constexpr int64_t kBatch = 2;
+  constexpr int64_t kSeq = 16;
+  const auto ranges =
+      d9d::model::distribute_layers(5, stages, d9d::model::pipeline_virtual_layers(config, kSeq));
+  int checked = 0;
+  const auto measure = [&]<class Policy>(Compute compute, int s) {
+    torch::manual_seed(4);
+    d9d::model::Qwen3Stage stage(config, s, stages, ranges[static_cast<std::size_t>(s)]);
+    const auto parallel =
+        compute == Compute::bf16_parameters
+            ? d9d::parallel::parallelize<d9d::Plan<Policy, d9d::precision::Bf16Params<>>>(
+                  mesh, {stage.ptr()})
+            : d9d::parallel::parallelize<d9d::Plan<Policy>>(mesh, {stage.ptr()});
+    const auto dtype = compute == Compute::bf16_parameters ? at::kBFloat16 : at::kFloat;
+    const auto labels = torch::randint(96, {kBatch, kSeq}, torch::kLong);
+    const auto input = s == 0 ? torch::randint(96, {kBatch, kSeq}, torch::kLong)
+                              : torch::randn({kBatch, kSeq, 64}, dtype).requires_grad_();
+    int64_t kept = 0;
+    at::Tensor out;
+    {
+      d9d::advise::CpuMemoryMeter meter;
+      {
+        const d9d::detail::AutocastScope scope(compute != Compute::float32, c10::DeviceType::CPU);
+        out = stage(input);
+        if (s == stages - 1) {
+          out = d9d::model::logits_cross_entropy(out, labels).loss_sum;
+        }
+      }
+      kept = meter.live();
+    }
+    return kept;
+  };
+  for (const auto compute : {Compute::float32, Compute::bf16_autocast, Compute::bf16_parameters}) {
+    for (int s = 0; s < stages; ++s) {
+      for (const bool attention : {false, true}) {
+        const int64_t kept =
+            attention ? measure.template operator()<d9d::recompute::Attention<>>(compute, s)
+                      : measure.template operator()<d9d::recompute::Full>(compute, s);
+        const Recompute recompute{.every_nth = 1, .attention_only = attention};
+        const auto predicted = d9d::advise::qwen3_stage_activation_bytes(config, s, stages, kBatch,
+                                                                         kSeq, compute, recompute);
+        const int64_t expected = predicted.total() - (s == 0 ? 0 : predicted.input);
+        EXPECT_LE(std::abs(expected - kept), 64)
+            << (attention ? "Attention<1>" : "Full") << ", compute " << static_cast<int>(compute)
+            << ", stage " << s << ": predicted " << expected << ", kept " << kept;
+        EXPECT_LT(predicted.total(), d9d::advise::qwen3_stage_activation_bytes(
+                                         config, s, stages, kBatch, kSeq, compute)
+                                         .total());
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 12);
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                (void)d9d::advise::qwen3_stage_activation_bytes(config, 0, stages, kBatch, kSeq,
+                                                                Compute::float32, {.every_nth = 2});
+              }),
+              testing::HasSubstr("every 2-th layer under a pipeline is not predicted"));
+}
+
 // A rank's peak: the forwards in flight on it, each at its stage's bytes.
 TEST(Advise_ActivationMemory, APipelineRankHoldsItsMicrobatchesInFlight) {
   namespace pl = d9d::pipeline;

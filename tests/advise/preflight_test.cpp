@@ -185,13 +185,20 @@ TEST(Advise_Preflight, SaysWhatItDoesNotPredict) {
   EXPECT_FALSE(tp_piped->activation_bytes.has_value());
   EXPECT_THAT(tp_piped->lines.at(0),
               HasSubstr("activations not predicted (tensor parallelism under a pipeline)"));
-  // Recompute under a pipeline is not predicted; selective recompute without one is.
-  using PipedRecompute =
+  // Every layer recomputed under a pipeline is predicted; every other layer is not (the policy
+  // counts a rank's blocks across its stages); selective recompute without one is.
+  using PipedFull =
       d9d::Plan<d9d::mesh<d9d::pp<2>>, d9d::pipeline::OneFOneB<>, d9d::recompute::Full>;
-  const auto piped = d9d::advise::preflight<PipedRecompute>(config, d9d::MeshShape{.pp = 2});
+  const auto full = d9d::advise::preflight<PipedFull>(config, d9d::MeshShape{.pp = 2});
+  ASSERT_TRUE(full.has_value());
+  EXPECT_TRUE(full->activation_bytes.has_value());
+  using PipedEvery2 =
+      d9d::Plan<d9d::mesh<d9d::pp<2>>, d9d::pipeline::OneFOneB<>, d9d::recompute::EveryNth<2>>;
+  const auto piped = d9d::advise::preflight<PipedEvery2>(config, d9d::MeshShape{.pp = 2});
   ASSERT_TRUE(piped.has_value());
   EXPECT_THAT(piped->lines.at(0),
-              HasSubstr("activations not predicted (recompute under a pipeline)"));
+              HasSubstr("activations not predicted (recompute of every K-th layer under a "
+                        "pipeline)"));
   const auto selective =
       d9d::advise::preflight<d9d::Plan<d9d::recompute::Attention<2>>>(config, {});
   ASSERT_TRUE(selective.has_value());

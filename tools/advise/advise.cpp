@@ -248,7 +248,7 @@ int main(int argc, char** argv) {
                       machine->device);
     }
     if (precision != "fp64" && (tp == 1 || pp == 1) && cp_shard == 1 &&
-        !(recomputing.any() && pp > 1)) {
+        !(recomputing.every_nth > 1 && pp > 1)) {
       const auto compute = compute_of(precision, data_parallel == "fully_shard");
       const int64_t mb = config.batch.microbatch_size;
       const int64_t seq = config.batch.sequence_length;
@@ -283,8 +283,8 @@ int main(int argc, char** argv) {
         per_stage.reserve(static_cast<std::size_t>(program.stages()));
         for (int s = 0; s < program.stages(); ++s) {
           // A stage's weight casts count once per rank and step (below), not per microbatch.
-          const auto stage = d9d::advise::qwen3_stage_activation_bytes(model, s, program.stages(),
-                                                                       mb, seq, compute);
+          const auto stage = d9d::advise::qwen3_stage_activation_bytes(
+              model, s, program.stages(), mb, seq, compute, recomputing);
           per_stage.push_back(stage.total() - stage.weight_casts);
         }
         std::vector<int64_t> deferred;  // what a split backward keeps from I until W
@@ -312,8 +312,9 @@ int main(int argc, char** argv) {
                   pp > 1 && rules.shard_ranks > 1 ? "gathered units under a pipeline, " : "");
     } else {
       std::printf(
-          "not predicted yet: activations (predicted without fp64 or cp, tp and recompute "
-          "without a pipeline, so far), gathered units, communication buffers\n");
+          "not predicted yet: activations (predicted without fp64 or cp, tp and recompute of "
+          "every K-th layer without a pipeline, so far), gathered units, communication "
+          "buffers\n");
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "advise: %s\n", e.what());

@@ -133,11 +133,14 @@ struct StageActivationBytes {
   [[nodiscard]] int64_t total() const { return layers + rope + input + head + weight_casts; }
 };
 
-[[nodiscard]] StageActivationBytes qwen3_stage_activation_bytes(const model::Qwen3Config& config,
-                                                                int stage, int stages,
-                                                                int64_t microbatch_size,
-                                                                int64_t sequence_length,
-                                                                Compute compute = Compute::float32);
+/// Under `recompute` (every layer's, or every layer's attention part: every_nth 0 or 1; a
+/// larger every_nth counts blocks across a rank's stages and is refused with
+/// std::invalid_argument) the stage's layers keep what qwen3_activation_bytes says, and
+/// weight_casts only the casts a lone forward keeps (the MLP's under Attention<1>, none under
+/// Full); the train step's cache still holds every cast (qwen3_rank_weight_cast_bytes).
+[[nodiscard]] StageActivationBytes qwen3_stage_activation_bytes(
+    const model::Qwen3Config& config, int stage, int stages, int64_t microbatch_size,
+    int64_t sequence_length, Compute compute = Compute::float32, Recompute recompute = {});
 
 /// The most activation bytes pipeline rank `pp_rank` holds at once under `program` (with or
 /// without communication), each forward adding its stage's bytes (`per_stage[stage]`) and each
