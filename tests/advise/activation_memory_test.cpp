@@ -77,6 +77,22 @@ int64_t measured(const d9d::model::Qwen3Config& config, int64_t batch, int64_t s
   return kept;
 }
 
+// The 5-layer model the stage tests split into 2 stages, and its split at `seq` tokens.
+d9d::model::Qwen3Config five_layers() {
+  return config_of({.hidden = 64,
+                    .intermediate = 160,
+                    .heads = 4,
+                    .kv_heads = 2,
+                    .head_dim = 16,
+                    .layers = 5,
+                    .vocab = 96,
+                    .tied = false});
+}
+
+std::vector<d9d::model::LayerRange> two_stages(const d9d::model::Qwen3Config& config, int64_t seq) {
+  return d9d::model::distribute_layers(5, 2, d9d::model::pipeline_virtual_layers(config, seq));
+}
+
 TEST(Advise_ActivationMemory, PredictsWhatTheForwardKeeps) {
   ASSERT_TRUE(d9d::model::fused_kernels()) << "the prediction is of the fused kernels' default";
   const Shape base{.hidden = 64,
@@ -199,19 +215,11 @@ TEST(Advise_ActivationMemory, StagesPredictWhatTheirForwardKeeps) {
 // Without the step's scope each forward casts its own.
 TEST(Advise_ActivationMemory, TheStepCastsEachWeightOnceForItsMicrobatches) {
   using d9d::advise::Compute;
-  const auto config = config_of({.hidden = 64,
-                                 .intermediate = 160,
-                                 .heads = 4,
-                                 .kv_heads = 2,
-                                 .head_dim = 16,
-                                 .layers = 5,
-                                 .vocab = 96,
-                                 .tied = false});
+  const auto config = five_layers();
   constexpr int stages = 2;
   constexpr int64_t kBatch = 2;
   constexpr int64_t kSeq = 16;
-  const auto ranges =
-      d9d::model::distribute_layers(5, stages, d9d::model::pipeline_virtual_layers(config, kSeq));
+  const auto ranges = two_stages(config, kSeq);
   for (const bool step : {true, false}) {
     for (int s = 0; s < stages; ++s) {
       torch::manual_seed(4);
@@ -262,19 +270,11 @@ TEST(Advise_ActivationMemory, SplitBackwardKeepsWhatWReads) {
   using d9d::advise::Compute;
   int checked = 0;
   for (const auto compute : {Compute::float32, Compute::bf16_autocast, Compute::bf16_parameters}) {
-    const auto config = config_of({.hidden = 64,
-                                   .intermediate = 160,
-                                   .heads = 4,
-                                   .kv_heads = 2,
-                                   .head_dim = 16,
-                                   .layers = 5,
-                                   .vocab = 96,
-                                   .tied = false});
+    const auto config = five_layers();
     constexpr int stages = 2;
     constexpr int64_t kBatch = 2;
     constexpr int64_t kSeq = 16;
-    const auto ranges =
-        d9d::model::distribute_layers(5, stages, d9d::model::pipeline_virtual_layers(config, kSeq));
+    const auto ranges = two_stages(config, kSeq);
     for (int s = 0; s < stages; ++s) {
       torch::manual_seed(4);
       d9d::model::Qwen3Stage stage(config, s, stages, ranges[static_cast<std::size_t>(s)]);
@@ -411,19 +411,11 @@ TEST(Advise_ActivationMemory, RecomputedStagesKeepWhatTheirPolicyLeaves) {
   using d9d::advise::Recompute;
   const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
   const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{});
-  const auto config = config_of({.hidden = 64,
-                                 .intermediate = 160,
-                                 .heads = 4,
-                                 .kv_heads = 2,
-                                 .head_dim = 16,
-                                 .layers = 5,
-                                 .vocab = 96,
-                                 .tied = false});
+  const auto config = five_layers();
   constexpr int stages = 2;
   constexpr int64_t kBatch = 2;
   constexpr int64_t kSeq = 16;
-  const auto ranges =
-      d9d::model::distribute_layers(5, stages, d9d::model::pipeline_virtual_layers(config, kSeq));
+  const auto ranges = two_stages(config, kSeq);
   int checked = 0;
   const auto measure = [&]<class Policy>(Compute compute, int s) {
     torch::manual_seed(4);
