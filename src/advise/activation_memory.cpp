@@ -17,18 +17,30 @@ namespace {
 // bfloat16 parameters, else float32 (autocast casts the matmuls' inputs, not the stream).
 int64_t residual_bytes(Compute compute) { return compute == Compute::bf16_parameters ? 2 : 4; }
 
-// Under autocast, the bfloat16 copies of one layer's weights that its forward casts (the seven
-// matrices and the q/k norms' weights); 0 otherwise.
-// Under tensor parallelism over `tp` ranks, this rank's slices of the matrices.
-int64_t layer_weight_cast_bytes(const model::Qwen3Config& config, Compute compute, int64_t tp = 1) {
+// Under autocast, the bfloat16 copies of one layer's weights that its forward casts (this rank's
+// slices of the matrices under tensor parallelism over `tp` ranks): all of them (the seven
+// matrices and the q/k norms' weights) and the MLP's three; none otherwise.
+struct LayerCasts {
+  int64_t all = 0;
+  int64_t mlp = 0;
+
+  // What a recomputed layer's lone forward keeps of them: the MLP's when only its attention part
+  // is recomputed, else none.
+  [[nodiscard]] int64_t kept_when_recomputed(const Recompute& recompute) const {
+    return recompute.attention_only ? mlp : 0;
+  }
+};
+
+LayerCasts layer_casts(const model::Qwen3Config& config, Compute compute, int64_t tp = 1) {
   if (compute != Compute::bf16_autocast) {
-    return 0;
+    return {};
   }
   const int64_t h = config.hidden_size;
   const int64_t q = config.num_attention_heads * config.head_dim;
   const int64_t k = config.num_key_value_heads * config.head_dim;
   const int64_t i = config.intermediate_size;
-  return ((h * q + 2 * h * k + q * h + 3 * h * i) / tp + 2 * config.head_dim) * 2;
+  return {.all = ((h * q + 2 * h * k + q * h + 3 * h * i) / tp + 2 * config.head_dim) * 2,
+          .mlp = 3 * h * i / tp * 2};
 }
 
 }  // namespace
@@ -92,9 +104,10 @@ ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t
               stream * (h * (kFloat + kFloat) + 2 * kFloat);
       // Per layer: the bfloat16 casts of its weights, which the matmuls and q/k norms keep (the
       // MLP's three when only the attention part is recomputed).
-      whole += layer_weight_cast_bytes(config, Compute::bf16_autocast, n);
+      const auto casts = layer_casts(config, Compute::bf16_autocast, n);
+      whole += casts.all;
       attention_recomputed = tokens * (h * 2 * kHalf + i * 2 * kHalf) +
-                             stream * (h * (kFloat + kFloat) + kFloat) + 3 * h * i * kHalf;
+                             stream * (h * (kFloat + kFloat) + kFloat) + casts.mlp;
       break;
     }
     case Compute::bf16_parameters: {
@@ -128,14 +141,9 @@ ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t
   }
   // A recomputed layer keeps only its output, in the residual stream's dtype (its input is the
   // previous layer's output, counted there, or the embedding's).
-  const int64_t recomputed = stream * h * r;
-  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
-    if (!recompute.recomputes(layer)) {
-      out.layers += whole;
-    } else {
-      out.layers += recompute.attention_only ? attention_recomputed : recomputed;
-    }
-  }
+  const int64_t recomputed = recompute.layers_recomputed(config.num_hidden_layers);
+  out.layers = (config.num_hidden_layers - recomputed) * whole +
+               recomputed * (recompute.attention_only ? attention_recomputed : stream * h * r);
   out.rope = 2 * sequence_length * (config.head_dim / 2) * kFloat;
   return out;
 }
@@ -173,12 +181,8 @@ StageActivationBytes qwen3_stage_activation_bytes(const model::Qwen3Config& conf
   // The layers' weight casts apart: the train step makes them once for all microbatches. A lone
   // forward keeps those of the parts it does not recompute (an attention-recomputed layer's
   // MLP's three).
-  const int64_t all_casts = layer_weight_cast_bytes(config, compute);
-  const int64_t mlp_casts = compute == Compute::bf16_autocast
-                                ? 3 * config.hidden_size * config.intermediate_size * kHalf
-                                : 0;
-  const int64_t kept_casts =
-      !recompute.any() ? all_casts : (recompute.attention_only ? mlp_casts : 0);
+  const auto casts = layer_casts(config, compute);
+  const int64_t kept_casts = recompute.any() ? casts.kept_when_recomputed(recompute) : casts.all;
   out.weight_casts = layers * kept_casts;
   out.layers = layers * (whole.layers - kept_casts);
   out.rope = layers > 0 ? whole.rope : 0;
@@ -386,17 +390,10 @@ RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline:
                    .total();
         if (microbatches > 1) {
           // Several microbatches keep the layers' weight casts for the step; recomputing a layer
-          // does not free them (the MLP's of an attention-recomputed layer are counted already).
-          const int64_t all = layer_weight_cast_bytes(config, *compute, tp);
-          const int64_t attention =
-              all - (*compute == Compute::bf16_autocast
-                         ? 3 * config.hidden_size * config.intermediate_size / tp * 2
-                         : 0);
-          for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
-            if (recompute.recomputes(layer)) {
-              kept += recompute.attention_only ? attention : all;
-            }
-          }
+          // does not free them (what its lone forward keeps of them is counted already).
+          const auto casts = layer_casts(config, *compute, tp);
+          kept += recompute.layers_recomputed(config.num_hidden_layers) *
+                  (casts.all - casts.kept_when_recomputed(recompute));
         }
         // Under tp the loss-parallel cross-entropy runs while the head's logits over this rank's
         // vocabulary (in the matmuls' dtype) are still alive next to its float32 working copy,

@@ -295,11 +295,8 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
                        out.tensor_parallel / 2 + cp_backward;
   if (o.recompute.any()) {
     // The recomputed layers' forward (or its attention part) once more, in I.
-    double recomputed = 0;
-    for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
-      recomputed += o.recompute.recomputes(layer) ? 1.0 : 0.0;
-    }
-    const double share = recomputed / layers;
+    const double share =
+        static_cast<double>(o.recompute.layers_recomputed(c.num_hidden_layers)) / layers;
     const double per_byte =
         static_cast<double>(tokens) * layers / static_cast<double>(tp) / bandwidth;
     const double gemm =

@@ -78,10 +78,6 @@ at::Tensor cast_weight(const at::Tensor& weight, at::ScalarType dtype) {
   const bool keep = cacheable(weight);
   if (keep) {
     const std::lock_guard lock(c.mutex);
-    if (c.scopes == 0) {
-      const at::NoGradGuard no_grad;
-      return weight.to(dtype);
-    }
     const auto found = c.entries.find(weight.unsafeGetTensorImpl());
     if (found != c.entries.end() && found->second.holds(weight, dtype)) {
       return found->second.cast;

@@ -4,6 +4,7 @@
 // (d9d/core/weight_grad.hpp).
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -37,23 +38,27 @@ void accumulate(at::Tensor& parameter, const at::Tensor& gradient) {
 // `t` as at::linear would compute with it when `x` is its input: in autocast's dtype while autocast
 // is on for x's device (and x is floating point), else as it is. The autograd functions below cast
 // their inputs so, so that backward sees the tensors forward used. Undefined stays undefined.
-at::Tensor autocast_like(const at::Tensor& t, const at::Tensor& x) {
+// The dtype autocast gives an at::linear whose input is `x`, or nothing while autocast is off for
+// x's device (or x is not floating point).
+std::optional<at::ScalarType> autocast_dtype(const at::Tensor& x) {
   const auto device_type = x.device().type();
-  if (t.defined() && at::autocast::is_autocast_enabled(device_type) && x.is_floating_point()) {
-    return t.to(at::autocast::get_autocast_dtype(device_type));
+  if (at::autocast::is_autocast_enabled(device_type) && x.is_floating_point()) {
+    return at::autocast::get_autocast_dtype(device_type);
   }
-  return t;
+  return std::nullopt;
+}
+
+at::Tensor autocast_like(const at::Tensor& t, const at::Tensor& x) {
+  const auto dtype = autocast_dtype(x);
+  return t.defined() && dtype ? t.to(*dtype) : t;
 }
 
 // A weight as autocast_like casts it, through the step's cast cache
 // (d9d/core/detail/weight_casts.hpp): cast once per step, not once per microbatch, while the train
 // step keeps a scope open.
 at::Tensor autocast_weight(const at::Tensor& w, const at::Tensor& x) {
-  const auto device_type = x.device().type();
-  if (w.defined() && at::autocast::is_autocast_enabled(device_type) && x.is_floating_point()) {
-    return detail::cast_weight(w, at::autocast::get_autocast_dtype(device_type));
-  }
-  return w;
+  const auto dtype = autocast_dtype(x);
+  return dtype ? detail::cast_weight(w, *dtype) : w;
 }
 
 // The queue forward bound this node to (its address in saved_data["queue"]) while it defers, else
@@ -503,9 +508,8 @@ at::Tensor LinearImpl::forward(const at::Tensor& x) {
   // Without a queue, at::linear — unless autocast casts the weight: the autograd function then
   // takes the step's cached cast and (on CUDA) has the GEMM write the float32 gradient, where
   // at::linear casts again per microbatch and rounds the gradient to bfloat16 before converting.
-  const bool casts_weight =
-      at::autocast::is_autocast_enabled(x.device().type()) && x.is_floating_point() &&
-      weight.scalar_type() != at::autocast::get_autocast_dtype(x.device().type());
+  const auto dtype = autocast_dtype(x);
+  const bool casts_weight = dtype && weight.scalar_type() != *dtype;
   if (queue == nullptr && !casts_weight) {
     y = at::linear(x, weight, bias);
   } else {

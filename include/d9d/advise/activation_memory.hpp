@@ -71,10 +71,12 @@ struct Recompute {
   int every_nth = 0;            ///< 0: none (recompute::None); 1: every layer
   bool attention_only = false;  ///< recompute::Attention<K>
 
-  [[nodiscard]] constexpr bool recomputes(int64_t layer) const {
-    return every_nth > 0 && layer % every_nth == every_nth - 1;
-  }
   [[nodiscard]] constexpr bool any() const { return every_nth > 0; }
+  /// How many of a model's `layers` layers recompute (those i with i % every_nth ==
+  /// every_nth - 1).
+  [[nodiscard]] constexpr int64_t layers_recomputed(int64_t layers) const {
+    return every_nth > 0 ? layers / every_nth : 0;
+  }
   /// recompute::Full.
   [[nodiscard]] static constexpr Recompute full() { return {.every_nth = 1}; }
 };

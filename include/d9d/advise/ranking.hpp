@@ -14,8 +14,8 @@
 // activations in flight (one microbatch without a pipeline, as the program runs them under one)
 // and the gradients from the first backward on, where the activations are predicted (not under
 // fp64 or context parallelism, or tensor parallelism or every-K-th-layer recompute with a
-// pipeline; tensor
-// parallelism with sequence parallelism, as the step time models it); the step time is
+// pipeline; tensor parallelism with sequence parallelism, as the step time models it); the step
+// time is
 // d9d::advise::predict_step_time's. Plans predicted to fit come first, by predicted tokens/s
 // (fastest first, in enumeration order without a machine profile), then those whose activations are
 // not predicted, then those predicted not to fit.
