@@ -4,10 +4,13 @@
 // block, rows visited grid-stride, 16-byte vector loads when the row is aligned. Rows of up to
 // 1024 vectors are kept in registers (kCachedVecs per thread) so x and dy are read from memory
 // once; longer rows are streamed twice. Sums are in float (double for double inputs). The backward
-// pass accumulates grad_weight per row group and writes one partial row each; a sum over those
-// partials gives grad_weight.
+// pass accumulates grad_weight per row group and writes one partial row each; a column-sum kernel
+// over those partials gives grad_weight. The input, weight and output may differ in dtype
+// (d9d/kernels/rms_norm.hpp lists how): the weight is read, and its gradient written, in its own.
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
+#include <optional>
 #include <type_traits>
 
 #include <ATen/Dispatch.h>
@@ -16,8 +19,6 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/sum.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -66,18 +67,20 @@ __device__ __forceinline__ A row_sum(A v, A* scratch) {
 
 // kCached: the row fits in registers (nvec <= blockDim.x * kCachedVecs) and is read once;
 // otherwise the row is streamed twice from memory (any length).
-template <typename T, int VEC, bool kCached>
+template <typename T, typename W, typename O, int VEC, bool kCached>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    rms_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+    rms_norm_forward_kernel(const T* __restrict__ x, const W* __restrict__ w, O* __restrict__ y,
                             at::opmath_type<T>* __restrict__ rstd, std::int64_t rows,
                             std::int64_t n, float eps) {
   using A = at::opmath_type<T>;
   using V = Vec<T, VEC>;
+  using VW = Vec<W, VEC>;
+  using VO = Vec<O, VEC>;
   constexpr int kSlots = kCached ? kCachedVecs : 1;
   __shared__ A scratch[kThreadsPerBlock];
   const std::int64_t nvec = n / VEC;
   const std::int64_t tpr = blockDim.x;
-  const V* wv = reinterpret_cast<const V*>(w);
+  const VW* wv = reinterpret_cast<const VW*>(w);
   for (std::int64_t base = std::int64_t(blockIdx.x) * blockDim.y; base < rows;
        base += std::int64_t(gridDim.x) * blockDim.y) {
     const std::int64_t row = base + threadIdx.y;
@@ -122,13 +125,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     if (threadIdx.x == 0) {
       rstd[row] = rs;
     }
-    V* yv = reinterpret_cast<V*>(y + row * n);
+    VO* yv = reinterpret_cast<VO*>(y + row * n);
     const auto write = [&](std::int64_t i, const V& xk) {
-      const V wk = wv[i];
-      V out;
+      const VW wk = wv[i];
+      VO out;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        out.val[e] = static_cast<T>(static_cast<A>(xk.val[e]) * rs * static_cast<A>(wk.val[e]));
+        out.val[e] = static_cast<O>(static_cast<A>(xk.val[e]) * rs * static_cast<A>(wk.val[e]));
       }
       yv[i] = out;
     };
@@ -150,19 +153,23 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 
 // dx = rstd * (dy*w - xhat * mean(dy*w*xhat)); each row group accumulates dy*xhat for its columns
 // into its own row of `dw_partial` (registers on the cached path, memory otherwise; zero-filled).
-template <typename T, int VEC, bool kCached>
+template <typename T, typename W, typename O, int VEC, bool kCached>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    rms_norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                             const T* __restrict__ w, const at::opmath_type<T>* __restrict__ rstd,
+    rms_norm_backward_kernel(const O* __restrict__ dy, const T* __restrict__ x,
+                             const W* __restrict__ w, const at::opmath_type<T>* __restrict__ rstd,
                              T* __restrict__ dx, at::opmath_type<T>* __restrict__ dw_partial,
                              std::int64_t rows, std::int64_t n) {
   using A = at::opmath_type<T>;
   using V = Vec<T, VEC>;
+  using VW = Vec<W, VEC>;
+  using VO = Vec<O, VEC>;
   constexpr int kSlots = kCached ? kCachedVecs : 1;
   __shared__ A scratch[kThreadsPerBlock];
   const std::int64_t nvec = n / VEC;
   const std::int64_t tpr = blockDim.x;
-  const V* wv = reinterpret_cast<const V*>(w);
+  const VW* wv = reinterpret_cast<const VW*>(w);
+  // This row group's partial grad_weight, written whole by its own threads (each the elements it
+  // accumulates), so the buffer needs no zeroing launch.
   A* partial = dw_partial + (std::int64_t(blockIdx.x) * blockDim.y + threadIdx.y) * n;
   A dw_acc[kSlots][VEC];
 #pragma unroll
@@ -172,19 +179,27 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
       dw_acc[k][e] = 0;
     }
   }
+  if constexpr (!kCached) {
+    for (std::int64_t i = threadIdx.x; i < nvec; i += tpr) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        partial[i * VEC + e] = 0;
+      }
+    }
+  }
   for (std::int64_t base = std::int64_t(blockIdx.x) * blockDim.y; base < rows;
        base += std::int64_t(gridDim.x) * blockDim.y) {
     const std::int64_t row = base + threadIdx.y;
     const bool valid = row < rows;
     const std::int64_t off = (valid ? row : 0) * n;
     const V* xv = reinterpret_cast<const V*>(x + off);
-    const V* dyv = reinterpret_cast<const V*>(dy + off);
+    const VO* dyv = reinterpret_cast<const VO*>(dy + off);
     const A rs = valid ? rstd[row] : A(0);
     V xc[kSlots];
-    V gc[kSlots];
+    VO gc[kSlots];
     A dot = 0;
     // Adds this element pair's share to the row's dot product and to grad_weight.
-    const auto accumulate = [&](const V& xk, const V& gk, const V& wk, A* dw) {
+    const auto accumulate = [&](const V& xk, const VO& gk, const VW& wk, A* dw) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         const A xe = static_cast<A>(xk.val[e]);
@@ -229,8 +244,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     }
     const A c = total * rs * rs / static_cast<A>(n);
     V* dxv = reinterpret_cast<V*>(dx + off);
-    const auto write = [&](std::int64_t i, const V& xk, const V& gk) {
-      const V wk = wv[i];
+    const auto write = [&](std::int64_t i, const V& xk, const VO& gk) {
+      const VW wk = wv[i];
       V out;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
@@ -267,20 +282,55 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   }
 }
 
+// grad_weight[j] = the sum of partial[:, j] over the row groups' partial rows: each block sums 32
+// columns with 8 lanes of threads down the rows, then the lanes in shared memory, and writes the
+// weight's dtype (one launch for what was a sum and a cast).
+template <typename A, typename W>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    column_sum_kernel(const A* __restrict__ partial, W* __restrict__ out, std::int64_t parts,
+                      std::int64_t n) {
+  constexpr int kLanes = kThreadsPerBlock / kWarp;
+  __shared__ A lanes[kLanes][kWarp];
+  const std::int64_t col = std::int64_t(blockIdx.x) * kWarp + threadIdx.x;
+  A sum = 0;
+  if (col < n) {
+    for (std::int64_t p = threadIdx.y; p < parts; p += kLanes) {
+      sum += partial[p * n + col];
+    }
+  }
+  lanes[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < n) {
+    A total = 0;
+#pragma unroll
+    for (int k = 0; k < kLanes; ++k) {
+      total += lanes[k][threadIdx.x];
+    }
+    out[col] = static_cast<W>(total);
+  }
+}
+
 // Launch geometry for rows of `n` elements.
 struct Geometry {
-  int vec = 1;         // elements per 16-byte vector (1 when unaligned)
+  int vec = 1;         // elements per vector (1 when unaligned): 16 bytes of the input
   bool cached = true;  // the row fits in registers
   int tpr = kWarp;     // threads per row, a power of two >= 32
   int rpb = 1;         // rows per block
 };
 
-Geometry pick_geometry(std::int64_t n, std::size_t elem_size, const void* const* ptrs, int count) {
+// A pointer the kernel reads or writes in vectors of `vec` elements of `size` bytes.
+struct Access {
+  const void* ptr;
+  std::size_t size;
+};
+
+Geometry pick_geometry(std::int64_t n, std::size_t input_size,
+                       std::initializer_list<Access> accesses) {
   Geometry g;
-  const int max_vec = static_cast<int>(16 / elem_size);
+  const int max_vec = static_cast<int>(16 / input_size);
   bool aligned = n % max_vec == 0;
-  for (int i = 0; i < count; ++i) {
-    aligned = aligned && reinterpret_cast<std::uintptr_t>(ptrs[i]) % 16 == 0;
+  for (const auto& a : accesses) {
+    aligned = aligned && reinterpret_cast<std::uintptr_t>(a.ptr) % (a.size * max_vec) == 0;
   }
   g.vec = aligned ? max_vec : 1;
   const std::int64_t nvec = n / g.vec;
@@ -316,39 +366,47 @@ std::vector<std::int64_t> row_shape(const at::Tensor& input) {
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& input_arg,
-                                                         const at::Tensor& weight_arg, double eps) {
-  const auto shape = detail::check_rms_norm_forward(input_arg, weight_arg);
+                                                         const at::Tensor& weight_arg, double eps,
+                                                         std::optional<at::ScalarType> out_dtype) {
+  const auto out = detail::rms_norm_output_dtype(input_arg, out_dtype);
+  const auto shape = detail::check_rms_norm_forward(input_arg, weight_arg, out);
   const c10::cuda::CUDAGuard guard(input_arg.device());
   const at::Tensor input = input_arg.contiguous();
   const at::Tensor weight = weight_arg.contiguous();
-  at::Tensor output = at::empty_like(input);
+  at::Tensor output = at::empty_like(input, input.options().dtype(out));
   at::Tensor rstd = at::empty(row_shape(input),
                               input.options().dtype(detail::accumulate_dtype(input.scalar_type())));
   if (shape.rows == 0 || shape.cols == 0) {
     rstd.fill_(0);
     return {output, rstd};
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kBFloat16, at::kHalf, input.scalar_type(), "d9d::rms_norm_forward_cuda", [&] {
-        const void* ptrs[] = {input.const_data_ptr(), weight.const_data_ptr(),
-                              output.const_data_ptr()};
-        const Geometry g = pick_geometry(shape.cols, sizeof(scalar_t), ptrs, 3);
-        using A = at::opmath_type<scalar_t>;
+  detail::dispatch_rms_norm_types(
+      input.scalar_type(), weight.scalar_type(), out, [&](auto t, auto w_t, auto o_t) {
+        using T = decltype(t);
+        using W = decltype(w_t);
+        using O = decltype(o_t);
+        using A = at::opmath_type<T>;
+        const Geometry g = pick_geometry(shape.cols, sizeof(T),
+                                         {{input.const_data_ptr(), sizeof(T)},
+                                          {weight.const_data_ptr(), sizeof(W)},
+                                          {output.const_data_ptr(), sizeof(O)}});
         const dim3 block(g.tpr, g.rpb);
         const auto blocks = (shape.rows + g.rpb - 1) / g.rpb;
         const dim3 grid(static_cast<unsigned>(std::min<std::int64_t>(blocks, 1 << 30)));
-        with_variant<scalar_t>(g, [&](auto vec, auto cached) {
-          rms_norm_forward_kernel<scalar_t, decltype(vec)::value, decltype(cached)::value>
+        with_variant<T>(g, [&](auto vec, auto cached) {
+          rms_norm_forward_kernel<T, W, O, decltype(vec)::value, decltype(cached)::value>
               <<<grid, block, 0, at::cuda::getCurrentCUDAStream()>>>(
-                  input.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(),
-                  output.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<A>(), shape.rows,
-                  shape.cols, static_cast<float>(eps));
+                  input.const_data_ptr<T>(), weight.const_data_ptr<W>(),
+                  output.mutable_data_ptr<O>(), rstd.mutable_data_ptr<A>(), shape.rows, shape.cols,
+                  static_cast<float>(eps));
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       });
   return {output, rstd};
 }
 
+// Two launches: the row kernel (grad_input, and a partial grad_weight per row group) and the
+// column sum of the partials into grad_weight, in the weight's dtype.
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_arg,
                                                           const at::Tensor& input_arg,
                                                           const at::Tensor& weight_arg,
@@ -363,28 +421,38 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   if (shape.rows == 0 || shape.cols == 0) {
     return {grad_input, at::zeros_like(weight)};
   }
-  at::Tensor grad_weight;
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kBFloat16, at::kHalf, input.scalar_type(), "d9d::rms_norm_backward_cuda", [&] {
-        const void* ptrs[] = {grad.const_data_ptr(), input.const_data_ptr(),
-                              weight.const_data_ptr(), grad_input.const_data_ptr()};
-        const Geometry g = pick_geometry(shape.cols, sizeof(scalar_t), ptrs, 4);
-        using A = at::opmath_type<scalar_t>;
+  at::Tensor grad_weight = at::empty_like(weight);
+  detail::dispatch_rms_norm_types(
+      input.scalar_type(), weight.scalar_type(), grad.scalar_type(),
+      [&](auto t, auto w_t, auto o_t) {
+        using T = decltype(t);
+        using W = decltype(w_t);
+        using O = decltype(o_t);
+        using A = at::opmath_type<T>;
+        const Geometry g = pick_geometry(shape.cols, sizeof(T),
+                                         {{grad.const_data_ptr(), sizeof(O)},
+                                          {input.const_data_ptr(), sizeof(T)},
+                                          {weight.const_data_ptr(), sizeof(W)},
+                                          {grad_input.const_data_ptr(), sizeof(T)}});
         const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
         const std::int64_t needed = (shape.rows + g.rpb - 1) / g.rpb;
         const int blocks = static_cast<int>(std::min<std::int64_t>(needed, 2LL * sms));
-        at::Tensor partial = at::zeros({std::int64_t(blocks) * g.rpb, shape.cols}, rstd.options());
+        const std::int64_t parts = std::int64_t(blocks) * g.rpb;
+        at::Tensor partial = at::empty({parts, shape.cols}, rstd.options());
+        const auto stream = at::cuda::getCurrentCUDAStream();
         const dim3 block(g.tpr, g.rpb);
-        with_variant<scalar_t>(g, [&](auto vec, auto cached) {
-          rms_norm_backward_kernel<scalar_t, decltype(vec)::value, decltype(cached)::value>
-              <<<blocks, block, 0, at::cuda::getCurrentCUDAStream()>>>(
-                  grad.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
-                  weight.const_data_ptr<scalar_t>(), rstd.const_data_ptr<A>(),
-                  grad_input.mutable_data_ptr<scalar_t>(), partial.mutable_data_ptr<A>(),
-                  shape.rows, shape.cols);
+        with_variant<T>(g, [&](auto vec, auto cached) {
+          rms_norm_backward_kernel<T, W, O, decltype(vec)::value, decltype(cached)::value>
+              <<<blocks, block, 0, stream>>>(grad.const_data_ptr<O>(), input.const_data_ptr<T>(),
+                                             weight.const_data_ptr<W>(), rstd.const_data_ptr<A>(),
+                                             grad_input.mutable_data_ptr<T>(),
+                                             partial.mutable_data_ptr<A>(), shape.rows, shape.cols);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
-        grad_weight = partial.sum(0).to(weight.scalar_type());
+        const auto columns = static_cast<unsigned>((shape.cols + kWarp - 1) / kWarp);
+        column_sum_kernel<A, W><<<columns, dim3(kWarp, kThreadsPerBlock / kWarp), 0, stream>>>(
+            partial.const_data_ptr<A>(), grad_weight.mutable_data_ptr<W>(), parts, shape.cols);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
   return {grad_input, grad_weight};
 }

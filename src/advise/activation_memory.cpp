@@ -14,12 +14,14 @@ namespace d9d::advise {
 namespace {
 
 // The bytes of one element of the residual stream (the layers' inputs and outputs): bfloat16 with
-// bfloat16 parameters, else float32 (autocast casts the matmuls' inputs, not the stream).
+// bfloat16 parameters, else float32 (under autocast the norms write the matmuls' inputs in
+// bfloat16; the stream stays float32).
 int64_t residual_bytes(Compute compute) { return compute == Compute::bf16_parameters ? 2 : 4; }
 
 // Under autocast, the bfloat16 copies of one layer's weights that its forward casts (this rank's
 // slices of the matrices under tensor parallelism over `tp` ranks): all of them (the seven
-// matrices and the q/k norms' weights) and the MLP's three; none otherwise.
+// matrices; the q/k norms read their float32 weights as they are) and the MLP's three; none
+// otherwise.
 struct LayerCasts {
   int64_t all = 0;
   int64_t mlp = 0;
@@ -39,8 +41,7 @@ LayerCasts layer_casts(const model::Qwen3Config& config, Compute compute, int64_
   const int64_t q = config.num_attention_heads * config.head_dim;
   const int64_t k = config.num_key_value_heads * config.head_dim;
   const int64_t i = config.intermediate_size;
-  return {.all = ((h * q + 2 * h * k + q * h + 3 * h * i) / tp + 2 * config.head_dim) * 2,
-          .mlp = 3 * h * i / tp * 2};
+  return {.all = (h * q + 2 * h * k + q * h + 3 * h * i) / tp * 2, .mlp = 3 * h * i / tp * 2};
 }
 
 }  // namespace
@@ -97,16 +98,16 @@ ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t
     }
     case Compute::bf16_autocast: {
       // Per token of one layer, in bytes (the second table): the residual stream in float32, the
-      // matmuls' inputs and outputs in bfloat16 (each linear casts its input itself), the rstds
+      // matmuls' inputs and outputs in bfloat16 (the norms write theirs in bfloat16), the rstds
       // and the log-sum-exp in float32.
-      whole = tokens * (h * (3 * kHalf + 2 * kHalf) + q * 3 * kHalf + k * 3 * kHalf +
-                        heads * 2 * kFloat + kv_heads * kFloat + i * 2 * kHalf) +
+      whole = tokens * (h * (kHalf + kHalf) + q * 3 * kHalf + k * 3 * kHalf + heads * 2 * kFloat +
+                        kv_heads * kFloat + i * 2 * kHalf) +
               stream * (h * (kFloat + kFloat) + 2 * kFloat);
       // Per layer: the bfloat16 casts of its weights, which the matmuls and q/k norms keep (the
       // MLP's three when only the attention part is recomputed).
       const auto casts = layer_casts(config, Compute::bf16_autocast, n);
       whole += casts.all;
-      attention_recomputed = tokens * (h * 2 * kHalf + i * 2 * kHalf) +
+      attention_recomputed = tokens * (h * kHalf + i * 2 * kHalf) +
                              stream * (h * (kFloat + kFloat) + kFloat) + casts.mlp;
       break;
     }
@@ -297,11 +298,9 @@ int64_t qwen3_stage_weight_gradient_bytes(const model::Qwen3Config& config, int 
   const int64_t k = config.num_key_value_heads * config.head_dim;
   const int64_t i = config.intermediate_size;
   const int64_t element = compute == Compute::float32 ? 4 : 2;
-  // Inputs: q/k/v's (three casts under autocast, else one tensor), o's, gate/up's (two casts or
-  // one), down's silu(gate) * up (which its backward computes at I for the queued GEMM); then the
-  // seven output gradients.
-  const bool casts = compute == Compute::bf16_autocast;
-  const int64_t inputs = (casts ? 3 : 1) * h + q + (casts ? 2 : 1) * h + i;
+  // Inputs: q/k/v's (one tensor: the norm's output), o's, gate/up's (one), down's silu(gate) * up
+  // (which its backward computes at I for the queued GEMM); then the seven output gradients.
+  const int64_t inputs = h + q + h + i;
   const int64_t gradients = q + 2 * k + 2 * h + 2 * i;
   int64_t out = layers * tokens * (inputs + gradients) * element;
   if (stage == stages - 1) {
@@ -348,16 +347,18 @@ int64_t fully_shard_gathered_step_bytes(const std::vector<ParameterShape>& param
       .total();
 }
 
-RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline::Program& program,
-                               int pp, int microbatches, const StateRules& rules,
-                               int64_t microbatch_size, int64_t sequence_length,
-                               std::optional<Compute> compute, Recompute recompute,
-                               bool reshard_after_forward, bool sequence_parallel) {
+std::vector<RankMemory> rank_memory(const model::Qwen3Config& config,
+                                    const pipeline::Program& program, int pp, int microbatches,
+                                    const StateRules& rules, int64_t microbatch_size,
+                                    int64_t sequence_length, std::optional<Compute> compute,
+                                    Recompute recompute, bool reshard_after_forward,
+                                    bool sequence_parallel) {
   const bool piped = pp > 1;
   std::vector<int64_t> per_stage;
   std::vector<int64_t> deferred;  // what a split backward keeps for W
   if (compute && piped) {
     for (int s = 0; s < program.stages(); ++s) {
+      // A stage's weight casts count once per rank and step (below), not per microbatch.
       const auto stage = qwen3_stage_activation_bytes(config, s, program.stages(), microbatch_size,
                                                       sequence_length, *compute, recompute);
       per_stage.push_back(stage.total() - stage.weight_casts);
@@ -367,27 +368,25 @@ RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline:
       }
     }
   }
-  RankMemory out;
-  int64_t most = -1;
+  std::vector<RankMemory> out;
+  out.reserve(static_cast<std::size_t>(pp));
   for (int p = 0; p < pp; ++p) {
     const auto mine = piped ? qwen3_rank_parameters(config, program, p, sequence_length)
                             : qwen3_parameters(config);
-    const auto state = state_bytes(mine, rules, 0);  // shard rank 0 keeps the most rows
-    int64_t kept = 0;
-    int64_t peak = state.total();
+    RankMemory rank{.state = state_bytes(mine, rules, 0)};  // shard rank 0 keeps the most rows
     if (compute) {
       if (piped) {
         // The rank's stages' weight casts, counted for the whole step.
         const int64_t cast =
             qwen3_rank_weight_cast_bytes(config, program, p, sequence_length, *compute);
-        kept = peak_rank_activation_bytes(program, p, per_stage) + cast;
-        peak = peak_rank_step_bytes(program, p, per_stage, state, deferred) + cast;
+        rank.activations = peak_rank_activation_bytes(program, p, per_stage) + cast;
+        rank.peak = peak_rank_step_bytes(program, p, per_stage, rank.state, deferred) + cast;
       } else {
         const int64_t tp = rules.tensor_ranks;
-        kept = qwen3_activation_bytes(
-                   config, microbatch_size, sequence_length, *compute, recompute,
-                   {.ranks = static_cast<int>(tp), .sequence_parallel = sequence_parallel})
-                   .total();
+        int64_t kept = qwen3_activation_bytes(
+                           config, microbatch_size, sequence_length, *compute, recompute,
+                           {.ranks = static_cast<int>(tp), .sequence_parallel = sequence_parallel})
+                           .total();
         if (microbatches > 1) {
           // Several microbatches keep the layers' weight casts for the step; recomputing a layer
           // does not free them (what its lone forward keeps of them is counted already).
@@ -402,20 +401,29 @@ RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline:
                                    ? microbatch_size * sequence_length * (config.vocab_size / tp) *
                                          (*compute == Compute::float32 ? 4 : 2)
                                    : 0;
-        peak = peak_step_bytes(state, kept + logits, microbatches) +
-               fully_shard_gathered_step_bytes(mine, rules, *compute, reshard_after_forward);
+        rank.activations = kept;
+        rank.peak = peak_step_bytes(rank.state, kept + logits, microbatches) +
+                    fully_shard_gathered_step_bytes(mine, rules, *compute, reshard_after_forward);
       }
     }
-    if (peak > most) {
-      most = peak;
-      out.state = state;
-      if (compute) {
-        out.activations = kept;
-        out.peak = peak;
-      }
-    }
+    out.push_back(rank);
   }
   return out;
+}
+
+RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline::Program& program,
+                               int pp, int microbatches, const StateRules& rules,
+                               int64_t microbatch_size, int64_t sequence_length,
+                               std::optional<Compute> compute, Recompute recompute,
+                               bool reshard_after_forward, bool sequence_parallel) {
+  const auto ranks =
+      rank_memory(config, program, pp, microbatches, rules, microbatch_size, sequence_length,
+                  compute, recompute, reshard_after_forward, sequence_parallel);
+  // The largest peak (the first of equals), or without `compute` the most state.
+  const auto size = [](const RankMemory& r) { return r.peak.value_or(r.state.total()); };
+  return *std::max_element(
+      ranks.begin(), ranks.end(),
+      [&](const RankMemory& a, const RankMemory& b) { return size(a) < size(b); });
 }
 
 }  // namespace d9d::advise

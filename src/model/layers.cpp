@@ -8,6 +8,7 @@
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 
 #include <d9d/kernels/rms_norm.hpp>
 #include <d9d/kernels/rope.hpp>
@@ -27,7 +28,24 @@ RmsNormImpl::RmsNormImpl(int64_t dim, double eps) : eps_(eps) {
 }
 
 at::Tensor RmsNormImpl::forward(const at::Tensor& x) {
-  return d9d::kernels::rms_norm(x, weight.to(x.scalar_type()), eps_);
+  const auto in = x.scalar_type();
+  const bool reduced = in == at::kBFloat16 || in == at::kHalf;
+  // A float32 weight is read as it is by a bfloat16 or half input (no cast, and its gradient comes
+  // back in float32); other dtypes are cast to the input's.
+  const bool takes_weight =
+      weight.scalar_type() == in || (reduced && weight.scalar_type() == at::kFloat);
+  // Under autocast a float32 input (mixed precision's residual stream) is normalised into
+  // autocast's dtype: the matmuls that read the output would each cast it to that dtype anyway.
+  std::optional<at::ScalarType> out;
+  const auto device = x.device().type();
+  if (in == at::kFloat && weight.scalar_type() == at::kFloat &&
+      at::autocast::is_autocast_enabled(device)) {
+    const auto dtype = at::autocast::get_autocast_dtype(device);
+    if (dtype == at::kBFloat16 || dtype == at::kHalf) {
+      out = dtype;
+    }
+  }
+  return d9d::kernels::rms_norm(x, takes_weight ? weight : weight.to(in), eps_, out);
 }
 
 RotaryEmbedding::RotaryEmbedding(int64_t head_dim, double theta)

@@ -50,7 +50,8 @@ std::optional<at::ScalarType> autocast_dtype(const at::Tensor& x) {
 
 at::Tensor autocast_like(const at::Tensor& t, const at::Tensor& x) {
   const auto dtype = autocast_dtype(x);
-  return t.defined() && dtype ? t.to(*dtype) : t;
+  // No dispatch when t has the dtype already (the norms write it: d9d/model/layers.hpp).
+  return t.defined() && dtype && t.scalar_type() != *dtype ? t.to(*dtype) : t;
 }
 
 // A weight as autocast_like casts it, through the step's cast cache
@@ -59,6 +60,15 @@ at::Tensor autocast_like(const at::Tensor& t, const at::Tensor& x) {
 at::Tensor autocast_weight(const at::Tensor& w, const at::Tensor& x) {
   const auto dtype = autocast_dtype(x);
   return dtype ? detail::cast_weight(w, *dtype) : w;
+}
+
+// grad_out @ W for grad_out's rows [rows, out] (the gradient `like` [..., out] flattened): one mm
+// and a view, shaped like `like` with W's input features last (at::matmul dispatches a reshape, an
+// mm and an unsafe view per call, and this runs for every linear layer of every microbatch).
+at::Tensor rows_times(const at::Tensor& grad_rows, const at::Tensor& w, const at::Tensor& like) {
+  auto sizes = like.sizes().vec();
+  sizes.back() = w.size(1);
+  return at::mm(grad_rows, w).view(sizes);
 }
 
 // The queue forward bound this node to (its address in saved_data["queue"]) while it defers, else
@@ -155,17 +165,18 @@ struct SplitLinear : torch::autograd::Function<SplitLinear<HasBias>> {
     const auto& grad_out = grads[0];
     // One entry per forward argument: x, weight, (bias,) queue address.
     torch::autograd::variable_list out(HasBias ? 4 : 3);
+    const int64_t out_features = wc.size(0);
+    const int64_t in_features = wc.size(1);
+    const auto grad_rows = grad_out.reshape({-1, out_features});
     if (ctx->needs_input_grad(0)) {
-      out[0] = at::matmul(grad_out, wc);
+      out[0] = rows_times(grad_rows, wc, grad_out);
     }
     const bool need_w = ctx->needs_input_grad(1);
     const bool need_b = HasBias && ctx->needs_input_grad(2);
     if (!need_w && !need_b) {
       return out;
     }
-    const int64_t out_features = wc.size(0);
-    const int64_t in_features = wc.size(1);
-    WeightGrad job{.grad_out = grad_out.reshape({-1, out_features}),
+    WeightGrad job{.grad_out = grad_rows,
                    .input = xc.reshape({-1, in_features}),
                    .weight = need_w ? ctx->saved_data["weight"].toTensor() : at::Tensor(),
                    .bias = need_b ? ctx->saved_data["bias"].toTensor() : at::Tensor()};
@@ -206,8 +217,11 @@ struct SiluMulLinear : torch::autograd::Function<SiluMulLinear> {
     const auto& wc = saved[2];
     const auto& grad_out = grads[0];
     torch::autograd::variable_list out(4);  // gate, up, weight, queue address
+    const int64_t out_features = wc.size(0);
+    const int64_t in_features = wc.size(1);
+    const auto grad_rows = grad_out.reshape({-1, out_features});
     if (ctx->needs_input_grad(0) || ctx->needs_input_grad(1)) {
-      const auto grad_h = at::matmul(grad_out, wc);
+      const auto grad_h = rows_times(grad_rows, wc, grad_out);
       auto [grad_gate, grad_up] = kernels::silu_mul_backward(grad_h, gate, up);
       out[0] = grad_gate;
       out[1] = grad_up;
@@ -215,9 +229,7 @@ struct SiluMulLinear : torch::autograd::Function<SiluMulLinear> {
     if (!ctx->needs_input_grad(2)) {
       return out;
     }
-    const int64_t out_features = wc.size(0);
-    const int64_t in_features = wc.size(1);
-    WeightGrad job{.grad_out = grad_out.reshape({-1, out_features}),
+    WeightGrad job{.grad_out = grad_rows,
                    .input = kernels::silu_mul_forward(gate, up).reshape({-1, in_features}),
                    .weight = ctx->saved_data["weight"].toTensor(),
                    .bias = at::Tensor()};

@@ -201,16 +201,12 @@ int main(int argc, char** argv) {
     std::printf("state per rank: parameters, gradients, AdamW moments, total (bytes, GiB)\n");
     int64_t largest = 0;
     std::string where;
-    std::vector<d9d::advise::StateBytes> shard0(static_cast<std::size_t>(pp));  // the most rows
     for (int p = 0; p < pp; ++p) {
       const auto mine = pp > 1 ? d9d::advise::qwen3_rank_parameters(model, program, p,
                                                                     config.batch.sequence_length)
                                : all;
       for (int s = 0; s < rules.shard_ranks; ++s) {
         const auto bytes = d9d::advise::state_bytes(mine, rules, s);
-        if (s == 0) {
-          shard0[static_cast<std::size_t>(p)] = bytes;
-        }
         std::printf(
             "  pp %d, shard %d: %lld %lld %lld %lld  (%.2f %.2f %.2f %.2f GiB)\n", p, s,
             static_cast<long long>(bytes.parameters), static_cast<long long>(bytes.gradients),
@@ -279,33 +275,16 @@ int main(int argc, char** argv) {
             units.data(), microbatches);
       } else {
         // Each pipeline rank: its stages' microbatches in flight as the program runs them.
-        std::vector<int64_t> per_stage;
-        per_stage.reserve(static_cast<std::size_t>(program.stages()));
-        for (int s = 0; s < program.stages(); ++s) {
-          // A stage's weight casts count once per rank and step (below), not per microbatch.
-          const auto stage = d9d::advise::qwen3_stage_activation_bytes(
-              model, s, program.stages(), mb, seq, compute, recomputing);
-          per_stage.push_back(stage.total() - stage.weight_casts);
-        }
-        std::vector<int64_t> deferred;  // what a split backward keeps from I until W
-        if (program.split_backward) {
-          for (int s = 0; s < program.stages(); ++s) {
-            deferred.push_back(d9d::advise::qwen3_stage_weight_gradient_bytes(
-                model, s, program.stages(), mb, seq, compute));
-          }
-        }
         std::printf(
             "activations in flight per pipeline rank (bytes, GiB), and its peak during a step:\n");
+        const auto ranks =
+            d9d::advise::rank_memory(model, program, pp, microbatches, rules, mb, seq, compute,
+                                     recomputing, reshard != "never", sequence_parallel);
         for (int p = 0; p < pp; ++p) {
-          const int64_t casts =
-              d9d::advise::qwen3_rank_weight_cast_bytes(model, program, p, seq, compute);
-          const auto peak = d9d::advise::peak_rank_activation_bytes(program, p, per_stage) + casts;
-          const auto step =
-              d9d::advise::peak_rank_step_bytes(program, p, per_stage,
-                                                shard0[static_cast<std::size_t>(p)], deferred) +
-              casts;
-          std::printf("  pp %d: %lld  (%.2f GiB), peak %.2f GiB\n", p, static_cast<long long>(peak),
-                      gib(peak), gib(step));
+          const auto& rank = ranks[static_cast<std::size_t>(p)];
+          std::printf("  pp %d: %lld  (%.2f GiB), peak %.2f GiB\n", p,
+                      static_cast<long long>(*rank.activations), gib(*rank.activations),
+                      gib(*rank.peak));
         }
       }
       std::printf("not predicted yet: %scommunication buffers, the step's transient buffers\n",

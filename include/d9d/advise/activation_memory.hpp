@@ -22,21 +22,21 @@
 // and per token of the model: the embedding's output (H) and the fused head's gradient of its
 // input (H) and the final norm's rstd (1), plus per microbatch the head's weight gradient
 // (vocab x H, computed in the forward by d9d::model::linear_cross_entropy) and the rotary tables
-// (2 x T x head_dim / 2). Under bfloat16 autocast the residual stream stays float32 and every
-// linear layer casts its input itself, so per token of a layer, in bytes:
+// (2 x T x head_dim / 2). Under bfloat16 autocast the residual stream stays float32 and the norms
+// write their outputs in bfloat16 (what the linear layers read), so per token of a layer, in bytes:
 //   the residual after attention and the layer's output (float32)   4 H + 4 H
-//   the input norm's output cast by q, k and v; the MLP norm's       3 x 2 H + 2 x 2 H
-//   output cast by gate and up (bfloat16)
+//   the input norm's output (read by q, k and v) and the MLP         2 H + 2 H
+//   norm's (read by gate and up), bfloat16
 //   the two norms' rstds (float32)                                   8
 //   q, k, v, the rotated q and k, the attention's output (bf16)       3 x 2 Q + 3 x 2 K
 //   the q/k norms' rstds and the log-sum-exp (float32)               4 heads + 4 kv_heads + 4 heads
 //   gate and up (bfloat16)                                           2 x 2 I
-// plus per layer the bfloat16 casts of its seven weight matrices and of the q/k norms' weights,
-// which the matmuls and norms keep; per token of the model the embedding's output (float32), the
-// head's input gradient (bfloat16) and the final rstd; per microbatch the head's weight gradient
-// (float32) and the rotary tables (float32). With bfloat16 parameters everything is bfloat16
-// but the rstds, the log-sum-exp and the rotary tables (float32), with no casts: per token of a
-// layer 4 x 2 H + 8 + 6 Q + 6 K + 8 heads + 4 kv_heads + 2 x 2 I bytes, per token of the model
+// plus per layer the bfloat16 casts of its seven weight matrices, which the matmuls keep (the
+// norms read their float32 weights as they are); per token of the model the embedding's output
+// (float32), the head's input gradient (bfloat16) and the final rstd; per microbatch the head's
+// weight gradient (float32) and the rotary tables (float32). With bfloat16 parameters everything is
+// bfloat16 but the rstds, the log-sum-exp and the rotary tables (float32), with no casts: per token
+// of a layer 4 x 2 H + 8 + 6 Q + 6 K + 8 heads + 4 kv_heads + 2 x 2 I bytes, per token of the model
 // 2 x 2 H + 4, and the head's weight gradient in bfloat16. tests/advise checks all three against
 // the bytes the forward leaves allocated (d9d::advise::CpuMemoryMeter).
 #pragma once
@@ -154,8 +154,8 @@ struct StageActivationBytes {
 /// What stage `stage`'s deferred weight gradients keep from its I until its W under a split
 /// backward (d9d::WeightGradQueue; src/model/split_linear.cpp), in bytes: every linear layer's
 /// input and output gradient, which the queued GEMM reads. Per token of a layer, in elements of
-/// the compute dtype: the inputs of q, k, v (one cast each under autocast, one shared tensor
-/// otherwise), of o (the attention's output), of gate and up (likewise) and of down
+/// the compute dtype: the input of q, k and v (one tensor, the norm's output), of o (the
+/// attention's output), of gate and up (likewise) and of down
 /// (silu(gate) * up, which its backward computes at I for the queued GEMM), and the gradients of
 /// the seven outputs
 /// (Q + 2 K + 2 H + 2 I); on the last stage also the head's input and its output gradient over the
@@ -198,18 +198,17 @@ struct StageActivationBytes {
                                                       const StateRules& rules, Compute compute,
                                                       bool reshard_after_forward);
 
-/// The memory of a Plan's fullest pipeline rank during a step.
+/// The memory of one pipeline rank of a Plan during a step.
 struct RankMemory {
   StateBytes state{};                    ///< its state (shard rank 0, which keeps the most rows)
   std::optional<int64_t> activations{};  ///< its activations in flight, where predicted
   std::optional<int64_t> peak{};         ///< its peak during a step, where predicted
 };
 
-/// Of the `pp` pipeline ranks `program` places `config`'s stages on (pp 1: the whole model; the
-/// program is unused), the one with the largest peak during a step (peak_step_bytes, or
-/// peak_rank_step_bytes with the split backward's deferred bytes), its state under `rules`.
-/// Without `compute` the activations are not predicted, and the fullest rank is the one with the
-/// most state. Under FullyShard without a pipeline (rules.shard_ranks > 1, pp 1) the peak adds
+/// Each of the `pp` pipeline ranks `program` places `config`'s stages on (pp 1: the whole model;
+/// the program is unused): its state under `rules`, and with `compute` its activations in flight
+/// and its peak during a step (peak_step_bytes, or peak_rank_step_bytes with the split backward's
+/// deferred bytes). Under FullyShard without a pipeline (rules.shard_ranks > 1, pp 1) the peak adds
 /// the units gathered at once (fully_shard_gathered_bytes, `reshard_after_forward` as the run's
 /// reshard setting says: fully_shard_gathered_step_bytes); under a pipeline they are not counted
 /// yet. Under bfloat16 autocast the train step casts each weight once for all its microbatches
@@ -220,6 +219,14 @@ struct RankMemory {
 /// rank's (TensorSplit, with `sequence_parallel` as the Plan's TensorParallel says), and the peak
 /// adds the head's logits over the rank's vocabulary, alive while the loss-parallel
 /// cross-entropy makes its float32 copy.
+[[nodiscard]] std::vector<RankMemory> rank_memory(
+    const model::Qwen3Config& config, const pipeline::Program& program, int pp, int microbatches,
+    const StateRules& rules, int64_t microbatch_size, int64_t sequence_length,
+    std::optional<Compute> compute, Recompute recompute, bool reshard_after_forward = true,
+    bool sequence_parallel = false);
+
+/// Of rank_memory's ranks, the one with the largest peak during a step (without `compute`, the one
+/// with the most state).
 [[nodiscard]] RankMemory fullest_rank_memory(const model::Qwen3Config& config,
                                              const pipeline::Program& program, int pp,
                                              int microbatches, const StateRules& rules,

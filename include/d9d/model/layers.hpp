@@ -41,7 +41,9 @@ void set_fused_kernels(bool enabled);
 class RmsNormImpl : public torch::nn::Module {
  public:
   RmsNormImpl(int64_t dim, double eps);
-  /// The weight is cast to x's dtype (mixed precision keeps fp32 weights).
+  /// A float32 weight is read as it is by bfloat16 or half inputs, other weights are cast to x's
+  /// dtype; under autocast a float32 x is normalised into autocast's dtype (what the matmuls after
+  /// the norm read).
   at::Tensor forward(const at::Tensor& x);
   at::Tensor weight;
 
