@@ -205,14 +205,19 @@ double ParallelModel::normalize_and_clip(double total_weight, std::optional<doub
     if (tensors.empty()) {
       return at::zeros({}, options);
     }
-    std::vector<at::Tensor> parts;
-    parts.reserve(tensors.size());
+    // Each gradient's norm in at least float32 (float64 gradients in float64: precision::Fp64
+    // keeps its exactness), one foreach call per such dtype: on CUDA a few launches for all the
+    // parameters instead of one norm each.
+    std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
     for (const auto& grad : tensors) {
-      // At least float32; float64 gradients in float64 (precision::Fp64 keeps its exactness).
-      parts.push_back(at::linalg_vector_norm(grad, 2, std::nullopt, false,
-                                             at::promote_types(grad.scalar_type(), at::kFloat)));
+      by_dtype[at::promote_types(grad.scalar_type(), at::kFloat)].push_back(grad);
     }
-    return at::stack(parts).to(options).pow(2).sum();
+    std::vector<at::Tensor> parts;
+    parts.reserve(by_dtype.size());
+    for (const auto& [dtype, group] : by_dtype) {
+      parts.push_back(at::stack(at::_foreach_norm(group, 2, dtype)).to(options));
+    }
+    return at::cat(parts).pow(2).sum();
   };
   // Every rank reduces over the same groups in the same order: the sets the strategies registered
   // (the same on every rank), not the ones this rank's parameters happen to use.
