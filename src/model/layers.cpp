@@ -8,8 +8,8 @@
 #include <utility>
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 
+#include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/kernels/rms_norm.hpp>
 #include <d9d/kernels/rope.hpp>
 #include <d9d/kernels/silu_mul.hpp>
@@ -37,10 +37,8 @@ at::Tensor RmsNormImpl::forward(const at::Tensor& x) {
   // Under autocast a float32 input (mixed precision's residual stream) is normalised into
   // autocast's dtype: the matmuls that read the output would each cast it to that dtype anyway.
   std::optional<at::ScalarType> out;
-  const auto device = x.device().type();
-  if (in == at::kFloat && weight.scalar_type() == at::kFloat &&
-      at::autocast::is_autocast_enabled(device)) {
-    const auto dtype = at::autocast::get_autocast_dtype(device);
+  if (in == at::kFloat && weight.scalar_type() == at::kFloat) {
+    const auto dtype = d9d::detail::autocast_dtype(x);
     if (dtype == at::kBFloat16 || dtype == at::kHalf) {
       out = dtype;
     }
@@ -232,9 +230,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AttentionImpl::project(const at::
   const int64_t batch = x.size(0);
   const int64_t seq = x.size(1);
   const int64_t dim = options_.head_dim;
-  auto q = q_proj(x).view({batch, seq, options_.num_heads, dim});
-  auto k = k_proj(x).view({batch, seq, options_.num_kv_heads, dim});
-  auto v = v_proj(x).view({batch, seq, options_.num_kv_heads, dim}).transpose(1, 2);
+  const auto qkv = fan_out_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
+  auto q = qkv[0].view({batch, seq, options_.num_heads, dim});
+  auto k = qkv[1].view({batch, seq, options_.num_kv_heads, dim});
+  auto v = qkv[2].view({batch, seq, options_.num_kv_heads, dim}).transpose(1, 2);
   if (options_.qk_norm) {
     q = q_norm(q);
     k = k_norm(k);
@@ -316,14 +315,17 @@ SwiGluImpl::SwiGluImpl(int64_t hidden_size, int64_t intermediate_size) {
 
 at::Tensor SwiGluImpl::forward(const at::Tensor& x) {
   const auto in = tp_ ? tp_->copy_in(x) : x;
+  const auto gate_up = fan_out_linear(in, {gate_proj.get(), up_proj.get()});
+  const auto& gate = gate_up[0];
+  const auto& up = gate_up[1];
   at::Tensor out;
   if (!fused_kernels()) {
-    out = down_proj(at::silu(gate_proj(in)) * up_proj(in));
+    out = down_proj(at::silu(gate) * up);
   } else if (!down_proj->bias.defined() && !down_proj->adapter && !down_proj->float8) {
     // The product silu(gate) * up is recomputed in backward, not kept (silu_mul_linear).
-    out = silu_mul_linear(gate_proj(in), up_proj(in), down_proj->weight);
+    out = silu_mul_linear(gate, up, down_proj->weight);
   } else {
-    out = down_proj(kernels::silu_mul(gate_proj(in), up_proj(in)));
+    out = down_proj(kernels::silu_mul(gate, up));
   }
   return tp_ ? tp_->reduce_out(out) : out;
 }

@@ -7,6 +7,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/kernels/cross_entropy.hpp>
 #include <d9d/model/linear_cross_entropy.hpp>
 
@@ -26,13 +27,11 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     const bool grads = grads_wanted && (needs_hidden || needs_weight);
     const at::NoGradGuard no_grad;
     // The matmuls run in the dtype autocast would give the head's at::linear.
-    const auto device = hidden.device().type();
     at::Tensor h = hidden;
     at::Tensor w = weight;
-    if (at::autocast::is_autocast_enabled(device) && hidden.is_floating_point()) {
-      const auto dtype = at::autocast::get_autocast_dtype(device);
-      h = hidden.to(dtype);
-      w = weight.to(dtype);
+    if (const auto dtype = d9d::detail::autocast_dtype(hidden)) {
+      h = hidden.to(*dtype);
+      w = weight.to(*dtype);
     } else if (w.scalar_type() != h.scalar_type()) {
       w = w.to(h.scalar_type());
     }

@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <d9d/core/collectives.hpp>
+#include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/kernels/moe_permute.hpp>
 #include <d9d/model/moe.hpp>
 #include <d9d/model/tensor_parallel.hpp>
@@ -358,10 +359,7 @@ GroupedExpertsImpl::GroupedExpertsImpl(const MoeOptions& options) : options_(opt
 
 at::Tensor GroupedExpertsImpl::forward(const at::Tensor& rows, const std::vector<int64_t>& counts) {
   // Autocast's dtype, else the rows' (fp32 weights meet bf16 activations under FullyShard).
-  const auto device = rows.device().type();
-  const auto dtype = at::autocast::is_autocast_enabled(device)
-                         ? at::autocast::get_autocast_dtype(device)
-                         : rows.scalar_type();
+  const auto dtype = d9d::detail::autocast_dtype(rows).value_or(rows.scalar_type());
   const auto x = rows.to(dtype);
   // Each projection, plus its adapter's low-rank addition: the rows times A_e^T (rank columns),
   // scaled there (a pass over rank columns, not out columns), times B_e^T.

@@ -1,19 +1,21 @@
-// d9d/model/split_linear.cpp — the split-capable linear layer, the low-rank (LoRA) linear, the
-// feed-forward's down projection that recomputes its input and the float8 linear: autograd
-// functions whose backward queues the weight gradients on a deferring d9d::WeightGradQueue
-// (d9d/core/weight_grad.hpp).
+// d9d/model/split_linear.cpp — the split-capable linear layer, linear layers of one input as one
+// node (fan_out_linear), the low-rank (LoRA) linear, the feed-forward's down projection that
+// recomputes its input and the float8 linear: autograd functions whose backward queues the weight
+// gradients on a deferring d9d::WeightGradQueue (d9d/core/weight_grad.hpp).
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
-#include <optional>
+#include <initializer_list>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/init.h>
 
+#include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/core/detail/weight_casts.hpp>
 #include <d9d/core/weight_grad.hpp>
 #include <d9d/kernels/float8.hpp>
@@ -35,19 +37,11 @@ void accumulate(at::Tensor& parameter, const at::Tensor& gradient) {
   }
 }
 
+using d9d::detail::autocast_dtype;
+
 // `t` as at::linear would compute with it when `x` is its input: in autocast's dtype while autocast
 // is on for x's device (and x is floating point), else as it is. The autograd functions below cast
 // their inputs so, so that backward sees the tensors forward used. Undefined stays undefined.
-// The dtype autocast gives an at::linear whose input is `x`, or nothing while autocast is off for
-// x's device (or x is not floating point).
-std::optional<at::ScalarType> autocast_dtype(const at::Tensor& x) {
-  const auto device_type = x.device().type();
-  if (at::autocast::is_autocast_enabled(device_type) && x.is_floating_point()) {
-    return at::autocast::get_autocast_dtype(device_type);
-  }
-  return std::nullopt;
-}
-
 at::Tensor autocast_like(const at::Tensor& t, const at::Tensor& x) {
   const auto dtype = autocast_dtype(x);
   // No dispatch when t has the dtype already (the norms write it: d9d/model/layers.hpp).
@@ -188,6 +182,87 @@ struct SplitLinear : torch::autograd::Function<SplitLinear<HasBias>> {
     out[1] = gw;
     if (HasBias) {
       out[2] = gb;
+    }
+    return out;
+  }
+};
+
+// y_i = x W_i^T for linear layers reading one x (fan_out_linear): one node instead of one per
+// layer, whose backward sums x's gradient in a chain of GEMMs (each adding into the previous
+// product) instead of the engine adding the layers' input gradients, and pushes every weight
+// gradient as one job. Saves the autocast copy of x once and each layer's cast weight.
+struct FanOutLinear : torch::autograd::Function<FanOutLinear> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, at::TensorList weights,
+                                                int64_t queue_address) {
+    ctx->set_materialize_grads(false);  // an output without a gradient adds nothing
+    const auto xc = autocast_like(x, x);
+    const auto rows = xc.reshape({-1, xc.size(-1)});
+    torch::autograd::variable_list saved{xc};
+    torch::autograd::variable_list outputs;
+    auto sizes = xc.sizes().vec();
+    for (const auto& weight : weights) {
+      const auto wc = autocast_weight(weight, x);
+      TORCH_CHECK(wc.dim() == 2 && wc.size(1) == xc.size(-1), "d9d::model::fan_out_linear: x has ",
+                  xc.size(-1), " features, a weight is ", wc.sizes());
+      sizes.back() = wc.size(0);
+      // Not a view of the product (as at::linear's output): callers may write into it.
+      outputs.push_back(at::_unsafe_view(at::mm(rows, wc.t()), sizes));
+      saved.push_back(wc);
+    }
+    ctx->save_for_backward(saved);
+    ctx->saved_data["queue"] = queue_address;
+    ctx->saved_data["weights"] = weights.vec();
+    return outputs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& xc = saved[0];
+    const size_t layers = saved.size() - 1;
+    // One entry per forward argument: x, each weight, the queue address.
+    torch::autograd::variable_list out(layers + 2);
+    std::vector<at::Tensor> grad_rows(layers);
+    for (size_t i = 0; i < layers; ++i) {
+      if (grads[i].defined()) {
+        grad_rows[i] = grads[i].reshape({-1, saved[i + 1].size(0)});
+      }
+    }
+    if (ctx->needs_input_grad(0)) {
+      at::Tensor dx;
+      for (size_t i = 0; i < layers; ++i) {
+        if (!grad_rows[i].defined()) {
+          continue;
+        }
+        dx = dx.defined() ? dx.addmm_(grad_rows[i], saved[i + 1])
+                          : at::mm(grad_rows[i], saved[i + 1]);
+      }
+      if (dx.defined()) {
+        out[0] = dx.view(xc.sizes());
+      }
+    }
+    const auto rows = xc.reshape({-1, xc.size(-1)});
+    const auto weights = ctx->saved_data["weights"].toTensorVector();
+    std::vector<std::pair<size_t, WeightGrad>> jobs;
+    for (size_t i = 0; i < layers; ++i) {
+      if (grad_rows[i].defined() && ctx->needs_input_grad(i + 1)) {
+        jobs.emplace_back(i + 1, WeightGrad{.grad_out = grad_rows[i],
+                                            .input = rows,
+                                            .weight = weights[i],
+                                            .bias = at::Tensor()});
+      }
+    }
+    if (auto* queue = deferring_queue(ctx); queue != nullptr && !jobs.empty()) {
+      queue->push([jobs = std::move(jobs)]() mutable {
+        for (auto& job : jobs) {
+          job.second.run();
+        }
+      });
+      return out;
+    }
+    for (const auto& [index, job] : jobs) {
+      out[index] = job.compute().first;
     }
     return out;
   }
@@ -484,6 +559,25 @@ at::Tensor float8_linear(const at::Tensor& x, const at::Tensor& weight, const Fl
 
 at::Tensor silu_mul_linear(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& weight) {
   return SiluMulLinear::apply(gate, up, weight, queue_address(recording_weight_grads()));
+}
+
+std::vector<at::Tensor> fan_out_linear(const at::Tensor& x,
+                                       std::initializer_list<LinearImpl*> layers) {
+  const bool plain = fused_kernels() && std::ranges::all_of(layers, [](const LinearImpl* layer) {
+                       return !layer->bias.defined() && !layer->adapter && !layer->float8;
+                     });
+  std::vector<at::Tensor> outputs;
+  if (!plain) {
+    for (auto* layer : layers) {
+      outputs.push_back(layer->forward(x));
+    }
+    return outputs;
+  }
+  std::vector<at::Tensor> weights;
+  for (const auto* layer : layers) {
+    weights.push_back(layer->weight);
+  }
+  return FanOutLinear::apply(x, at::TensorList(weights), queue_address(recording_weight_grads()));
 }
 
 LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool bias) {

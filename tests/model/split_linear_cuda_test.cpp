@@ -5,10 +5,12 @@
 // the float32 product itself (src/model/split_linear.cpp), so .grad equals the float64 sum of the
 // bfloat16 operands' products to float32 accumulation — a bfloat16 product rounded before the add
 // would be ~1e-3 off.
+#include <cstddef>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/cuda.h>
 
 #include <d9d/core/detail/autocast_scope.hpp>
@@ -83,6 +85,61 @@ TEST(Model_Linear_Cuda, Bf16MixedWeightGradientIsTheFloat32Product) {
     if (mode == Mode::cached) {
       EXPECT_EQ(d9d::detail::cached_weight_casts(), 1U);
     }
+  }
+}
+
+TEST(Model_FanOutLinear_Cuda, Bf16MixedGradientsAreTheFloat32Products) {
+  // Two layers reading one x as one node (d9d::model::fan_out_linear), float32 weights, bfloat16
+  // autocast, at once (B) and deferred (W): each weight's .grad is the float32 product as for one
+  // Linear, x's gradient the two products summed by the GEMMs (bfloat16 output: its rounding).
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  at::manual_seed(13);
+  const auto x0 = at::randn({2, 96, 256}, at::kCUDA).to(at::kBFloat16).to(at::kFloat);
+  const std::vector<at::Tensor> grads{at::randn({2, 96, 384}, at::kCUDA).to(at::kBFloat16),
+                                      at::randn({2, 96, 128}, at::kCUDA).to(at::kBFloat16)};
+  const auto rows = x0.to(at::kDouble).cpu().reshape({-1, 256});
+  for (const bool deferred : {false, true}) {
+    at::manual_seed(14);
+    d9d::model::Linear first(256, 384);
+    d9d::model::Linear second(256, 128);
+    first->to(at::kCUDA);
+    second->to(at::kCUDA);
+    const auto x = x0.clone().requires_grad_();
+    d9d::WeightGradQueue queue;
+    std::vector<at::Tensor> out;
+    {
+      const d9d::detail::AutocastScope autocast(true, c10::DeviceType::CUDA);
+      const d9d::RecordWeightGrads record(queue);
+      out = d9d::model::fan_out_linear(x, {first.get(), second.get()});
+    }
+    ASSERT_EQ(out.size(), 2U);
+    EXPECT_EQ(out[0].scalar_type(), at::kBFloat16);
+    {
+      const d9d::DeferWeightGrads defer(queue);
+      torch::autograd::backward(out, grads);
+    }
+    queue.drain();
+    auto want_x = at::zeros({2 * 96, 256}, at::kDouble);
+    const std::vector<d9d::model::Linear*> layers{&first, &second};
+    for (size_t i = 0; i < 2; ++i) {
+      const auto& weight = (*layers[i])->weight;
+      const auto g = grads[i].to(at::kDouble).cpu().reshape({-1, weight.size(0)});
+      const auto want_w = g.t().mm(rows);
+      ASSERT_TRUE(weight.grad().defined()) << i;
+      EXPECT_EQ(weight.grad().scalar_type(), at::kFloat);
+      const double error =
+          (weight.grad().cpu().to(at::kDouble) - want_w).abs().max().item<double>() /
+          want_w.abs().max().item<double>();
+      EXPECT_LT(error, 1e-5) << "weight " << i << (deferred ? ", deferred" : "");
+      want_x += g.mm(weight.detach().to(at::kBFloat16).to(at::kDouble).cpu());
+    }
+    ASSERT_TRUE(x.grad().defined());
+    const double error =
+        (x.grad().cpu().to(at::kDouble).reshape({-1, 256}) - want_x).abs().max().item<double>() /
+        want_x.abs().max().item<double>();
+    EXPECT_LT(error, 1e-2) << (deferred ? "deferred" : "at once");
   }
 }
 

@@ -549,6 +549,80 @@ TEST(Model_LowRankLinear, EqualsTheCompositionWithAndWithoutDeferredWeightGradie
   }
 }
 
+TEST(Model_FanOutLinear, EqualsEachLayersForwardWithAndWithoutDeferredWeightGradients) {
+  // Three plain layers reading one x as one node: outputs and the gradients of x and the weights
+  // equal the three layers' composition in float64 (to rounding), with the weight gradients at
+  // once or deferred to a d9d::WeightGradQueue, with a frozen weight and an output that takes no
+  // gradient (the third: neither its weight's gradient nor x's gets a term from it).
+  at::manual_seed(6);
+  const auto x0 = at::randn({2, 5, 12}, at::kDouble);
+  const std::vector<int64_t> outs{7, 3, 4};
+  std::vector<at::Tensor> w0;
+  for (const auto out : outs) {
+    w0.push_back(at::randn({out, 12}, at::kDouble));
+  }
+  const auto g0 = at::randn({2, 5, 7}, at::kDouble);
+  const auto g1 = at::randn({2, 5, 3}, at::kDouble);
+  const auto make_layers = [&] {
+    std::vector<d9d::model::Linear> layers;
+    for (size_t i = 0; i < outs.size(); ++i) {
+      layers.emplace_back(12, outs[i]);
+      layers.back()->to(at::kDouble);
+      layers.back()->weight.set_data(w0[i].clone());
+    }
+    layers[1]->weight.requires_grad_(false);  // frozen
+    return layers;
+  };
+  const auto want_x = x0.clone().requires_grad_();
+  const auto want_layers = make_layers();
+  std::vector<at::Tensor> want_out;
+  for (const auto& layer : want_layers) {
+    want_out.push_back(at::linear(want_x, layer->weight));
+  }
+  ((want_out[0] * g0).sum() + (want_out[1] * g1).sum()).backward();
+  for (const bool deferred : {false, true}) {
+    const auto x = x0.clone().requires_grad_();
+    auto layers = make_layers();
+    d9d::WeightGradQueue queue;
+    std::vector<at::Tensor> out;
+    {
+      const d9d::RecordWeightGrads record(queue);
+      out = d9d::model::fan_out_linear(x, {layers[0].get(), layers[1].get(), layers[2].get()});
+    }
+    ASSERT_EQ(out.size(), 3U);
+    ASSERT_EQ(out[0].grad_fn(), out[2].grad_fn()) << "one node";
+    const auto loss = (out[0] * g0).sum() + (out[1] * g1).sum();
+    if (deferred) {
+      {
+        const d9d::DeferWeightGrads defer(queue);
+        loss.backward();
+      }
+      EXPECT_TRUE(x.grad().defined()) << "x's gradient comes at once";
+      EXPECT_FALSE(layers[0]->weight.grad().defined()) << "the weight gradient waits for drain()";
+      queue.drain();
+    } else {
+      loss.backward();
+    }
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_TRUE(at::allclose(out[i], want_out[i], 1e-12, 1e-12)) << i;
+    }
+    ASSERT_TRUE(x.grad().defined());
+    EXPECT_TRUE(at::allclose(x.grad(), want_x.grad(), 1e-12, 1e-12)) << deferred;
+    EXPECT_TRUE(at::allclose(layers[0]->weight.grad(), want_layers[0]->weight.grad(), 1e-12, 1e-12))
+        << deferred;
+    EXPECT_FALSE(layers[1]->weight.grad().defined()) << "frozen";
+    EXPECT_FALSE(layers[2]->weight.grad().defined()) << "its output took no gradient";
+  }
+  // A layer with a bias is not plain: each layer runs its own forward (its own node), same values.
+  d9d::model::Linear biased(12, 7, /*bias=*/true);
+  biased->to(at::kDouble);
+  const auto x = x0.clone().requires_grad_();
+  auto layers = make_layers();
+  const auto out = d9d::model::fan_out_linear(x, {layers[0].get(), biased.get()});
+  EXPECT_NE(out[0].grad_fn(), out[1].grad_fn());
+  EXPECT_TRUE(at::allclose(out[1], at::linear(x0, biased->weight, biased->bias), 1e-12, 1e-12));
+}
+
 TEST(Model_Qwen3Loss, FusedAndUnfusedKernelsTrainAlike) {
   // The same run with the fused ops (rope, silu_mul, linear_cross_entropy) and without, in
   // float64: equal to rounding.

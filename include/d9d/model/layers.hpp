@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -129,6 +130,17 @@ class LinearImpl : public torch::nn::Module {
   std::optional<Float8Linear> float8;
 };
 TORCH_MODULE(Linear);
+
+/// The outputs x W_i^T of linear layers that read one input x (attention's q, k and v
+/// projections; the feed-forward's gate and up), in the layers' order, each [..., out_i]. When
+/// every layer is plain (no bias, adapter or float8) and the fused kernels are on
+/// (fused_kernels()), one autograd node computes them: its backward sums x's gradient in one chain
+/// of GEMMs (g_1 W_1, then + g_i W_i accumulated by the next GEMM: no separate additions) and
+/// computes the weight gradients, or queues them as one job under a deferring
+/// d9d::WeightGradQueue, as Linear's. Otherwise each layer's forward(x). Under autocast computes
+/// in the autocast dtype like Linear.
+[[nodiscard]] std::vector<at::Tensor> fan_out_linear(const at::Tensor& x,
+                                                     std::initializer_list<LinearImpl*> layers);
 
 /// Rotary position embedding (the half-split "rotate_half" layout), applied by the d9d::rope op.
 class RotaryEmbedding {

@@ -1,10 +1,24 @@
-// d9d/core/detail/autocast_scope.hpp — bf16 autocast for one device type while alive (not a
-// public API; used by the train steps and recompute in .cpp files).
+// d9d/core/detail/autocast_scope.hpp — bf16 autocast for one device type while alive, and the
+// dtype it gives a matmul (not a public API; used by the train steps, recompute and the model's
+// layers in .cpp files).
 #pragma once
 
+#include <optional>
+
 #include <ATen/autocast_mode.h>
+#include <ATen/core/Tensor.h>
 
 namespace d9d::detail {
+
+/// The dtype autocast gives an at::linear (or another matmul) whose input is `x`: autocast's
+/// dtype while autocast is on for x's device and x is floating point, else nothing.
+[[nodiscard]] inline std::optional<at::ScalarType> autocast_dtype(const at::Tensor& x) {
+  const auto device = x.device().type();
+  if (x.is_floating_point() && at::autocast::is_autocast_enabled(device)) {
+    return at::autocast::get_autocast_dtype(device);
+  }
+  return std::nullopt;
+}
 
 /// Enables bf16 autocast for `device` while alive when `enabled`; restores the previous state.
 class AutocastScope {
