@@ -85,6 +85,15 @@ MachineProfile MachineProfile::from_json_text(std::string_view text) {
                                .backward_seconds = a.at("backward_seconds")});
     }
     out.memory_bytes_per_second = json.at("memory_bytes_per_second");
+    const auto host = json.value("host", nlohmann::json::object());
+    for (const auto& [compute, kinds] : host.items()) {
+      auto& by_kind = out.host[compute];  // named even when empty, for the check below
+      for (const auto& [kind, cost] : kinds.items()) {
+        by_kind[kind] = HostCost{.per_layer = cost.at("per_layer"),
+                                 .per_microbatch = cost.at("per_microbatch"),
+                                 .per_step = cost.at("per_step")};
+      }
+    }
     const auto collectives = json.value("collectives", nlohmann::json::object());
     for (const auto& [name, curve] : collectives.items()) {
       CollectiveCurve c;
@@ -107,6 +116,19 @@ MachineProfile MachineProfile::from_json_text(std::string_view text) {
   }
   if (out.memory_bytes_per_second <= 0 || out.ranks < 1) {
     bad_profile("needs memory_bytes_per_second > 0 and ranks >= 1");
+  }
+  for (const auto& [compute, kinds] : out.host) {
+    if (compute != "bf16_autocast" && compute != "bf16_parameters") {
+      bad_profile("host costs are by compute bf16_autocast or bf16_parameters, not " + compute);
+    }
+    for (const auto& [kind, cost] : kinds) {
+      if (kind != "plain" && kind != "pipelined" && kind != "tensor") {
+        bad_profile("host costs are by step kind plain, pipelined or tensor, not " + kind);
+      }
+      if (cost.per_layer < 0 || cost.per_microbatch < 0 || cost.per_step < 0) {
+        bad_profile("host costs must be >= 0 seconds (" + compute + ", " + kind + ")");
+      }
+    }
   }
   return out;
 }
@@ -190,7 +212,24 @@ double MachineProfile::collective_seconds(std::string_view name, int64_t bytes, 
   return ranks > 1 ? t * ring_share(group) / ring_share(ranks) : t;
 }
 
+const HostCost* MachineProfile::host_cost(Compute compute, std::string_view kind) const {
+  const char* name = compute == Compute::bf16_autocast     ? "bf16_autocast"
+                     : compute == Compute::bf16_parameters ? "bf16_parameters"
+                                                           : "float32";
+  const auto by_compute = host.find(name);
+  if (by_compute == host.end()) {
+    return nullptr;
+  }
+  const auto cost = by_compute->second.find(kind);
+  return cost == by_compute->second.end() ? nullptr : &cost->second;
+}
+
 namespace {
+
+// The forward's share of a layer's host time: in a traced plain step (0.6B, bf16 mixed, one
+// H200; docs/measurements/2026-11-29-fan-out-linear-1xh200.txt) the training thread issuing the
+// forwards took 253 ms and the autograd engine's thread issuing the backwards 492 ms.
+constexpr double kHostForwardShare = 0.34;
 
 // A rank's work of one microbatch on one stage (the whole model's over the stages), in seconds.
 struct MicrobatchCosts {
@@ -237,16 +276,13 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
   attention_forward *= layers / static_cast<double>(cand.cp);
   attention_backward *= layers / static_cast<double>(cand.cp);
   // Elementwise bytes per token of a layer's forward (the file comment): r the residual stream's
-  // element, a the activations'.
+  // element, a the activations'. (Under autocast the norms write autocast's dtype, so q, k, v,
+  // gate and up cast nothing: docs/design/0026.)
   const int64_t r = o.compute == Compute::bf16_parameters ? 2 : 4;
   const int64_t a = o.compute == Compute::float32 ? 4 : 2;
   int64_t layer_bytes = 8 * h * r + 2 * h * a + 4 * (q + kv) * a + 2 * q * a + 3 * inter * a;
   // Of which the attention part's: its norm, q, k, v, the rotations, the attention's output.
   int64_t attention_bytes = 4 * h * r + h * a + 4 * (q + kv) * a + 2 * q * a;
-  if (o.compute == Compute::bf16_autocast) {
-    layer_bytes += 5 * h * (4 + 2);      // the norms' outputs cast by q, k, v, gate and up
-    attention_bytes += 3 * h * (4 + 2);  // q's, k's and v's
-  }
   // The loss: float32 logits written, read for the log-sum-exp, read and written for the gradient.
   const int64_t loss_bytes = 4 * c.vocab_size * 4 + 4 * h * r;
   const double forward_bytes =
@@ -424,15 +460,28 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
   // program decides the idle time.
   const double per_rank = static_cast<double>(m) / static_cast<double>(candidate.pp);
   double compute = (costs.forward + costs.backward_input + costs.backward_weight) * m;
+  // The host's cost of the step's kind, where the profile measured it.
+  const auto* host = machine.host_cost(
+      options.compute, candidate.tp > 1 ? "tensor" : (candidate.pp > 1 ? "pipelined" : "plain"));
   if (candidate.pp > 1) {
     const double share = 1.0 / static_cast<double>(stages);
     const int64_t boundary_bytes = options.microbatch_size * options.sequence_length /
                                    candidate.cp * config.hidden_size *
                                    (options.compute == Compute::bf16_parameters ? 2 : 4);
     const double hop = machine.collective_seconds("p2p", boundary_bytes, 2);
-    const pipeline::Costs stage{.forward = costs.forward * share + hop,
-                                .backward_input = costs.backward_input * share + hop,
-                                .backward_weight = costs.backward_weight * share};
+    // A stage's host time per microbatch: its layers' and, per action pair, the microbatch's own
+    // (stages per rank times, so a rank's stages together pay it once per pp / stages).
+    const double stage_host =
+        host == nullptr
+            ? 0.0
+            : (host->per_layer * static_cast<double>(config.num_hidden_layers) +
+               host->per_microbatch * static_cast<double>(candidate.pp)) *
+                  share;
+    const pipeline::Costs stage{
+        .forward = std::max(costs.forward * share + hop, kHostForwardShare * stage_host),
+        .backward_input =
+            std::max(costs.backward_input * share + hop, (1 - kHostForwardShare) * stage_host),
+        .backward_weight = costs.backward_weight * share};
     compute = pipeline::simulate(program, stage).makespan;
     const double actions = static_cast<double>(m) * static_cast<double>(stages) /
                            static_cast<double>(candidate.pp);  // each of F, I and W
@@ -459,6 +508,15 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
   out.data_parallel = data.collectives;
   out.data_parallel_exposed = data.collectives;
   out.total = compute + out.optimizer + out.data_parallel_exposed;
+  if (host != nullptr) {
+    // The rank's layers and microbatches, as the host issues them one after the other.
+    out.host = host->per_step +
+               static_cast<double>(m) *
+                   (host->per_microbatch +
+                    host->per_layer * static_cast<double>(config.num_hidden_layers) /
+                        static_cast<double>(candidate.pp));
+    out.total = std::max(out.total, out.host);
+  }
   return out;
 }
 

@@ -153,6 +153,33 @@ TEST(Advise_MachineProfile, ReadsTheToolsJsonAndNamesWhatIsMissing) {
   EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>(
                   [] { (void)MachineProfile::from_json_text("{"); }),
               ::testing::HasSubstr("not JSON"));
+  // The host's costs (tools/gpu/profile-host), by compute and step kind.
+  constexpr const char* kHosted = R"({"gemm": [], "memory_bytes_per_second": 1,
+      "host": {"bf16_autocast": {"plain": {"per_layer": 1e-3, "per_microbatch": 2e-3,
+                                           "per_step": 3e-3}}}})";
+  const auto hosted = MachineProfile::from_json_text(kHosted);
+  const auto* plain = hosted.host_cost(Compute::bf16_autocast, "plain");
+  ASSERT_NE(plain, nullptr);
+  EXPECT_DOUBLE_EQ(plain->per_microbatch, 2e-3);
+  EXPECT_EQ(hosted.host_cost(Compute::bf16_autocast, "tensor"), nullptr);
+  EXPECT_EQ(hosted.host_cost(Compute::bf16_parameters, "plain"), nullptr);
+  const auto with_host = [](const std::string& host) {
+    return d9d::testing::error_of<std::invalid_argument>([&] {
+      (void)MachineProfile::from_json_text(R"({"gemm": [], "memory_bytes_per_second": 1,
+                                               "host": )" +
+                                           host + "}");
+    });
+  };
+  EXPECT_THAT(with_host(R"({"fp8": {}})"),
+              ::testing::HasSubstr("by compute bf16_autocast or bf16_parameters, not fp8"));
+  EXPECT_THAT(with_host(R"({"bf16_autocast": {"graphs": {"per_layer": 0, "per_microbatch": 0,
+                                                          "per_step": 0}}})"),
+              ::testing::HasSubstr("plain, pipelined or tensor, not graphs"));
+  EXPECT_THAT(with_host(R"({"bf16_autocast": {"plain": {"per_layer": -1, "per_microbatch": 0,
+                                                         "per_step": 0}}})"),
+              ::testing::HasSubstr(">= 0 seconds (bf16_autocast, plain)"));
+  EXPECT_THAT(with_host(R"({"bf16_autocast": {"plain": {"per_layer": 1}}})"),
+              ::testing::HasSubstr("malformed"));
   EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>(
                   [] { (void)MachineProfile::from_file("/nonexistent/profile.json"); }),
               ::testing::HasSubstr("cannot read /nonexistent/profile.json"));
@@ -287,6 +314,48 @@ TEST(Advise_StepTime, GPipesBubbleIsItsClosedForm) {
   const auto zb = d9d::advise::predict_step_time(
       model(), {.pp = 2, .schedule = "zbh1", .microbatches = 4}, bf16(), m);
   EXPECT_LT(zb.bubble, ofob.bubble);
+}
+
+TEST(Advise_StepTime, TheHostBoundsTheStepWhereItWasMeasured) {
+  // The uniform machine's kernels take microseconds; a host that takes milliseconds per layer is
+  // the step's time: per step + microbatches x (per microbatch + layers x per layer), the
+  // kernels' parts unchanged. A negligible host leaves the step the kernels'; a compute or step
+  // kind the profile did not measure gets no host term.
+  auto m = uniform_machine();
+  const auto device = d9d::advise::predict_step_time(model(), {.microbatches = 3}, bf16(), m);
+  m.host["bf16_autocast"]["plain"] = {.per_layer = 1e-3, .per_microbatch = 2e-3, .per_step = 5e-3};
+  const auto bound = d9d::advise::predict_step_time(model(), {.microbatches = 3}, bf16(), m);
+  EXPECT_TRUE(near(bound.host, 5e-3 + 3 * (2e-3 + 4 * 1e-3))) << bound.host;
+  EXPECT_TRUE(near(bound.total, bound.host));
+  EXPECT_TRUE(near(bound.gemm, device.gemm));
+  EXPECT_GT(bound.total, 10 * device.total);
+  m.host["bf16_autocast"]["plain"] = {.per_layer = 1e-12, .per_microbatch = 0, .per_step = 0};
+  const auto light = d9d::advise::predict_step_time(model(), {.microbatches = 3}, bf16(), m);
+  EXPECT_TRUE(near(light.total, device.total));
+  EXPECT_TRUE(near(light.host, 3 * 4 * 1e-12));
+  const auto params = d9d::advise::predict_step_time(model(), {.microbatches = 3},
+                                                     bf16(Compute::bf16_parameters), m);
+  EXPECT_EQ(params.host, 0.0);
+  const auto tensor =
+      d9d::advise::predict_step_time(model(), {.tp = 2, .microbatches = 3}, bf16(), m);
+  EXPECT_EQ(tensor.host, 0.0) << "tp measured as its own kind";
+  m.host["bf16_autocast"]["tensor"] = {.per_layer = 1e-3, .per_microbatch = 0, .per_step = 0};
+  const auto tensor_bound =
+      d9d::advise::predict_step_time(model(), {.tp = 2, .microbatches = 3}, bf16(), m);
+  EXPECT_TRUE(near(tensor_bound.total, 3 * 4 * 1e-3));
+
+  // Under a pipeline each action takes its share of the stage's host time (the forward 0.34,
+  // the backward the rest): GPipe over pp 2 with 4 microbatches of 2 layers a stage runs
+  // (4 + 1) x the stage's host time, h = (2 x per layer + per microbatch) per microbatch, and the
+  // rank's host alone would take 4 h.
+  m.host["bf16_autocast"]["pipelined"] = {.per_layer = 1e-3, .per_microbatch = 2e-3,
+                                          .per_step = 0};
+  const auto piped = d9d::advise::predict_step_time(
+      model(), {.pp = 2, .schedule = "gpipe", .microbatches = 4}, bf16(), m);
+  const double h = 2 * 1e-3 + 2e-3;
+  EXPECT_NEAR(piped.host, 4 * h, 1e-12);
+  EXPECT_NEAR(piped.total, 5 * h, 1e-2 * h) << "the program at the host's action times";
+  EXPECT_NEAR(piped.bubble / (piped.total - piped.optimizer), 1.0 / 5, 1e-2);
 }
 
 TEST(Advise_StepTime, ErrorsNameTheFix) {

@@ -95,6 +95,10 @@ void print_step_time(const d9d::advise::StepTime& t, const std::string& device) 
       ms(t.gemm), ms(t.attention), ms(t.memory), ms(t.optimizer), ms(t.tensor_parallel),
       ms(t.context_parallel), ms(t.pipeline_p2p), ms(t.bubble), ms(t.data_parallel),
       ms(t.data_parallel_exposed));
+  if (t.host > 0) {
+    std::printf("  host issuing the step: %.1f ms%s\n", ms(t.host),
+                t.host >= t.total ? " (host-bound: the step's time)" : "");
+  }
 }
 
 }  // namespace

@@ -47,8 +47,12 @@
 //                 forward, input-gradient and weight-gradient times with the activations'
 //                 point-to-point transfer added to F and I; the idle time is the bubble
 // The step is the microbatches' compute (under a pipeline the program's makespan) plus the
-// optimizer and the exposed data-parallel communication. Not modelled: host time between
-// kernels (what bounds tensor parallelism's step today), expert parallelism, LoRA, Float8.
+// optimizer and the exposed data-parallel communication — unless the host takes longer to issue
+// it: where the profile measured the host's cost for the step's kind and compute (HostCost:
+// per decoder layer and microbatch, per microbatch and per step, tools/gpu/profile-host), the
+// step is the longer of the two, and under a pipeline every action takes the longer of its
+// kernels and its host time. Not modelled: the data-parallel strategies' own host work, expert
+// parallelism, LoRA, Float8.
 #pragma once
 
 #include <cstdint>
@@ -100,6 +104,17 @@ struct CollectiveCurve {
   [[nodiscard]] double seconds(int64_t bytes) const;
 };
 
+/// The host's time issuing a training step's work (one thread per rank dispatching operators and
+/// launching kernels, which the device runs asynchronously), measured by tools/gpu/profile-host:
+/// example 03's step on a model narrow enough that the device always waits for the host, at two
+/// layer counts and two microbatch counts, fitted as
+///   step = per_step + microbatches x (per_microbatch + layers x per_layer).
+struct HostCost {
+  double per_layer = 0;       ///< one decoder layer's forward and backward, one microbatch
+  double per_microbatch = 0;  ///< a microbatch's other work: embedding, head and loss, batching
+  double per_step = 0;        ///< the step's own: gradient norm and clipping, optimizer, metrics
+};
+
 /// What tools/gpu/profile-machine measured (its JSON: tools/gpu/profile_machine.py).
 struct MachineProfile {
   std::string device{};
@@ -109,6 +124,10 @@ struct MachineProfile {
   double memory_bytes_per_second = 0;  ///< an elementwise kernel's bytes read and written
   /// all_reduce, all_gather (bytes: its output), reduce_scatter (its input), all_to_all, p2p.
   std::map<std::string, CollectiveCurve, std::less<>> collectives{};
+  /// The host's costs by compute ("bf16_autocast", "bf16_parameters") and step kind: "plain" (no
+  /// pipeline, tp 1), "pipelined" (the pipeline executor's step) and "tensor" (tp > 1); what was
+  /// not measured is absent, and such steps get no host term.
+  std::map<std::string, std::map<std::string, HostCost, std::less<>>, std::less<>> host{};
 
   /// std::invalid_argument naming what is missing or malformed.
   [[nodiscard]] static MachineProfile from_json_text(std::string_view text);
@@ -127,6 +146,8 @@ struct MachineProfile {
   /// curve scaled by (group - 1) / group over (ranks - 1) / ranks (p2p: not scaled); 0 for a
   /// group of one. std::invalid_argument when the profile did not measure it (one GPU).
   [[nodiscard]] double collective_seconds(std::string_view name, int64_t bytes, int group) const;
+  /// The host's costs of a step of `kind` computing as `compute`, or null when not measured.
+  [[nodiscard]] const HostCost* host_cost(Compute compute, std::string_view kind) const;
 };
 
 /// What the Plan runs, besides its shape (the Candidate).
@@ -153,6 +174,9 @@ struct StepTime {
   double bubble = 0;                 ///< idle time of the pipeline program
   double data_parallel = 0;          ///< the data-parallel collectives' whole time
   double data_parallel_exposed = 0;  ///< the part on the step's time (all of it, so far)
+  /// The host's time issuing the step (0 where the profile has no HostCost for it); the step is
+  /// host-bound when it is `total`.
+  double host = 0;
   double total = 0;
   int64_t tokens = 0;  ///< the whole step's tokens (all ranks)
 
