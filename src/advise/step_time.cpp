@@ -472,11 +472,10 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
     // A stage's host time per microbatch: its layers' and, per action pair, the microbatch's own
     // (stages per rank times, so a rank's stages together pay it once per pp / stages).
     const double stage_host =
-        host == nullptr
-            ? 0.0
-            : (host->per_layer * static_cast<double>(config.num_hidden_layers) +
-               host->per_microbatch * static_cast<double>(candidate.pp)) *
-                  share;
+        host == nullptr ? 0.0
+                        : (host->per_layer * static_cast<double>(config.num_hidden_layers) +
+                           host->per_microbatch * static_cast<double>(candidate.pp)) *
+                              share;
     const pipeline::Costs stage{
         .forward = std::max(costs.forward * share + hop, kHostForwardShare * stage_host),
         .backward_input =
@@ -512,9 +511,9 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
     // The rank's layers and microbatches, as the host issues them one after the other.
     out.host = host->per_step +
                static_cast<double>(m) *
-                   (host->per_microbatch +
-                    host->per_layer * static_cast<double>(config.num_hidden_layers) /
-                        static_cast<double>(candidate.pp));
+                   (host->per_microbatch + host->per_layer *
+                                               static_cast<double>(config.num_hidden_layers) /
+                                               static_cast<double>(candidate.pp));
     out.total = std::max(out.total, out.host);
   }
   return out;

@@ -121,6 +121,24 @@ struct WeightGrad {
   }
 };
 
+// Weight gradients of one backward, each with the index of its forward argument: pushed as one job
+// while the node's queue defers (W), else computed into `out` at those indices.
+using WeightGradJobs = std::vector<std::pair<size_t, WeightGrad>>;
+void queue_or_compute(torch::autograd::AutogradContext* ctx, WeightGradJobs jobs,
+                      torch::autograd::variable_list& out) {
+  if (auto* queue = deferring_queue(ctx); queue != nullptr && !jobs.empty()) {
+    queue->push([jobs = std::move(jobs)]() mutable {
+      for (auto& job : jobs) {
+        job.second.run();
+      }
+    });
+    return;
+  }
+  for (const auto& [index, job] : jobs) {
+    out[index] = job.compute().first;
+  }
+}
+
 // y = x W^T (+ b) whose backward can queue the weight-gradient GEMM (see d9d/core/weight_grad.hpp).
 // Two variants, because every tensor argument of an autograd function must be defined.
 template <bool HasBias>
@@ -244,7 +262,7 @@ struct FanOutLinear : torch::autograd::Function<FanOutLinear> {
     }
     const auto rows = xc.reshape({-1, xc.size(-1)});
     const auto weights = ctx->saved_data["weights"].toTensorVector();
-    std::vector<std::pair<size_t, WeightGrad>> jobs;
+    WeightGradJobs jobs;
     for (size_t i = 0; i < layers; ++i) {
       if (grad_rows[i].defined() && ctx->needs_input_grad(i + 1)) {
         jobs.emplace_back(i + 1, WeightGrad{.grad_out = grad_rows[i],
@@ -253,17 +271,7 @@ struct FanOutLinear : torch::autograd::Function<FanOutLinear> {
                                             .bias = at::Tensor()});
       }
     }
-    if (auto* queue = deferring_queue(ctx); queue != nullptr && !jobs.empty()) {
-      queue->push([jobs = std::move(jobs)]() mutable {
-        for (auto& job : jobs) {
-          job.second.run();
-        }
-      });
-      return out;
-    }
-    for (const auto& [index, job] : jobs) {
-      out[index] = job.compute().first;
-    }
+    queue_or_compute(ctx, std::move(jobs), out);
     return out;
   }
 };
@@ -368,7 +376,7 @@ struct LowRankLinear : torch::autograd::Function<LowRankLinear> {
       out[0] = dx.view(xc.sizes());
     }
     // W's, A's and B's gradients, each as Linear's weight gradient of its own (input, output).
-    std::vector<std::pair<int, WeightGrad>> jobs;
+    WeightGradJobs jobs;
     if (ctx->needs_input_grad(1)) {
       jobs.emplace_back(1, WeightGrad{.grad_out = g,
                                       .input = rows,
@@ -387,17 +395,7 @@ struct LowRankLinear : torch::autograd::Function<LowRankLinear> {
                                       .weight = ctx->saved_data["b"].toTensor(),
                                       .bias = at::Tensor()});
     }
-    if (auto* queue = deferring_queue(ctx); queue != nullptr && !jobs.empty()) {
-      queue->push([jobs = std::move(jobs)]() mutable {
-        for (auto& job : jobs) {
-          job.second.run();
-        }
-      });
-      return out;
-    }
-    for (const auto& [index, job] : jobs) {
-      out[static_cast<size_t>(index)] = job.compute().first;
-    }
+    queue_or_compute(ctx, std::move(jobs), out);
     return out;
   }
 };

@@ -348,8 +348,7 @@ TEST(Advise_StepTime, TheHostBoundsTheStepWhereItWasMeasured) {
   // the backward the rest): GPipe over pp 2 with 4 microbatches of 2 layers a stage runs
   // (4 + 1) x the stage's host time, h = (2 x per layer + per microbatch) per microbatch, and the
   // rank's host alone would take 4 h.
-  m.host["bf16_autocast"]["pipelined"] = {.per_layer = 1e-3, .per_microbatch = 2e-3,
-                                          .per_step = 0};
+  m.host["bf16_autocast"]["pipelined"] = {.per_layer = 1e-3, .per_microbatch = 2e-3, .per_step = 0};
   const auto piped = d9d::advise::predict_step_time(
       model(), {.pp = 2, .schedule = "gpipe", .microbatches = 4}, bf16(), m);
   const double h = 2 * 1e-3 + 2e-3;

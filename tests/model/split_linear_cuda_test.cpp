@@ -6,6 +6,7 @@
 // bfloat16 operands' products to float32 accumulation — a bfloat16 product rounded before the add
 // would be ~1e-3 off.
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -121,7 +122,7 @@ TEST(Model_FanOutLinear_Cuda, Bf16MixedGradientsAreTheFloat32Products) {
       torch::autograd::backward(out, grads);
     }
     queue.drain();
-    auto want_x = at::zeros({2 * 96, 256}, at::kDouble);
+    auto want_x = at::zeros({int64_t{2} * 96, 256}, at::kDouble);
     const std::vector<d9d::model::Linear*> layers{&first, &second};
     for (size_t i = 0; i < 2; ++i) {
       const auto& weight = (*layers[i])->weight;

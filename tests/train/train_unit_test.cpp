@@ -558,6 +558,7 @@ TEST(Model_FanOutLinear, EqualsEachLayersForwardWithAndWithoutDeferredWeightGrad
   const auto x0 = at::randn({2, 5, 12}, at::kDouble);
   const std::vector<int64_t> outs{7, 3, 4};
   std::vector<at::Tensor> w0;
+  w0.reserve(outs.size());
   for (const auto out : outs) {
     w0.push_back(at::randn({out, 12}, at::kDouble));
   }
@@ -576,6 +577,7 @@ TEST(Model_FanOutLinear, EqualsEachLayersForwardWithAndWithoutDeferredWeightGrad
   const auto want_x = x0.clone().requires_grad_();
   const auto want_layers = make_layers();
   std::vector<at::Tensor> want_out;
+  want_out.reserve(want_layers.size());
   for (const auto& layer : want_layers) {
     want_out.push_back(at::linear(want_x, layer->weight));
   }
