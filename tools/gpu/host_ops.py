@@ -10,9 +10,10 @@ gaps) gets faster by issuing fewer operators: this lists which ones, and how man
 """
 import bisect
 import collections
-import json
 import re
 import sys
+
+from trace_summary import read_trace  # this directory, which Python puts first on the path
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
             "cudaMemcpyAsync", "cudaMemsetAsync", "cudaLaunchCooperativeKernel")
@@ -36,10 +37,7 @@ def name_of(e):
 
 
 def main() -> None:
-    trace = json.load(open(sys.argv[1]))
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-    top = int(sys.argv[3]) if len(sys.argv) > 3 else 40
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    events, steps, top = read_trace(sys.argv)
     ops = collections.defaultdict(list)
     for e in events:
         if e.get("cat") == "cpu_op":

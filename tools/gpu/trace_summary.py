@@ -18,11 +18,17 @@ import re
 import sys
 
 
+def read_trace(argv):
+    """The complete events of the trace argv[1], and the traced steps (argv[2], default 2) and how
+    many rows to list (argv[3], default 40): the command line of this script and host_ops.py."""
+    trace = json.load(open(argv[1]))
+    steps = int(argv[2]) if len(argv) > 2 else 2
+    top = int(argv[3]) if len(argv) > 3 else 40
+    return [e for e in trace["traceEvents"] if e.get("ph") == "X"], steps, top
+
+
 def main() -> None:
-    trace = json.load(open(sys.argv[1]))
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-    top = int(sys.argv[3]) if len(sys.argv) > 3 else 40
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    events, steps, top = read_trace(sys.argv)
     phases = collections.defaultdict(float)
     for e in events:
         if e.get("cat") == "user_annotation" and e["name"].startswith("d9d::"):
