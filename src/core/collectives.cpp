@@ -44,6 +44,18 @@ at::Tensor staged(const ProcessGroup& group, const at::Tensor& tensor) {
   return tensor.to(group.device(), /*non_blocking=*/false, /*copy=*/true).contiguous();
 }
 
+// `tensor` itself when it is contiguous on the group's device (for collectives that only read
+// their input), else a contiguous copy there.
+at::Tensor readable(const ProcessGroup& group, const at::Tensor& tensor) {
+  if (!tensor.defined()) {
+    throw std::invalid_argument("d9d collectives: undefined tensor");
+  }
+  if (tensor.device() == group.device() && tensor.is_contiguous()) {
+    return tensor;
+  }
+  return tensor.to(group.device()).contiguous();
+}
+
 at::Tensor finish_avg(at::Tensor result, const ProcessGroup& group, ReduceOp op) {
   if (op == ReduceOp::avg) {
     if (at::isIntegralType(result.scalar_type(), /*includeBool=*/true)) {
@@ -134,7 +146,28 @@ std::vector<at::Tensor> all_gather(const ProcessGroup& group, const at::Tensor& 
 }
 
 at::Tensor all_gather_cat(const ProcessGroup& group, const at::Tensor& tensor, int64_t dim) {
-  return at::cat(all_gather(group, tensor), dim);
+  if (group.size() <= 1) {
+    return tensor.clone();
+  }
+  if (tensor.dim() == 0) {
+    throw std::invalid_argument("d9d::all_gather_cat: tensor must have at least one dimension");
+  }
+  dim = at::maybe_wrap_dim(dim, tensor.dim());
+  // One collective into [size, ...] (the ranks' tensors one after another), then the rank
+  // dimension moved in front of `dim` and merged with it: a view for dim 0, else one copy
+  // (instead of a buffer per rank, the backend's copies into them and a concatenation).
+  const auto input = readable(group, tensor);
+  auto sizes = input.sizes().vec();
+  // The backends take the output as the inputs concatenated along dim 0.
+  auto flat = sizes;
+  flat[0] *= group.size();
+  auto output = at::empty(flat, input.options());
+  auto source = input;
+  group.backend()->_allgather_base(output, source)->wait();
+  std::vector<int64_t> ranked = {group.size()};
+  ranked.insert(ranked.end(), sizes.begin(), sizes.end());
+  sizes[static_cast<std::size_t>(dim)] *= group.size();
+  return output.view(ranked).movedim(0, dim).reshape(sizes).to(tensor.device());
 }
 
 std::vector<at::Tensor> all_gather_varying(const ProcessGroup& group, const at::Tensor& tensor) {
@@ -262,16 +295,24 @@ at::Tensor reduce_scatter(const ProcessGroup& group, const at::Tensor& input, in
   if (size <= 1) {
     return input.clone();
   }
-  auto staged_input = staged(group, input);
-  std::vector<std::vector<at::Tensor>> inputs(1);
-  for (auto& chunk : staged_input.chunk(size, dim)) {
-    inputs[0].push_back(chunk.contiguous());
-  }
-  std::vector<at::Tensor> outputs = {at::empty_like(inputs[0][0])};
+  // The chunks along `dim` laid out one after another ([size, ...]: a view for dim 0, else one
+  // copy) and reduced by one collective into this rank's chunk (instead of a copy per chunk and
+  // the backend's copy of them into one buffer). The input is only read.
+  const auto readable_input = readable(group, input);
+  auto sizes = readable_input.sizes().vec();
+  const auto d = static_cast<std::size_t>(dim);
+  sizes[d] /= size;
+  auto split = sizes;
+  split.insert(split.begin() + dim, size);
+  // As the backends take it: the chunks concatenated along dim 0.
+  auto flat = sizes;
+  flat[0] *= size;
+  auto chunks = readable_input.view(split).movedim(dim, 0).contiguous().view(flat);
+  auto output = at::empty(sizes, readable_input.options());
   c10d::ReduceScatterOptions options;
   options.reduceOp = to_c10d(op);
-  group.backend()->reduce_scatter(outputs, inputs, options)->wait();
-  return finish_avg(outputs[0], group, op).to(input.device());
+  group.backend()->_reduce_scatter_base(output, chunks, options)->wait();
+  return finish_avg(output, group, op).to(input.device());
 }
 
 at::Tensor all_to_all(const ProcessGroup& group, const at::Tensor& input,

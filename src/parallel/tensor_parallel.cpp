@@ -208,9 +208,19 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     return rows.sum();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto grad = ctx->saved_data["grad"].toTensor();
+    // The saved softmax − one-hot is scaled in place and handed over (this node's only use of it),
+    // then rounded once into the logits' dtype: no second working-size temporary beside it, which
+    // under bf16 was the tensor-parallel step's peak (a float32 [N, V / tp] product).
+    const auto saved = ctx->saved_data.find("grad");
+    if (saved == ctx->saved_data.end()) {
+      throw std::logic_error(
+          "d9d::parallel: the loss-parallel cross-entropy's backward ran twice; its gradient is "
+          "used up by the first (backward with retain_graph through this loss is not supported)");
+    }
+    auto grad = saved->second.toTensor();
+    ctx->saved_data.erase(saved);
     const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    return {(grad * grads[0]).to(dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad.mul_(grads[0]).to(dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

@@ -188,6 +188,15 @@ TEST_P(Core_World, AllReduceAllGatherBroadcast) {
     EXPECT_TRUE(
         at::equal(d9d::all_reduce(world, mine, d9d::ReduceOp::min), std::get<0>(stacked.min(0))));
     EXPECT_TRUE(at::equal(d9d::all_gather_cat(world, mine, 1), at::cat(all, 1)));
+    EXPECT_TRUE(at::equal(d9d::all_gather_cat(world, mine), at::cat(all, 0)));
+    EXPECT_TRUE(at::equal(d9d::all_gather_cat(world, mine, -1), at::cat(all, 1)));
+    // A middle dimension of a 3-d tensor, and a non-contiguous input.
+    const auto cube = (at::arange(24, opts).reshape({2, 3, 4}) + 100 * r).transpose(0, 2);
+    std::vector<at::Tensor> cubes;
+    for (int k = 0; k < n; ++k) {
+      cubes.push_back((at::arange(24, opts).reshape({2, 3, 4}) + 100 * k).transpose(0, 2));
+    }
+    EXPECT_TRUE(at::equal(d9d::all_gather_cat(world, cube, 1), at::cat(cubes, 1)));
     EXPECT_FALSE(mine.is_same(d9d::all_reduce(world, mine)));  // a new tensor
     const int src = n - 1;
     EXPECT_TRUE(at::equal(d9d::broadcast(world, mine, src), all[static_cast<std::size_t>(src)]));
@@ -240,8 +249,22 @@ TEST_P(Core_World, ReduceScatterAndUnevenAllToAll) {
     for (int k = 0; k < n; ++k) {
       total += input_of(k);
     }
-    EXPECT_TRUE(at::allclose(d9d::reduce_scatter(world, input_of(r)),
+    const auto mine = input_of(r);
+    EXPECT_TRUE(at::allclose(d9d::reduce_scatter(world, mine),
                              total.chunk(n, 0)[static_cast<std::size_t>(r)]));
+    EXPECT_TRUE(at::equal(mine, input_of(r))) << "the input is only read";
+    // Along a middle dimension (as sequence parallelism scatters [B, T, H] by tokens), averaged.
+    const auto wide_of = [&](int k) {
+      return at::arange(3 * n * 2 * 2, opts).reshape({3, n * 2, 2}) * (k + 1);
+    };
+    at::Tensor wide_total = at::zeros({3, n * 2, 2}, opts);
+    for (int k = 0; k < n; ++k) {
+      wide_total += wide_of(k);
+    }
+    const auto wide = wide_of(r);
+    EXPECT_TRUE(at::allclose(d9d::reduce_scatter(world, wide, 1, d9d::ReduceOp::avg),
+                             wide_total.chunk(n, 1)[static_cast<std::size_t>(r)] / n));
+    EXPECT_TRUE(at::equal(wide, wide_of(r)));
     // Rank k sends (k + j) % 3 rows to rank j; rows carry (sender, receiver, index).
     const auto count = [](int from, int to) -> int64_t { return (from + to) % 3; };
     std::vector<int64_t> send_splits;

@@ -17,6 +17,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <d9d/advise/memory_meter.hpp>
 #include <d9d/core/collectives.hpp>
 #include <d9d/model/hf.hpp>
 
@@ -175,6 +176,46 @@ void expect_loss_parallel_equals_full(const d9d::DeviceMesh& mesh) {
       at::kFloat);
 }
 
+// bfloat16 logits: the gradient is the float32 one rounded once to bfloat16, and the backward
+// allocates only that gradient (no float32 product of the logits' size beside the saved float32
+// softmax − one-hot, which was the bf16 tensor-parallel step's peak).
+void expect_bf16_loss_parallel_backward(const d9d::DeviceMesh& mesh) {
+  const auto group =
+      d9d::parallel::detail::make_tensor_parallel_group(mesh.group(d9d::MeshDomain::regular, "tp"));
+  const int64_t rows = 256;
+  const int64_t vocab = 512;
+  auto generator = at::detail::createCPUGenerator(29);
+  const auto logits = (at::randn({rows, vocab}, generator, at::kFloat) * 4.0).to(at::kBFloat16);
+  auto labels = at::randint(vocab, {rows}, generator, at::kLong);
+  labels.index_fill_(0, at::arange(0, rows, 7), -100);
+  const int64_t part = vocab / group->size();
+  const int64_t start = part * group->rank();
+  const auto wide = logits.narrow(1, start, part).to(at::kFloat).requires_grad_(true);
+  (group->cross_entropy_sum(wide, labels, start, -100) * 0.37).backward();
+  const auto narrow = logits.narrow(1, start, part).clone().requires_grad_(true);
+  const auto loss = group->cross_entropy_sum(narrow, labels, start, -100) * 0.37;
+  int64_t allocated = 0;
+  {
+    d9d::advise::CpuMemoryMeter meter;
+    loss.backward();
+    allocated = meter.peak();
+  }
+  ASSERT_EQ(narrow.grad().scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(narrow.grad(), wide.grad().to(at::kBFloat16)));
+  const auto gradient = static_cast<int64_t>(narrow.grad().nbytes());
+  EXPECT_GE(allocated, gradient);
+  // The product in float32 would add rows x part x 4 bytes; a few small blocks (the seed gradient,
+  // the scale's) are allowed.
+  EXPECT_LT(allocated, gradient + 4096) << "the backward allocated " << allocated << " bytes";
+  // Its backward hands the saved gradient over, so a second backward through a retained graph
+  // says so instead of scaling it twice.
+  const auto again = logits.narrow(1, start, part).clone().requires_grad_(true);
+  const auto retained = group->cross_entropy_sum(again, labels, start, -100);
+  retained.backward({}, /*retain_graph=*/true);
+  EXPECT_THAT([&] { retained.backward(); },
+              testing::ThrowsMessage<std::exception>(testing::HasSubstr("ran twice")));
+}
+
 // The model under tp 2 gives the one-process logits (gathered) and loss.
 void expect_model_matches(const d9d::DistributedContext& ctx, bool tied) {
   const auto config = d9d::model::Qwen3Config::from_json_text(d9d::testing::tiny_qwen3_json(tied));
@@ -210,6 +251,7 @@ TEST(Parallel_TensorParallel_tp2, MatchesOneProcess) {
     const auto ctx = d9d::testing::rank_context(env);
     const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
     expect_loss_parallel_equals_full(d9d::DeviceMesh(ctx, d9d::MeshShape{.tp = 2}));
+    expect_bf16_loss_parallel_backward(d9d::DeviceMesh(ctx, d9d::MeshShape{.tp = 2}));
     for (const bool tied : {false, true}) {
       expect_model_matches(ctx, tied);
       const auto want = reference(env, ctx, tied);
