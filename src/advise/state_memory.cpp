@@ -4,12 +4,14 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <c10/core/ScalarType.h>
 
 #include <d9d/advise/state_memory.hpp>
 #include <d9d/model/qwen3.hpp>
+#include <d9d/model/qwen3_moe.hpp>
 #include <d9d/model/stage_layers.hpp>
 
 namespace d9d::advise {
@@ -24,10 +26,31 @@ int64_t product(const std::vector<int64_t>& sizes) {
   return n;
 }
 
+// A MoE layer's block as MoeLayer registers it: the router, the routed experts, then the shared
+// expert (a SwiGlu) and its one-output gate when the config has them.
+void moe_parameters(const model::Qwen3MoeConfig& config, const std::string& prefix,
+                    std::vector<ParameterShape>& out) {
+  const int64_t h = config.hidden_size;
+  const int64_t e = config.num_experts;
+  const int64_t i = config.moe_intermediate_size;
+  out.push_back({.name = prefix + "mlp.gate.weight", .sizes = {e, h}});
+  out.push_back({.name = prefix + "mlp.experts.gate_proj", .sizes = {e, i, h}, .expert = true});
+  out.push_back({.name = prefix + "mlp.experts.up_proj", .sizes = {e, i, h}, .expert = true});
+  out.push_back({.name = prefix + "mlp.experts.down_proj", .sizes = {e, h, i}, .expert = true});
+  if (const int64_t shared = config.shared_expert_intermediate_size; shared > 0) {
+    out.push_back({.name = prefix + "mlp.shared_expert.gate_proj.weight", .sizes = {shared, h}});
+    out.push_back({.name = prefix + "mlp.shared_expert.up_proj.weight", .sizes = {shared, h}});
+    out.push_back({.name = prefix + "mlp.shared_expert.down_proj.weight", .sizes = {h, shared}});
+    out.push_back({.name = prefix + "mlp.shared_expert_gate.weight", .sizes = {1, h}});
+  }
+}
+
 // A stage's parameters as detail::register_stage_modules registers them: "model.embed_tokens"
 // (first stage, or a last stage holding a tied head's copy), "model.layers.<i>..." for the
-// stage's layers, "model.norm" (last), "lm_head" (last, untied).
-std::vector<ParameterShape> stage_parameters(const model::Qwen3Config& config, bool first,
+// stage's layers, "model.norm" (last), "lm_head" (last, untied). `moe`: the config again as a
+// Qwen3-MoE's (its MoE layers get the MoE block), or nullptr for the dense model.
+std::vector<ParameterShape> stage_parameters(const model::Qwen3Config& config,
+                                             const model::Qwen3MoeConfig* moe, bool first,
                                              bool last, model::LayerRange layers) {
   const int64_t h = config.hidden_size;
   const int64_t d = config.head_dim;
@@ -56,6 +79,10 @@ std::vector<ParameterShape> stage_parameters(const model::Qwen3Config& config, b
     out.push_back({.name = prefix + "self_attn.q_norm.weight", .sizes = {d}});
     out.push_back({.name = prefix + "self_attn.k_norm.weight", .sizes = {d}});
     out.push_back({.name = prefix + "post_attention_layernorm.weight", .sizes = {h}});
+    if (moe != nullptr && moe->is_moe_layer(layer)) {
+      moe_parameters(*moe, prefix, out);
+      continue;
+    }
     out.push_back(
         {.name = prefix + "mlp.gate_proj.weight", .sizes = {i, h}, .tensor_split_dim = 0});
     out.push_back({.name = prefix + "mlp.up_proj.weight", .sizes = {i, h}, .tensor_split_dim = 0});
@@ -72,17 +99,11 @@ std::vector<ParameterShape> stage_parameters(const model::Qwen3Config& config, b
   return out;
 }
 
-}  // namespace
-
-int64_t ParameterShape::numel() const { return product(sizes); }
-
-std::vector<ParameterShape> qwen3_parameters(const model::Qwen3Config& config) {
-  return stage_parameters(config, true, true,
-                          {.begin = 0, .end = static_cast<int>(config.num_hidden_layers)});
-}
-
-std::vector<ParameterShape> qwen3_stage_parameters(const model::Qwen3Config& config, int stage,
-                                                   int stages, int64_t sequence_length) {
+// The dense model's (moe == nullptr) or a Qwen3-MoE's stage `stage` of `stages`, split as the
+// providers split them (pipeline_virtual_layers of the config's own type).
+template <class Config>
+std::vector<ParameterShape> stage_of(const Config& config, int stage, int stages,
+                                     int64_t sequence_length) {
   if (stages < 1 || stage < 0 || stage >= stages) {
     throw std::invalid_argument("d9d::advise::qwen3_stage_parameters: stage " +
                                 std::to_string(stage) + " is not one of " + std::to_string(stages) +
@@ -91,13 +112,17 @@ std::vector<ParameterShape> qwen3_stage_parameters(const model::Qwen3Config& con
   const auto ranges =
       model::distribute_layers(static_cast<int>(config.num_hidden_layers), stages,
                                model::pipeline_virtual_layers(config, sequence_length));
-  return stage_parameters(config, stage == 0, stage == stages - 1,
+  const model::Qwen3MoeConfig* moe = nullptr;
+  if constexpr (std::is_same_v<Config, model::Qwen3MoeConfig>) {
+    moe = &config;
+  }
+  return stage_parameters(config, moe, stage == 0, stage == stages - 1,
                           ranges[static_cast<std::size_t>(stage)]);
 }
 
-std::vector<ParameterShape> qwen3_rank_parameters(const model::Qwen3Config& config,
-                                                  const pipeline::Program& program, int pp_rank,
-                                                  int64_t sequence_length) {
+template <class Config>
+std::vector<ParameterShape> rank_of(const Config& config, const pipeline::Program& program,
+                                    int pp_rank, int64_t sequence_length) {
   if (pp_rank < 0 || pp_rank >= program.pp) {
     throw std::invalid_argument("d9d::advise::qwen3_rank_parameters: pipeline rank " +
                                 std::to_string(pp_rank) + " of a program for " +
@@ -106,10 +131,57 @@ std::vector<ParameterShape> qwen3_rank_parameters(const model::Qwen3Config& conf
   std::vector<ParameterShape> out;
   for (const int stage :
        pipeline::rank_stages(program.placement, program.pp, program.stages_per_rank, pp_rank)) {
-    auto part = qwen3_stage_parameters(config, stage, program.stages(), sequence_length);
+    auto part = stage_of(config, stage, program.stages(), sequence_length);
     out.insert(out.end(), part.begin(), part.end());
   }
   return out;
+}
+
+}  // namespace
+
+int64_t ParameterShape::numel() const { return product(sizes); }
+
+std::vector<ParameterShape> qwen3_parameters(const model::Qwen3Config& config) {
+  return stage_parameters(config, nullptr, true, true,
+                          {.begin = 0, .end = static_cast<int>(config.num_hidden_layers)});
+}
+
+std::vector<ParameterShape> qwen3_parameters(const model::Qwen3MoeConfig& config) {
+  return stage_parameters(config, &config, true, true,
+                          {.begin = 0, .end = static_cast<int>(config.num_hidden_layers)});
+}
+
+std::vector<ParameterShape> qwen3_stage_parameters(const model::Qwen3Config& config, int stage,
+                                                   int stages, int64_t sequence_length) {
+  return stage_of(config, stage, stages, sequence_length);
+}
+
+std::vector<ParameterShape> qwen3_stage_parameters(const model::Qwen3MoeConfig& config, int stage,
+                                                   int stages, int64_t sequence_length) {
+  return stage_of(config, stage, stages, sequence_length);
+}
+
+std::vector<ParameterShape> qwen3_rank_parameters(const model::Qwen3Config& config,
+                                                  const pipeline::Program& program, int pp_rank,
+                                                  int64_t sequence_length) {
+  return rank_of(config, program, pp_rank, sequence_length);
+}
+
+std::vector<ParameterShape> qwen3_rank_parameters(const model::Qwen3MoeConfig& config,
+                                                  const pipeline::Program& program, int pp_rank,
+                                                  int64_t sequence_length) {
+  return rank_of(config, program, pp_rank, sequence_length);
+}
+
+int expert_replicate_ranks(const MeshShape& shape) {
+  const auto stage = static_cast<int>(shape.stage_size());
+  if (shape.ep < 1 || shape.dp_replicate < 1 || stage % shape.ep != 0) {
+    throw std::invalid_argument("d9d::advise::expert_replicate_ranks: ep = " +
+                                std::to_string(shape.ep) + " does not divide a stage's " +
+                                std::to_string(stage) + " ranks");
+  }
+  const int replicas = (stage / shape.dp_replicate) % shape.ep == 0 ? shape.dp_replicate : 1;
+  return stage / (replicas * shape.ep);
 }
 
 int64_t shard_rows(int64_t rows, int ranks, int rank) {
@@ -123,11 +195,18 @@ int64_t shard_rows(int64_t rows, int ranks, int rank) {
 }
 
 StateBytes state_bytes(const std::vector<ParameterShape>& parameters, const StateRules& rules,
-                       int shard_rank) {
+                       int shard_rank, int expert_shard_rank) {
   if (rules.shard_ranks < 1 || shard_rank < 0 || shard_rank >= rules.shard_ranks) {
     throw std::invalid_argument("d9d::advise::state_bytes: shard rank " +
                                 std::to_string(shard_rank) + " outside a group of " +
                                 std::to_string(rules.shard_ranks));
+  }
+  if (rules.expert_ranks < 1 || rules.expert_shard_ranks < 1 || expert_shard_rank < 0 ||
+      expert_shard_rank >= rules.expert_shard_ranks) {
+    throw std::invalid_argument("d9d::advise::state_bytes: expert shard rank " +
+                                std::to_string(expert_shard_rank) + " outside a group of " +
+                                std::to_string(rules.expert_shard_ranks) + " (expert ranks " +
+                                std::to_string(rules.expert_ranks) + ")");
   }
   const auto size = [](at::ScalarType dtype) {
     return static_cast<int64_t>(c10::elementSize(dtype));
@@ -149,13 +228,24 @@ StateBytes state_bytes(const std::vector<ParameterShape>& parameters, const Stat
       }
       split /= rules.tensor_ranks;
     }
+    const bool expert = rules.expert_parallel && p.expert;
+    if (expert) {
+      if (sizes.empty() || sizes.front() % rules.expert_ranks != 0) {
+        throw std::invalid_argument("d9d::advise::state_bytes: " + p.name +
+                                    "'s experts do not split over " +
+                                    std::to_string(rules.expert_ranks) + " expert ranks");
+      }
+      sizes.front() /= rules.expert_ranks;
+    }
     int64_t numel = product(sizes);
     if (!p.trained) {
       out.parameters += numel * size(rules.parameters);
       continue;
     }
-    if (rules.shard_ranks > 1 && !sizes.empty() && sizes.front() > 0) {
-      numel = numel / sizes.front() * shard_rows(sizes.front(), rules.shard_ranks, shard_rank);
+    const int ranks = expert ? rules.expert_shard_ranks : rules.shard_ranks;
+    const int rank = expert ? expert_shard_rank : shard_rank;
+    if (ranks > 1 && !sizes.empty() && sizes.front() > 0) {
+      numel = numel / sizes.front() * shard_rows(sizes.front(), ranks, rank);
     }
     out.parameters += numel * size(rules.parameters);
     out.gradients += numel * size(rules.gradients);
@@ -176,6 +266,15 @@ GatheredBytes fully_shard_gathered_bytes(const std::vector<ParameterShape>& para
   int64_t rest = 0;
   const auto element = static_cast<int64_t>(c10::elementSize(gathered));
   for (const auto& p : parameters) {
+    if (rules.expert_parallel && p.expert) {
+      if (rules.expert_shard_ranks > 1) {
+        throw std::invalid_argument(
+            "d9d::advise::fully_shard_gathered_bytes: the experts' own FullyShard units "
+            "(ep_replicate = " +
+            std::to_string(rules.expert_shard_ranks) + ") are not predicted yet");
+      }
+      continue;  // the expert domain's: FullyShard leaves them whole
+    }
     auto numel = product(p.sizes);
     if (rules.tensor_ranks > 1 && p.tensor_split_dim >= 0) {
       numel /= rules.tensor_ranks;

@@ -2,9 +2,10 @@
 // every rank's parameter, gradient and AdamW-moment bytes, exactly, after three steps of the tiny
 // Qwen3, under Replicate (2 Gloo ranks), FullyShard (3 ranks, so rows split unevenly) in four
 // precisions, tensor parallelism (alone, with sequence parallelism, x FullyShard on 4 ranks) and
-// pipelines (1F1B, ZBV with a tied head, 1F1B x FullyShard on 4 ranks); the parameter lists against
-// the model's and the stages' own; torch.chunk's row rule; and the Plans not predicted yet are
-// refused by name.
+// pipelines (1F1B, ZBV with a tied head, 1F1B x FullyShard on 4 ranks), and a Qwen3-MoE under
+// expert parallelism (ep 2, x FullyShard 2 and 4) and FullyShard alone; the parameter lists
+// against the model's and the stages' own; torch.chunk's row rule; expert parallelism's rules;
+// and the Plans not predicted yet are refused by name.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -100,13 +101,6 @@ TEST(Advise_StateMemory, ShardRowsFollowTorchChunk) {
 TEST(Advise_StateMemory, PlansNotPredictedYetAreRefusedByName) {
   EXPECT_THAT(
       d9d::testing::error_of([&] {
-        (void)d9d::advise::state_rules<
-            d9d::Plan<d9d::mesh<d9d::dp_shard<2>, d9d::ep<2>>, d9d::parallel::ExpertParallel<>>>(
-            d9d::MeshShape{.dp_shard = 2, .ep = 2});
-      }),
-      HasSubstr("expert parallelism is not predicted yet"));
-  EXPECT_THAT(
-      d9d::testing::error_of([&] {
         (void)d9d::advise::state_rules<d9d::Plan<d9d::precision::Float8<>>>(d9d::MeshShape{});
       }),
       HasSubstr("Float8 is not predicted yet"));
@@ -116,11 +110,67 @@ TEST(Advise_StateMemory, PlansNotPredictedYetAreRefusedByName) {
               HasSubstr("PEFT policy other than FullTune is not predicted yet"));
 }
 
+// Expert parallelism's rules: the experts over ep_shard and, under FullyShard, over the expert
+// domain's ep_replicate (d9d::DeviceMesh's rule; HSDP replicas stay outside it when the expert
+// groups fit in one).
+TEST(Advise_StateMemory, ExpertParallelRulesFollowTheExpertDomain) {
+  using ShardEp = d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::ep<d9d::dynamic>>,
+                            d9d::parallel::ExpertParallel<>, d9d::parallel::FullyShard<>>;
+  const auto sharded = d9d::advise::state_rules<ShardEp>(d9d::MeshShape{.dp_shard = 8, .ep = 2});
+  EXPECT_TRUE(sharded.expert_parallel);
+  EXPECT_EQ(sharded.shard_ranks, 8);
+  EXPECT_EQ(sharded.expert_ranks, 2);
+  EXPECT_EQ(sharded.expert_shard_ranks, 4);
+  EXPECT_EQ(d9d::advise::state_rules<ShardEp>(d9d::MeshShape{.dp_shard = 2, .ep = 2})
+                .expert_shard_ranks,
+            1);
+  EXPECT_EQ(d9d::advise::expert_replicate_ranks(d9d::MeshShape{.dp_replicate = 2, .dp_shard = 4,
+                                                               .ep = 4}),
+            1);
+  EXPECT_EQ(d9d::advise::expert_replicate_ranks(d9d::MeshShape{.dp_replicate = 2, .dp_shard = 2,
+                                                               .ep = 4}),
+            1);
+  using ReplicateEp = d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::ep<d9d::dynamic>>,
+                                d9d::parallel::ExpertParallel<>>;
+  const auto whole = d9d::advise::state_rules<ReplicateEp>(d9d::MeshShape{.dp_replicate = 4, .ep = 2});
+  EXPECT_EQ(whole.expert_ranks, 2);
+  EXPECT_EQ(whole.expert_shard_ranks, 1);
+  EXPECT_EQ(whole.shard_ranks, 1);
+  // Experts that do not split over ep are refused by name.
+  auto config = d9d::model::Qwen3MoeConfig::from_json_text(d9d::testing::tiny_qwen3_moe_json());
+  config.num_experts = 3;
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                (void)d9d::advise::state_bytes(d9d::advise::qwen3_parameters(config), whole, 0);
+              }),
+              HasSubstr("experts do not split over 2 expert ranks"));
+}
+
+// A Qwen3-MoE's parameters are the model's own, in order, with the experts marked (layer 2 dense).
+TEST(Advise_StateMemory, Qwen3MoeParametersAreTheModelsOwnInOrder) {
+  auto config = d9d::model::Qwen3MoeConfig::from_json_text(d9d::testing::tiny_qwen3_moe_json());
+  for (const int64_t shared : {0, 24}) {
+    config.shared_expert_intermediate_size = shared;
+    d9d::model::Qwen3MoeForCausalLM model(config);
+    const auto predicted = d9d::advise::qwen3_parameters(config);
+    const auto actual = model->named_parameters();
+    ASSERT_EQ(predicted.size(), actual.size()) << "shared expert " << shared;
+    int experts = 0;
+    for (std::size_t k = 0; k < predicted.size(); ++k) {
+      EXPECT_EQ(predicted[k].name, actual[k].key());
+      EXPECT_EQ(predicted[k].sizes, actual[k].value().sizes().vec()) << predicted[k].name;
+      EXPECT_EQ(predicted[k].expert, predicted[k].name.find(".mlp.experts.") != std::string::npos);
+      experts += predicted[k].expert ? 1 : 0;
+    }
+    EXPECT_EQ(experts, 3 * 3);  // three MoE layers of four
+  }
+}
+
 // Three steps of `Plan`, then this rank's held bytes against the prediction for its shard rank.
-template <class Plan>
+template <class Plan, class Provider = d9d::Qwen3Provider,
+          class ModelConfig = d9d::model::Qwen3Config>
 void expect_predicted(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& config,
                       const std::string& what) {
-  d9d::Trainer<Plan> trainer(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+  d9d::Trainer<Plan> trainer(ctx, Provider{}, d9d::testing::RandomWindowsProvider{},
                              d9d::CausalLmTask{}, config);
   int64_t gradients = -1;  // at the optimizer, when every gradient is there
   trainer.template on<d9d::events::BeforeOptimizer>([&](const d9d::events::BeforeOptimizer&) {
@@ -144,13 +194,15 @@ void expect_predicted(const d9d::DistributedContext& ctx, const d9d::TrainerConf
       static_cast<int>(config.batch.global_batch_size /
                        (config.batch.microbatch_size * shape.dp_replicate * shape.dp_shard));
   const auto parameters = d9d::advise::qwen3_rank_parameters<Plan>(
-      d9d::model::Qwen3Config::from_json_text(config.sections.at("model")), shape,
+      ModelConfig::from_json_text(config.sections.at("model")), shape,
       mesh.coordinate(d9d::MeshDomain::regular, "pp"), microbatches, config.batch.sequence_length);
   ASSERT_EQ(trainer.core().parallel().parameters().size(), parameters.size()) << what;
   const auto rules = d9d::advise::state_rules<Plan>(shape);
   const int shard_rank =
       rules.shard_ranks > 1 ? mesh.coordinate(d9d::MeshDomain::dense, "dp_cp_shard") : 0;
-  const auto predicted = d9d::advise::state_bytes(parameters, rules, shard_rank);
+  const int expert_shard_rank =
+      rules.expert_shard_ranks > 1 ? mesh.coordinate(d9d::MeshDomain::expert, "ep_replicate") : 0;
+  const auto predicted = d9d::advise::state_bytes(parameters, rules, shard_rank, expert_shard_rank);
   const auto rank = " (rank " + std::to_string(ctx.rank()) + ")";
   EXPECT_GT(held.parameters, 0) << what << rank;
   EXPECT_EQ(predicted.parameters, held.parameters) << what << rank;
@@ -159,7 +211,7 @@ void expect_predicted(const d9d::DistributedContext& ctx, const d9d::TrainerConf
   EXPECT_EQ(predicted.total(), held.parameters + held.gradients + held.optimizer) << what << rank;
   // FullyShard without a pipeline: the units gathered at once at the step's peak (the config's
   // reshard, "after_forward" unless set).
-  if (rules.shard_ranks > 1 && shape.pp == 1) {
+  if (rules.shard_ranks > 1 && shape.pp == 1 && rules.expert_shard_ranks == 1) {
     const bool reshard = config.data_parallel.reshard != "never";
     const auto gathered = d9d::advise::fully_shard_gathered_bytes(
         parameters, rules, d9d::precision::scalar_type(Plan::precision::compute), reshard);
@@ -271,6 +323,59 @@ TEST(Advise_StateMemory_ws2, ContextParallelEqualsWhatTheTrainerHolds) {
     const auto config = d9d::testing::tiny_run(env.scratch_dir() + "/c2", 3, 2, 2);
     expect_predicted<d9d::Plan<d9d::mesh<d9d::cp_shard<2>>, d9d::parallel::ContextParallel<>>>(
         ctx, config, "cp 2, Replicate, Fp32");
+  });
+}
+
+}  // namespace
+
+namespace {
+
+d9d::TrainerConfig moe_run(const std::string& dir, int64_t global_batch, const std::string& mesh) {
+  auto config = d9d::testing::tiny_run(dir, 3, global_batch, 2, false, 4, mesh);
+  config.sections["model"] = d9d::testing::tiny_qwen3_moe_json();
+  return config;
+}
+
+template <class Plan>
+void expect_moe_predicted(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& config,
+                          const std::string& what) {
+  expect_predicted<Plan, d9d::Qwen3MoeProvider, d9d::model::Qwen3MoeConfig>(ctx, config, what);
+}
+
+using EpMesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::ep<d9d::dynamic>>;
+using ShardEpMesh = d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::ep<d9d::dynamic>>;
+using Ep = d9d::parallel::ExpertParallel<>;
+
+// The tiny Qwen3-MoE (4 experts, layer 2 dense): ep 2 (each rank 2 experts of every MoE layer),
+// ep 2 x FullyShard 2 (the rest's rows sharded, the experts whole per ep rank), and FullyShard
+// without expert parallelism over 3 ranks (the experts' 4 rows split 2, 2, 0).
+TEST(Advise_StateMemory_ws2, ExpertParallelEqualsWhatTheTrainerHolds) {
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const std::string dir = env.scratch_dir() + "/e";
+    expect_moe_predicted<d9d::Plan<EpMesh, Ep>>(ctx, moe_run(dir + "1", 4, R"({"ep": 2})"),
+                                                "ep 2, Fp32");
+    expect_moe_predicted<d9d::Plan<ShardEpMesh, Ep, d9d::parallel::FullyShard<>,
+                                   d9d::precision::Bf16Params<>>>(
+        ctx, moe_run(dir + "2", 4, R"({"ep": 2})"), "ep 2 x FullyShard 2, Bf16Params");
+  });
+}
+
+// 4 ranks, FullyShard 4 x ep 2: ep_replicate 2, so the experts' rows (2 per ep rank) are sharded
+// over it too, one each.
+TEST(Advise_StateMemory_ws4, ExpertParallelTimesFullyShardShardsTheExperts) {
+  d9d::testing::run_on_ranks({.world_size = 4}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    expect_moe_predicted<d9d::Plan<ShardEpMesh, Ep, d9d::parallel::FullyShard<>>>(
+        ctx, moe_run(env.scratch_dir() + "/e4", 8, R"({"ep": 2})"), "ep 2 x FullyShard 4, Fp32");
+  });
+}
+
+TEST(Advise_StateMemory_ws3, MoeUnderFullyShardEqualsWhatTheTrainerHolds) {
+  d9d::testing::run_on_ranks({.world_size = 3}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    expect_moe_predicted<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>>>(
+        ctx, moe_run(env.scratch_dir() + "/m3", 6, ""), "MoE, FullyShard 3, Fp32");
   });
 }
 

@@ -193,6 +193,7 @@ TEST_P(Core_World, AllReduceAllGatherBroadcast) {
     // A middle dimension of a 3-d tensor, and a non-contiguous input.
     const auto cube = (at::arange(24, opts).reshape({2, 3, 4}) + 100 * r).transpose(0, 2);
     std::vector<at::Tensor> cubes;
+    cubes.reserve(static_cast<std::size_t>(n));
     for (int k = 0; k < n; ++k) {
       cubes.push_back((at::arange(24, opts).reshape({2, 3, 4}) + 100 * k).transpose(0, 2));
     }

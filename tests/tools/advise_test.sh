@@ -4,15 +4,17 @@
 # the parameter and gradient bytes, a pipeline's ranks add up to the whole model plus the tied
 # head's copy of the embedding, fp32's activations of a microbatch are the formula's (and are not
 # claimed where they are not predicted), --candidates lists and counts the Plan shapes for a
-# world, with a machine profile the step time and the ranking, and bad input is named with a
-# non-zero status.
+# world, with a machine profile the step time and the ranking, a Qwen3-MoE's state under expert
+# parallelism, and bad input is named with a non-zero status.
 set -uo pipefail
 tool=$1
 config=$2
 profile=$3
+moe_config=$4
 fail() { echo "FAIL: $*" >&2; exit 1; }
 column() {  # the n-th byte count (1 parameters, 2 gradients, 3 moments, 4 total) summed over ranks
-  awk -v n="$1" '/^  pp [0-9]+, shard [0-9]+:/ {s += $(4 + n)} END {print s}'
+  awk -v n="$1" '/^  pp [0-9]+, shard [0-9]+:/ {s += $(4 + n)}
+    /^  pp [0-9]+, shard [0-9]+, expert shard [0-9]+:/ {s += $(7 + n)} END {print s}'
 }
 whole=$("$tool" --config "$config") || fail "advise failed"
 sharded=$("$tool" --config "$config" --data-parallel fully_shard --dp-shard 3) ||
@@ -105,4 +107,22 @@ grep -q 'unknown schedule "nope"' "${TEST_TMPDIR:-/tmp}/err" || fail "$(cat "${T
 "$tool" --config "$config" --tp 3 >"${TEST_TMPDIR:-/tmp}/err" 2>&1 && fail "tp 3 was accepted"
 grep -q 'does not split over 3 tensor ranks' "${TEST_TMPDIR:-/tmp}/err" ||
   fail "$(cat "${TEST_TMPDIR:-/tmp}/err")"
+# A Qwen3-MoE (example 05's CPU config: 4 layers of 8 experts, hidden 128, expert size 128):
+# ep 2 leaves each rank half of the experts' 4 x 8 x 3 x 128 x 128 floats, and FullyShard 4 x ep 2
+# shards the rest over 4 and the experts over ep_replicate 2 (each rank a quarter of them).
+moe=$("$tool" --config "$moe_config" --precision fp32) || fail "the MoE config failed"
+ep2=$("$tool" --config "$moe_config" --precision fp32 --ep 2 --dp-shard 2) || fail "--ep 2 failed"
+experts=$(( 4 * 8 * 3 * 128 * 128 * 4 ))
+[ $(($(echo "$moe" | column 1) - experts / 2)) = "$(echo "$ep2" | column 1)" ] ||
+  fail "ep 2 does not halve the experts: $moe / $ep2"
+sharded=$("$tool" --config "$moe_config" --precision fp32 --ep 2 --dp-shard 4 \
+  --data-parallel fully_shard) || fail "--ep 2 --dp-shard 4 failed"
+[ "$(echo "$sharded" | grep -c '^  pp 0, shard [0-3], expert shard [01]:')" = 4 ] ||
+  fail "not one line per rank: $sharded"
+[ "$(echo "$moe" | column 1)" = "$(echo "$sharded" | column 1)" ] ||
+  fail "4 ranks do not hold the model once (the experts split over ep and ep_replicate): $sharded"
+echo "$sharded" | grep -q '^not predicted yet for a MoE model: activations, step time' ||
+  fail "the MoE output claims more than the state: $sharded"
+"$tool" --config "$config" --ep 2 >"${TEST_TMPDIR:-/tmp}/err" 2>&1 && fail "--ep on a dense model"
+grep -q 'a dense Qwen3 (no experts)' "${TEST_TMPDIR:-/tmp}/err" || fail "$(cat "${TEST_TMPDIR:-/tmp}/err")"
 echo "advise_test: ok"

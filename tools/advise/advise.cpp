@@ -9,13 +9,16 @@
 // largest; without fp64, tp or cp also the activations one microbatch keeps, or under a pipeline
 // each rank's microbatches in flight
 // (d9d/advise/activation_memory.hpp). Gathered units and communication buffers are not predicted
-// yet.
+// yet. A Qwen3-MoE config ("model_type": "qwen3_moe", example 05's) gets its state, with --ep N
+// for expert parallelism (each line then also names the rank's ep_replicate coordinate when
+// FullyShard shards the experts); its activations and step time are not predicted yet.
 #include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstdio>
 #include <map>
 #include <optional>
+#include <regex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -101,6 +104,83 @@ void print_step_time(const d9d::advise::StepTime& t, const std::string& device) 
   }
 }
 
+// The options print_moe_state reads.
+struct MoePlan {
+  std::string data_parallel;
+  std::string precision;
+  std::string schedule;
+  int dp_shard = 1;
+  int pp = 1;
+  int ep = 1;
+  int microbatches = 0;
+};
+
+// A Qwen3-MoE's state per rank (d9d/advise/state_memory.hpp): one line per pipeline rank, shard
+// rank and, when FullyShard shards the experts over ep_replicate, expert shard rank.
+void print_moe_state(const d9d::TrainerConfig& config, const d9d::model::Qwen3MoeConfig& model,
+                     const MoePlan& plan) {
+  auto rules = precision_rules(plan.precision);
+  const bool shards = plan.data_parallel == "fully_shard";
+  d9d::MeshShape shape{.pp = plan.pp, .ep = plan.ep};
+  (shards ? shape.dp_shard : shape.dp_replicate) = plan.dp_shard;
+  if (shards) {
+    rules.shard_ranks = plan.dp_shard;
+  }
+  if (plan.ep > 1) {
+    rules.expert_parallel = true;
+    rules.expert_ranks = plan.ep;
+    rules.expert_shard_ranks = shards ? d9d::advise::expert_replicate_ranks(shape) : 1;
+  }
+  int microbatches = plan.microbatches;
+  if (microbatches < 1) {
+    const int64_t per_step = config.batch.microbatch_size * plan.dp_shard;
+    microbatches = static_cast<int>(
+        std::max<int64_t>(1, per_step > 0 ? config.batch.global_batch_size / per_step : 1));
+  }
+  const auto program = plan.pp > 1
+                           ? d9d::advise::build_schedule(plan.schedule, plan.pp, microbatches)
+                           : d9d::pipeline::Program{};
+  const auto all = d9d::advise::qwen3_parameters(model);
+  int64_t count = 0;
+  for (const auto& p : all) {
+    count += p.numel();
+  }
+  std::printf("model: %.3fB parameters (Qwen3-MoE, %lld layers, %lld experts, top %lld)\n",
+              static_cast<double>(count) / 1e9, static_cast<long long>(model.num_hidden_layers),
+              static_cast<long long>(model.num_experts),
+              static_cast<long long>(model.num_experts_per_tok));
+  std::printf("plan: %s over %d shard rank(s), %s, ep %d (experts sharded over %d), pp %d\n",
+              plan.data_parallel.c_str(), rules.shard_ranks, plan.precision.c_str(), plan.ep,
+              rules.expert_shard_ranks, plan.pp);
+  std::printf("state per rank: parameters, gradients, AdamW moments, total (bytes, GiB)\n");
+  int64_t largest = 0;
+  for (int p = 0; p < plan.pp; ++p) {
+    const auto mine = plan.pp > 1 ? d9d::advise::qwen3_rank_parameters(
+                                        model, program, p, config.batch.sequence_length)
+                                  : all;
+    // Each rank of the stage: its dp_shard coordinate (FullyShard) and, in the expert domain
+    // (ep_replicate, then ep_shard innermost), its ep_replicate coordinate.
+    for (int r = 0; r < plan.dp_shard; ++r) {
+      const int s = shards ? r : 0;
+      const int e = (r / plan.ep) % rules.expert_shard_ranks;
+      const auto bytes = d9d::advise::state_bytes(mine, rules, s, e);
+      std::printf(
+          "  pp %d, shard %d, expert shard %d: %lld %lld %lld %lld  (%.2f %.2f %.2f %.2f GiB)\n", p,
+          s, e, static_cast<long long>(bytes.parameters), static_cast<long long>(bytes.gradients),
+          static_cast<long long>(bytes.optimizer), static_cast<long long>(bytes.total()),
+          gib(bytes.parameters), gib(bytes.gradients), gib(bytes.optimizer), gib(bytes.total()));
+      largest = std::max(largest, bytes.total());
+      if (!shards && rules.expert_shard_ranks == 1) {
+        break;  // every rank of the stage holds the same bytes
+      }
+    }
+  }
+  std::printf("largest: %.2f GiB\n", gib(largest));
+  std::printf(
+      "not predicted yet for a MoE model: activations, step time, gathered units, communication "
+      "buffers\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -113,6 +193,7 @@ int main(int argc, char** argv) {
   int cp_shard = 1;
   int tp = 1;
   int pp = 1;
+  int ep = 1;
   int microbatches = 0;
   app.add_option("--config", config_path, "trainer configuration (JSON) with a Qwen3 model")
       ->required();
@@ -128,6 +209,8 @@ int main(int argc, char** argv) {
   app.add_flag("--sequence-parallel", sequence_parallel,
                "with --tp: the residual stream split by tokens too (TensorParallel<on>)");
   app.add_option("--pp", pp, "pipeline degree");
+  app.add_option("--ep", ep,
+                 "expert-parallel degree (a Qwen3-MoE config: its experts split over ep ranks)");
   app.add_option("--schedule", schedule, "gpipe, 1f1b, interleaved, zbh1, zbv, dualpipev");
   std::string recompute = "none";
   app.add_option("--recompute", recompute,
@@ -161,7 +244,24 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     const auto config = d9d::TrainerConfig::from_file(config_path);
-    const auto model = d9d::model::Qwen3Config::from_json_text(config.sections.at("model"));
+    const auto& model_json = config.sections.at("model");
+    const bool moe = std::regex_search(model_json, std::regex(R"("model_type"\s*:\s*"qwen3_moe")"));
+    if (moe) {
+      print_moe_state(config, d9d::model::Qwen3MoeConfig::from_json_text(model_json),
+                      {.data_parallel = data_parallel,
+                       .precision = precision,
+                       .schedule = schedule,
+                       .dp_shard = dp_shard,
+                       .pp = pp,
+                       .ep = ep,
+                       .microbatches = microbatches});
+      return 0;
+    }
+    if (ep > 1) {
+      throw std::invalid_argument("--ep " + std::to_string(ep) +
+                                  ": the config's model is a dense Qwen3 (no experts)");
+    }
+    const auto model = d9d::model::Qwen3Config::from_json_text(model_json);
     std::optional<d9d::advise::MachineProfile> machine;
     if (!profile_path.empty()) {
       machine = d9d::advise::MachineProfile::from_file(profile_path);

@@ -117,6 +117,13 @@ PreflightPlan preflight_plan(const TrainerConfig& config, const MeshShape& shape
   } catch (const std::invalid_argument& e) {
     plan.not_predicted = e.what();
   }
+  if (plan.not_predicted.empty() &&
+      !std::is_same_v<typename Plan::expert_parallel, parallel::NoExpertParallel>) {
+    // The state is (state_rules); a MoE layer's activations and step time are not yet.
+    plan.not_predicted =
+        "d9d::advise: expert parallelism's activations and step time are not predicted yet (its "
+        "state is: d9d/advise/state_memory.hpp)";
+  }
   if constexpr (P::parameters == precision::Dtype::bfloat16) {
     plan.compute = Compute::bf16_parameters;
   } else if constexpr (P::compute == precision::Dtype::bfloat16) {

@@ -33,6 +33,7 @@
 
 namespace d9d::model {
 struct Qwen3Config;
+struct Qwen3MoeConfig;
 }  // namespace d9d::model
 
 namespace d9d::advise {
@@ -45,6 +46,9 @@ struct ParameterShape {
   /// The dimension tensor parallelism splits (Megatron's layout, src/parallel/tensor_parallel.cpp:
   /// 0 for q/k/v, gate/up, the embedding and the head; 1 for o and down), -1: replicated.
   int tensor_split_dim = -1;
+  /// A MoE layer's routed experts ([experts, ...]): ExpertParallel splits dim 0 over ep_shard and
+  /// keeps them in the expert domain (src/parallel/expert_parallel.cpp).
+  bool expert = false;
 
   [[nodiscard]] int64_t numel() const;
 };
@@ -68,13 +72,27 @@ struct ParameterShape {
                                                                 int pp_rank,
                                                                 int64_t sequence_length);
 
+/// d9d::model::Qwen3MoeForCausalLM's parameters (and its stages', and a pipeline rank's, as for
+/// the dense model): each MoE layer's router ("mlp.gate.weight", [experts, hidden]), its routed
+/// experts ("mlp.experts.{gate,up,down}_proj", marked `expert`) and, when the config has one, its
+/// shared expert and that expert's gate; the layers of mlp_only_layers (or off the sparse step)
+/// keep the dense MLP. No tensor-parallel split dimensions on the MoE block's parameters (tp runs a
+/// MoE layer on its tokens' share with whole experts).
+[[nodiscard]] std::vector<ParameterShape> qwen3_parameters(const model::Qwen3MoeConfig& config);
+[[nodiscard]] std::vector<ParameterShape> qwen3_stage_parameters(
+    const model::Qwen3MoeConfig& config, int stage, int stages, int64_t sequence_length);
+[[nodiscard]] std::vector<ParameterShape> qwen3_rank_parameters(
+    const model::Qwen3MoeConfig& config, const pipeline::Program& program, int pp_rank,
+    int64_t sequence_length);
+
 /// The parameters pipeline rank `pp_rank` holds under `Plan`: those of the program its schedule
 /// builds for `shape.pp` ranks and `microbatches` (placement does not depend on the count, but a
-/// schedule may refuse one), or the whole model's without a pipeline.
-template <class Plan>
-std::vector<ParameterShape> qwen3_rank_parameters(const model::Qwen3Config& config,
-                                                  const MeshShape& shape, int pp_rank,
-                                                  int microbatches, int64_t sequence_length) {
+/// schedule may refuse one), or the whole model's without a pipeline. `Config` is
+/// model::Qwen3Config or model::Qwen3MoeConfig.
+template <class Plan, class Config>
+std::vector<ParameterShape> qwen3_rank_parameters(const Config& config, const MeshShape& shape,
+                                                  int pp_rank, int microbatches,
+                                                  int64_t sequence_length) {
   using Schedule = typename Plan::pipeline;
   if constexpr (std::is_same_v<Schedule, pipeline::NoPipeline>) {
     (void)shape;
@@ -97,7 +115,17 @@ struct StateRules {
   int shard_ranks = 1;
   /// Ranks tensor parallelism splits each parameter's tensor_split_dim over (tp); 1: none.
   int tensor_ranks = 1;
+  /// ExpertParallel: the `expert` parameters live in the expert domain, dim 0 split over
+  /// `expert_ranks` (ep_shard) and their rows then over `expert_shard_ranks` (FullyShard with
+  /// ep_replicate > 1; 1: whole), by the expert-domain coordinate state_bytes takes.
+  bool expert_parallel = false;
+  int expert_ranks = 1;
+  int expert_shard_ranks = 1;
 };
+
+/// The expert domain's ep_replicate for `shape` (d9d::DeviceMesh's rule: a stage's ranks over
+/// the HSDP replicas that hold whole expert groups, over ep).
+[[nodiscard]] int expert_replicate_ranks(const MeshShape& shape);
 
 /// What one rank keeps between steps, in bytes.
 struct StateBytes {
@@ -113,10 +141,13 @@ struct StateBytes {
 
 /// The state that rank `shard_rank` (its coordinate in the shard group, 0 when unsharded) keeps:
 /// each parameter split first by tensor parallelism (evenly; std::invalid_argument when a split
-/// dimension does not divide), then its rows by the shard rule. std::invalid_argument for a rank
-/// outside the group.
+/// dimension does not divide), then its rows by the shard rule. Under expert parallelism the
+/// experts split their dim 0 over rules.expert_ranks (evenly) and their rows over
+/// rules.expert_shard_ranks by `expert_shard_rank` (the rank's ep_replicate coordinate).
+/// std::invalid_argument for a rank outside its group.
 [[nodiscard]] StateBytes state_bytes(const std::vector<ParameterShape>& parameters,
-                                     const StateRules& rules, int shard_rank);
+                                     const StateRules& rules, int shard_rank,
+                                     int expert_shard_rank = 0);
 
 /// What FullyShard holds gathered at the peak of a step, in bytes.
 struct GatheredBytes {
@@ -129,7 +160,9 @@ struct GatheredBytes {
 };
 
 /// What FullyShard holds gathered at the peak of a step for a whole model's `parameters` (no
-/// pipeline; each split by tensor parallelism as `rules` says). Its units are the decoder layers
+/// pipeline; each split by tensor parallelism as `rules` says; under expert parallelism without
+/// ep_replicate the experts, which FullyShard leaves whole, are not in its units, and with
+/// ep_replicate > 1 std::invalid_argument: their own units are not predicted yet). Its units are the decoder layers
 /// ("model.layers.N.") and one unit of the rest (embedding, final norm, head), gathered whole in
 /// `gathered` (the precision's compute dtype). With `reshard_after_forward` (Reshard::after_forward
 /// or all_but_last) the rest's unit and the largest layer, and with `prefetch` > 0 the next
@@ -157,21 +190,19 @@ StateRules precision_rules() {
 
 /// The rules of `Plan` on a mesh of `shape` (resolved degrees). Predicted so far: Replicate and
 /// FullyShard, tensor and context parallelism (context parallelism splits no parameter; FullyShard
-/// then shards over dp_shard x cp_shard), every pipeline schedule (with qwen3_rank_parameters),
-/// every precision but Float8, FullTune, no expert parallelism; other Plans get
-/// std::invalid_argument naming what is not predicted yet.
+/// then shards over dp_shard x cp_shard), expert parallelism (the experts over ep_shard, and under
+/// FullyShard over ep_replicate), every pipeline schedule (with qwen3_rank_parameters),
+/// every precision but Float8, FullTune; other Plans get std::invalid_argument naming what is not
+/// predicted yet.
 template <class Plan>
 StateRules state_rules(const MeshShape& shape) {
   using P = typename Plan::precision;
   const auto not_yet = [](const char* what) {
     return std::invalid_argument(std::string("d9d::advise::state_rules: ") + what +
                                  " is not predicted yet (predicted: Replicate or FullyShard, "
-                                 "tensor and context parallelism, pipelines, FullTune, no expert "
-                                 "parallelism, no Float8)");
+                                 "tensor, context and expert parallelism, pipelines, FullTune, no "
+                                 "Float8)");
   };
-  if (!std::is_same_v<typename Plan::expert_parallel, parallel::NoExpertParallel>) {
-    throw not_yet("expert parallelism");
-  }
   if (!std::is_same_v<typename Plan::peft, peft::FullTune>) {
     throw not_yet("a PEFT policy other than FullTune");
   }
@@ -182,10 +213,20 @@ StateRules state_rules(const MeshShape& shape) {
     if constexpr (!std::is_same_v<typename Plan::tensor_parallel, parallel::NoTensorParallel>) {
       rules.tensor_ranks = shape.tp;
     }
-    if constexpr (requires { Plan::data_parallel::shards_parameters; }) {
-      if constexpr (Plan::data_parallel::shards_parameters) {
-        rules.shard_ranks = shape.dp_shard * shape.cp_shard;
+    constexpr bool shards = [] {
+      if constexpr (requires { Plan::data_parallel::shards_parameters; }) {
+        return Plan::data_parallel::shards_parameters;
+      } else {
+        return false;
       }
+    }();
+    if constexpr (shards) {
+      rules.shard_ranks = shape.dp_shard * shape.cp_shard;
+    }
+    if constexpr (!std::is_same_v<typename Plan::expert_parallel, parallel::NoExpertParallel>) {
+      rules.expert_parallel = true;
+      rules.expert_ranks = shape.ep;
+      rules.expert_shard_ranks = shards ? expert_replicate_ranks(shape) : 1;
     }
     return rules;
   }
