@@ -176,9 +176,9 @@ std::vector<ParameterShape> qwen3_rank_parameters(const model::Qwen3MoeConfig& c
 int expert_replicate_ranks(const MeshShape& shape) {
   const auto stage = static_cast<int>(shape.stage_size());
   if (shape.ep < 1 || shape.dp_replicate < 1 || stage % shape.ep != 0) {
-    throw std::invalid_argument("d9d::advise::expert_replicate_ranks: ep = " +
-                                std::to_string(shape.ep) + " does not divide a stage's " +
-                                std::to_string(stage) + " ranks");
+    throw std::invalid_argument(
+        "d9d::advise::expert_replicate_ranks: ep = " + std::to_string(shape.ep) +
+        " does not divide a stage's " + std::to_string(stage) + " ranks");
   }
   const int replicas = (stage / shape.dp_replicate) % shape.ep == 0 ? shape.dp_replicate : 1;
   return stage / (replicas * shape.ep);

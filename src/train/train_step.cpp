@@ -1,7 +1,9 @@
 // d9d/train/train_step.cpp — gradient accumulation, replicate reduction, clipping, AdamW.
+#include <any>
 #include <chrono>
 #include <cmath>
 #include <stdexcept>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -352,6 +354,22 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
   }
   s.parallel->begin_step();
 
+  // An eager step on a CUDA device: the step's microbatches on the device before the first
+  // forward, through pinned memory without waiting for the device (TrainStepOptions::copier, as
+  // the pipelined step does). The task's own copy inside each forward waited for everything
+  // queued before it: the device drained at every microbatch (8 synchronisations a step on the
+  // 0.6B pipeline config's shape, docs/measurements/2026-11-29-plans-and-pipelines-2xh200.txt).
+  // Graph replays copy into the captured microbatch instead.
+  std::vector<std::any> on_device;
+  if (!graphs && s.device.is_cuda() && s.options.copier.clone) {
+    RECORD_USER_SCOPE("d9d::microbatches_to_device");
+    on_device.reserve(microbatches.size());
+    for (const auto& microbatch : microbatches) {
+      on_device.push_back(s.options.copier.clone(microbatch, s.device));
+    }
+  }
+  const auto& batches = on_device.empty() ? microbatches : on_device;
+
   // Sums stay on the loss's device (no synchronisation per microbatch).
   at::Tensor loss_sum;
   at::Tensor weight_sum;
@@ -363,8 +381,8 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
     // a replayed graph recasts inside its kernels).
     const WeightCastScope casts(s.options.bf16_autocast && count > 1 && !graphs);
     for (int i = 0; i < count; ++i) {
-      replayed += s.microbatch(microbatches[static_cast<std::size_t>(i)], i, count, graphs,
-                               loss_sum, weight_sum)
+      replayed += s.microbatch(batches[static_cast<std::size_t>(i)], i, count, graphs, loss_sum,
+                               weight_sum)
                       ? 1
                       : 0;
     }

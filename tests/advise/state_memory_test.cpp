@@ -121,18 +121,19 @@ TEST(Advise_StateMemory, ExpertParallelRulesFollowTheExpertDomain) {
   EXPECT_EQ(sharded.shard_ranks, 8);
   EXPECT_EQ(sharded.expert_ranks, 2);
   EXPECT_EQ(sharded.expert_shard_ranks, 4);
-  EXPECT_EQ(d9d::advise::state_rules<ShardEp>(d9d::MeshShape{.dp_shard = 2, .ep = 2})
-                .expert_shard_ranks,
+  EXPECT_EQ(
+      d9d::advise::state_rules<ShardEp>(d9d::MeshShape{.dp_shard = 2, .ep = 2}).expert_shard_ranks,
+      1);
+  EXPECT_EQ(d9d::advise::expert_replicate_ranks(
+                d9d::MeshShape{.dp_replicate = 2, .dp_shard = 4, .ep = 4}),
             1);
-  EXPECT_EQ(d9d::advise::expert_replicate_ranks(d9d::MeshShape{.dp_replicate = 2, .dp_shard = 4,
-                                                               .ep = 4}),
-            1);
-  EXPECT_EQ(d9d::advise::expert_replicate_ranks(d9d::MeshShape{.dp_replicate = 2, .dp_shard = 2,
-                                                               .ep = 4}),
+  EXPECT_EQ(d9d::advise::expert_replicate_ranks(
+                d9d::MeshShape{.dp_replicate = 2, .dp_shard = 2, .ep = 4}),
             1);
   using ReplicateEp = d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::ep<d9d::dynamic>>,
                                 d9d::parallel::ExpertParallel<>>;
-  const auto whole = d9d::advise::state_rules<ReplicateEp>(d9d::MeshShape{.dp_replicate = 4, .ep = 2});
+  const auto whole =
+      d9d::advise::state_rules<ReplicateEp>(d9d::MeshShape{.dp_replicate = 4, .ep = 2});
   EXPECT_EQ(whole.expert_ranks, 2);
   EXPECT_EQ(whole.expert_shard_ranks, 1);
   EXPECT_EQ(whole.shard_ranks, 1);
@@ -355,8 +356,8 @@ TEST(Advise_StateMemory_ws2, ExpertParallelEqualsWhatTheTrainerHolds) {
     const std::string dir = env.scratch_dir() + "/e";
     expect_moe_predicted<d9d::Plan<EpMesh, Ep>>(ctx, moe_run(dir + "1", 4, R"({"ep": 2})"),
                                                 "ep 2, Fp32");
-    expect_moe_predicted<d9d::Plan<ShardEpMesh, Ep, d9d::parallel::FullyShard<>,
-                                   d9d::precision::Bf16Params<>>>(
+    expect_moe_predicted<
+        d9d::Plan<ShardEpMesh, Ep, d9d::parallel::FullyShard<>, d9d::precision::Bf16Params<>>>(
         ctx, moe_run(dir + "2", 4, R"({"ep": 2})"), "ep 2 x FullyShard 2, Bf16Params");
   });
 }

@@ -155,8 +155,8 @@ void print_moe_state(const d9d::TrainerConfig& config, const d9d::model::Qwen3Mo
   std::printf("state per rank: parameters, gradients, AdamW moments, total (bytes, GiB)\n");
   int64_t largest = 0;
   for (int p = 0; p < plan.pp; ++p) {
-    const auto mine = plan.pp > 1 ? d9d::advise::qwen3_rank_parameters(
-                                        model, program, p, config.batch.sequence_length)
+    const auto mine = plan.pp > 1 ? d9d::advise::qwen3_rank_parameters(model, program, p,
+                                                                       config.batch.sequence_length)
                                   : all;
     // Each rank of the stage: its dp_shard coordinate (FullyShard) and, in the expert domain
     // (ep_replicate, then ep_shard innermost), its ep_replicate coordinate.

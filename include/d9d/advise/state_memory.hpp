@@ -81,9 +81,10 @@ struct ParameterShape {
 [[nodiscard]] std::vector<ParameterShape> qwen3_parameters(const model::Qwen3MoeConfig& config);
 [[nodiscard]] std::vector<ParameterShape> qwen3_stage_parameters(
     const model::Qwen3MoeConfig& config, int stage, int stages, int64_t sequence_length);
-[[nodiscard]] std::vector<ParameterShape> qwen3_rank_parameters(
-    const model::Qwen3MoeConfig& config, const pipeline::Program& program, int pp_rank,
-    int64_t sequence_length);
+[[nodiscard]] std::vector<ParameterShape> qwen3_rank_parameters(const model::Qwen3MoeConfig& config,
+                                                                const pipeline::Program& program,
+                                                                int pp_rank,
+                                                                int64_t sequence_length);
 
 /// The parameters pipeline rank `pp_rank` holds under `Plan`: those of the program its schedule
 /// builds for `shape.pp` ranks and `microbatches` (placement does not depend on the count, but a
@@ -162,7 +163,8 @@ struct GatheredBytes {
 /// What FullyShard holds gathered at the peak of a step for a whole model's `parameters` (no
 /// pipeline; each split by tensor parallelism as `rules` says; under expert parallelism without
 /// ep_replicate the experts, which FullyShard leaves whole, are not in its units, and with
-/// ep_replicate > 1 std::invalid_argument: their own units are not predicted yet). Its units are the decoder layers
+/// ep_replicate > 1 std::invalid_argument: their own units are not predicted yet). Its units are
+/// the decoder layers
 /// ("model.layers.N.") and one unit of the rest (embedding, final norm, head), gathered whole in
 /// `gathered` (the precision's compute dtype). With `reshard_after_forward` (Reshard::after_forward
 /// or all_but_last) the rest's unit and the largest layer, and with `prefetch` > 0 the next
