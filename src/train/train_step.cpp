@@ -381,10 +381,10 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
     // a replayed graph recasts inside its kernels).
     const WeightCastScope casts(s.options.bf16_autocast && count > 1 && !graphs);
     for (int i = 0; i < count; ++i) {
-      replayed += s.microbatch(batches[static_cast<std::size_t>(i)], i, count, graphs, loss_sum,
-                               weight_sum)
-                      ? 1
-                      : 0;
+      replayed +=
+          s.microbatch(batches[static_cast<std::size_t>(i)], i, count, graphs, loss_sum, weight_sum)
+              ? 1
+              : 0;
     }
   }
   const double issue_seconds =
