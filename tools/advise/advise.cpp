@@ -104,6 +104,28 @@ void print_step_time(const d9d::advise::StepTime& t, const std::string& device) 
   }
 }
 
+// The config's microbatches per step when --microbatches is not given: its global batch over
+// `data_parallel` ranks' microbatches (at least one).
+int default_microbatches(const d9d::TrainerConfig& config, int data_parallel) {
+  const int64_t per_step = config.batch.microbatch_size * data_parallel;
+  return static_cast<int>(
+      std::max<int64_t>(1, per_step > 0 ? config.batch.global_batch_size / per_step : 1));
+}
+
+// The Plan's pipeline program (empty without a pipeline).
+d9d::pipeline::Program program_of(int pp, const std::string& schedule, int microbatches) {
+  return pp > 1 ? d9d::advise::build_schedule(schedule, pp, microbatches)
+                : d9d::pipeline::Program{};
+}
+
+int64_t parameter_count(const std::vector<d9d::advise::ParameterShape>& parameters) {
+  int64_t count = 0;
+  for (const auto& p : parameters) {
+    count += p.numel();
+  }
+  return count;
+}
+
 // The options print_moe_state reads.
 struct MoePlan {
   std::string data_parallel;
@@ -131,22 +153,13 @@ void print_moe_state(const d9d::TrainerConfig& config, const d9d::model::Qwen3Mo
     rules.expert_ranks = plan.ep;
     rules.expert_shard_ranks = shards ? d9d::advise::expert_replicate_ranks(shape) : 1;
   }
-  int microbatches = plan.microbatches;
-  if (microbatches < 1) {
-    const int64_t per_step = config.batch.microbatch_size * plan.dp_shard;
-    microbatches = static_cast<int>(
-        std::max<int64_t>(1, per_step > 0 ? config.batch.global_batch_size / per_step : 1));
-  }
-  const auto program = plan.pp > 1
-                           ? d9d::advise::build_schedule(plan.schedule, plan.pp, microbatches)
-                           : d9d::pipeline::Program{};
+  const int microbatches =
+      plan.microbatches > 0 ? plan.microbatches : default_microbatches(config, plan.dp_shard);
+  const auto program = program_of(plan.pp, plan.schedule, microbatches);
   const auto all = d9d::advise::qwen3_parameters(model);
-  int64_t count = 0;
-  for (const auto& p : all) {
-    count += p.numel();
-  }
   std::printf("model: %.3fB parameters (Qwen3-MoE, %lld layers, %lld experts, top %lld)\n",
-              static_cast<double>(count) / 1e9, static_cast<long long>(model.num_hidden_layers),
+              static_cast<double>(parameter_count(all)) / 1e9,
+              static_cast<long long>(model.num_hidden_layers),
               static_cast<long long>(model.num_experts),
               static_cast<long long>(model.num_experts_per_tok));
   std::printf("plan: %s over %d shard rank(s), %s, ep %d (experts sharded over %d), pp %d\n",
@@ -283,19 +296,13 @@ int main(int argc, char** argv) {
     }
     rules.tensor_ranks = tp;
     if (microbatches < 1) {
-      const int64_t per_step = config.batch.microbatch_size * dp_shard;
-      microbatches = static_cast<int>(
-          std::max<int64_t>(1, per_step > 0 ? config.batch.global_batch_size / per_step : 1));
+      microbatches = default_microbatches(config, dp_shard);
     }
-    const auto program =
-        pp > 1 ? d9d::advise::build_schedule(schedule, pp, microbatches) : d9d::pipeline::Program{};
+    const auto program = program_of(pp, schedule, microbatches);
     const auto all = d9d::advise::qwen3_parameters(model);
-    int64_t count = 0;
-    for (const auto& p : all) {
-      count += p.numel();
-    }
     std::printf("model: %.3fB parameters (Qwen3, %lld layers, vocab %lld)\n",
-                static_cast<double>(count) / 1e9, static_cast<long long>(model.num_hidden_layers),
+                static_cast<double>(parameter_count(all)) / 1e9,
+                static_cast<long long>(model.num_hidden_layers),
                 static_cast<long long>(model.vocab_size));
     std::printf(
         "plan: %s over %d shard rank(s), %s, tp %d, pp %d%s\n", data_parallel.c_str(),
