@@ -357,8 +357,8 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
   // An eager step on a CUDA device: the step's microbatches on the device before the first
   // forward, through pinned memory without waiting for the device (TrainStepOptions::copier, as
   // the pipelined step does). The task's own copy inside each forward waited for everything
-  // queued before it: the device drained at every microbatch (8 synchronisations a step on the
-  // 0.6B pipeline config's shape, docs/measurements/2026-11-29-plans-and-pipelines-2xh200.txt).
+  // queued before it: the device drained at every microbatch (8 synchronisations a step at 8
+  // microbatches; docs/measurements/2026-11-29-plain-step-microbatches-on-device-1xh200.txt).
   // Graph replays copy into the captured microbatch instead.
   std::vector<std::any> on_device;
   if (!graphs && s.device.is_cuda() && s.options.copier.clone) {
