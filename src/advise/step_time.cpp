@@ -396,6 +396,79 @@ DataParallelTime data_parallel_time(const Candidate& candidate, const StepOption
   return out;
 }
 
+// The state of the pipeline rank that keeps the most: its (tp-sliced) parameters unsharded, and
+// what it keeps under FullyShard.
+struct RankState {
+  StateBytes whole;
+  StateBytes sharded;
+};
+
+RankState fullest_rank_state(const model::Qwen3Config& config, const Candidate& candidate,
+                             const pipeline::Program& program, const StepOptions& options) {
+  StateRules rules = options.precision;
+  rules.tensor_ranks = candidate.tp;
+  rules.shard_ranks = 1;
+  RankState out;
+  for (int r = 0; r < candidate.pp; ++r) {
+    const auto parameters = candidate.pp > 1
+                                ? qwen3_rank_parameters(config, program, r, options.sequence_length)
+                                : qwen3_parameters(config);
+    const auto w = state_bytes(parameters, rules, 0);
+    if (w.total() > out.whole.total()) {
+      out.whole = w;
+      StateRules shard_rules = rules;
+      shard_rules.shard_ranks = candidate.fully_shard ? candidate.dp_shard * candidate.cp : 1;
+      out.sharded = state_bytes(parameters, shard_rules, 0);
+    }
+  }
+  return out;
+}
+
+// A rank's host time per microbatch: the microbatch's own work and its 1/pp of the layers (0
+// where the profile did not measure the host for the step's kind).
+double rank_host_per_microbatch(const HostCost* host, const model::Qwen3Config& config, int pp) {
+  return host == nullptr ? 0.0
+                         : host->per_microbatch +
+                               host->per_layer * static_cast<double>(config.num_hidden_layers) /
+                                   static_cast<double>(pp);
+}
+
+// What the pipeline program makes of the microbatches' costs: its makespan, the activations'
+// point-to-point time and the idle time.
+struct PipelineTime {
+  double compute = 0;
+  double p2p = 0;
+  double bubble = 0;
+};
+
+PipelineTime pipelined_compute(const model::Qwen3Config& config, const Candidate& candidate,
+                               const pipeline::Program& program, const StepOptions& options,
+                               const MachineProfile& machine, const MicrobatchCosts& costs,
+                               const HostCost* host) {
+  const int stages = program.stages();
+  const double share = 1.0 / static_cast<double>(stages);
+  const int64_t boundary_bytes = options.microbatch_size * options.sequence_length / candidate.cp *
+                                 config.hidden_size *
+                                 (options.compute == Compute::bf16_parameters ? 2 : 4);
+  const double hop = machine.collective_seconds("p2p", boundary_bytes, 2);
+  // A stage's host time per microbatch: a rank's, over the stages it holds (pp / stages of one).
+  const double stage_host = rank_host_per_microbatch(host, config, candidate.pp) *
+                            static_cast<double>(candidate.pp) * share;
+  const pipeline::Costs stage{
+      .forward = std::max(costs.forward * share + hop, kHostForwardShare * stage_host),
+      .backward_input =
+          std::max(costs.backward_input * share + hop, (1 - kHostForwardShare) * stage_host),
+      .backward_weight = costs.backward_weight * share};
+  PipelineTime out;
+  out.compute = pipeline::simulate(program, stage).makespan;
+  const double actions = static_cast<double>(candidate.microbatches) * static_cast<double>(stages) /
+                         static_cast<double>(candidate.pp);  // each of F, I and W
+  out.p2p = actions * 2 * hop;
+  out.bubble = std::max(
+      0.0, out.compute - actions * (stage.forward + stage.backward_input + stage.backward_weight));
+  return out;
+}
+
 }  // namespace
 
 StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& candidate,
@@ -433,28 +506,11 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
         " and " + std::to_string(program.microbatches) + " microbatches, the Plan has pp " +
         std::to_string(candidate.pp) + " and " + std::to_string(m));
   }
-  const int stages = candidate.pp > 1 ? program.stages() : 1;
   // The slowest pipeline rank's state (the per-rank figures below take the largest).
-  StateRules rules = options.precision;
-  rules.tensor_ranks = candidate.tp;
-  rules.shard_ranks = 1;
-  StateBytes whole;    // the rank's (tp-sliced) parameters, unsharded
-  StateBytes sharded;  // what it keeps under FullyShard
-  for (int r = 0; r < candidate.pp; ++r) {
-    const auto parameters = candidate.pp > 1
-                                ? qwen3_rank_parameters(config, program, r, options.sequence_length)
-                                : qwen3_parameters(config);
-    const auto w = state_bytes(parameters, rules, 0);
-    if (w.total() > whole.total()) {
-      whole = w;
-      StateRules shard_rules = rules;
-      shard_rules.shard_ranks = candidate.fully_shard ? candidate.dp_shard * candidate.cp : 1;
-      sharded = state_bytes(parameters, shard_rules, 0);
-    }
-  }
-  const auto weight_elements =
-      static_cast<int64_t>(whole.parameters / c10::elementSize(rules.parameters));
-  auto costs = microbatch_costs(config, candidate, options, machine, weight_elements);
+  const auto [whole, sharded] = fullest_rank_state(config, candidate, program, options);
+  const auto parameter_bytes = static_cast<int64_t>(c10::elementSize(options.precision.parameters));
+  const int64_t weight_elements = whole.parameters / parameter_bytes;
+  const auto costs = microbatch_costs(config, candidate, options, machine, weight_elements);
 
   // Each rank runs its 1/pp of the model's work for the m microbatches; under a pipeline the
   // program decides the idle time.
@@ -464,29 +520,10 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
   const auto* host = machine.host_cost(
       options.compute, candidate.tp > 1 ? "tensor" : (candidate.pp > 1 ? "pipelined" : "plain"));
   if (candidate.pp > 1) {
-    const double share = 1.0 / static_cast<double>(stages);
-    const int64_t boundary_bytes = options.microbatch_size * options.sequence_length /
-                                   candidate.cp * config.hidden_size *
-                                   (options.compute == Compute::bf16_parameters ? 2 : 4);
-    const double hop = machine.collective_seconds("p2p", boundary_bytes, 2);
-    // A stage's host time per microbatch: its layers' and, per action pair, the microbatch's own
-    // (stages per rank times, so a rank's stages together pay it once per pp / stages).
-    const double stage_host =
-        host == nullptr ? 0.0
-                        : (host->per_layer * static_cast<double>(config.num_hidden_layers) +
-                           host->per_microbatch * static_cast<double>(candidate.pp)) *
-                              share;
-    const pipeline::Costs stage{
-        .forward = std::max(costs.forward * share + hop, kHostForwardShare * stage_host),
-        .backward_input =
-            std::max(costs.backward_input * share + hop, (1 - kHostForwardShare) * stage_host),
-        .backward_weight = costs.backward_weight * share};
-    compute = pipeline::simulate(program, stage).makespan;
-    const double actions = static_cast<double>(m) * static_cast<double>(stages) /
-                           static_cast<double>(candidate.pp);  // each of F, I and W
-    out.pipeline_p2p = actions * 2 * hop;
-    out.bubble = std::max(
-        0.0, compute - actions * (stage.forward + stage.backward_input + stage.backward_weight));
+    const auto piped = pipelined_compute(config, candidate, program, options, machine, costs, host);
+    compute = piped.compute;
+    out.pipeline_p2p = piped.p2p;
+    out.bubble = piped.bubble;
   }
   out.gemm = costs.gemm * per_rank;
   out.attention = costs.attention * per_rank;
@@ -499,9 +536,9 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
       static_cast<double>(2 * sharded.parameters + 5 * sharded.gradients + 2 * sharded.optimizer) /
       machine.memory_bytes_per_second;
   // The data-parallel collectives count whole (see the file comment).
-  const auto data = data_parallel_time(candidate, options, machine, weight_elements,
-                                       static_cast<double>(sharded.parameters) /
-                                           static_cast<double>(c10::elementSize(rules.parameters)));
+  const auto data = data_parallel_time(
+      candidate, options, machine, weight_elements,
+      static_cast<double>(sharded.parameters) / static_cast<double>(parameter_bytes));
   out.memory += data.copies;
   compute += data.copies;
   out.data_parallel = data.collectives;
@@ -510,10 +547,7 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
   if (host != nullptr) {
     // The rank's layers and microbatches, as the host issues them one after the other.
     out.host = host->per_step +
-               static_cast<double>(m) *
-                   (host->per_microbatch + host->per_layer *
-                                               static_cast<double>(config.num_hidden_layers) /
-                                               static_cast<double>(candidate.pp));
+               static_cast<double>(m) * rank_host_per_microbatch(host, config, candidate.pp);
     out.total = std::max(out.total, out.host);
   }
   return out;
