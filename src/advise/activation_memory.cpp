@@ -1,5 +1,6 @@
 // d9d::advise::qwen3_activation_bytes (d9d/advise/activation_memory.hpp).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -7,6 +8,7 @@
 
 #include <d9d/advise/activation_memory.hpp>
 #include <d9d/model/qwen3.hpp>
+#include <d9d/model/qwen3_moe.hpp>
 #include <d9d/model/stage_layers.hpp>
 
 namespace d9d::advise {
@@ -146,6 +148,71 @@ ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t
   out.layers = (config.num_hidden_layers - recomputed) * whole +
                recomputed * (recompute.attention_only ? attention_recomputed : stream * h * r);
   out.rope = 2 * sequence_length * (config.head_dim / 2) * kFloat;
+  return out;
+}
+
+ActivationBytes qwen3_moe_activation_bytes(const model::Qwen3MoeConfig& config,
+                                           int64_t microbatch_size, int64_t sequence_length,
+                                           Compute compute, ExpertSplit experts) {
+  if (config.moe_capacity_factor > 0) {
+    throw std::invalid_argument(
+        "d9d::advise::qwen3_moe_activation_bytes: token dropping (moe_capacity_factor " +
+        std::to_string(config.moe_capacity_factor) + ") is not predicted; dropless routing is");
+  }
+  if (experts.ranks < 1 || config.num_experts % experts.ranks != 0 || experts.load < 0) {
+    throw std::invalid_argument(
+        "d9d::advise::qwen3_moe_activation_bytes: " + std::to_string(config.num_experts) +
+        " experts over " + std::to_string(experts.ranks) + " expert rank(s), load " +
+        std::to_string(experts.load) + " (the ranks must divide the experts, the load be >= 0)");
+  }
+  // The dense model's prediction (which checks the sizes), then each MoE layer's dense-MLP part
+  // (gate and up over every token, under autocast the MLP's weight casts) replaced by its block.
+  auto out = qwen3_activation_bytes(config, microbatch_size, sequence_length, compute);
+  constexpr int64_t kFloat = 4;
+  constexpr int64_t kHalf = 2;
+  const int64_t a = compute == Compute::float32 ? kFloat : kHalf;
+  const int64_t tokens = microbatch_size * sequence_length;
+  const int64_t h = config.hidden_size;
+  const int64_t e = config.num_experts;
+  const int64_t k = config.num_experts_per_tok;
+  const int64_t i = config.moe_intermediate_size;
+  const int64_t s = config.shared_expert_intermediate_size;
+  const int64_t dense_mlp =
+      tokens * 2 * config.intermediate_size * a + layer_casts(config, compute).mlp;
+  const int64_t routings = tokens * k;
+  const auto rows =
+      static_cast<int64_t>(std::llround(static_cast<double>(routings) * experts.load));
+  // Per token: the probabilities and the weights' normalising sum; outside float32 the router's
+  // float32 input, and the norm's bfloat16 output no longer kept unless the shared expert reads
+  // it.
+  int64_t block = tokens * (e * kFloat + kFloat);
+  if (compute != Compute::float32) {
+    block += tokens * h * (kFloat - (s > 0 ? 0 : kHalf));
+  }
+  // Per routing: its indices and weight, and its expert output sent back; per row this rank's
+  // experts run: their input, gate, up, silu(gate) and product, and under expert parallelism the
+  // two permutations of the received rows.
+  block += routings * (20 + a + a * h) + rows * (a * (h + 4 * i) + (experts.ranks > 1 ? 16 : 0));
+  // Per layer: the counts (per sequence under the sequence-wise auxiliary loss), and the casts.
+  const int64_t count_rows =
+      config.router_aux_loss_type == model::MoeAuxLoss::sequence ? microbatch_size : 1;
+  block += 16 * e * count_rows + 2;
+  if (compute == Compute::bf16_autocast) {
+    block += 3 * (e / experts.ranks) * i * h * kHalf;
+  } else if (compute == Compute::bf16_parameters) {
+    block += e * h * kFloat;
+  }
+  if (s > 0) {
+    block += tokens * (2 * s * a + a * h + a);
+    if (compute == Compute::bf16_autocast) {
+      block += (3 * s * h + h) * kHalf;
+    }
+  }
+  int64_t moe_layers = 0;
+  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    moe_layers += config.is_moe_layer(layer) ? 1 : 0;
+  }
+  out.layers += moe_layers * (block - dense_mlp);
   return out;
 }
 

@@ -615,3 +615,200 @@ TEST(Advise_ActivationMemory_ws2, TensorParallelRanksKeepTheirSlices) {
 }
 
 }  // namespace
+
+namespace {
+
+// A Qwen3-MoE of 4 heads (2 KV heads) of 16 and a dense MLP of 160 (for mlp_only_layers), with the
+// sizes the MoE prediction's terms depend on.
+struct MoeShape {
+  int64_t hidden = 64;
+  int64_t moe = 32;
+  int64_t experts = 8;
+  int64_t top_k = 2;
+  int64_t layers = 2;
+  int64_t shared = 0;
+  bool sequence_aux = false;
+  double bias_rate = 0.0;
+  std::string dense_layers = "[]";
+};
+
+d9d::model::Qwen3MoeConfig moe_config_of(const MoeShape& s) {
+  return d9d::model::Qwen3MoeConfig::from_json_text(
+      R"({"model_type": "qwen3_moe", "vocab_size": 96, "hidden_size": )" +
+      std::to_string(s.hidden) + R"(, "intermediate_size": 160, "num_hidden_layers": )" +
+      std::to_string(s.layers) +
+      R"(, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+      "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false,
+      "num_experts": )" +
+      std::to_string(s.experts) + R"(, "num_experts_per_tok": )" + std::to_string(s.top_k) +
+      R"(, "moe_intermediate_size": )" + std::to_string(s.moe) +
+      R"(, "norm_topk_prob": true, "router_aux_loss_coef": 0.05, "output_router_logits": true,
+      "router_bias_update_rate": )" +
+      std::to_string(s.bias_rate) + R"(, "shared_expert_intermediate_size": )" +
+      std::to_string(s.shared) + R"(, "mlp_only_layers": )" + s.dense_layers +
+      R"(, "router_aux_loss_type": ")" + (s.sequence_aux ? "sequence" : "global_batch") + "\"}");
+}
+
+// What the MoE model's loss() leaves allocated for its backward on this thread.
+int64_t moe_kept(d9d::model::Qwen3MoeForCausalLM& model, int64_t batch, int64_t seq,
+                 d9d::advise::Compute compute) {
+  using d9d::advise::Compute;
+  const auto ids = torch::randint(model->config().vocab_size, {batch, seq}, torch::kLong);
+  d9d::advise::CpuMemoryMeter meter;
+  at::Tensor loss;
+  {
+    const d9d::detail::AutocastScope scope(compute != Compute::float32, c10::DeviceType::CPU);
+    loss = model->loss(ids, ids).loss_sum;
+  }
+  const int64_t kept = meter.live();
+  loss.backward();
+  return kept;
+}
+
+TEST(Advise_ActivationMemory, MoeLayersPredictWhatTheirForwardKeeps) {
+  using d9d::advise::Compute;
+  std::vector<MoeShape> shapes;
+  const MoeShape base;
+  shapes.push_back(base);
+  auto shape = base;
+  shape.hidden = 96;
+  shapes.push_back(shape);
+  shape = base;
+  shape.moe = 48;
+  shapes.push_back(shape);
+  shape = base;
+  shape.experts = 16;
+  shapes.push_back(shape);
+  shape = base;
+  shape.top_k = 3;
+  shapes.push_back(shape);
+  shape = base;
+  shape.layers = 3;
+  shape.dense_layers = "[1]";
+  shapes.push_back(shape);
+  shape = base;
+  shape.shared = 40;
+  shapes.push_back(shape);
+  shape = base;
+  shape.sequence_aux = true;
+  shapes.push_back(shape);
+  shape = base;
+  shape.bias_rate = 0.01;
+  shapes.push_back(shape);
+  int checked = 0;
+  for (const auto compute : {Compute::float32, Compute::bf16_autocast, Compute::bf16_parameters}) {
+    for (const auto& s : shapes) {
+      const auto config = moe_config_of(s);
+      for (const auto& [batch, seq] : {std::pair<int64_t, int64_t>{1, 16}, {2, 16}, {1, 40}}) {
+        torch::manual_seed(3);
+        d9d::model::Qwen3MoeForCausalLM model(config);
+        if (compute == Compute::bf16_parameters) {
+          model->to(at::kBFloat16);
+        }
+        const auto kept = moe_kept(model, batch, seq, compute);
+        const auto predicted =
+            d9d::advise::qwen3_moe_activation_bytes(config, batch, seq, compute).total();
+        EXPECT_LE(std::abs(predicted - kept), 64)
+            << "compute " << static_cast<int>(compute) << ", hidden " << s.hidden << ", moe "
+            << s.moe << ", experts " << s.experts << ", top " << s.top_k << ", layers " << s.layers
+            << " (dense " << s.dense_layers << "), shared " << s.shared
+            << (s.sequence_aux ? ", sequence aux" : "") << ", bias " << s.bias_rate << ", batch "
+            << batch << " x " << seq << ": predicted " << predicted << ", kept " << kept;
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 3 * 9 * 3);
+  // The terms: the experts' rows scale with the load; refused inputs name themselves.
+  const auto config = moe_config_of(base);
+  const auto balanced = d9d::advise::qwen3_moe_activation_bytes(config, 1, 16, Compute::float32,
+                                                                {.ranks = 2, .load = 1.0});
+  const auto doubled = d9d::advise::qwen3_moe_activation_bytes(config, 1, 16, Compute::float32,
+                                                               {.ranks = 2, .load = 2.0});
+  // 2 layers x 16 tokens x top 2 more rows, each its input, gate, up, silu, product and orders.
+  EXPECT_EQ(doubled.total() - balanced.total(), 2 * 16 * 2 * ((64 + 4 * 32) * 4 + 16));
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                (void)d9d::advise::qwen3_moe_activation_bytes(config, 1, 16, Compute::float32,
+                                                              {.ranks = 3});
+              }),
+              ::testing::HasSubstr("8 experts over 3 expert rank(s)"));
+  auto dropping = config;
+  dropping.moe_capacity_factor = 1.25;
+  EXPECT_THAT(d9d::testing::error_of(
+                  [&] { (void)d9d::advise::qwen3_moe_activation_bytes(dropping, 1, 16); }),
+              ::testing::HasSubstr("token dropping"));
+}
+
+// Expert parallelism over 2 Gloo ranks (parallelize with ExpertParallel<>): each rank's forward
+// keeps qwen3_moe_activation_bytes(..., {.ranks = 2, .load = L}) with the rows its experts get.
+// The routing is made known: the routers' bias picks two experts for every token, both on rank 0
+// (rank 0 runs every rank's rows: load 2, rank 1 none) or one on each rank (load 1 on both).
+TEST(Advise_ActivationMemory_ws2, ExpertParallelRanksKeepTheirExpertsRows) {
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    using d9d::advise::Compute;
+    using EpMesh = d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::ep<d9d::dynamic>>;
+    const auto ctx = d9d::testing::rank_context(env);
+    const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{.dp_replicate = 2, .ep = 2});
+    MoeShape shape;
+    shape.bias_rate = 0.01;
+    const auto config = moe_config_of(shape);
+    int checked = 0;
+    for (const auto compute :
+         {Compute::float32, Compute::bf16_autocast, Compute::bf16_parameters}) {
+      for (const bool both_on_rank0 : {true, false}) {
+        torch::manual_seed(7);
+        d9d::model::Qwen3MoeForCausalLM model(config);
+        if (compute == Compute::bf16_parameters) {
+          model->to(at::kBFloat16);
+        }
+        {
+          const at::NoGradGuard no_grad;
+          for (auto& buffer : model->named_buffers()) {
+            if (buffer.key().find("expert_bias") != std::string::npos) {
+              auto bias = buffer.value();
+              bias.zero_();
+              bias[0] = 100.0;
+              bias[both_on_rank0 ? 1 : 4] = 100.0;  // experts 0-3 on rank 0, 4-7 on rank 1
+            }
+          }
+        }
+        using Ep = d9d::parallel::ExpertParallel<>;
+        const auto parallel =
+            compute == Compute::bf16_parameters
+                ? d9d::parallel::parallelize<d9d::Plan<EpMesh, Ep, d9d::precision::Bf16Params<>>>(
+                      mesh, {model.ptr()})
+                : d9d::parallel::parallelize<d9d::Plan<EpMesh, Ep>>(mesh, {model.ptr()});
+        int64_t kept = 0;
+        {
+          d9d::testing::AllThreadsCpuMeter meter;
+          const auto ids = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
+          at::Tensor loss;
+          {
+            const d9d::detail::AutocastScope scope(compute != Compute::float32,
+                                                   c10::DeviceType::CPU);
+            loss = model->loss(ids, ids).loss_sum;
+          }
+          mesh.context().barrier();
+          kept = meter.live();
+          for (int still = 0, tries = 0; still < 5 && tries < 250; ++tries) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+            const int64_t now = meter.live();
+            still = now == kept ? still + 1 : 0;
+            kept = now;
+          }
+          loss.backward();
+        }
+        const double load = both_on_rank0 ? (env.rank() == 0 ? 2.0 : 0.0) : 1.0;
+        const auto predicted = d9d::advise::qwen3_moe_activation_bytes(config, 2, 16, compute,
+                                                                       {.ranks = 2, .load = load});
+        EXPECT_LE(std::abs(predicted.total() - kept), 1024)
+            << "rank " << env.rank() << ", compute " << static_cast<int>(compute) << ", load "
+            << load << ": predicted " << predicted.total() << ", kept " << kept;
+        ++checked;
+      }
+    }
+    EXPECT_EQ(checked, 6);
+  });
+}
+
+}  // namespace

@@ -121,8 +121,20 @@ sharded=$("$tool" --config "$moe_config" --precision fp32 --ep 2 --dp-shard 4 \
   fail "not one line per rank: $sharded"
 [ "$(echo "$moe" | column 1)" = "$(echo "$sharded" | column 1)" ] ||
   fail "4 ranks do not hold the model once (the experts split over ep and ep_replicate): $sharded"
-echo "$sharded" | grep -q '^not predicted yet for a MoE model: activations, step time' ||
-  fail "the MoE output claims more than the state: $sharded"
+echo "$sharded" | grep -q '^not predicted yet for a MoE model: step time' ||
+  fail "the MoE output claims more than the state and memory: $sharded"
+# Its activations and peak (d9d::advise::qwen3_moe_activation_bytes, measured in
+# tests/advise): the experts' rows grow with --expert-load, and the peak holds the state and them.
+kept() { echo "$1" | sed -n 's/^activations of a microbatch ([^)]*): \([0-9]*\) .*/\1/p'; }
+balanced=$(kept "$ep2")
+loaded=$(kept "$("$tool" --config "$moe_config" --precision fp32 --ep 2 --dp-shard 2 \
+  --expert-load 2)")
+[ -n "$balanced" ] && [ -n "$loaded" ] && [ "$loaded" -gt "$balanced" ] ||
+  fail "--expert-load 2 does not add rows: $balanced / $loaded"
+echo "$ep2" | grep -q '^peak during a step: ' || fail "no MoE peak: $ep2"
+piped=$("$tool" --config "$moe_config" --precision fp32 --pp 2) || fail "the MoE pipeline failed"
+echo "$piped" | grep -q '^not predicted yet for a MoE model under a pipeline: activations' ||
+  fail "a MoE pipeline claims its activations: $piped"
 "$tool" --config "$config" --ep 2 >"${TEST_TMPDIR:-/tmp}/err" 2>&1 && fail "--ep on a dense model"
 grep -q 'a dense Qwen3 (no experts)' "${TEST_TMPDIR:-/tmp}/err" || fail "$(cat "${TEST_TMPDIR:-/tmp}/err")"
 echo "advise_test: ok"

@@ -11,7 +11,9 @@
 // (d9d/advise/activation_memory.hpp). Gathered units and communication buffers are not predicted
 // yet. A Qwen3-MoE config ("model_type": "qwen3_moe", example 05's) gets its state, with --ep N
 // for expert parallelism (each line then also names the rank's ep_replicate coordinate when
-// FullyShard shards the experts); its activations and step time are not predicted yet.
+// FullyShard shards the experts) and, without a pipeline or recompute, the activations of a
+// microbatch and the step's peak (--expert-load: the rows a rank's experts get over balanced);
+// its step time is not predicted yet.
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -135,6 +137,9 @@ struct MoePlan {
   int pp = 1;
   int ep = 1;
   int microbatches = 0;
+  bool recompute = false;
+  bool reshard_after_forward = true;
+  double expert_load = 1.0;
 };
 
 // A Qwen3-MoE's state per rank (d9d/advise/state_memory.hpp): one line per pipeline rank, shard
@@ -189,8 +194,43 @@ void print_moe_state(const d9d::TrainerConfig& config, const d9d::model::Qwen3Mo
     }
   }
   std::printf("largest: %.2f GiB\n", gib(largest));
+  if (plan.pp > 1 || plan.recompute || plan.precision == "fp64") {
+    std::printf(
+        "not predicted yet for a MoE model%s: activations, step time, gathered units, "
+        "communication buffers\n",
+        plan.pp > 1      ? " under a pipeline"
+        : plan.recompute ? " under recompute"
+                         : " in fp64");
+    return;
+  }
+  // Without a pipeline: one microbatch's activations (the rank's experts getting `expert_load`
+  // times its own routings), then the step's peak on the rank with the most state.
+  const auto compute = compute_of(plan.precision, shards);
+  const auto kept = d9d::advise::qwen3_moe_activation_bytes(
+      model, config.batch.microbatch_size, config.batch.sequence_length, compute,
+      {.ranks = plan.ep, .load = plan.expert_load});
   std::printf(
-      "not predicted yet for a MoE model: activations, step time, gathered units, communication "
+      "activations of a microbatch (experts at %.2fx their balanced rows): %lld (%.2f GiB: layers "
+      "%.2f, head and embedding %.2f, rotary tables %.4f)\n",
+      plan.expert_load, static_cast<long long>(kept.total()), gib(kept.total()), gib(kept.layers),
+      gib(kept.loss), gib(kept.rope));
+  if (rules.expert_shard_ranks > 1) {
+    // fully_shard_gathered_bytes does not know the experts' own units over ep_replicate yet.
+    std::printf(
+        "not predicted yet for a MoE model: step time, the peak during a step (the experts' own "
+        "FullyShard units over ep_replicate), communication buffers\n");
+    return;
+  }
+  const int64_t gathered =
+      d9d::advise::fully_shard_gathered_step_bytes(all, rules, compute, plan.reshard_after_forward);
+  const auto fullest = d9d::advise::state_bytes(all, rules, 0, 0);
+  const int64_t peak = d9d::advise::peak_step_bytes(fullest, kept.total(), microbatches) + gathered;
+  std::printf(
+      "peak during a step: %.2f GiB (parameters and moments, the activations, the gradients from "
+      "the first backward, FullyShard's gathered units %.2f GiB; %d microbatch(es))\n",
+      gib(peak), gib(gathered), microbatches);
+  std::printf(
+      "not predicted yet for a MoE model: step time, communication buffers, the step's transient "
       "buffers\n");
 }
 
@@ -252,6 +292,11 @@ int main(int argc, char** argv) {
   bool reduce_bf16 = false;
   app.add_flag("--reduce-once", reduce_once, "FullyShard: one reduce-scatter per step");
   app.add_flag("--reduce-bf16", reduce_bf16, "data-parallel gradients reduced in bfloat16");
+  double expert_load = 1.0;
+  app.add_option("--expert-load", expert_load,
+                 "with --ep: the rows a rank's experts get over its own tokens' routings (1: "
+                 "balanced; the most loaded rank of a collapsed router more, up to ep)")
+      ->check(CLI::NonNegativeNumber);
   std::string json_path;
   app.add_option("--json", json_path, "with --candidates and --profile: write the ranking here");
   CLI11_PARSE(app, argc, argv);
@@ -267,7 +312,10 @@ int main(int argc, char** argv) {
                        .dp_shard = dp_shard,
                        .pp = pp,
                        .ep = ep,
-                       .microbatches = microbatches});
+                       .microbatches = microbatches,
+                       .recompute = recompute != "none",
+                       .reshard_after_forward = reshard == "after_forward",
+                       .expert_load = expert_load});
       return 0;
     }
     if (ep > 1) {

@@ -10,6 +10,10 @@ GPU:
               counts, their halves (context parallelism) and doubles
   attention   causal scaled_dot_product_attention (the kernel LibTorch picks, grouped-query as
               the model calls it) forward and backward at the configs' head counts over tp
+  grouped_experts  a MoE layer's routed experts (the Qwen3-MoE configs given) as d9d runs them:
+              bfloat16 grouped GEMMs (torch._grouped_mm, balanced rows per expert) for gate and
+              up, silu(gate) * up, the grouped down projection, forward and backward, for the
+              local experts and rows of ep 1, 2 and 4 (rows = microbatch tokens x top-k)
   memory      the bandwidth a bfloat16 elementwise kernel reaches (y = x * a + b over 256 MiB:
               bytes read and written per second)
 and all ranks the NCCL collectives over every GPU (all_reduce, all_gather, reduce_scatter,
@@ -121,6 +125,47 @@ def measure_attention(configs, tps):
     return out
 
 
+def measure_grouped_experts(configs, eps):
+    out, seen = [], set()
+    for cfg in configs:
+        m = cfg["model"]
+        if m.get("model_type") != "qwen3_moe":
+            continue
+        tokens = cfg["batch"]["microbatch_size"] * cfg["batch"]["sequence_length"]
+        for ep in eps:
+            if m["num_experts"] % ep:
+                continue
+            key = (m["num_experts"] // ep, tokens * m["num_experts_per_tok"], m["hidden_size"],
+                   m["moe_intermediate_size"])
+            if key in seen:
+                continue
+            seen.add(key)
+            groups, rows, h, i = key
+            per = rows // groups
+            offsets = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * per
+            rows = per * groups
+            bf16 = dict(device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(rows, h, **bf16, requires_grad=True)
+            gate = (torch.randn(groups, i, h, **bf16) * 0.02).requires_grad_()
+            up = (torch.randn(groups, i, h, **bf16) * 0.02).requires_grad_()
+            down = (torch.randn(groups, h, i, **bf16) * 0.02).requires_grad_()
+
+            def forward():
+                g = torch._grouped_mm(x, gate.transpose(-2, -1), offs=offsets)
+                u = torch._grouped_mm(x, up.transpose(-2, -1), offs=offsets)
+                return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offsets)
+
+            fwd = timed(forward)
+            y = forward()
+            dy = torch.randn_like(y)
+            bwd = timed(lambda: torch.autograd.grad(y, (x, gate, up, down), dy,
+                                                    retain_graph=True))
+            out.append({"groups": groups, "rows": rows, "hidden": h, "intermediate": i,
+                        "forward_seconds": fwd, "backward_seconds": bwd})
+            del x, gate, up, down, y, dy
+    return out
+
+
 def measure_memory():
     x = torch.randn(128 * 1024 * 1024, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
@@ -166,6 +211,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", action="append", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--only", choices=["grouped_experts"],
+                        help="measure this part alone on one GPU (merged into a profile by hand)")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -173,10 +220,17 @@ def main():
     configs = [json.load(open(path)) for path in args.config]
     profile = {"device": torch.cuda.get_device_name(), "ranks": world,
                "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+    if args.only == "grouped_experts":
+        profile["grouped_experts"] = measure_grouped_experts(configs, (1, 2, 4))
+        with open(args.out, "w") as f:
+            json.dump(profile, f, indent=1)
+        print(json.dumps(profile["grouped_experts"], indent=1))
+        return
     if rank == 0:
         tps = (1, 2, 4)
         profile["gemm"] = measure_gemm(gemm_shapes(configs, tps))
         profile["attention"] = measure_attention(configs, tps)
+        profile["grouped_experts"] = measure_grouped_experts(configs, tps)
         profile["memory_bytes_per_second"] = measure_memory()
         torch.cuda.empty_cache()
     if world > 1:

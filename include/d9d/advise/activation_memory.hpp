@@ -50,6 +50,7 @@
 
 namespace d9d::model {
 struct Qwen3Config;
+struct Qwen3MoeConfig;
 }  // namespace d9d::model
 
 namespace d9d::advise {
@@ -114,6 +115,45 @@ struct ActivationBytes {
 [[nodiscard]] ActivationBytes qwen3_activation_bytes(
     const model::Qwen3Config& config, int64_t microbatch_size, int64_t sequence_length,
     Compute compute = Compute::float32, Recompute recompute = {}, TensorSplit tensor = {});
+
+/// How expert parallelism (d9d::parallel::ExpertParallel) splits a Qwen3-MoE's routed experts:
+/// each of `ranks` ranks holds num_experts / ranks of them and runs the rows every rank routes to
+/// them. `load` is the rows this rank's experts receive over its own tokens' routings (tokens x
+/// top-k): 1 under balanced routing, up to `ranks` when every token picks this rank's experts.
+struct ExpertSplit {
+  int ranks = 1;
+  double load = 1.0;
+};
+
+/// The bytes d9d::model::Qwen3MoeForCausalLM's loss() keeps for the backward of one microbatch
+/// (d9d's fused kernels, dropless routing: no capacity factor), computed as `compute` says, without
+/// recompute, tensor or context parallelism: the dense Qwen3's prediction (its attention part,
+/// its dense-MLP layers, the head and embedding, the rotary tables) with each MoE layer's block in
+/// place of the dense MLP. Per MoE layer, in bytes (a: the matmuls' element, 4 in float32 else 2;
+/// H hidden, I moe_intermediate_size, E experts, k top-k; from src/model/moe.cpp, measured by
+/// tests/advise with d9d::advise::CpuMemoryMeter):
+///   per token        the router's probabilities (float32, 4 E) and the sum that normalises the
+///                    top-k weights (4); outside float32 the router's float32 copy of its input
+///                    (4 H) while the norm's output (2 H) is no longer kept (unless a shared
+///                    expert reads it)
+///   per routing      its indices and weight (20 + a) and the expert output it gets back (a H)
+///   (tokens x k)
+///   per row an       its input, gate, up, silu(gate) and the product (a (H + 4 I)); under expert
+///   expert runs      parallelism also the two orders that permute the received rows (16)
+///                    (tokens x k x load)
+///   per layer        the routing's per-expert counts (16 E + 2; the sequence-wise auxiliary loss
+///                    keeps them per sequence); under autocast the bfloat16 casts of this rank's
+///                    experts (3 x E / ranks x I x H x 2), with bfloat16 parameters the router
+///                    weight's float32 copy (4 E H)
+///   shared expert    its gate and up (2 S a), its output (a H) and its gate's sigmoid (a); under
+///                    autocast its weights' casts ((3 S H + H) x 2)
+/// std::invalid_argument for a size below 1, a capacity factor, or experts that do not split over
+/// the ranks.
+[[nodiscard]] ActivationBytes qwen3_moe_activation_bytes(const model::Qwen3MoeConfig& config,
+                                                         int64_t microbatch_size,
+                                                         int64_t sequence_length,
+                                                         Compute compute = Compute::float32,
+                                                         ExpertSplit experts = {});
 
 /// What one microbatch's forward keeps on pipeline stage `stage` of `stages` (the stages of
 /// d9d::model::Qwen3Stage, layers split by d9d::model::distribute_layers weighed by
