@@ -9,8 +9,10 @@
 // microbatch; no optimizer). Compute actions are timed by the executor's timeline (device events
 // on CUDA, the clock on CPU), so each rank's busy time is measured, not assumed:
 //   measured bubble = 1 - mean over ranks of (busy time / step time, the median over steps)
-// and printed next to the bubble the schedule's program has under the measured F, I and W costs
-// and under equal costs. `--overlap both` (the default) measures the executor with its
+// and printed next to the bubble the schedule's program has under the ranks' mean F, I and W
+// costs, under equal costs, and under each rank's own measured costs
+// (d9d::pipeline::simulate_stages: uneven stages are the program's bubble, so measured minus that
+// is the executor's own overhead). `--overlap both` (the default) measures the executor with its
 // point-to-point batches in flight until compute needs them (ExecutorOptions::overlap_p2p) and
 // with each batch waited for before the next compute action, one after the other, and prints
 // both. `--timeline FILE.svg` draws the last step of each as every rank ran it, under the
@@ -457,6 +459,20 @@ int main(int argc, char** argv) {
       const double measured_w = program.split_backward ? w : b / 2;
       const auto modelled = d9d::pipeline::simulate(
           program, {.forward = f, .backward_input = measured_i, .backward_weight = measured_w});
+      // The program at each rank's own costs (a stage costs what its rank measured): the stages'
+      // imbalance is the program's, so measured - this is the executor's own overhead.
+      std::vector<d9d::pipeline::Costs> stage_costs(static_cast<std::size_t>(program.stages()));
+      for (int r = 0; r < pp; ++r) {
+        const auto row = per_rank.narrow(0, r, 1).squeeze(0).cpu();
+        const auto* v = row.const_data_ptr<double>();
+        const d9d::pipeline::Costs own{.forward = v[0],
+                                       .backward_input = program.split_backward ? v[2] : v[1] / 2,
+                                       .backward_weight = program.split_backward ? v[3] : v[1] / 2};
+        for (const auto& a : program.ranks[static_cast<std::size_t>(r)]) {
+          stage_costs[static_cast<std::size_t>(a.stage)] = own;
+        }
+      }
+      const auto own_costs = d9d::pipeline::simulate_stages(program, stage_costs);
       const double bubble = 1.0 - busy_share.front();
       std::printf("pipeline_bench: %s pp=%d m=%d preset=%s microbatch=%ldx%ld %s on %s\n",
                   schedule.c_str(), pp, microbatches, preset_name.c_str(),
@@ -469,8 +485,12 @@ int main(int argc, char** argv) {
       }
       std::printf(
           "  mean costs F %.3f ms, B %.3f ms, I %.3f ms, W %.3f ms\n"
-          "  program's bubble: %.2f%% at the measured costs, %.2f%% at equal F/I/W costs\n",
-          f, b, i, w, 100 * modelled.bubble_fraction(), 100 * unit.bubble_fraction());
+          "  program's bubble: %.2f%% at the measured costs, %.2f%% at equal F/I/W costs\n"
+          "  program at each rank's own costs: step %.2f ms, bubble %.2f%% (measured - program: "
+          "%+.2f points)\n",
+          f, b, i, w, 100 * modelled.bubble_fraction(), 100 * unit.bubble_fraction(),
+          own_costs.makespan, 100 * own_costs.bubble_fraction(),
+          100 * (bubble - own_costs.bubble_fraction()));
       std::fputs(per_rank_text.c_str(), stdout);
       if (!timeline_path.empty()) {
         const std::string title = schedule + " pp=" + std::to_string(pp) +
@@ -502,7 +522,9 @@ int main(int argc, char** argv) {
                               {"measured_bubble", bubble},
                               {"cost_ms", {{"F", f}, {"B", b}, {"I", i}, {"W", w}}},
                               {"program_bubble_measured_costs", modelled.bubble_fraction()},
-                              {"program_bubble_equal_costs", unit.bubble_fraction()}};
+                              {"program_bubble_equal_costs", unit.bubble_fraction()},
+                              {"program_bubble_rank_costs", own_costs.bubble_fraction()},
+                              {"program_step_ms_rank_costs", own_costs.makespan}};
         for (std::size_t k = 0; k < modes.size(); ++k) {
           out[modes[k] ? "overlapped" : "waited_at_once"] = {
               {"step_ms", mode_step[k]}, {"measured_bubble", 1.0 - busy_share[k]}};

@@ -520,6 +520,30 @@ TEST(Pipeline_DualPipeV_pp1to8_mb2ppTo4pp, BubbleNoWorseThanZeroBubbleH1) {
   }
 }
 
+// Each stage's own costs: equal ones are simulate's. 1F1B over 2 stages and 2 microbatches with
+// stage 0 at F 1, B 2 and stage 1 at F 3, B 4: rank 0 runs F0 [0, 1], F1 [1, 2]; rank 1 F0
+// [1, 4], B0 [4, 8], F1 [8, 11], B1 [11, 15]; rank 0 then B0 [8, 10] and B1 [15, 17].
+TEST(Pipeline_Simulate, EachStageAtItsOwnCosts) {
+  for (const auto& program : {pl::with_communication(pl::one_f_one_b(2, 4)),
+                              pl::with_communication(pl::zero_bubble_h1(2, 4)),
+                              pl::with_communication(pl::dual_pipe_v(2, 4))}) {
+    const pl::Costs costs{.forward = 2, .backward_input = 3, .backward_weight = 1};
+    const auto same = pl::simulate_stages(
+        program, std::vector<pl::Costs>(static_cast<std::size_t>(program.stages()), costs));
+    EXPECT_DOUBLE_EQ(same.makespan, pl::simulate(program, costs).makespan);
+    EXPECT_DOUBLE_EQ(same.bubble_fraction(), pl::simulate(program, costs).bubble_fraction());
+  }
+  const auto program = pl::with_communication(pl::one_f_one_b(2, 2));
+  const auto uneven =
+      pl::simulate_stages(program, {{.forward = 1, .backward_input = 1, .backward_weight = 1},
+                                    {.forward = 3, .backward_input = 2, .backward_weight = 2}});
+  EXPECT_DOUBLE_EQ(uneven.makespan, 17.0);
+  // Busy 1 + 1 + 2 + 2 on rank 0 and 3 + 4 + 3 + 4 on rank 1, of 2 x 17.
+  EXPECT_DOUBLE_EQ(uneven.bubble_fraction(), 1.0 - 20.0 / 34.0);
+  EXPECT_THAT(d9d::testing::error_of([&] { (void)pl::simulate_stages(program, {{}}); }),
+              ::testing::HasSubstr("1 costs for 2 stages"));
+}
+
 TEST(Pipeline_Memory, OneFOneBAndZeroBubbleKeepItsActivationBound) {
   for (const int pp : {2, 4, 8}) {
     for (const int m : {4, 8, 16}) {

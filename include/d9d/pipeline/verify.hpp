@@ -25,6 +25,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -646,15 +648,24 @@ struct Timeline {
   }
 };
 
-/// Runs a verified program under `costs`: each rank in its program order, a compute step starting
-/// when the rank is free and its inputs exist (communication takes no time).
-constexpr Timeline simulate(const Program& program, const Costs& costs) {
+/// Runs a verified program with each stage's own costs (`stage_costs[s]` for stage s, one per
+/// stage of the program): each rank in its program order, a compute step starting when the rank is
+/// free and its inputs exist (communication takes no time). Uneven stages (a head heavier than a
+/// layer, one rank's GPU slower) give the program's own bubble at those costs.
+/// std::invalid_argument when the costs are not one per stage.
+constexpr Timeline simulate_stages(const Program& program, const std::vector<Costs>& stage_costs) {
   const int pp = program.pp;
   const int stages = program.stages();
+  if (stage_costs.size() != static_cast<std::size_t>(stages)) {
+    throw std::invalid_argument(
+        "d9d::pipeline::simulate_stages: " + std::to_string(stage_costs.size()) + " costs for " +
+        std::to_string(stages) + " stages");
+  }
   constexpr double kNever = -1.0;
   detail::StepTable<double> ends(stages, program.microbatches, kNever);  // when F and I/B ended
-  const auto cost_of = [&](Op op) {
-    switch (op) {
+  const auto cost_of = [&](const Action& a) {
+    const auto& costs = stage_costs[static_cast<std::size_t>(a.stage)];
+    switch (a.op) {
       case Op::backward:
         return costs.backward_input + costs.backward_weight;
       case Op::backward_input:
@@ -688,7 +699,7 @@ constexpr Timeline simulate(const Program& program, const Costs& costs) {
           }
           ready = std::max(ready, input);
         }
-        const double end = ready + cost_of(a.op);
+        const double end = ready + cost_of(a);
         ends.record(a, end);
         timeline.ranks[rr].push_back({.action = a, .start = ready, .end = end});
         free_at[rr] = end;
@@ -698,6 +709,12 @@ constexpr Timeline simulate(const Program& program, const Costs& costs) {
     }
   }
   return timeline;
+}
+
+/// Runs a verified program under `costs`, the same for every stage (simulate_stages).
+constexpr Timeline simulate(const Program& program, const Costs& costs) {
+  return simulate_stages(program,
+                         std::vector<Costs>(static_cast<std::size_t>(program.stages()), costs));
 }
 
 }  // namespace d9d::pipeline
