@@ -525,6 +525,34 @@ TEST(Advise_ActivationMemory, TheTermsAndTheirErrors) {
   EXPECT_LT(params_one.total(), bf16_one.total());
 }
 
+// What `model`'s loss() on `ids` leaves allocated for its backward on every thread of this
+// process, its forward computing as `compute` says (then the backward runs, as in training).
+template <class Model>
+int64_t kept_on_every_thread(const d9d::DeviceMesh& mesh, Model& model, const at::Tensor& ids,
+                             d9d::advise::Compute compute) {
+  int64_t kept = 0;
+  at::Tensor loss;
+  d9d::testing::AllThreadsCpuMeter meter;
+  {
+    const d9d::detail::AutocastScope scope(compute != d9d::advise::Compute::float32,
+                                           c10::DeviceType::CPU);
+    loss = model->loss(ids, ids).loss_sum;
+  }
+  // The collectives' worker threads drop their works' last references to the forward's buffers
+  // some time after the work completes: read once the count has settled (unchanged for 100 ms,
+  // at most 5 s).
+  mesh.context().barrier();
+  kept = meter.live();
+  for (int still = 0, tries = 0; still < 5 && tries < 250; ++tries) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const int64_t now = meter.live();
+    still = now == kept ? still + 1 : 0;
+    kept = now;
+  }
+  loss.backward();
+  return kept;
+}
+
 // Tensor parallelism over 2 Gloo ranks (as parallelize applies it, with and without sequence
 // parallelism): each rank's forward keeps qwen3_activation_bytes(..., {.ranks = 2, ...}) in the
 // three ways of computing, over widths, MLP widths, head counts, KV heads, head sizes, depths,
@@ -545,28 +573,7 @@ int64_t tp_kept(const d9d::DeviceMesh& mesh, const d9d::model::Qwen3Config& conf
                 mesh, {model.ptr()})
           : d9d::parallel::parallelize<d9d::Plan<TpMesh, Slots...>>(mesh, {model.ptr()});
   const auto ids = torch::randint(config.vocab_size, {2, seq}, torch::kLong);
-  int64_t kept = 0;
-  at::Tensor loss;
-  {
-    d9d::testing::AllThreadsCpuMeter meter;
-    {
-      const d9d::detail::AutocastScope scope(compute != Compute::float32, c10::DeviceType::CPU);
-      loss = model->loss(ids, ids).loss_sum;
-    }
-    // The collectives' worker threads drop their works' last references to the forward's
-    // buffers some time after the work completes: read once the count has settled (unchanged
-    // for 100 ms, at most 5 s).
-    mesh.context().barrier();
-    kept = meter.live();
-    for (int still = 0, tries = 0; still < 5 && tries < 250; ++tries) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      const int64_t now = meter.live();
-      still = now == kept ? still + 1 : 0;
-      kept = now;
-    }
-    loss.backward();
-  }
-  return kept;
+  return kept_on_every_thread(mesh, model, ids, compute);
 }
 
 TEST(Advise_ActivationMemory_ws2, TensorParallelRanksKeepTheirSlices) {
@@ -778,26 +785,8 @@ TEST(Advise_ActivationMemory_ws2, ExpertParallelRanksKeepTheirExpertsRows) {
                 ? d9d::parallel::parallelize<d9d::Plan<EpMesh, Ep, d9d::precision::Bf16Params<>>>(
                       mesh, {model.ptr()})
                 : d9d::parallel::parallelize<d9d::Plan<EpMesh, Ep>>(mesh, {model.ptr()});
-        int64_t kept = 0;
-        {
-          d9d::testing::AllThreadsCpuMeter meter;
-          const auto ids = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
-          at::Tensor loss;
-          {
-            const d9d::detail::AutocastScope scope(compute != Compute::float32,
-                                                   c10::DeviceType::CPU);
-            loss = model->loss(ids, ids).loss_sum;
-          }
-          mesh.context().barrier();
-          kept = meter.live();
-          for (int still = 0, tries = 0; still < 5 && tries < 250; ++tries) {
-            std::this_thread::sleep_for(std::chrono::milliseconds(20));
-            const int64_t now = meter.live();
-            still = now == kept ? still + 1 : 0;
-            kept = now;
-          }
-          loss.backward();
-        }
+        const auto ids = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
+        const int64_t kept = kept_on_every_thread(mesh, model, ids, compute);
         const double load = both_on_rank0 ? (env.rank() == 0 ? 2.0 : 0.0) : 1.0;
         const auto predicted = d9d::advise::qwen3_moe_activation_bytes(config, 2, 16, compute,
                                                                        {.ranks = 2, .load = load});
