@@ -434,9 +434,17 @@ int main(int argc, char** argv) {
         }
       }
       const double step = mode_step.front();
-      // Each rank's compute, to see how equal the stages are (the program's bubble below assumes
-      // equal stages).
+      // The model's F, I and W from measured F, B, I and W: for an unsplit program B's cost is
+      // split evenly between I and W.
+      const auto costs_of = [&](double f_ms, double b_ms, double i_ms, double w_ms) {
+        return d9d::pipeline::Costs{.forward = f_ms,
+                                    .backward_input = program.split_backward ? i_ms : b_ms / 2,
+                                    .backward_weight = program.split_backward ? w_ms : b_ms / 2};
+      };
+      // Each rank's compute, to see how equal the stages are, and each of its stages at those
+      // costs (the program at each rank's own costs below).
       std::string per_rank_text;
+      std::vector<d9d::pipeline::Costs> stage_costs(static_cast<std::size_t>(program.stages()));
       for (int r = 0; r < pp; ++r) {
         const auto row = per_rank.narrow(0, r, 1).squeeze(0).cpu();
         const auto* v = row.const_data_ptr<double>();
@@ -451,27 +459,15 @@ int main(int argc, char** argv) {
                       "  rank %d:%s F %.3f ms, B %.3f, I %.3f, W %.3f, busy %.1f%%\n", r,
                       layers.c_str(), v[0], v[1], v[2], v[3], 100 * v[8]);
         per_rank_text += line;
+        for (const auto& a : program.ranks[static_cast<std::size_t>(r)]) {
+          stage_costs[static_cast<std::size_t>(a.stage)] = costs_of(v[0], v[1], v[2], v[3]);
+        }
       }
       const auto unit = d9d::pipeline::simulate(
           program, {.forward = 1, .backward_input = 1, .backward_weight = 1});
-      // For an unsplit program B's measured cost is split evenly between I and W in the model.
-      const double measured_i = program.split_backward ? i : b / 2;
-      const double measured_w = program.split_backward ? w : b / 2;
-      const auto modelled = d9d::pipeline::simulate(
-          program, {.forward = f, .backward_input = measured_i, .backward_weight = measured_w});
+      const auto modelled = d9d::pipeline::simulate(program, costs_of(f, b, i, w));
       // The program at each rank's own costs (a stage costs what its rank measured): the stages'
       // imbalance is the program's, so measured - this is the executor's own overhead.
-      std::vector<d9d::pipeline::Costs> stage_costs(static_cast<std::size_t>(program.stages()));
-      for (int r = 0; r < pp; ++r) {
-        const auto row = per_rank.narrow(0, r, 1).squeeze(0).cpu();
-        const auto* v = row.const_data_ptr<double>();
-        const d9d::pipeline::Costs own{.forward = v[0],
-                                       .backward_input = program.split_backward ? v[2] : v[1] / 2,
-                                       .backward_weight = program.split_backward ? v[3] : v[1] / 2};
-        for (const auto& a : program.ranks[static_cast<std::size_t>(r)]) {
-          stage_costs[static_cast<std::size_t>(a.stage)] = own;
-        }
-      }
       const auto own_costs = d9d::pipeline::simulate_stages(program, stage_costs);
       const double bubble = 1.0 - busy_share.front();
       std::printf("pipeline_bench: %s pp=%d m=%d preset=%s microbatch=%ldx%ld %s on %s\n",

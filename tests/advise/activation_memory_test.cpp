@@ -674,34 +674,16 @@ int64_t moe_kept(d9d::model::Qwen3MoeForCausalLM& model, int64_t batch, int64_t 
 
 TEST(Advise_ActivationMemory, MoeLayersPredictWhatTheirForwardKeeps) {
   using d9d::advise::Compute;
-  std::vector<MoeShape> shapes;
   const MoeShape base;
-  shapes.push_back(base);
-  auto shape = base;
-  shape.hidden = 96;
-  shapes.push_back(shape);
-  shape = base;
-  shape.moe = 48;
-  shapes.push_back(shape);
-  shape = base;
-  shape.experts = 16;
-  shapes.push_back(shape);
-  shape = base;
-  shape.top_k = 3;
-  shapes.push_back(shape);
-  shape = base;
-  shape.layers = 3;
-  shape.dense_layers = "[1]";
-  shapes.push_back(shape);
-  shape = base;
-  shape.shared = 40;
-  shapes.push_back(shape);
-  shape = base;
-  shape.sequence_aux = true;
-  shapes.push_back(shape);
-  shape = base;
-  shape.bias_rate = 0.01;
-  shapes.push_back(shape);
+  const std::vector<MoeShape> shapes{base,
+                                     {.hidden = 96},
+                                     {.moe = 48},
+                                     {.experts = 16},
+                                     {.top_k = 3},
+                                     {.layers = 3, .dense_layers = "[1]"},
+                                     {.shared = 40},
+                                     {.sequence_aux = true},
+                                     {.bias_rate = 0.01}};
   int checked = 0;
   for (const auto compute : {Compute::float32, Compute::bf16_autocast, Compute::bf16_parameters}) {
     for (const auto& s : shapes) {

@@ -171,7 +171,7 @@ void print_moe_state(const d9d::TrainerConfig& config, const d9d::model::Qwen3Mo
               plan.data_parallel.c_str(), rules.shard_ranks, plan.precision.c_str(), plan.ep,
               rules.expert_shard_ranks, plan.pp);
   std::printf("state per rank: parameters, gradients, AdamW moments, total (bytes, GiB)\n");
-  int64_t largest = 0;
+  d9d::advise::StateBytes largest{};  // the rank that keeps the most
   for (int p = 0; p < plan.pp; ++p) {
     const auto mine = plan.pp > 1 ? d9d::advise::qwen3_rank_parameters(model, program, p,
                                                                        config.batch.sequence_length)
@@ -187,13 +187,15 @@ void print_moe_state(const d9d::TrainerConfig& config, const d9d::model::Qwen3Mo
           s, e, static_cast<long long>(bytes.parameters), static_cast<long long>(bytes.gradients),
           static_cast<long long>(bytes.optimizer), static_cast<long long>(bytes.total()),
           gib(bytes.parameters), gib(bytes.gradients), gib(bytes.optimizer), gib(bytes.total()));
-      largest = std::max(largest, bytes.total());
+      if (bytes.total() > largest.total()) {
+        largest = bytes;
+      }
       if (!shards && rules.expert_shard_ranks == 1) {
         break;  // every rank of the stage holds the same bytes
       }
     }
   }
-  std::printf("largest: %.2f GiB\n", gib(largest));
+  std::printf("largest: %.2f GiB\n", gib(largest.total()));
   if (plan.pp > 1 || plan.recompute || plan.precision == "fp64") {
     std::printf(
         "not predicted yet for a MoE model%s: activations, step time, gathered units, "
@@ -223,8 +225,7 @@ void print_moe_state(const d9d::TrainerConfig& config, const d9d::model::Qwen3Mo
   }
   const int64_t gathered =
       d9d::advise::fully_shard_gathered_step_bytes(all, rules, compute, plan.reshard_after_forward);
-  const auto fullest = d9d::advise::state_bytes(all, rules, 0, 0);
-  const int64_t peak = d9d::advise::peak_step_bytes(fullest, kept.total(), microbatches) + gathered;
+  const int64_t peak = d9d::advise::peak_step_bytes(largest, kept.total(), microbatches) + gathered;
   std::printf(
       "peak during a step: %.2f GiB (parameters and moments, the activations, the gradients from "
       "the first backward, FullyShard's gathered units %.2f GiB; %d microbatch(es))\n",
