@@ -54,10 +54,11 @@ int run(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, doubl
     const bool print = e.step % cfg.run.log_every == 0 || e.step + 1 == cfg.run.total_steps;
     if (ctx.is_main_process() && print) {
       std::printf(
-          "step %4ld  loss %.4f  | router load max/mean %.3f (worst layer %.3f)  aux %.4f  "
-          "dropped %.0f\n",
+          "step %4ld  loss %.4f  | router load max/mean %.3f (worst layer %.3f)  ep rank load "
+          "%.3f  aux %.4f  dropped %.0f\n",
           static_cast<long>(e.step), e.loss, last["moe/load_max_over_mean"],
-          last["moe/load_max_over_mean_worst_layer"], last["moe/aux_loss"], last["moe/dropped"]);
+          last["moe/load_max_over_mean_worst_layer"], last["moe/ep_rank_load_max"],
+          last["moe/aux_loss"], last["moe/dropped"]);
       std::fflush(stdout);
     }
   });

@@ -7,12 +7,15 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include <c10/core/ScalarType.h>
 #include <nlohmann/json.hpp>
 
 #include <d9d/advise/step_time.hpp>
 #include <d9d/model/qwen3.hpp>
+#include <d9d/model/qwen3_moe.hpp>
 #include <d9d/pipeline/verify.hpp>
 
 namespace d9d::advise {
@@ -84,6 +87,15 @@ MachineProfile MachineProfile::from_json_text(std::string_view text) {
                                .forward_seconds = a.at("forward_seconds"),
                                .backward_seconds = a.at("backward_seconds")});
     }
+    const auto experts = json.value("grouped_experts", nlohmann::json::array());
+    for (const auto& e : experts) {
+      out.grouped_experts.push_back({.groups = e.at("groups"),
+                                     .rows = e.at("rows"),
+                                     .hidden = e.at("hidden"),
+                                     .intermediate = e.at("intermediate"),
+                                     .forward_seconds = e.at("forward_seconds"),
+                                     .backward_seconds = e.at("backward_seconds")});
+    }
     out.memory_bytes_per_second = json.at("memory_bytes_per_second");
     const auto host = json.value("host", nlohmann::json::object());
     for (const auto& [compute, kinds] : host.items()) {
@@ -112,6 +124,12 @@ MachineProfile MachineProfile::from_json_text(std::string_view text) {
     if (g.m < 1 || g.n < 1 || g.k < 1 || g.seconds <= 0 ||
         (g.layout != "nt" && g.layout != "nn" && g.layout != "tn")) {
       bad_profile("a matmul needs sizes >= 1, seconds > 0 and layout nt, nn or tn");
+    }
+  }
+  for (const auto& e : out.grouped_experts) {
+    if (e.groups < 1 || e.rows < 1 || e.hidden < 1 || e.intermediate < 1 ||
+        e.forward_seconds <= 0 || e.backward_seconds <= 0) {
+      bad_profile("grouped experts need sizes >= 1 and seconds > 0");
     }
   }
   if (out.memory_bytes_per_second <= 0 || out.ranks < 1) {
@@ -196,6 +214,35 @@ std::pair<double, double> MachineProfile::attention_seconds(int64_t batch, int64
   return {best->forward_seconds * scale, best->backward_seconds * scale};
 }
 
+std::pair<double, double> MachineProfile::grouped_experts_seconds(int64_t groups, int64_t rows,
+                                                                  int64_t hidden,
+                                                                  int64_t intermediate) const {
+  const MeasuredGroupedExperts* best = nullptr;
+  double best_distance = std::numeric_limits<double>::infinity();
+  const auto d = [](int64_t a, int64_t b) {
+    return log_ratio(static_cast<double>(a), static_cast<double>(b));
+  };
+  for (const auto& e : grouped_experts) {
+    const double distance = d(e.groups, groups) + d(e.rows, rows) + d(e.hidden, hidden) +
+                            d(e.intermediate, intermediate);
+    if (distance < best_distance) {
+      best_distance = distance;
+      best = &e;
+    }
+  }
+  if (best == nullptr) {
+    bad_profile(
+        "no measured grouped experts (tools/gpu/profile-machine measures them for the Qwen3-MoE "
+        "configs it is given; profile_machine.py --only grouped_experts alone)");
+  }
+  const auto work = [](int64_t r, int64_t h, int64_t i) {
+    return static_cast<double>(r) * static_cast<double>(h) * static_cast<double>(i);
+  };
+  const double scale =
+      work(rows, hidden, intermediate) / work(best->rows, best->hidden, best->intermediate);
+  return {best->forward_seconds * scale, best->backward_seconds * scale};
+}
+
 double MachineProfile::collective_seconds(std::string_view name, int64_t bytes, int group) const {
   if (group <= 1 || bytes <= 0) {
     return 0.0;
@@ -243,9 +290,11 @@ struct MicrobatchCosts {
   double context_parallel = 0;
 };
 
+// `mlp_layers`: the decoder layers with a dense MLP (all of a dense Qwen3's; a MoE's others run
+// their MoE block, moe_block_costs).
 MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& cand,
                                  const StepOptions& o, const MachineProfile& machine,
-                                 int64_t weight_elements) {
+                                 int64_t weight_elements, double mlp_layers) {
   const int64_t tp = cand.tp;
   const int64_t tokens = o.microbatch_size * o.sequence_length / cand.cp;
   const int64_t h = c.hidden_size;
@@ -268,7 +317,8 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
   // layers' forward matmuls of the attention and MLP parts apart (what recompute runs again).
   const double attention_gemm =
       linear(q / tp, h, layers) + linear(kv / tp, h, 2 * layers) + linear(h, q / tp, layers);
-  const double mlp_gemm = linear(inter / tp, h, 2 * layers) + linear(h, inter / tp, layers);
+  const double mlp_gemm =
+      linear(inter / tp, h, 2 * mlp_layers) + linear(h, inter / tp, mlp_layers);
   linear(c.vocab_size / tp, h, 1);
   auto [attention_forward, attention_backward] =
       machine.attention_seconds(o.microbatch_size, o.sequence_length, c.num_attention_heads / tp,
@@ -280,14 +330,16 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
   // gate and up cast nothing: docs/design/0026.)
   const int64_t r = o.compute == Compute::bf16_parameters ? 2 : 4;
   const int64_t a = o.compute == Compute::float32 ? 4 : 2;
-  int64_t layer_bytes = 8 * h * r + 2 * h * a + 4 * (q + kv) * a + 2 * q * a + 3 * inter * a;
+  const int64_t mlp_bytes = 3 * inter * a;  // SiLU-mul's gate and up read, its product written
+  const int64_t layer_bytes = 8 * h * r + 2 * h * a + 4 * (q + kv) * a + 2 * q * a + mlp_bytes;
   // Of which the attention part's: its norm, q, k, v, the rotations, the attention's output.
   int64_t attention_bytes = 4 * h * r + h * a + 4 * (q + kv) * a + 2 * q * a;
   // The loss: float32 logits written, read for the log-sum-exp, read and written for the gradient.
   const int64_t loss_bytes = 4 * c.vocab_size * 4 + 4 * h * r;
   const double forward_bytes =
       static_cast<double>(tokens) *
-      (layers * static_cast<double>(layer_bytes) + static_cast<double>(loss_bytes)) /
+      (layers * static_cast<double>(layer_bytes - mlp_bytes) +
+       mlp_layers * static_cast<double>(mlp_bytes) + static_cast<double>(loss_bytes)) /
       static_cast<double>(tp);
   const double bandwidth = machine.memory_bytes_per_second;
   double weight_casts = 0;
@@ -469,6 +521,111 @@ PipelineTime pipelined_compute(const model::Qwen3Config& config, const Candidate
   return out;
 }
 
+// The sizes every prediction needs, and bfloat16 compute (the profile's matmuls).
+void check_sizes(const Candidate& candidate, const StepOptions& options) {
+  if (options.microbatch_size < 1 || options.sequence_length < 1 || candidate.microbatches < 1 ||
+      candidate.tp < 1 || candidate.cp < 1 || candidate.pp < 1 || candidate.dp_shard < 1 ||
+      candidate.dp_replicate < 1) {
+    throw std::invalid_argument(
+        "d9d::advise::predict_step_time: sizes, degrees and microbatches must be at least 1");
+  }
+  if (options.compute == Compute::float32) {
+    throw std::invalid_argument(
+        "d9d::advise::predict_step_time: float32 steps are not predicted (the machine profile "
+        "measures bfloat16 matmuls)");
+  }
+}
+
+// The step's end: AdamW on the rank's (sharded) state — it reads the parameter, gradient and
+// both moments and writes the parameter and moments; the clipping norm reads the gradients, the
+// clipping scales them, zeroing writes them — the data-parallel strategy's copies on the compute
+// stream and its collectives whole (see the file comment), and the host's bound: `host_time` the
+// host's time issuing the step (0 where not measured). `compute`: the microbatches' time.
+void finish_step(StepTime& out, double compute, const StateBytes& sharded,
+                 const DataParallelTime& data, double host_time, const MachineProfile& machine) {
+  out.optimizer =
+      static_cast<double>(2 * sharded.parameters + 5 * sharded.gradients + 2 * sharded.optimizer) /
+      machine.memory_bytes_per_second;
+  out.memory += data.copies;
+  out.data_parallel += data.collectives;
+  out.data_parallel_exposed = out.data_parallel;
+  out.total = compute + data.copies + out.optimizer + out.data_parallel_exposed;
+  out.host = host_time;
+  out.total = std::max(out.total, out.host);
+}
+
+// A linear layer's forward and its two backward GEMMs on `tokens` rows, [n, k] weight.
+std::pair<double, double> linear_seconds(const MachineProfile& machine, int64_t tokens, int64_t n,
+                                         int64_t k) {
+  return {machine.gemm_seconds(tokens, n, k, "nt"),
+          machine.gemm_seconds(tokens, k, n, "nn") + machine.gemm_seconds(n, k, tokens, "tn")};
+}
+
+// One microbatch's MoE blocks on a rank (all its MoE layers; the file comment), in seconds.
+struct MoeBlockCosts {
+  double forward = 0;
+  double backward = 0;
+  double gemm = 0;  // the routers' and shared experts'
+  double experts = 0;
+  double memory = 0;
+  double all_to_all = 0;
+};
+
+int64_t moe_layer_count(const model::Qwen3MoeConfig& c) {
+  int64_t count = 0;
+  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
+    count += c.is_moe_layer(layer) ? 1 : 0;
+  }
+  return count;
+}
+
+MoeBlockCosts moe_block_costs(const model::Qwen3MoeConfig& c, ExpertSplit split,
+                              const StepOptions& o, const MachineProfile& machine) {
+  const auto layers = static_cast<double>(moe_layer_count(c));
+  const int64_t tokens = o.microbatch_size * o.sequence_length;
+  const int64_t h = c.hidden_size;
+  const int64_t e = c.num_experts;
+  const int64_t a = 2;  // bfloat16 activations (float32 steps are not predicted)
+  const int64_t routed = tokens * c.num_experts_per_tok;
+  const auto rows = static_cast<int64_t>(std::llround(static_cast<double>(routed) * split.load));
+  const auto [router_forward, router_backward] = linear_seconds(machine, tokens, e, h);
+  const auto [experts_forward, experts_backward] =
+      machine.grouped_experts_seconds(e / split.ranks, rows, h, c.moe_intermediate_size);
+  double gemm_forward = router_forward;
+  double gemm_backward = router_backward;
+  // The router's float32 logits written, softmax read and written, top-k read (12 E), its float32
+  // copy of the input (H a read, 4 H written); each routing's row gathered (H a read and written)
+  // and its output read for the weighted sum (H a), the token's sum written (H a).
+  double bytes = static_cast<double>(tokens * (12 * e + h * (a + 4) + h * a) + routed * 3 * h * a);
+  if (split.ranks > 1) {
+    bytes += static_cast<double>(rows * 4 * h * a);  // received rows into expert order and back
+  }
+  const int64_t shared = c.shared_expert_intermediate_size;
+  if (shared > 0) {  // a dense SiLU MLP and its sigmoid gate on every token
+    for (const auto& [n, k, count] : {std::tuple{shared, h, 2}, {h, shared, 1}, {int64_t{1}, h, 1}}) {
+      const auto [f, b] = linear_seconds(machine, tokens, n, k);
+      gemm_forward += count * f;
+      gemm_backward += count * b;
+    }
+    bytes += static_cast<double>(tokens * (3 * shared * a + 3 * h * a));
+  }
+  const double memory = bytes / machine.memory_bytes_per_second;
+  MoeBlockCosts out;
+  if (split.ranks > 1) {
+    const auto row_bytes = static_cast<int64_t>(std::llround(
+        static_cast<double>(routed * h * a) * split.load));
+    const double move = machine.collective_seconds("all_to_all", row_bytes, split.ranks);
+    const double counts = machine.collective_seconds("all_to_all", e * 8, split.ranks);
+    out.all_to_all = layers * (4 * move + counts);
+  }
+  out.gemm = layers * (gemm_forward + gemm_backward);
+  out.experts = layers * (experts_forward + experts_backward);
+  out.memory = layers * 3 * memory;
+  out.forward = layers * (gemm_forward + experts_forward + memory) + out.all_to_all / 2;
+  out.backward = layers * (gemm_backward + experts_backward + 2 * memory) + out.all_to_all / 2;
+  return out;
+}
+
 }  // namespace
 
 StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& candidate,
@@ -483,17 +640,7 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
 StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& candidate,
                            const pipeline::Program& program, const StepOptions& options,
                            const MachineProfile& machine) {
-  if (options.microbatch_size < 1 || options.sequence_length < 1 || candidate.microbatches < 1 ||
-      candidate.tp < 1 || candidate.cp < 1 || candidate.pp < 1 || candidate.dp_shard < 1 ||
-      candidate.dp_replicate < 1) {
-    throw std::invalid_argument(
-        "d9d::advise::predict_step_time: sizes, degrees and microbatches must be at least 1");
-  }
-  if (options.compute == Compute::float32) {
-    throw std::invalid_argument(
-        "d9d::advise::predict_step_time: float32 steps are not predicted (the machine profile "
-        "measures bfloat16 matmuls)");
-  }
+  check_sizes(candidate, options);
   const int m = candidate.microbatches;
   const int data_ranks = candidate.dp_replicate * candidate.dp_shard;
   StepTime out;
@@ -510,7 +657,8 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
   const auto [whole, sharded] = fullest_rank_state(config, candidate, program, options);
   const auto parameter_bytes = static_cast<int64_t>(c10::elementSize(options.precision.parameters));
   const int64_t weight_elements = whole.parameters / parameter_bytes;
-  const auto costs = microbatch_costs(config, candidate, options, machine, weight_elements);
+  const auto costs = microbatch_costs(config, candidate, options, machine, weight_elements,
+                                      static_cast<double>(config.num_hidden_layers));
 
   // Each rank runs its 1/pp of the model's work for the m microbatches; under a pipeline the
   // program decides the idle time.
@@ -530,26 +678,94 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
   out.memory = costs.memory * per_rank;
   out.tensor_parallel = costs.tensor_parallel * per_rank;
   out.context_parallel = costs.context_parallel * per_rank;
-  // AdamW reads the parameter, gradient and both moments and writes the parameter and moments;
-  // the clipping norm reads the gradients, the clipping scales them, zeroing writes them.
-  out.optimizer =
-      static_cast<double>(2 * sharded.parameters + 5 * sharded.gradients + 2 * sharded.optimizer) /
-      machine.memory_bytes_per_second;
-  // The data-parallel collectives count whole (see the file comment).
   const auto data = data_parallel_time(
       candidate, options, machine, weight_elements,
       static_cast<double>(sharded.parameters) / static_cast<double>(parameter_bytes));
-  out.memory += data.copies;
-  compute += data.copies;
-  out.data_parallel = data.collectives;
-  out.data_parallel_exposed = data.collectives;
-  out.total = compute + out.optimizer + out.data_parallel_exposed;
-  if (host != nullptr) {
-    // The rank's layers and microbatches, as the host issues them one after the other.
-    out.host = host->per_step +
-               static_cast<double>(m) * rank_host_per_microbatch(host, config, candidate.pp);
-    out.total = std::max(out.total, out.host);
+  // The rank's layers and microbatches, as the host issues them one after the other.
+  const double host_time =
+      host == nullptr ? 0.0
+                      : host->per_step + static_cast<double>(m) *
+                                             rank_host_per_microbatch(host, config, candidate.pp);
+  finish_step(out, compute, sharded, data, host_time, machine);
+  return out;
+}
+
+StepTime predict_step_time(const model::Qwen3MoeConfig& config, const Candidate& candidate,
+                           ExpertSplit experts, const StepOptions& options,
+                           const MachineProfile& machine) {
+  check_sizes(candidate, options);
+  const auto refuse = [](const std::string& why) {
+    throw std::invalid_argument("d9d::advise::predict_step_time (Qwen3-MoE): " + why);
+  };
+  if (candidate.pp > 1 || candidate.tp > 1 || candidate.cp > 1 || options.recompute.any()) {
+    refuse("not predicted under a pipeline, tensor or context parallelism, or recompute yet");
   }
+  if (config.moe_capacity_factor > 0) {
+    refuse("token dropping (moe_capacity_factor) is not predicted; dropless routing is");
+  }
+  const int data_ranks = candidate.dp_replicate * candidate.dp_shard;
+  if (experts.ranks < 1 || config.num_experts % experts.ranks != 0 ||
+      data_ranks % experts.ranks != 0 || !(experts.load > 0)) {
+    refuse("ep " + std::to_string(experts.ranks) + " must divide the " +
+           std::to_string(config.num_experts) + " experts and the " + std::to_string(data_ranks) +
+           " data-parallel ranks, and the load must be > 0");
+  }
+  const int m = candidate.microbatches;
+  const int ep_replicate = data_ranks / experts.ranks;
+  StepTime out;
+  out.tokens =
+      static_cast<int64_t>(data_ranks) * m * options.microbatch_size * options.sequence_length;
+  // The rank's state: the experts split over ep (and under FullyShard sharded over
+  // ep_replicate), the rest as for the dense model.
+  const auto parameters = qwen3_parameters(config);
+  StateRules rules = options.precision;
+  rules.expert_parallel = true;
+  rules.expert_ranks = experts.ranks;
+  const auto whole = state_bytes(parameters, rules, 0);
+  rules.shard_ranks = candidate.fully_shard ? candidate.dp_shard : 1;
+  rules.expert_shard_ranks = candidate.fully_shard ? ep_replicate : 1;
+  const auto sharded = state_bytes(parameters, rules, 0);
+  int64_t expert_elements = 0;
+  for (const auto& p : parameters) {
+    expert_elements += p.expert && p.trained ? p.numel() / experts.ranks : 0;
+  }
+  const auto parameter_bytes = static_cast<int64_t>(c10::elementSize(options.precision.parameters));
+  const int64_t weight_elements = whole.parameters / parameter_bytes;
+  const int64_t dense_elements = weight_elements - expert_elements;
+
+  const auto costs =
+      microbatch_costs(config, candidate, options, machine, weight_elements,
+                       static_cast<double>(config.num_hidden_layers - moe_layer_count(config)));
+  const auto moe = moe_block_costs(config, experts, options, machine);
+  const double compute =
+      (costs.forward + costs.backward_input + costs.backward_weight + moe.forward + moe.backward) *
+      m;
+  out.gemm = (costs.gemm + moe.gemm) * m;
+  out.attention = costs.attention * m;
+  out.memory = (costs.memory + moe.memory) * m;
+  out.experts = moe.experts * m;
+  out.expert_parallel = moe.all_to_all * m;
+  // The non-expert parameters over the data-parallel ranks; the experts' over ep_replicate.
+  auto data = data_parallel_time(
+      candidate, options, machine, dense_elements,
+      static_cast<double>(dense_elements) / static_cast<double>(rules.shard_ranks));
+  if (ep_replicate > 1) {
+    Candidate group = candidate;
+    group.cp = 1;
+    group.dp_replicate = candidate.fully_shard ? 1 : ep_replicate;
+    group.dp_shard = candidate.fully_shard ? ep_replicate : 1;
+    const auto expert_data =
+        data_parallel_time(group, options, machine, expert_elements,
+                           static_cast<double>(expert_elements) / ep_replicate);
+    data.collectives += expert_data.collectives;
+    data.copies += expert_data.copies;
+  }
+  const auto* host = machine.host_cost(options.compute, "plain");
+  const double host_time =
+      host == nullptr ? 0.0
+                      : host->per_step + static_cast<double>(m) *
+                                             rank_host_per_microbatch(host, config, 1);
+  finish_step(out, compute, sharded, data, host_time, machine);
   return out;
 }
 

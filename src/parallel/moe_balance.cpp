@@ -22,8 +22,10 @@ constexpr std::string_view kLayerBalancePrefix = "moe/load_max_over_mean/layer_"
 
 class MoeBalanceSync : public GradientSync {
  public:
-  MoeBalanceSync(std::vector<std::shared_ptr<model::MoeLayerImpl>> layers, ProcessGroup group)
-      : layers_(std::move(layers)), group_(std::move(group)) {}
+  // `expert_ranks`: ep (each rank holds a contiguous num_experts / ep of every layer's experts).
+  MoeBalanceSync(std::vector<std::shared_ptr<model::MoeLayerImpl>> layers, ProcessGroup group,
+                 int64_t expert_ranks)
+      : layers_(std::move(layers)), group_(std::move(group)), expert_ranks_(expert_ranks) {}
 
   // After the step's backward: every rank has routed its tokens of every microbatch.
   void finish() override {
@@ -46,6 +48,10 @@ class MoeBalanceSync : public GradientSync {
     double sum_ratio = 0.0;
     double worst = 0.0;
     double routed = 0.0;
+    // The most loaded expert-parallel rank's rows over its balanced share (1 without ep): the
+    // rows its experts run and the all-to-alls wait for (d9d::advise::ExpertSplit::load).
+    double sum_rank = 0.0;
+    double worst_rank = 0.0;
     std::vector<double> ratios;
     ratios.reserve(layers_.size());
     for (std::size_t l = 0; l < layers_.size(); ++l) {
@@ -56,11 +62,20 @@ class MoeBalanceSync : public GradientSync {
       ratios.push_back(ratio);
       sum_ratio += ratio;
       worst = std::max(worst, ratio);
-      routed += load.sum().item<double>();
+      const double total = load.sum().item<double>();
+      routed += total;
+      const double rank_load =
+          total > 0 ? load.reshape({expert_ranks_, -1}).sum(1).max().item<double>() /
+                          (total / static_cast<double>(expert_ranks_))
+                    : 1.0;
+      sum_rank += rank_load;
+      worst_rank = std::max(worst_rank, rank_load);
     }
     metrics_ = {{"moe/load_max_over_mean", sum_ratio / static_cast<double>(layers_.size())},
                 {"moe/load_max_over_mean_worst_layer", worst},
                 {"moe/routed_per_step", routed},
+                {"moe/ep_rank_load_max", sum_rank / static_cast<double>(layers_.size())},
+                {"moe/ep_rank_load_max_worst_layer", worst_rank},
                 {"moe/dropped", dropped},
                 {"moe/dropped_fraction", routed > 0 ? dropped / routed : 0.0}};
     if (const auto stats = layers_.front()->last_stats()) {
@@ -83,6 +98,7 @@ class MoeBalanceSync : public GradientSync {
  private:
   std::vector<std::shared_ptr<model::MoeLayerImpl>> layers_;
   ProcessGroup group_;
+  int64_t expert_ranks_ = 1;
   std::vector<std::pair<std::string, double>> metrics_;
 };
 
@@ -106,7 +122,8 @@ void apply_moe_balance(ParallelModel& model) {
   for (const auto& layer : layers) {
     layer->set_load_group(group);
   }
-  model.add_sync(std::make_unique<MoeBalanceSync>(std::move(layers), group));
+  model.add_sync(std::make_unique<MoeBalanceSync>(std::move(layers), group,
+                                                  mesh.size(MeshDomain::expert, "ep_shard")));
 }
 
 }  // namespace d9d::parallel::detail

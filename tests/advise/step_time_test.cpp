@@ -138,6 +138,21 @@ TEST(Advise_MachineProfile, ReadsTheToolsJsonAndNamesWhatIsMissing) {
   EXPECT_DOUBLE_EQ(m.gemm[0].seconds, 0.5);
   ASSERT_EQ(m.attention.size(), 1U);
   EXPECT_DOUBLE_EQ(m.attention[0].backward_seconds, 0.75);
+  EXPECT_TRUE(m.grouped_experts.empty());
+  const auto grouped = MachineProfile::from_json_text(R"({"gemm": [], "memory_bytes_per_second": 1,
+      "grouped_experts": [{"groups": 64, "rows": 65536, "hidden": 2048, "intermediate": 768,
+                           "forward_seconds": 1e-3, "backward_seconds": 3e-3}]})");
+  ASSERT_EQ(grouped.grouped_experts.size(), 1U);
+  // The nearest measured shape at its rate: half the rows, half the time.
+  const auto [forward, backward] = grouped.grouped_experts_seconds(64, 32768, 2048, 768);
+  EXPECT_DOUBLE_EQ(forward, 0.5e-3);
+  EXPECT_DOUBLE_EQ(backward, 1.5e-3);
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>([] {
+                (void)MachineProfile::from_json_text(R"({"gemm": [], "memory_bytes_per_second": 1,
+                    "grouped_experts": [{"groups": 0, "rows": 1, "hidden": 1, "intermediate": 1,
+                                         "forward_seconds": 1, "backward_seconds": 1}]})");
+              }),
+              ::testing::HasSubstr("grouped experts need sizes >= 1"));
   const auto& p2p = m.collectives.at("p2p").points;
   ASSERT_EQ(p2p.size(), 2U);
   EXPECT_EQ(p2p[0].first, 1024);  // sorted by bytes
@@ -355,6 +370,88 @@ TEST(Advise_StepTime, TheHostBoundsTheStepWhereItWasMeasured) {
   EXPECT_NEAR(piped.host, 4 * h, 1e-12);
   EXPECT_NEAR(piped.total, 5 * h, 1e-2 * h) << "the program at the host's action times";
   EXPECT_NEAR(piped.bubble / (piped.total - piped.optimizer), 1.0 / 5, 1e-2);
+}
+
+// A Qwen3-MoE of 4 layers, layer 0 dense: 3 MoE layers of 4 experts, top 2, over hidden 32.
+d9d::model::Qwen3MoeConfig moe_model() {
+  return d9d::model::Qwen3MoeConfig::from_json_text(
+      R"({"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32,
+          "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6,
+          "rope_theta": 10000.0, "tie_word_embeddings": false, "num_experts": 4,
+          "num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": [0]})");
+}
+
+TEST(Advise_StepTime, MoeLayersRunTheirExpertsAndAllToAlls) {
+  auto m = uniform_machine();
+  // A microbatch's 32 tokens x top 2 = 64 rows over ep 2's 2 experts per rank, measured exactly.
+  m.grouped_experts.push_back({.groups = 2,
+                               .rows = 64,
+                               .hidden = 32,
+                               .intermediate = 16,
+                               .forward_seconds = 1e-4,
+                               .backward_seconds = 2e-4});
+  const auto moe = moe_model();
+  const Candidate two{.dp_replicate = 2, .microbatches = 3};
+  const auto t = d9d::advise::predict_step_time(moe, two, {.ranks = 2}, bf16(), m);
+  EXPECT_EQ(t.tokens, 2 * 3 * 2 * 16);
+  // The experts: the measured time per MoE layer and microbatch.
+  EXPECT_TRUE(near(t.experts, 3 * 3 * 3e-4)) << t.experts;
+  // Four all-to-alls of the routed rows (64 x 32 bfloat16) and one of the counts (4 x 8 bytes)
+  // per MoE layer and microbatch.
+  const double moved = 4 * m.collective_seconds("all_to_all", 64 * 32 * 2, 2) +
+                       m.collective_seconds("all_to_all", 4 * 8, 2);
+  EXPECT_TRUE(near(t.expert_parallel, 3 * 3 * moved)) << t.expert_parallel;
+  // The matmuls: every 2-D weight but the embedding (attention, layer 0's MLP, the routers, the
+  // head), 6 FLOPs per weight and token at the rate; the experts are not among them.
+  double linear = 0;
+  int64_t experts = 0;
+  int64_t others = 0;
+  for (const auto& p : d9d::advise::qwen3_parameters(moe)) {
+    (p.expert ? experts : others) += p.numel();
+    if (p.sizes.size() == 2 && p.name != "model.embed_tokens.weight") {
+      linear += static_cast<double>(p.numel());
+    }
+  }
+  EXPECT_TRUE(near(t.gemm, 6.0 * 96 * linear / kRate)) << t.gemm;
+  // Replicate over the two ep ranks: the experts have no replica to reduce with; the rest's
+  // float32 gradients are all-reduced.
+  EXPECT_TRUE(near(t.data_parallel, m.collective_seconds("all_reduce", others * 4, 2)));
+  EXPECT_TRUE(near(t.total, t.gemm + t.attention + t.memory + t.optimizer + t.experts +
+                                t.expert_parallel + t.data_parallel));
+  // A rank whose experts get twice their rows: the experts' time (the measured shape scaled by
+  // FLOPs) doubles, the all-to-alls move twice the rows.
+  const auto loaded = d9d::advise::predict_step_time(moe, two, {.ranks = 2, .load = 2}, bf16(), m);
+  EXPECT_TRUE(near(loaded.experts, 2 * t.experts));
+  const double moved_twice = 4 * m.collective_seconds("all_to_all", 2 * 64 * 32 * 2, 2) +
+                             m.collective_seconds("all_to_all", 4 * 8, 2);
+  EXPECT_TRUE(near(loaded.expert_parallel, 3 * 3 * moved_twice));
+  // Four data-parallel ranks over ep 2: each rank's experts have one replica (ep_replicate 2) to
+  // all-reduce their gradients with, the rest all-reduce over the four.
+  const auto four = d9d::advise::predict_step_time(moe, {.dp_replicate = 4, .microbatches = 3},
+                                                   {.ranks = 2}, bf16(), m);
+  EXPECT_TRUE(near(four.data_parallel, m.collective_seconds("all_reduce", others * 4, 4) +
+                                           m.collective_seconds("all_reduce", experts / 2 * 4, 2)));
+  // FullyShard over the two: the non-expert parameters gathered and reduce-scattered as for a
+  // dense model, the experts (whole on each rank) not at all.
+  const auto sharded = d9d::advise::predict_step_time(
+      moe, {.fully_shard = true, .dp_shard = 2, .microbatches = 3}, {.ranks = 2},
+      bf16(Compute::bf16_parameters), m);
+  EXPECT_TRUE(near(sharded.data_parallel,
+                   6 * m.collective_seconds("all_gather", others * 2, 2) +
+                       3 * m.collective_seconds("reduce_scatter", others * 4, 2)));
+
+  const auto error = [&](const Candidate& c, d9d::advise::ExpertSplit split,
+                         const MachineProfile& machine) {
+    return d9d::testing::error_of<std::invalid_argument>(
+        [&] { (void)d9d::advise::predict_step_time(moe, c, split, bf16(), machine); });
+  };
+  EXPECT_THAT(error({.dp_replicate = 2, .pp = 2, .microbatches = 2}, {.ranks = 2}, m),
+              ::testing::HasSubstr("not predicted under a pipeline"));
+  EXPECT_THAT(error({.dp_replicate = 3, .microbatches = 2}, {.ranks = 3}, m),
+              ::testing::HasSubstr("ep 3 must divide the 4 experts"));
+  EXPECT_THAT(error(two, {.ranks = 2}, uniform_machine()),
+              ::testing::HasSubstr("no measured grouped experts"));
 }
 
 TEST(Advise_StepTime, ErrorsNameTheFix) {

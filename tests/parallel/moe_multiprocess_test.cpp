@@ -449,6 +449,13 @@ TEST(Moe_ExpertParallel_ws2, MetricsAndACheckpointResumedInOneProcess) {
     }
     EXPECT_NEAR(metrics.at("moe/load_max_over_mean"), mean, 1e-12);
     EXPECT_EQ(metrics.at("moe/load_max_over_mean_worst_layer"), worst);
+    // The most loaded ep rank's rows over its half: at least balanced, at most all of them, and no
+    // more than the most loaded expert's over the mean (a rank's mean expert).
+    const double rank_load = metrics.at("moe/ep_rank_load_max");
+    EXPECT_GE(rank_load, 1.0);
+    EXPECT_LE(rank_load, 2.0);
+    EXPECT_LE(rank_load, metrics.at("moe/load_max_over_mean") + 1e-12);
+    EXPECT_GE(metrics.at("moe/ep_rank_load_max_worst_layer"), rank_load);
     if (ctx.is_main_process()) {
       std::ifstream file(root + "/ep/router_balance.svg");
       ASSERT_TRUE(file) << "no router_balance.svg";

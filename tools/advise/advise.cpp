@@ -12,8 +12,8 @@
 // yet. A Qwen3-MoE config ("model_type": "qwen3_moe", example 05's) gets its state, with --ep N
 // for expert parallelism (each line then also names the rank's ep_replicate coordinate when
 // FullyShard shards the experts) and, without a pipeline or recompute, the activations of a
-// microbatch and the step's peak (--expert-load: the rows a rank's experts get over balanced);
-// its step time is not predicted yet.
+// microbatch and the step's peak (--expert-load: the rows a rank's experts get over balanced)
+// and, with --profile, its step time.
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -139,8 +139,44 @@ struct MoePlan {
   int microbatches = 0;
   bool recompute = false;
   bool reshard_after_forward = true;
+  bool reduce_once = false;
+  bool reduce_bf16 = false;
   double expert_load = 1.0;
+  const d9d::advise::MachineProfile* machine = nullptr;  ///< --profile: predict the step time
 };
+
+// With --profile: the MoE step's predicted time (d9d/advise/step_time.hpp), the rank's experts
+// getting `expert_load` times their balanced rows.
+void print_moe_step_time(const d9d::TrainerConfig& config,
+                         const d9d::model::Qwen3MoeConfig& model, const MoePlan& plan,
+                         int microbatches) {
+  if (plan.machine == nullptr) {
+    return;
+  }
+  const bool shards = plan.data_parallel == "fully_shard";
+  const auto compute = compute_of(plan.precision, shards);
+  if (compute == d9d::advise::Compute::float32) {
+    std::printf("step time: not predicted for %s (the profile measures bfloat16 matmuls)\n",
+                plan.precision.c_str());
+    return;
+  }
+  const d9d::advise::Candidate candidate{.fully_shard = shards,
+                                         .dp_replicate = shards ? 1 : plan.dp_shard,
+                                         .dp_shard = shards ? plan.dp_shard : 1,
+                                         .microbatches = microbatches};
+  const d9d::advise::StepOptions options{.microbatch_size = config.batch.microbatch_size,
+                                         .sequence_length = config.batch.sequence_length,
+                                         .precision = precision_rules(plan.precision),
+                                         .compute = compute,
+                                         .reduce_bf16 = plan.reduce_bf16,
+                                         .reshard_after_forward = plan.reshard_after_forward,
+                                         .reduce_every_microbatch = !plan.reduce_once};
+  const auto t = d9d::advise::predict_step_time(
+      model, candidate, {.ranks = plan.ep, .load = plan.expert_load}, options, *plan.machine);
+  print_step_time(t, plan.machine->device);
+  std::printf("  of which the routed experts %.1f ms, expert parallelism's all-to-alls %.1f ms\n",
+              t.experts * 1e3, t.expert_parallel * 1e3);
+}
 
 // A Qwen3-MoE's state per rank (d9d/advise/state_memory.hpp): one line per pipeline rank, shard
 // rank and, when FullyShard shards the experts over ep_replicate, expert shard rank.
@@ -207,6 +243,7 @@ void print_moe_state(const d9d::TrainerConfig& config, const d9d::model::Qwen3Mo
   }
   // Without a pipeline: one microbatch's activations (the rank's experts getting `expert_load`
   // times its own routings), then the step's peak on the rank with the most state.
+  print_moe_step_time(config, model, plan, microbatches);
   const auto compute = compute_of(plan.precision, shards);
   const auto kept = d9d::advise::qwen3_moe_activation_bytes(
       model, config.batch.microbatch_size, config.batch.sequence_length, compute,
@@ -219,7 +256,7 @@ void print_moe_state(const d9d::TrainerConfig& config, const d9d::model::Qwen3Mo
   if (rules.expert_shard_ranks > 1) {
     // fully_shard_gathered_bytes does not know the experts' own units over ep_replicate yet.
     std::printf(
-        "not predicted yet for a MoE model: step time, the peak during a step (the experts' own "
+        "not predicted yet for a MoE model: the peak during a step (the experts' own "
         "FullyShard units over ep_replicate), communication buffers\n");
     return;
   }
@@ -231,8 +268,7 @@ void print_moe_state(const d9d::TrainerConfig& config, const d9d::model::Qwen3Mo
       "the first backward, FullyShard's gathered units %.2f GiB; %d microbatch(es))\n",
       gib(peak), gib(gathered), microbatches);
   std::printf(
-      "not predicted yet for a MoE model: step time, communication buffers, the step's transient "
-      "buffers\n");
+      "not predicted yet for a MoE model: communication buffers, the step's transient buffers\n");
 }
 
 }  // namespace
@@ -305,6 +341,10 @@ int main(int argc, char** argv) {
     const auto config = d9d::TrainerConfig::from_file(config_path);
     const auto& model_json = config.sections.at("model");
     const bool moe = std::regex_search(model_json, std::regex(R"("model_type"\s*:\s*"qwen3_moe")"));
+    std::optional<d9d::advise::MachineProfile> machine;
+    if (!profile_path.empty()) {
+      machine = d9d::advise::MachineProfile::from_file(profile_path);
+    }
     if (moe) {
       print_moe_state(config, d9d::model::Qwen3MoeConfig::from_json_text(model_json),
                       {.data_parallel = data_parallel,
@@ -316,7 +356,10 @@ int main(int argc, char** argv) {
                        .microbatches = microbatches,
                        .recompute = recompute != "none",
                        .reshard_after_forward = reshard == "after_forward",
-                       .expert_load = expert_load});
+                       .reduce_once = reduce_once,
+                       .reduce_bf16 = reduce_bf16,
+                       .expert_load = expert_load,
+                       .machine = machine ? &*machine : nullptr});
       return 0;
     }
     if (ep > 1) {
@@ -324,10 +367,6 @@ int main(int argc, char** argv) {
                                   ": the config's model is a dense Qwen3 (no experts)");
     }
     const auto model = d9d::model::Qwen3Config::from_json_text(model_json);
-    std::optional<d9d::advise::MachineProfile> machine;
-    if (!profile_path.empty()) {
-      machine = d9d::advise::MachineProfile::from_file(profile_path);
-    }
     const d9d::advise::Recompute recomputing{.every_nth = recompute == "none" ? 0 : recompute_every,
                                              .attention_only = recompute == "attention"};
     if (candidates > 0) {

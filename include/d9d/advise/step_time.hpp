@@ -51,8 +51,28 @@
 // it: where the profile measured the host's cost for the step's kind and compute (HostCost:
 // per decoder layer and microbatch, per microbatch and per step, tools/gpu/profile-host), the
 // step is the longer of the two, and under a pipeline every action takes the longer of its
-// kernels and its host time. Not modelled: the data-parallel strategies' own host work, expert
-// parallelism, LoRA, Float8.
+// kernels and its host time. Not modelled: the data-parallel strategies' own host work, LoRA,
+// Float8.
+//
+// A Qwen3-MoE (the overload taking an ExpertSplit; no pipeline, tensor or context parallelism,
+// no recompute) is the dense model with each MoE layer's block in place of the MLP, per MoE layer
+// and microbatch:
+//   router     its [experts, hidden] matmul's three GEMMs (in gemm)
+//   experts    the routed experts' grouped GEMMs and silu(gate) * up, forward and backward, at the
+//              profile's grouped_experts time for the rank's experts and rows (tokens x top-k x
+//              the split's load), the nearest measured shape scaled by FLOPs
+//   memory     the router's float32 logits, softmax and top-k, the rows' permutation to the
+//              experts and back (and under expert parallelism the received rows' into expert
+//              order and back), the weighted sum of each token's k outputs; backward twice the
+//              forward's bytes
+//   expert parallel   four all-to-alls of the routed rows (dispatch and combine, forward and
+//              backward) at the profile's all_to_all time for tokens x top-k x hidden x the
+//              activations' element x load bytes, and one of the routing's per-expert counts,
+//              all on the critical path (d9d waits for them before the experts run)
+// The data-parallel strategy moves the non-expert parameters as for the dense model; the experts'
+// gradients go over ep_replicate (the data-parallel ranks over ep) as the strategy says. Not
+// modelled: the MoE block's own host work (it reads the routing's counts on the host before the
+// all-to-all), the auxiliary loss and the router's bias update (small elementwise work).
 #pragma once
 
 #include <cstdint>
@@ -68,6 +88,7 @@
 
 namespace d9d::model {
 struct Qwen3Config;
+struct Qwen3MoeConfig;
 }  // namespace d9d::model
 
 namespace d9d::advise {
@@ -91,6 +112,18 @@ struct MeasuredAttention {
   int64_t heads = 0;
   int64_t kv_heads = 0;
   int64_t head_dim = 0;
+  double forward_seconds = 0;
+  double backward_seconds = 0;
+};
+
+/// One measured MoE layer's routed experts (tools/gpu/profile_machine.py's grouped_experts):
+/// `groups` experts over `rows` routed rows (balanced) of `hidden` into `intermediate`, the grouped
+/// gate, up and down GEMMs with silu(gate) * up, forward and backward.
+struct MeasuredGroupedExperts {
+  int64_t groups = 0;
+  int64_t rows = 0;
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
   double forward_seconds = 0;
   double backward_seconds = 0;
 };
@@ -121,6 +154,7 @@ struct MachineProfile {
   int ranks = 1;  ///< the GPUs the collectives ran over
   std::vector<MeasuredGemm> gemm{};
   std::vector<MeasuredAttention> attention{};
+  std::vector<MeasuredGroupedExperts> grouped_experts{};  ///< empty when not measured
   double memory_bytes_per_second = 0;  ///< an elementwise kernel's bytes read and written
   /// all_reduce, all_gather (bytes: its output), reduce_scatter (its input), all_to_all, p2p.
   std::map<std::string, CollectiveCurve, std::less<>> collectives{};
@@ -142,6 +176,13 @@ struct MachineProfile {
   [[nodiscard]] std::pair<double, double> attention_seconds(int64_t batch, int64_t sequence,
                                                             int64_t heads, int64_t kv_heads,
                                                             int64_t head_dim) const;
+  /// Forward and backward seconds of `groups` routed experts over `rows` rows: the nearest measured
+  /// grouped_experts entry (by the sum of |log| ratios of groups, rows, hidden and intermediate)
+  /// scaled by FLOPs (rows x hidden x intermediate). std::invalid_argument when the profile has
+  /// none (tools/gpu/profile-machine measures them for the Qwen3-MoE configs it is given).
+  [[nodiscard]] std::pair<double, double> grouped_experts_seconds(int64_t groups, int64_t rows,
+                                                                  int64_t hidden,
+                                                                  int64_t intermediate) const;
   /// The seconds of collective `name` passing `bytes` per rank over `group` ranks: the measured
   /// curve scaled by (group - 1) / group over (ranks - 1) / ranks (p2p: not scaled); 0 for a
   /// group of one. std::invalid_argument when the profile did not measure it (one GPU).
@@ -174,6 +215,8 @@ struct StepTime {
   double bubble = 0;                 ///< idle time of the pipeline program
   double data_parallel = 0;          ///< the data-parallel collectives' whole time
   double data_parallel_exposed = 0;  ///< the part on the step's time (all of it, so far)
+  double experts = 0;                ///< a MoE's routed experts (grouped GEMMs, silu-mul)
+  double expert_parallel = 0;        ///< a MoE's all-to-alls (on the critical path)
   /// The host's time issuing the step (0 where the profile has no HostCost for it); the step is
   /// host-bound when it is `total`.
   double host = 0;
@@ -198,5 +241,17 @@ struct StepTime {
                                          const Candidate& candidate,
                                          const pipeline::Program& program,
                                          const StepOptions& options, const MachineProfile& machine);
+
+/// The step of `candidate` for `config`'s Qwen3-MoE with its experts split as `experts` says
+/// (ranks: the expert-parallel degree; load: the rows this rank's experts get over balanced), on
+/// `machine` (see the file comment). std::invalid_argument for sizes below 1, a pipeline, tensor
+/// or context parallelism, recompute, a capacity factor, experts or data-parallel ranks that do not
+/// split over ep, or what the profile lacks (grouped_experts, a collective).
+[[nodiscard]] StepTime predict_step_time(const model::Qwen3MoeConfig& config,
+                                         const Candidate& candidate, ExpertSplit experts,
+                                         const StepOptions& options, const MachineProfile& machine);
+/// A Qwen3-MoE needs its ExpertSplit (the dense overload would predict dense MLPs).
+StepTime predict_step_time(const model::Qwen3MoeConfig& config, const Candidate& candidate,
+                           const StepOptions& options, const MachineProfile& machine) = delete;
 
 }  // namespace d9d::advise
