@@ -197,10 +197,11 @@ ActivationBytes qwen3_moe_activation_bytes(const model::Qwen3MoeConfig& config,
   const int64_t count_rows =
       config.router_aux_loss_type == model::MoeAuxLoss::sequence ? microbatch_size : 1;
   block += 16 * e * count_rows + 2;
+  const int64_t expert_casts = 3 * (e / experts.ranks) * i * h * kHalf;
   if (compute == Compute::bf16_autocast) {
-    block += 3 * (e / experts.ranks) * i * h * kHalf;
+    block += expert_casts;
   } else if (compute == Compute::bf16_parameters) {
-    block += e * h * kFloat;
+    block += e * h * kFloat + (experts.float32_experts ? expert_casts : 0);
   }
   if (s > 0) {
     block += tokens * (2 * s * a + a * h + a);

@@ -609,7 +609,19 @@ MoeBlockCosts moe_block_costs(const model::Qwen3MoeConfig& c, ExpertSplit split,
     }
     bytes += static_cast<double>(tokens * (3 * shared * a + 3 * h * a));
   }
+  // Float32 experts under bfloat16 parameters (ExpertSplit::float32_experts): each layer casts
+  // its experts (4 bytes read, 2 written) and the backward adds their float32 gradients (8 bytes
+  // per element) where bfloat16 experts' would move 6.
+  double expert_bytes_forward = 0;
+  double expert_bytes_backward = 0;
+  if (split.float32_experts && o.compute == Compute::bf16_parameters) {
+    const auto weights = static_cast<double>(3 * (e / split.ranks) * c.moe_intermediate_size * h);
+    expert_bytes_forward = weights * (4 + 2);
+    expert_bytes_backward = weights * (8 - 6);
+  }
   const double memory = bytes / machine.memory_bytes_per_second;
+  const double cast = expert_bytes_forward / machine.memory_bytes_per_second;
+  const double accumulate = expert_bytes_backward / machine.memory_bytes_per_second;
   MoeBlockCosts out;
   if (split.ranks > 1) {
     const auto row_bytes = static_cast<int64_t>(std::llround(
@@ -620,9 +632,10 @@ MoeBlockCosts moe_block_costs(const model::Qwen3MoeConfig& c, ExpertSplit split,
   }
   out.gemm = layers * (gemm_forward + gemm_backward);
   out.experts = layers * (experts_forward + experts_backward);
-  out.memory = layers * 3 * memory;
-  out.forward = layers * (gemm_forward + experts_forward + memory) + out.all_to_all / 2;
-  out.backward = layers * (gemm_backward + experts_backward + 2 * memory) + out.all_to_all / 2;
+  out.memory = layers * (3 * memory + cast + accumulate);
+  out.forward = layers * (gemm_forward + experts_forward + memory + cast) + out.all_to_all / 2;
+  out.backward =
+      layers * (gemm_backward + experts_backward + 2 * memory + accumulate) + out.all_to_all / 2;
   return out;
 }
 

@@ -708,6 +708,29 @@ TEST(Advise_ActivationMemory, MoeLayersPredictWhatTheirForwardKeeps) {
     }
   }
   EXPECT_EQ(checked, 3 * 9 * 3);
+  // FullyShard in bf16 mixed with the experts outside its units: bfloat16 parameters but float32
+  // experts, cast to bfloat16 as each layer runs and the casts kept for its backward.
+  for (const auto& s : {base, MoeShape{.experts = 16}}) {
+    const auto config = moe_config_of(s);
+    torch::manual_seed(3);
+    d9d::model::Qwen3MoeForCausalLM model(config);
+    model->to(at::kBFloat16);
+    for (auto& p : model->named_parameters()) {
+      if (p.key().find("mlp.experts.") != std::string::npos) {
+        p.value().set_data(p.value().detach().to(at::kFloat));
+      }
+    }
+    const auto kept = moe_kept(model, 2, 16, Compute::bf16_parameters);
+    const auto predicted = d9d::advise::qwen3_moe_activation_bytes(
+        config, 2, 16, Compute::bf16_parameters, {.float32_experts = true});
+    EXPECT_LE(std::abs(predicted.total() - kept), 64)
+        << "experts " << s.experts << ": predicted " << predicted.total() << ", kept " << kept;
+    // 2 layers x the casts of 3 x experts x moe x hidden bfloat16 weights.
+    EXPECT_EQ(predicted.total() -
+                  d9d::advise::qwen3_moe_activation_bytes(config, 2, 16, Compute::bf16_parameters)
+                      .total(),
+              2 * 3 * s.experts * s.moe * s.hidden * 2);
+  }
   // The terms: the experts' rows scale with the load; refused inputs name themselves.
   const auto config = moe_config_of(base);
   const auto balanced = d9d::advise::qwen3_moe_activation_bytes(config, 1, 16, Compute::float32,

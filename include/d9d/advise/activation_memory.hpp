@@ -123,6 +123,10 @@ struct ActivationBytes {
 struct ExpertSplit {
   int ranks = 1;
   double load = 1.0;
+  /// Under Compute::bf16_parameters: the routed experts' weights stay float32 and are cast to
+  /// bfloat16 as each layer runs, the casts kept for its backward (FullyShard in bf16 mixed gathers
+  /// its units in bfloat16 but leaves the experts outside them when ep_replicate is 1).
+  bool float32_experts = false;
 };
 
 /// The bytes d9d::model::Qwen3MoeForCausalLM's loss() keeps for the backward of one microbatch
@@ -144,7 +148,7 @@ struct ExpertSplit {
 ///   per layer        the routing's per-expert counts (16 E + 2; the sequence-wise auxiliary loss
 ///                    keeps them per sequence); under autocast the bfloat16 casts of this rank's
 ///                    experts (3 x E / ranks x I x H x 2), with bfloat16 parameters the router
-///                    weight's float32 copy (4 E H)
+///                    weight's float32 copy (4 E H) and, with float32_experts, the experts' casts
 ///   shared expert    its gate and up (2 S a), its output (a H) and its gate's sigmoid (a); under
 ///                    autocast its weights' casts ((3 S H + H) x 2)
 /// std::invalid_argument for a size below 1, a capacity factor, or experts that do not split over

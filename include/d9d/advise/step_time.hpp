@@ -64,7 +64,8 @@
 //   memory     the router's float32 logits, softmax and top-k, the rows' permutation to the
 //              experts and back (and under expert parallelism the received rows' into expert
 //              order and back), the weighted sum of each token's k outputs; backward twice the
-//              forward's bytes
+//              forward's bytes; float32 experts under bfloat16 parameters (ExpertSplit::
+//              float32_experts) their casts and float32 gradients' accumulation
 //   expert parallel   four all-to-alls of the routed rows (dispatch and combine, forward and
 //              backward) at the profile's all_to_all time for tokens x top-k x hidden x the
 //              activations' element x load bytes, and one of the routing's per-expert counts,
