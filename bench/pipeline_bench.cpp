@@ -10,7 +10,7 @@
 // on CUDA, the clock on CPU), so each rank's busy time is measured, not assumed:
 //   measured bubble = 1 - mean over ranks of (busy time / step time, the median over steps)
 // and printed next to the bubble the schedule's program has under the ranks' mean F, I and W
-// costs, under equal costs, and under each rank's own measured costs
+// costs (each the median over steps of its mean in a step), under equal costs, and under each rank's own measured costs
 // (d9d::pipeline::simulate_stages: uneven stages are the program's bubble, so measured minus that
 // is the executor's own overhead). `--overlap both` (the default) measures the executor with its
 // point-to-point batches in flight until compute needs them (ExecutorOptions::overlap_p2p) and
@@ -35,7 +35,6 @@
 #include <fstream>
 #include <map>
 #include <memory>
-#include <numeric>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -300,7 +299,7 @@ int main(int argc, char** argv) {
     struct Measured {
       double median_step = 0;  // ms
       double busy_share = 0;   // the median over steps of busy time / step time
-      std::map<Op, std::vector<double>> costs;
+      std::map<Op, std::vector<double>> costs;  // each timed step's mean duration per action
       std::vector<d9d::pipeline::Timeline::Slot> last;  // the last step's timeline
     };
     double last_loss = 0;  // this rank's share of the last step's loss (the last stage's rank)
@@ -336,6 +335,7 @@ int main(int argc, char** argv) {
         step_ms.push_back(ms);
         out.last = executor.timeline();
         double busy = 0;
+        std::map<Op, std::pair<double, int>> step_costs;  // summed duration, actions
         for (std::size_t i = 0; i < out.last.size(); ++i) {
           const auto& slot = out.last[i];
           const double duration = 1e3 * (slot.end - slot.start);
@@ -344,7 +344,12 @@ int main(int argc, char** argv) {
           const bool paired =
               i > 0 && out.last[i - 1].start == slot.start && out.last[i - 1].end == slot.end;
           busy += paired ? 0.0 : duration;
-          out.costs[slot.action.op].push_back(duration);
+          auto& [sum, count] = step_costs[slot.action.op];
+          sum += duration;
+          ++count;
+        }
+        for (const auto& [op, cost] : step_costs) {
+          out.costs[op].push_back(cost.first / cost.second);
         }
         shares.push_back(busy / ms);
       }
@@ -359,10 +364,16 @@ int main(int argc, char** argv) {
     for (auto& executor : executors) {
       measured.push_back(measure(executor, !profile_dir.empty() && measured.empty()));
     }
+    // An action's cost: the median over the timed steps of its mean duration in the step, the
+    // statistic of the step time and the busy share (a mean over all steps let one slow step
+    // raise the costs above what the median step ran).
     const auto mean = [&](Op op) {
-      const auto& v = measured.front().costs[op];
-      return v.empty() ? 0.0
-                       : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+      auto v = measured.front().costs[op];
+      if (v.empty()) {
+        return 0.0;
+      }
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
     };
     // --check: this rank's stages against the whole model run without a pipeline.
     double worst_error = 0;

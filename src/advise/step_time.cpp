@@ -317,8 +317,7 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
   // layers' forward matmuls of the attention and MLP parts apart (what recompute runs again).
   const double attention_gemm =
       linear(q / tp, h, layers) + linear(kv / tp, h, 2 * layers) + linear(h, q / tp, layers);
-  const double mlp_gemm =
-      linear(inter / tp, h, 2 * mlp_layers) + linear(h, inter / tp, mlp_layers);
+  const double mlp_gemm = linear(inter / tp, h, 2 * mlp_layers) + linear(h, inter / tp, mlp_layers);
   linear(c.vocab_size / tp, h, 1);
   auto [attention_forward, attention_backward] =
       machine.attention_seconds(o.microbatch_size, o.sequence_length, c.num_attention_heads / tp,
@@ -602,7 +601,8 @@ MoeBlockCosts moe_block_costs(const model::Qwen3MoeConfig& c, ExpertSplit split,
   }
   const int64_t shared = c.shared_expert_intermediate_size;
   if (shared > 0) {  // a dense SiLU MLP and its sigmoid gate on every token
-    for (const auto& [n, k, count] : {std::tuple{shared, h, 2}, {h, shared, 1}, {int64_t{1}, h, 1}}) {
+    for (const auto& [n, k, count] :
+         {std::tuple{shared, h, 2}, {h, shared, 1}, {int64_t{1}, h, 1}}) {
       const auto [f, b] = linear_seconds(machine, tokens, n, k);
       gemm_forward += count * f;
       gemm_backward += count * b;
@@ -615,7 +615,8 @@ MoeBlockCosts moe_block_costs(const model::Qwen3MoeConfig& c, ExpertSplit split,
   double expert_bytes_forward = 0;
   double expert_bytes_backward = 0;
   if (split.float32_experts && o.compute == Compute::bf16_parameters) {
-    const auto weights = static_cast<double>(3 * (e / split.ranks) * c.moe_intermediate_size * h);
+    const int64_t local_experts = e / split.ranks;  // divides: checked by the caller
+    const auto weights = static_cast<double>(3 * local_experts * c.moe_intermediate_size * h);
     expert_bytes_forward = weights * (4 + 2);
     expert_bytes_backward = weights * (8 - 6);
   }
@@ -624,8 +625,8 @@ MoeBlockCosts moe_block_costs(const model::Qwen3MoeConfig& c, ExpertSplit split,
   const double accumulate = expert_bytes_backward / machine.memory_bytes_per_second;
   MoeBlockCosts out;
   if (split.ranks > 1) {
-    const auto row_bytes = static_cast<int64_t>(std::llround(
-        static_cast<double>(routed * h * a) * split.load));
+    const auto row_bytes =
+        static_cast<int64_t>(std::llround(static_cast<double>(routed * h * a) * split.load));
     const double move = machine.collective_seconds("all_to_all", row_bytes, split.ranks);
     const double counts = machine.collective_seconds("all_to_all", e * 8, split.ranks);
     out.all_to_all = layers * (4 * move + counts);
@@ -775,9 +776,9 @@ StepTime predict_step_time(const model::Qwen3MoeConfig& config, const Candidate&
   }
   const auto* host = machine.host_cost(options.compute, "plain");
   const double host_time =
-      host == nullptr ? 0.0
-                      : host->per_step + static_cast<double>(m) *
-                                             rank_host_per_microbatch(host, config, 1);
+      host == nullptr
+          ? 0.0
+          : host->per_step + static_cast<double>(m) * rank_host_per_microbatch(host, config, 1);
   finish_step(out, compute, sharded, data, host_time, machine);
   return out;
 }

@@ -64,10 +64,10 @@ class MoeBalanceSync : public GradientSync {
       worst = std::max(worst, ratio);
       const double total = load.sum().item<double>();
       routed += total;
-      const double rank_load =
-          total > 0 ? load.reshape({expert_ranks_, -1}).sum(1).max().item<double>() /
-                          (total / static_cast<double>(expert_ranks_))
-                    : 1.0;
+      const double rank_load = total > 0
+                                   ? load.reshape({expert_ranks_, -1}).sum(1).max().item<double>() /
+                                         (total / static_cast<double>(expert_ranks_))
+                                   : 1.0;
       sum_rank += rank_load;
       worst_rank = std::max(worst_rank, rank_load);
     }

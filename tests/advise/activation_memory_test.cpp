@@ -729,7 +729,7 @@ TEST(Advise_ActivationMemory, MoeLayersPredictWhatTheirForwardKeeps) {
     EXPECT_EQ(predicted.total() -
                   d9d::advise::qwen3_moe_activation_bytes(config, 2, 16, Compute::bf16_parameters)
                       .total(),
-              2 * 3 * s.experts * s.moe * s.hidden * 2);
+              int64_t{2} * 3 * s.experts * s.moe * s.hidden * 2);
   }
   // The terms: the experts' rows scale with the load; refused inputs name themselves.
   const auto config = moe_config_of(base);

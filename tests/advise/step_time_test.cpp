@@ -399,8 +399,8 @@ TEST(Advise_StepTime, MoeLayersRunTheirExpertsAndAllToAlls) {
   EXPECT_TRUE(near(t.experts, 3 * 3 * 3e-4)) << t.experts;
   // Four all-to-alls of the routed rows (64 x 32 bfloat16) and one of the counts (4 x 8 bytes)
   // per MoE layer and microbatch.
-  const double moved = 4 * m.collective_seconds("all_to_all", 64 * 32 * 2, 2) +
-                       m.collective_seconds("all_to_all", 4 * 8, 2);
+  const double moved = 4 * m.collective_seconds("all_to_all", int64_t{64} * 32 * 2, 2) +
+                       m.collective_seconds("all_to_all", int64_t{4} * 8, 2);
   EXPECT_TRUE(near(t.expert_parallel, 3 * 3 * moved)) << t.expert_parallel;
   // The matmuls: every 2-D weight but the embedding (attention, layer 0's MLP, the routers, the
   // head), 6 FLOPs per weight and token at the rate; the experts are not among them.
@@ -423,8 +423,8 @@ TEST(Advise_StepTime, MoeLayersRunTheirExpertsAndAllToAlls) {
   // FLOPs) doubles, the all-to-alls move twice the rows.
   const auto loaded = d9d::advise::predict_step_time(moe, two, {.ranks = 2, .load = 2}, bf16(), m);
   EXPECT_TRUE(near(loaded.experts, 2 * t.experts));
-  const double moved_twice = 4 * m.collective_seconds("all_to_all", 2 * 64 * 32 * 2, 2) +
-                             m.collective_seconds("all_to_all", 4 * 8, 2);
+  const double moved_twice = 4 * m.collective_seconds("all_to_all", int64_t{2} * 64 * 32 * 2, 2) +
+                             m.collective_seconds("all_to_all", int64_t{4} * 8, 2);
   EXPECT_TRUE(near(loaded.expert_parallel, 3 * 3 * moved_twice));
   // Four data-parallel ranks over ep 2: each rank's experts have one replica (ep_replicate 2) to
   // all-reduce their gradients with, the rest all-reduce over the four.
@@ -434,12 +434,12 @@ TEST(Advise_StepTime, MoeLayersRunTheirExpertsAndAllToAlls) {
                                            m.collective_seconds("all_reduce", experts / 2 * 4, 2)));
   // FullyShard over the two: the non-expert parameters gathered and reduce-scattered as for a
   // dense model, the experts (whole on each rank) not at all.
-  const auto sharded = d9d::advise::predict_step_time(
-      moe, {.fully_shard = true, .dp_shard = 2, .microbatches = 3}, {.ranks = 2},
-      bf16(Compute::bf16_parameters), m);
-  EXPECT_TRUE(near(sharded.data_parallel,
-                   6 * m.collective_seconds("all_gather", others * 2, 2) +
-                       3 * m.collective_seconds("reduce_scatter", others * 4, 2)));
+  const auto sharded =
+      d9d::advise::predict_step_time(moe, {.fully_shard = true, .dp_shard = 2, .microbatches = 3},
+                                     {.ranks = 2}, bf16(Compute::bf16_parameters), m);
+  EXPECT_TRUE(
+      near(sharded.data_parallel, 6 * m.collective_seconds("all_gather", others * 2, 2) +
+                                      3 * m.collective_seconds("reduce_scatter", others * 4, 2)));
 
   const auto error = [&](const Candidate& c, d9d::advise::ExpertSplit split,
                          const MachineProfile& machine) {

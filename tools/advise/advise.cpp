@@ -159,9 +159,8 @@ d9d::advise::ExpertSplit expert_split(const MoePlan& plan) {
 
 // With --profile: the MoE step's predicted time (d9d/advise/step_time.hpp), the rank's experts
 // getting `expert_load` times their balanced rows.
-void print_moe_step_time(const d9d::TrainerConfig& config,
-                         const d9d::model::Qwen3MoeConfig& model, const MoePlan& plan,
-                         int microbatches) {
+void print_moe_step_time(const d9d::TrainerConfig& config, const d9d::model::Qwen3MoeConfig& model,
+                         const MoePlan& plan, int microbatches) {
   if (plan.machine == nullptr) {
     return;
   }
@@ -183,8 +182,8 @@ void print_moe_step_time(const d9d::TrainerConfig& config,
                                          .reduce_bf16 = plan.reduce_bf16,
                                          .reshard_after_forward = plan.reshard_after_forward,
                                          .reduce_every_microbatch = !plan.reduce_once};
-  const auto t = d9d::advise::predict_step_time(model, candidate, expert_split(plan), options,
-                                                *plan.machine);
+  const auto t =
+      d9d::advise::predict_step_time(model, candidate, expert_split(plan), options, *plan.machine);
   print_step_time(t, plan.machine->device);
   std::printf("  of which the routed experts %.1f ms, expert parallelism's all-to-alls %.1f ms\n",
               t.experts * 1e3, t.expert_parallel * 1e3);
@@ -257,9 +256,9 @@ void print_moe_state(const d9d::TrainerConfig& config, const d9d::model::Qwen3Mo
   // times its own routings), then the step's peak on the rank with the most state.
   print_moe_step_time(config, model, plan, microbatches);
   const auto compute = compute_of(plan.precision, shards);
-  const auto kept = d9d::advise::qwen3_moe_activation_bytes(
-      model, config.batch.microbatch_size, config.batch.sequence_length, compute,
-      expert_split(plan));
+  const auto kept = d9d::advise::qwen3_moe_activation_bytes(model, config.batch.microbatch_size,
+                                                            config.batch.sequence_length, compute,
+                                                            expert_split(plan));
   std::printf(
       "activations of a microbatch (experts at %.2fx their balanced rows): %lld (%.2f GiB: layers "
       "%.2f, head and embedding %.2f, rotary tables %.4f)\n",
