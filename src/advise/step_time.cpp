@@ -725,7 +725,11 @@ StepTime predict_step_time(const model::Qwen3MoeConfig& config, const Candidate&
            " data-parallel ranks, and the load must be > 0");
   }
   const int m = candidate.microbatches;
-  const int ep_replicate = data_ranks / experts.ranks;
+  // The expert domain (d9d::DeviceMesh's rule): the ranks holding the same experts are the HSDP
+  // replicas' (ep_dp_replicate) times, within one, ep_replicate.
+  const int ep_replicate = expert_replicate_ranks(
+      {.dp_replicate = candidate.dp_replicate, .dp_shard = candidate.dp_shard, .ep = experts.ranks});
+  const int ep_dp_replicate = data_ranks / (experts.ranks * ep_replicate);
   StepTime out;
   out.tokens =
       static_cast<int64_t>(data_ranks) * m * options.microbatch_size * options.sequence_length;
@@ -759,18 +763,22 @@ StepTime predict_step_time(const model::Qwen3MoeConfig& config, const Candidate&
   out.memory = (costs.memory + moe.memory) * m;
   out.experts = moe.experts * m;
   out.expert_parallel = moe.all_to_all * m;
-  // The non-expert parameters over the data-parallel ranks; the experts' over ep_replicate.
+  // The non-expert parameters over the data-parallel ranks; the experts' over the ranks that hold
+  // the same experts (FullyShard: sharded over ep_replicate, all-reduced over the replicas).
   auto data = data_parallel_time(
       candidate, options, machine, dense_elements,
       static_cast<double>(dense_elements) / static_cast<double>(rules.shard_ranks));
-  if (ep_replicate > 1) {
+  if (ep_replicate * ep_dp_replicate > 1) {
+    // FullyShard leaves the experts whole (and all-reduced) when ep_replicate is 1.
+    const bool sharded_experts = candidate.fully_shard && ep_replicate > 1;
     Candidate group = candidate;
+    group.fully_shard = sharded_experts;
     group.cp = 1;
-    group.dp_replicate = candidate.fully_shard ? 1 : ep_replicate;
-    group.dp_shard = candidate.fully_shard ? ep_replicate : 1;
-    const auto expert_data =
-        data_parallel_time(group, options, machine, expert_elements,
-                           static_cast<double>(expert_elements) / ep_replicate);
+    group.dp_replicate = sharded_experts ? ep_dp_replicate : ep_replicate * ep_dp_replicate;
+    group.dp_shard = sharded_experts ? ep_replicate : 1;
+    const auto expert_data = data_parallel_time(
+        group, options, machine, expert_elements,
+        static_cast<double>(expert_elements) / static_cast<double>(group.dp_shard));
     data.collectives += expert_data.collectives;
     data.copies += expert_data.copies;
   }

@@ -71,7 +71,9 @@
 //              activations' element x load bytes, and one of the routing's per-expert counts,
 //              all on the critical path (d9d waits for them before the experts run)
 // The data-parallel strategy moves the non-expert parameters as for the dense model; the experts'
-// gradients go over ep_replicate (the data-parallel ranks over ep) as the strategy says. Not
+// go over the ranks that hold the same experts (d9d::DeviceMesh's expert domain): FullyShard
+// shards them over ep_replicate and all-reduces over the HSDP replicas, and leaves them whole,
+// all-reduced, when ep_replicate is 1; Replicate all-reduces them. Not
 // modelled: the MoE block's own host work (it reads the routing's counts on the host before the
 // all-to-all), the auxiliary loss and the router's bias update (small elementwise work).
 #pragma once
