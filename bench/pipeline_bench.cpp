@@ -10,18 +10,19 @@
 // on CUDA, the clock on CPU), so each rank's busy time is measured, not assumed:
 //   measured bubble = 1 - mean over ranks of (busy time / step time, the median over steps)
 // and printed next to the bubble the schedule's program has under the ranks' mean F, I and W
-// costs (each the median over steps of its mean in a step), under equal costs, and under each rank's own measured costs
-// (d9d::pipeline::simulate_stages: uneven stages are the program's bubble, so measured minus that
-// is the executor's own overhead). `--overlap both` (the default) measures the executor with its
-// point-to-point batches in flight until compute needs them (ExecutorOptions::overlap_p2p) and
-// with each batch waited for before the next compute action, one after the other, and prints
-// both. `--timeline FILE.svg` draws the last step of each as every rank ran it, under the
-// program's plan (d9d/pipeline/picture.hpp). Results also go to --json. `--profile DIR` writes a
-// Kineto trace of the first mode's last timed step per rank (the executor names each compute
-// action, each P2P post and wait); `tools/gpu/trace_summary.py DIR/rank-0.trace.json 1` says where
-// the compute stream idles and what the host was doing then. `--pairs` runs each forward and the
-// other stage's backward that follows it at once (DualPipeV's overlap, ExecutorOptions::
-// overlap_pairs); a pair's span then counts once as busy time and as the cost of both its actions.
+// costs (each the median over steps of its mean in a step), under equal costs, and under each
+// rank's own measured costs (d9d::pipeline::simulate_stages: uneven stages are the program's
+// bubble, so measured minus that is the executor's own overhead). `--overlap both` (the default)
+// measures the executor with its point-to-point batches in flight until compute needs them
+// (ExecutorOptions::overlap_p2p) and with each batch waited for before the next compute action, one
+// after the other, and prints both. `--timeline FILE.svg` draws the last step of each as every rank
+// ran it, under the program's plan (d9d/pipeline/picture.hpp). Results also go to --json.
+// `--profile DIR` writes a Kineto trace of the first mode's last timed step per rank (the executor
+// names each compute action, each P2P post and wait); `tools/gpu/trace_summary.py
+// DIR/rank-0.trace.json 1` says where the compute stream idles and what the host was doing then.
+// `--pairs` runs each forward and the other stage's backward that follows it at once (DualPipeV's
+// overlap, ExecutorOptions:: overlap_pairs); a pair's span then counts once as busy time and as the
+// cost of both its actions.
 //
 // Stages start with the values of the whole model built after the same seed (d9d::model::
 // init_qwen3_parameters initialises by name). With --check every rank then builds that whole model,
@@ -297,8 +298,8 @@ int main(int argc, char** argv) {
 
     // What one mode measured on this rank.
     struct Measured {
-      double median_step = 0;  // ms
-      double busy_share = 0;   // the median over steps of busy time / step time
+      double median_step = 0;                   // ms
+      double busy_share = 0;                    // the median over steps of busy time / step time
       std::map<Op, std::vector<double>> costs;  // each timed step's mean duration per action
       std::vector<d9d::pipeline::Timeline::Slot> last;  // the last step's timeline
     };

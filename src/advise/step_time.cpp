@@ -727,8 +727,9 @@ StepTime predict_step_time(const model::Qwen3MoeConfig& config, const Candidate&
   const int m = candidate.microbatches;
   // The expert domain (d9d::DeviceMesh's rule): the ranks holding the same experts are the HSDP
   // replicas' (ep_dp_replicate) times, within one, ep_replicate.
-  const int ep_replicate = expert_replicate_ranks(
-      {.dp_replicate = candidate.dp_replicate, .dp_shard = candidate.dp_shard, .ep = experts.ranks});
+  const int ep_replicate = expert_replicate_ranks({.dp_replicate = candidate.dp_replicate,
+                                                   .dp_shard = candidate.dp_shard,
+                                                   .ep = experts.ranks});
   const int ep_dp_replicate = data_ranks / (experts.ranks * ep_replicate);
   StepTime out;
   out.tokens =

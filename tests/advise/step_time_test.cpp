@@ -444,18 +444,18 @@ TEST(Advise_StepTime, MoeLayersRunTheirExpertsAndAllToAlls) {
   // (ep_replicate 1), so the experts stay whole and are all-reduced over the two replicas; the
   // rest as for a dense model, its shards all-reduced over the replicas too.
   const auto hsdp = d9d::advise::predict_step_time(
-      moe, {.fully_shard = true, .dp_replicate = 2, .dp_shard = 2, .microbatches = 3},
-      {.ranks = 2}, bf16(Compute::bf16_parameters), m);
-  EXPECT_TRUE(near(hsdp.data_parallel,
-                   6 * m.collective_seconds("all_gather", others * 2, 2) +
-                       3 * m.collective_seconds("reduce_scatter", others * 4, 2) +
-                       m.collective_seconds("all_reduce", others * 4 / 2, 2) +
-                       m.collective_seconds("all_reduce", experts / 2 * 4, 2)));
+      moe, {.fully_shard = true, .dp_replicate = 2, .dp_shard = 2, .microbatches = 3}, {.ranks = 2},
+      bf16(Compute::bf16_parameters), m);
+  EXPECT_TRUE(
+      near(hsdp.data_parallel, 6 * m.collective_seconds("all_gather", others * 2, 2) +
+                                   3 * m.collective_seconds("reduce_scatter", others * 4, 2) +
+                                   m.collective_seconds("all_reduce", others * 4 / 2, 2) +
+                                   m.collective_seconds("all_reduce", experts / 2 * 4, 2)));
   // FullyShard 4 over ep 2: ep_replicate 2 shards each expert group over two ranks, which gather
   // and reduce-scatter it as FullyShard's units.
-  const auto four_shards = d9d::advise::predict_step_time(
-      moe, {.fully_shard = true, .dp_shard = 4, .microbatches = 3}, {.ranks = 2},
-      bf16(Compute::bf16_parameters), m);
+  const auto four_shards =
+      d9d::advise::predict_step_time(moe, {.fully_shard = true, .dp_shard = 4, .microbatches = 3},
+                                     {.ranks = 2}, bf16(Compute::bf16_parameters), m);
   EXPECT_TRUE(near(four_shards.data_parallel,
                    6 * m.collective_seconds("all_gather", others * 2, 4) +
                        3 * m.collective_seconds("reduce_scatter", others * 4, 4) +
