@@ -121,8 +121,18 @@ sharded=$("$tool" --config "$moe_config" --precision fp32 --ep 2 --dp-shard 4 \
   fail "not one line per rank: $sharded"
 [ "$(echo "$moe" | column 1)" = "$(echo "$sharded" | column 1)" ] ||
   fail "4 ranks do not hold the model once (the experts split over ep and ep_replicate): $sharded"
-echo "$sharded" | grep -q '^not predicted yet for a MoE model: step time' ||
-  fail "the MoE output claims more than the state and memory: $sharded"
+echo "$sharded" | grep -q '^not predicted yet for a MoE model: the peak during a step' ||
+  fail "the MoE output claims a peak with the experts sharded over ep_replicate: $sharded"
+# With the committed one-H200 profile (its grouped_experts measured at example 05's GPU shape): the
+# MoE step's time and its routed experts; expert parallelism needs measured all-to-alls.
+moe_timed=$("$tool" --config "$moe_config" --precision bf16_params --profile "$profile") ||
+  fail "the MoE step time failed"
+echo "$moe_timed" | grep -q '^step time on NVIDIA H200: ' || fail "no MoE step time: $moe_timed"
+echo "$moe_timed" | grep -qE '^  of which the routed experts [0-9.]+ ms, expert parallelism.s all-to-alls 0.0 ms' ||
+  fail "no routed experts, or all-to-alls without ep: $moe_timed"
+"$tool" --config "$moe_config" --precision bf16_params --ep 2 --dp-shard 2 --profile "$profile" \
+  >"${TEST_TMPDIR:-/tmp}/err" 2>&1 && fail "ep 2 was timed without measured all-to-alls"
+grep -q 'no measured all_to_all' "${TEST_TMPDIR:-/tmp}/err" || fail "$(cat "${TEST_TMPDIR:-/tmp}/err")"
 # Its activations and peak (d9d::advise::qwen3_moe_activation_bytes, measured in
 # tests/advise): the experts' rows grow with --expert-load, and the peak holds the state and them.
 kept() { echo "$1" | sed -n 's/^activations of a microbatch ([^)]*): \([0-9]*\) .*/\1/p'; }
