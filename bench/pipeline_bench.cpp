@@ -368,7 +368,7 @@ int main(int argc, char** argv) {
     // An action's cost: the median over the timed steps of its mean duration in the step, the
     // statistic of the step time and the busy share (a mean over all steps let one slow step
     // raise the costs above what the median step ran).
-    const auto mean = [&](Op op) {
+    const auto cost = [&](Op op) {
       auto v = measured.front().costs[op];
       if (v.empty()) {
         return 0.0;
@@ -396,10 +396,10 @@ int main(int argc, char** argv) {
       }
     }
     // Every rank's busy share per mode, compute costs and check figures, gathered on rank 0.
-    std::vector<double> figures = {mean(Op::forward),
-                                   mean(Op::backward),
-                                   mean(Op::backward_input),
-                                   mean(Op::backward_weight),
+    std::vector<double> figures = {cost(Op::forward),
+                                   cost(Op::backward),
+                                   cost(Op::backward_input),
+                                   cost(Op::backward_weight),
                                    worst_error,
                                    last_loss,
                                    reference_loss};

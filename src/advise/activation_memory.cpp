@@ -151,6 +151,14 @@ ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t
   return out;
 }
 
+int64_t qwen3_moe_layer_count(const model::Qwen3MoeConfig& config) {
+  int64_t count = 0;
+  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    count += config.is_moe_layer(layer) ? 1 : 0;
+  }
+  return count;
+}
+
 ActivationBytes qwen3_moe_activation_bytes(const model::Qwen3MoeConfig& config,
                                            int64_t microbatch_size, int64_t sequence_length,
                                            Compute compute, ExpertSplit experts) {
@@ -209,11 +217,7 @@ ActivationBytes qwen3_moe_activation_bytes(const model::Qwen3MoeConfig& config,
       block += (3 * s * h + h) * kHalf;
     }
   }
-  int64_t moe_layers = 0;
-  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
-    moe_layers += config.is_moe_layer(layer) ? 1 : 0;
-  }
-  out.layers += moe_layers * (block - dense_mlp);
+  out.layers += qwen3_moe_layer_count(config) * (block - dense_mlp);
   return out;
 }
 

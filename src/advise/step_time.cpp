@@ -9,6 +9,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include <c10/core/ScalarType.h>
 #include <nlohmann/json.hpp>
@@ -26,7 +27,26 @@ namespace {
   throw std::invalid_argument("d9d::advise::MachineProfile: " + what);
 }
 
-double log_ratio(double a, double b) { return std::abs(std::log(a / b)); }
+// How far apart two sizes are: |log| of their ratio.
+double size_distance(int64_t a, int64_t b) {
+  return std::abs(std::log(static_cast<double>(a) / static_cast<double>(b)));
+}
+
+// The measured entry nearest to a shape, by `distance` (a sum of size_distance terms; infinite
+// for an entry that cannot stand in, such as a matmul of another layout), or null when none can.
+template <class Measured, class Distance>
+const Measured* nearest(const std::vector<Measured>& measured, Distance distance) {
+  const Measured* best = nullptr;
+  double best_distance = std::numeric_limits<double>::infinity();
+  for (const auto& entry : measured) {
+    const double d = distance(entry);
+    if (d < best_distance) {
+      best_distance = d;
+      best = &entry;
+    }
+  }
+  return best;
+}
 
 // The ring's share of the bytes each rank moves in a collective over `group` ranks.
 double ring_share(int group) {
@@ -55,6 +75,42 @@ double CollectiveCurve::seconds(int64_t bytes) const {
   return std::exp(std::log(lower->second) +
                   t * (std::log(upper->second) - std::log(lower->second)));
 }
+
+namespace {
+
+// What from_json_text read must make sense: sizes, times, layouts and the host's names.
+void check_profile(const MachineProfile& p) {
+  for (const auto& g : p.gemm) {
+    if (g.m < 1 || g.n < 1 || g.k < 1 || g.seconds <= 0 ||
+        (g.layout != "nt" && g.layout != "nn" && g.layout != "tn")) {
+      bad_profile("a matmul needs sizes >= 1, seconds > 0 and layout nt, nn or tn");
+    }
+  }
+  for (const auto& e : p.grouped_experts) {
+    if (e.groups < 1 || e.rows < 1 || e.hidden < 1 || e.intermediate < 1 ||
+        e.forward_seconds <= 0 || e.backward_seconds <= 0) {
+      bad_profile("grouped experts need sizes >= 1 and seconds > 0");
+    }
+  }
+  if (p.memory_bytes_per_second <= 0 || p.ranks < 1) {
+    bad_profile("needs memory_bytes_per_second > 0 and ranks >= 1");
+  }
+  for (const auto& [compute, kinds] : p.host) {
+    if (compute != "bf16_autocast" && compute != "bf16_parameters") {
+      bad_profile("host costs are by compute bf16_autocast or bf16_parameters, not " + compute);
+    }
+    for (const auto& [kind, cost] : kinds) {
+      if (kind != "plain" && kind != "pipelined" && kind != "tensor") {
+        bad_profile("host costs are by step kind plain, pipelined or tensor, not " + kind);
+      }
+      if (cost.per_layer < 0 || cost.per_microbatch < 0 || cost.per_step < 0) {
+        bad_profile("host costs must be >= 0 seconds (" + compute + ", " + kind + ")");
+      }
+    }
+  }
+}
+
+}  // namespace
 
 MachineProfile MachineProfile::from_json_text(std::string_view text) {
   nlohmann::json json;
@@ -120,34 +176,7 @@ MachineProfile MachineProfile::from_json_text(std::string_view text) {
   } catch (const nlohmann::json::exception& e) {
     bad_profile(std::string("malformed: ") + e.what());
   }
-  for (const auto& g : out.gemm) {
-    if (g.m < 1 || g.n < 1 || g.k < 1 || g.seconds <= 0 ||
-        (g.layout != "nt" && g.layout != "nn" && g.layout != "tn")) {
-      bad_profile("a matmul needs sizes >= 1, seconds > 0 and layout nt, nn or tn");
-    }
-  }
-  for (const auto& e : out.grouped_experts) {
-    if (e.groups < 1 || e.rows < 1 || e.hidden < 1 || e.intermediate < 1 ||
-        e.forward_seconds <= 0 || e.backward_seconds <= 0) {
-      bad_profile("grouped experts need sizes >= 1 and seconds > 0");
-    }
-  }
-  if (out.memory_bytes_per_second <= 0 || out.ranks < 1) {
-    bad_profile("needs memory_bytes_per_second > 0 and ranks >= 1");
-  }
-  for (const auto& [compute, kinds] : out.host) {
-    if (compute != "bf16_autocast" && compute != "bf16_parameters") {
-      bad_profile("host costs are by compute bf16_autocast or bf16_parameters, not " + compute);
-    }
-    for (const auto& [kind, cost] : kinds) {
-      if (kind != "plain" && kind != "pipelined" && kind != "tensor") {
-        bad_profile("host costs are by step kind plain, pipelined or tensor, not " + kind);
-      }
-      if (cost.per_layer < 0 || cost.per_microbatch < 0 || cost.per_step < 0) {
-        bad_profile("host costs must be >= 0 seconds (" + compute + ", " + kind + ")");
-      }
-    }
-  }
+  check_profile(out);
   return out;
 }
 
@@ -163,20 +192,11 @@ MachineProfile MachineProfile::from_file(const std::string& path) {
 
 double MachineProfile::gemm_seconds(int64_t m, int64_t n, int64_t k,
                                     std::string_view layout) const {
-  const MeasuredGemm* best = nullptr;
-  double best_distance = std::numeric_limits<double>::infinity();
-  for (const auto& g : gemm) {
-    if (g.layout != layout) {
-      continue;
-    }
-    const double d = log_ratio(static_cast<double>(g.m), static_cast<double>(m)) +
-                     log_ratio(static_cast<double>(g.n), static_cast<double>(n)) +
-                     log_ratio(static_cast<double>(g.k), static_cast<double>(k));
-    if (d < best_distance) {
-      best_distance = d;
-      best = &g;
-    }
-  }
+  const auto* best = nearest(gemm, [&](const MeasuredGemm& g) {
+    return g.layout != layout ? std::numeric_limits<double>::infinity()
+                              : size_distance(g.m, m) + size_distance(g.n, n) +
+                                    size_distance(g.k, k);
+  });
   if (best == nullptr) {
     bad_profile("no measured matmul of layout \"" + std::string(layout) + "\"");
   }
@@ -190,22 +210,14 @@ std::pair<double, double> MachineProfile::attention_seconds(int64_t batch, int64
                                                             int64_t heads, int64_t kv_heads,
                                                             int64_t head_dim) const {
   (void)kv_heads;  // grouped-query attention's FLOPs follow the query heads
-  const MeasuredAttention* best = nullptr;
-  double best_distance = std::numeric_limits<double>::infinity();
   const auto work = [](int64_t b, int64_t h, int64_t s, int64_t d) {
     return static_cast<double>(b) * static_cast<double>(h) * static_cast<double>(s) *
            static_cast<double>(s) * static_cast<double>(d);
   };
-  for (const auto& a : attention) {
-    const double d =
-        log_ratio(static_cast<double>(a.batch * a.heads), static_cast<double>(batch * heads)) +
-        log_ratio(static_cast<double>(a.sequence), static_cast<double>(sequence)) +
-        log_ratio(static_cast<double>(a.head_dim), static_cast<double>(head_dim));
-    if (d < best_distance) {
-      best_distance = d;
-      best = &a;
-    }
-  }
+  const auto* best = nearest(attention, [&](const MeasuredAttention& a) {
+    return size_distance(a.batch * a.heads, batch * heads) + size_distance(a.sequence, sequence) +
+           size_distance(a.head_dim, head_dim);
+  });
   if (best == nullptr) {
     bad_profile("no measured attention");
   }
@@ -217,19 +229,10 @@ std::pair<double, double> MachineProfile::attention_seconds(int64_t batch, int64
 std::pair<double, double> MachineProfile::grouped_experts_seconds(int64_t groups, int64_t rows,
                                                                   int64_t hidden,
                                                                   int64_t intermediate) const {
-  const MeasuredGroupedExperts* best = nullptr;
-  double best_distance = std::numeric_limits<double>::infinity();
-  const auto d = [](int64_t a, int64_t b) {
-    return log_ratio(static_cast<double>(a), static_cast<double>(b));
-  };
-  for (const auto& e : grouped_experts) {
-    const double distance = d(e.groups, groups) + d(e.rows, rows) + d(e.hidden, hidden) +
-                            d(e.intermediate, intermediate);
-    if (distance < best_distance) {
-      best_distance = distance;
-      best = &e;
-    }
-  }
+  const auto* best = nearest(grouped_experts, [&](const MeasuredGroupedExperts& e) {
+    return size_distance(e.groups, groups) + size_distance(e.rows, rows) +
+           size_distance(e.hidden, hidden) + size_distance(e.intermediate, intermediate);
+  });
   if (best == nullptr) {
     bad_profile(
         "no measured grouped experts (tools/gpu/profile-machine measures them for the Qwen3-MoE "
@@ -570,17 +573,9 @@ struct MoeBlockCosts {
   double all_to_all = 0;
 };
 
-int64_t moe_layer_count(const model::Qwen3MoeConfig& c) {
-  int64_t count = 0;
-  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
-    count += c.is_moe_layer(layer) ? 1 : 0;
-  }
-  return count;
-}
-
 MoeBlockCosts moe_block_costs(const model::Qwen3MoeConfig& c, ExpertSplit split,
                               const StepOptions& o, const MachineProfile& machine) {
-  const auto layers = static_cast<double>(moe_layer_count(c));
+  const auto layers = static_cast<double>(qwen3_moe_layer_count(c));
   const int64_t tokens = o.microbatch_size * o.sequence_length;
   const int64_t h = c.hidden_size;
   const int64_t e = c.num_experts;
@@ -638,6 +633,60 @@ MoeBlockCosts moe_block_costs(const model::Qwen3MoeConfig& c, ExpertSplit split,
   out.backward =
       layers * (gemm_backward + experts_backward + 2 * memory + accumulate) + out.all_to_all / 2;
   return out;
+}
+
+// A MoE rank's state: the experts split over ep (and under FullyShard sharded over
+// ep_replicate), the rest as for the dense model; the rank's weights and, of them, its experts'.
+struct MoeRankState {
+  StateBytes sharded;
+  int64_t weight_elements = 0;
+  int64_t expert_elements = 0;
+  int shard_ranks = 1;  // what the non-expert parameters are sharded over
+};
+
+MoeRankState moe_rank_state(const model::Qwen3MoeConfig& config, const Candidate& candidate,
+                            const StepOptions& options, int ep, int ep_replicate) {
+  const auto parameters = qwen3_parameters(config);
+  StateRules rules = options.precision;
+  rules.expert_parallel = true;
+  rules.expert_ranks = ep;
+  const auto whole = state_bytes(parameters, rules, 0);
+  rules.shard_ranks = candidate.fully_shard ? candidate.dp_shard : 1;
+  rules.expert_shard_ranks = candidate.fully_shard ? ep_replicate : 1;
+  MoeRankState out{.sharded = state_bytes(parameters, rules, 0), .shard_ranks = rules.shard_ranks};
+  for (const auto& p : parameters) {
+    out.expert_elements += p.expert && p.trained ? p.numel() / ep : 0;
+  }
+  out.weight_elements =
+      whole.parameters / static_cast<int64_t>(c10::elementSize(options.precision.parameters));
+  return out;
+}
+
+// The data-parallel time of a MoE rank: its non-expert parameters over the data-parallel ranks as
+// for the dense model; its experts over the ranks that hold the same experts (FullyShard: sharded
+// over ep_replicate and all-reduced over the HSDP replicas, or whole and all-reduced when
+// ep_replicate is 1; Replicate: all-reduced).
+DataParallelTime moe_data_parallel_time(const Candidate& candidate, const StepOptions& options,
+                                        const MachineProfile& machine, const MoeRankState& state,
+                                        int ep_replicate, int ep_dp_replicate) {
+  const int64_t dense_elements = state.weight_elements - state.expert_elements;
+  auto data = data_parallel_time(
+      candidate, options, machine, dense_elements,
+      static_cast<double>(dense_elements) / static_cast<double>(state.shard_ranks));
+  if (ep_replicate * ep_dp_replicate > 1) {
+    const bool sharded_experts = candidate.fully_shard && ep_replicate > 1;
+    Candidate group = candidate;
+    group.fully_shard = sharded_experts;
+    group.cp = 1;
+    group.dp_replicate = sharded_experts ? ep_dp_replicate : ep_replicate * ep_dp_replicate;
+    group.dp_shard = sharded_experts ? ep_replicate : 1;
+    const auto experts = data_parallel_time(
+        group, options, machine, state.expert_elements,
+        static_cast<double>(state.expert_elements) / static_cast<double>(group.dp_shard));
+    data.collectives += experts.collectives;
+    data.copies += experts.copies;
+  }
+  return data;
 }
 
 }  // namespace
@@ -734,27 +783,10 @@ StepTime predict_step_time(const model::Qwen3MoeConfig& config, const Candidate&
   StepTime out;
   out.tokens =
       static_cast<int64_t>(data_ranks) * m * options.microbatch_size * options.sequence_length;
-  // The rank's state: the experts split over ep (and under FullyShard sharded over
-  // ep_replicate), the rest as for the dense model.
-  const auto parameters = qwen3_parameters(config);
-  StateRules rules = options.precision;
-  rules.expert_parallel = true;
-  rules.expert_ranks = experts.ranks;
-  const auto whole = state_bytes(parameters, rules, 0);
-  rules.shard_ranks = candidate.fully_shard ? candidate.dp_shard : 1;
-  rules.expert_shard_ranks = candidate.fully_shard ? ep_replicate : 1;
-  const auto sharded = state_bytes(parameters, rules, 0);
-  int64_t expert_elements = 0;
-  for (const auto& p : parameters) {
-    expert_elements += p.expert && p.trained ? p.numel() / experts.ranks : 0;
-  }
-  const auto parameter_bytes = static_cast<int64_t>(c10::elementSize(options.precision.parameters));
-  const int64_t weight_elements = whole.parameters / parameter_bytes;
-  const int64_t dense_elements = weight_elements - expert_elements;
-
+  const auto state = moe_rank_state(config, candidate, options, experts.ranks, ep_replicate);
   const auto costs =
-      microbatch_costs(config, candidate, options, machine, weight_elements,
-                       static_cast<double>(config.num_hidden_layers - moe_layer_count(config)));
+      microbatch_costs(config, candidate, options, machine, state.weight_elements,
+                       static_cast<double>(config.num_hidden_layers - qwen3_moe_layer_count(config)));
   const auto moe = moe_block_costs(config, experts, options, machine);
   const double compute =
       (costs.forward + costs.backward_input + costs.backward_weight + moe.forward + moe.backward) *
@@ -764,31 +796,14 @@ StepTime predict_step_time(const model::Qwen3MoeConfig& config, const Candidate&
   out.memory = (costs.memory + moe.memory) * m;
   out.experts = moe.experts * m;
   out.expert_parallel = moe.all_to_all * m;
-  // The non-expert parameters over the data-parallel ranks; the experts' over the ranks that hold
-  // the same experts (FullyShard: sharded over ep_replicate, all-reduced over the replicas).
-  auto data = data_parallel_time(
-      candidate, options, machine, dense_elements,
-      static_cast<double>(dense_elements) / static_cast<double>(rules.shard_ranks));
-  if (ep_replicate * ep_dp_replicate > 1) {
-    // FullyShard leaves the experts whole (and all-reduced) when ep_replicate is 1.
-    const bool sharded_experts = candidate.fully_shard && ep_replicate > 1;
-    Candidate group = candidate;
-    group.fully_shard = sharded_experts;
-    group.cp = 1;
-    group.dp_replicate = sharded_experts ? ep_dp_replicate : ep_replicate * ep_dp_replicate;
-    group.dp_shard = sharded_experts ? ep_replicate : 1;
-    const auto expert_data = data_parallel_time(
-        group, options, machine, expert_elements,
-        static_cast<double>(expert_elements) / static_cast<double>(group.dp_shard));
-    data.collectives += expert_data.collectives;
-    data.copies += expert_data.copies;
-  }
+  const auto data =
+      moe_data_parallel_time(candidate, options, machine, state, ep_replicate, ep_dp_replicate);
   const auto* host = machine.host_cost(options.compute, "plain");
   const double host_time =
       host == nullptr
           ? 0.0
           : host->per_step + static_cast<double>(m) * rank_host_per_microbatch(host, config, 1);
-  finish_step(out, compute, sharded, data, host_time, machine);
+  finish_step(out, compute, state.sharded, data, host_time, machine);
   return out;
 }
 

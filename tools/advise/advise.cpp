@@ -145,22 +145,22 @@ struct MoePlan {
   const d9d::advise::MachineProfile* machine = nullptr;  ///< --profile: predict the step time
 };
 
-// How the Plan runs the experts: over ep ranks, `expert_load` times their balanced rows, and
-// float32 under FullyShard in bf16 mixed when ep_replicate is 1 (outside its bfloat16 units).
-d9d::advise::ExpertSplit expert_split(const MoePlan& plan) {
-  const bool shards = plan.data_parallel == "fully_shard";
-  d9d::MeshShape shape{.pp = plan.pp, .ep = plan.ep};
-  (shards ? shape.dp_shard : shape.dp_replicate) = plan.dp_shard;
+// How the Plan runs the experts, given its state rules: over ep ranks, `expert_load` times their
+// balanced rows, and float32 under FullyShard in bf16 mixed when FullyShard leaves them whole
+// (ep_replicate 1: outside its bfloat16 units).
+d9d::advise::ExpertSplit expert_split(const MoePlan& plan, const d9d::advise::StateRules& rules) {
   return {.ranks = plan.ep,
           .load = plan.expert_load,
-          .float32_experts = shards && plan.precision == "bf16_mixed" && plan.ep > 1 &&
-                             d9d::advise::expert_replicate_ranks(shape) == 1};
+          .float32_experts = plan.data_parallel == "fully_shard" &&
+                             plan.precision == "bf16_mixed" && rules.expert_parallel &&
+                             rules.expert_shard_ranks == 1};
 }
 
 // With --profile: the MoE step's predicted time (d9d/advise/step_time.hpp), the rank's experts
 // getting `expert_load` times their balanced rows.
 void print_moe_step_time(const d9d::TrainerConfig& config, const d9d::model::Qwen3MoeConfig& model,
-                         const MoePlan& plan, int microbatches) {
+                         const MoePlan& plan, const d9d::advise::ExpertSplit& split,
+                         int microbatches) {
   if (plan.machine == nullptr) {
     return;
   }
@@ -182,8 +182,7 @@ void print_moe_step_time(const d9d::TrainerConfig& config, const d9d::model::Qwe
                                          .reduce_bf16 = plan.reduce_bf16,
                                          .reshard_after_forward = plan.reshard_after_forward,
                                          .reduce_every_microbatch = !plan.reduce_once};
-  const auto t =
-      d9d::advise::predict_step_time(model, candidate, expert_split(plan), options, *plan.machine);
+  const auto t = d9d::advise::predict_step_time(model, candidate, split, options, *plan.machine);
   print_step_time(t, plan.machine->device);
   std::printf("  of which the routed experts %.1f ms, expert parallelism's all-to-alls %.1f ms\n",
               t.experts * 1e3, t.expert_parallel * 1e3);
@@ -254,11 +253,12 @@ void print_moe_state(const d9d::TrainerConfig& config, const d9d::model::Qwen3Mo
   }
   // Without a pipeline: one microbatch's activations (the rank's experts getting `expert_load`
   // times its own routings), then the step's peak on the rank with the most state.
-  print_moe_step_time(config, model, plan, microbatches);
+  const auto split = expert_split(plan, rules);
+  print_moe_step_time(config, model, plan, split, microbatches);
   const auto compute = compute_of(plan.precision, shards);
   const auto kept = d9d::advise::qwen3_moe_activation_bytes(model, config.batch.microbatch_size,
                                                             config.batch.sequence_length, compute,
-                                                            expert_split(plan));
+                                                            split);
   std::printf(
       "activations of a microbatch (experts at %.2fx their balanced rows): %lld (%.2f GiB: layers "
       "%.2f, head and embedding %.2f, rotary tables %.4f)\n",

@@ -129,6 +129,9 @@ struct ExpertSplit {
   bool float32_experts = false;
 };
 
+/// The decoder layers of `config` that run a MoE block (the others keep the dense MLP).
+[[nodiscard]] int64_t qwen3_moe_layer_count(const model::Qwen3MoeConfig& config);
+
 /// The bytes d9d::model::Qwen3MoeForCausalLM's loss() keeps for the backward of one microbatch
 /// (d9d's fused kernels, dropless routing: no capacity factor), computed as `compute` says, without
 /// recompute, tensor or context parallelism: the dense Qwen3's prediction (its attention part,
