@@ -21,7 +21,7 @@
 // names each compute action, each P2P post and wait); `tools/gpu/trace_summary.py
 // DIR/rank-0.trace.json 1` says where the compute stream idles and what the host was doing then.
 // `--pairs` runs each forward and the other stage's backward that follows it at once (DualPipeV's
-// overlap, ExecutorOptions:: overlap_pairs); a pair's span then counts once as busy time and as the
+// overlap, ExecutorOptions::overlap_pairs); a pair's span then counts once as busy time and as the
 // cost of both its actions.
 //
 // Stages start with the values of the whole model built after the same seed (d9d::model::

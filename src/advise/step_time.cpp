@@ -193,9 +193,9 @@ MachineProfile MachineProfile::from_file(const std::string& path) {
 double MachineProfile::gemm_seconds(int64_t m, int64_t n, int64_t k,
                                     std::string_view layout) const {
   const auto* best = nearest(gemm, [&](const MeasuredGemm& g) {
-    return g.layout != layout ? std::numeric_limits<double>::infinity()
-                              : size_distance(g.m, m) + size_distance(g.n, n) +
-                                    size_distance(g.k, k);
+    return g.layout != layout
+               ? std::numeric_limits<double>::infinity()
+               : size_distance(g.m, m) + size_distance(g.n, n) + size_distance(g.k, k);
   });
   if (best == nullptr) {
     bad_profile("no measured matmul of layout \"" + std::string(layout) + "\"");
@@ -784,9 +784,9 @@ StepTime predict_step_time(const model::Qwen3MoeConfig& config, const Candidate&
   out.tokens =
       static_cast<int64_t>(data_ranks) * m * options.microbatch_size * options.sequence_length;
   const auto state = moe_rank_state(config, candidate, options, experts.ranks, ep_replicate);
-  const auto costs =
-      microbatch_costs(config, candidate, options, machine, state.weight_elements,
-                       static_cast<double>(config.num_hidden_layers - qwen3_moe_layer_count(config)));
+  const auto costs = microbatch_costs(
+      config, candidate, options, machine, state.weight_elements,
+      static_cast<double>(config.num_hidden_layers - qwen3_moe_layer_count(config)));
   const auto moe = moe_block_costs(config, experts, options, machine);
   const double compute =
       (costs.forward + costs.backward_input + costs.backward_weight + moe.forward + moe.backward) *

@@ -256,9 +256,8 @@ void print_moe_state(const d9d::TrainerConfig& config, const d9d::model::Qwen3Mo
   const auto split = expert_split(plan, rules);
   print_moe_step_time(config, model, plan, split, microbatches);
   const auto compute = compute_of(plan.precision, shards);
-  const auto kept = d9d::advise::qwen3_moe_activation_bytes(model, config.batch.microbatch_size,
-                                                            config.batch.sequence_length, compute,
-                                                            split);
+  const auto kept = d9d::advise::qwen3_moe_activation_bytes(
+      model, config.batch.microbatch_size, config.batch.sequence_length, compute, split);
   std::printf(
       "activations of a microbatch (experts at %.2fx their balanced rows): %lld (%.2f GiB: layers "
       "%.2f, head and embedding %.2f, rotary tables %.4f)\n",
