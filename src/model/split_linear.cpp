@@ -448,6 +448,23 @@ std::pair<kernels::Float8Tensor, kernels::Float8Tensor> quantized_input(const at
   return {cache.rows, columns ? cache.columns : kernels::Float8Tensor{}};
 }
 
+// W's float8 bytes transposed for dx = g W. A weight FullyShard gathered as float8 (`gathered_how`:
+// the layer's settings when the forward read Float8Linear::weight, else 0) stays the same until
+// FullyShard gathers or frees its unit again, which drops Float8Linear::weight_transposed: the
+// step's first backward transposes it and its later microbatches reuse that.
+kernels::Float8Tensor transposed_weight(const kernels::Float8Tensor& w, bool rowwise,
+                                        int64_t gathered_how) {
+  if (gathered_how == 0) {
+    return kernels::float8_transpose(w, /*unit_scales=*/rowwise);
+  }
+  // NOLINTNEXTLINE(performance-no-int-to-ptr): the layer's settings, passed by address
+  const auto& how = *reinterpret_cast<const Float8Linear*>(gathered_how);
+  if (!how.weight_transposed.data.defined()) {
+    how.weight_transposed = kernels::float8_transpose(w, /*unit_scales=*/rowwise);
+  }
+  return how.weight_transposed;
+}
+
 // y = x W^T with its three GEMMs in float8 (layers.hpp, float8_linear). Saves the float8 weight
 // (rows) and, when W trains, x^T quantised along the tokens — what the weight gradient multiplies —
 // instead of x. The float8 weight of a FullyShard float8 gather lives on its unit's storage, which
@@ -470,6 +487,8 @@ struct Float8LinearFunction : torch::autograd::Function<Float8LinearFunction> {
     const auto y = kernels::float8_matmul(rows, w, xc.scalar_type(), /*fast_accum=*/true);
     ctx->saved_data["queue"] = queue_address;
     ctx->saved_data["rowwise"] = how.rowwise;
+    // A gathered weight's transpose is kept on `how` for the step's later microbatches.
+    ctx->saved_data["gathered_how"] = how.weight.data.defined() ? how_address : int64_t{0};
     ctx->saved_data["weight"] = weight;
     ctx->saved_data["w_data"] = w.data;
     ctx->saved_data["w_scale"] = w.scale;
@@ -507,7 +526,7 @@ struct Float8LinearFunction : torch::autograd::Function<Float8LinearFunction> {
       g_columns = kernels::float8_quantize(g, gradient_format, rowwise, /*transpose=*/true);
     }
     if (ctx->needs_input_grad(0)) {
-      const auto wt = kernels::float8_transpose(w, /*unit_scales=*/rowwise);
+      const auto wt = transposed_weight(w, rowwise, ctx->saved_data["gathered_how"].toInt());
       const auto dx = kernels::float8_matmul(g_rows, wt, g.scalar_type());
       auto sizes = grads[0].sizes().vec();
       sizes.back() = w.data.size(1);

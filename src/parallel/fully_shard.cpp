@@ -40,7 +40,11 @@
 // way the gathered float8 weight is exactly what the layer would compute from the whole bfloat16
 // weight. Such a weight has no place in the compute-dtype storage: its parameter tensor keeps its
 // shape over a freed storage (nothing reads its values), while its gradient is reduce-scattered
-// like every other (the reduction's layout counts every parameter).
+// like every other (the reduction's layout counts every parameter). The layer's backward keeps
+// the weight's transpose (its input gradient's operand) on Float8Linear::weight_transposed for the
+// step's later microbatches; freeing or gathering the unit drops it, so under reshard "never" a
+// weight is transposed once per step instead of once per microbatch, for one more byte per
+// parameter while the unit stays gathered.
 //
 // Experts. Under ExpertParallel the routed experts are records of the expert domain, already split
 // over ep_shard; when ep_replicate > 1 a second state shards them (their ep_shard slices) the same
@@ -819,6 +823,7 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
       }
     }
     unit.f8_gather_output = at::Tensor();
+    drop_float8_transposes(unit);
   }
 
   void ensure_gathered(std::size_t u) {
@@ -841,8 +846,19 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
     unit.f8_gather_output = at::Tensor();
     if (unit.f8_storage) {
       free_storage(unit.f8_storage);
+      drop_float8_transposes(unit);
     }
     unit.gathered = false;
+  }
+
+  // The layers' float8 weights transposed by their backward (Float8Linear::weight_transposed)
+  // belong to the unit's gathered values: dropped when those are freed or gathered anew.
+  void drop_float8_transposes(const Unit& unit) {
+    for (const auto p : unit.params) {
+      if (params_[p].float8 != nullptr) {
+        params_[p].float8->weight_transposed = kernels::Float8Tensor{};
+      }
+    }
   }
 
   // Launches the reductions of ready units in the fixed order.

@@ -55,13 +55,17 @@ RunOutcome one_process(RankEnv& env, const d9d::DistributedContext& ctx, const s
 }
 
 // FullyShard with the float8 weight gather of `Precision`, in the reshard modes after_forward and
-// never, equals `want` (one process).
+// never (with a reduce-scatter per microbatch, and once per step), equals `want` (one process).
+// Under "never" the weights stay gathered over the step's 4 microbatches per rank, whose
+// backwards reuse the first one's float8 transposes (Float8Linear::weight_transposed): equal runs
+// over 4 steps also say that no step reads the previous step's transposes.
 template <class Precision>
 void expect_gathered_runs_match(const d9d::DistributedContext& ctx, const std::string& dir,
                                 const RunOutcome& want, const std::string& what) {
-  for (const std::string mode : {"after_forward", "never"}) {
+  for (const std::string mode : {"after_forward", "never", "never_once"}) {
     auto config = run_config(dir + "/f8-" + mode);
-    config.data_parallel.reshard = mode;
+    config.data_parallel.reshard = mode == "never_once" ? "never" : mode;
+    config.data_parallel.reduce_every_microbatch = mode != "never_once";
     d9d::testing::expect_same_run(
         train_plan<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Precision>>(ctx, config), want,
         what + ", reshard " + mode);

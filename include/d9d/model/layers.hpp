@@ -98,6 +98,10 @@ struct Float8Linear {
   /// (WeightGather::float8): its storage lives while the layer's unit is gathered. Undefined: the
   /// forward quantises the weight itself.
   kernels::Float8Tensor weight;
+  /// `weight` transposed for the input gradient's GEMM (float8_transpose), made by the first
+  /// backward that needs it and reused by the step's later microbatches while `weight` stays
+  /// gathered; FullyShard drops it whenever it gathers or frees the unit. Undefined otherwise.
+  mutable kernels::Float8Tensor weight_transposed;
 };
 
 /// y = x W^T with every GEMM in float8 (the forward's, and in backward the input gradient's and
