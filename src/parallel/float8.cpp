@@ -46,7 +46,8 @@ int apply_float8(ParallelModel& model, bool rowwise) {
   int layers = 0;
   const auto set = [&](model::Linear& linear) {
     if (!linear.is_empty()) {
-      linear->float8 = model::Float8Linear{.rowwise = rowwise, .weight = {}, .weight_transposed = {}};
+      linear->float8 =
+          model::Float8Linear{.rowwise = rowwise, .weight = {}, .weight_transposed = {}};
       ++layers;
     }
   };

@@ -269,6 +269,12 @@ class PartialNormSync : public GradientSync {
   PartialNormSync(ParallelModel& model, ProcessGroup group, std::vector<std::string> names)
       : model_(model), group_(std::move(group)), names_(std::move(names)) {}
 
+  // Tensor parallelism adds no host code to a microbatch's forward and backward: its collectives
+  // are the autograd functions above, each a NCCL call ordered on the device (the work's wait is
+  // a stream wait), which a CUDA graph captures and replays like a kernel; this sum runs in
+  // finish(), after the microbatches. (On the CPU the step refuses graphs for the device.)
+  [[nodiscard]] std::string graph_blocker() const override { return ""; }
+
   void finish() override {
     if (group_.size() <= 1) {
       return;

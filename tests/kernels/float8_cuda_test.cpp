@@ -164,7 +164,8 @@ TEST_F(Kernels_Float8_Cuda, LinearOnTheGpuMatchesItsCpuEmulationAndBf16) {
       gpu->weight.copy_(cpu->weight);
     }
     gpu->to(at::kCUDA);
-    cpu->float8 = d9d::model::Float8Linear{.rowwise = rowwise, .weight = {}, .weight_transposed = {}};
+    cpu->float8 =
+        d9d::model::Float8Linear{.rowwise = rowwise, .weight = {}, .weight_transposed = {}};
     gpu->float8 = cpu->float8;
     const auto x = at::randn({4, 512, 1024}, at::kBFloat16);
     const auto g = at::randn({4, 512, 768}, at::kBFloat16);

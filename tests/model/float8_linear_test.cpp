@@ -69,7 +69,8 @@ TEST_P(Model_Float8Linear, ForwardAndGradientsEqualTheDefinition) {
   const bool rowwise = GetParam();
   at::manual_seed(21);
   d9d::model::Linear linear(32, 48);
-  linear->float8 = d9d::model::Float8Linear{.rowwise = rowwise, .weight = {}, .weight_transposed = {}};
+  linear->float8 =
+      d9d::model::Float8Linear{.rowwise = rowwise, .weight = {}, .weight_transposed = {}};
   // Tokens of different magnitudes, so per-row and per-tensor scales differ.
   const auto x =
       (at::randn({2, 8, 32}) * at::pow(4.0, at::arange(8, at::kFloat) - 4).view({1, 8, 1}))
@@ -106,7 +107,8 @@ TEST_P(Model_Float8Linear, IsFloat8NotFloat32AndAddsTheBias) {
   d9d::model::Linear linear(64, 32, /*bias=*/true);
   const auto x = at::randn({4, 6, 64});
   const auto plain = linear(x).detach();
-  linear->float8 = d9d::model::Float8Linear{.rowwise = rowwise, .weight = {}, .weight_transposed = {}};
+  linear->float8 =
+      d9d::model::Float8Linear{.rowwise = rowwise, .weight = {}, .weight_transposed = {}};
   const auto y = linear(x);
   const auto without_bias = d9d::model::float8_linear(x, linear->weight, *linear->float8);
   EXPECT_TRUE(at::equal(y.detach(), (without_bias + linear->bias).detach()));
@@ -122,7 +124,8 @@ TEST_P(Model_Float8Linear, SplitBackwardDefersTheFloat8WeightGradient) {
   const bool rowwise = GetParam();
   at::manual_seed(23);
   d9d::model::Linear linear(32, 16);
-  linear->float8 = d9d::model::Float8Linear{.rowwise = rowwise, .weight = {}, .weight_transposed = {}};
+  linear->float8 =
+      d9d::model::Float8Linear{.rowwise = rowwise, .weight = {}, .weight_transposed = {}};
   const auto x = at::randn({3, 16, 32}).requires_grad_(true);
   const auto g = at::randn({3, 16, 16});
   // Direct backward.

@@ -8,7 +8,7 @@
 // losses, gradient norms and
 // every (gathered) parameter. Also the loss-parallel cross-entropy against the full one (values and
 // gradients, ignore index included), the model's gathered logits, replicated parameters staying
-// identical over tp, and the start-up rules.
+// identical over tp, the start-up rules, and CUDA graphs of tp's microbatches (replayed on GPUs).
 #include <cmath>
 #include <string>
 #include <vector>
@@ -272,6 +272,45 @@ TEST(Parallel_TensorParallel_tp2, MatchesOneProcess) {
           sp_got, want,
           tied ? "tp 2 + sequence parallel, tied head" : "tp 2 + sequence parallel, untied head");
     }
+  });
+}
+
+// Tensor parallelism lets a CUDA graph capture a microbatch (its collectives are stream-ordered
+// calls, no hooks), with and without sequence parallelism. On GPUs (D9D_TEST_BACKEND=nccl): the
+// graphed run of tp 2 + sequence parallel replays its microbatches and equals the eager run
+// (float64: losses, gradient norms and parameters to the training tests' tolerances).
+TEST(Parallel_TensorParallel_tp2, CudaGraphsCaptureTheCollectives) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{.tp = 2});
+    const auto config =
+        d9d::model::Qwen3Config::from_json_text(d9d::testing::tiny_qwen3_json(false, 2));
+    const auto blocker = [&](auto plan) {
+      d9d::model::Qwen3ForCausalLM model(config);
+      model->to(ctx.device());
+      return d9d::parallel::parallelize<decltype(plan)>(mesh, {model.ptr()})->graph_blocker();
+    };
+    EXPECT_EQ(blocker(d9d::Plan<TpMesh, Tp, Fp64>{}), "");
+    EXPECT_EQ(blocker(d9d::Plan<TpMesh, TpSp, Fp64>{}), "");
+    EXPECT_EQ(blocker(d9d::Plan<TpDpMesh, TpSp, Fp64>{}), "");  // dp_replicate 1: no all-reduce
+    if (!ctx.device().is_cuda()) {
+      return;  // graphs need a CUDA device (the step says so: Train_CudaGraphs)
+    }
+    const std::string dir = env.scratch_dir() + "/graphs" + std::to_string(env.rank());
+    const auto run = [&](bool graphs) {
+      auto cfg = run_config(dir + (graphs ? "/on" : "/off"), false, 2, R"({"tp": 2})");
+      cfg.cuda_graphs.enabled = graphs;
+      d9d::Trainer<d9d::Plan<TpMesh, TpSp, Fp64>> trainer(ctx, d9d::Qwen3Provider{},
+                                                          d9d::testing::RandomWindowsProvider{},
+                                                          d9d::CausalLmTask{}, cfg);
+      return d9d::testing::outcome_of(trainer);
+    };
+    const auto eager = run(false);
+    const auto graphed = run(true);
+    EXPECT_EQ(eager.result.graph_replays, 0);
+    EXPECT_EQ(graphed.result.graph_replays, 5 * 4);  // steps 1 to 5, 4 microbatches each
+    d9d::testing::expect_same_run(graphed, eager, "tp 2 + sequence parallel, CUDA graphs");
   });
 }
 
