@@ -433,8 +433,8 @@ int main(int argc, char** argv) {
                "gradients all-reduced (reduce-scattered with --fsdp) in bfloat16, half the bytes "
                "(d9d::precision::Bf16MixedBf16Reduce; with --bf16)");
   app.add_flag("--cuda-graphs", o.cuda_graphs,
-               "capture each microbatch's forward and backward once and replay it (one GPU, no "
-               "pipeline; config \"cuda_graphs\")");
+               "capture each microbatch's forward and backward once and replay it (one GPU or "
+               "--tp alone, no pipeline; config \"cuda_graphs\")");
   app.add_option("--cp", o.cp,
                  "context parallelism over N ranks: each sequence split in load-balanced chunks "
                  "(d9d::parallel::ContextParallel; with --fsdp --bf16, sharded over dp_shard x cp)")
