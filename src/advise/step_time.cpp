@@ -293,6 +293,102 @@ struct MicrobatchCosts {
   double context_parallel = 0;
 };
 
+// A microbatch's matmuls on one rank: each phase's seconds, and the layers' forward matmuls of
+// the attention and MLP parts apart (what recompute runs again).
+struct MicrobatchGemms {
+  double forward = 0;
+  double input = 0;
+  double weight = 0;
+  double attention_forward = 0;
+  double mlp_forward = 0;
+};
+
+// A decoder layer's q, k, v, o, gate, up, down (Megatron's slices) over `tokens`, then the head.
+MicrobatchGemms microbatch_gemms(const model::Qwen3Config& c, int64_t tp, int64_t tokens,
+                                 const MachineProfile& machine, double mlp_layers) {
+  const int64_t h = c.hidden_size;
+  const int64_t q = c.num_attention_heads * c.head_dim;
+  const int64_t kv = c.num_key_value_heads * c.head_dim;
+  const int64_t inter = c.intermediate_size;
+  const auto layers = static_cast<double>(c.num_hidden_layers);
+  MicrobatchGemms out;
+  const auto linear = [&](int64_t n, int64_t k, double count) {
+    const double forward = count * machine.gemm_seconds(tokens, n, k, "nt");
+    out.forward += forward;
+    out.input += count * machine.gemm_seconds(tokens, k, n, "nn");
+    out.weight += count * machine.gemm_seconds(n, k, tokens, "tn");
+    return forward;
+  };
+  out.attention_forward =
+      linear(q / tp, h, layers) + linear(kv / tp, h, 2 * layers) + linear(h, q / tp, layers);
+  out.mlp_forward = linear(inter / tp, h, 2 * mlp_layers) + linear(h, inter / tp, mlp_layers);
+  linear(c.vocab_size / tp, h, 1);
+  return out;
+}
+
+// Elementwise bytes per token of a layer's forward (the file comment): r the residual stream's
+// element, a the activations'. (Under autocast the norms write autocast's dtype, so q, k, v, gate
+// and up cast nothing: docs/design/0026.)
+struct ElementwiseBytes {
+  int64_t layer = 0;      // a dense layer's
+  int64_t attention = 0;  // of which the attention part's: its norm, q, k, v, the rotations, output
+  int64_t mlp = 0;        // of which SiLU-mul's: gate and up read, the product written
+  double forward = 0;     // the microbatch's forward on one rank
+};
+
+ElementwiseBytes elementwise_bytes(const model::Qwen3Config& c, int64_t tp, int64_t tokens,
+                                   Compute compute, double mlp_layers) {
+  const int64_t h = c.hidden_size;
+  const int64_t q = c.num_attention_heads * c.head_dim;
+  const int64_t kv = c.num_key_value_heads * c.head_dim;
+  const int64_t r = compute == Compute::bf16_parameters ? 2 : 4;
+  const int64_t a = compute == Compute::float32 ? 4 : 2;
+  ElementwiseBytes out;
+  out.mlp = 3 * c.intermediate_size * a;
+  out.layer = 8 * h * r + 2 * h * a + 4 * (q + kv) * a + 2 * q * a + out.mlp;
+  out.attention = 4 * h * r + h * a + 4 * (q + kv) * a + 2 * q * a;
+  // The loss: float32 logits written, read for the log-sum-exp, read and written for the gradient.
+  const int64_t loss = 4 * c.vocab_size * 4 + 4 * h * r;
+  out.forward = static_cast<double>(tokens) *
+                (static_cast<double>(c.num_hidden_layers) * static_cast<double>(out.layer - out.mlp) +
+                 mlp_layers * static_cast<double>(out.mlp) + static_cast<double>(loss)) /
+                static_cast<double>(tp);
+  return out;
+}
+
+// Sequence parallelism: per layer two all-gathers and two reduce-scatters of [tokens, H] in the
+// forward and as many in the backward; one more of each around the head.
+double tensor_parallel_seconds(const model::Qwen3Config& c, const Candidate& cand, int64_t tokens,
+                               Compute compute, const MachineProfile& machine) {
+  if (cand.tp <= 1) {
+    return 0;
+  }
+  const int64_t r = compute == Compute::bf16_parameters ? 2 : 4;
+  const int64_t bytes = tokens * c.hidden_size * r;  // the residual stream (float32 under autocast)
+  const double pair = machine.collective_seconds("all_gather", bytes, cand.tp) +
+                      machine.collective_seconds("reduce_scatter", bytes, cand.tp);
+  return pair * (4 * static_cast<double>(c.num_hidden_layers) + 2);
+}
+
+// Context parallelism: cp - 1 exchanges of K and V per layer forward, of K, V, dK, dV backward,
+// each hidden behind the layer's attention where it is shorter: {forward, backward} seconds.
+std::pair<double, double> context_parallel_seconds(const model::Qwen3Config& c,
+                                                   const Candidate& cand, int64_t tokens,
+                                                   Compute compute, const MachineProfile& machine,
+                                                   double attention_forward,
+                                                   double attention_backward) {
+  if (cand.cp <= 1) {
+    return {0.0, 0.0};
+  }
+  const int64_t a = compute == Compute::float32 ? 4 : 2;
+  const auto layers = static_cast<double>(c.num_hidden_layers);
+  const int64_t kv_bytes = tokens * 2 * c.num_key_value_heads * c.head_dim / cand.tp * a;
+  const double hop = machine.collective_seconds("p2p", kv_bytes, 2);
+  const double per_layer_forward = hop * static_cast<double>(cand.cp - 1);
+  return {layers * std::max(0.0, per_layer_forward - attention_forward / layers),
+          layers * std::max(0.0, 2 * per_layer_forward - attention_backward / layers)};
+}
+
 // `mlp_layers`: the decoder layers with a dense MLP (all of a dense Qwen3's; a MoE's others run
 // their MoE block, moe_block_costs).
 MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& cand,
@@ -300,49 +396,15 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
                                  int64_t weight_elements, double mlp_layers) {
   const int64_t tp = cand.tp;
   const int64_t tokens = o.microbatch_size * o.sequence_length / cand.cp;
-  const int64_t h = c.hidden_size;
-  const int64_t q = c.num_attention_heads * c.head_dim;
-  const int64_t kv = c.num_key_value_heads * c.head_dim;
-  const int64_t inter = c.intermediate_size;
   const auto layers = static_cast<double>(c.num_hidden_layers);
   MicrobatchCosts out;
-  double forward_gemm = 0;
-  double input_gemm = 0;
-  double weight_gemm = 0;
-  const auto linear = [&](int64_t n, int64_t k, double count) {
-    const double forward = count * machine.gemm_seconds(tokens, n, k, "nt");
-    forward_gemm += forward;
-    input_gemm += count * machine.gemm_seconds(tokens, k, n, "nn");
-    weight_gemm += count * machine.gemm_seconds(n, k, tokens, "tn");
-    return forward;
-  };
-  // A decoder layer's q, k, v, o, gate, up, down (Megatron's slices), then the head; the
-  // layers' forward matmuls of the attention and MLP parts apart (what recompute runs again).
-  const double attention_gemm =
-      linear(q / tp, h, layers) + linear(kv / tp, h, 2 * layers) + linear(h, q / tp, layers);
-  const double mlp_gemm = linear(inter / tp, h, 2 * mlp_layers) + linear(h, inter / tp, mlp_layers);
-  linear(c.vocab_size / tp, h, 1);
+  const auto gemms = microbatch_gemms(c, tp, tokens, machine, mlp_layers);
   auto [attention_forward, attention_backward] =
       machine.attention_seconds(o.microbatch_size, o.sequence_length, c.num_attention_heads / tp,
                                 c.num_key_value_heads / tp, c.head_dim);
   attention_forward *= layers / static_cast<double>(cand.cp);
   attention_backward *= layers / static_cast<double>(cand.cp);
-  // Elementwise bytes per token of a layer's forward (the file comment): r the residual stream's
-  // element, a the activations'. (Under autocast the norms write autocast's dtype, so q, k, v,
-  // gate and up cast nothing: docs/design/0026.)
-  const int64_t r = o.compute == Compute::bf16_parameters ? 2 : 4;
-  const int64_t a = o.compute == Compute::float32 ? 4 : 2;
-  const int64_t mlp_bytes = 3 * inter * a;  // SiLU-mul's gate and up read, its product written
-  const int64_t layer_bytes = 8 * h * r + 2 * h * a + 4 * (q + kv) * a + 2 * q * a + mlp_bytes;
-  // Of which the attention part's: its norm, q, k, v, the rotations, the attention's output.
-  int64_t attention_bytes = 4 * h * r + h * a + 4 * (q + kv) * a + 2 * q * a;
-  // The loss: float32 logits written, read for the log-sum-exp, read and written for the gradient.
-  const int64_t loss_bytes = 4 * c.vocab_size * 4 + 4 * h * r;
-  const double forward_bytes =
-      static_cast<double>(tokens) *
-      (layers * static_cast<double>(layer_bytes - mlp_bytes) +
-       mlp_layers * static_cast<double>(mlp_bytes) + static_cast<double>(loss_bytes)) /
-      static_cast<double>(tp);
+  const auto bytes = elementwise_bytes(c, tp, tokens, o.compute, mlp_layers);
   const double bandwidth = machine.memory_bytes_per_second;
   double weight_casts = 0;
   double accumulation = 0;
@@ -356,32 +418,17 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
     const double g = o.compute == Compute::float32 ? 4 : 2;
     accumulation = elements * 3 * g / bandwidth;
   }
-  out.memory = 3 * forward_bytes / bandwidth + weight_casts + accumulation;
-  // Sequence parallelism: per layer two all-gathers and two reduce-scatters of [tokens, H] in
-  // the forward and as many in the backward; one more of each around the head.
-  if (tp > 1) {
-    const int64_t bytes = tokens * h * r;  // the residual stream (float32 under autocast)
-    const double pair = machine.collective_seconds("all_gather", bytes, cand.tp) +
-                        machine.collective_seconds("reduce_scatter", bytes, cand.tp);
-    out.tensor_parallel = pair * (4 * layers + 2);
-  }
-  // Context parallelism: cp - 1 exchanges of K and V per layer forward, of K, V, dK, dV backward.
-  double cp_forward = 0;
-  double cp_backward = 0;
-  if (cand.cp > 1) {
-    const int64_t kv_bytes = tokens * 2 * kv / tp * a;
-    const double hop = machine.collective_seconds("p2p", kv_bytes, 2);
-    const double per_layer_forward = hop * (cand.cp - 1);
-    cp_forward = layers * std::max(0.0, per_layer_forward - attention_forward / layers);
-    cp_backward = layers * std::max(0.0, 2 * per_layer_forward - attention_backward / layers);
-    out.context_parallel = cp_forward + cp_backward;
-  }
-  out.gemm = forward_gemm + input_gemm + weight_gemm;
+  out.memory = 3 * bytes.forward / bandwidth + weight_casts + accumulation;
+  out.tensor_parallel = tensor_parallel_seconds(c, cand, tokens, o.compute, machine);
+  const auto [cp_forward, cp_backward] = context_parallel_seconds(
+      c, cand, tokens, o.compute, machine, attention_forward, attention_backward);
+  out.context_parallel = cp_forward + cp_backward;
+  out.gemm = gemms.forward + gemms.input + gemms.weight;
   out.attention = attention_forward + attention_backward;
-  const double forward_memory = forward_bytes / bandwidth + weight_casts;
-  const double forward = forward_gemm + attention_forward + forward_memory;
-  out.forward = forward + out.tensor_parallel / 2 + cp_forward;
-  out.backward_input = input_gemm + attention_backward + 2 * forward_bytes / bandwidth +
+  const double forward_memory = bytes.forward / bandwidth + weight_casts;
+  out.forward = gemms.forward + attention_forward + forward_memory + out.tensor_parallel / 2 +
+                cp_forward;
+  out.backward_input = gemms.input + attention_backward + 2 * bytes.forward / bandwidth +
                        out.tensor_parallel / 2 + cp_backward;
   if (o.recompute.any()) {
     // The recomputed layers' forward (or its attention part) once more, in I.
@@ -389,17 +436,18 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
         static_cast<double>(o.recompute.layers_recomputed(c.num_hidden_layers)) / layers;
     const double per_byte =
         static_cast<double>(tokens) * layers / static_cast<double>(tp) / bandwidth;
-    const double gemm =
-        share * (o.recompute.attention_only ? attention_gemm : attention_gemm + mlp_gemm);
+    const double gemm = share * (o.recompute.attention_only
+                                     ? gemms.attention_forward
+                                     : gemms.attention_forward + gemms.mlp_forward);
     const double memory =
         share * per_byte *
-        static_cast<double>(o.recompute.attention_only ? attention_bytes : layer_bytes);
+        static_cast<double>(o.recompute.attention_only ? bytes.attention : bytes.layer);
     out.backward_input += gemm + share * attention_forward + memory;
     out.gemm += gemm;
     out.attention += share * attention_forward;
     out.memory += memory;
   }
-  out.backward_weight = weight_gemm + accumulation;
+  out.backward_weight = gemms.weight + accumulation;
   return out;
 }
 

@@ -33,9 +33,9 @@ half=$("$tool" --config "$config" --precision bf16_params) || fail "bf16_params 
 piped=$("$tool" --config "$config" --pp 2 --schedule 1f1b --microbatches 4) || fail "pp 2 failed"
 [ $(($(echo "$whole" | column 1) + 258 * 256 * 4)) = "$(echo "$piped" | column 1)" ] ||
   fail "the stages do not add up to the whole model and the tied copy: $piped"
-echo "$piped" | grep -q '^largest: ' || fail "no largest line: $piped"
+grep -q '^largest: ' <<<"$piped" || fail "no largest line: $piped"
 # pp 2 in bf16_mixed: each rank's microbatches in flight (1F1B: rank 0 holds two, rank 1 one).
-echo "$piped" | grep -q '^  pp 1: [0-9]' || fail "no activations in flight: $piped"
+grep -q '^  pp 1: [0-9]' <<<"$piped" || fail "no activations in flight: $piped"
 # tp 2, fp32: one rank's activations. Per token of a layer 1,866 floats over every token (the
 # norms' outputs, its 4 of 8 heads, 384 of 768 MLP columns) and 514 over the residual stream's;
 # per token 9 bytes of the vocabulary-parallel embedding's ids and mask, the stream's embedding
@@ -43,35 +43,35 @@ echo "$piped" | grep -q '^  pp 1: [0-9]' || fail "no activations in flight: $pip
 # 129 words (516). Sequence parallelism splits the stream's part over the 2 ranks.
 tp2=$("$tool" --config "$config" --precision fp32 --tp 2) || fail "tp 2 failed"
 want=$(( 4 * 2048 * (1866 + 514) * 4 + 2048 * (9 + 1028 + 1024 + 516) + 2 * 256 * 16 * 4 ))
-echo "$tp2" | grep -q "^activations of a microbatch: $want " || fail "tp 2 is not $want: $tp2"
+grep -q "^activations of a microbatch: $want " <<<"$tp2" || fail "tp 2 is not $want: $tp2"
 sp2=$("$tool" --config "$config" --precision fp32 --tp 2 --sequence-parallel) ||
   fail "--sequence-parallel failed"
 want=$(( 4 * 2048 * (1866 * 4 + 514 * 4 / 2) + 2048 * (9 + 1028 / 2 + 1024 + 516) + 2 * 256 * 16 * 4 ))
-echo "$sp2" | grep -q "^activations of a microbatch: $want " ||
+grep -q "^activations of a microbatch: $want " <<<"$sp2" ||
   fail "tp 2 with sequence parallelism is not $want: $sp2"
 # fp32, one microbatch of 8 x 256 tokens: per token of a layer 3,734 floats (hidden 256, q 256,
 # kv 128, intermediate 768, 8/4 heads), 4 layers; embedding, rstd and head input gradient (513
 # floats) per token and the head's 258 x 256 weight gradient; rotary tables 2 x 256 x 16.
 fp32=$("$tool" --config "$config" --precision fp32) || fail "fp32 failed"
 want=$(( (4 * 3734 * 2048 + 513 * 2048 + 258 * 256 + 2 * 256 * 16) * 4 ))
-echo "$fp32" | grep -q "^activations of a microbatch: $want " ||
+grep -q "^activations of a microbatch: $want " <<<"$fp32" ||
   fail "activations are not $want: $fp32"
 # Full recompute: each of the 4 layers keeps its output only (float32, 2,048 tokens x 256).
 full=$("$tool" --config "$config" --precision fp32 --recompute full) || fail "--recompute failed"
 want=$(( (4 * 256 * 2048 + 513 * 2048 + 258 * 256 + 2 * 256 * 16) * 4 ))
-echo "$full" | grep -q "^activations of a microbatch: $want " ||
+grep -q "^activations of a microbatch: $want " <<<"$full" ||
   fail "recomputed activations are not $want: $full"
 # Every other layer (layers 1 and 3): two keep everything, two their output.
 every=$("$tool" --config "$config" --precision fp32 --recompute full --recompute-every 2) ||
   fail "--recompute-every failed"
 want=$(( (2 * 3734 * 2048 + 2 * 256 * 2048 + 513 * 2048 + 258 * 256 + 2 * 256 * 16) * 4 ))
-echo "$every" | grep -q "^activations of a microbatch: $want " ||
+grep -q "^activations of a microbatch: $want " <<<"$every" ||
   fail "every other layer recomputed is not $want: $every"
 # Selective recompute: each layer keeps its MLP part and output (3 x 256 + 1 + 2 x 768 floats).
 selective=$("$tool" --config "$config" --precision fp32 --recompute attention) ||
   fail "--recompute attention failed"
 want=$(( (4 * 2305 * 2048 + 513 * 2048 + 258 * 256 + 2 * 256 * 16) * 4 ))
-echo "$selective" | grep -q "^activations of a microbatch: $want " ||
+grep -q "^activations of a microbatch: $want " <<<"$selective" ||
   fail "attention recomputed is not $want: $selective"
 # --candidates: the header's count is the number of Plans listed, and the summary counts the
 # lines marked as not fitting (state + predicted activations above --memory-gib).
@@ -81,9 +81,9 @@ count=$(echo "$listed" | sed -n 's/^\([0-9][0-9]*\) candidate Plans for 2 ranks.
 [ -n "$count" ] && [ "$count" = "$(echo "$listed" | grep -c '^  [rf]')" ] ||
   fail "the count is not the lines: $listed"
 marked=$(echo "$listed" | grep -c '(does not fit)')
-[ "$marked" -ge 1 ] && echo "$listed" | grep -q "^$marked of $count do not fit in 0.1 GiB" ||
+[ "$marked" -ge 1 ] && grep -q "^$marked of $count do not fit in 0.1 GiB" <<<"$listed" ||
   fail "the summary does not count the marked lines: $listed"
-echo "$listed" | grep -q '^  replicate pp 2 (1f1b), 2 microbatches ' || fail "no 1f1b pp 2: $listed"
+grep -q '^  replicate pp 2 (1f1b), 2 microbatches ' <<<"$listed" || fail "no 1f1b pp 2: $listed"
 # --profile (the committed one-H200 profile): the step's line, its tokens/s the step's tokens over
 # its time; ranked candidates fastest first, written as JSON; two ranks need measured collectives.
 timed=$("$tool" --config "$config" --profile "$profile") || fail "--profile failed"
@@ -121,14 +121,14 @@ sharded=$("$tool" --config "$moe_config" --precision fp32 --ep 2 --dp-shard 4 \
   fail "not one line per rank: $sharded"
 [ "$(echo "$moe" | column 1)" = "$(echo "$sharded" | column 1)" ] ||
   fail "4 ranks do not hold the model once (the experts split over ep and ep_replicate): $sharded"
-echo "$sharded" | grep -q '^not predicted yet for a MoE model: the peak during a step' ||
+grep -q '^not predicted yet for a MoE model: the peak during a step' <<<"$sharded" ||
   fail "the MoE output claims a peak with the experts sharded over ep_replicate: $sharded"
 # With the committed one-H200 profile (its grouped_experts measured at example 05's GPU shape): the
 # MoE step's time and its routed experts; expert parallelism needs measured all-to-alls.
 moe_timed=$("$tool" --config "$moe_config" --precision bf16_params --profile "$profile") ||
   fail "the MoE step time failed"
-echo "$moe_timed" | grep -q '^step time on NVIDIA H200: ' || fail "no MoE step time: $moe_timed"
-echo "$moe_timed" | grep -qE '^  of which the routed experts [0-9.]+ ms, expert parallelism.s all-to-alls 0.0 ms' ||
+grep -q '^step time on NVIDIA H200: ' <<<"$moe_timed" || fail "no MoE step time: $moe_timed"
+grep -qE '^  of which the routed experts [0-9.]+ ms, expert parallelism.s all-to-alls 0.0 ms' <<<"$moe_timed" ||
   fail "no routed experts, or all-to-alls without ep: $moe_timed"
 "$tool" --config "$moe_config" --precision bf16_params --ep 2 --dp-shard 2 --profile "$profile" \
   >"${TEST_TMPDIR:-/tmp}/err" 2>&1 && fail "ep 2 was timed without measured all-to-alls"
@@ -141,9 +141,9 @@ loaded=$(kept "$("$tool" --config "$moe_config" --precision fp32 --ep 2 --dp-sha
   --expert-load 2)")
 [ -n "$balanced" ] && [ -n "$loaded" ] && [ "$loaded" -gt "$balanced" ] ||
   fail "--expert-load 2 does not add rows: $balanced / $loaded"
-echo "$ep2" | grep -q '^peak during a step: ' || fail "no MoE peak: $ep2"
+grep -q '^peak during a step: ' <<<"$ep2" || fail "no MoE peak: $ep2"
 piped=$("$tool" --config "$moe_config" --precision fp32 --pp 2) || fail "the MoE pipeline failed"
-echo "$piped" | grep -q '^not predicted yet for a MoE model under a pipeline: activations' ||
+grep -q '^not predicted yet for a MoE model under a pipeline: activations' <<<"$piped" ||
   fail "a MoE pipeline claims its activations: $piped"
 "$tool" --config "$config" --ep 2 >"${TEST_TMPDIR:-/tmp}/err" 2>&1 && fail "--ep on a dense model"
 grep -q 'a dense Qwen3 (no experts)' "${TEST_TMPDIR:-/tmp}/err" || fail "$(cat "${TEST_TMPDIR:-/tmp}/err")"

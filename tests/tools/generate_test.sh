@@ -17,12 +17,12 @@ expected:
 $expected"
 
 err=$("$generate" --model "$model" --prompt "hello" 2>&1) && fail "a text prompt on a 96-id model ran"
-echo "$err" | grep -q "byte tokenizer (258 ids), but the model's vocabulary has 96" ||
+grep -q "byte tokenizer (258 ids), but the model's vocabulary has 96" <<<"$err" ||
   fail "unexpected message: $err"
 err=$("$generate" --model "$model" --ids "1 x" 2>&1) && fail "a bad id ran"
-echo "$err" | grep -q '"x" is not a token id' || fail "unexpected message: $err"
+grep -q '"x" is not a token id' <<<"$err" || fail "unexpected message: $err"
 err=$("$generate" --model "$model" --ids "1 200" 2>&1) && fail "an id outside the vocabulary ran"
-echo "$err" | grep -q "token 200 at position 1" || fail "unexpected message: $err"
+grep -q "token 200 at position 1" <<<"$err" || fail "unexpected message: $err"
 err=$("$generate" --model "$model" 2>&1) && fail "no prompt ran"
-echo "$err" | grep -q "give --prompt" || fail "unexpected message: $err"
+grep -q "give --prompt" <<<"$err" || fail "unexpected message: $err"
 echo "generate: all checks passed"

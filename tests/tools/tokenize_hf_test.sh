@@ -44,12 +44,12 @@ printf '{"body": "x"}\n' >"$dir/bad.jsonl"
 rm -f "$dir/out2.bin"
 err=$("$python" "$tool" --tokenizer "$dir/tok" --out "$dir/out2.bin" "$dir/bad.jsonl" 2>&1) &&
   fail "a record without the field was accepted"
-echo "$err" | grep -q 'bad.jsonl:1: no string field "text"' || fail "unexpected message: $err"
+grep -q 'bad.jsonl:1: no string field "text"' <<<"$err" || fail "unexpected message: $err"
 [ ! -e "$dir/out2.bin" ] && [ ! -e "$dir/out2.bin.tmp" ] || fail "output left after an error"
 err=$("$python" "$tool" --tokenizer "$dir/tok" --out "$dir/out2.bin" "$dir/none.txt" 2>&1) &&
   fail "a missing file was accepted"
-echo "$err" | grep -q "no file" || fail "unexpected message: $err"
+grep -q "no file" <<<"$err" || fail "unexpected message: $err"
 err=$("$python" "$tool" --tokenizer "$dir/tok" --out "$dir/out2.bin" --eos 70000 "$dir/a.txt" 2>&1) &&
   fail "an id beyond u16 was accepted"
-echo "$err" | grep -q "does not fit u16" || fail "unexpected message: $err"
+grep -q "does not fit u16" <<<"$err" || fail "unexpected message: $err"
 echo "tokenize-hf: all checks passed"

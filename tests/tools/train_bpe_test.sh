@@ -65,7 +65,7 @@ expect_error() {  # message, args...
   shift
   rm -rf "$dir/bad" "$dir/bad.tmp"
   err=$("$python" "$train" --out "$dir/bad" "$@" 2>&1) && fail "accepted: $*"
-  echo "$err" | grep -qF "$message" || fail "unexpected message for $*: $err"
+  grep -qF "$message" <<<"$err" || fail "unexpected message for $*: $err"
   [ ! -e "$dir/bad" ] && [ ! -e "$dir/bad.tmp" ] || fail "output left after: $*"
 }
 expect_error "needs at least 258" --vocab-size 100 "$dir/a.txt"
@@ -73,5 +73,5 @@ expect_error "no file" "$dir/none.txt"
 printf '\xff\xfe bad' >"$dir/latin.txt"
 expect_error "is not UTF-8" "$dir/latin.txt"
 err=$("$python" "$train" --out "$dir/tok" "$dir/a.txt" 2>&1) && fail "an existing --out was replaced"
-echo "$err" | grep -qF "give --force" || fail "unexpected message: $err"
+grep -qF "give --force" <<<"$err" || fail "unexpected message: $err"
 echo "train-bpe: all checks passed"

@@ -90,7 +90,8 @@ echo "$out"
 [ "$status" -eq 2 ] || fail "tp 3 over 2 heads: status $status, expected 2"
 cause='"mesh.tp" = 3 does not divide the model'"'"'s "num_attention_heads" = 2'
 for rank in 0 1 2; do
-  grep -F "[d9d rank $rank/3" <<<"$out" | grep -qF -- "$cause" || fail "rank $rank did not report: $cause"
+  grep -qF -- "$cause" <<<"$(grep -F "[d9d rank $rank/3" <<<"$out")" ||
+    fail "rank $rank did not report: $cause"
 done
 first=$(grep -m1 -E 'error: |job failed' <<<"$out")
 grep -qF -- "$cause" <<<"$first" || fail "the first error line is not the cause: $first"
