@@ -46,11 +46,27 @@ LayerCasts layer_casts(const model::Qwen3Config& config, Compute compute, int64_
   return {.all = (h * q + 2 * h * k + q * h + 3 * h * i) / tp * 2, .mlp = 3 * h * i / tp * 2};
 }
 
-}  // namespace
+constexpr int64_t kFloat = 4;
+constexpr int64_t kHalf = 2;
 
-ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t microbatch_size,
-                                       int64_t sequence_length, Compute compute,
-                                       Recompute recompute, TensorSplit tensor) {
+// One rank's slice of a microbatch's layer: `tokens` of the microbatch, `stream` of them in this
+// rank's residual stream (1/tp of them under sequence parallelism, whose gathers give the blocks'
+// matmuls every token), and this rank's heads, projections and MLP width (Megatron's slices; all
+// of them without tp).
+struct LayerShape {
+  int64_t tokens = 0;
+  int64_t stream = 0;
+  int64_t h = 0;
+  int64_t heads = 0;
+  int64_t kv_heads = 0;
+  int64_t q = 0;
+  int64_t k = 0;
+  int64_t i = 0;
+};
+
+// The sizes checked (std::invalid_argument naming them) and the rank's slice of a layer.
+LayerShape layer_shape(const model::Qwen3Config& config, int64_t microbatch_size,
+                       int64_t sequence_length, TensorSplit tensor) {
   if (microbatch_size < 1 || sequence_length < 1) {
     throw std::invalid_argument(
         "d9d::advise::qwen3_activation_bytes: microbatch_size and sequence_length must be at "
@@ -67,86 +83,107 @@ ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t
         " ranks must divide the heads, KV heads, intermediate size and vocabulary (and, with "
         "sequence parallelism, the sequence length)");
   }
-  constexpr int64_t kFloat = 4;
-  constexpr int64_t kHalf = 2;
-  // `tokens` of the microbatch; `stream` of them in this rank's residual stream (1/tp of them
-  // under sequence parallelism, whose gathers give the blocks' matmuls every token).
   const int64_t tokens = microbatch_size * sequence_length;
-  const int64_t stream = tokens / sp;
-  const int64_t h = config.hidden_size;
-  // This rank's heads, projections and MLP width (Megatron's slices; all of them without tp).
   const int64_t heads = config.num_attention_heads / n;
   const int64_t kv_heads = config.num_key_value_heads / n;
-  const int64_t q = heads * config.head_dim;
-  const int64_t k = kv_heads * config.head_dim;
-  const int64_t i = config.intermediate_size / n;
-  const int64_t vocab = config.vocab_size / n;
-  ActivationBytes out;
-  // One layer's bytes kept whole, and with its attention part recomputed (the MLP part kept:
-  // the residual after attention, the MLP norm's output or its casts and rstd, gate and up, the
-  // layer's output).
+  return {.tokens = tokens,
+          .stream = tokens / sp,
+          .h = config.hidden_size,
+          .heads = heads,
+          .kv_heads = kv_heads,
+          .q = heads * config.head_dim,
+          .k = kv_heads * config.head_dim,
+          .i = config.intermediate_size / n};
+}
+
+// One layer's bytes kept whole, and with its attention part recomputed (the MLP part kept: the
+// residual after attention, the MLP norm's output or its casts and rstd, gate and up, the layer's
+// output).
+struct LayerBytes {
   int64_t whole = 0;
   int64_t attention_recomputed = 0;
+};
+
+LayerBytes layer_bytes(const model::Qwen3Config& config, const LayerShape& s, Compute compute,
+                       int64_t tp) {
+  const int64_t tokens = s.tokens;
+  const int64_t stream = s.stream;
+  const int64_t h = s.h;
   switch (compute) {
-    case Compute::float32: {
+    case Compute::float32:
       // Per token of one layer, in float32 elements (the file comment's first table): the norms'
       // outputs (gathered under sequence parallelism) and this rank's heads over every token,
       // the residual stream's tensors and the norms' rstds over the stream's tokens.
-      whole = (tokens * (h + (q + k + heads + kv_heads) + (k + q + k + q + heads) + h + 2 * i) +
-               stream * (1 + h + 1 + h)) *
-              kFloat;
-      attention_recomputed = (tokens * (h + 2 * i) + stream * (2 * h + 1)) * kFloat;
-      break;
-    }
+      return {.whole = (tokens * (h + (s.q + s.k + s.heads + s.kv_heads) +
+                                  (s.k + s.q + s.k + s.q + s.heads) + h + 2 * s.i) +
+                        stream * (1 + h + 1 + h)) *
+                       kFloat,
+              .attention_recomputed = (tokens * (h + 2 * s.i) + stream * (2 * h + 1)) * kFloat};
     case Compute::bf16_autocast: {
       // Per token of one layer, in bytes (the second table): the residual stream in float32, the
       // matmuls' inputs and outputs in bfloat16 (the norms write theirs in bfloat16), the rstds
-      // and the log-sum-exp in float32.
-      whole = tokens * (h * (kHalf + kHalf) + q * 3 * kHalf + k * 3 * kHalf + heads * 2 * kFloat +
-                        kv_heads * kFloat + i * 2 * kHalf) +
-              stream * (h * (kFloat + kFloat) + 2 * kFloat);
-      // Per layer: the bfloat16 casts of its weights, which the matmuls and q/k norms keep (the
-      // MLP's three when only the attention part is recomputed).
-      const auto casts = layer_casts(config, Compute::bf16_autocast, n);
-      whole += casts.all;
-      attention_recomputed = tokens * (h * kHalf + i * 2 * kHalf) +
-                             stream * (h * (kFloat + kFloat) + kFloat) + casts.mlp;
-      break;
+      // and the log-sum-exp in float32; per layer, the bfloat16 casts of its weights, which the
+      // matmuls and q/k norms keep (the MLP's three when only the attention part is recomputed).
+      const auto casts = layer_casts(config, Compute::bf16_autocast, tp);
+      return {.whole = tokens * (h * (kHalf + kHalf) + s.q * 3 * kHalf + s.k * 3 * kHalf +
+                                 s.heads * 2 * kFloat + s.kv_heads * kFloat + s.i * 2 * kHalf) +
+                       stream * (h * (kFloat + kFloat) + 2 * kFloat) + casts.all,
+              .attention_recomputed = tokens * (h * kHalf + s.i * 2 * kHalf) +
+                                      stream * (h * (kFloat + kFloat) + kFloat) + casts.mlp};
     }
-    case Compute::bf16_parameters: {
+    case Compute::bf16_parameters:
       // Everything in bfloat16 but the rstds and the log-sum-exp; no casts.
-      whole = tokens * (2 * h * kHalf + q * 3 * kHalf + k * 3 * kHalf + heads * 2 * kFloat +
-                        kv_heads * kFloat + i * 2 * kHalf) +
-              stream * (2 * h * kHalf + 2 * kFloat);
-      attention_recomputed =
-          tokens * (h * kHalf + i * 2 * kHalf) + stream * (2 * h * kHalf + kFloat);
-      break;
-    }
+      return {.whole = tokens * (2 * h * kHalf + s.q * 3 * kHalf + s.k * 3 * kHalf +
+                                 s.heads * 2 * kFloat + s.kv_heads * kFloat + s.i * 2 * kHalf) +
+                       stream * (2 * h * kHalf + 2 * kFloat),
+              .attention_recomputed =
+                  tokens * (h * kHalf + s.i * 2 * kHalf) + stream * (2 * h * kHalf + kFloat)};
   }
+  return {};
+}
+
+// The embedding's output, the final norm and the head with its loss.
+int64_t loss_bytes(const model::Qwen3Config& config, const LayerShape& s, Compute compute,
+                   int64_t tp) {
   const int64_t r = residual_bytes(compute);
   const int64_t a = compute == Compute::float32 ? kFloat : kHalf;  // the matmuls' inputs
-  if (n == 1) {
+  const int64_t h = s.h;
+  if (tp == 1) {
     // The embedding's output, the final rstd, and the fused head (linear_cross_entropy): the
     // gradient of its input (in the matmuls' dtype) and of its weight (the parameters'), computed
     // in the forward.
     const int64_t weight = compute == Compute::bf16_parameters ? kHalf : kFloat;
-    out.loss = (h * (r + a) + kFloat) * tokens + config.vocab_size * h * weight;
-  } else {
-    // Under tp: the vocabulary-parallel embedding's masked ids (int64) and mask (bool), its output
-    // in the stream, the final rstd, the head's input as its matmul keeps it (gathered under
-    // sequence parallelism; its bfloat16 cast under autocast, and the head weight's), and the
-    // loss-parallel cross-entropy's softmax - one-hot over this rank's vocabulary (float32).
-    out.loss =
-        tokens * (8 + 1) + stream * (h * r + kFloat) + tokens * h * a + tokens * vocab * kFloat;
-    if (compute == Compute::bf16_autocast) {
-      out.loss += vocab * h * kHalf;
-    }
+    return (h * (r + a) + kFloat) * s.tokens + config.vocab_size * h * weight;
   }
+  // Under tp: the vocabulary-parallel embedding's masked ids (int64) and mask (bool), its output
+  // in the stream, the final rstd, the head's input as its matmul keeps it (gathered under
+  // sequence parallelism; its bfloat16 cast under autocast, and the head weight's), and the
+  // loss-parallel cross-entropy's softmax - one-hot over this rank's vocabulary (float32).
+  const int64_t vocab = config.vocab_size / tp;
+  int64_t bytes = s.tokens * (8 + 1) + s.stream * (h * r + kFloat) + s.tokens * h * a +
+                  s.tokens * vocab * kFloat;
+  if (compute == Compute::bf16_autocast) {
+    bytes += vocab * h * kHalf;
+  }
+  return bytes;
+}
+
+}  // namespace
+
+ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t microbatch_size,
+                                       int64_t sequence_length, Compute compute,
+                                       Recompute recompute, TensorSplit tensor) {
+  const auto shape = layer_shape(config, microbatch_size, sequence_length, tensor);
+  const auto layer = layer_bytes(config, shape, compute, tensor.ranks);
+  ActivationBytes out;
+  out.loss = loss_bytes(config, shape, compute, tensor.ranks);
   // A recomputed layer keeps only its output, in the residual stream's dtype (its input is the
   // previous layer's output, counted there, or the embedding's).
   const int64_t recomputed = recompute.layers_recomputed(config.num_hidden_layers);
-  out.layers = (config.num_hidden_layers - recomputed) * whole +
-               recomputed * (recompute.attention_only ? attention_recomputed : stream * h * r);
+  out.layers = (config.num_hidden_layers - recomputed) * layer.whole +
+               recomputed * (recompute.attention_only ? layer.attention_recomputed
+                                                      : shape.stream * shape.h *
+                                                            residual_bytes(compute));
   out.rope = 2 * sequence_length * (config.head_dim / 2) * kFloat;
   return out;
 }
@@ -176,8 +213,6 @@ ActivationBytes qwen3_moe_activation_bytes(const model::Qwen3MoeConfig& config,
   // The dense model's prediction (which checks the sizes), then each MoE layer's dense-MLP part
   // (gate and up over every token, under autocast the MLP's weight casts) replaced by its block.
   auto out = qwen3_activation_bytes(config, microbatch_size, sequence_length, compute);
-  constexpr int64_t kFloat = 4;
-  constexpr int64_t kHalf = 2;
   const int64_t a = compute == Compute::float32 ? kFloat : kHalf;
   const int64_t tokens = microbatch_size * sequence_length;
   const int64_t h = config.hidden_size;
@@ -246,8 +281,6 @@ StageActivationBytes qwen3_stage_activation_bytes(const model::Qwen3Config& conf
   one.num_hidden_layers = 1;
   const auto whole =
       qwen3_activation_bytes(one, microbatch_size, sequence_length, compute, recompute);
-  constexpr int64_t kFloat = 4;
-  constexpr int64_t kHalf = 2;
   const int64_t tokens = microbatch_size * sequence_length;
   const int64_t h = config.hidden_size;
   StageActivationBytes out;
