@@ -531,4 +531,31 @@ RankMemory fullest_rank_memory(const model::Qwen3Config& config, const pipeline:
       [&](const RankMemory& a, const RankMemory& b) { return size(a) < size(b); });
 }
 
+ExpertSplit expert_split(const StateRules& rules, bool fully_shard, Compute compute, double load) {
+  return {.ranks = rules.expert_parallel ? rules.expert_ranks : 1,
+          .load = load,
+          .float32_experts = fully_shard && compute == Compute::bf16_parameters &&
+                             rules.parameters == at::kFloat && rules.expert_parallel &&
+                             rules.expert_shard_ranks == 1};
+}
+
+RankMemory moe_rank_memory(const model::Qwen3MoeConfig& config, const StateRules& rules,
+                           int microbatches, int64_t microbatch_size, int64_t sequence_length,
+                           std::optional<Compute> compute, ExpertSplit experts,
+                           bool reshard_after_forward) {
+  const auto parameters = qwen3_parameters(config);
+  RankMemory out{.state = state_bytes(parameters, rules, 0, 0)};
+  if (!compute) {
+    return out;
+  }
+  out.activations =
+      qwen3_moe_activation_bytes(config, microbatch_size, sequence_length, *compute, experts)
+          .total();
+  if (rules.expert_shard_ranks == 1) {
+    out.peak = peak_step_bytes(out.state, *out.activations, microbatches) +
+               fully_shard_gathered_step_bytes(parameters, rules, *compute, reshard_after_forward);
+  }
+  return out;
+}
+
 }  // namespace d9d::advise

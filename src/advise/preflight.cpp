@@ -12,6 +12,7 @@
 
 #include <d9d/advise/preflight.hpp>
 #include <d9d/model/qwen3.hpp>
+#include <d9d/model/qwen3_moe.hpp>
 #include <d9d/train/config.hpp>
 
 namespace d9d::advise {
@@ -44,6 +45,135 @@ std::string activations_unknown(const PreflightPlan& plan) {
     return "recompute of every K-th layer under a pipeline";
   }
   return {};
+}
+
+// Why a Qwen3-MoE's activations (and step time) are not predicted for this Plan, or empty.
+std::string moe_unknown(const PreflightPlan& plan) {
+  if (!plan.compute) {
+    return "fp64";
+  }
+  const auto& c = plan.candidate;
+  if (c.pp > 1 || c.tp > 1 || c.cp > 1 || plan.recompute.any()) {
+    return std::string("a MoE model under ") +
+           (c.pp > 1   ? "a pipeline"
+            : c.tp > 1 ? "tensor parallelism"
+            : c.cp > 1 ? "context parallelism"
+                       : "recompute");
+  }
+  return {};
+}
+
+// The step-time line on `machine` for `time`.
+std::string step_line(const MachineProfile& machine, const StepTime& time) {
+  char text[256];
+  std::snprintf(text, sizeof(text),
+                "advise: predicted step on %s: %.1f ms, %.0f tokens/s (bubble %.1f ms, data "
+                "parallel %.1f ms)",
+                machine.device.c_str(), time.total * 1e3, time.tokens_per_second(),
+                time.bubble * 1e3, time.data_parallel_exposed * 1e3);
+  return text;
+}
+
+// The state line's start: the Plan and the fullest rank's state.
+std::string state_line(const std::string& plan, const StateBytes& state) {
+  return "advise: " + plan + "; predicted for the fullest rank: state " + gib(state.total()) +
+         " (parameters " + gib(state.parameters) + ", gradients " + gib(state.gradients) +
+         ", AdamW moments " + gib(state.optimizer) + ")";
+}
+
+StepOptions step_options(const TrainerConfig& config, const PreflightPlan& plan) {
+  return {.microbatch_size = config.batch.microbatch_size,
+          .sequence_length = config.batch.sequence_length,
+          .precision = *plan.rules,
+          .compute = *plan.compute,
+          .recompute = plan.recompute,
+          .reduce_bf16 = plan.reduce_bf16,
+          .reshard_after_forward = config.data_parallel.reshard != "never",
+          .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch};
+}
+
+// A Qwen3-MoE's figures and lines (predict_plan's, before the fit check): the rank with the most
+// state, its experts at their balanced load over the Plan's ep ranks.
+void predict_moe(const TrainerConfig& config, const model::Qwen3MoeConfig& model,
+                 const PreflightPlan& plan, const MachineProfile* machine, Preflight& out,
+                 std::vector<std::string>& lines) {
+  const auto& c = plan.candidate;
+  const auto& rules = *plan.rules;
+  const auto unknown = moe_unknown(plan);
+  const auto compute = unknown.empty() ? plan.compute : std::nullopt;
+  const auto split = compute ? expert_split(rules, c.fully_shard, *compute) : ExpertSplit{};
+  const auto rank =
+      moe_rank_memory(model, rules, c.microbatches, config.batch.microbatch_size,
+                      config.batch.sequence_length, compute, split,
+                      config.data_parallel.reshard != "never");
+  out.plan += ", ep " + std::to_string(split.ranks);
+  out.state_bytes = rank.state.total();
+  out.activation_bytes = rank.activations;
+  out.peak_bytes = rank.peak;
+  std::string memory = state_line(out.plan, rank.state);
+  if (rank.activations) {
+    memory += ", activations " + gib(*rank.activations) + " (experts at their balanced load)";
+    memory += rank.peak ? ", peak during a step " + gib(*rank.peak)
+                        : "; peak not predicted (the experts' own FullyShard units over "
+                          "ep_replicate)";
+  } else {
+    memory += "; activations not predicted (" + unknown + ")";
+  }
+  lines.push_back(memory + "; not counted: the step's transient buffers, communication buffers");
+  if (machine == nullptr) {
+    return;
+  }
+  if (!unknown.empty() || *plan.compute == Compute::float32) {
+    lines.emplace_back("advise: step time not predicted (" +
+                       (unknown.empty() ? std::string("float32") : unknown) + ")");
+    return;
+  }
+  try {
+    out.time = predict_step_time(model, c, split, step_options(config, plan), *machine);
+    lines.push_back(step_line(*machine, *out.time));
+  } catch (const std::invalid_argument& e) {
+    lines.push_back(std::string("advise: step time not predicted: ") + e.what());
+  }
+}
+
+// A dense Qwen3's figures and lines (predict_plan's, before the fit check): the fullest rank.
+void predict_dense(const TrainerConfig& config, const model::Qwen3Config& model,
+                   const PreflightPlan& plan, const MachineProfile* machine, Preflight& out,
+                   std::vector<std::string>& lines) {
+  const auto& c = plan.candidate;
+  const int64_t mb = config.batch.microbatch_size;
+  const int64_t seq = config.batch.sequence_length;
+  const auto unknown = activations_unknown(plan);
+  const auto rank =
+      fullest_rank_memory(model, plan.program, c.pp, c.microbatches, *plan.rules, mb, seq,
+                          unknown.empty() ? plan.compute : std::nullopt, plan.recompute,
+                          config.data_parallel.reshard != "never", plan.sequence_parallel);
+  out.state_bytes = rank.state.total();
+  out.activation_bytes = rank.activations;
+  out.peak_bytes = rank.peak;
+  std::string memory = state_line(out.plan, rank.state);
+  if (out.activation_bytes) {
+    memory += ", activations " + gib(*out.activation_bytes) + ", peak during a step " +
+              gib(*out.peak_bytes);
+  } else {
+    memory += "; activations not predicted (" + unknown + ")";
+  }
+  lines.push_back(memory + "; not counted: the step's transient buffers, communication buffers" +
+                  (c.pp > 1 && c.fully_shard ? ", FullyShard's gathered units" : ""));
+  if (machine != nullptr) {
+    if (!unknown.empty() || *plan.compute == Compute::float32) {
+      lines.emplace_back("advise: step time not predicted (" +
+                         (unknown.empty() ? std::string("float32") : unknown) + ")");
+    } else {
+      try {
+        out.time = predict_step_time(model, c, plan.program, step_options(config, plan),
+                                     *machine);
+        lines.push_back(step_line(*machine, *out.time));
+      } catch (const std::invalid_argument& e) {
+        lines.push_back(std::string("advise: step time not predicted: ") + e.what());
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -110,69 +240,28 @@ Preflight predict_plan(const TrainerConfig& config, const PreflightPlan& plan,
   out.plan = c.describe();
   std::vector<std::string> lines;
   std::optional<model::Qwen3Config> model;
+  std::optional<model::Qwen3MoeConfig> moe;
   try {
     model = model::Qwen3Config::from_json_text(config.section("model"));
-  } catch (const std::exception& e) {
-    out.lines.push_back("advise: " + out.plan +
-                        ": not predicted: the model section is not a "
-                        "dense Qwen3 config (" +
-                        e.what() + ")");
-    return out;
+  } catch (const std::exception& dense) {
+    try {
+      moe = model::Qwen3MoeConfig::from_json_text(config.section("model"));
+    } catch (const std::exception&) {
+      out.lines.push_back("advise: " + out.plan +
+                          ": not predicted: the model section is not a "
+                          "dense Qwen3 or a Qwen3-MoE config (" +
+                          dense.what() + ")");
+      return out;
+    }
   }
   if (!plan.rules) {
     out.lines.push_back("advise: " + out.plan + ": not predicted: " + plan.not_predicted);
     return out;
   }
-  const int64_t mb = config.batch.microbatch_size;
-  const int64_t seq = config.batch.sequence_length;
-  const auto unknown = activations_unknown(plan);
-  const auto rank =
-      fullest_rank_memory(*model, plan.program, c.pp, c.microbatches, *plan.rules, mb, seq,
-                          unknown.empty() ? plan.compute : std::nullopt, plan.recompute,
-                          config.data_parallel.reshard != "never", plan.sequence_parallel);
-  const StateBytes& fullest = rank.state;
-  out.state_bytes = fullest.total();
-  out.activation_bytes = rank.activations;
-  out.peak_bytes = rank.peak;
-  std::string memory = "advise: " + out.plan + "; predicted for the fullest rank: state " +
-                       gib(out.state_bytes) + " (parameters " + gib(fullest.parameters) +
-                       ", gradients " + gib(fullest.gradients) + ", AdamW moments " +
-                       gib(fullest.optimizer) + ")";
-  if (out.activation_bytes) {
-    memory += ", activations " + gib(*out.activation_bytes) + ", peak during a step " +
-              gib(*out.peak_bytes);
+  if (moe) {
+    predict_moe(config, *moe, plan, machine, out, lines);
   } else {
-    memory += "; activations not predicted (" + unknown + ")";
-  }
-  lines.push_back(memory + "; not counted: the step's transient buffers, communication buffers" +
-                  (c.pp > 1 && c.fully_shard ? ", FullyShard's gathered units" : ""));
-  if (machine != nullptr) {
-    if (!unknown.empty() || *plan.compute == Compute::float32) {
-      lines.emplace_back("advise: step time not predicted (" +
-                         (unknown.empty() ? std::string("float32") : unknown) + ")");
-    } else {
-      try {
-        const StepOptions options{
-            .microbatch_size = mb,
-            .sequence_length = seq,
-            .precision = *plan.rules,
-            .compute = *plan.compute,
-            .recompute = plan.recompute,
-            .reduce_bf16 = plan.reduce_bf16,
-            .reshard_after_forward = config.data_parallel.reshard != "never",
-            .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch};
-        out.time = predict_step_time(*model, c, plan.program, options, *machine);
-        char text[256];
-        std::snprintf(text, sizeof(text),
-                      "advise: predicted step on %s: %.1f ms, %.0f tokens/s (bubble %.1f ms, "
-                      "data parallel %.1f ms)",
-                      machine->device.c_str(), out.time->total * 1e3, out.time->tokens_per_second(),
-                      out.time->bubble * 1e3, out.time->data_parallel_exposed * 1e3);
-        lines.emplace_back(text);
-      } catch (const std::invalid_argument& e) {
-        lines.push_back(std::string("advise: step time not predicted: ") + e.what());
-      }
-    }
+    predict_dense(config, *model, plan, machine, out, lines);
   }
   if (memory_gib > 0) {
     const auto limit = static_cast<int64_t>(memory_gib * 1024 * 1024 * 1024);

@@ -2,7 +2,8 @@
 // on and is checked key by key; its figures are the advisor's own for the Plan's slots (the state
 // under Replicate and FullyShard, the activations without and with a pipeline, the step time from
 // the profile named), it warns first when the prediction exceeds memory_gib, and it says what it
-// does not predict (LoRA, tensor parallelism's activations under a pipeline) instead of guessing.
+// does not predict (LoRA, tensor parallelism's activations under a pipeline) instead of guessing;
+// a Qwen3-MoE under expert parallelism gets the MoE advisor's figures.
 #include <algorithm>
 #include <cstdint>
 #include <fstream>
@@ -150,6 +151,91 @@ TEST(Advise_Preflight, StepTimeFromTheProfileAndTheWarningFirst) {
       config_with(R"({"profile": "/nonexistent.json"})"), d9d::MeshShape{.dp_shard = 2});
   EXPECT_THAT(missing->lines.back(), HasSubstr("step time not predicted: "));
   EXPECT_THAT(missing->lines.back(), HasSubstr("cannot read /nonexistent.json"));
+}
+
+// A tiny Qwen3-MoE: 4 experts, top 2, layer 2 dense.
+constexpr const char* kMoeModel = R"({"model_type": "qwen3_moe", "vocab_size": 64,
+    "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": false, "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16, "norm_topk_prob": true, "mlp_only_layers": [2]})";
+
+// A Qwen3-MoE's pre-flight: the MoE advisor's state, activations and peak for the Plan's slots
+// (experts over its ep ranks; float32 experts under FullyShard in bf16 mixed when ep_replicate
+// is 1), its step time from a profile with grouped experts and all-to-alls, and what it does not
+// predict (a MoE model under a pipeline).
+TEST(Advise_Preflight, AQwen3MoeUnderExpertParallelism) {
+  const std::string profile = ::testing::TempDir() + "/preflight_moe_profile.json";
+  std::ofstream(profile) << R"({"device": "Test GPU", "ranks": 2,
+      "gemm": [{"m": 1024, "n": 1024, "k": 1024, "layout": "nt", "seconds": 2.147483648e-5},
+               {"m": 1024, "n": 1024, "k": 1024, "layout": "nn", "seconds": 2.147483648e-5},
+               {"m": 1024, "n": 1024, "k": 1024, "layout": "tn", "seconds": 2.147483648e-5}],
+      "attention": [{"batch": 1, "sequence": 16, "heads": 4, "kv_heads": 2, "head_dim": 8,
+                     "forward_seconds": 1e-5, "backward_seconds": 2.5e-5}],
+      "grouped_experts": [{"groups": 2, "rows": 64, "hidden": 32, "intermediate": 16,
+                           "forward_seconds": 1e-5, "backward_seconds": 3e-5}],
+      "memory_bytes_per_second": 1e12,
+      "collectives": {"all_reduce": [[1024, 1e-5], [1073741824, 1e-2]],
+                      "all_gather": [[1024, 1e-5], [1073741824, 1e-2]],
+                      "reduce_scatter": [[1024, 1e-5], [1073741824, 1e-2]],
+                      "all_to_all": [[1024, 1e-5], [1073741824, 1e-2]],
+                      "p2p": [[1024, 1e-5], [1073741824, 1e-2]]}})";
+  const auto config = d9d::TrainerConfig::from_json_text(
+      std::string(R"({"run": {"output_dir": "unused", "total_steps": 1},
+          "batch": {"global_batch_size": 8, "microbatch_size": 2, "sequence_length": 16},
+          "advise": {"profile": ")") +
+      profile + R"("}, "model": )" + kMoeModel + "}");
+  const auto moe = d9d::model::Qwen3MoeConfig::from_json_text(kMoeModel);
+  using ShardEp = d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::ep<d9d::dynamic>>,
+                            d9d::parallel::ExpertParallel<>, d9d::parallel::FullyShard<>,
+                            d9d::precision::Bf16Mixed>;
+  const d9d::MeshShape shape{.dp_shard = 2, .ep = 2};
+  const auto p = d9d::advise::preflight<ShardEp>(config, shape);
+  ASSERT_TRUE(p.has_value());
+  const auto rules = d9d::advise::state_rules<ShardEp>(shape);
+  const auto parameters = d9d::advise::qwen3_parameters(moe);
+  const auto state = d9d::advise::state_bytes(parameters, rules, 0, 0);
+  EXPECT_EQ(p->state_bytes, state.total());
+  // FullyShard gathers bfloat16 units and leaves the experts (over ep 2, ep_replicate 1) float32.
+  const d9d::advise::ExpertSplit split{.ranks = 2, .load = 1.0, .float32_experts = true};
+  const auto kept = d9d::advise::qwen3_moe_activation_bytes(
+                        moe, 2, 16, d9d::advise::Compute::bf16_parameters, split)
+                        .total();
+  ASSERT_TRUE(p->activation_bytes.has_value());
+  EXPECT_EQ(*p->activation_bytes, kept);
+  ASSERT_TRUE(p->peak_bytes.has_value());
+  EXPECT_EQ(*p->peak_bytes, d9d::advise::peak_step_bytes(state, kept, 2) +
+                                d9d::advise::fully_shard_gathered_step_bytes(
+                                    parameters, rules, d9d::advise::Compute::bf16_parameters,
+                                    true));
+  const auto machine = d9d::advise::MachineProfile::from_file(profile);
+  const auto direct = d9d::advise::predict_step_time(
+      moe, {.fully_shard = true, .dp_shard = 2, .microbatches = 2}, split,
+      {.microbatch_size = 2,
+       .sequence_length = 16,
+       .precision = rules,
+       .compute = d9d::advise::Compute::bf16_parameters},
+      machine);
+  ASSERT_TRUE(p->time.has_value());
+  EXPECT_DOUBLE_EQ(p->time->total, direct.total);
+  EXPECT_GT(p->time->expert_parallel, 0.0);
+  ASSERT_EQ(p->lines.size(), 2U);
+  EXPECT_THAT(p->lines[0], HasSubstr("fully_shard dp_shard 2, 2 microbatches, ep 2"));
+  EXPECT_THAT(p->lines[0], HasSubstr("experts at their balanced load"));
+  EXPECT_THAT(p->lines[1], HasSubstr("advise: predicted step on Test GPU: "));
+  // Under a pipeline: the state, and the rest said.
+  using PipedEp =
+      d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::pp<2>, d9d::ep<d9d::dynamic>>,
+                d9d::parallel::ExpertParallel<>, d9d::pipeline::OneFOneB<>,
+                d9d::precision::Bf16Mixed>;
+  const auto piped = d9d::advise::preflight<PipedEp>(
+      config, d9d::MeshShape{.pp = 2, .dp_replicate = 2, .ep = 2});
+  ASSERT_TRUE(piped.has_value());
+  EXPECT_FALSE(piped->activation_bytes.has_value());
+  EXPECT_THAT(piped->lines.at(0),
+              HasSubstr("activations not predicted (a MoE model under a pipeline)"));
+  EXPECT_THAT(piped->lines.at(1),
+              HasSubstr("step time not predicted (a MoE model under a pipeline)"));
 }
 
 TEST(Advise_Preflight, SaysWhatItDoesNotPredict) {

@@ -145,15 +145,11 @@ struct MoePlan {
   const d9d::advise::MachineProfile* machine = nullptr;  ///< --profile: predict the step time
 };
 
-// How the Plan runs the experts, given its state rules: over ep ranks, `expert_load` times their
-// balanced rows, and float32 under FullyShard in bf16 mixed when FullyShard leaves them whole
-// (ep_replicate 1: outside its bfloat16 units).
+// How the Plan runs the experts, given its state rules (d9d::advise::expert_split).
 d9d::advise::ExpertSplit expert_split(const MoePlan& plan, const d9d::advise::StateRules& rules) {
-  return {.ranks = plan.ep,
-          .load = plan.expert_load,
-          .float32_experts = plan.data_parallel == "fully_shard" &&
-                             plan.precision == "bf16_mixed" && rules.expert_parallel &&
-                             rules.expert_shard_ranks == 1};
+  const bool shards = plan.data_parallel == "fully_shard";
+  return d9d::advise::expert_split(rules, shards, compute_of(plan.precision, shards),
+                                   plan.expert_load);
 }
 
 // With --profile: the MoE step's predicted time (d9d/advise/step_time.hpp), the rank's experts
@@ -272,11 +268,14 @@ void print_moe_state(const d9d::TrainerConfig& config, const d9d::model::Qwen3Mo
   }
   const int64_t gathered =
       d9d::advise::fully_shard_gathered_step_bytes(all, rules, compute, plan.reshard_after_forward);
-  const int64_t peak = d9d::advise::peak_step_bytes(largest, kept.total(), microbatches) + gathered;
+  const auto rank =
+      d9d::advise::moe_rank_memory(model, rules, microbatches, config.batch.microbatch_size,
+                                   config.batch.sequence_length, compute, split,
+                                   plan.reshard_after_forward);
   std::printf(
       "peak during a step: %.2f GiB (parameters and moments, the activations, the gradients from "
       "the first backward, FullyShard's gathered units %.2f GiB; %d microbatch(es))\n",
-      gib(peak), gib(gathered), microbatches);
+      gib(rank.peak.value_or(0)), gib(gathered), microbatches);
   std::printf(
       "not predicted yet for a MoE model: communication buffers, the step's transient buffers\n");
 }

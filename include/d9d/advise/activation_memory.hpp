@@ -282,4 +282,24 @@ struct RankMemory {
                                              bool reshard_after_forward = true,
                                              bool sequence_parallel = false);
 
+/// How a Plan runs a Qwen3-MoE's routed experts, from its state rules: over rules.expert_ranks
+/// (ep_shard; 1 without expert parallelism) at `load` times their balanced rows, and float32 under
+/// FullyShard (`fully_shard`) when it gathers bfloat16 units from float32 parameters (`compute`
+/// bf16_parameters over rules.parameters float32: bf16 mixed) but leaves the experts outside them
+/// (expert parallelism with expert_shard_ranks 1).
+[[nodiscard]] ExpertSplit expert_split(const StateRules& rules, bool fully_shard, Compute compute,
+                                       double load = 1.0);
+
+/// A Qwen3-MoE rank's memory during a step without a pipeline, tensor or context parallelism:
+/// the state of the rank that keeps the most (shard and expert-shard rank 0), with `compute` one
+/// microbatch's activations (qwen3_moe_activation_bytes at `experts`) and, unless FullyShard also
+/// shards the experts over ep_replicate (rules.expert_shard_ranks > 1: their own units are not
+/// counted yet), the peak during a step: peak_step_bytes plus FullyShard's units gathered at once
+/// (fully_shard_gathered_step_bytes).
+[[nodiscard]] RankMemory moe_rank_memory(const model::Qwen3MoeConfig& config,
+                                         const StateRules& rules, int microbatches,
+                                         int64_t microbatch_size, int64_t sequence_length,
+                                         std::optional<Compute> compute, ExpertSplit experts,
+                                         bool reshard_after_forward = true);
+
 }  // namespace d9d::advise

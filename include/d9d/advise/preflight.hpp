@@ -11,9 +11,11 @@
 // It predicts the fullest rank's state (parameters, gradients, AdamW's moments) and activations
 // (d9d/advise/state_memory.hpp, activation_memory.hpp) and, with "profile", the step time
 // (step_time.hpp); with "memory_gib" it warns when the prediction does not fit and names the
-// fastest Plan shape predicted to fit the same ranks (rank_plans). What it cannot predict
-// (expert parallelism, LoRA, Float8, fp64, activations under tensor or context parallelism or
-// partial recompute) it says, instead of guessing. The Trainer itself does not call it: the core
+// fastest Plan shape predicted to fit the same ranks (rank_plans). A Qwen3-MoE model (the model
+// section's "model_type": "qwen3_moe") is predicted without a pipeline, tensor or context
+// parallelism and recompute, its experts over the Plan's ep ranks at their balanced load. What it
+// cannot predict (LoRA, Float8, fp64, activations under tensor or context parallelism or partial
+// recompute, a MoE model under the strategies just named) it says, instead of guessing. The Trainer itself does not call it: the core
 // is model-agnostic and the advisor models dense Qwen3 (docs/design/0024).
 #pragma once
 
@@ -116,13 +118,6 @@ PreflightPlan preflight_plan(const TrainerConfig& config, const MeshShape& shape
     plan.rules = state_rules<Plan>(shape);
   } catch (const std::invalid_argument& e) {
     plan.not_predicted = e.what();
-  }
-  if (plan.not_predicted.empty() &&
-      !std::is_same_v<typename Plan::expert_parallel, parallel::NoExpertParallel>) {
-    // The state is (state_rules); a MoE layer's activations and step time are not yet.
-    plan.not_predicted =
-        "d9d::advise: expert parallelism's activations and step time are not predicted yet (its "
-        "state is: d9d/advise/state_memory.hpp)";
   }
   if constexpr (P::parameters == precision::Dtype::bfloat16) {
     plan.compute = Compute::bf16_parameters;
