@@ -26,10 +26,10 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include <d9d/advise/preflight.hpp>
 #include <d9d/d9d.hpp>
 #include <d9d/peft/lora.hpp>
 
+#include "examples/common/preflight.hpp"
 #include "examples/common/report.hpp"
 
 // ---- configuration: one `using` per plan slot -------------------------------------------------
@@ -112,37 +112,9 @@ struct Options {
   std::vector<std::string> settings;
 };
 
-// With an "advise" section in the config: the advisor's prediction for this Plan before anything
-// is built (d9d/advise/preflight.hpp). A bad "advise" section is a config error; a mesh the world
-// cannot form, or a batch it cannot split, is left to the Trainer, which names it.
-template <class Plan>
-void print_preflight(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg) {
-  if (!d9d::advise::preflight_settings(cfg).enabled) {
-    return;
-  }
-  d9d::MeshShape shape;
-  try {
-    shape = d9d::resolve_mesh<typename Plan::mesh>(ctx.world_size(), cfg.mesh);
-  } catch (const std::invalid_argument&) {
-    return;
-  }
-  std::optional<d9d::advise::Preflight> advice;
-  try {
-    advice = d9d::advise::preflight<Plan>(cfg, shape);
-  } catch (const std::invalid_argument&) {
-    return;  // e.g. a batch the data-parallel ranks cannot split: the Trainer names it
-  }
-  if (advice && ctx.is_main_process()) {
-    for (const auto& line : advice->lines) {
-      std::printf("%s\n", line.c_str());
-    }
-    std::fflush(stdout);
-  }
-}
-
 template <class Plan>
 int run(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, double peak_tflops) {
-  print_preflight<Plan>(ctx, cfg);
+  d9d::examples::print_preflight<Plan>(ctx, cfg);
   d9d::Qwen3Provider models;
   d9d::Trainer<Plan> trainer{ctx, models, d9d::TokenFilesProvider{}, d9d::CausalLmTask{}, cfg};
   constexpr bool kFrozenBase = !std::is_same_v<typename Plan::peft, d9d::peft::FullTune>;

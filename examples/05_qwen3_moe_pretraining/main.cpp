@@ -15,7 +15,9 @@
 // ranks (ep_replicate): gathered per layer, reduce-scattered there. The model's
 // "router_aux_loss_coef" (with "output_router_logits": true; "router_aux_loss_type": "sequence"
 // for DeepSeek-V3's sequence-wise form) and "router_bias_update_rate" choose the balancing: the
-// auxiliary loss, the auxiliary-loss-free bias, or both.
+// auxiliary loss, the auxiliary-loss-free bias, or both. With an "advise" section in the config
+// ({"enabled": true}, optionally "memory_gib" and a machine "profile") the advisor's prediction
+// for the Plan is printed before the run (docs/advise.md, "Pre-flight").
 #include <cstdio>
 #include <map>
 #include <string>
@@ -25,6 +27,7 @@
 
 #include <d9d/d9d.hpp>
 
+#include "examples/common/preflight.hpp"
 #include "examples/common/report.hpp"
 
 // ---- configuration: one `using` per plan slot -------------------------------------------------
@@ -42,6 +45,7 @@ namespace {
 
 template <class Plan>
 int run(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, double peak_tflops) {
+  d9d::examples::print_preflight<Plan>(ctx, cfg);  // with an "advise" section in the config
   d9d::Trainer<Plan> trainer{ctx, d9d::Qwen3MoeProvider{}, d9d::TokenFilesProvider{},
                              d9d::CausalLmTask{}, cfg};
   // The routers' balance of each step (summed over the data-parallel ranks), next to the loss.

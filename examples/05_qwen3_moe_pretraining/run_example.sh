@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# 05_qwen3_moe_pretraining on 2 ranks with ep 2: the repository's docs as the corpus, 40 steps.
+# 05_qwen3_moe_pretraining on 2 ranks with ep 2: the repository's docs as the corpus, 40 steps,
+# with the advisor's pre-flight.
 set -uo pipefail
 d9drun=$1
 example=$2
@@ -10,13 +11,17 @@ work=${TEST_TMPDIR:-$(mktemp -d)}
   echo "FAIL: tokenizing the docs"
   exit 1
 }
-out=$(OMP_NUM_THREADS=1 "$d9drun" -n 2 "$example" "$config" --data "$work/corpus.bin" \
+# With an "advise" section: the advisor's pre-flight for the MoE Plan is printed first.
+sed '1a\  "advise": {"enabled": true},' "$config" >"$work/config.json"
+out=$(OMP_NUM_THREADS=1 "$d9drun" -n 2 "$example" "$work/config.json" --data "$work/corpus.bin" \
   --output "$work/run" --steps 40 2>&1)
 status=$?
 echo "$out"
 [ $status -eq 0 ] || { echo "FAIL: the example exited with $status"; exit 1; }
 for want in "mesh (pp=1 dp_replicate=1 dp_shard=2 cp_replicate=1 cp_shard=1 tp=1 ep=2)" \
-            "step    0  loss " "| router load max/mean " "dropped 0" "active per token"; do
+            "step    0  loss " "| router load max/mean " "dropped 0" "active per token" \
+            "advise: fully_shard dp_shard 2, 2 microbatches, ep 2; predicted for the fullest rank: state " \
+            "(experts at their balanced load), peak during a step "; do
   grep -qF -- "$want" <<<"$out" || { echo "FAIL: output lacks '$want'"; exit 1; }
 done
 # The loss falls (first and last of "loss: a -> b").
