@@ -35,6 +35,9 @@ std::string activations_unknown(const PreflightPlan& plan) {
   if (!plan.compute) {
     return "fp64";
   }
+  if (plan.float8) {
+    return "Float8";
+  }
   if (plan.candidate.tp > 1 && plan.candidate.pp > 1) {
     return "tensor parallelism under a pipeline";
   }
@@ -51,6 +54,9 @@ std::string activations_unknown(const PreflightPlan& plan) {
 std::string moe_unknown(const PreflightPlan& plan) {
   if (!plan.compute) {
     return "fp64";
+  }
+  if (plan.float8) {
+    return "Float8";
   }
   const auto& c = plan.candidate;
   if (c.pp > 1 || c.tp > 1 || c.cp > 1 || plan.recompute.any()) {

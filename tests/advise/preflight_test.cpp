@@ -244,6 +244,15 @@ TEST(Advise_Preflight, SaysWhatItDoesNotPredict) {
   ASSERT_TRUE(lora.has_value());
   EXPECT_THAT(lora->lines.at(0), HasSubstr("not predicted: "));
   EXPECT_THAT(lora->lines.at(0), HasSubstr("PEFT"));
+  // Float8: its base policy's state; its activations (float8 copies) are not predicted.
+  const auto float8 = d9d::advise::preflight<d9d::Plan<d9d::precision::Float8<>>>(config, {});
+  ASSERT_TRUE(float8.has_value());
+  EXPECT_EQ(float8->state_bytes,
+            d9d::advise::state_bytes(d9d::advise::qwen3_parameters(model()),
+                                     d9d::advise::precision_rules("bf16_mixed"), 0)
+                .total());
+  EXPECT_FALSE(float8->activation_bytes.has_value());
+  EXPECT_THAT(float8->lines.at(0), HasSubstr("activations not predicted (Float8)"));
   // Tensor parallelism: one rank's activations, with its sequence-parallel setting; under a
   // pipeline not predicted.
   using Tp = d9d::Plan<d9d::mesh<d9d::tp<2>>, d9d::parallel::TensorParallel<>>;

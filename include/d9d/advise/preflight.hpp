@@ -14,8 +14,9 @@
 // fastest Plan shape predicted to fit the same ranks (rank_plans). A Qwen3-MoE model (the model
 // section's "model_type": "qwen3_moe") is predicted without a pipeline, tensor or context
 // parallelism and recompute, its experts over the Plan's ep ranks at their balanced load. What it
-// cannot predict (LoRA, Float8, fp64, activations under tensor or context parallelism or partial
-// recompute, a MoE model under the strategies just named) it says, instead of guessing. The Trainer itself does not call it: the core
+// cannot predict (LoRA, fp64, Float8's activations and step, activations under tensor parallelism
+// under a pipeline, context parallelism or partial recompute under a pipeline, a MoE model under
+// the strategies just named) it says, instead of guessing. The Trainer itself does not call it: the core
 // is model-agnostic and the advisor models dense Qwen3 (docs/design/0024).
 #pragma once
 
@@ -73,6 +74,7 @@ struct PreflightPlan {
   Recompute recompute{};              ///< the Plan's recompute policy
   bool sequence_parallel = false;     ///< TensorParallel<SequenceParallel::on>
   bool reduce_bf16 = false;           ///< Bf16MixedBf16Reduce
+  bool float8 = false;                ///< a Float8 precision (its state is its base's)
 };
 
 /// The prediction for a Plan given by its runtime facts: its figures, and its lines with the step
@@ -127,6 +129,7 @@ PreflightPlan preflight_plan(const TrainerConfig& config, const MeshShape& shape
   } else if constexpr (P::compute == precision::Dtype::float32) {
     plan.compute = Compute::float32;
   }
+  plan.float8 = precision::has_float8<P>;
   plan.recompute = {.every_nth = R::every_nth,
                     .attention_only = R::scope == recompute::Scope::attention};
   return plan;

@@ -194,44 +194,40 @@ StateRules precision_rules() {
 /// FullyShard, tensor and context parallelism (context parallelism splits no parameter; FullyShard
 /// then shards over dp_shard x cp_shard), expert parallelism (the experts over ep_shard, and under
 /// FullyShard over ep_replicate), every pipeline schedule (with qwen3_rank_parameters),
-/// every precision but Float8, FullTune; other Plans get std::invalid_argument naming what is not
-/// predicted yet.
+/// every precision (Float8 keeps its base policy's master weights, gradients and moments: its
+/// float8 copies live during the step only), FullTune; other Plans get std::invalid_argument
+/// naming what is not predicted yet.
 template <class Plan>
 StateRules state_rules(const MeshShape& shape) {
   using P = typename Plan::precision;
   const auto not_yet = [](const char* what) {
     return std::invalid_argument(std::string("d9d::advise::state_rules: ") + what +
                                  " is not predicted yet (predicted: Replicate or FullyShard, "
-                                 "tensor, context and expert parallelism, pipelines, FullTune, no "
-                                 "Float8)");
+                                 "tensor, context and expert parallelism, pipelines, FullTune)");
   };
   if (!std::is_same_v<typename Plan::peft, peft::FullTune>) {
     throw not_yet("a PEFT policy other than FullTune");
   }
-  if constexpr (precision::has_float8<P>) {
-    throw not_yet("Float8");
-  } else {
-    StateRules rules = precision_rules<P>();
-    if constexpr (!std::is_same_v<typename Plan::tensor_parallel, parallel::NoTensorParallel>) {
-      rules.tensor_ranks = shape.tp;
-    }
-    constexpr bool shards = [] {
-      if constexpr (requires { Plan::data_parallel::shards_parameters; }) {
-        return Plan::data_parallel::shards_parameters;
-      } else {
-        return false;
-      }
-    }();
-    if constexpr (shards) {
-      rules.shard_ranks = shape.dp_shard * shape.cp_shard;
-    }
-    if constexpr (!std::is_same_v<typename Plan::expert_parallel, parallel::NoExpertParallel>) {
-      rules.expert_parallel = true;
-      rules.expert_ranks = shape.ep;
-      rules.expert_shard_ranks = shards ? expert_replicate_ranks(shape) : 1;
-    }
-    return rules;
+  StateRules rules = precision_rules<P>();  // a Float8 policy's are its base's
+  if constexpr (!std::is_same_v<typename Plan::tensor_parallel, parallel::NoTensorParallel>) {
+    rules.tensor_ranks = shape.tp;
   }
+  constexpr bool shards = [] {
+    if constexpr (requires { Plan::data_parallel::shards_parameters; }) {
+      return Plan::data_parallel::shards_parameters;
+    } else {
+      return false;
+    }
+  }();
+  if constexpr (shards) {
+    rules.shard_ranks = shape.dp_shard * shape.cp_shard;
+  }
+  if constexpr (!std::is_same_v<typename Plan::expert_parallel, parallel::NoExpertParallel>) {
+    rules.expert_parallel = true;
+    rules.expert_ranks = shape.ep;
+    rules.expert_shard_ranks = shards ? expert_replicate_ranks(shape) : 1;
+  }
+  return rules;
 }
 
 }  // namespace d9d::advise
