@@ -180,10 +180,10 @@ ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t
   // A recomputed layer keeps only its output, in the residual stream's dtype (its input is the
   // previous layer's output, counted there, or the embedding's).
   const int64_t recomputed = recompute.layers_recomputed(config.num_hidden_layers);
-  out.layers = (config.num_hidden_layers - recomputed) * layer.whole +
-               recomputed * (recompute.attention_only ? layer.attention_recomputed
-                                                      : shape.stream * shape.h *
-                                                            residual_bytes(compute));
+  out.layers =
+      (config.num_hidden_layers - recomputed) * layer.whole +
+      recomputed * (recompute.attention_only ? layer.attention_recomputed
+                                             : shape.stream * shape.h * residual_bytes(compute));
   out.rope = 2 * sequence_length * (config.head_dim / 2) * kFloat;
   return out;
 }

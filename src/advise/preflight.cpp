@@ -60,11 +60,10 @@ std::string moe_unknown(const PreflightPlan& plan) {
   }
   const auto& c = plan.candidate;
   if (c.pp > 1 || c.tp > 1 || c.cp > 1 || plan.recompute.any()) {
-    return std::string("a MoE model under ") +
-           (c.pp > 1   ? "a pipeline"
-            : c.tp > 1 ? "tensor parallelism"
-            : c.cp > 1 ? "context parallelism"
-                       : "recompute");
+    return std::string("a MoE model under ") + (c.pp > 1   ? "a pipeline"
+                                                : c.tp > 1 ? "tensor parallelism"
+                                                : c.cp > 1 ? "context parallelism"
+                                                           : "recompute");
   }
   return {};
 }
@@ -108,10 +107,9 @@ void predict_moe(const TrainerConfig& config, const model::Qwen3MoeConfig& model
   const auto unknown = moe_unknown(plan);
   const auto compute = unknown.empty() ? plan.compute : std::nullopt;
   const auto split = compute ? expert_split(rules, c.fully_shard, *compute) : ExpertSplit{};
-  const auto rank =
-      moe_rank_memory(model, rules, c.microbatches, config.batch.microbatch_size,
-                      config.batch.sequence_length, compute, split,
-                      config.data_parallel.reshard != "never");
+  const auto rank = moe_rank_memory(model, rules, c.microbatches, config.batch.microbatch_size,
+                                    config.batch.sequence_length, compute, split,
+                                    config.data_parallel.reshard != "never");
   out.plan += ", ep " + std::to_string(split.ranks);
   out.state_bytes = rank.state.total();
   out.activation_bytes = rank.activations;
@@ -172,8 +170,7 @@ void predict_dense(const TrainerConfig& config, const model::Qwen3Config& model,
                          (unknown.empty() ? std::string("float32") : unknown) + ")");
     } else {
       try {
-        out.time = predict_step_time(model, c, plan.program, step_options(config, plan),
-                                     *machine);
+        out.time = predict_step_time(model, c, plan.program, step_options(config, plan), *machine);
         lines.push_back(step_line(*machine, *out.time));
       } catch (const std::invalid_argument& e) {
         lines.push_back(std::string("advise: step time not predicted: ") + e.what());

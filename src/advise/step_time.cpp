@@ -349,10 +349,11 @@ ElementwiseBytes elementwise_bytes(const model::Qwen3Config& c, int64_t tp, int6
   out.attention = 4 * h * r + h * a + 4 * (q + kv) * a + 2 * q * a;
   // The loss: float32 logits written, read for the log-sum-exp, read and written for the gradient.
   const int64_t loss = 4 * c.vocab_size * 4 + 4 * h * r;
-  out.forward = static_cast<double>(tokens) *
-                (static_cast<double>(c.num_hidden_layers) * static_cast<double>(out.layer - out.mlp) +
-                 mlp_layers * static_cast<double>(out.mlp) + static_cast<double>(loss)) /
-                static_cast<double>(tp);
+  out.forward =
+      static_cast<double>(tokens) *
+      (static_cast<double>(c.num_hidden_layers) * static_cast<double>(out.layer - out.mlp) +
+       mlp_layers * static_cast<double>(out.mlp) + static_cast<double>(loss)) /
+      static_cast<double>(tp);
   return out;
 }
 
@@ -426,8 +427,8 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
   out.gemm = gemms.forward + gemms.input + gemms.weight;
   out.attention = attention_forward + attention_backward;
   const double forward_memory = bytes.forward / bandwidth + weight_casts;
-  out.forward = gemms.forward + attention_forward + forward_memory + out.tensor_parallel / 2 +
-                cp_forward;
+  out.forward =
+      gemms.forward + attention_forward + forward_memory + out.tensor_parallel / 2 + cp_forward;
   out.backward_input = gemms.input + attention_backward + 2 * bytes.forward / bandwidth +
                        out.tensor_parallel / 2 + cp_backward;
   if (o.recompute.any()) {
@@ -436,9 +437,9 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
         static_cast<double>(o.recompute.layers_recomputed(c.num_hidden_layers)) / layers;
     const double per_byte =
         static_cast<double>(tokens) * layers / static_cast<double>(tp) / bandwidth;
-    const double gemm = share * (o.recompute.attention_only
-                                     ? gemms.attention_forward
-                                     : gemms.attention_forward + gemms.mlp_forward);
+    const double gemm =
+        share * (o.recompute.attention_only ? gemms.attention_forward
+                                            : gemms.attention_forward + gemms.mlp_forward);
     const double memory =
         share * per_byte *
         static_cast<double>(o.recompute.attention_only ? bytes.attention : bytes.layer);

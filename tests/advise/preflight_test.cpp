@@ -204,10 +204,10 @@ TEST(Advise_Preflight, AQwen3MoeUnderExpertParallelism) {
   ASSERT_TRUE(p->activation_bytes.has_value());
   EXPECT_EQ(*p->activation_bytes, kept);
   ASSERT_TRUE(p->peak_bytes.has_value());
-  EXPECT_EQ(*p->peak_bytes, d9d::advise::peak_step_bytes(state, kept, 2) +
-                                d9d::advise::fully_shard_gathered_step_bytes(
-                                    parameters, rules, d9d::advise::Compute::bf16_parameters,
-                                    true));
+  EXPECT_EQ(*p->peak_bytes,
+            d9d::advise::peak_step_bytes(state, kept, 2) +
+                d9d::advise::fully_shard_gathered_step_bytes(
+                    parameters, rules, d9d::advise::Compute::bf16_parameters, true));
   const auto machine = d9d::advise::MachineProfile::from_file(profile);
   const auto direct = d9d::advise::predict_step_time(
       moe, {.fully_shard = true, .dp_shard = 2, .microbatches = 2}, split,
@@ -228,8 +228,8 @@ TEST(Advise_Preflight, AQwen3MoeUnderExpertParallelism) {
       d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::pp<2>, d9d::ep<d9d::dynamic>>,
                 d9d::parallel::ExpertParallel<>, d9d::pipeline::OneFOneB<>,
                 d9d::precision::Bf16Mixed>;
-  const auto piped = d9d::advise::preflight<PipedEp>(
-      config, d9d::MeshShape{.pp = 2, .dp_replicate = 2, .ep = 2});
+  const auto piped =
+      d9d::advise::preflight<PipedEp>(config, d9d::MeshShape{.pp = 2, .dp_replicate = 2, .ep = 2});
   ASSERT_TRUE(piped.has_value());
   EXPECT_FALSE(piped->activation_bytes.has_value());
   EXPECT_THAT(piped->lines.at(0),

@@ -242,8 +242,9 @@ TEST(Advise_StateMemory_ws2, Float8KeepsItsBasePolicysState) {
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
     const auto ctx = d9d::testing::rank_context(env);
     const auto config = d9d::testing::tiny_run(env.scratch_dir() + "/f8", 3, 4, 2);
-    expect_predicted<d9d::Plan<
-        ReplicateMesh, Float8<Scaling::tensorwise, WeightGather::compute_dtype, d9d::precision::Fp32>>>(
+    expect_predicted<
+        d9d::Plan<ReplicateMesh,
+                  Float8<Scaling::tensorwise, WeightGather::compute_dtype, d9d::precision::Fp32>>>(
         ctx, config, "Replicate, Float8 tensorwise over Fp32");
     using Gathered = Float8<Scaling::rowwise, WeightGather::float8, d9d::precision::Fp32>;
     expect_predicted<d9d::Plan<ShardMesh, d9d::parallel::FullyShard<>, Gathered>>(

@@ -268,10 +268,9 @@ void print_moe_state(const d9d::TrainerConfig& config, const d9d::model::Qwen3Mo
   }
   const int64_t gathered =
       d9d::advise::fully_shard_gathered_step_bytes(all, rules, compute, plan.reshard_after_forward);
-  const auto rank =
-      d9d::advise::moe_rank_memory(model, rules, microbatches, config.batch.microbatch_size,
-                                   config.batch.sequence_length, compute, split,
-                                   plan.reshard_after_forward);
+  const auto rank = d9d::advise::moe_rank_memory(
+      model, rules, microbatches, config.batch.microbatch_size, config.batch.sequence_length,
+      compute, split, plan.reshard_after_forward);
   std::printf(
       "peak during a step: %.2f GiB (parameters and moments, the activations, the gradients from "
       "the first backward, FullyShard's gathered units %.2f GiB; %d microbatch(es))\n",

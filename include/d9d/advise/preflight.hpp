@@ -16,8 +16,8 @@
 // parallelism and recompute, its experts over the Plan's ep ranks at their balanced load. What it
 // cannot predict (LoRA, fp64, Float8's activations and step, activations under tensor parallelism
 // under a pipeline, context parallelism or partial recompute under a pipeline, a MoE model under
-// the strategies just named) it says, instead of guessing. The Trainer itself does not call it: the core
-// is model-agnostic and the advisor models dense Qwen3 (docs/design/0024).
+// the strategies just named) it says, instead of guessing. The Trainer itself does not call it: the
+// core is model-agnostic and the advisor models dense Qwen3 (docs/design/0024).
 #pragma once
 
 #include <cstdint>
