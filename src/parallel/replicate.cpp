@@ -50,11 +50,6 @@ struct GradientReducer::State {
       // A bucket of one gradient (a matrix larger than the bucket size, the embedding): reduced
       // where it is, with no copy in or out.
       bucket.buffer = flat.front();
-    } else if (first.defined() && first.device() == group.device()) {
-      // Flattened straight into the reduction's dtype: one pass over the gradients, not a
-      // concatenation in theirs and a cast of it.
-      bucket.buffer = at::empty({bucket.numel}, flat.front().options().dtype(dtype));
-      at::cat_out(bucket.buffer, flat);
     } else {
       bucket.buffer = at::cat(flat).to(group.device(), dtype);
     }

@@ -38,7 +38,8 @@ d9d::TrainerConfig config_with(const std::string& advise) {
 
 d9d::model::Qwen3Config model() { return d9d::model::Qwen3Config::from_json_text(kModel); }
 
-// A profile whose matmuls run at 100 TFLOP/s, with collectives measured on two ranks.
+// A profile whose matmuls run at 100 TFLOP/s, with collectives measured on two ranks and the tiny
+// MoE's grouped experts (2 per rank).
 std::string write_profile() {
   const std::string path = ::testing::TempDir() + "/preflight_profile.json";
   std::ofstream(path) << R"({"device": "Test GPU", "ranks": 2,
@@ -47,10 +48,13 @@ std::string write_profile() {
                {"m": 1024, "n": 1024, "k": 1024, "layout": "tn", "seconds": 2.147483648e-5}],
       "attention": [{"batch": 1, "sequence": 16, "heads": 4, "kv_heads": 2, "head_dim": 8,
                      "forward_seconds": 1e-5, "backward_seconds": 2.5e-5}],
+      "grouped_experts": [{"groups": 2, "rows": 64, "hidden": 32, "intermediate": 16,
+                           "forward_seconds": 1e-5, "backward_seconds": 3e-5}],
       "memory_bytes_per_second": 1e12,
       "collectives": {"all_reduce": [[1024, 1e-5], [1073741824, 1e-2]],
                       "all_gather": [[1024, 1e-5], [1073741824, 1e-2]],
                       "reduce_scatter": [[1024, 1e-5], [1073741824, 1e-2]],
+                      "all_to_all": [[1024, 1e-5], [1073741824, 1e-2]],
                       "p2p": [[1024, 1e-5], [1073741824, 1e-2]]}})";
   return path;
 }
@@ -165,21 +169,7 @@ constexpr const char* kMoeModel = R"({"model_type": "qwen3_moe", "vocab_size": 6
 // is 1), its step time from a profile with grouped experts and all-to-alls, and what it does not
 // predict (a MoE model under a pipeline).
 TEST(Advise_Preflight, AQwen3MoeUnderExpertParallelism) {
-  const std::string profile = ::testing::TempDir() + "/preflight_moe_profile.json";
-  std::ofstream(profile) << R"({"device": "Test GPU", "ranks": 2,
-      "gemm": [{"m": 1024, "n": 1024, "k": 1024, "layout": "nt", "seconds": 2.147483648e-5},
-               {"m": 1024, "n": 1024, "k": 1024, "layout": "nn", "seconds": 2.147483648e-5},
-               {"m": 1024, "n": 1024, "k": 1024, "layout": "tn", "seconds": 2.147483648e-5}],
-      "attention": [{"batch": 1, "sequence": 16, "heads": 4, "kv_heads": 2, "head_dim": 8,
-                     "forward_seconds": 1e-5, "backward_seconds": 2.5e-5}],
-      "grouped_experts": [{"groups": 2, "rows": 64, "hidden": 32, "intermediate": 16,
-                           "forward_seconds": 1e-5, "backward_seconds": 3e-5}],
-      "memory_bytes_per_second": 1e12,
-      "collectives": {"all_reduce": [[1024, 1e-5], [1073741824, 1e-2]],
-                      "all_gather": [[1024, 1e-5], [1073741824, 1e-2]],
-                      "reduce_scatter": [[1024, 1e-5], [1073741824, 1e-2]],
-                      "all_to_all": [[1024, 1e-5], [1073741824, 1e-2]],
-                      "p2p": [[1024, 1e-5], [1073741824, 1e-2]]}})";
+  const auto profile = write_profile();
   const auto config = d9d::TrainerConfig::from_json_text(
       std::string(R"({"run": {"output_dir": "unused", "total_steps": 1},
           "batch": {"global_batch_size": 8, "microbatch_size": 2, "sequence_length": 16},
