@@ -97,6 +97,28 @@ StepOptions step_options(const TrainerConfig& config, const PreflightPlan& plan)
           .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch};
 }
 
+// With `machine`: the step predicted by `predict` (into out.time) and its line, or why not (the
+// activations' `unknown`, float32, or the prediction's refusal).
+template <class Predict>
+void add_step_time(const MachineProfile* machine, const PreflightPlan& plan,
+                   const std::string& unknown, Preflight& out, std::vector<std::string>& lines,
+                   Predict predict) {
+  if (machine == nullptr) {
+    return;
+  }
+  if (!unknown.empty() || *plan.compute == Compute::float32) {
+    lines.emplace_back("advise: step time not predicted (" +
+                       (unknown.empty() ? std::string("float32") : unknown) + ")");
+    return;
+  }
+  try {
+    out.time = predict();
+    lines.push_back(step_line(*machine, *out.time));
+  } catch (const std::invalid_argument& e) {
+    lines.push_back(std::string("advise: step time not predicted: ") + e.what());
+  }
+}
+
 // A Qwen3-MoE's figures and lines (predict_plan's, before the fit check): the rank with the most
 // state, its experts at their balanced load over the Plan's ep ranks.
 void predict_moe(const TrainerConfig& config, const model::Qwen3MoeConfig& model,
@@ -124,20 +146,9 @@ void predict_moe(const TrainerConfig& config, const model::Qwen3MoeConfig& model
     memory += "; activations not predicted (" + unknown + ")";
   }
   lines.push_back(memory + "; not counted: the step's transient buffers, communication buffers");
-  if (machine == nullptr) {
-    return;
-  }
-  if (!unknown.empty() || *plan.compute == Compute::float32) {
-    lines.emplace_back("advise: step time not predicted (" +
-                       (unknown.empty() ? std::string("float32") : unknown) + ")");
-    return;
-  }
-  try {
-    out.time = predict_step_time(model, c, split, step_options(config, plan), *machine);
-    lines.push_back(step_line(*machine, *out.time));
-  } catch (const std::invalid_argument& e) {
-    lines.push_back(std::string("advise: step time not predicted: ") + e.what());
-  }
+  add_step_time(machine, plan, unknown, out, lines, [&] {
+    return predict_step_time(model, c, split, step_options(config, plan), *machine);
+  });
 }
 
 // A dense Qwen3's figures and lines (predict_plan's, before the fit check): the fullest rank.
@@ -164,19 +175,9 @@ void predict_dense(const TrainerConfig& config, const model::Qwen3Config& model,
   }
   lines.push_back(memory + "; not counted: the step's transient buffers, communication buffers" +
                   (c.pp > 1 && c.fully_shard ? ", FullyShard's gathered units" : ""));
-  if (machine != nullptr) {
-    if (!unknown.empty() || *plan.compute == Compute::float32) {
-      lines.emplace_back("advise: step time not predicted (" +
-                         (unknown.empty() ? std::string("float32") : unknown) + ")");
-    } else {
-      try {
-        out.time = predict_step_time(model, c, plan.program, step_options(config, plan), *machine);
-        lines.push_back(step_line(*machine, *out.time));
-      } catch (const std::invalid_argument& e) {
-        lines.push_back(std::string("advise: step time not predicted: ") + e.what());
-      }
-    }
-  }
+  add_step_time(machine, plan, unknown, out, lines, [&] {
+    return predict_step_time(model, c, plan.program, step_options(config, plan), *machine);
+  });
 }
 
 }  // namespace

@@ -823,7 +823,6 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
       }
     }
     unit.f8_gather_output = at::Tensor();
-    drop_float8_transposes(unit);
   }
 
   void ensure_gathered(std::size_t u) {
@@ -852,7 +851,8 @@ class FullyShardState : public std::enable_shared_from_this<FullyShardState> {
   }
 
   // The layers' float8 weights transposed by their backward (Float8Linear::weight_transposed)
-  // belong to the unit's gathered values: dropped when those are freed or gathered anew.
+  // belong to the unit's gathered values: dropped when those are freed (a unit is gathered only
+  // after it was freed, so no gather finds an older transpose).
   void drop_float8_transposes(const Unit& unit) {
     for (const auto p : unit.params) {
       if (params_[p].float8 != nullptr) {
