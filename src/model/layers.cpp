@@ -186,11 +186,8 @@ AttentionImpl::AttentionImpl(const AttentionOptions& options) : options_(options
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x,
                                   const std::pair<at::Tensor, at::Tensor>& cos_sin) {
-  if (tp_) {
-    // The attention of this rank's heads; the input's gradient is summed over the group.
-    const auto out = forward_heads(tp_->copy_in(x), cos_sin);
-    return tp_->reduce_out(out);
-  }
+  // Under tensor parallelism the attention of this rank's heads: project gathers the input (its
+  // gradient summed over the group), output sums the heads' parts over the group.
   return forward_heads(x, cos_sin);
 }
 
@@ -219,18 +216,23 @@ void AttentionImpl::set_context_parallel(std::shared_ptr<const ContextParallelGr
 
 at::Tensor AttentionImpl::forward_placed(const at::Tensor& x, const TokenPlacement& where,
                                          KvCacheLayer* cache) {
-  if (tp_) {
-    const auto out = placed_heads(tp_->copy_in(x), where, cache);
-    return tp_->reduce_out(out);
-  }
   return placed_heads(x, where, cache);
 }
 
+at::Tensor AttentionImpl::output(const at::Tensor& attended) {
+  // Under tensor parallelism o_proj is row-parallel: its partial outputs summed over the group
+  // (reduce_out), overlapped under sequence parallelism.
+  return tp_ ? linear_scattered(attended, *o_proj, *tp_) : o_proj(attended);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> AttentionImpl::project(const at::Tensor& x) {
-  const int64_t batch = x.size(0);
-  const int64_t seq = x.size(1);
   const int64_t dim = options_.head_dim;
-  const auto qkv = fan_out_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
+  // Under tensor parallelism x is gathered first (copy_in), with the gather overlapped under
+  // sequence parallelism.
+  const auto qkv = tp_ ? fan_out_linear_gathered(x, {q_proj.get(), k_proj.get(), v_proj.get()}, *tp_)
+                       : fan_out_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
+  const int64_t batch = qkv[0].size(0);
+  const int64_t seq = qkv[0].size(1);
   auto q = qkv[0].view({batch, seq, options_.num_heads, dim});
   auto k = qkv[1].view({batch, seq, options_.num_kv_heads, dim});
   auto v = qkv[2].view({batch, seq, options_.num_kv_heads, dim}).transpose(1, 2);
@@ -243,8 +245,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AttentionImpl::project(const at::
 
 at::Tensor AttentionImpl::placed_heads(const at::Tensor& x, const TokenPlacement& where,
                                        KvCacheLayer* cache) {
-  const int64_t batch = x.size(0);
-  const int64_t seq = x.size(1);
   const int64_t heads = options_.num_heads;
   const int64_t kv_heads = options_.num_kv_heads;
   const int64_t dim = options_.head_dim;
@@ -257,11 +257,14 @@ at::Tensor AttentionImpl::placed_heads(const at::Tensor& x, const TokenPlacement
         "d9d::model::Attention: under context parallelism there is no KV cache (training only)");
   }
   auto [q, k, v] = project(x);
+  // [B, T, heads, d]; under tensor parallelism T counts the gathered tokens.
+  const int64_t batch = q.size(0);
+  const int64_t seq = q.size(1);
   q = RotaryEmbedding::apply_per_token(q, where.cos, where.sin).transpose(1, 2);
   k = RotaryEmbedding::apply_per_token(k, where.cos, where.sin).transpose(1, 2);
   if (cp_) {
     const auto attended = context_attention(q, k, v, where.visible, *cp_);
-    return o_proj(attended.transpose(1, 2).reshape({batch, seq, heads * dim}));
+    return output(attended.transpose(1, 2).reshape({batch, seq, heads * dim}));
   }
   if (cache != nullptr) {
     const int64_t end = where.past + seq;
@@ -278,13 +281,11 @@ at::Tensor AttentionImpl::placed_heads(const at::Tensor& x, const TokenPlacement
   const auto attended = at::scaled_dot_product_attention(
       q, k, v, where.visible, /*dropout_p=*/0.0, /*is_causal=*/!where.visible.defined(),
       /*scale=*/std::nullopt, /*enable_gqa=*/kv_heads != heads);
-  return o_proj(attended.transpose(1, 2).reshape({batch, seq, heads * dim}));
+  return output(attended.transpose(1, 2).reshape({batch, seq, heads * dim}));
 }
 
 at::Tensor AttentionImpl::forward_heads(const at::Tensor& x,
                                         const std::pair<at::Tensor, at::Tensor>& cos_sin) {
-  const int64_t batch = x.size(0);
-  const int64_t seq = x.size(1);
   const int64_t heads = options_.num_heads;
   const int64_t kv_heads = options_.num_kv_heads;
   const int64_t dim = options_.head_dim;
@@ -294,6 +295,8 @@ at::Tensor AttentionImpl::forward_heads(const at::Tensor& x,
         "must be placed (forward_placed with their positions; Qwen3ForCausalLM::loss does it)");
   }
   auto [q, k, v] = project(x);
+  const int64_t batch = q.size(0);
+  const int64_t seq = q.size(1);
   // The rotation runs on [batch, seq, heads, dim] (the projections' layout); SDPA takes the head
   // transpose as a view.
   q = RotaryEmbedding::apply(q, cos_sin.first, cos_sin.second).transpose(1, 2);
@@ -303,7 +306,7 @@ at::Tensor AttentionImpl::forward_heads(const at::Tensor& x,
   const auto attended = at::scaled_dot_product_attention(
       q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true, /*scale=*/std::nullopt,
       /*enable_gqa=*/kv_heads != heads);
-  return o_proj(attended.transpose(1, 2).reshape({batch, seq, heads * dim}));
+  return output(attended.transpose(1, 2).reshape({batch, seq, heads * dim}));
 }
 
 SwiGluImpl::SwiGluImpl(int64_t hidden_size, int64_t intermediate_size) {
@@ -314,8 +317,9 @@ SwiGluImpl::SwiGluImpl(int64_t hidden_size, int64_t intermediate_size) {
 }
 
 at::Tensor SwiGluImpl::forward(const at::Tensor& x) {
-  const auto in = tp_ ? tp_->copy_in(x) : x;
-  const auto gate_up = fan_out_linear(in, {gate_proj.get(), up_proj.get()});
+  // Under tensor parallelism x is gathered first (copy_in), overlapped under sequence parallelism.
+  const auto gate_up = tp_ ? fan_out_linear_gathered(x, {gate_proj.get(), up_proj.get()}, *tp_)
+                           : fan_out_linear(x, {gate_proj.get(), up_proj.get()});
   const auto& gate = gate_up[0];
   const auto& up = gate_up[1];
   at::Tensor out;

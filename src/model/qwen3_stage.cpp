@@ -44,8 +44,9 @@ at::Tensor Qwen3StageImpl::forward(const at::Tensor& input) {
     h = tp_ ? vocab_parallel_embedding(embed_tokens->weight, ids, vocab_start_, *tp_)
             : embed_tokens(ids);
   }
-  // Under sequence parallelism h holds T / tp tokens of each sequence (the embedding's reduce_out
-  // scattered them); attention gathers them (copy_in), so its positions span tp times as many.
+  // Under sequence parallelism h holds this rank's shard of the tokens, [B, T / tp, H] (the
+  // embedding's reduce_out scattered them); attention gathers them (copy_in) into [B, T, H], so
+  // its positions span tp times as many.
   const int64_t sp = tp_ && tp_->sequence_parallel() ? tp_->size() : 1;
   if (!layers.empty() && cp_) {
     // This rank's chunks at their positions in the whole sequence of T = T_local x cp tokens.

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -270,6 +271,200 @@ struct FanOutLinear : torch::autograd::Function<FanOutLinear> {
                                             .weight = weights[i],
                                             .bias = at::Tensor()});
       }
+    }
+    queue_or_compute(ctx, std::move(jobs), out);
+    return out;
+  }
+};
+
+// The rows of `all` [R n, k] other than this rank's [rank n, (rank + 1) n) times `m` [k, j], into
+// the same rows of `out` [R n, j] (this rank's were multiplied while `all` was being gathered).
+void others_times(const at::Tensor& all, const at::Tensor& m, const at::Tensor& out,
+                  int64_t rank, int64_t n) {
+  const int64_t ranks = all.size(0) / n;
+  if (rank > 0) {
+    auto before = out.narrow(0, 0, rank * n);
+    at::mm_out(before, all.narrow(0, 0, rank * n), m);
+  }
+  if (rank + 1 < ranks) {
+    const int64_t count = (ranks - rank - 1) * n;
+    auto after = out.narrow(0, (rank + 1) * n, count);
+    at::mm_out(after, all.narrow(0, (rank + 1) * n, count), m);
+  }
+}
+
+// fan_out_linear of the tokens that sequence parallelism's copy_in would gather, overlapping the
+// collectives with the GEMMs (fan_out_linear_gathered). x is this rank's shard [B, T / R, H] of
+// the microbatch's tokens, rows [r n, (r + 1) n) of the B T = R n (TensorParallelGroup::copy_in):
+// forward multiplies those rows while the others are gathered, then the others; backward starts
+// the input gradient's reduce-scatter as soon as its sum is computed and runs the weight GEMMs
+// (or queues them) before waiting for it.
+struct GatheredFanOutLinear : torch::autograd::Function<GatheredFanOutLinear> {
+  static const TensorParallelGroup& group_of(int64_t address) {
+    // NOLINTNEXTLINE(performance-no-int-to-ptr): the group outlives the layer's graphs
+    return *reinterpret_cast<const TensorParallelGroup*>(address);
+  }
+
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, at::TensorList weights,
+                                                int64_t group_address, int64_t queue_address) {
+    ctx->set_materialize_grads(false);  // an output without a gradient adds nothing
+    const auto& group = group_of(group_address);
+    const int64_t ranks = group.size();
+    const int64_t rank = group.rank();
+    const auto xc = autocast_like(x, x);
+    const auto mine = xc.reshape({-1, xc.size(-1)});
+    const int64_t n = mine.size(0);
+    auto pending = group.start_gather_tokens(mine);
+    std::vector<at::Tensor> wcs;
+    std::vector<at::Tensor> rows_out;
+    for (const auto& weight : weights) {
+      auto wc = autocast_weight(weight, x);
+      TORCH_CHECK(wc.dim() == 2 && wc.size(1) == xc.size(-1),
+                  "d9d::model::fan_out_linear_gathered: x has ", xc.size(-1), " features, a ",
+                  "weight is ", wc.sizes());
+      auto out = at::empty({ranks * n, wc.size(0)}, mine.options());
+      auto own = out.narrow(0, rank * n, n);
+      at::mm_out(own, mine, wc.t());  // while the others arrive
+      rows_out.push_back(std::move(out));
+      wcs.push_back(std::move(wc));
+    }
+    const auto all = pending->wait();  // [R n, H]
+    for (size_t i = 0; i < wcs.size(); ++i) {
+      others_times(all, wcs[i].t(), rows_out[i], rank, n);
+    }
+    torch::autograd::variable_list saved{all};
+    torch::autograd::variable_list outputs;
+    for (size_t i = 0; i < wcs.size(); ++i) {
+      // [B, R T', out_i]: the microbatch's B T tokens, sequence after sequence.
+      outputs.push_back(rows_out[i].view({xc.size(0), -1, wcs[i].size(0)}));
+      saved.push_back(wcs[i]);
+    }
+    ctx->save_for_backward(saved);
+    ctx->saved_data["group"] = group_address;
+    ctx->saved_data["queue"] = queue_address;
+    ctx->saved_data["weights"] = weights.vec();
+    ctx->saved_data["shard"] = xc.sizes().vec();
+    return outputs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& all = saved[0];
+    const size_t layers = saved.size() - 1;
+    // One entry per forward argument: x, each weight, the group and queue addresses.
+    torch::autograd::variable_list out(layers + 3);
+    std::vector<at::Tensor> grad_rows(layers);
+    for (size_t i = 0; i < layers; ++i) {
+      if (grads[i].defined()) {
+        grad_rows[i] = grads[i].reshape({-1, saved[i + 1].size(0)});
+      }
+    }
+    std::unique_ptr<PendingTokens> pending;
+    if (ctx->needs_input_grad(0)) {
+      at::Tensor dx;
+      for (size_t i = 0; i < layers; ++i) {
+        if (grad_rows[i].defined()) {
+          dx = dx.defined() ? dx.addmm_(grad_rows[i], saved[i + 1])
+                            : at::mm(grad_rows[i], saved[i + 1]);
+        }
+      }
+      if (dx.defined()) {
+        pending = group_of(ctx->saved_data["group"].toInt()).start_scatter_tokens(dx, {});
+      }
+    }
+    const auto weights = ctx->saved_data["weights"].toTensorVector();
+    WeightGradJobs jobs;
+    for (size_t i = 0; i < layers; ++i) {
+      if (grad_rows[i].defined() && ctx->needs_input_grad(i + 1)) {
+        jobs.emplace_back(i + 1, WeightGrad{.grad_out = grad_rows[i],
+                                            .input = all,
+                                            .weight = weights[i],
+                                            .bias = at::Tensor()});
+      }
+    }
+    queue_or_compute(ctx, std::move(jobs), out);  // while the reduce-scatter runs
+    if (pending) {
+      out[0] = pending->wait().view(ctx->saved_data["shard"].toIntVector());
+    }
+    return out;
+  }
+};
+
+// reduce_out(h W^T) under sequence parallelism for a row-parallel projection
+// (linear_scattered): h [B, T, in] holds the microbatch's B T = R n tokens. Forward computes the
+// partial output in two halves of every rank's rows and starts each half's reduce-scatter as soon
+// as it is computed, so the first runs during the second half's GEMMs; this rank's shard [n, out]
+// (rows [r n, (r + 1) n), as copy_in takes it) is written in place by the two. Backward starts
+// gathering the output gradient's shards, meanwhile multiplies this rank's own rows for the input
+// gradient, then the others' and the weight gradient (or queues it).
+struct ScatteredLinear : torch::autograd::Function<ScatteredLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h,
+                            const at::Tensor& weight, int64_t group_address,
+                            int64_t queue_address) {
+    const auto& group = GatheredFanOutLinear::group_of(group_address);
+    const int64_t ranks = group.size();
+    const auto hc = autocast_like(h, h);
+    const auto wc = autocast_weight(weight, h);
+    TORCH_CHECK(wc.dim() == 2 && wc.size(1) == hc.size(-1), "d9d::model::linear_scattered: h has ",
+                hc.size(-1), " features, the weight is ", wc.sizes());
+    const auto rows = hc.reshape({-1, hc.size(-1)});
+    const int64_t n = rows.size(0) / ranks;
+    const int64_t halves = n % 2 == 0 && n >= 2 ? 2 : 1;
+    const int64_t m = n / halves;
+    auto out = at::empty({n, wc.size(0)}, rows.options());
+    std::vector<std::unique_ptr<PendingTokens>> pending;
+    for (int64_t k = 0; k < halves; ++k) {
+      // Half k of every rank's rows, rank after rank: [R m, out].
+      auto part = at::empty({ranks * m, wc.size(0)}, rows.options());
+      for (int64_t r = 0; r < ranks; ++r) {
+        auto slot = part.narrow(0, r * m, m);
+        at::mm_out(slot, rows.narrow(0, r * n + k * m, m), wc.t());
+      }
+      pending.push_back(group.start_scatter_tokens(part, out.narrow(0, k * m, m)));
+    }
+    for (auto& collective : pending) {
+      (void)collective->wait();
+    }
+    ctx->save_for_backward({rows, wc});
+    ctx->saved_data["group"] = group_address;
+    ctx->saved_data["queue"] = queue_address;
+    ctx->saved_data["weight"] = weight;
+    ctx->saved_data["input"] = hc.sizes().vec();
+    return out.view({hc.size(0), -1, wc.size(0)});
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& rows = saved[0];
+    const auto& wc = saved[1];
+    const auto& group = GatheredFanOutLinear::group_of(ctx->saved_data["group"].toInt());
+    const int64_t ranks = group.size();
+    const int64_t rank = group.rank();
+    // One entry per forward argument: h, the weight, the group and queue addresses.
+    torch::autograd::variable_list out(4);
+    const auto mine = grads[0].reshape({-1, wc.size(0)}).to(rows.scalar_type());
+    const int64_t n = mine.size(0);
+    auto pending = group.start_gather_tokens(mine);
+    at::Tensor dh;
+    if (ctx->needs_input_grad(0)) {
+      dh = at::empty({ranks * n, wc.size(1)}, rows.options());
+      auto own = dh.narrow(0, rank * n, n);
+      at::mm_out(own, mine, wc);  // while the others arrive
+    }
+    const auto all = pending->wait();  // [R n, out]
+    if (dh.defined()) {
+      others_times(all, wc, dh, rank, n);
+      out[0] = dh.view(ctx->saved_data["input"].toIntVector());
+    }
+    WeightGradJobs jobs;
+    if (ctx->needs_input_grad(1)) {
+      jobs.emplace_back(1, WeightGrad{.grad_out = all,
+                                      .input = rows,
+                                      .weight = ctx->saved_data["weight"].toTensor(),
+                                      .bias = at::Tensor()});
     }
     queue_or_compute(ctx, std::move(jobs), out);
     return out;
@@ -578,13 +773,24 @@ at::Tensor silu_mul_linear(const at::Tensor& gate, const at::Tensor& up, const a
   return SiluMulLinear::apply(gate, up, weight, queue_address(recording_weight_grads()));
 }
 
+namespace {
+
+// Whether the fused autograd nodes may run `layer`: the fused kernels on, no bias, adapter or
+// float8.
+bool plain(const LinearImpl& layer) {
+  return fused_kernels() && !layer.bias.defined() && !layer.adapter && !layer.float8;
+}
+
+bool all_plain(std::initializer_list<LinearImpl*> layers) {
+  return std::ranges::all_of(layers, [](const LinearImpl* layer) { return plain(*layer); });
+}
+
+}  // namespace
+
 std::vector<at::Tensor> fan_out_linear(const at::Tensor& x,
                                        std::initializer_list<LinearImpl*> layers) {
-  const bool plain = fused_kernels() && std::ranges::all_of(layers, [](const LinearImpl* layer) {
-                       return !layer->bias.defined() && !layer->adapter && !layer->float8;
-                     });
   std::vector<at::Tensor> outputs;
-  if (!plain) {
+  if (!all_plain(layers)) {
     for (auto* layer : layers) {
       outputs.push_back(layer->forward(x));
     }
@@ -595,6 +801,34 @@ std::vector<at::Tensor> fan_out_linear(const at::Tensor& x,
     weights.push_back(layer->weight);
   }
   return FanOutLinear::apply(x, at::TensorList(weights), queue_address(recording_weight_grads()));
+}
+
+std::vector<at::Tensor> fan_out_linear_gathered(const at::Tensor& x,
+                                                std::initializer_list<LinearImpl*> layers,
+                                                const TensorParallelGroup& group) {
+  if (!all_plain(layers) || !group.sequence_parallel() || x.dim() < 2) {
+    return fan_out_linear(group.copy_in(x), layers);
+  }
+  std::vector<at::Tensor> weights;
+  for (const auto* layer : layers) {
+    weights.push_back(layer->weight);
+  }
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
+  const auto group_address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(&group));
+  return GatheredFanOutLinear::apply(x, at::TensorList(weights), group_address,
+                                     queue_address(recording_weight_grads()));
+}
+
+at::Tensor linear_scattered(const at::Tensor& h, LinearImpl& layer,
+                            const TensorParallelGroup& group) {
+  if (!plain(layer) || !group.sequence_parallel() || h.dim() < 2 ||
+      h.size(1) % group.size() != 0) {
+    return group.reduce_out(layer.forward(h));  // reduce_out explains a sequence that does not split
+  }
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
+  const auto group_address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(&group));
+  return ScatteredLinear::apply(h, layer.weight, group_address,
+                                queue_address(recording_weight_grads()));
 }
 
 LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool bias) {

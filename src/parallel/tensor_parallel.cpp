@@ -18,9 +18,9 @@
 // heads only: their gradients are partial sums and are summed over tp after the backward, as are
 // the gradients of the adapters' whole factors (derived where the adapters are split).
 // Sequence parallelism (TensorParallel<SequenceParallel::on>) swaps the pair for an all-gather
-// along the sequence (backward: reduce-scatter) and a reduce-scatter (backward: all-gather):
-// between the blocks each rank holds its T / R tokens, so every norm's gradient is partial and
-// summed over tp. FullyShard, applied later, shards these shards over dp_shard
+// of the tokens (backward: reduce-scatter) and a reduce-scatter (backward: all-gather): between
+// the blocks each rank holds B T / R of the microbatch's tokens (GatherSequence below says which),
+// so every norm's gradient is partial and summed over tp. FullyShard, applied later, shards these shards over dp_shard
 // (src/parallel/fully_shard.cpp).
 #include <algorithm>
 #include <cstdint>
@@ -35,6 +35,8 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/model/layers.hpp>
@@ -80,21 +82,38 @@ struct ReduceOut : torch::autograd::Function<ReduceOut> {
   }
 };
 
-// Sequence parallelism's f: the sequence shards [B, T / tp, ...] gathered along dim 1 in forward;
-// the gradient summed over the group and scattered back along dim 1 in backward.
+// Sequence parallelism's shards are rows of the microbatch's tokens taken as one sequence of
+// B·T rows (row b T + t is token t of sequence b): rank r holds rows [r B T / tp, (r + 1) B T / tp),
+// shaped [B, T / tp, ...] so that the code between the blocks keeps its shapes (only per-token work
+// runs there: norms, residual additions, a MoE layer's routing). The gather and the scatter are
+// then along the contiguous rows, views of the collective's buffer, where shards of each sequence
+// (dim 1) would need a copy of the whole [B, T, ...] around every collective when B > 1.
+at::Tensor token_rows(const at::Tensor& x) { return x.contiguous().flatten(0, 1); }
+
+// Rows [B·T', ...] back as [B, T', ...].
+at::Tensor batch_of(const at::Tensor& rows, int64_t batch) {
+  auto sizes = rows.sizes().vec();
+  sizes[0] /= batch;
+  sizes.insert(sizes.begin(), batch);
+  return rows.view(sizes);
+}
+
+// Sequence parallelism's f: the shards [B, T / tp, ...] gathered into [B, T, ...] in forward; the
+// gradient summed over the group and scattered back to the shards in backward.
 struct GatherSequence : torch::autograd::Function<GatherSequence> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
     ctx->saved_data["group"] = group;
-    return all_gather_cat(group_at(group), x.contiguous(), 1);
+    return batch_of(all_gather_cat(group_at(group), token_rows(x), 0), x.size(0));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto& group = group_at(ctx->saved_data["group"].toInt());
-    return {reduce_scatter(group, grads[0].contiguous(), 1), at::Tensor()};
+    return {batch_of(reduce_scatter(group, token_rows(grads[0]), 0), grads[0].size(0)),
+            at::Tensor()};
   }
 };
 
 // Sequence parallelism's g: the partial outputs [B, T, ...] summed over the group and scattered
-// along dim 1 in forward; the gradient's shards gathered along dim 1 in backward.
+// to the shards [B, T / tp, ...] in forward; the gradient's shards gathered in backward.
 struct ScatterSequence : torch::autograd::Function<ScatterSequence> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
     const auto& g = group_at(group);
@@ -109,11 +128,12 @@ struct ScatterSequence : torch::autograd::Function<ScatterSequence> {
           std::to_string(g.size()));
     }
     ctx->saved_data["group"] = group;
-    return reduce_scatter(g, x.contiguous(), 1);
+    return batch_of(reduce_scatter(g, token_rows(x), 0), x.size(0));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto& group = group_at(ctx->saved_data["group"].toInt());
-    return {all_gather_cat(group, grads[0].contiguous(), 1), at::Tensor()};
+    return {batch_of(all_gather_cat(group, token_rows(grads[0]), 0), grads[0].size(0)),
+            at::Tensor()};
   }
 };
 
@@ -224,6 +244,49 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
   }
 };
 
+// A collective of the group in flight (start_gather_tokens / start_scatter_tokens).
+class Pending final : public model::PendingTokens {
+ public:
+  // The result goes to `device`, or is copied into `into` when that is defined.
+  Pending(c10::intrusive_ptr<c10d::Work> work, at::Tensor result, at::Tensor input,
+          c10::Device device, at::Tensor into = {})
+      : work_(std::move(work)),
+        result_(std::move(result)),
+        input_(std::move(input)),
+        into_(std::move(into)),
+        device_(device) {}
+  [[nodiscard]] at::Tensor wait() override {
+    if (work_) {
+      work_->wait();
+      work_.reset();
+      input_.reset();  // the backend has read it
+    }
+    if (into_.defined()) {
+      if (!into_.is_same(result_)) {
+        into_.copy_(result_);
+      }
+      return into_;
+    }
+    return result_.to(device_);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  at::Tensor result_;
+  at::Tensor input_;  // kept alive until the collective has read it
+  at::Tensor into_;
+  c10::Device device_;
+};
+
+// `rows` as the group's backend reads it: on its device, contiguous.
+at::Tensor backend_rows(const ProcessGroup& group, const at::Tensor& rows, const char* who) {
+  if (rows.dim() == 0) {
+    throw std::invalid_argument(std::string("d9d::parallel::TensorParallel: ") + who +
+                                " takes rows, not a scalar");
+  }
+  return rows.to(group.device()).contiguous();
+}
+
 class Group : public model::TensorParallelGroup {
  public:
   Group(ProcessGroup group, bool sequence_parallel)
@@ -244,6 +307,51 @@ class Group : public model::TensorParallelGroup {
   }
   [[nodiscard]] at::Tensor gather_sequence(const at::Tensor& x) const override {
     return GatherSplitSequence::apply(x, address_of(group_));
+  }
+  [[nodiscard]] std::unique_ptr<model::PendingTokens> start_gather_tokens(
+      const at::Tensor& rows) const override {
+    auto input = backend_rows(group_, rows, "start_gather_tokens");
+    auto sizes = input.sizes().vec();
+    sizes[0] *= group_.size();
+    if (group_.size() <= 1) {
+      return std::make_unique<Pending>(c10::intrusive_ptr<c10d::Work>(), input.clone(), at::Tensor(), rows.device());
+    }
+    auto output = at::empty(sizes, input.options());
+    auto work = group_.backend()->_allgather_base(output, input);
+    return std::make_unique<Pending>(std::move(work), std::move(output), std::move(input),
+                                     rows.device());
+  }
+  [[nodiscard]] std::unique_ptr<model::PendingTokens> start_scatter_tokens(
+      const at::Tensor& rows, const at::Tensor& into) const override {
+    auto input = backend_rows(group_, rows, "start_scatter_tokens");
+    const int64_t ranks = group_.size();
+    if (input.size(0) % ranks != 0) {
+      throw std::invalid_argument("d9d::parallel::TensorParallel: start_scatter_tokens got " +
+                                  std::to_string(input.size(0)) + " rows for " +
+                                  std::to_string(ranks) + " ranks");
+    }
+    auto sizes = input.sizes().vec();
+    sizes[0] /= ranks;
+    if (into.defined() &&
+        (into.sizes() != at::IntArrayRef(sizes) || into.scalar_type() != input.scalar_type())) {
+      throw std::invalid_argument(
+          "d9d::parallel::TensorParallel: start_scatter_tokens writes into a tensor of the rows' "
+          "dtype shaped as this rank's rows");
+    }
+    // The backend writes `into` itself when it can (contiguous, on the group's device); otherwise
+    // the result is copied into it when waited for.
+    const bool direct =
+        into.defined() && into.device() == group_.device() && into.is_contiguous();
+    if (ranks <= 1) {
+      return std::make_unique<Pending>(c10::intrusive_ptr<c10d::Work>(), input.clone(),
+                                       at::Tensor(), rows.device(), into);
+    }
+    auto output = direct ? into : at::empty(sizes, input.options());
+    c10d::ReduceScatterOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    auto work = group_.backend()->_reduce_scatter_base(output, input, options);
+    return std::make_unique<Pending>(std::move(work), std::move(output), std::move(input),
+                                     rows.device(), into);
   }
   [[nodiscard]] at::Tensor gather_last(const at::Tensor& x) const override {
     return GatherLast::apply(x, address_of(group_));

@@ -10,7 +10,10 @@
 // gradients, ignore index included), the model's gathered logits, replicated parameters staying
 // identical over tp, the start-up rules, and CUDA graphs of tp's microbatches (replayed on GPUs).
 #include <cmath>
+#include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -19,7 +22,9 @@
 
 #include <d9d/advise/memory_meter.hpp>
 #include <d9d/core/collectives.hpp>
+#include <d9d/core/weight_grad.hpp>
 #include <d9d/model/hf.hpp>
+#include <d9d/model/layers.hpp>
 
 #include "tests/core/core_test_util.hpp"
 #include "tests/parallel/parallel_test_util.hpp"
@@ -235,14 +240,107 @@ void expect_model_matches(const d9d::DistributedContext& ctx, bool tied) {
   EXPECT_NEAR(got.loss_sum.item<double>(), want.loss_sum.item<double>(),
               1e-12 * want.loss_sum.item<double>());
   EXPECT_EQ(got.tokens.item<int64_t>(), want.tokens.item<int64_t>());
-  // Sequence parallel: the hidden states between blocks are this rank's 8 of the 16 tokens.
+  // Sequence parallel: the hidden states between blocks are this rank's 16 of the 2 x 16 tokens,
+  // shaped [2, 8, 32]: the run of tokens [16 r, 16 r + 16) taken sequence after sequence (rank 0
+  // holds the first sequence, rank 1 the second), not 8 tokens of each sequence.
   torch::manual_seed(3);
   d9d::model::Qwen3ForCausalLM sequence(config);
   auto sp = d9d::parallel::parallelize<d9d::Plan<TpMesh, TpSp, Fp64>>(mesh, {sequence.ptr()});
-  EXPECT_EQ(sequence->model->forward(ids).sizes().vec(), (std::vector<int64_t>{2, 8, 32}));
+  const auto shard = sequence->model->forward(ids);
+  EXPECT_EQ(shard.sizes().vec(), (std::vector<int64_t>{2, 8, 32}));
+  const int64_t rank = mesh.coordinate(d9d::MeshDomain::regular, "tp");
+  const auto tokens = whole->model->forward(ids).flatten(0, 1).narrow(0, 16 * rank, 16);
+  EXPECT_TRUE(at::allclose(shard, tokens.view({2, 8, 32}), 0.0, 1e-12));
   EXPECT_TRUE(at::allclose(sequence->forward(ids), whole->forward(ids), 0.0, 1e-12));
   EXPECT_NEAR(sequence->loss(ids, labels).loss_sum.item<double>(), want.loss_sum.item<double>(),
               1e-12 * want.loss_sum.item<double>());
+}
+
+// The overlapped column- and row-parallel blocks of sequence parallelism equal the plain ones:
+// fan_out_linear_gathered against fan_out_linear(copy_in(x)), linear_scattered against
+// reduce_out(linear(h)): outputs, input gradients and weight gradients, with the weight gradients
+// computed in backward and deferred to a WeightGradQueue (ZeroBubble's split backward), for
+// microbatches of 2 x 8 tokens (8 rows per rank: the scatter in two halves) and 1 x 6 (3 rows:
+// one part).
+void expect_overlapped_blocks_equal_plain(const d9d::DeviceMesh& mesh) {
+  const auto group = d9d::parallel::detail::make_tensor_parallel_group(
+      mesh.group(d9d::MeshDomain::regular, "tp"), /*sequence_parallel=*/true);
+  const int64_t ranks = group->size();
+  const int64_t rank = group->rank();
+  auto generator = at::detail::createCPUGenerator(29);
+  const auto options = at::TensorOptions().dtype(at::kDouble);
+  torch::manual_seed(5);
+  d9d::model::Linear q(4, 6, false);
+  d9d::model::Linear k(4, 2, false);
+  d9d::model::Linear o(6, 4, false);
+  for (auto* layer : {q.get(), k.get(), o.get()}) {
+    layer->to(at::kDouble);
+  }
+  const auto weight_grads = [&] {
+    std::vector<at::Tensor> grads;
+    for (auto* layer : {q.get(), k.get(), o.get()}) {
+      grads.push_back(layer->weight.grad().defined() ? layer->weight.grad().clone()
+                                                     : at::zeros_like(layer->weight));
+      layer->weight.mutable_grad() = at::Tensor();
+    }
+    return grads;
+  };
+  for (const auto& [batch, tokens] : std::vector<std::pair<int64_t, int64_t>>{{2, 8}, {1, 6}}) {
+    const int64_t rows = batch * tokens / ranks;
+    // The same whole microbatch on every rank; this rank's shard is its run of rows.
+    const auto whole = at::randn({batch, tokens, 4}, generator, options);
+    const auto shard = whole.flatten(0, 1).narrow(0, rows * rank, rows).view({batch, -1, 4});
+    const auto coefficients = at::randn({batch, tokens, 8}, generator, options);
+    // A different partial input of the row-parallel layer on each rank.
+    const auto partial = at::randn({batch, tokens, 6}, generator, options) * (1.0 + rank);
+    const auto shard_coefficients =
+        at::randn({batch * tokens, 4}, generator, options).narrow(0, rows * rank, rows);
+    for (const bool deferred : {false, true}) {
+      const auto run = [&](bool overlapped) {
+        d9d::WeightGradQueue queue;
+        const auto x = shard.clone().requires_grad_(true);
+        const auto h = partial.clone().requires_grad_(true);
+        std::vector<at::Tensor> ys;
+        at::Tensor z;
+        {
+          std::optional<d9d::RecordWeightGrads> record;
+          if (deferred) {
+            record.emplace(queue);
+          }
+          ys = overlapped ? d9d::model::fan_out_linear_gathered(x, {q.get(), k.get()}, *group)
+                          : d9d::model::fan_out_linear(group->copy_in(x), {q.get(), k.get()});
+          z = overlapped ? d9d::model::linear_scattered(h, *o, *group)
+                         : group->reduce_out(o(h));
+        }
+        const auto y = at::cat({ys[0], ys[1]}, -1);
+        const auto loss = (y * coefficients).sum() + (z.reshape({rows, 4}) * shard_coefficients).sum();
+        {
+          std::optional<d9d::DeferWeightGrads> defer;
+          if (deferred) {
+            defer.emplace(queue);
+          }
+          loss.backward();
+        }
+        EXPECT_EQ(queue.empty(), !deferred);
+        queue.drain();
+        return std::make_tuple(y.detach(), z.detach(), x.grad(), h.grad(), weight_grads());
+      };
+      const auto [y_plain, z_plain, dx_plain, dh_plain, dw_plain] = run(false);
+      const auto [y, z, dx, dh, dw] = run(true);
+      const std::string where = "rank " + std::to_string(rank) + ", " + std::to_string(batch) +
+                                " x " + std::to_string(tokens) + (deferred ? ", deferred" : "");
+      EXPECT_EQ(y.sizes(), y_plain.sizes()) << where;
+      EXPECT_EQ(z.sizes(), z_plain.sizes()) << where;
+      EXPECT_TRUE(at::allclose(y, y_plain, 0.0, 1e-13)) << where;
+      EXPECT_TRUE(at::allclose(z, z_plain, 0.0, 1e-13)) << where;
+      EXPECT_TRUE(at::allclose(dx, dx_plain, 0.0, 1e-13)) << where;
+      EXPECT_TRUE(at::allclose(dh, dh_plain, 0.0, 1e-13)) << where;
+      for (size_t i = 0; i < dw.size(); ++i) {
+        EXPECT_TRUE(at::allclose(dw[i], dw_plain[i], 0.0, 1e-13)) << where << ", weight " << i;
+        EXPECT_GT(dw[i].abs().sum().item<double>(), 0.0) << where << ", weight " << i;
+      }
+    }
+  }
 }
 
 TEST(Parallel_TensorParallel_tp2, MatchesOneProcess) {
@@ -252,6 +350,7 @@ TEST(Parallel_TensorParallel_tp2, MatchesOneProcess) {
     const std::string dir = env.scratch_dir() + "/r" + std::to_string(env.rank());
     expect_loss_parallel_equals_full(d9d::DeviceMesh(ctx, d9d::MeshShape{.tp = 2}));
     expect_bf16_loss_parallel_backward(d9d::DeviceMesh(ctx, d9d::MeshShape{.tp = 2}));
+    expect_overlapped_blocks_equal_plain(d9d::DeviceMesh(ctx, d9d::MeshShape{.tp = 2}));
     for (const bool tied : {false, true}) {
       expect_model_matches(ctx, tied);
       const auto want = reference(env, ctx, tied);

@@ -146,6 +146,26 @@ TORCH_MODULE(Linear);
 [[nodiscard]] std::vector<at::Tensor> fan_out_linear(const at::Tensor& x,
                                                      std::initializer_list<LinearImpl*> layers);
 
+/// fan_out_linear of `group.copy_in(x)`: the layers of a column-parallel block under tensor
+/// parallelism. Under sequence parallelism (x is this rank's shard of the tokens) with plain
+/// layers and the fused kernels on, one autograd node overlaps the collectives with the GEMMs: in
+/// forward it multiplies this rank's own tokens while the others' are gathered, then theirs; in
+/// backward it starts the input gradient's reduce-scatter as soon as that gradient is summed and
+/// computes the weight gradients meanwhile (queued instead under a deferring
+/// d9d::WeightGradQueue, as fan_out_linear's). The outputs are [B, T, out_i] as fan_out_linear's
+/// of the gathered input; the values are the same products.
+[[nodiscard]] std::vector<at::Tensor> fan_out_linear_gathered(
+    const at::Tensor& x, std::initializer_list<LinearImpl*> layers,
+    const TensorParallelGroup& group);
+
+/// group.reduce_out(layer(h)): a row-parallel projection under tensor parallelism. Under sequence
+/// parallelism with a plain layer and the fused kernels on, one autograd node overlaps the
+/// collectives with the GEMMs: forward reduce-scatters each half of the ranks' rows while the
+/// next half is multiplied; backward multiplies this rank's rows of the output gradient while the
+/// others' are gathered. Returns this rank's shard [B, T / size, out] as reduce_out does.
+[[nodiscard]] at::Tensor linear_scattered(const at::Tensor& h, LinearImpl& layer,
+                                          const TensorParallelGroup& group);
+
 /// Rotary position embedding (the half-split "rotate_half" layout), applied by the d9d::rope op.
 class RotaryEmbedding {
  public:
@@ -244,8 +264,9 @@ class AttentionImpl : public torch::nn::Module {
   at::Tensor forward_placed(const at::Tensor& x, const TokenPlacement& where, KvCacheLayer* cache);
   /// Tensor parallelism over `group` (d9d::parallel::TensorParallel): the caller has narrowed
   /// q/k/v_proj to this rank's num_heads / size query and num_kv_heads / size KV heads (rows) and
-  /// o_proj to the matching columns; the input then passes through group->copy_in and the output
-  /// through group->reduce_out. The per-head q/k norms stay whole (replicated).
+  /// o_proj to the matching columns; the input then passes through group->copy_in (with the q/k/v
+  /// projections: fan_out_linear_gathered) and the output through group->reduce_out. The
+  /// per-head q/k norms stay whole (replicated).
   void set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group);
   /// Context parallelism over `group` (d9d::parallel::ContextParallel): from now on the module
   /// runs only placed tokens (forward_placed, without a KV cache) — this rank's chunks of each
@@ -261,8 +282,12 @@ class AttentionImpl : public torch::nn::Module {
  private:
   at::Tensor forward_heads(const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& cos_sin);
   at::Tensor placed_heads(const at::Tensor& x, const TokenPlacement& where, KvCacheLayer* cache);
-  /// q and k [B, T, heads, dim] (normed, not rotated) and v [B, kv_heads, T, dim].
+  /// q and k [B, T, heads, dim] (normed, not rotated) and v [B, kv_heads, T, dim]; under tensor
+  /// parallelism x is the input before copy_in (T: the gathered tokens).
   std::tuple<at::Tensor, at::Tensor, at::Tensor> project(const at::Tensor& x);
+  /// o_proj of the heads' outputs [B, T, heads * dim]; under tensor parallelism through reduce_out
+  /// (linear_scattered).
+  at::Tensor output(const at::Tensor& attended);
   AttentionOptions options_;
   std::shared_ptr<const TensorParallelGroup> tp_;
   std::shared_ptr<const ContextParallelGroup> cp_;

@@ -36,7 +36,8 @@ namespace d9d::model {
 /// parallelism (VocabParallelModel) the first stage's embedding and the last stage's head hold
 /// this rank's vocabulary slice; the last stage gathers the logits over tp (its output stays
 /// [B, T, vocab]). With sequence parallelism the hidden states between stages are this rank's
-/// T / tp tokens of each sequence (the embedding scatters them, the head gathers them back). Under
+/// shard of the tokens, [B, T / tp, H] (the embedding scatters them, the head gathers them back;
+/// TensorParallelGroup::copy_in says which tokens). Under
 /// context parallelism (ContextParallelModel) the first stage keeps this rank's two chunks of each
 /// sequence (context_shard), every stage runs its layers on those T / cp tokens at their positions,
 /// and the last stage's logits are theirs ([B, T / cp, vocab]: the task's loss cuts its labels

@@ -21,6 +21,21 @@
 
 namespace d9d::model {
 
+/// A collective that TensorParallelGroup started and nobody has waited for yet. Work that does not
+/// read its result may be issued meanwhile and overlaps it (on a GPU the collective runs on the
+/// backend's stream).
+class PendingTokens {
+ public:
+  PendingTokens() = default;
+  virtual ~PendingTokens() = default;
+  PendingTokens(const PendingTokens&) = delete;
+  PendingTokens& operator=(const PendingTokens&) = delete;
+  PendingTokens(PendingTokens&&) = delete;
+  PendingTokens& operator=(PendingTokens&&) = delete;
+  /// The result. On a GPU the caller's stream then waits for the collective; the host does not.
+  [[nodiscard]] virtual at::Tensor wait() = 0;
+};
+
 /// The tensor-parallel group as the layers see it (Megatron's f/g pair and the loss-parallel
 /// cross-entropy). Implemented by d9d::parallel; every rank of the group calls the same functions
 /// in the same order.
@@ -37,13 +52,16 @@ class TensorParallelGroup {
   [[nodiscard]] virtual int size() const = 0;
   /// "f": identity in forward; backward sums the input's gradient over the group (the input of a
   /// column-parallel layer gets a partial gradient on each rank). Under sequence parallelism the
-  /// input [B, T / size, ...] is this rank's sequence shard: gathered along dim 1 in forward, the
-  /// gradient reduce-scattered back.
+  /// input [B, T / size, ...] is this rank's shard of the microbatch's tokens (rows
+  /// [rank B T / size, (rank + 1) B T / size) of the B·T tokens taken in order, sequence after
+  /// sequence, shaped [B, T / size, ...]): gathered into [B, T, ...] in forward, the gradient
+  /// reduce-scattered back. Only per-token work may run on a shard (it is not a slice of each
+  /// sequence when B > 1).
   [[nodiscard]] virtual at::Tensor copy_in(const at::Tensor& x) const = 0;
   /// "g": sums the partial outputs of a row-parallel layer over the group in forward; identity in
   /// backward (every rank already holds the whole output's gradient). Under sequence parallelism
-  /// the sum is reduce-scattered along dim 1 (this rank keeps its T / size tokens) and the
-  /// gradient all-gathered.
+  /// the sum is reduce-scattered (this rank keeps its shard of the tokens, as copy_in takes it:
+  /// [B, T / size, ...]) and the gradient all-gathered.
   [[nodiscard]] virtual at::Tensor reduce_out(const at::Tensor& x) const = 0;
   /// Whether the residual stream between blocks is split by sequence (copy_in / reduce_out
   /// gather and scatter along dim 1).
@@ -57,6 +75,18 @@ class TensorParallelGroup {
   /// The inverse of split_sequence: every rank's part concatenated along dim 1 (all-gather) in
   /// forward; backward keeps this rank's part of the gradient (whole and equal on every rank).
   [[nodiscard]] virtual at::Tensor gather_sequence(const at::Tensor& x) const = 0;
+  /// Sequence parallelism's gather, started and not autograd-tracked: every rank's rows [N, ...]
+  /// (its shard of the tokens as copy_in takes it, flattened to rows) concatenated in rank order
+  /// into [size N, ...], the tokens of the whole microbatch as rows. For layers that overlap
+  /// the gather with their own work (d9d::model::fan_out_linear_gathered).
+  [[nodiscard]] virtual std::unique_ptr<PendingTokens> start_gather_tokens(
+      const at::Tensor& rows) const = 0;
+  /// Sequence parallelism's scatter, started and not autograd-tracked: rows [size N, ...] summed
+  /// over the group, this rank keeping rows [rank N, (rank + 1) N), written into `into` when it
+  /// is defined ([N, ...] in the rows' dtype, e.g. rows of a larger result: in place when it is
+  /// contiguous on the group's device, else copied there by wait()).
+  [[nodiscard]] virtual std::unique_ptr<PendingTokens> start_scatter_tokens(
+      const at::Tensor& rows, const at::Tensor& into) const = 0;
   /// Every rank's x concatenated along the last dimension; backward keeps this rank's slice.
   [[nodiscard]] virtual at::Tensor gather_last(const at::Tensor& x) const = 0;
   /// The summed cross-entropy of rows whose logits are split over the group by vocabulary: this

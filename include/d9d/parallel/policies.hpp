@@ -104,7 +104,8 @@ enum class SequenceParallel { off, on };
 /// supported yet (docs/design/0011-tensor-parallel.md).
 ///
 /// `SequenceParallel::on`: the residual stream, the norms and the residual additions run on this
-/// rank's T / tp tokens; the all-reduces become an all-gather along the sequence before each
+/// rank's B T / tp tokens of the microbatch (d9d::model::TensorParallelGroup::copy_in says which);
+/// the all-reduces become an all-gather of the tokens before each
 /// column-parallel block and a reduce-scatter after each row-parallel one (and the embedding), so
 /// activations between blocks take 1/tp of the memory. The norms' gradients are then partial and
 /// summed over tp. Needs tp > 1 and a sequence length divisible by tp; not under a pipeline
