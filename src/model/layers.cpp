@@ -229,8 +229,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AttentionImpl::project(const at::
   const int64_t dim = options_.head_dim;
   // Under tensor parallelism x is gathered first (copy_in), with the gather overlapped under
   // sequence parallelism.
-  const auto qkv = tp_ ? fan_out_linear_gathered(x, {q_proj.get(), k_proj.get(), v_proj.get()}, *tp_)
-                       : fan_out_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
+  const auto qkv =
+      tp_ ? fan_out_linear_gathered(x, {q_proj.get(), k_proj.get(), v_proj.get()}, *tp_)
+          : fan_out_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
   const int64_t batch = qkv[0].size(0);
   const int64_t seq = qkv[0].size(1);
   auto q = qkv[0].view({batch, seq, options_.num_heads, dim});

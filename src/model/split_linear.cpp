@@ -279,8 +279,8 @@ struct FanOutLinear : torch::autograd::Function<FanOutLinear> {
 
 // The rows of `all` [R n, k] other than this rank's [rank n, (rank + 1) n) times `m` [k, j], into
 // the same rows of `out` [R n, j] (this rank's were multiplied while `all` was being gathered).
-void others_times(const at::Tensor& all, const at::Tensor& m, const at::Tensor& out,
-                  int64_t rank, int64_t n) {
+void others_times(const at::Tensor& all, const at::Tensor& m, const at::Tensor& out, int64_t rank,
+                  int64_t n) {
   const int64_t ranks = all.size(0) / n;
   if (rank > 0) {
     auto before = out.narrow(0, 0, rank * n);
@@ -821,9 +821,9 @@ std::vector<at::Tensor> fan_out_linear_gathered(const at::Tensor& x,
 
 at::Tensor linear_scattered(const at::Tensor& h, LinearImpl& layer,
                             const TensorParallelGroup& group) {
-  if (!plain(layer) || !group.sequence_parallel() || h.dim() < 2 ||
-      h.size(1) % group.size() != 0) {
-    return group.reduce_out(layer.forward(h));  // reduce_out explains a sequence that does not split
+  if (!plain(layer) || !group.sequence_parallel() || h.dim() < 2 || h.size(1) % group.size() != 0) {
+    return group.reduce_out(
+        layer.forward(h));  // reduce_out explains a sequence that does not split
   }
   // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
   const auto group_address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(&group));

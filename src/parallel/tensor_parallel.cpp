@@ -20,8 +20,8 @@
 // Sequence parallelism (TensorParallel<SequenceParallel::on>) swaps the pair for an all-gather
 // of the tokens (backward: reduce-scatter) and a reduce-scatter (backward: all-gather): between
 // the blocks each rank holds B T / R of the microbatch's tokens (GatherSequence below says which),
-// so every norm's gradient is partial and summed over tp. FullyShard, applied later, shards these shards over dp_shard
-// (src/parallel/fully_shard.cpp).
+// so every norm's gradient is partial and summed over tp. FullyShard, applied later, shards these
+// shards over dp_shard (src/parallel/fully_shard.cpp).
 #include <algorithm>
 #include <cstdint>
 #include <map>
@@ -83,11 +83,11 @@ struct ReduceOut : torch::autograd::Function<ReduceOut> {
 };
 
 // Sequence parallelism's shards are rows of the microbatch's tokens taken as one sequence of
-// B·T rows (row b T + t is token t of sequence b): rank r holds rows [r B T / tp, (r + 1) B T / tp),
-// shaped [B, T / tp, ...] so that the code between the blocks keeps its shapes (only per-token work
-// runs there: norms, residual additions, a MoE layer's routing). The gather and the scatter are
-// then along the contiguous rows, views of the collective's buffer, where shards of each sequence
-// (dim 1) would need a copy of the whole [B, T, ...] around every collective when B > 1.
+// B·T rows (row b T + t is token t of sequence b): rank r holds rows [r B T / tp, (r + 1) B T /
+// tp), shaped [B, T / tp, ...] so that the code between the blocks keeps its shapes (only per-token
+// work runs there: norms, residual additions, a MoE layer's routing). The gather and the scatter
+// are then along the contiguous rows, views of the collective's buffer, where shards of each
+// sequence (dim 1) would need a copy of the whole [B, T, ...] around every collective when B > 1.
 at::Tensor token_rows(const at::Tensor& x) { return x.contiguous().flatten(0, 1); }
 
 // Rows [B·T', ...] back as [B, T', ...].
@@ -314,7 +314,8 @@ class Group : public model::TensorParallelGroup {
     auto sizes = input.sizes().vec();
     sizes[0] *= group_.size();
     if (group_.size() <= 1) {
-      return std::make_unique<Pending>(c10::intrusive_ptr<c10d::Work>(), input.clone(), at::Tensor(), rows.device());
+      return std::make_unique<Pending>(c10::intrusive_ptr<c10d::Work>(), input.clone(),
+                                       at::Tensor(), rows.device());
     }
     auto output = at::empty(sizes, input.options());
     auto work = group_.backend()->_allgather_base(output, input);
@@ -340,8 +341,7 @@ class Group : public model::TensorParallelGroup {
     }
     // The backend writes `into` itself when it can (contiguous, on the group's device); otherwise
     // the result is copied into it when waited for.
-    const bool direct =
-        into.defined() && into.device() == group_.device() && into.is_contiguous();
+    const bool direct = into.defined() && into.device() == group_.device() && into.is_contiguous();
     if (ranks <= 1) {
       return std::make_unique<Pending>(c10::intrusive_ptr<c10d::Work>(), input.clone(),
                                        at::Tensor(), rows.device(), into);

@@ -309,11 +309,11 @@ void expect_overlapped_blocks_equal_plain(const d9d::DeviceMesh& mesh) {
           }
           ys = overlapped ? d9d::model::fan_out_linear_gathered(x, {q.get(), k.get()}, *group)
                           : d9d::model::fan_out_linear(group->copy_in(x), {q.get(), k.get()});
-          z = overlapped ? d9d::model::linear_scattered(h, *o, *group)
-                         : group->reduce_out(o(h));
+          z = overlapped ? d9d::model::linear_scattered(h, *o, *group) : group->reduce_out(o(h));
         }
         const auto y = at::cat({ys[0], ys[1]}, -1);
-        const auto loss = (y * coefficients).sum() + (z.reshape({rows, 4}) * shard_coefficients).sum();
+        const auto loss =
+            (y * coefficients).sum() + (z.reshape({rows, 4}) * shard_coefficients).sum();
         {
           std::optional<d9d::DeferWeightGrads> defer;
           if (deferred) {
