@@ -206,6 +206,55 @@ struct SplitLinear : torch::autograd::Function<SplitLinear<HasBias>> {
   }
 };
 
+// The backward of a fan-out of linear layers (FanOutLinear, GatheredFanOutLinear), whose saved
+// variables are the input first and then each layer's weight as the GEMMs used it (the parameters
+// in saved_data["weights"]): each output's gradient as rows [tokens, out_i] (undefined where none
+// came), x's gradient rows and the weight-gradient jobs.
+class FanOutGrads {
+ public:
+  // `grads`: the backward's, one per layer.
+  FanOutGrads(torch::autograd::variable_list grads, const torch::autograd::variable_list& saved)
+      : saved_(saved) {
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (grads[i].defined()) {
+        grads[i] = grads[i].reshape({-1, saved[i + 1].size(0)});
+      }
+    }
+    rows_ = std::move(grads);
+  }
+  [[nodiscard]] size_t layers() const { return rows_.size(); }
+  // sum_i g_i W_i in one chain of GEMMs (g_1 W_1, then + g_i W_i accumulated by the next GEMM);
+  // undefined when no output had a gradient.
+  [[nodiscard]] at::Tensor input_rows() const {
+    at::Tensor dx;
+    for (size_t i = 0; i < rows_.size(); ++i) {
+      if (rows_[i].defined()) {
+        dx = dx.defined() ? dx.addmm_(rows_[i], saved_[i + 1]) : at::mm(rows_[i], saved_[i + 1]);
+      }
+    }
+    return dx;
+  }
+  // The weight gradients g_i^T `input` of the weights that train, at their forward arguments.
+  [[nodiscard]] WeightGradJobs weight_jobs(torch::autograd::AutogradContext* ctx,
+                                           const at::Tensor& input) const {
+    const auto weights = ctx->saved_data["weights"].toTensorVector();
+    WeightGradJobs jobs;
+    for (size_t i = 0; i < rows_.size(); ++i) {
+      if (rows_[i].defined() && ctx->needs_input_grad(i + 1)) {
+        jobs.emplace_back(
+            i + 1,
+            WeightGrad{
+                .grad_out = rows_[i], .input = input, .weight = weights[i], .bias = at::Tensor()});
+      }
+    }
+    return jobs;
+  }
+
+ private:
+  const torch::autograd::variable_list& saved_;
+  std::vector<at::Tensor> rows_;
+};
+
 // y_i = x W_i^T for linear layers reading one x (fan_out_linear): one node instead of one per
 // layer, whose backward sums x's gradient in a chain of GEMMs (each adding into the previous
 // product) instead of the engine adding the layers' input gradients, and pushes every weight
@@ -239,39 +288,15 @@ struct FanOutLinear : torch::autograd::Function<FanOutLinear> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto& xc = saved[0];
-    const size_t layers = saved.size() - 1;
+    const FanOutGrads fan(std::move(grads), saved);
     // One entry per forward argument: x, each weight, the queue address.
-    torch::autograd::variable_list out(layers + 2);
-    std::vector<at::Tensor> grad_rows(layers);
-    for (size_t i = 0; i < layers; ++i) {
-      if (grads[i].defined()) {
-        grad_rows[i] = grads[i].reshape({-1, saved[i + 1].size(0)});
-      }
-    }
+    torch::autograd::variable_list out(fan.layers() + 2);
     if (ctx->needs_input_grad(0)) {
-      at::Tensor dx;
-      for (size_t i = 0; i < layers; ++i) {
-        if (!grad_rows[i].defined()) {
-          continue;
-        }
-        dx = dx.defined() ? dx.addmm_(grad_rows[i], saved[i + 1])
-                          : at::mm(grad_rows[i], saved[i + 1]);
-      }
-      if (dx.defined()) {
+      if (const auto dx = fan.input_rows(); dx.defined()) {
         out[0] = dx.view(xc.sizes());
       }
     }
-    const auto rows = xc.reshape({-1, xc.size(-1)});
-    const auto weights = ctx->saved_data["weights"].toTensorVector();
-    WeightGradJobs jobs;
-    for (size_t i = 0; i < layers; ++i) {
-      if (grad_rows[i].defined() && ctx->needs_input_grad(i + 1)) {
-        jobs.emplace_back(i + 1, WeightGrad{.grad_out = grad_rows[i],
-                                            .input = rows,
-                                            .weight = weights[i],
-                                            .bias = at::Tensor()});
-      }
-    }
+    auto jobs = fan.weight_jobs(ctx, xc.reshape({-1, xc.size(-1)}));
     queue_or_compute(ctx, std::move(jobs), out);
     return out;
   }
@@ -351,39 +376,16 @@ struct GatheredFanOutLinear : torch::autograd::Function<GatheredFanOutLinear> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto& all = saved[0];
-    const size_t layers = saved.size() - 1;
+    const FanOutGrads fan(std::move(grads), saved);
     // One entry per forward argument: x, each weight, the group and queue addresses.
-    torch::autograd::variable_list out(layers + 3);
-    std::vector<at::Tensor> grad_rows(layers);
-    for (size_t i = 0; i < layers; ++i) {
-      if (grads[i].defined()) {
-        grad_rows[i] = grads[i].reshape({-1, saved[i + 1].size(0)});
-      }
-    }
+    torch::autograd::variable_list out(fan.layers() + 3);
     std::unique_ptr<PendingTokens> pending;
     if (ctx->needs_input_grad(0)) {
-      at::Tensor dx;
-      for (size_t i = 0; i < layers; ++i) {
-        if (grad_rows[i].defined()) {
-          dx = dx.defined() ? dx.addmm_(grad_rows[i], saved[i + 1])
-                            : at::mm(grad_rows[i], saved[i + 1]);
-        }
-      }
-      if (dx.defined()) {
+      if (const auto dx = fan.input_rows(); dx.defined()) {
         pending = group_of(ctx->saved_data["group"].toInt()).start_scatter_tokens(dx, {});
       }
     }
-    const auto weights = ctx->saved_data["weights"].toTensorVector();
-    WeightGradJobs jobs;
-    for (size_t i = 0; i < layers; ++i) {
-      if (grad_rows[i].defined() && ctx->needs_input_grad(i + 1)) {
-        jobs.emplace_back(i + 1, WeightGrad{.grad_out = grad_rows[i],
-                                            .input = all,
-                                            .weight = weights[i],
-                                            .bias = at::Tensor()});
-      }
-    }
+    auto jobs = fan.weight_jobs(ctx, saved[0]);   // saved[0]: the gathered input rows
     queue_or_compute(ctx, std::move(jobs), out);  // while the reduce-scatter runs
     if (pending) {
       out[0] = pending->wait().view(ctx->saved_data["shard"].toIntVector());
