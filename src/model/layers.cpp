@@ -323,6 +323,10 @@ at::Tensor SwiGluImpl::forward(const at::Tensor& x) {
                            : fan_out_linear(x, {gate_proj.get(), up_proj.get()});
   const auto& gate = gate_up[0];
   const auto& up = gate_up[1];
+  if (tp_) {
+    // The reduce-scatter overlapped with the GEMM under sequence parallelism.
+    return silu_mul_linear_scattered(gate, up, *down_proj, *tp_);
+  }
   at::Tensor out;
   if (!fused_kernels()) {
     out = down_proj(at::silu(gate) * up);
@@ -332,7 +336,7 @@ at::Tensor SwiGluImpl::forward(const at::Tensor& x) {
   } else {
     out = down_proj(kernels::silu_mul(gate, up));
   }
-  return tp_ ? tp_->reduce_out(out) : out;
+  return out;
 }
 
 void SwiGluImpl::set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) {

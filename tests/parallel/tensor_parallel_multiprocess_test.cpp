@@ -258,10 +258,10 @@ void expect_model_matches(const d9d::DistributedContext& ctx, bool tied) {
 
 // The overlapped column- and row-parallel blocks of sequence parallelism equal the plain ones:
 // fan_out_linear_gathered against fan_out_linear(copy_in(x)), linear_scattered against
-// reduce_out(linear(h)): outputs, input gradients and weight gradients, with the weight gradients
-// computed in backward and deferred to a WeightGradQueue (ZeroBubble's split backward), for
-// microbatches of 2 x 8 tokens (8 rows per rank: the scatter in two halves) and 1 x 6 (3 rows:
-// one part).
+// reduce_out(linear(h)), silu_mul_linear_scattered against reduce_out(linear(silu(gate) * up)):
+// outputs, input gradients and weight gradients, with the weight gradients computed in backward
+// and deferred to a WeightGradQueue (ZeroBubble's split backward), for microbatches of 2 x 8
+// tokens (8 rows per rank: the scatter in two parts), 1 x 6 (3 rows: one part) and 2 x 1024.
 void expect_overlapped_blocks_equal_plain(const d9d::DeviceMesh& mesh) {
   const auto group = d9d::parallel::detail::make_tensor_parallel_group(
       mesh.group(d9d::MeshDomain::regular, "tp"), /*sequence_parallel=*/true);
@@ -273,19 +273,21 @@ void expect_overlapped_blocks_equal_plain(const d9d::DeviceMesh& mesh) {
   d9d::model::Linear q(4, 6, false);
   d9d::model::Linear k(4, 2, false);
   d9d::model::Linear o(6, 4, false);
-  for (auto* layer : {q.get(), k.get(), o.get()}) {
+  d9d::model::Linear down(6, 4, false);
+  for (auto* layer : {q.get(), k.get(), o.get(), down.get()}) {
     layer->to(at::kDouble);
   }
   const auto weight_grads = [&] {
     std::vector<at::Tensor> grads;
-    for (auto* layer : {q.get(), k.get(), o.get()}) {
+    for (auto* layer : {q.get(), k.get(), o.get(), down.get()}) {
       grads.push_back(layer->weight.grad().defined() ? layer->weight.grad().clone()
                                                      : at::zeros_like(layer->weight));
       layer->weight.mutable_grad() = at::Tensor();
     }
     return grads;
   };
-  for (const auto& [batch, tokens] : std::vector<std::pair<int64_t, int64_t>>{{2, 8}, {1, 6}}) {
+  for (const auto& [batch, tokens] :
+       std::vector<std::pair<int64_t, int64_t>>{{2, 8}, {1, 6}, {2, 1024}}) {
     const int64_t rows = batch * tokens / ranks;
     // The same whole microbatch on every rank; this rank's shard is its run of rows.
     const auto whole = at::randn({batch, tokens, 4}, generator, options);
@@ -293,6 +295,9 @@ void expect_overlapped_blocks_equal_plain(const d9d::DeviceMesh& mesh) {
     const auto coefficients = at::randn({batch, tokens, 8}, generator, options);
     // A different partial input of the row-parallel layer on each rank.
     const auto partial = at::randn({batch, tokens, 6}, generator, options) * (1.0 + rank);
+    // The feed-forward's gate and up, different on each rank.
+    const auto gate = at::randn({batch, tokens, 6}, generator, options) - 0.5 * rank;
+    const auto up = at::randn({batch, tokens, 6}, generator, options);
     const auto shard_coefficients =
         at::randn({batch * tokens, 4}, generator, options).narrow(0, rows * rank, rows);
     for (const bool deferred : {false, true}) {
@@ -300,8 +305,11 @@ void expect_overlapped_blocks_equal_plain(const d9d::DeviceMesh& mesh) {
         d9d::WeightGradQueue queue;
         const auto x = shard.clone().requires_grad_(true);
         const auto h = partial.clone().requires_grad_(true);
+        const auto g = gate.clone().requires_grad_(true);
+        const auto u = up.clone().requires_grad_(true);
         std::vector<at::Tensor> ys;
         at::Tensor z;
+        at::Tensor f;
         {
           std::optional<d9d::RecordWeightGrads> record;
           if (deferred) {
@@ -310,10 +318,13 @@ void expect_overlapped_blocks_equal_plain(const d9d::DeviceMesh& mesh) {
           ys = overlapped ? d9d::model::fan_out_linear_gathered(x, {q.get(), k.get()}, *group)
                           : d9d::model::fan_out_linear(group->copy_in(x), {q.get(), k.get()});
           z = overlapped ? d9d::model::linear_scattered(h, *o, *group) : group->reduce_out(o(h));
+          f = overlapped ? d9d::model::silu_mul_linear_scattered(g, u, *down, *group)
+                         : group->reduce_out(down(at::silu(g) * u));
         }
         const auto y = at::cat({ys[0], ys[1]}, -1);
-        const auto loss =
-            (y * coefficients).sum() + (z.reshape({rows, 4}) * shard_coefficients).sum();
+        const auto loss = (y * coefficients).sum() +
+                          (z.reshape({rows, 4}) * shard_coefficients).sum() +
+                          (f.reshape({rows, 4}) * shard_coefficients.flip(0)).sum();
         {
           std::optional<d9d::DeferWeightGrads> defer;
           if (deferred) {
@@ -323,16 +334,20 @@ void expect_overlapped_blocks_equal_plain(const d9d::DeviceMesh& mesh) {
         }
         EXPECT_EQ(queue.empty(), !deferred);
         queue.drain();
-        return std::make_tuple(y.detach(), z.detach(), x.grad(), h.grad(), weight_grads());
+        return std::make_tuple(y.detach(), z.detach(), f.detach(), x.grad(), h.grad(),
+                               at::cat({g.grad(), u.grad()}, -1), weight_grads());
       };
-      const auto [y_plain, z_plain, dx_plain, dh_plain, dw_plain] = run(false);
-      const auto [y, z, dx, dh, dw] = run(true);
+      const auto [y_plain, z_plain, f_plain, dx_plain, dh_plain, dgu_plain, dw_plain] = run(false);
+      const auto [y, z, f, dx, dh, dgu, dw] = run(true);
       const std::string where = "rank " + std::to_string(rank) + ", " + std::to_string(batch) +
                                 " x " + std::to_string(tokens) + (deferred ? ", deferred" : "");
       EXPECT_EQ(y.sizes(), y_plain.sizes()) << where;
       EXPECT_EQ(z.sizes(), z_plain.sizes()) << where;
       EXPECT_TRUE(at::allclose(y, y_plain, 0.0, 1e-13)) << where;
       EXPECT_TRUE(at::allclose(z, z_plain, 0.0, 1e-13)) << where;
+      EXPECT_EQ(f.sizes(), f_plain.sizes()) << where;
+      EXPECT_TRUE(at::allclose(f, f_plain, 0.0, 1e-13)) << where;
+      EXPECT_TRUE(at::allclose(dgu, dgu_plain, 0.0, 1e-13)) << where;
       EXPECT_TRUE(at::allclose(dx, dx_plain, 0.0, 1e-13)) << where;
       EXPECT_TRUE(at::allclose(dh, dh_plain, 0.0, 1e-13)) << where;
       for (size_t i = 0; i < dw.size(); ++i) {

@@ -4,6 +4,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <memory>
 #include <numbers>
 #include <string>
 #include <vector>
@@ -13,7 +14,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/optim/adamw.h>
 
 #include <d9d/core/weight_grad.hpp>
@@ -623,6 +626,86 @@ TEST(Model_FanOutLinear, EqualsEachLayersForwardWithAndWithoutDeferredWeightGrad
   const auto out = d9d::model::fan_out_linear(x, {layers[0].get(), biased.get()});
   EXPECT_NE(out[0].grad_fn(), out[1].grad_fn());
   EXPECT_TRUE(at::allclose(out[1], at::linear(x0, biased->weight, biased->bias), 1e-12, 1e-12));
+}
+
+// Counts the calls of a parameter's post-accumulate-grad hook (as the data-parallel reducers'
+// readiness hooks are called).
+class CountingHook : public torch::autograd::PostAccumulateGradHook {
+ public:
+  explicit CountingHook(int& calls) : calls_(calls) {}
+  void operator()(const torch::autograd::Variable& /*tensor*/) override { ++calls_; }
+
+ private:
+  int& calls_;
+};
+
+TEST(Model_Linear, AddsWeightGradientsIntoAnExistingGradientInPlace) {
+  // A second backward adds the weight gradient into the existing .grad with the GEMM itself (the
+  // same storage, the sum of both products) through Linear under a recording queue, fan_out_linear
+  // and silu_mul_linear; a parameter with a post-accumulate-grad hook keeps autograd's
+  // accumulation (the hook is called once per backward); autograd::grad of chosen inputs leaves
+  // .grad alone.
+  at::manual_seed(7);
+  const auto x0 = at::randn({2, 5, 12}, at::kDouble);
+  const auto up0 = at::randn({2, 5, 12}, at::kDouble);
+  const auto g0 = at::randn({2, 5, 7}, at::kDouble);
+  const auto g1 = g0 * -0.5 + 0.25;
+  // The weight's gradient for one backward with output gradient g and input `in`.
+  const auto product = [](const at::Tensor& g, const at::Tensor& in) {
+    return g.reshape({-1, 7}).t().mm(in.reshape({-1, 12}));
+  };
+  // Hooks: none, a post-accumulate-grad hook (counted), a hook on the arriving gradient that
+  // doubles it (it must see every product).
+  for (int path = 0; path < 3; ++path) {
+    for (const int hooked : {0, 1, 2}) {
+      d9d::model::Linear layer(12, 7, false);
+      layer->to(at::kDouble);
+      int hook_calls = 0;
+      if (hooked == 1) {
+        torch::autograd::impl::set_post_acc_grad_hooks(layer->weight,
+                                                       std::make_unique<CountingHook>(hook_calls));
+      } else if (hooked == 2) {
+        layer->weight.register_hook([](const at::Tensor& grad) { return grad * 2; });
+      }
+      d9d::WeightGradQueue queue;  // recording, never deferring
+      const auto run = [&](const at::Tensor& g) {
+        const auto x = x0.clone().requires_grad_();
+        at::Tensor y;
+        {
+          const d9d::RecordWeightGrads record(queue);
+          if (path == 0) {
+            y = layer(x);
+          } else if (path == 1) {
+            y = d9d::model::fan_out_linear(x, {layer.get()})[0];
+          } else {
+            y = d9d::model::silu_mul_linear(x, up0, layer->weight);
+          }
+        }
+        (y * g).sum().backward();
+      };
+      const std::string where = "path " + std::to_string(path) + ", hook " + std::to_string(hooked);
+      run(g0);
+      ASSERT_TRUE(layer->weight.grad().defined()) << where;
+      const auto* storage = layer->weight.grad().data_ptr();
+      run(g1);
+      const auto in = path == 2 ? at::silu(x0) * up0 : x0;
+      const auto want = (product(g0, in) + product(g1, in)) * (hooked == 2 ? 2.0 : 1.0);
+      EXPECT_TRUE(at::allclose(layer->weight.grad(), want, 1e-12, 1e-12)) << where;
+      EXPECT_EQ(layer->weight.grad().data_ptr(), storage) << where << ": accumulated in place";
+      EXPECT_EQ(hook_calls, hooked == 1 ? 2 : 0) << where;
+      // autograd::grad of x alone: the weight's .grad stays as it was.
+      const auto before = layer->weight.grad().clone();
+      const auto x = x0.clone().requires_grad_();
+      at::Tensor y;
+      {
+        const d9d::RecordWeightGrads record(queue);
+        y = path == 2 ? d9d::model::silu_mul_linear(x, up0, layer->weight) : layer(x);
+      }
+      const auto dx = torch::autograd::grad({(y * g0).sum()}, {x})[0];
+      EXPECT_TRUE(dx.defined()) << where;
+      EXPECT_TRUE(at::equal(layer->weight.grad(), before)) << where << ": autograd::grad";
+    }
+  }
 }
 
 TEST(Model_Qwen3Loss, FusedAndUnfusedKernelsTrainAlike) {

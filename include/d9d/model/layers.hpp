@@ -300,6 +300,15 @@ TORCH_MODULE(Attention);
 /// under a recording d9d::WeightGradQueue its weight gradient can be deferred like Linear's.
 at::Tensor silu_mul_linear(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& weight);
 
+/// group.reduce_out(down(silu(gate) * up)): the feed-forward's row-parallel down projection under
+/// tensor parallelism. Under sequence parallelism with a plain layer and the fused kernels on, one
+/// autograd node computes silu(gate) * up, overlaps the collectives with the GEMMs as
+/// linear_scattered does, and recomputes the product in backward instead of keeping it (as
+/// silu_mul_linear). Returns this rank's shard [B, T / size, out] as reduce_out does.
+[[nodiscard]] at::Tensor silu_mul_linear_scattered(const at::Tensor& gate, const at::Tensor& up,
+                                                   LinearImpl& layer,
+                                                   const TensorParallelGroup& group);
+
 /// SwiGLU feed-forward: down(silu(gate(x)) * up(x)), the activation by the d9d::silu_mul op. With
 /// the fused kernels on and a plain down projection (no bias, no adapter), the activation is not
 /// kept for backward (silu_mul_linear).
