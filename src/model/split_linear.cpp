@@ -581,19 +581,13 @@ struct SiluMulLinear : torch::autograd::Function<SiluMulLinear> {
     if (!ctx->needs_input_grad(2)) {
       return out;
     }
-    WeightGrad job{.grad_out = grad_rows,
-                   .input = kernels::silu_mul_forward(gate, up).reshape({-1, in_features}),
-                   .weight = ctx->saved_data["weight"].toTensor(),
-                   .bias = at::Tensor()};
-    if (auto* queue = deferring_queue(ctx); queue != nullptr) {
-      queue->push([job = std::move(job)]() mutable { job.run(); });
-      return out;
-    }
-    if (job.adds_in_place()) {
-      job.run();
-      return out;
-    }
-    out[2] = job.compute().first;
+    WeightGradJobs jobs;
+    jobs.emplace_back(
+        2, WeightGrad{.grad_out = grad_rows,
+                      .input = kernels::silu_mul_forward(gate, up).reshape({-1, in_features}),
+                      .weight = ctx->saved_data["weight"].toTensor(),
+                      .bias = at::Tensor()});
+    queue_or_compute(ctx, std::move(jobs), out);
     return out;
   }
 };
