@@ -18,7 +18,8 @@ struct GradientReducer::State {
     int64_t numel = 0;
     std::size_t pending = 0;
     bool launched = false;
-    at::Tensor buffer;
+    at::Tensor buffer;                // the flattened bucket, when it was flattened
+    std::vector<at::Tensor> tensors;  // what the all-reduce reduces in place
     c10::intrusive_ptr<c10d::Work> work;
   };
 
@@ -32,30 +33,68 @@ struct GradientReducer::State {
   std::size_t next_launch = 0;
   std::size_t launched_in_backward = 0;
 
-  // Flattens the bucket's gradients (zeros where a parameter got none) and starts its all-reduce;
-  // a bucket of one gradient in the reduction's dtype is reduced in place.
+  // Starts the bucket's all-reduce. Gradients that are dense, contiguous and on the group's device
+  // are reduced where they are, one coalesced all-reduce for the bucket (no flattening into a
+  // buffer, nothing to copy back), or, in another reduction dtype, each cast to it (copied back in
+  // finish()). Otherwise (a gradient missing or laid out otherwise) the bucket is flattened into
+  // one buffer, zeros for a missing gradient.
   void launch(Bucket& bucket) {
-    std::vector<at::Tensor> flat;
-    flat.reserve(bucket.members.size());
-    for (const auto index : bucket.members) {
-      const auto& param = parameters[index];
-      const auto& grad = param.grad();
-      flat.push_back(grad.defined() ? grad.reshape({-1})
-                                    : at::zeros({param.numel()}, param.options()));
-    }
-    const auto dtype = reduce_dtype.value_or(flat.front().scalar_type());
     const auto& first = parameters[bucket.members.front()].grad();
-    if (flat.size() == 1 && first.defined() && first.is_contiguous() &&
-        first.scalar_type() == dtype && first.device() == group.device()) {
-      // A bucket of one gradient (a matrix larger than the bucket size, the embedding): reduced
-      // where it is, with no copy in or out.
-      bucket.buffer = flat.front();
-    } else {
-      bucket.buffer = at::cat(flat).to(group.device(), dtype);
+    const auto dtype = reduce_dtype.value_or(
+        first.defined() ? first.scalar_type() : parameters[bucket.members.front()].scalar_type());
+    bool direct = true;
+    for (const auto index : bucket.members) {
+      const auto& grad = parameters[index].grad();
+      direct = direct && grad.defined() && grad.is_contiguous() && !grad.is_sparse() &&
+               grad.device() == group.device() && grad.scalar_type() == first.scalar_type();
     }
-    std::vector<at::Tensor> tensors = {bucket.buffer};
-    bucket.work = group.backend()->allreduce(tensors);
+    bucket.tensors.clear();
+    bucket.buffer = at::Tensor();
+    if (direct) {
+      for (const auto index : bucket.members) {
+        const auto& grad = parameters[index].grad();
+        bucket.tensors.push_back(grad.scalar_type() == dtype ? grad : grad.to(dtype));
+      }
+    } else {
+      std::vector<at::Tensor> flat;
+      flat.reserve(bucket.members.size());
+      for (const auto index : bucket.members) {
+        const auto& param = parameters[index];
+        const auto& grad = param.grad();
+        flat.push_back(grad.defined() ? grad.reshape({-1})
+                                      : at::zeros({param.numel()}, param.options()));
+      }
+      bucket.buffer = at::cat(flat).to(group.device(), dtype);
+      bucket.tensors.push_back(bucket.buffer);
+    }
+    bucket.work = bucket.tensors.size() == 1 ? group.backend()->allreduce(bucket.tensors)
+                                             : group.backend()->allreduce_coalesced(bucket.tensors);
     bucket.launched = true;
+  }
+
+  // A flattened bucket's sums back into the gradients.
+  void write_back(Bucket& bucket) {
+    int64_t offset = 0;
+    for (const auto index : bucket.members) {
+      auto& param = parameters[index];
+      const int64_t numel = param.numel();
+      auto summed = bucket.buffer.narrow(0, offset, numel).view(param.sizes());
+      if (summed.scalar_type() == param.scalar_type() && summed.device() == param.device()) {
+        // The bucket's memory becomes the gradient, with no copy back (the old gradient is
+        // freed): a tensor of its own over the bucket's storage, not a view (optimizers detach
+        // gradients in place, which views refuse). A later backward adds into it in place.
+        param.mutable_grad() =
+            at::empty({0}, bucket.buffer.options())
+                .set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + offset,
+                      param.sizes(), param.strides());
+      } else if (param.grad().defined()) {
+        param.mutable_grad().copy_(summed);
+      } else {
+        param.mutable_grad() = summed.to(param.device(), param.scalar_type(),
+                                         /*non_blocking=*/false, /*copy=*/true);
+      }
+      offset += numel;
+    }
   }
 
   // Launches ready buckets in bucket order (the same order on every rank).
@@ -161,6 +200,7 @@ void GradientReducer::arm() {
     bucket.launched = false;
     bucket.work.reset();
     bucket.buffer = at::Tensor();
+    bucket.tensors.clear();
   }
 }
 
@@ -193,31 +233,18 @@ void GradientReducer::finish() {
   s.launch_ready(/*from_hook=*/false);
   for (auto& bucket : s.buckets) {
     bucket.work->wait();
-    int64_t offset = 0;
-    for (const auto index : bucket.members) {
-      auto& param = s.parameters[index];
-      const int64_t numel = param.numel();
-      auto summed = bucket.buffer.narrow(0, offset, numel).view(param.sizes());
-      if (param.grad().defined() && summed.is_alias_of(param.grad())) {
-        // Reduced in place (a bucket of one gradient): nothing to write back.
-      } else if (summed.scalar_type() == param.scalar_type() && summed.device() == param.device()) {
-        // The bucket's memory becomes the gradient, with no copy back (the old gradient is
-        // freed): a tensor of its own over the bucket's storage, not a view (optimizers detach
-        // gradients in place, which views refuse). A later backward adds into it in place.
-        param.mutable_grad() =
-            at::empty({0}, bucket.buffer.options())
-                .set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + offset,
-                      param.sizes(), param.strides());
-      } else if (param.grad().defined()) {
-        param.mutable_grad().copy_(summed);
-      } else {
-        param.mutable_grad() =
-            summed.to(param.device(), param.scalar_type(), /*non_blocking=*/false,
-                      /*copy=*/true);
+    if (bucket.buffer.defined()) {
+      s.write_back(bucket);
+    } else {
+      for (std::size_t k = 0; k < bucket.members.size(); ++k) {
+        auto& grad = s.parameters[bucket.members[k]].mutable_grad();
+        if (!bucket.tensors[k].is_same(grad)) {
+          grad.copy_(bucket.tensors[k]);  // reduced in another dtype
+        }
       }
-      offset += numel;
     }
     bucket.buffer = at::Tensor();
+    bucket.tensors.clear();
     bucket.work.reset();
   }
 }

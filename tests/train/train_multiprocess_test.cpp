@@ -6,7 +6,6 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
-#include <set>
 #include <stdexcept>
 #include <string>
 #include <sys/resource.h>
@@ -105,20 +104,20 @@ TEST(Train_Replicate_ws2, BucketsAreReducedDuringBackward) {
     }
     reducer.arm();
     loss_of().backward();
+    // Every parameter got a dense gradient on the group's device: reduced where it is.
+    std::vector<const void*> before;
+    before.reserve(params.size());
+    for (const auto& p : params) {
+      before.push_back(p.grad().data_ptr());
+    }
     reducer.finish();
     EXPECT_GT(reducer.launched_during_backward(), 0U);
     std::vector<at::Tensor> sums;
     for (std::size_t i = 0; i < params.size(); ++i) {
       sums.push_back(d9d::all_reduce(mesh.group(d9d::MeshDomain::batch, "dp"), own[i]));
       EXPECT_TRUE(at::allclose(params[i].grad(), sums[i], 1e-5, 1e-6)) << "parameter " << i;
+      EXPECT_EQ(params[i].grad().data_ptr(), before[i]) << "parameter " << i;
     }
-    // The gradients hold the buckets' sums in the buckets' memory (nothing copied back): one
-    // storage per bucket.
-    std::set<const void*> storages;
-    for (const auto& p : params) {
-      storages.insert(p.grad().storage().data());
-    }
-    EXPECT_EQ(storages.size(), reducer.bucket_count());
     // Zeroed in place by the optimizer rather than dropped (it detaches them in place first, which
     // a view would refuse), they take the next backward's gradients and reduce again: twice the
     // same data, twice the sums.
@@ -131,6 +130,46 @@ TEST(Train_Replicate_ws2, BucketsAreReducedDuringBackward) {
     for (std::size_t i = 0; i < params.size(); ++i) {
       EXPECT_TRUE(at::allclose(params[i].grad(), sums[i] * 2, 1e-5, 1e-6)) << "parameter " << i;
     }
+  });
+}
+
+TEST(Train_Replicate_ws2, ABucketWithAMissingGradientIsFlattenedWithZeros) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{.dp_replicate = 2});
+    const auto group = mesh.group(d9d::MeshDomain::batch, "dp");
+    d9d::model::Qwen3ForCausalLM model(
+        d9d::model::Qwen3Config::from_json_text(d9d::testing::tiny_qwen3_json()));
+    model->to(ctx.device());
+    // One bucket for everything, with a parameter the loss never uses: the bucket is flattened
+    // into one buffer, zeros standing for the missing gradient.
+    const auto unused = at::ones({5}, at::TensorOptions().device(ctx.device())).requires_grad_();
+    std::vector<at::Tensor> params = model->parameters();
+    params.push_back(unused);
+    d9d::parallel::GradientReducer reducer(group, params, {.bucket_bytes = int64_t{1} << 30});
+    ASSERT_EQ(reducer.bucket_count(), 1U);
+    auto tokens = at::randint(64, {2, 9}, at::kLong).to(ctx.device()) * 0 + env.rank() + 1;
+    const auto loss = [&] {
+      return d9d::model::causal_lm_loss(model(tokens.narrow(1, 0, 8)), tokens.narrow(1, 1, 8))
+          .loss_sum;
+    };
+    loss().backward();
+    std::vector<at::Tensor> sums;
+    for (std::size_t i = 0; i + 1 < params.size(); ++i) {
+      sums.push_back(d9d::all_reduce(group, params[i].grad().clone()));
+      params[i].mutable_grad() = at::Tensor();
+    }
+    reducer.arm();
+    loss().backward();
+    ASSERT_FALSE(unused.grad().defined());
+    reducer.finish();
+    EXPECT_EQ(reducer.launched_during_backward(), 0U);  // it waited for the unused one
+    for (std::size_t i = 0; i + 1 < params.size(); ++i) {
+      EXPECT_TRUE(at::allclose(params[i].grad(), sums[i], 1e-5, 1e-6)) << "parameter " << i;
+    }
+    ASSERT_TRUE(unused.grad().defined());
+    EXPECT_TRUE(at::equal(unused.grad(), at::zeros_like(unused)));
   });
 }
 

@@ -9,11 +9,14 @@
 //
 // Parameters are packed into buckets in reverse registration order (about the order backward
 // produces their gradients). A post-accumulate-grad hook on each parameter counts ready gradients;
-// a full bucket is flattened and its all-reduce launched asynchronously, in bucket order on every
-// rank, overlapping the rest of the backward pass (NCCL runs it on its own stream). finish()
-// launches buckets whose parameters got no gradient (zeros), waits, and gives each .grad the
-// memory of its bucket's sum (no copy back; a copy only where the bucket was reduced in another
-// dtype).
+// a full bucket's all-reduce is launched asynchronously, in bucket order on every rank, overlapping
+// the rest of the backward pass (NCCL runs it on its own stream). The gradients are reduced where
+// they are (one coalesced all-reduce per bucket: nothing flattened, nothing copied back), or cast
+// one by one when the reduction's dtype differs and copied back in finish(). A bucket with a
+// parameter that got no gradient (or a gradient not dense and contiguous on the group's device) is
+// flattened into one buffer instead, zeros for the missing gradient; its sums become the
+// gradients' memory. finish() launches what is left, waits, and writes back what was not reduced
+// in place.
 // With a group of one rank nothing is registered and every call is a no-op.
 #pragma once
 
