@@ -12,7 +12,6 @@
 #include <d9d/core/detail/autocast_scope.hpp>
 #include <d9d/kernels/rms_norm.hpp>
 #include <d9d/kernels/rope.hpp>
-#include <d9d/kernels/silu_mul.hpp>
 #include <d9d/model/layers.hpp>
 
 namespace d9d::model {
@@ -317,27 +316,7 @@ SwiGluImpl::SwiGluImpl(int64_t hidden_size, int64_t intermediate_size) {
   down_proj = register_module("down_proj", linear(intermediate_size, hidden_size));
 }
 
-at::Tensor SwiGluImpl::forward(const at::Tensor& x) {
-  // Under tensor parallelism x is gathered first (copy_in), overlapped under sequence parallelism.
-  const auto gate_up = tp_ ? fan_out_linear_gathered(x, {gate_proj.get(), up_proj.get()}, *tp_)
-                           : fan_out_linear(x, {gate_proj.get(), up_proj.get()});
-  const auto& gate = gate_up[0];
-  const auto& up = gate_up[1];
-  if (tp_) {
-    // The reduce-scatter overlapped with the GEMM under sequence parallelism.
-    return silu_mul_linear_scattered(gate, up, *down_proj, *tp_);
-  }
-  at::Tensor out;
-  if (!fused_kernels()) {
-    out = down_proj(at::silu(gate) * up);
-  } else if (!down_proj->bias.defined() && !down_proj->adapter && !down_proj->float8) {
-    // The product silu(gate) * up is recomputed in backward, not kept (silu_mul_linear).
-    out = silu_mul_linear(gate, up, down_proj->weight);
-  } else {
-    out = down_proj(kernels::silu_mul(gate, up));
-  }
-  return out;
-}
+// SwiGluImpl::forward is in split_linear.cpp, beside the fused nodes it chooses between.
 
 void SwiGluImpl::set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) {
   if (tp_) {

@@ -903,19 +903,41 @@ at::Tensor linear_scattered(const at::Tensor& h, LinearImpl& layer,
                                 queue_address(recording_weight_grads()));
 }
 
+namespace {
+
+// down(silu(gate) * up) on whole rows: the fused node that recomputes the product in backward when
+// the layer is plain, otherwise the layer over the fused (or, with the fused kernels off, plain)
+// activation.
+at::Tensor silu_mul_down(const at::Tensor& gate, const at::Tensor& up, LinearImpl& layer) {
+  if (plain(layer)) {
+    return silu_mul_linear(gate, up, layer.weight);
+  }
+  return layer.forward(fused_kernels() ? kernels::silu_mul(gate, up) : at::silu(gate) * up);
+}
+
+}  // namespace
+
 at::Tensor silu_mul_linear_scattered(const at::Tensor& gate, const at::Tensor& up,
                                      LinearImpl& layer, const TensorParallelGroup& group) {
-  if (!plain(layer)) {
-    const auto h = fused_kernels() ? kernels::silu_mul(gate, up) : at::silu(gate) * up;
-    return group.reduce_out(layer.forward(h));
-  }
-  if (!group.sequence_parallel() || gate.dim() < 2 || gate.size(1) % group.size() != 0) {
-    return group.reduce_out(silu_mul_linear(gate, up, layer.weight));
+  if (!plain(layer) || !group.sequence_parallel() || gate.dim() < 2 ||
+      gate.size(1) % group.size() != 0) {
+    return group.reduce_out(silu_mul_down(gate, up, layer));
   }
   // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
   const auto group_address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(&group));
   return ScatteredLinear::apply(gate, up, layer.weight, /*gated=*/true, group_address,
                                 queue_address(recording_weight_grads()));
+}
+
+at::Tensor SwiGluImpl::forward(const at::Tensor& x) {
+  // Under tensor parallelism x is gathered first (copy_in) and the output reduce-scattered, each
+  // overlapped with its GEMMs under sequence parallelism.
+  if (tp_) {
+    const auto gate_up = fan_out_linear_gathered(x, {gate_proj.get(), up_proj.get()}, *tp_);
+    return silu_mul_linear_scattered(gate_up[0], gate_up[1], *down_proj, *tp_);
+  }
+  const auto gate_up = fan_out_linear(x, {gate_proj.get(), up_proj.get()});
+  return silu_mul_down(gate_up[0], gate_up[1], *down_proj);
 }
 
 LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool bias) {
