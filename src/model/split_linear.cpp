@@ -379,6 +379,11 @@ struct GatheredFanOutLinear : torch::autograd::Function<GatheredFanOutLinear> {
     // NOLINTNEXTLINE(performance-no-int-to-ptr): the group outlives the layer's graphs
     return *reinterpret_cast<const TensorParallelGroup*>(address);
   }
+  // The inverse: the group's address, carried through the autograd context.
+  static int64_t address_of(const TensorParallelGroup& group) {
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
+    return static_cast<int64_t>(reinterpret_cast<std::intptr_t>(&group));
+  }
 
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 const at::Tensor& x, at::TensorList weights,
@@ -885,9 +890,8 @@ std::vector<at::Tensor> fan_out_linear_gathered(const at::Tensor& x,
   for (const auto* layer : layers) {
     weights.push_back(layer->weight);
   }
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
-  const auto group_address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(&group));
-  return GatheredFanOutLinear::apply(x, at::TensorList(weights), group_address,
+  return GatheredFanOutLinear::apply(x, at::TensorList(weights),
+                                     GatheredFanOutLinear::address_of(group),
                                      queue_address(recording_weight_grads()));
 }
 
@@ -897,9 +901,8 @@ at::Tensor linear_scattered(const at::Tensor& h, LinearImpl& layer,
     return group.reduce_out(
         layer.forward(h));  // reduce_out explains a sequence that does not split
   }
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
-  const auto group_address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(&group));
-  return ScatteredLinear::apply(h, h, layer.weight, /*gated=*/false, group_address,
+  return ScatteredLinear::apply(h, h, layer.weight, /*gated=*/false,
+                                GatheredFanOutLinear::address_of(group),
                                 queue_address(recording_weight_grads()));
 }
 
@@ -923,9 +926,8 @@ at::Tensor silu_mul_linear_scattered(const at::Tensor& gate, const at::Tensor& u
       gate.size(1) % group.size() != 0) {
     return group.reduce_out(silu_mul_down(gate, up, layer));
   }
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): carried through the context
-  const auto group_address = static_cast<int64_t>(reinterpret_cast<std::intptr_t>(&group));
-  return ScatteredLinear::apply(gate, up, layer.weight, /*gated=*/true, group_address,
+  return ScatteredLinear::apply(gate, up, layer.weight, /*gated=*/true,
+                                GatheredFanOutLinear::address_of(group),
                                 queue_address(recording_weight_grads()));
 }
 

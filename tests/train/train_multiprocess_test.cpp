@@ -78,24 +78,34 @@ TEST_P(Train_Replicate, MatchesOneRankWithTheSameGlobalBatch) {
 INSTANTIATE_TEST_SUITE_P(Ranks, Train_Replicate, ::testing::Values(2, 4),
                          [](const auto& info) { return "ws" + std::to_string(info.param); });
 
+// A tiny Qwen3 on this rank's device and its loss on a sequence of the rank's own token (rank + 1),
+// so that the ranks' gradients differ (the GradientReducer tests).
+struct RankOwnLoss {
+  d9d::model::Qwen3ForCausalLM model{
+      d9d::model::Qwen3Config::from_json_text(d9d::testing::tiny_qwen3_json())};
+  at::Tensor tokens;
+
+  RankOwnLoss(const RankEnv& env, const d9d::DistributedContext& ctx) {
+    model->to(ctx.device());
+    tokens = at::randint(64, {2, 9}, at::kLong).to(ctx.device()) * 0 + env.rank() + 1;
+  }
+  at::Tensor operator()() {
+    return d9d::model::causal_lm_loss(model(tokens.narrow(1, 0, 8)), tokens.narrow(1, 1, 8))
+        .loss_sum;
+  }
+};
+
 TEST(Train_Replicate_ws2, BucketsAreReducedDuringBackward) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
     const auto ctx = d9d::testing::rank_context(env);
     const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{.dp_replicate = 2});
-    d9d::model::Qwen3ForCausalLM model(
-        d9d::model::Qwen3Config::from_json_text(d9d::testing::tiny_qwen3_json()));
-    model->to(ctx.device());
-    std::vector<at::Tensor> params = model->parameters();
+    RankOwnLoss loss_of(env, ctx);
+    std::vector<at::Tensor> params = loss_of.model->parameters();
     d9d::parallel::GradientReducer reducer(mesh.group(d9d::MeshDomain::batch, "dp"), params,
                                            {.bucket_bytes = 4096});
     ASSERT_GT(reducer.bucket_count(), 3U);
     // Each rank's own data; the reduced gradient is the sum of both ranks' gradients.
-    auto tokens = at::randint(64, {2, 9}, at::kLong).to(ctx.device()) * 0 + env.rank() + 1;
-    const auto loss_of = [&] {
-      return d9d::model::causal_lm_loss(model(tokens.narrow(1, 0, 8)), tokens.narrow(1, 1, 8))
-          .loss_sum;
-    };
     loss_of().backward();  // this rank's own gradient, for the reference
     std::vector<at::Tensor> own;
     for (auto& p : params) {
@@ -139,21 +149,14 @@ TEST(Train_Replicate_ws2, ABucketWithAMissingGradientIsFlattenedWithZeros) {
     const auto ctx = d9d::testing::rank_context(env);
     const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{.dp_replicate = 2});
     const auto group = mesh.group(d9d::MeshDomain::batch, "dp");
-    d9d::model::Qwen3ForCausalLM model(
-        d9d::model::Qwen3Config::from_json_text(d9d::testing::tiny_qwen3_json()));
-    model->to(ctx.device());
+    RankOwnLoss loss(env, ctx);
     // One bucket for everything, with a parameter the loss never uses: the bucket is flattened
     // into one buffer, zeros standing for the missing gradient.
     const auto unused = at::ones({5}, at::TensorOptions().device(ctx.device())).requires_grad_();
-    std::vector<at::Tensor> params = model->parameters();
+    std::vector<at::Tensor> params = loss.model->parameters();
     params.push_back(unused);
     d9d::parallel::GradientReducer reducer(group, params, {.bucket_bytes = int64_t{1} << 30});
     ASSERT_EQ(reducer.bucket_count(), 1U);
-    auto tokens = at::randint(64, {2, 9}, at::kLong).to(ctx.device()) * 0 + env.rank() + 1;
-    const auto loss = [&] {
-      return d9d::model::causal_lm_loss(model(tokens.narrow(1, 0, 8)), tokens.narrow(1, 1, 8))
-          .loss_sum;
-    };
     loss().backward();
     std::vector<at::Tensor> sums;
     for (std::size_t i = 0; i + 1 < params.size(); ++i) {
