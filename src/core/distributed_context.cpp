@@ -33,6 +33,7 @@ struct ProcessGroup::Impl {
   std::vector<int> ranks;
   int rank = 0;
   c10::intrusive_ptr<c10d::Backend> backend;
+  c10::intrusive_ptr<c10d::Store> store;
   c10::Device device = c10::Device(c10::kCPU);
   std::string name;
 
@@ -64,6 +65,7 @@ int ProcessGroup::rank() const { return impl().rank; }
 const std::vector<int>& ProcessGroup::ranks() const { return impl().ranks; }
 c10::Device ProcessGroup::device() const { return impl().device; }
 c10d::Backend* ProcessGroup::backend() const { return impl().backend.get(); }
+c10d::Store* ProcessGroup::store() const { return impl().store.get(); }
 const std::string& ProcessGroup::name() const { return impl().name; }
 
 void ProcessGroup::barrier() const {
@@ -308,6 +310,7 @@ ProcessGroup make_group(const DistributedContext::Impl& impl, const std::vector<
       key += std::to_string(r) + ",";
     }
     auto store = c10::make_intrusive<c10d::PrefixStore>(key, impl.store);
+    group->store = store;
     const int size = static_cast<int>(ranks.size());
     if (impl.backend_name == "gloo") {
       auto options = c10d::ProcessGroupGloo::Options::create(impl.options.init_timeout);

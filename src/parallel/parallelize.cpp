@@ -368,13 +368,14 @@ class ReplicateSync : public GradientSync {
  public:
   ReplicateSync(const ProcessGroup& group, std::vector<std::vector<at::Tensor>> parts,
                 int64_t bucket_bytes, GradientTiming timing, bool by_module,
-                std::optional<at::ScalarType> reduce_dtype = std::nullopt)
+                std::optional<at::ScalarType> reduce_dtype = std::nullopt,
+                ReduceEngine engine = ReduceEngine::backend)
       : program_(timing == GradientTiming::program), by_module_(by_module), ranks_(group.size()) {
     for (auto& part : parts) {
       reducers_.push_back(std::make_unique<GradientReducer>(
           group, std::move(part),
-          parallel::GradientReducerOptions{.bucket_bytes = bucket_bytes,
-                                           .reduce_dtype = reduce_dtype}));
+          parallel::GradientReducerOptions{
+              .bucket_bytes = bucket_bytes, .reduce_dtype = reduce_dtype, .engine = engine}));
     }
     done_.assign(reducers_.size(), false);
   }
@@ -449,9 +450,9 @@ void apply_replicate(ParallelModel& model, GradientTiming timing, at::ScalarType
     const auto it = module_of.find(record.local.unsafeGetTensorImpl());
     parts[it == module_of.end() ? parts.size() - 1 : it->second].push_back(record.local);
   }
-  model.add_sync(std::make_unique<ReplicateSync>(data_parallel_group(model.mesh()),
-                                                 std::move(parts), model.options().bucket_bytes,
-                                                 timing, by_module, reduce_dtype));
+  model.add_sync(std::make_unique<ReplicateSync>(
+      data_parallel_group(model.mesh()), std::move(parts), model.options().bucket_bytes, timing,
+      by_module, reduce_dtype, model.options().reduce_engine));
 }
 
 std::unique_ptr<GradientSync> make_replicate_sync(const ProcessGroup& group,

@@ -1,4 +1,6 @@
 // d9d/parallel/replicate.cpp — bucketed, overlapped gradient all-reduce for replicated parameters.
+#include <algorithm>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -8,6 +10,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <d9d/parallel/detail/copy_engine_reduce.hpp>
 #include <d9d/parallel/replicate.hpp>
 
 namespace d9d::parallel {
@@ -21,10 +24,13 @@ struct GradientReducer::State {
     at::Tensor buffer;                // the flattened bucket, when it was flattened
     std::vector<at::Tensor> tensors;  // what the all-reduce reduces in place
     c10::intrusive_ptr<c10d::Work> work;
+    int64_t offset = 0;                 // ReduceEngine::copy: bytes into the copy buffer
+    at::ScalarType dtype = at::kFloat;  // ReduceEngine::copy: what the bucket is summed in
   };
 
   ProcessGroup group;
   std::optional<at::ScalarType> reduce_dtype;
+  std::unique_ptr<detail::CopyEngineReduce> copy;  // ReduceEngine::copy
   std::vector<at::Tensor> parameters;
   std::vector<std::size_t> bucket_of;  // parameter index -> bucket index
   std::vector<Bucket> buckets;
@@ -39,6 +45,10 @@ struct GradientReducer::State {
   // finish()). Otherwise (a gradient missing or laid out otherwise) the bucket is flattened into
   // one buffer, zeros for a missing gradient.
   void launch(Bucket& bucket) {
+    if (copy) {
+      launch_copy(bucket);
+      return;
+    }
     const auto& first = parameters[bucket.members.front()].grad();
     const auto dtype = reduce_dtype.value_or(
         first.defined() ? first.scalar_type() : parameters[bucket.members.front()].scalar_type());
@@ -70,6 +80,65 @@ struct GradientReducer::State {
     bucket.work = bucket.tensors.size() == 1 ? group.backend()->allreduce(bucket.tensors)
                                              : group.backend()->allreduce_coalesced(bucket.tensors);
     bucket.launched = true;
+  }
+
+  // ReduceEngine::copy: on the side stream, after the backward's work so far, the gradients are
+  // copied into the bucket's range of the copy buffer (nothing to copy where a gradient is that
+  // range already, accumulated in place) and summed there. The gradients stay referenced until
+  // finish(), when the caller's stream has waited for the side stream.
+  void launch_copy(Bucket& bucket) {
+    copy->on_side([&] {
+      const auto flat = copy->buffer();
+      int64_t offset = bucket.offset;
+      bucket.tensors.clear();
+      for (const auto index : bucket.members) {
+        const auto& param = parameters[index];
+        const auto& grad = param.grad();
+        const int64_t bytes = param.numel() * static_cast<int64_t>(c10::elementSize(bucket.dtype));
+        auto place = flat.narrow(0, offset, bytes).view(bucket.dtype);
+        if (!grad.defined()) {
+          place.zero_();
+        } else if (!(grad.scalar_type() == bucket.dtype && grad.is_contiguous() &&
+                     grad.data_ptr() == place.data_ptr())) {
+          place.copy_(grad.reshape({-1}));
+        }
+        bucket.tensors.push_back(grad);
+        offset += bytes;
+      }
+      copy->sum(bucket.offset, bucket.numel, bucket.dtype);
+    });
+    bucket.launched = true;
+  }
+
+  // ReduceEngine::copy, after every bucket was launched: the caller's stream waits for the sums,
+  // then each gradient becomes its range of the copy buffer (a tensor of its own over the
+  // buffer's storage), or, in another dtype, gets the sums copied in.
+  void finish_copy() {
+    copy->on_side([&] { copy->end_of_step(); });
+    copy->join();
+    const auto flat = copy->buffer();
+    for (auto& bucket : buckets) {
+      int64_t offset = bucket.offset;
+      for (const auto index : bucket.members) {
+        auto& param = parameters[index];
+        const int64_t size = static_cast<int64_t>(c10::elementSize(bucket.dtype));
+        if (param.scalar_type() == bucket.dtype && param.device() == flat.device()) {
+          param.mutable_grad() = at::empty({0}, flat.options().dtype(bucket.dtype))
+                                     .set_(flat.storage(), offset / size, param.sizes());
+        } else {
+          auto summed =
+              flat.narrow(0, offset, param.numel() * size).view(bucket.dtype).view(param.sizes());
+          if (param.grad().defined()) {
+            param.mutable_grad().copy_(summed);
+          } else {
+            param.mutable_grad() = summed.to(param.device(), param.scalar_type(),
+                                             /*non_blocking=*/false, /*copy=*/true);
+          }
+        }
+        offset += param.numel() * size;
+      }
+      bucket.tensors.clear();
+    }
   }
 
   // A flattened bucket's sums back into the gradients.
@@ -175,7 +244,26 @@ GradientReducer::GradientReducer(ProcessGroup group, std::vector<at::Tensor> par
     s.buckets.back().numel += param.numel();
     s.bucket_of[k] = s.buckets.size() - 1;
     bytes += size;
-    torch::autograd::impl::set_post_acc_grad_hooks(param, std::make_unique<ReadyHook>(state_, k));
+  }
+  if (options.engine == ReduceEngine::copy && !s.buckets.empty()) {
+    // Each bucket's range of the copy buffer, aligned for any dtype's view.
+    int64_t total = 0;
+    int64_t largest = 0;
+    for (auto& bucket : s.buckets) {
+      bucket.dtype =
+          options.reduce_dtype.value_or(s.parameters[bucket.members.front()].scalar_type());
+      bucket.offset = total;
+      const int64_t size = bucket.numel * static_cast<int64_t>(c10::elementSize(bucket.dtype));
+      largest = std::max(largest, size);
+      total += (size + 255) / 256 * 256;
+    }
+    s.copy = std::make_unique<detail::CopyEngineReduce>(s.group, total, largest);
+  }
+  for (const auto& bucket : s.buckets) {
+    for (const auto index : bucket.members) {
+      torch::autograd::impl::set_post_acc_grad_hooks(s.parameters[index],
+                                                     std::make_unique<ReadyHook>(state_, index));
+    }
   }
 }
 
@@ -231,6 +319,10 @@ void GradientReducer::finish() {
     bucket.pending = 0;
   }
   s.launch_ready(/*from_hook=*/false);
+  if (s.copy) {
+    s.finish_copy();
+    return;
+  }
   for (auto& bucket : s.buckets) {
     bucket.work->wait();
     if (bucket.buffer.defined()) {

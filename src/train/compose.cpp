@@ -32,6 +32,9 @@ std::set<std::string> adapter_parameters(const torch::nn::Module& root) {
 parallel::ParallelizeOptions parallel_options(const TrainerConfig& config) {
   return {
       .bucket_bytes = static_cast<int64_t>(config.data_parallel.bucket_size_mb * 1024.0 * 1024.0),
+      .reduce_engine = config.data_parallel.reduce_engine == "copy"
+                           ? parallel::ReduceEngine::copy
+                           : parallel::ReduceEngine::backend,
       .reshard = config.data_parallel.reshard,
       .prefetch = static_cast<int>(config.data_parallel.prefetch),
       .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch,

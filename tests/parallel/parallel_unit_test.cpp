@@ -270,7 +270,14 @@ TEST(Parallel_Config, DataParallelKeysAreValidated) {
            section + "}";
   };
   const auto config = d9d::TrainerConfig::from_json_text(
-      with(R"({"reshard": "never", "prefetch": 2, "reduce_every_microbatch": false})"));
+      with(R"({"reshard": "never", "prefetch": 2, "reduce_every_microbatch": false,
+                "reduce_engine": "copy"})"));
+  EXPECT_EQ(config.data_parallel.reduce_engine, "copy");
+  EXPECT_EQ(d9d::TrainerConfig::from_json_text(with("{}")).data_parallel.reduce_engine, "backend");
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                (void)d9d::TrainerConfig::from_json_text(with(R"({"reduce_engine": "nvlink"})"));
+              }),
+              HasSubstr("data_parallel.reduce_engine"));
   EXPECT_EQ(config.data_parallel.reshard, "never");
   EXPECT_EQ(config.data_parallel.prefetch, 2);
   EXPECT_FALSE(config.data_parallel.reduce_every_microbatch);

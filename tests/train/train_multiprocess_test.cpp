@@ -176,6 +176,70 @@ TEST(Train_Replicate_ws2, ABucketWithAMissingGradientIsFlattenedWithZeros) {
   });
 }
 
+// ReduceEngine::copy: on CPU groups (Gloo) a clear refusal; on GPUs (the NCCL run of this suite)
+// the copy engines' sums equal the all-reduce's, each gradient becomes its place in the copy
+// buffer (the same place every step), and gradients accumulated there in place reduce again.
+TEST(Train_Replicate_ws2, TheCopyEngineSumsLikeTheAllReduce) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{.dp_replicate = 2});
+    const auto group = mesh.group(d9d::MeshDomain::batch, "dp");
+    RankOwnLoss loss_of(env, ctx);
+    std::vector<at::Tensor> params = loss_of.model->parameters();
+    const d9d::parallel::GradientReducerOptions options{
+        .bucket_bytes = 4096, .engine = d9d::parallel::ReduceEngine::copy};
+    if (!ctx.device().is_cuda()) {
+      try {
+        d9d::parallel::GradientReducer reducer(group, params, options);
+        ADD_FAILURE() << "a CPU group accepted the copy engine";
+      } catch (const std::invalid_argument& error) {
+        EXPECT_THAT(error.what(), HasSubstr("reduce_engine \"copy\" needs a CUDA"));
+        EXPECT_THAT(error.what(), HasSubstr("Fix: use reduce_engine \"backend\""));
+      }
+      return;
+    }
+    d9d::parallel::GradientReducer reducer(group, params, options);
+    ASSERT_GT(reducer.bucket_count(), 3U);
+    loss_of().backward();
+    std::vector<at::Tensor> sums;
+    for (auto& p : params) {
+      sums.push_back(d9d::all_reduce(group, p.grad().clone()));
+    }
+    std::vector<const void*> places;
+    for (int step = 0; step < 2; ++step) {  // fresh gradients each step (the trainer drops them)
+      for (auto& p : params) {
+        p.mutable_grad() = at::Tensor();
+      }
+      reducer.arm();
+      loss_of().backward();
+      reducer.finish();
+      EXPECT_GT(reducer.launched_during_backward(), 0U);
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(at::allclose(params[i].grad(), sums[i], 1e-5, 1e-6))
+            << "step " << step << " parameter " << i;
+        if (step == 0) {
+          places.push_back(params[i].grad().data_ptr());
+        } else {
+          EXPECT_EQ(params[i].grad().data_ptr(), places[i]) << "parameter " << i;
+        }
+      }
+    }
+    // Zeroed in place: the next two backwards accumulate into the copy buffer, which reduces
+    // where it is.
+    torch::optim::SGD optimizer(params, torch::optim::SGDOptions(0.1));
+    optimizer.zero_grad(/*set_to_none=*/false);
+    loss_of().backward();
+    reducer.arm();
+    loss_of().backward();
+    reducer.finish();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(at::allclose(params[i].grad(), sums[i] * 2, 1e-5, 1e-6)) << "parameter " << i;
+      EXPECT_EQ(params[i].grad().data_ptr(), places[i]) << "parameter " << i;
+    }
+  });
+}
+
 // ---- pipeline plans --------------------------------------------------------------------------
 
 double max_difference(const at::Tensor& a, const at::Tensor& b) {

@@ -16,6 +16,7 @@
 
 namespace c10d {
 class Backend;
+class Store;
 }  // namespace c10d
 
 namespace d9d {
@@ -38,6 +39,8 @@ class ProcessGroup {
   [[nodiscard]] c10::Device device() const;
   /// The c10d backend; null when size() <= 1.
   [[nodiscard]] c10d::Backend* backend() const;
+  /// The store the members met through (keys private to this group); null when size() <= 1.
+  [[nodiscard]] c10d::Store* store() const;
   /// A readable name, e.g. "regular[dp_shard]" or "world".
   [[nodiscard]] const std::string& name() const;
   /// Blocks until every member reached it (no-op for one rank).

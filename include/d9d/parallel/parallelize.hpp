@@ -43,6 +43,7 @@
 #include <d9d/model/context_parallel.hpp>
 #include <d9d/model/tensor_parallel.hpp>
 #include <d9d/parallel/policies.hpp>
+#include <d9d/parallel/replicate.hpp>
 #include <d9d/parallel/strategy.hpp>
 #include <d9d/peft/policies.hpp>
 #include <d9d/peft/stack.hpp>
@@ -144,6 +145,8 @@ class GradientSync {
 struct ParallelizeOptions {
   /// Replicate: bytes per all-reduce bucket.
   int64_t bucket_bytes = int64_t{25} << 20;
+  /// Replicate: what moves the gradients' bytes (GradientReducerOptions::engine).
+  ReduceEngine reduce_engine = ReduceEngine::backend;
   /// FullyShard<Reshard::from_config>: "after_forward", "never" or "all_but_last".
   std::string reshard = "after_forward";
   /// FullyShard: units gathered ahead of their use (0: gather each unit when it starts).

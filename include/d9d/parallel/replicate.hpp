@@ -17,6 +17,11 @@
 // flattened into one buffer instead, zeros for the missing gradient; its sums become the
 // gradients' memory. finish() launches what is left, waits, and writes back what was not reduced
 // in place.
+// With ReduceEngine::copy (CUDA groups within one node) the bytes move on the GPUs' copy engines
+// instead of NCCL's kernels, which otherwise hold SMs beside the backward (design note 0028): each
+// bucket's gradients are copied into a buffer every rank maps (symmetric memory) and summed there
+// on a side stream; in finish() each gradient becomes its place in that buffer (no copy back,
+// unless the reduction's dtype differs). The buffer costs the gradients' bytes again.
 // With a group of one rank nothing is registered and every call is a no-op.
 #pragma once
 
@@ -31,11 +36,20 @@
 
 namespace d9d::parallel {
 
+/// What moves a bucket's bytes.
+enum class ReduceEngine {
+  backend,  ///< the group's all-reduce (NCCL on GPUs, Gloo on CPUs)
+  copy,     ///< the copy engines through symmetric memory (a CUDA group within one node)
+};
+
 struct GradientReducerOptions {
   int64_t bucket_bytes = int64_t{25} << 20;
   /// The dtype buckets are all-reduced in (e.g. bfloat16 for float32 gradients: half the bytes,
   /// one rounding of each rank's gradient and of the sum); unset: the gradients' own.
   std::optional<at::ScalarType> reduce_dtype = std::nullopt;
+  /// ReduceEngine::copy needs a CUDA build and a CUDA group whose GPUs share a node: otherwise the
+  /// constructor throws std::invalid_argument.
+  ReduceEngine engine = ReduceEngine::backend;
 };
 
 class GradientReducer {

@@ -62,6 +62,9 @@ struct ClippingConfig {
 /// Run-time knobs of the data-parallel strategies (d9d/parallel/policies.hpp).
 struct DataParallelConfig {
   double bucket_size_mb = 25.0;  ///< Replicate: gradient all-reduce bucket size
+  /// Replicate: what moves the gradients' bytes: "backend" (the group's all-reduce) or "copy"
+  /// (the GPUs' copy engines, for CUDA groups within one node; d9d/parallel/replicate.hpp).
+  std::string reduce_engine = "backend";
   /// FullyShard<Reshard::from_config>: "after_forward", "never" or "all_but_last".
   std::string reshard = "after_forward";
   int64_t prefetch = 1;  ///< FullyShard: units gathered ahead of their use (0: none)
