@@ -203,10 +203,12 @@ TEST(Train_Replicate_ws2, TheCopyEngineSumsLikeTheAllReduce) {
     ASSERT_GT(reducer.bucket_count(), 3U);
     loss_of().backward();
     std::vector<at::Tensor> sums;
+    sums.reserve(params.size());
     for (auto& p : params) {
       sums.push_back(d9d::all_reduce(group, p.grad().clone()));
     }
     std::vector<const void*> places;
+    places.reserve(params.size());
     for (int step = 0; step < 2; ++step) {  // fresh gradients each step (the trainer drops them)
       for (auto& p : params) {
         p.mutable_grad() = at::Tensor();
