@@ -95,6 +95,18 @@ struct RankOwnLoss {
   }
 };
 
+// The gradients zeroed in place (as the optimizer does when it keeps them), then two backwards,
+// the second armed: each gradient should hold twice its single-backward sum.
+void accumulate_twice_in_place(d9d::parallel::GradientReducer& reducer,
+                               const std::vector<at::Tensor>& params, RankOwnLoss& loss_of) {
+  torch::optim::SGD optimizer(params, torch::optim::SGDOptions(0.1));
+  optimizer.zero_grad(/*set_to_none=*/false);
+  loss_of().backward();
+  reducer.arm();
+  loss_of().backward();
+  reducer.finish();
+}
+
 TEST(Train_Replicate_ws2, BucketsAreReducedDuringBackward) {
   D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
   d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
@@ -131,12 +143,7 @@ TEST(Train_Replicate_ws2, BucketsAreReducedDuringBackward) {
     // Zeroed in place by the optimizer rather than dropped (it detaches them in place first, which
     // a view would refuse), they take the next backward's gradients and reduce again: twice the
     // same data, twice the sums.
-    torch::optim::SGD optimizer(params, torch::optim::SGDOptions(0.1));
-    optimizer.zero_grad(/*set_to_none=*/false);
-    loss_of().backward();
-    reducer.arm();
-    loss_of().backward();
-    reducer.finish();
+    accumulate_twice_in_place(reducer, params, loss_of);
     for (std::size_t i = 0; i < params.size(); ++i) {
       EXPECT_TRUE(at::allclose(params[i].grad(), sums[i] * 2, 1e-5, 1e-6)) << "parameter " << i;
     }
@@ -229,12 +236,7 @@ TEST(Train_Replicate_ws2, TheCopyEngineSumsLikeTheAllReduce) {
     }
     // Zeroed in place: the next two backwards accumulate into the copy buffer, which reduces
     // where it is.
-    torch::optim::SGD optimizer(params, torch::optim::SGDOptions(0.1));
-    optimizer.zero_grad(/*set_to_none=*/false);
-    loss_of().backward();
-    reducer.arm();
-    loss_of().backward();
-    reducer.finish();
+    accumulate_twice_in_place(reducer, params, loss_of);
     for (std::size_t i = 0; i < params.size(); ++i) {
       EXPECT_TRUE(at::allclose(params[i].grad(), sums[i] * 2, 1e-5, 1e-6)) << "parameter " << i;
       EXPECT_EQ(params[i].grad().data_ptr(), places[i]) << "parameter " << i;
