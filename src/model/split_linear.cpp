@@ -115,40 +115,67 @@ struct WeightGrad {
            input.scalar_type() == grad_out.scalar_type() && grad.device() == grad_out.device();
   }
 
-  // Whether a backward that does not defer should add the product into .grad itself (run())
-  // instead of returning it: the GEMM then adds with beta = 1, where autograd's AccumulateGrad
-  // would add the returned product in another kernel (a read of two float32 gradients and a write
-  // of one per weight and microbatch: 6% of a tensor-parallel 1.7B step on H200s). Only while
-  // nothing else can tell the difference: the gradient exists to take the product, no
-  // hook waits on the parameter (the data-parallel reducers' post-accumulate-grad hooks keep
-  // AccumulateGrad, which calls them once per backward), the backward accumulates into .grad
-  // (torch::autograd::backward of everything, not autograd::grad of chosen inputs) and builds no
-  // graph of its own (create_graph).
-  [[nodiscard]] bool adds_in_place() const {
-    if (bias.defined() || !grad_takes_product() || at::GradMode::is_enabled() ||
-        torch::autograd::impl::post_acc_grad_hooks(weight) != nullptr) {
-      return false;
+  // Where a backward that does not defer puts the weight's product.
+  enum class Sink {
+    // Returned: AccumulateGrad adds it to .grad (a read of two float32 gradients and a write of
+    // one per weight and microbatch, in a kernel of its own).
+    returned,
+    // Added into .grad by the GEMM (beta = 1), nothing returned (6% of a tensor-parallel 1.7B
+    // step on H200s): while nothing can tell the difference.
+    in_place,
+    // Added by the GEMM into .grad taken off the parameter, which is returned as the gradient:
+    // AccumulateGrad finds no .grad and keeps the tensor it gets (no kernel, the same memory),
+    // then calls the parameter's post-accumulate-grad hook (the data-parallel reducers' readiness)
+    // once per backward, as for any gradient. A weight with other uses in the graph still sums
+    // right: the engine adds their gradients to the returned one before AccumulateGrad.
+    handed_back,
+  };
+  // The sink: in place only while the gradient exists to take the product, no hook waits on the
+  // parameter, the backward accumulates into .grad (torch::autograd::backward of everything, not
+  // autograd::grad of chosen inputs) and builds no graph of its own (create_graph); handed back
+  // where the only hook is a post-accumulate-grad hook and .grad owns its tensor alone (another
+  // owner would make AccumulateGrad copy it to new memory).
+  [[nodiscard]] Sink sink() const {
+    if (bias.defined() || !grad_takes_product() || at::GradMode::is_enabled()) {
+      return Sink::returned;
     }
-    // Nor a hook on the gradient as it arrives (register_hook), which would not see this one.
+    // A hook on the gradient as it arrives (register_hook) would not see this one.
     if (const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(weight);
         accumulator != nullptr &&
         (!accumulator->tensor_pre_hooks().empty() || !accumulator->pre_hooks().empty() ||
          !accumulator->post_hooks().empty())) {
-      return false;
+      return Sink::returned;
     }
-    const auto* chosen = torch::autograd::get_current_graph_task_exec_info();
-    return chosen == nullptr || chosen->empty();
+    if (const auto* chosen = torch::autograd::get_current_graph_task_exec_info();
+        chosen != nullptr && !chosen->empty()) {
+      return Sink::returned;
+    }
+    if (torch::autograd::impl::post_acc_grad_hooks(weight) == nullptr) {
+      return Sink::in_place;
+    }
+    return weight.grad().use_count() == 1 ? Sink::handed_back : Sink::returned;
+  }
+
+  // .grad += the product, in the GEMM (widening: cuBLAS writes float32 from bfloat16 inputs).
+  void add_product(at::Tensor& grad) const {
+    if (widening()) {
+      at::addmm_out(grad, grad, grad_out.t(), input, at::kFloat);
+    } else {
+      grad.addmm_(grad_out.t(), input);
+    }
+  }
+
+  // Sink::handed_back: .grad taken off the parameter with the product added, to be returned.
+  at::Tensor hand_back() {
+    at::Tensor grad = std::move(weight.mutable_grad());
+    weight.mutable_grad() = at::Tensor();
+    add_product(grad);
+    return grad;
   }
 
   void run() {
     if (grad_takes_product()) {
-      auto& grad = weight.mutable_grad();
-      // .grad += the product, in the GEMM (widening: cuBLAS writes float32 from bfloat16 inputs)
-      if (widening()) {
-        at::addmm_out(grad, grad, grad_out.t(), input, at::kFloat);
-      } else {
-        grad.addmm_(grad_out.t(), input);
-      }
+      add_product(weight.mutable_grad());
       if (bias.defined()) {
         accumulate(bias, grad_out.sum(0));
       }
@@ -161,6 +188,21 @@ struct WeightGrad {
     if (bias.defined()) {
       accumulate(bias, gb);
     }
+  }
+
+  // The weight's gradient for a backward that does not defer: the product through its sink
+  // (undefined where the GEMM added it in place).
+  at::Tensor weight_gradient() {
+    switch (sink()) {
+      case Sink::in_place:
+        run();
+        return {};
+      case Sink::handed_back:
+        return hand_back();
+      case Sink::returned:
+        break;
+    }
+    return compute().first;
   }
 };
 
@@ -178,11 +220,7 @@ void queue_or_compute(torch::autograd::AutogradContext* ctx, WeightGradJobs jobs
     return;
   }
   for (auto& [index, job] : jobs) {
-    if (job.adds_in_place()) {
-      job.run();  // out[index] stays undefined: AccumulateGrad has nothing to add
-    } else {
-      out[index] = job.compute().first;
-    }
+    out[index] = job.weight_gradient();
   }
 }
 
@@ -243,8 +281,8 @@ struct SplitLinear : torch::autograd::Function<SplitLinear<HasBias>> {
       queue->push([job = std::move(job)]() mutable { job.run(); });
       return out;
     }
-    if (job.adds_in_place()) {
-      job.run();
+    if (!HasBias || !need_b) {
+      out[1] = job.weight_gradient();
       return out;
     }
     auto [gw, gb] = job.compute();

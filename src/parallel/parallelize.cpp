@@ -174,6 +174,13 @@ void ParallelModel::finish() {
 }
 
 double ParallelModel::normalize_and_clip(double total_weight, std::optional<double> max_norm) {
+  const auto weight = at::scalar_tensor(
+      total_weight, at::TensorOptions().dtype(at::kDouble).device(impl_->mesh.context().device()));
+  return normalize_and_clip(weight, max_norm).item<double>();
+}
+
+at::Tensor ParallelModel::normalize_and_clip(const at::Tensor& total_weight,
+                                             std::optional<double> max_norm) {
   auto& s = *impl_;
   const at::NoGradGuard no_grad;
   // Squares per set of sharded dims: replicated parameters count once, shards are summed over the
@@ -241,14 +248,22 @@ double ParallelModel::normalize_and_clip(double total_weight, std::optional<doub
   }
   // The norm of the summed gradients over the weight is the normalized gradients' norm: one pass
   // over the gradients scales them by both (dividing first, then clipping, read and wrote every
-  // gradient twice).
-  const double grad_norm = std::sqrt(total.item<double>()) / total_weight;
-  double scale = 1.0 / total_weight;
-  if (max_norm && grad_norm > *max_norm) {
-    scale *= *max_norm / (grad_norm + 1e-6);
+  // gradient twice). All of it on the device, in float64: the host does not wait here.
+  const auto weight = total_weight.to(options);
+  const auto grad_norm = total.sqrt() / weight;
+  auto scale = weight.reciprocal();
+  if (max_norm) {
+    scale = scale *
+            at::where(grad_norm > *max_norm, *max_norm / (grad_norm + 1e-6), at::ones({}, options));
   }
-  if (!grads.empty()) {
-    at::_foreach_mul_(grads, at::Scalar(scale));
+  // One foreach call per gradient dtype, the scale in its arithmetic type (a float64 scalar
+  // multiplied float32 gradients in float32 before, too).
+  std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
+  for (const auto& grad : grads) {
+    by_dtype[grad.scalar_type()].push_back(grad);
+  }
+  for (auto& [dtype, group] : by_dtype) {
+    at::_foreach_mul_(group, scale.to(at::promote_types(dtype, at::kFloat)));
   }
   return grad_norm;
 }

@@ -290,10 +290,9 @@ StepResult PipelineStepCore::run(const std::vector<std::any>& microbatches, int6
   }
 
   // Only the last stage's ranks hold loss sums: sum over the pipeline, then over the replicas.
-  const auto totals = global_totals(loss_sum, weight_sum, s.loss_groups, s.device, step);
+  const auto totals = global_totals(loss_sum, weight_sum, s.loss_groups, s.device);
   // Each pipeline rank holds its stages' gradients: the layer sums the norm's squares over pp too.
-  const double grad_norm = s.parallel->normalize_and_clip(totals.second, s.options.max_grad_norm);
-  return finish_step(*s.optimizer, s.options, step, lr, totals, grad_norm,
+  return finish_step(*s.optimizer, s.options, step, lr, totals, *s.parallel,
                      s.parallel->mesh().context().world());
 }
 

@@ -1,7 +1,6 @@
 // d9d/train/train_step.cpp — gradient accumulation, replicate reduction, clipping, AdamW.
 #include <any>
 #include <chrono>
-#include <cmath>
 #include <stdexcept>
 #include <vector>
 
@@ -84,47 +83,53 @@ void accumulate_loss(const LossOutput& out, at::Tensor& loss_sum, at::Tensor& we
   weight_sum = weight_sum.defined() ? weight_sum + weight_value : weight_value;
 }
 
-std::pair<double, double> global_totals(const at::Tensor& loss_sum, const at::Tensor& weight_sum,
-                                        const std::vector<ProcessGroup>& groups, c10::Device device,
-                                        int64_t step) {
+at::Tensor global_totals(const at::Tensor& loss_sum, const at::Tensor& weight_sum,
+                         const std::vector<ProcessGroup>& groups, c10::Device device) {
   const auto zero = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
   auto totals = at::stack({loss_sum.defined() ? loss_sum.to(device) : zero,
                            weight_sum.defined() ? weight_sum.to(device) : zero});
   for (const auto& group : groups) {
     totals = all_reduce(group, totals);
   }
-  totals = totals.cpu();
-  const double total_loss = totals[0].item<double>();
-  const double total_weight = totals[1].item<double>();
+  return totals;
+}
+
+StepResult finish_step(torch::optim::Optimizer& optimizer, const TrainStepOptions& options,
+                       int64_t step, double lr, const at::Tensor& totals,
+                       parallel::ParallelModel& parallel, const ProcessGroup& world) {
+  // Token-mean gradients, their norm over the mesh, clipping: queued behind the backward.
+  const auto grad_norm = parallel.normalize_and_clip(totals[1], options.max_grad_norm);
+  // The loss and the norm are reduced over the mesh, so ranks normally see the same values; the
+  // flag's all-reduce makes the decision one by construction (a rank of another tensor-parallel
+  // or pipeline group cannot step while this one skips).
+  auto bad =
+      at::logical_not(at::isfinite(totals[0] / totals[1]).logical_and(at::isfinite(grad_norm)))
+          .to(at::kFloat)
+          .reshape({1});
+  if (world.size() > 1) {
+    bad = all_reduce(world, bad.to(world.device()), ReduceOp::max);
+  }
+  // The step's one wait for the device: everything above was queued without waiting.
+  const auto host =
+      at::cat({totals.to(at::kDouble), grad_norm.reshape({1}).to(totals.device(), at::kDouble),
+               bad.to(totals.device(), at::kDouble)})
+          .cpu();
+  const auto* values = host.const_data_ptr<double>();
+  const double total_loss = values[0];
+  const double total_weight = values[1];
   if (!(total_weight > 0)) {
     throw std::runtime_error("d9d::TrainStep: step " + std::to_string(step) +
                              " has a total loss weight of " + std::to_string(total_weight) +
                              " (no target tokens on any rank?)");
   }
-  return {total_loss, total_weight};
-}
-
-StepResult finish_step(torch::optim::Optimizer& optimizer, const TrainStepOptions& options,
-                       int64_t step, double lr, std::pair<double, double> totals, double grad_norm,
-                       const ProcessGroup& world) {
-  StepResult result{.loss = totals.first / totals.second,
-                    .weight = totals.second,
-                    .grad_norm = grad_norm,
-                    .lr = lr};
-  // The loss and the norm are reduced over the mesh, so ranks normally see the same values; the
-  // flag's all-reduce makes the decision one by construction (a rank of another tensor-parallel
-  // or pipeline group cannot step while this one skips).
-  bool finite = std::isfinite(result.loss) && std::isfinite(grad_norm);
-  if (world.size() > 1) {
-    const auto flag = at::full({1}, finite ? 0.0F : 1.0F, at::TensorOptions().dtype(at::kFloat));
-    finite = all_reduce(world, flag.to(world.device()), ReduceOp::max).cpu().item<float>() == 0.0F;
-  }
-  result.finite = finite;
-  if (!finite) {
+  StepResult result{
+      .loss = total_loss / total_weight, .weight = total_weight, .grad_norm = values[2], .lr = lr};
+  result.finite = values[3] == 0.0;
+  if (!result.finite) {
     return result;  // no optimizer step: the parameters and AdamW's state stay as they were
   }
   if (options.events != nullptr) {
-    options.events->emit(events::BeforeOptimizer{.step = step, .grad_norm = grad_norm});
+    options.events->emit(events::BeforeOptimizer{.step = step, .grad_norm = result.grad_norm});
   }
   {
     RECORD_USER_SCOPE("d9d::optimizer");
@@ -394,10 +399,8 @@ StepResult TrainStepCore::run(const std::vector<std::any>& microbatches, int64_t
     s.parallel->finish();
   }
 
-  const auto totals = global_totals(loss_sum, weight_sum, s.loss_groups, loss_sum.device(), step);
-  // Token-mean gradients, their norm over the mesh, clipping.
-  const double grad_norm = s.parallel->normalize_and_clip(totals.second, s.options.max_grad_norm);
-  auto result = finish_step(*s.optimizer, s.options, step, lr, totals, grad_norm,
+  const auto totals = global_totals(loss_sum, weight_sum, s.loss_groups, loss_sum.device());
+  auto result = finish_step(*s.optimizer, s.options, step, lr, totals, *s.parallel,
                             s.parallel->mesh().context().world());
   result.issue_seconds = issue_seconds;
   result.replayed_microbatches = replayed;

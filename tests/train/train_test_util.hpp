@@ -73,6 +73,7 @@ struct FaultyTask {
   int64_t last = -1;
   double factor = 1.0;
   bool gradient_only = false;
+  bool no_targets = false;  ///< the loss and its weight become 0 (no target tokens)
   bool active = true;
   std::shared_ptr<int64_t> current = std::make_shared<int64_t>(-1);
 
@@ -87,7 +88,10 @@ struct FaultyTask {
     if (!active || *current < first || *current > last) {
       return out;
     }
-    if (gradient_only) {
+    if (no_targets) {
+      out.loss_sum = out.loss_sum * 0.0;
+      out.weight = out.weight * 0;
+    } else if (gradient_only) {
       const double f = factor;
       out.loss_sum.register_hook([f](const at::Tensor& grad) { return grad * f; });
       out.loss_sum = out.loss_sum * 1.0;  // the hook sits below the tensor backward() starts from

@@ -642,9 +642,11 @@ class CountingHook : public torch::autograd::PostAccumulateGradHook {
 TEST(Model_Linear, AddsWeightGradientsIntoAnExistingGradientInPlace) {
   // A second backward adds the weight gradient into the existing .grad with the GEMM itself (the
   // same storage, the sum of both products) through Linear under a recording queue, fan_out_linear
-  // and silu_mul_linear; a parameter with a post-accumulate-grad hook keeps autograd's
-  // accumulation (the hook is called once per backward); autograd::grad of chosen inputs leaves
-  // .grad alone.
+  // and silu_mul_linear; under a post-accumulate-grad hook (the data-parallel reducers') too: the
+  // .grad the GEMM added into is handed back to AccumulateGrad, which keeps it (a new tensor over
+  // the same memory) and calls the hook once per backward; while something else holds .grad, or a
+  // hook waits on the arriving gradient, autograd adds the product itself; autograd::grad of
+  // chosen inputs leaves .grad alone.
   at::manual_seed(7);
   const auto x0 = at::randn({2, 5, 12}, at::kDouble);
   const auto up0 = at::randn({2, 5, 12}, at::kDouble);
@@ -655,13 +657,13 @@ TEST(Model_Linear, AddsWeightGradientsIntoAnExistingGradientInPlace) {
     return g.reshape({-1, 7}).t().mm(in.reshape({-1, 12}));
   };
   // Hooks: none, a post-accumulate-grad hook (counted), a hook on the arriving gradient that
-  // doubles it (it must see every product).
+  // doubles it (it must see every product), the counted hook while the test holds .grad too.
   for (int path = 0; path < 3; ++path) {
-    for (const int hooked : {0, 1, 2}) {
+    for (const int hooked : {0, 1, 2, 3}) {
       d9d::model::Linear layer(12, 7, false);
       layer->to(at::kDouble);
       int hook_calls = 0;
-      if (hooked == 1) {
+      if (hooked == 1 || hooked == 3) {
         torch::autograd::impl::set_post_acc_grad_hooks(layer->weight,
                                                        std::make_unique<CountingHook>(hook_calls));
       } else if (hooked == 2) {
@@ -687,12 +689,16 @@ TEST(Model_Linear, AddsWeightGradientsIntoAnExistingGradientInPlace) {
       run(g0);
       ASSERT_TRUE(layer->weight.grad().defined()) << where;
       const auto* storage = layer->weight.grad().data_ptr();
+      const auto* first = layer->weight.grad().unsafeGetTensorImpl();
+      const auto held = hooked == 3 ? layer->weight.grad() : at::Tensor();
       run(g1);
       const auto in = path == 2 ? at::silu(x0) * up0 : x0;
       const auto want = (product(g0, in) + product(g1, in)) * (hooked == 2 ? 2.0 : 1.0);
       EXPECT_TRUE(at::allclose(layer->weight.grad(), want, 1e-12, 1e-12)) << where;
       EXPECT_EQ(layer->weight.grad().data_ptr(), storage) << where << ": accumulated in place";
-      EXPECT_EQ(hook_calls, hooked == 1 ? 2 : 0) << where;
+      EXPECT_EQ(hook_calls, hooked == 1 || hooked == 3 ? 2 : 0) << where;
+      EXPECT_EQ(layer->weight.grad().unsafeGetTensorImpl() != first, hooked == 1)
+          << where << ": handed back to AccumulateGrad only under the hook alone";
       // autograd::grad of x alone: the weight's .grad stays as it was.
       const auto before = layer->weight.grad().clone();
       const auto x = x0.clone().requires_grad_();
@@ -706,6 +712,34 @@ TEST(Model_Linear, AddsWeightGradientsIntoAnExistingGradientInPlace) {
       EXPECT_TRUE(at::equal(layer->weight.grad(), before)) << where << ": autograd::grad";
     }
   }
+}
+
+TEST(Model_Linear, AWeightUsedTwiceUnderAPostAccumulateHookSumsBothUses) {
+  // Two uses of one weight in a backward (the layer on two inputs): the first use's GEMM adds into
+  // the handed-back .grad, the second's product is added by the engine before AccumulateGrad; the
+  // hook runs once per backward and sees both uses of both backwards.
+  at::manual_seed(8);
+  const auto a0 = at::randn({3, 12}, at::kDouble);
+  const auto b0 = at::randn({3, 12}, at::kDouble);
+  d9d::model::Linear layer(12, 7, false);
+  layer->to(at::kDouble);
+  int hook_calls = 0;
+  torch::autograd::impl::set_post_acc_grad_hooks(layer->weight,
+                                                 std::make_unique<CountingHook>(hook_calls));
+  const auto ga = at::randn({3, 7}, at::kDouble);
+  const auto gb = at::randn({3, 7}, at::kDouble);
+  d9d::WeightGradQueue queue;  // recording, never deferring: the layer's autograd function
+  for (int i = 0; i < 2; ++i) {
+    at::Tensor y;
+    {
+      const d9d::RecordWeightGrads record(queue);
+      y = layer(a0) * ga + layer(b0) * gb;
+    }
+    y.sum().backward();
+  }
+  const auto want = (ga.t().mm(a0) + gb.t().mm(b0)) * 2.0;
+  EXPECT_TRUE(at::allclose(layer->weight.grad(), want, 1e-12, 1e-12));
+  EXPECT_EQ(hook_calls, 2);
 }
 
 TEST(Model_Qwen3Loss, FusedAndUnfusedKernelsTrainAlike) {
@@ -1267,6 +1301,23 @@ TEST(Train_Numerics, NanLossStopsNamingTheStepAndKeepsTheLastCheckpoint) {
   const auto error = d9d::testing::error_of<d9d::NumericalError>([&] { (void)run.train(); });
   EXPECT_THAT(error, HasSubstr("step 2 of 4 (index 1): loss inf")) << error;
   EXPECT_THAT(error, HasSubstr("no checkpoint was written")) << error;
+}
+
+TEST(Train_Numerics, AStepWithoutTargetTokensStopsNamingIt) {
+  // The total weight is read with the loss and the norm in the step's one wait for the device;
+  // a step without target tokens stops there, before the optimizer.
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  const d9d::testing::FaultyTask task{.first = 2, .last = 2, .no_targets = true};
+  d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                              task, d9d::testing::tiny_run(tmp_dir("no_targets"), 4, 8, 4));
+  task.follow(run);
+  std::vector<at::Tensor> before;  // after step index 1
+  snapshot_at(run, 1, before);
+  const auto error = d9d::testing::error_of<std::runtime_error>([&] { (void)run.train(); });
+  EXPECT_THAT(error, HasSubstr("step 2 has a total loss weight of 0.000000 (no target tokens on "
+                               "any rank?)"))
+      << error;
+  EXPECT_TRUE(all_equal(parameters_of(run.core()), before));
 }
 
 TEST(Train_Numerics, InfiniteGradientNormSkipsTheStepWhenConfigured) {

@@ -221,7 +221,11 @@ class ParallelModel {
   /// (each element counted once: squares summed over the dims a parameter is sharded on and over
   /// pp, never over replicas), scales the gradients to `max_norm` when it is exceeded, and returns
   /// the norm before clipping. Collective over the mesh (the same collectives on every rank).
+  /// Waits for the device to read the norm.
   double normalize_and_clip(double total_weight, std::optional<double> max_norm);
+  /// The same without waiting for the device: `total_weight` a scalar tensor on the mesh's device,
+  /// the norm returned as one (float64); the scaling happens on the device.
+  at::Tensor normalize_and_clip(const at::Tensor& total_weight, std::optional<double> max_norm);
 
   /// Bytes of this rank's parameters (records' locals), their gradients, and what the strategies
   /// hold besides (gathered units); the optimizer's state is the caller's.

@@ -41,17 +41,19 @@ void begin_step(torch::optim::Optimizer& optimizer, double lr, bool drop_gradien
 void accumulate_loss(const LossOutput& out, at::Tensor& loss_sum, at::Tensor& weight_sum,
                      const char* who);
 
-/// The step's global totals: {loss_sum, weight_sum} summed over each group in `groups` (an
-/// undefined sum counts as 0 on `device`); throws when the total weight is not positive.
-std::pair<double, double> global_totals(const at::Tensor& loss_sum, const at::Tensor& weight_sum,
-                                        const std::vector<ProcessGroup>& groups, c10::Device device,
-                                        int64_t step);
+/// The step's global totals on `device`: [loss_sum, weight_sum] (float64) summed over each group
+/// in `groups` (an undefined sum counts as 0); no synchronisation.
+at::Tensor global_totals(const at::Tensor& loss_sum, const at::Tensor& weight_sum,
+                         const std::vector<ProcessGroup>& groups, c10::Device device);
 
-/// Events around the optimizer step, the step itself, and the result. When the loss or the
-/// gradient norm is not finite on any rank of `world` (one all-reduce of a flag), no rank steps
-/// its optimizer and the result says `finite = false`.
+/// The step's tail: the gradients divided by the total weight, their norm and clipping
+/// (ParallelModel::normalize_and_clip, on the device), whether the loss and the norm are finite on
+/// every rank of `world` (one all-reduce of a flag), then the step's one wait for the device (the
+/// totals, the norm and the flag read together); throws when the total weight is not positive.
+/// Then the events around the optimizer step, the step itself (skipped on every rank when some
+/// rank's loss or norm is not finite: the result says `finite = false`), and the result.
 StepResult finish_step(torch::optim::Optimizer& optimizer, const TrainStepOptions& options,
-                       int64_t step, double lr, std::pair<double, double> totals, double grad_norm,
-                       const ProcessGroup& world);
+                       int64_t step, double lr, const at::Tensor& totals,
+                       parallel::ParallelModel& parallel, const ProcessGroup& world);
 
 }  // namespace d9d::detail
