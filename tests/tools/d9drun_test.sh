@@ -29,4 +29,36 @@ check_one_line 126 "d9drun: error: cannot start '$work/plain'" "$d9drun" -n 2 "$
 
 out=$("$d9drun" -n 2 /bin/sh -c 'echo "rank $RANK of $WORLD_SIZE"' 2>&1) || fail "a working program failed"
 grep -qF "[rank 1] rank 1 of 2" <<<"$out" || fail "rank 1 did not run: $out"
+# --cpu-bind cores: each rank on its own physical cores (disjoint sets within d9drun's own), its
+# OMP_NUM_THREADS their count; with fewer cores than ranks, one line says so and nothing is bound.
+allowed=$(python3 -c 'import os; print(sorted(os.sched_getaffinity(0)))')
+show='import os; print("cpus", sorted(os.sched_getaffinity(0)), "omp", os.environ.get("OMP_NUM_THREADS"))'
+cores=$(python3 -c '
+import os
+seen = set()
+for cpu in os.sched_getaffinity(0):
+    t = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+    try:
+        seen.add((open(t + "/physical_package_id").read(), open(t + "/core_id").read()))
+    except OSError:
+        seen.add(("", cpu))
+print(len(seen))')
+out=$(env -u OMP_NUM_THREADS "$d9drun" -n 1 --cpu-bind cores python3 -c "$show" 2>&1) || fail "one bound rank failed: $out"
+grep -qF "[rank 0] cpus $allowed omp $cores" <<<"$out" || fail "one rank should get every core ($allowed, omp $cores): $out"
+out=$(env -u OMP_NUM_THREADS "$d9drun" -n 2 --cpu-bind cores python3 -c "$show" 2>&1) || fail "two bound ranks failed: $out"
+if [ "$cores" -ge 2 ]; then
+  python3 - "$allowed" "$out" <<'PY' || fail "two ranks' cores: $out"
+import ast, re, sys
+allowed = set(ast.literal_eval(sys.argv[1]))
+sets = {int(r): set(ast.literal_eval(c)) for r, c in re.findall(r"\[rank (\d)\] cpus (\[[^]]*\])", sys.argv[2])}
+assert sorted(sets) == [0, 1], sets
+assert sets[0] and sets[1] and not sets[0] & sets[1], sets
+assert sets[0] | sets[1] <= allowed, sets
+PY
+else
+  grep -qF "[d9drun] --cpu-bind cores: $cores physical core(s) for 2 ranks; binding nothing" <<<"$out" ||
+    fail "fewer cores than ranks should be said: $out"
+fi
+out=$(OMP_NUM_THREADS=3 "$d9drun" -n 1 --cpu-bind cores python3 -c "$show" 2>&1) || fail "$out"
+grep -qF "omp 3" <<<"$out" || fail "a set OMP_NUM_THREADS should stay: $out"
 echo "ok"
