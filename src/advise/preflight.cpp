@@ -151,6 +151,21 @@ void predict_moe(const TrainerConfig& config, const model::Qwen3MoeConfig& model
   });
 }
 
+// Replicate's buffer under data_parallel.reduce_engine "copy" (d9d/parallel/detail/
+// copy_engine_reduce.hpp): its buckets laid out in memory every rank of its group (dp x cp) maps,
+// in the reduction's dtype: the rank's gradient bytes again, in bfloat16 under a bfloat16
+// reduction (each bucket rounded up to 256 bytes: at most 255 bytes a bucket, not counted). 0
+// under FullyShard, on one data-parallel rank, or with NCCL's all-reduce.
+int64_t copy_engine_buffer_bytes(const TrainerConfig& config, const PreflightPlan& plan,
+                                 const StateBytes& state) {
+  const auto& c = plan.candidate;
+  if (config.data_parallel.reduce_engine != "copy" || c.fully_shard || c.dp_replicate * c.cp < 2) {
+    return 0;
+  }
+  const auto element = static_cast<int64_t>(c10::elementSize(plan.rules->gradients));
+  return plan.reduce_bf16 && element > 2 ? state.gradients / element * 2 : state.gradients;
+}
+
 // A dense Qwen3's figures and lines (predict_plan's, before the fit check): the fullest rank.
 void predict_dense(const TrainerConfig& config, const model::Qwen3Config& model,
                    const PreflightPlan& plan, const MachineProfile* machine, Preflight& out,
@@ -166,7 +181,14 @@ void predict_dense(const TrainerConfig& config, const model::Qwen3Config& model,
   out.state_bytes = rank.state.total();
   out.activation_bytes = rank.activations;
   out.peak_bytes = rank.peak;
+  const int64_t copy_buffer = copy_engine_buffer_bytes(config, plan, rank.state);
+  if (out.peak_bytes) {
+    *out.peak_bytes += copy_buffer;
+  }
   std::string memory = state_line(out.plan, rank.state);
+  if (copy_buffer > 0) {
+    memory += ", the copy engine's buffer " + gib(copy_buffer);
+  }
   if (out.activation_bytes) {
     memory += ", activations " + gib(*out.activation_bytes) + ", peak during a step " +
               gib(*out.peak_bytes);

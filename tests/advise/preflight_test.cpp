@@ -23,6 +23,7 @@
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr const char* kModel = R"({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
@@ -126,6 +127,49 @@ TEST(Advise_Preflight, FiguresAreTheAdvisorsForThePlansSlots) {
                   d9d::advise::peak_rank_activation_bytes(program, r, per_stage));
   }
   EXPECT_EQ(pp->state_bytes + *pp->activation_bytes, most);
+}
+
+TEST(Advise_Preflight, TheCopyEnginesBufferIsInTheReplicatePeak) {
+  // data_parallel.reduce_engine "copy": Replicate's buckets in a buffer every rank maps, the
+  // gradients' bytes again in the reduction's dtype, on top of the peak; not under FullyShard,
+  // nor on one rank.
+  const auto with_engine = [](const std::string& engine) {
+    return d9d::TrainerConfig::from_json_text(
+        std::string(R"({"run": {"output_dir": "unused", "total_steps": 1},
+            "batch": {"global_batch_size": 8, "microbatch_size": 2, "sequence_length": 16},
+            "data_parallel": {"reduce_engine": ")") +
+        engine + R"("}, "advise": {}, "model": )" + kModel + "}");
+  };
+  using Rep = d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>>, d9d::precision::Bf16Mixed>;
+  using RepBf16 =
+      d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>>, d9d::precision::Bf16MixedBf16Reduce>;
+  const d9d::MeshShape two{.dp_replicate = 2};
+  const auto gradients = d9d::advise::state_bytes(d9d::advise::qwen3_parameters(model()),
+                                                  d9d::advise::precision_rules("bf16_mixed"), 0)
+                             .gradients;
+  const auto backend = d9d::advise::preflight<Rep>(with_engine("backend"), two);
+  const auto copy = d9d::advise::preflight<Rep>(with_engine("copy"), two);
+  ASSERT_TRUE(backend && copy && backend->peak_bytes && copy->peak_bytes);
+  EXPECT_EQ(*copy->peak_bytes - *backend->peak_bytes, gradients);  // float32 sums
+  EXPECT_EQ(copy->state_bytes, backend->state_bytes);
+  EXPECT_THAT(copy->lines.at(0), HasSubstr(", the copy engine's buffer "));
+  EXPECT_THAT(backend->lines.at(0), Not(HasSubstr("copy engine")));
+  const auto bf16 = d9d::advise::preflight<RepBf16>(with_engine("copy"), two);
+  const auto bf16_backend = d9d::advise::preflight<RepBf16>(with_engine("backend"), two);
+  ASSERT_TRUE(bf16 && bf16_backend && bf16->peak_bytes && bf16_backend->peak_bytes);
+  EXPECT_EQ(*bf16->peak_bytes - *bf16_backend->peak_bytes, gradients / 2);  // bfloat16 sums
+  // One rank, or FullyShard: no buffer.
+  const auto one = d9d::advise::preflight<Rep>(with_engine("copy"), {});
+  const auto one_backend = d9d::advise::preflight<Rep>(with_engine("backend"), {});
+  ASSERT_TRUE(one && one_backend);
+  EXPECT_EQ(one->peak_bytes, one_backend->peak_bytes);
+  using Fsdp = d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>>, d9d::parallel::FullyShard<>,
+                         d9d::precision::Bf16Mixed>;
+  const auto fs = d9d::advise::preflight<Fsdp>(with_engine("copy"), d9d::MeshShape{.dp_shard = 2});
+  const auto fs_backend =
+      d9d::advise::preflight<Fsdp>(with_engine("backend"), d9d::MeshShape{.dp_shard = 2});
+  ASSERT_TRUE(fs && fs_backend);
+  EXPECT_EQ(fs->peak_bytes, fs_backend->peak_bytes);
 }
 
 TEST(Advise_Preflight, StepTimeFromTheProfileAndTheWarningFirst) {
