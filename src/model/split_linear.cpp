@@ -167,8 +167,7 @@ struct WeightGrad {
 
   // Sink::handed_back: .grad taken off the parameter with the product added, to be returned.
   at::Tensor hand_back() {
-    at::Tensor grad = std::move(weight.mutable_grad());
-    weight.mutable_grad() = at::Tensor();
+    at::Tensor grad = std::move(weight.mutable_grad());  // .grad left undefined
     add_product(grad);
     return grad;
   }

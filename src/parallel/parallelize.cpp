@@ -173,6 +173,56 @@ void ParallelModel::finish() {
   }
 }
 
+namespace {
+
+// The sum of the squares of `tensors` (a float64 scalar under `options`): each gradient's norm in
+// at least float32 (float64 gradients in float64: precision::Fp64 keeps its exactness), one
+// foreach call per such dtype: on CUDA a few launches for all the parameters instead of one norm
+// each.
+at::Tensor squares_of(const std::vector<at::Tensor>& tensors, const at::TensorOptions& options) {
+  if (tensors.empty()) {
+    return at::zeros({}, options);
+  }
+  std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
+  for (const auto& grad : tensors) {
+    by_dtype[at::promote_types(grad.scalar_type(), at::kFloat)].push_back(grad);
+  }
+  std::vector<at::Tensor> parts;
+  parts.reserve(by_dtype.size());
+  for (const auto& [dtype, group] : by_dtype) {
+    parts.push_back(at::stack(at::_foreach_norm(group, 2, dtype)).to(options));
+  }
+  return at::cat(parts).pow(2).sum();
+}
+
+// `grads` divided by `total_weight` and clipped to `max_norm`, given the global sum of their
+// squares `squares` (float64); returns the norm before clipping. The norm of the summed gradients
+// over the weight is the normalized gradients' norm: one pass over the gradients scales them by
+// both (dividing first, then clipping, read and wrote every gradient twice). All of it on the
+// device, in float64: the host does not wait here.
+at::Tensor scale_gradients(const std::vector<at::Tensor>& grads, const at::Tensor& squares,
+                           const at::Tensor& total_weight, std::optional<double> max_norm) {
+  const auto weight = total_weight.to(squares.options());
+  const auto grad_norm = squares.sqrt() / weight;
+  auto scale = weight.reciprocal();
+  if (max_norm) {
+    scale = scale * at::where(grad_norm > *max_norm, *max_norm / (grad_norm + 1e-6),
+                              at::ones({}, squares.options()));
+  }
+  // One foreach call per gradient dtype, the scale in its arithmetic type (a float64 scalar
+  // multiplied float32 gradients in float32 before, too).
+  std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
+  for (const auto& grad : grads) {
+    by_dtype[grad.scalar_type()].push_back(grad);
+  }
+  for (auto& [dtype, group] : by_dtype) {
+    at::_foreach_mul_(group, scale.to(at::promote_types(dtype, at::kFloat)));
+  }
+  return grad_norm;
+}
+
+}  // namespace
+
 double ParallelModel::normalize_and_clip(double total_weight, std::optional<double> max_norm) {
   const auto weight = at::scalar_tensor(
       total_weight, at::TensorOptions().dtype(at::kDouble).device(impl_->mesh.context().device()));
@@ -208,30 +258,13 @@ at::Tensor ParallelModel::normalize_and_clip(const at::Tensor& total_weight,
   }
   const auto device = s.mesh.context().device();
   const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
-  const auto squares_of = [&](const std::vector<at::Tensor>& tensors) {
-    if (tensors.empty()) {
-      return at::zeros({}, options);
-    }
-    // Each gradient's norm in at least float32 (float64 gradients in float64: precision::Fp64
-    // keeps its exactness), one foreach call per such dtype: on CUDA a few launches for all the
-    // parameters instead of one norm each.
-    std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
-    for (const auto& grad : tensors) {
-      by_dtype[at::promote_types(grad.scalar_type(), at::kFloat)].push_back(grad);
-    }
-    std::vector<at::Tensor> parts;
-    parts.reserve(by_dtype.size());
-    for (const auto& [dtype, group] : by_dtype) {
-      parts.push_back(at::stack(at::_foreach_norm(group, 2, dtype)).to(options));
-    }
-    return at::cat(parts).pow(2).sum();
-  };
   // Every rank reduces over the same groups in the same order: the sets the strategies registered
   // (the same on every rank), not the ones this rank's parameters happen to use.
-  at::Tensor total = squares_of(norms[NormKey{MeshDomain::regular, {}}]);
+  at::Tensor total = squares_of(norms[NormKey{MeshDomain::regular, {}}], options);
   for (const auto& key : s.norm_dims) {
     const auto found = norms.find(key);
-    const auto part = found != norms.end() ? squares_of(found->second) : at::zeros({}, options);
+    const auto part =
+        found != norms.end() ? squares_of(found->second, options) : at::zeros({}, options);
     total = total + all_reduce(s.mesh.group(key.first, key.second), part);
   }
   for (const auto& [key, tensors] : norms) {
@@ -246,26 +279,7 @@ at::Tensor ParallelModel::normalize_and_clip(const at::Tensor& total_weight,
   if (s.mesh.size(MeshDomain::regular, "pp") > 1) {
     total = all_reduce(s.mesh.group(MeshDomain::regular, "pp"), total);
   }
-  // The norm of the summed gradients over the weight is the normalized gradients' norm: one pass
-  // over the gradients scales them by both (dividing first, then clipping, read and wrote every
-  // gradient twice). All of it on the device, in float64: the host does not wait here.
-  const auto weight = total_weight.to(options);
-  const auto grad_norm = total.sqrt() / weight;
-  auto scale = weight.reciprocal();
-  if (max_norm) {
-    scale = scale *
-            at::where(grad_norm > *max_norm, *max_norm / (grad_norm + 1e-6), at::ones({}, options));
-  }
-  // One foreach call per gradient dtype, the scale in its arithmetic type (a float64 scalar
-  // multiplied float32 gradients in float32 before, too).
-  std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
-  for (const auto& grad : grads) {
-    by_dtype[grad.scalar_type()].push_back(grad);
-  }
-  for (auto& [dtype, group] : by_dtype) {
-    at::_foreach_mul_(group, scale.to(at::promote_types(dtype, at::kFloat)));
-  }
-  return grad_norm;
+  return scale_gradients(grads, total, total_weight, max_norm);
 }
 
 int64_t ParallelModel::parameter_bytes() const {

@@ -110,10 +110,9 @@ StepResult finish_step(torch::optim::Optimizer& optimizer, const TrainStepOption
     bad = all_reduce(world, bad.to(world.device()), ReduceOp::max);
   }
   // The step's one wait for the device: everything above was queued without waiting.
-  const auto host =
-      at::cat({totals.to(at::kDouble), grad_norm.reshape({1}).to(totals.device(), at::kDouble),
-               bad.to(totals.device(), at::kDouble)})
-          .cpu();
+  const auto host = at::cat({totals, grad_norm.reshape({1}).to(totals.device(), at::kDouble),
+                             bad.to(totals.device(), at::kDouble)})
+                        .cpu();
   const auto* values = host.const_data_ptr<double>();
   const double total_loss = values[0];
   const double total_weight = values[1];

@@ -29,12 +29,15 @@ constexpr const char* kModel = R"({"vocab_size": 64, "hidden_size": 32, "interme
     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
     "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false})";
 
-d9d::TrainerConfig config_with(const std::string& advise) {
+// The test config with an "advise" section (none when empty) and, when given, a "data_parallel"
+// section.
+d9d::TrainerConfig config_with(const std::string& advise, const std::string& data_parallel = "") {
   return d9d::TrainerConfig::from_json_text(
       std::string(R"({"run": {"output_dir": "unused", "total_steps": 1},
           "batch": {"global_batch_size": 8, "microbatch_size": 2, "sequence_length": 16},
           "model": )") +
-      kModel + (advise.empty() ? "" : R"(, "advise": )" + advise) + "}");
+      kModel + (advise.empty() ? "" : R"(, "advise": )" + advise) +
+      (data_parallel.empty() ? "" : R"(, "data_parallel": )" + data_parallel) + "}");
 }
 
 d9d::model::Qwen3Config model() { return d9d::model::Qwen3Config::from_json_text(kModel); }
@@ -134,11 +137,7 @@ TEST(Advise_Preflight, TheCopyEnginesBufferIsInTheReplicatePeak) {
   // gradients' bytes again in the reduction's dtype, on top of the peak; not under FullyShard,
   // nor on one rank.
   const auto with_engine = [](const std::string& engine) {
-    return d9d::TrainerConfig::from_json_text(
-        std::string(R"({"run": {"output_dir": "unused", "total_steps": 1},
-            "batch": {"global_batch_size": 8, "microbatch_size": 2, "sequence_length": 16},
-            "data_parallel": {"reduce_engine": ")") +
-        engine + R"("}, "advise": {}, "model": )" + kModel + "}");
+    return config_with("{}", R"({"reduce_engine": ")" + engine + R"("})");
   };
   using Rep = d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>>, d9d::precision::Bf16Mixed>;
   using RepBf16 =
