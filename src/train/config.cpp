@@ -367,6 +367,7 @@ void read_outputs(Section& root, TrainerConfig& cfg) {
   profile.integer("start", cfg.profile.start, -1, false);
   profile.integer("steps", cfg.profile.steps, 1, false);
   profile.string("dir", cfg.profile.dir, {}, false);
+  profile.boolean("operators", cfg.profile.operators);
   profile.finish();
   if (cfg.profile.dir.empty()) {
     cfg.profile.dir = cfg.run.output_dir + "/profile";

@@ -5,6 +5,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -152,9 +153,15 @@ void StepProfiler::before(int64_t step) {
     activities.insert(prof::ActivityType::CUDA);
   }
   const prof::ProfilerConfig settings(prof::ProfilerState::KINETO, /*report_input_shapes=*/false,
-                                      /*profile_memory=*/true);
+                                      /*profile_memory=*/config_.operators);
+  // Without operators, only the user scope is recorded: the d9d phase ranges (and c10d's
+  // record_param_comms), not every ATen operator and autograd node.
+  std::unordered_set<at::RecordScope> scopes;
+  if (!config_.operators) {
+    scopes.insert(at::RecordScope::USER_SCOPE);
+  }
   torch::autograd::profiler::prepareProfiler(settings, activities);
-  torch::autograd::profiler::enableProfiler(settings, activities);
+  torch::autograd::profiler::enableProfiler(settings, activities, scopes);
   reset_peak_memory(context_.device());
   active_ = true;
 }

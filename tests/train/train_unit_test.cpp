@@ -6,6 +6,7 @@
 #include <limits>
 #include <memory>
 #include <numbers>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -992,6 +993,37 @@ TEST(Train_Profile, TracesTheChosenStepsWithTheirPhases) {
   EXPECT_EQ(phases.at("d9d::forward").at("launches"), 0);
   EXPECT_EQ(memory.at("launches"), 0);
   EXPECT_EQ(memory.at("device_kernels"), 0);
+}
+
+// "operators": false keeps the phases and drops the per-operator and memory events (a light trace).
+TEST(Train_Profile, WithoutOperatorsKeepsOnlyThePhases) {
+  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
+  const auto dir = tmp_dir("profile_light");
+  auto cfg = d9d::testing::tiny_run(dir, 3, 4, 2);
+  cfg.profile.start = 1;
+  cfg.profile.steps = 1;
+  cfg.profile.dir = dir + "/trace";
+  cfg.profile.operators = false;
+  d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
+                              d9d::CausalLmTask{}, cfg);
+  (void)run.train();
+  const auto json = nlohmann::json::parse(std::ifstream(dir + "/trace/rank-0.trace.json"));
+  std::set<std::string> names;
+  for (const auto& event : json.at("traceEvents")) {
+    if (event.contains("name")) {
+      names.insert(event.at("name").get<std::string>());
+    }
+  }
+  for (const char* phase : {"d9d::step", "d9d::forward", "d9d::backward", "d9d::optimizer"}) {
+    EXPECT_TRUE(names.contains(phase)) << phase;
+  }
+  for (const auto& name : names) {
+    EXPECT_NE(name.rfind("aten::", 0), 0U) << name;
+    EXPECT_NE(name, "[memory]");
+  }
+  const auto memory = nlohmann::json::parse(std::ifstream(dir + "/trace/rank-0.memory.json"));
+  EXPECT_EQ(memory.at("phases").at("d9d::forward").at("occurrences"), 2);
+  EXPECT_EQ(memory.at("phases").at("d9d::forward").at("peak_rise_bytes"), 0);
 }
 
 // "cuda_graphs" needs a CUDA device and a gradient path without host code in backward (one rank);

@@ -131,6 +131,10 @@ struct ProfileConfig {
   int64_t start = -1;  ///< the first step traced (0-based); -1: no profiling
   int64_t steps = 1;   ///< how many steps
   std::string dir;     ///< default <run.output_dir>/profile
+  /// false: record the d9d phase ranges and the device's activity only, without an event per
+  /// operator and without memory events; the profiler then costs the host little, so the traced
+  /// steps show where an unprofiled step's time goes (the memory summary's rises are then 0).
+  bool operators = true;
 };
 
 /// CUDA graphs (docs/train.md, "CUDA graphs"): each microbatch's forward and backward is captured
