@@ -1,4 +1,5 @@
 // d9d/train/run_log.cpp — the trainer's logging pass (d9d/train/detail/run_log.hpp).
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <map>
@@ -15,6 +16,13 @@
 #include <d9d/util/format.hpp>
 
 namespace d9d::detail {
+
+int64_t last_untimed_step(const TrainerConfig& config, int64_t start_step) {
+  const int64_t graphed =
+      config.cuda_graphs.enabled ? start_step + std::max<int64_t>(config.cuda_graphs.warmup_steps, 0)
+                                 : start_step;
+  return graphed + 1 < config.run.total_steps ? graphed : start_step;
+}
 namespace {
 
 // "logging.pictures": the learning rate of every step of the run and the loss of every step run,

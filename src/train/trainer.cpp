@@ -156,7 +156,7 @@ Scalars logged_metrics(TrainerCore::Impl& s, bool logged, TrainResult& result) {
 // The end of the loop: pending checkpoints, timings, the peak memory over the ranks, the
 // TrainEnd event, the log's last lines and the export.
 void finish_run(TrainerCore::Impl& s, const RunLog& log, TrainResult& result,
-                Clock::time_point start, Clock::time_point after_first) {
+                Clock::time_point start, Clock::time_point after_warmup, int64_t warmup_steps) {
   const auto& cfg = s.config;
   result.checkpoint_dir = s.checkpoints.finish();
   const auto end = Clock::now();
@@ -164,12 +164,12 @@ void finish_run(TrainerCore::Impl& s, const RunLog& log, TrainResult& result,
   result.resumed_from = s.checkpoints.resumed_from();
   result.steps = cfg.run.total_steps - s.start_step;
   result.seconds = seconds_between(start, end);
-  const double timed = seconds_between(after_first, end);
+  const double timed = seconds_between(after_warmup, end);
+  const int64_t timed_count = result.steps - warmup_steps;
   result.issue_seconds_per_step =
-      result.steps > 1 ? result.issue_seconds_per_step / static_cast<double>(result.steps - 1)
-                       : 0.0;
-  if (result.steps > 1 && timed > 0) {
-    const auto timed_steps = static_cast<double>(result.steps - 1);
+      timed_count > 0 ? result.issue_seconds_per_step / static_cast<double>(timed_count) : 0.0;
+  if (timed_count > 0 && timed > 0) {
+    const auto timed_steps = static_cast<double>(timed_count);
     result.tokens_per_second = static_cast<double>(log.tokens_per_step()) * timed_steps / timed;
     result.samples_per_second = static_cast<double>(log.samples_per_step()) * timed_steps / timed;
   }
@@ -207,7 +207,9 @@ TrainResult TrainerCore::train() {
   StepProfiler profiler(cfg.profile, s.context);
   reset_peak_memory(s.context.device());
   const auto start = Clock::now();
-  auto after_first = start;
+  // The rates are timed after the warm-up (the first step; with CUDA graphs also the capture).
+  const int64_t last_untimed = last_untimed_step(cfg, s.start_step);
+  auto after_warmup = start;
   for (int64_t step = s.start_step; step < cfg.run.total_steps; ++step) {
     const auto began = Clock::now();
     profiler.before(step);
@@ -229,12 +231,12 @@ TrainResult TrainerCore::train() {
     const auto verdict = guard.check(step, r, [&] { return s.checkpoints.kept(); });
     s.done_steps = step + 1;
     const double seconds = seconds_between(began, Clock::now());
-    after_first = step == s.start_step ? Clock::now() : after_first;
+    after_warmup = step == last_untimed ? Clock::now() : after_warmup;
     s.checkpoints.after_step(step + 1, *s.step);
     result.losses.push_back(r.loss);
     result.grad_norms.push_back(r.grad_norm);
     result.graph_replays += r.replayed_microbatches;
-    result.issue_seconds_per_step += step > s.start_step ? r.issue_seconds : 0.0;
+    result.issue_seconds_per_step += step > last_untimed ? r.issue_seconds : 0.0;
     if (verdict.skipped) {
       result.skipped_steps.push_back(step);
     }
@@ -251,7 +253,7 @@ TrainResult TrainerCore::train() {
     }
     log.step(step, r, seconds, logged, logged_metrics(s, logged, result));
   }
-  finish_run(s, log, result, start, after_first);
+  finish_run(s, log, result, start, after_warmup, last_untimed - s.start_step + 1);
   return result;
 }
 

@@ -26,6 +26,7 @@
 #include <d9d/optim/adamw.hpp>
 #include <d9d/optim/lr_schedule.hpp>
 #include <d9d/state/safetensors.hpp>
+#include <d9d/train/detail/run_log.hpp>
 #include <d9d/train/trainer.hpp>
 #include <d9d/util/files.hpp>
 
@@ -993,6 +994,26 @@ TEST(Train_Profile, TracesTheChosenStepsWithTheirPhases) {
   EXPECT_EQ(phases.at("d9d::forward").at("launches"), 0);
   EXPECT_EQ(memory.at("launches"), 0);
   EXPECT_EQ(memory.at("device_kernels"), 0);
+}
+
+// The rates are timed after the warm-up: the first step, and with CUDA graphs the eager warm-up
+// steps and the capturing step, unless that would leave no step to time.
+TEST(Train_Profile, RatesAreTimedAfterTheWarmUpAndTheCapture) {
+  d9d::TrainerConfig cfg;
+  cfg.run.total_steps = 30;
+  EXPECT_EQ(d9d::detail::last_untimed_step(cfg, 0), 0);
+  EXPECT_EQ(d9d::detail::last_untimed_step(cfg, 12), 12);  // resumed at step 12
+  cfg.cuda_graphs.enabled = true;
+  cfg.cuda_graphs.warmup_steps = 3;  // steps 0-2 eager, step 3 captures
+  EXPECT_EQ(d9d::detail::last_untimed_step(cfg, 0), 3);
+  EXPECT_EQ(d9d::detail::last_untimed_step(cfg, 12), 15);
+  cfg.cuda_graphs.warmup_steps = 0;  // step 0 captures
+  EXPECT_EQ(d9d::detail::last_untimed_step(cfg, 0), 0);
+  cfg.cuda_graphs.warmup_steps = 3;
+  cfg.run.total_steps = 4;  // nothing after the capture: the first step alone
+  EXPECT_EQ(d9d::detail::last_untimed_step(cfg, 0), 0);
+  cfg.run.total_steps = 5;
+  EXPECT_EQ(d9d::detail::last_untimed_step(cfg, 0), 3);
 }
 
 // "operators": false keeps the phases and drops the per-operator and memory events (a light trace).

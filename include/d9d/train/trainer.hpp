@@ -76,12 +76,16 @@ struct TrainResult {
   std::string checkpoint_dir;        ///< the last checkpoint written (empty when none)
   int64_t steps = 0;                 ///< steps run
   double seconds = 0.0;
-  double tokens_per_second = 0.0;   ///< over all ranks, after the first step (0 without tokens)
-  double samples_per_second = 0.0;  ///< over all ranks, after the first step
+  /// Over all ranks, timed after the warm-up: the first step and, with CUDA graphs, the eager
+  /// warm-up steps and the capture (0 without tokens; the first step alone is left out of runs
+  /// too short for the rest).
+  double tokens_per_second = 0.0;
+  double samples_per_second = 0.0;  ///< over all ranks, timed as tokens_per_second
   /// The most device memory any rank's allocator had allocated during train() (CUDA; 0 on CPU).
   int64_t peak_memory_bytes = 0;
   /// This rank's host time issuing a step's forward and backward (StepResult::issue_seconds),
-  /// averaged over the steps after the first; 0 under pipeline plans, which do not measure it.
+  /// averaged over the steps timed for tokens_per_second; 0 under pipeline plans, which do not
+  /// measure it.
   double issue_seconds_per_step = 0.0;
   /// Microbatches that replayed a CUDA graph on this rank (config "cuda_graphs"; 0 without).
   int64_t graph_replays = 0;

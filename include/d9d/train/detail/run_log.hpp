@@ -31,6 +31,11 @@ namespace d9d::detail {
 
 using Scalars = std::vector<std::pair<std::string, double>>;
 
+/// The last step of the run's warm-up; TrainResult's rates are timed over the steps after it: the
+/// first step (lazy initialisation) and, with CUDA graphs, the eager warm-up steps and the step
+/// that captures; the first step alone where no step would be left after the others.
+[[nodiscard]] int64_t last_untimed_step(const TrainerConfig& config, int64_t start_step);
+
 class RunLog {
  public:
   /// On the main rank: creates the output directory and the enabled writers, and puts their
