@@ -6,6 +6,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -119,6 +120,22 @@ void add_step_time(const MachineProfile* machine, const PreflightPlan& plan,
   }
 }
 
+// Replicate's buffer under data_parallel.reduce_engine "copy" (d9d/parallel/detail/
+// copy_engine_reduce.hpp): its buckets laid out in memory every rank of its group (dp x cp) maps,
+// in the reduction's dtype: the gradient bytes of `state` again (a MoE model's regular domain,
+// not its experts), in bfloat16 under a bfloat16
+// reduction (each bucket rounded up to 256 bytes: at most 255 bytes a bucket, not counted). 0
+// under FullyShard, on one data-parallel rank, or with NCCL's all-reduce.
+int64_t copy_engine_buffer_bytes(const TrainerConfig& config, const PreflightPlan& plan,
+                                 const StateBytes& state) {
+  const auto& c = plan.candidate;
+  if (config.data_parallel.reduce_engine != "copy" || c.fully_shard || c.dp_replicate * c.cp < 2) {
+    return 0;
+  }
+  const auto element = static_cast<int64_t>(c10::elementSize(plan.rules->gradients));
+  return plan.reduce_bf16 && element > 2 ? state.gradients / element * 2 : state.gradients;
+}
+
 // A Qwen3-MoE's figures and lines (predict_plan's, before the fit check): the rank with the most
 // state, its experts at their balanced load over the Plan's ep ranks.
 void predict_moe(const TrainerConfig& config, const model::Qwen3MoeConfig& model,
@@ -136,7 +153,22 @@ void predict_moe(const TrainerConfig& config, const model::Qwen3MoeConfig& model
   out.state_bytes = rank.state.total();
   out.activation_bytes = rank.activations;
   out.peak_bytes = rank.peak;
+  // The copy engines reduce the regular domain's gradients; the experts have their own reduction.
+  std::vector<ParameterShape> regular;
+  for (auto& param : qwen3_parameters(model)) {
+    if (!param.expert) {
+      regular.push_back(std::move(param));
+    }
+  }
+  const int64_t copy_buffer =
+      copy_engine_buffer_bytes(config, plan, state_bytes(regular, rules, 0, 0));
+  if (out.peak_bytes) {
+    *out.peak_bytes += copy_buffer;
+  }
   std::string memory = state_line(out.plan, rank.state);
+  if (copy_buffer > 0) {
+    memory += ", the copy engine's buffer " + gib(copy_buffer);
+  }
   if (rank.activations) {
     memory += ", activations " + gib(*rank.activations) + " (experts at their balanced load)";
     memory += rank.peak ? ", peak during a step " + gib(*rank.peak)
@@ -149,21 +181,6 @@ void predict_moe(const TrainerConfig& config, const model::Qwen3MoeConfig& model
   add_step_time(machine, plan, unknown, out, lines, [&] {
     return predict_step_time(model, c, split, step_options(config, plan), *machine);
   });
-}
-
-// Replicate's buffer under data_parallel.reduce_engine "copy" (d9d/parallel/detail/
-// copy_engine_reduce.hpp): its buckets laid out in memory every rank of its group (dp x cp) maps,
-// in the reduction's dtype: the rank's gradient bytes again, in bfloat16 under a bfloat16
-// reduction (each bucket rounded up to 256 bytes: at most 255 bytes a bucket, not counted). 0
-// under FullyShard, on one data-parallel rank, or with NCCL's all-reduce.
-int64_t copy_engine_buffer_bytes(const TrainerConfig& config, const PreflightPlan& plan,
-                                 const StateBytes& state) {
-  const auto& c = plan.candidate;
-  if (config.data_parallel.reduce_engine != "copy" || c.fully_shard || c.dp_replicate * c.cp < 2) {
-    return 0;
-  }
-  const auto element = static_cast<int64_t>(c10::elementSize(plan.rules->gradients));
-  return plan.reduce_bf16 && element > 2 ? state.gradients / element * 2 : state.gradients;
 }
 
 // A dense Qwen3's figures and lines (predict_plan's, before the fit check): the fullest rank.

@@ -18,9 +18,9 @@
 namespace d9d::detail {
 
 int64_t last_untimed_step(const TrainerConfig& config, int64_t start_step) {
-  const int64_t graphed =
-      config.cuda_graphs.enabled ? start_step + std::max<int64_t>(config.cuda_graphs.warmup_steps, 0)
-                                 : start_step;
+  const int64_t graphed = config.cuda_graphs.enabled
+                              ? start_step + std::max<int64_t>(config.cuda_graphs.warmup_steps, 0)
+                              : start_step;
   return graphed + 1 < config.run.total_steps ? graphed : start_step;
 }
 namespace {

@@ -271,6 +271,46 @@ TEST(Advise_Preflight, AQwen3MoeUnderExpertParallelism) {
               HasSubstr("step time not predicted (a MoE model under a pipeline)"));
 }
 
+// A Qwen3-MoE under Replicate with the copy engines: their buffer holds the regular domain's
+// gradients (the experts are reduced by ExpertParallel), on top of the peak.
+TEST(Advise_Preflight, TheCopyEnginesBufferIsInTheMoePeakWithoutTheExperts) {
+  const auto with_engine = [](const std::string& engine) {
+    return d9d::TrainerConfig::from_json_text(
+        std::string(R"({"run": {"output_dir": "unused", "total_steps": 1},
+          "batch": {"global_batch_size": 8, "microbatch_size": 2, "sequence_length": 16},
+          "advise": {}, "data_parallel": {"reduce_engine": ")") +
+        engine + R"("}, "model": )" + kMoeModel + "}");
+  };
+  using RepEp = d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::ep<d9d::dynamic>>,
+                          d9d::parallel::ExpertParallel<>, d9d::precision::Bf16Mixed>;
+  const d9d::MeshShape shape{.dp_replicate = 2, .ep = 2};
+  const auto backend = d9d::advise::preflight<RepEp>(with_engine("backend"), shape);
+  const auto copy = d9d::advise::preflight<RepEp>(with_engine("copy"), shape);
+  ASSERT_TRUE(backend && copy && backend->peak_bytes && copy->peak_bytes);
+  std::vector<d9d::advise::ParameterShape> regular;
+  int64_t experts = 0;
+  for (const auto& param :
+       d9d::advise::qwen3_parameters(d9d::model::Qwen3MoeConfig::from_json_text(kMoeModel))) {
+    if (param.expert) {
+      ++experts;
+    } else {
+      regular.push_back(param);
+    }
+  }
+  ASSERT_GT(experts, 0);
+  const auto rules = d9d::advise::state_rules<RepEp>(shape);
+  const auto dense = d9d::advise::state_bytes(regular, rules, 0, 0).gradients;
+  EXPECT_EQ(*copy->peak_bytes - *backend->peak_bytes, dense);
+  EXPECT_LT(dense,
+            d9d::advise::state_bytes(d9d::advise::qwen3_parameters(
+                                         d9d::model::Qwen3MoeConfig::from_json_text(kMoeModel)),
+                                     rules, 0, 0)
+                .gradients);
+  EXPECT_EQ(copy->state_bytes, backend->state_bytes);
+  EXPECT_THAT(copy->lines.at(0), HasSubstr(", the copy engine's buffer "));
+  EXPECT_THAT(backend->lines.at(0), Not(HasSubstr("copy engine")));
+}
+
 TEST(Advise_Preflight, SaysWhatItDoesNotPredict) {
   const auto config = config_with("{}");
   const auto lora = d9d::advise::preflight<d9d::Plan<d9d::peft::Lora<8, 16>>>(config, {});
