@@ -23,6 +23,7 @@ int64_t last_untimed_step(const TrainerConfig& config, int64_t start_step) {
                               : start_step;
   return graphed + 1 < config.run.total_steps ? graphed : start_step;
 }
+
 namespace {
 
 // "logging.pictures": the learning rate of every step of the run and the loss of every step run,
