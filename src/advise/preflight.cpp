@@ -123,9 +123,9 @@ void add_step_time(const MachineProfile* machine, const PreflightPlan& plan,
 // Replicate's buffer under data_parallel.reduce_engine "copy" (d9d/parallel/detail/
 // copy_engine_reduce.hpp): its buckets laid out in memory every rank of its group (dp x cp) maps,
 // in the reduction's dtype: the gradient bytes of `state` again (a MoE model's regular domain,
-// not its experts), in bfloat16 under a bfloat16
-// reduction (each bucket rounded up to 256 bytes: at most 255 bytes a bucket, not counted). 0
-// under FullyShard, on one data-parallel rank, or with NCCL's all-reduce.
+// not its experts), in bfloat16 under a bfloat16 reduction (each bucket rounded up to 256 bytes:
+// at most 255 bytes a bucket, not counted). 0 under FullyShard, on one data-parallel rank, or
+// with NCCL's all-reduce.
 int64_t copy_engine_buffer_bytes(const TrainerConfig& config, const PreflightPlan& plan,
                                  const StateBytes& state) {
   const auto& c = plan.candidate;

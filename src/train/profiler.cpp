@@ -155,7 +155,7 @@ void StepProfiler::before(int64_t step) {
   const prof::ProfilerConfig settings(prof::ProfilerState::KINETO, /*report_input_shapes=*/false,
                                       /*profile_memory=*/config_.operators);
   // Without operators, only the user scope is recorded: the d9d phase ranges (and c10d's
-  // record_param_comms), not every ATen operator and autograd node.
+  // collective ranges, e.g. nccl:all_reduce), not every ATen operator and autograd node.
   std::unordered_set<at::RecordScope> scopes;
   if (!config_.operators) {
     scopes.insert(at::RecordScope::USER_SCOPE);
