@@ -29,14 +29,22 @@ constexpr const char* kModel = R"({"vocab_size": 64, "hidden_size": 32, "interme
     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
     "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false})";
 
-// The test config with an "advise" section (none when empty) and, when given, a "data_parallel"
-// section.
-d9d::TrainerConfig config_with(const std::string& advise, const std::string& data_parallel = "") {
+// A tiny Qwen3-MoE: 4 experts, top 2, layer 2 dense.
+constexpr const char* kMoeModel = R"({"model_type": "qwen3_moe", "vocab_size": 64,
+    "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": false, "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16, "norm_topk_prob": true, "mlp_only_layers": [2]})";
+
+// The test config for `model_json` (the dense model by default) with an "advise" section (none
+// when empty) and, when given, a "data_parallel" section.
+d9d::TrainerConfig config_with(const std::string& advise, const std::string& data_parallel = "",
+                               const char* model_json = kModel) {
   return d9d::TrainerConfig::from_json_text(
       std::string(R"({"run": {"output_dir": "unused", "total_steps": 1},
           "batch": {"global_batch_size": 8, "microbatch_size": 2, "sequence_length": 16},
           "model": )") +
-      kModel + (advise.empty() ? "" : R"(, "advise": )" + advise) +
+      model_json + (advise.empty() ? "" : R"(, "advise": )" + advise) +
       (data_parallel.empty() ? "" : R"(, "data_parallel": )" + data_parallel) + "}");
 }
 
@@ -200,24 +208,13 @@ TEST(Advise_Preflight, StepTimeFromTheProfileAndTheWarningFirst) {
   EXPECT_THAT(missing->lines.back(), HasSubstr("cannot read /nonexistent.json"));
 }
 
-// A tiny Qwen3-MoE: 4 experts, top 2, layer 2 dense.
-constexpr const char* kMoeModel = R"({"model_type": "qwen3_moe", "vocab_size": 64,
-    "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "tie_word_embeddings": false, "num_experts": 4, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 16, "norm_topk_prob": true, "mlp_only_layers": [2]})";
-
 // A Qwen3-MoE's pre-flight: the MoE advisor's state, activations and peak for the Plan's slots
 // (experts over its ep ranks; float32 experts under FullyShard in bf16 mixed when ep_replicate
 // is 1), its step time from a profile with grouped experts and all-to-alls, and what it does not
 // predict (a MoE model under a pipeline).
 TEST(Advise_Preflight, AQwen3MoeUnderExpertParallelism) {
   const auto profile = write_profile();
-  const auto config = d9d::TrainerConfig::from_json_text(
-      std::string(R"({"run": {"output_dir": "unused", "total_steps": 1},
-          "batch": {"global_batch_size": 8, "microbatch_size": 2, "sequence_length": 16},
-          "advise": {"profile": ")") +
-      profile + R"("}, "model": )" + kMoeModel + "}");
+  const auto config = config_with(R"({"profile": ")" + profile + R"("})", "", kMoeModel);
   const auto moe = d9d::model::Qwen3MoeConfig::from_json_text(kMoeModel);
   using ShardEp = d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>, d9d::ep<d9d::dynamic>>,
                             d9d::parallel::ExpertParallel<>, d9d::parallel::FullyShard<>,
@@ -275,11 +272,7 @@ TEST(Advise_Preflight, AQwen3MoeUnderExpertParallelism) {
 // gradients (the experts are reduced by ExpertParallel), on top of the peak.
 TEST(Advise_Preflight, TheCopyEnginesBufferIsInTheMoePeakWithoutTheExperts) {
   const auto with_engine = [](const std::string& engine) {
-    return d9d::TrainerConfig::from_json_text(
-        std::string(R"({"run": {"output_dir": "unused", "total_steps": 1},
-          "batch": {"global_batch_size": 8, "microbatch_size": 2, "sequence_length": 16},
-          "advise": {}, "data_parallel": {"reduce_engine": ")") +
-        engine + R"("}, "model": )" + kMoeModel + "}");
+    return config_with("{}", R"({"reduce_engine": ")" + engine + R"("})", kMoeModel);
   };
   using RepEp = d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::ep<d9d::dynamic>>,
                           d9d::parallel::ExpertParallel<>, d9d::precision::Bf16Mixed>;
@@ -287,10 +280,11 @@ TEST(Advise_Preflight, TheCopyEnginesBufferIsInTheMoePeakWithoutTheExperts) {
   const auto backend = d9d::advise::preflight<RepEp>(with_engine("backend"), shape);
   const auto copy = d9d::advise::preflight<RepEp>(with_engine("copy"), shape);
   ASSERT_TRUE(backend && copy && backend->peak_bytes && copy->peak_bytes);
+  const auto parameters =
+      d9d::advise::qwen3_parameters(d9d::model::Qwen3MoeConfig::from_json_text(kMoeModel));
   std::vector<d9d::advise::ParameterShape> regular;
   int64_t experts = 0;
-  for (const auto& param :
-       d9d::advise::qwen3_parameters(d9d::model::Qwen3MoeConfig::from_json_text(kMoeModel))) {
+  for (const auto& param : parameters) {
     if (param.expert) {
       ++experts;
     } else {
@@ -301,11 +295,7 @@ TEST(Advise_Preflight, TheCopyEnginesBufferIsInTheMoePeakWithoutTheExperts) {
   const auto rules = d9d::advise::state_rules<RepEp>(shape);
   const auto dense = d9d::advise::state_bytes(regular, rules, 0, 0).gradients;
   EXPECT_EQ(*copy->peak_bytes - *backend->peak_bytes, dense);
-  EXPECT_LT(dense,
-            d9d::advise::state_bytes(d9d::advise::qwen3_parameters(
-                                         d9d::model::Qwen3MoeConfig::from_json_text(kMoeModel)),
-                                     rules, 0, 0)
-                .gradients);
+  EXPECT_LT(dense, d9d::advise::state_bytes(parameters, rules, 0, 0).gradients);
   EXPECT_EQ(copy->state_bytes, backend->state_bytes);
   EXPECT_THAT(copy->lines.at(0), HasSubstr(", the copy engine's buffer "));
   EXPECT_THAT(backend->lines.at(0), Not(HasSubstr("copy engine")));

@@ -948,18 +948,26 @@ std::string tmp_dir(const std::string& name) {
   return dir;
 }
 
-// "profile": a Chrome trace of the chosen steps with the step's phases named, and a memory summary.
-TEST(Train_Profile, TracesTheChosenStepsWithTheirPhases) {
+// A tiny run of 3 steps (2 microbatches each) on one CPU rank with step 1 traced under
+// "profile" (`operators` as given); returns the trace directory.
+std::string run_traced(const std::string& name, bool operators) {
   const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
-  const auto dir = tmp_dir("profile");
+  const auto dir = tmp_dir(name);
   auto cfg = d9d::testing::tiny_run(dir, 3, 4, 2);
   cfg.profile.start = 1;
   cfg.profile.steps = 1;
   cfg.profile.dir = dir + "/trace";
+  cfg.profile.operators = operators;
   d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
                               d9d::CausalLmTask{}, cfg);
   (void)run.train();
-  std::ifstream trace(dir + "/trace/rank-0.trace.json");
+  return cfg.profile.dir;
+}
+
+// "profile": a Chrome trace of the chosen steps with the step's phases named, and a memory summary.
+TEST(Train_Profile, TracesTheChosenStepsWithTheirPhases) {
+  const auto dir = run_traced("profile", /*operators=*/true);
+  std::ifstream trace(dir + "/rank-0.trace.json");
   ASSERT_TRUE(trace.good());
   const std::string text((std::istreambuf_iterator<char>(trace)), std::istreambuf_iterator<char>());
   for (const char* phase :
@@ -976,7 +984,7 @@ TEST(Train_Profile, TracesTheChosenStepsWithTheirPhases) {
   // A Chrome trace: one JSON document with its events.
   const auto json = nlohmann::json::parse(text);
   EXPECT_FALSE(json.at("traceEvents").empty());
-  const auto memory = nlohmann::json::parse(std::ifstream(dir + "/trace/rank-0.memory.json"));
+  const auto memory = nlohmann::json::parse(std::ifstream(dir + "/rank-0.memory.json"));
   EXPECT_EQ(memory.at("steps"), nlohmann::json::array({1, 2}));
   // Per phase, the highest rise of allocated memory above the phase's start (CPU allocations are
   // in the trace too): forward keeps activations for backward, so it rises; one step traced.
@@ -1018,17 +1026,8 @@ TEST(Train_Profile, RatesAreTimedAfterTheWarmUpAndTheCapture) {
 
 // "operators": false keeps the phases and drops the per-operator and memory events (a light trace).
 TEST(Train_Profile, WithoutOperatorsKeepsOnlyThePhases) {
-  const auto ctx = d9d::DistributedContext::local({.device = "cpu"});
-  const auto dir = tmp_dir("profile_light");
-  auto cfg = d9d::testing::tiny_run(dir, 3, 4, 2);
-  cfg.profile.start = 1;
-  cfg.profile.steps = 1;
-  cfg.profile.dir = dir + "/trace";
-  cfg.profile.operators = false;
-  d9d::Trainer<LocalPlan> run(ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{},
-                              d9d::CausalLmTask{}, cfg);
-  (void)run.train();
-  const auto json = nlohmann::json::parse(std::ifstream(dir + "/trace/rank-0.trace.json"));
+  const auto dir = run_traced("profile_light", /*operators=*/false);
+  const auto json = nlohmann::json::parse(std::ifstream(dir + "/rank-0.trace.json"));
   std::set<std::string> names;
   for (const auto& event : json.at("traceEvents")) {
     if (event.contains("name")) {
@@ -1042,7 +1041,7 @@ TEST(Train_Profile, WithoutOperatorsKeepsOnlyThePhases) {
     EXPECT_NE(name.rfind("aten::", 0), 0U) << name;
     EXPECT_NE(name, "[memory]");
   }
-  const auto memory = nlohmann::json::parse(std::ifstream(dir + "/trace/rank-0.memory.json"));
+  const auto memory = nlohmann::json::parse(std::ifstream(dir + "/rank-0.memory.json"));
   EXPECT_EQ(memory.at("phases").at("d9d::forward").at("occurrences"), 2);
   EXPECT_EQ(memory.at("phases").at("d9d::forward").at("peak_rise_bytes"), 0);
 }
