@@ -56,6 +56,11 @@ Qwen3ModelImpl::Qwen3ModelImpl(const Qwen3Config& config)
 
 at::Tensor Qwen3ModelImpl::embed(const at::Tensor& input_ids) {
   if (!tp_) {
+    const auto& weight = embed_tokens->weight;
+    if (row_sink_ && row_sink_->deferring() && at::GradMode::is_enabled() &&
+        weight.requires_grad()) {
+      return embedding_rows(weight, input_ids, row_sink_);
+    }
     return embed_tokens(input_ids);
   }
   return vocab_parallel_embedding(embed_tokens->weight, input_ids, vocab_start_, *tp_);
@@ -67,6 +72,10 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& weight, const at::Tensor& 
   const auto outside = (local < 0).logical_or(local >= weight.size(0));
   const auto rows = at::embedding(weight, local.masked_fill(outside, 0));
   return group.reduce_out(rows.masked_fill(outside.unsqueeze(-1), 0.0));
+}
+
+void Qwen3ModelImpl::set_embedding_row_sink(std::shared_ptr<EmbeddingRowSink> sink) {
+  row_sink_ = std::move(sink);
 }
 
 void Qwen3ModelImpl::set_vocab_parallel(std::shared_ptr<const TensorParallelGroup> group,
@@ -187,6 +196,12 @@ void Qwen3ForCausalLMImpl::set_tensor_parallel(std::shared_ptr<const TensorParal
   const int64_t rows = model->embed_tokens->weight.size(0);
   model->set_vocab_parallel(group, group->rank() * rows);
   tp_ = std::move(group);
+}
+
+at::Tensor Qwen3ForCausalLMImpl::embedding_weight() const { return model->embed_tokens->weight; }
+
+void Qwen3ForCausalLMImpl::set_embedding_row_sink(std::shared_ptr<EmbeddingRowSink> sink) {
+  model->set_embedding_row_sink(std::move(sink));
 }
 
 void Qwen3ForCausalLMImpl::set_context_parallel(std::shared_ptr<const ContextParallelGroup> group) {

@@ -169,6 +169,9 @@ class ExpertReplicaSync : public GradientSync {
       : model_(model), timing_(timing), replicas_(std::move(replicas)) {}
 
   void begin_step() override { inner().begin_step(); }
+  void before_forward(int microbatch, int microbatches) override {
+    inner().before_forward(microbatch, microbatches);
+  }
   void before_backward(int microbatch, int microbatches) override {
     inner().before_backward(microbatch, microbatches);
   }

@@ -12,6 +12,8 @@
 #include <ATen/ATen.h>
 
 #include <d9d/core/collectives.hpp>
+#include <d9d/model/embedding_rows.hpp>
+#include <d9d/parallel/detail/embedding_rows.hpp>
 #include <d9d/parallel/parallelize.hpp>
 #include <d9d/parallel/replicate.hpp>
 
@@ -124,6 +126,12 @@ void ParallelModel::add_norm_dims(std::vector<std::string> dims, MeshDomain doma
 void ParallelModel::begin_step() {
   for (const auto& sync : impl_->syncs) {
     sync->begin_step();
+  }
+}
+
+void ParallelModel::before_forward(int microbatch, int microbatches) {
+  for (const auto& sync : impl_->syncs) {
+    sync->before_forward(microbatch, microbatches);
   }
 }
 
@@ -389,29 +397,63 @@ void rerecord_parameters(ParallelModel& model) {
 
 namespace {
 
+// A tied embedding whose last lookup Replicate defers (design note 0030): the model, and the sink
+// its lookups consult while the sync says so.
+struct DeferredEmbedding {
+  std::shared_ptr<torch::nn::Module> module;  // keeps the model while the sink is set on it
+  model::EmbeddingRowsModel* model = nullptr;
+  std::shared_ptr<detail::ReplicatedEmbeddingRows> rows;
+};
+
 // Replicate's gradient path: the bucketed all-reduce of the last microbatch's backward. Under a
 // pipeline program with the parameters split by module (`by_module`), one reducer per module
 // starts when the program has finished that module's gradients (module_done), so its all-reduce
-// overlaps the rest of the program; finish() starts the others and waits for all.
+// overlaps the rest of the program; finish() starts the others and waits for all. With a
+// DeferredEmbedding the last forward's lookup defers: the tied weight, complete after the head's
+// backward, is the first bucket, and its lookup rows are added after the reduction.
 class ReplicateSync : public GradientSync {
  public:
   ReplicateSync(const ProcessGroup& group, std::vector<std::vector<at::Tensor>> parts,
                 int64_t bucket_bytes, GradientTiming timing, bool by_module,
                 std::optional<at::ScalarType> reduce_dtype = std::nullopt,
-                ReduceEngine engine = ReduceEngine::backend)
-      : program_(timing == GradientTiming::program), by_module_(by_module), ranks_(group.size()) {
+                ReduceEngine engine = ReduceEngine::backend, DeferredEmbedding embedding = {})
+      : program_(timing == GradientTiming::program),
+        by_module_(by_module),
+        ranks_(group.size()),
+        embedding_(std::move(embedding)) {
+    std::vector<at::Tensor> first;
+    if (embedding_.model != nullptr) {
+      first.push_back(embedding_.model->embedding_weight());
+      embedding_.model->set_embedding_row_sink(embedding_.rows);
+    }
     for (auto& part : parts) {
       reducers_.push_back(std::make_unique<GradientReducer>(
           group, std::move(part),
-          parallel::GradientReducerOptions{
-              .bucket_bytes = bucket_bytes, .reduce_dtype = reduce_dtype, .engine = engine}));
+          parallel::GradientReducerOptions{.bucket_bytes = bucket_bytes,
+                                           .reduce_dtype = reduce_dtype,
+                                           .engine = engine,
+                                           .first = first}));
     }
     done_.assign(reducers_.size(), false);
   }
+  ~ReplicateSync() override {
+    if (embedding_.model != nullptr) {
+      embedding_.model->set_embedding_row_sink(nullptr);
+    }
+  }
+  ReplicateSync(const ReplicateSync&) = delete;
+  ReplicateSync& operator=(const ReplicateSync&) = delete;
+  ReplicateSync(ReplicateSync&&) = delete;
+  ReplicateSync& operator=(ReplicateSync&&) = delete;
 
   void begin_step() override {
     std::fill(done_.begin(), done_.end(), false);
     started_ = 0;
+  }
+  void before_forward(int microbatch, int microbatches) override {
+    if (embedding_.rows && microbatch + 1 == microbatches) {
+      embedding_.rows->begin();
+    }
   }
   void before_backward(int microbatch, int microbatches) override {
     if (microbatch + 1 == microbatches) {
@@ -437,6 +479,9 @@ class ReplicateSync : public GradientSync {
       }
       reducers_[m]->finish();
     }
+    if (embedding_.rows) {
+      embedding_.rows->finish();
+    }
   }
   [[nodiscard]] std::size_t started_early() const override { return started_; }
   // One rank reduces nothing and registers no hooks (GradientReducer).
@@ -453,7 +498,37 @@ class ReplicateSync : public GradientSync {
   bool program_;  // GradientTiming::program
   bool by_module_;
   int ranks_;
+  DeferredEmbedding embedding_;
 };
+
+// The tied embedding Replicate defers, when the options ask for it, the step runs no pipeline,
+// the group spans the whole mesh (no tensor-parallel or sharded copies of the weight) and one
+// module is a model whose trained, replicated, tied embedding weight is in `part`.
+DeferredEmbedding deferred_embedding(const ParallelModel& model, GradientTiming timing,
+                                     const ProcessGroup& group,
+                                     const std::vector<at::Tensor>& part) {
+  if (!model.options().tied_embedding_rows || timing != GradientTiming::backward ||
+      group.size() <= 1 || group.size() != model.mesh().context().world().size()) {
+    return {};
+  }
+  for (const auto& module : model.modules()) {
+    auto* target = dynamic_cast<model::EmbeddingRowsModel*>(module.get());
+    if (target == nullptr || !target->embedding_tied()) {
+      continue;
+    }
+    const auto weight = target->embedding_weight();
+    const bool replicated =
+        weight.requires_grad() &&
+        std::any_of(part.begin(), part.end(), [&](const auto& p) { return p.is_same(weight); });
+    if (!replicated) {
+      continue;
+    }
+    return {.module = module,
+            .model = target,
+            .rows = std::make_shared<detail::ReplicatedEmbeddingRows>(group, weight)};
+  }
+  return {};
+}
 
 }  // namespace
 
@@ -479,9 +554,12 @@ void apply_replicate(ParallelModel& model, GradientTiming timing, at::ScalarType
     const auto it = module_of.find(record.local.unsafeGetTensorImpl());
     parts[it == module_of.end() ? parts.size() - 1 : it->second].push_back(record.local);
   }
+  const auto group = data_parallel_group(model.mesh());
+  auto embedding =
+      by_module ? DeferredEmbedding{} : deferred_embedding(model, timing, group, parts.front());
   model.add_sync(std::make_unique<ReplicateSync>(
-      data_parallel_group(model.mesh()), std::move(parts), model.options().bucket_bytes, timing,
-      by_module, reduce_dtype, model.options().reduce_engine));
+      group, std::move(parts), model.options().bucket_bytes, timing, by_module, reduce_dtype,
+      model.options().reduce_engine, std::move(embedding)));
 }
 
 std::unique_ptr<GradientSync> make_replicate_sync(const ProcessGroup& group,

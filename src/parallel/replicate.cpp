@@ -224,19 +224,35 @@ GradientReducer::GradientReducer(ProcessGroup group, std::vector<at::Tensor> par
     return;
   }
   s.bucket_of.resize(s.parameters.size());
+  // The parameters complete first, each in a bucket of its own.
+  std::vector<bool> placed(s.parameters.size(), false);
+  for (const auto& early : options.first) {
+    for (std::size_t k = 0; k < s.parameters.size(); ++k) {
+      const auto& param = s.parameters[k];
+      if (!placed[k] && param.requires_grad() && param.is_same(early)) {
+        s.buckets.emplace_back();
+        s.buckets.back().members.push_back(k);
+        s.buckets.back().numel = param.numel();
+        s.bucket_of[k] = s.buckets.size() - 1;
+        placed[k] = true;
+      }
+    }
+  }
+  const std::size_t early_buckets = s.buckets.size();
   // Reverse registration order: the last layers' gradients arrive first in backward.
   int64_t bytes = 0;
   for (std::size_t k = s.parameters.size(); k-- > 0;) {
     const auto& param = s.parameters[k];
-    if (!param.requires_grad()) {
+    if (!param.requires_grad() || placed[k]) {
       continue;
     }
     const int64_t size = param.numel() * static_cast<int64_t>(param.element_size());
-    const bool full = !s.buckets.empty() && bytes + size > options.bucket_bytes;
+    const bool fresh = s.buckets.size() == early_buckets;
+    const bool full = !fresh && bytes + size > options.bucket_bytes;
     const bool other_dtype =
-        !s.buckets.empty() &&
+        !fresh &&
         param.scalar_type() != s.parameters[s.buckets.back().members.front()].scalar_type();
-    if (s.buckets.empty() || full || other_dtype) {
+    if (fresh || full || other_dtype) {
       s.buckets.emplace_back();
       bytes = 0;
     }

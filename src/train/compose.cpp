@@ -35,6 +35,7 @@ parallel::ParallelizeOptions parallel_options(const TrainerConfig& config) {
       .reduce_engine = config.data_parallel.reduce_engine == "copy"
                            ? parallel::ReduceEngine::copy
                            : parallel::ReduceEngine::backend,
+      .tied_embedding_rows = config.data_parallel.tied_embedding_rows,
       .reshard = config.data_parallel.reshard,
       .prefetch = static_cast<int>(config.data_parallel.prefetch),
       .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch,

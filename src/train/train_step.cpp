@@ -311,6 +311,7 @@ bool TrainStepCore::Impl::microbatch(const std::any& mb, int i, int count, bool 
                                      at::Tensor& loss_sum, at::Tensor& weight_sum) {
   if (graphs && graph_for(mb, i).empty()) {
     const LossOutput& out = i == 0 ? first_out : rest_out;
+    parallel->before_forward(i, count);
     parallel->before_backward(i, count);
     {
       RECORD_USER_SCOPE("d9d::graph_replay");
@@ -327,6 +328,7 @@ bool TrainStepCore::Impl::microbatch(const std::any& mb, int i, int count, bool 
     // the optimizer's parameters are the records' tensors).
     optimizer->zero_grad(/*set_to_none=*/false);
   }
+  parallel->before_forward(i, count);
   LossOutput out = forward(mb);
   accumulate_loss(out, loss_sum, weight_sum, "compute_loss");
   parallel->before_backward(i, count);

@@ -271,9 +271,16 @@ TEST(Parallel_Config, DataParallelKeysAreValidated) {
   };
   const auto config = d9d::TrainerConfig::from_json_text(
       with(R"({"reshard": "never", "prefetch": 2, "reduce_every_microbatch": false,
-                "reduce_engine": "copy"})"));
+                "reduce_engine": "copy", "tied_embedding_rows": false})"));
   EXPECT_EQ(config.data_parallel.reduce_engine, "copy");
-  EXPECT_EQ(d9d::TrainerConfig::from_json_text(with("{}")).data_parallel.reduce_engine, "backend");
+  EXPECT_FALSE(config.data_parallel.tied_embedding_rows);
+  const auto defaults = d9d::TrainerConfig::from_json_text(with("{}"));
+  EXPECT_EQ(defaults.data_parallel.reduce_engine, "backend");
+  EXPECT_TRUE(defaults.data_parallel.tied_embedding_rows);
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                (void)d9d::TrainerConfig::from_json_text(with(R"({"tied_embedding_rows": 1})"));
+              }),
+              HasSubstr("data_parallel.tied_embedding_rows"));
   EXPECT_THAT(d9d::testing::error_of([&] {
                 (void)d9d::TrainerConfig::from_json_text(with(R"({"reduce_engine": "nvlink"})"));
               }),

@@ -19,6 +19,7 @@
 #include <torch/optim/sgd.h>
 
 #include <d9d/core/collectives.hpp>
+#include <d9d/parallel/detail/embedding_rows.hpp>
 #include <d9d/parallel/replicate.hpp>
 #include <d9d/state/safetensors.hpp>
 #include <d9d/train/trainer.hpp>
@@ -77,6 +78,40 @@ TEST_P(Train_Replicate, MatchesOneRankWithTheSameGlobalBatch) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, Train_Replicate, ::testing::Values(2, 4),
                          [](const auto& info) { return "ws" + std::to_string(info.param); });
+
+// A tied embedding under Replicate: the last microbatch's lookup gradient is added as rows after
+// the weight's early all-reduce (data_parallel.tied_embedding_rows, on by default). One and two
+// microbatches per rank; losses and parameters as one process's.
+TEST(Train_Replicate_ws2, TiedEmbeddingRowsMatchOneProcess) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const std::string dir = env.scratch_dir() + "/rank" + std::to_string(env.rank());
+    for (const int64_t global_batch : {4, 8}) {
+      const auto run = [&](const d9d::DistributedContext& where, const std::string& name,
+                           int64_t microbatch) {
+        d9d::Trainer<DpPlan> trainer(
+            where, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+            d9d::testing::tiny_run(dir + "/" + name + std::to_string(global_batch), 4, global_batch,
+                                   microbatch, false, 2, "", /*tied=*/true));
+        auto result = trainer.train();
+        return std::make_pair(result.losses, trainer.core().model()->named_parameters());
+      };
+      const auto [losses, got] = run(ctx, "dp", 2);
+      const auto local = d9d::DistributedContext::local({.device = ctx.device().str()});
+      const auto [reference, want] = run(local, "one", global_batch);
+      ASSERT_EQ(losses.size(), reference.size());
+      for (std::size_t i = 0; i < losses.size(); ++i) {
+        EXPECT_NEAR(losses[i], reference[i], kLossRtol * std::abs(reference[i]))
+            << "global batch " << global_batch << " step " << i;
+      }
+      for (const auto& item : want) {
+        EXPECT_TRUE(at::allclose(got[item.key()], item.value(), 0.0, kParameterAtol))
+            << "global batch " << global_batch << " " << item.key();
+      }
+    }
+  });
+}
 
 // A tiny Qwen3 on this rank's device and its loss on a sequence of the rank's own token (rank + 1),
 // so that the ranks' gradients differ (the GradientReducer tests).
@@ -180,6 +215,77 @@ TEST(Train_Replicate_ws2, ABucketWithAMissingGradientIsFlattenedWithZeros) {
     }
     ASSERT_TRUE(unused.grad().defined());
     EXPECT_TRUE(at::equal(unused.grad(), at::zeros_like(unused)));
+  });
+}
+
+// The reducer and the deferred lookup of a tied embedding, as Replicate runs them: the weight's
+// bucket goes first and is launched before the backward reaches the first layer (without the
+// deferral it waits for the lookup's backward, the last), and every rank's rows are added after
+// the reduction, padded to the longest rank (rank 0 looks up 2 x 8 ids, rank 1 1 x 5): each
+// gradient is the group's sum of the ranks' whole gradients either way.
+TEST(Train_Replicate_ws2, ATiedEmbeddingIsReducedFirstAndItsRowsAddedAfter) {
+  D9D_SKIP_IF_WORLD_EXCEEDS_GPUS(2);
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const d9d::DeviceMesh mesh(ctx, d9d::MeshShape{.dp_replicate = 2});
+    const auto group = mesh.group(d9d::MeshDomain::batch, "dp");
+    d9d::model::Qwen3ForCausalLM model(
+        d9d::model::Qwen3Config::from_json_text(d9d::testing::tiny_qwen3_json(/*tied=*/true)));
+    model->to(ctx.device());
+    const int64_t sequences = env.rank() == 0 ? 2 : 1;
+    const int64_t length = env.rank() == 0 ? 8 : 5;
+    at::manual_seed(11 + env.rank());
+    const auto tokens = at::randint(64, {sequences, length + 1}, at::kLong).to(ctx.device());
+    const auto loss_of = [&] {
+      return d9d::model::causal_lm_loss(model(tokens.narrow(1, 0, length)),
+                                        tokens.narrow(1, 1, length))
+          .loss_sum;
+    };
+    const std::vector<at::Tensor> params = model->parameters();
+    loss_of().backward();
+    std::vector<at::Tensor> sums;
+    sums.reserve(params.size());
+    for (auto p : params) {
+      sums.push_back(d9d::all_reduce(group, p.grad().clone()));
+      p.mutable_grad() = at::Tensor();
+    }
+    const auto weight = model->embedding_weight();
+    auto rows = std::make_shared<d9d::parallel::detail::ReplicatedEmbeddingRows>(group, weight);
+    model->set_embedding_row_sink(rows);
+    d9d::parallel::GradientReducer reducer(group, params,
+                                           {.bucket_bytes = 4096, .first = {weight}});
+    ASSERT_GT(reducer.bucket_count(), 3U);
+    // How many buckets were launched when the first layer's query weight got its gradient.
+    std::size_t launched_at_first_layer = 0;
+    auto query =
+        model->model->layers[0]->as<d9d::model::Qwen3DecoderLayer>()->self_attn->q_proj->weight;
+    query.register_hook([&](const at::Tensor& grad) {
+      launched_at_first_layer = reducer.launched_during_backward();
+      return grad;
+    });
+    for (const bool deferred : {true, false}) {
+      if (deferred) {
+        rows->begin();
+      }
+      const auto loss = loss_of();
+      reducer.arm();
+      loss.backward();
+      reducer.finish();
+      rows->finish();
+      EXPECT_EQ(rows->deferred_lookups(), 1);
+      if (deferred) {
+        EXPECT_GE(launched_at_first_layer, 1U);
+      } else {
+        EXPECT_EQ(launched_at_first_layer, 0U);
+      }
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(at::allclose(params[i].grad(), sums[i], 1e-5, 1e-6))
+            << (deferred ? "deferred" : "whole") << " parameter " << i;
+      }
+      for (auto p : params) {
+        p.mutable_grad() = at::Tensor();
+      }
+    }
   });
 }
 

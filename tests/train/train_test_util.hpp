@@ -102,11 +102,11 @@ struct FaultyTask {
   }
 };
 
-/// A run of `steps` steps with logging and export off unless asked for; `layers` decoder layers
-/// and, when given, a "mesh" section (e.g. {"pp": 2}).
+/// A run of `steps` steps with logging and export off unless asked for; `layers` decoder layers,
+/// when given, a "mesh" section (e.g. {"pp": 2}), and the LM head tied to the embedding or not.
 inline TrainerConfig tiny_run(const std::string& output_dir, int64_t steps, int64_t global_batch,
                               int64_t microbatch, bool outputs = false, int layers = 2,
-                              const std::string& mesh_json = "") {
+                              const std::string& mesh_json = "", bool tied = false) {
   return TrainerConfig::from_json_text(R"({
     )" + (mesh_json.empty() ? std::string() : "\"mesh\": " + mesh_json + ",") +
                                        R"(
@@ -127,7 +127,7 @@ inline TrainerConfig tiny_run(const std::string& output_dir, int64_t steps, int6
                                        R"(, "pictures": )" + (outputs ? "true" : "false") + R"(},
     "export": {"enabled": )" + (outputs ? "true" : "false") +
                                        R"(},
-    "model": )" + tiny_qwen3_json(false, layers) +
+    "model": )" + tiny_qwen3_json(tied, layers) +
                                        "}");
 }
 

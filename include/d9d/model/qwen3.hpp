@@ -50,6 +50,7 @@
 
 #include <d9d/model/block.hpp>
 #include <d9d/model/context_parallel.hpp>
+#include <d9d/model/embedding_rows.hpp>
 #include <d9d/model/layers.hpp>
 #include <d9d/model/tensor_parallel.hpp>
 
@@ -120,6 +121,9 @@ class Qwen3ModelImpl : public torch::nn::Module {
   at::Tensor embed(const at::Tensor& input_ids);
   /// Tensor parallelism of the embedding (set by Qwen3ForCausalLM::set_tensor_parallel).
   void set_vocab_parallel(std::shared_ptr<const TensorParallelGroup> group, int64_t vocab_start);
+  /// Lookups deferred to `sink` while it says so (set by Qwen3ForCausalLM::set_embedding_row_sink;
+  /// d9d/model/embedding_rows.hpp).
+  void set_embedding_row_sink(std::shared_ptr<EmbeddingRowSink> sink);
 
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
@@ -129,6 +133,7 @@ class Qwen3ModelImpl : public torch::nn::Module {
   RotaryEmbedding rope_;
   std::shared_ptr<const TensorParallelGroup> tp_;
   int64_t vocab_start_ = 0;
+  std::shared_ptr<EmbeddingRowSink> row_sink_;
 };
 TORCH_MODULE(Qwen3Model);
 
@@ -149,7 +154,8 @@ struct CausalLmLoss {
 /// forward() and forward_placed() refuse (they would return a part of the logits).
 class Qwen3ForCausalLMImpl : public torch::nn::Module,
                              public VocabParallelModel,
-                             public ContextParallelModel {
+                             public ContextParallelModel,
+                             public EmbeddingRowsModel {
  public:
   explicit Qwen3ForCausalLMImpl(Qwen3Config config);
   /// input_ids [B, T] -> logits [B, T, vocab].
@@ -168,6 +174,9 @@ class Qwen3ForCausalLMImpl : public torch::nn::Module,
   void set_tensor_parallel(std::shared_ptr<const TensorParallelGroup> group) override;
   /// Context parallelism over `group`: set on the model and every attention layer.
   void set_context_parallel(std::shared_ptr<const ContextParallelGroup> group) override;
+  [[nodiscard]] at::Tensor embedding_weight() const override;
+  [[nodiscard]] bool embedding_tied() const override { return config_.tie_word_embeddings; }
+  void set_embedding_row_sink(std::shared_ptr<EmbeddingRowSink> sink) override;
   /// The causal-LM loss of predicting `labels` [B, T] from `input_ids` [B, T]: the head and the
   /// cross-entropy fused and chunked (d9d::model::linear_cross_entropy) when fused_kernels(), so
   /// the logits never exist whole; else (or when lm_head has an adapter, d9d/peft/lora.hpp)

@@ -100,9 +100,9 @@ inline constexpr GradientTiming gradient_timing_of =
     plan_has_pipeline<Plan> ? GradientTiming::program : GradientTiming::backward;
 
 /// What a strategy adds to the step's gradient path. The steps call, per optimizer step:
-/// begin_step(); for each microbatch i of n: before_backward(i, n), backward; then finish().
-/// Under a pipeline program (GradientTiming::program) begin_step(), module_done(m) for each
-/// module as the program finishes its gradients, and finish().
+/// begin_step(); for each microbatch i of n: before_forward(i, n), forward, before_backward(i, n),
+/// backward; then finish(). Under a pipeline program (GradientTiming::program) begin_step(),
+/// module_done(m) for each module as the program finishes its gradients, and finish().
 class GradientSync {
  public:
   GradientSync() = default;
@@ -113,6 +113,8 @@ class GradientSync {
   GradientSync& operator=(GradientSync&&) = delete;
 
   virtual void begin_step() {}
+  /// Before microbatch i of n runs forward (steps without a pipeline program).
+  virtual void before_forward(int /*microbatch*/, int /*microbatches*/) {}
   virtual void before_backward(int /*microbatch*/, int /*microbatches*/) {}
   /// Under a pipeline program: module `module` (its index in ParallelModel::modules()) has every
   /// gradient of this step, so the strategy may start reducing them while the rest of the program
@@ -147,6 +149,10 @@ struct ParallelizeOptions {
   int64_t bucket_bytes = int64_t{25} << 20;
   /// Replicate: what moves the gradients' bytes (GradientReducerOptions::engine).
   ReduceEngine reduce_engine = ReduceEngine::backend;
+  /// Replicate: a tied embedding's lookup gradient in the last microbatch goes around autograd as
+  /// rows, added after the weight's early all-reduce (d9d/model/embedding_rows.hpp). Applies when
+  /// the mesh has only data-parallel (and context-parallel) ranks and the step runs no pipeline.
+  bool tied_embedding_rows = true;
   /// FullyShard<Reshard::from_config>: "after_forward", "never" or "all_but_last".
   std::string reshard = "after_forward";
   /// FullyShard: units gathered ahead of their use (0: gather each unit when it starts).
@@ -200,6 +206,7 @@ class ParallelModel {
   void add_norm_dims(std::vector<std::string> dims, MeshDomain domain = MeshDomain::regular);
 
   void begin_step();
+  void before_forward(int microbatch, int microbatches);
   void before_backward(int microbatch, int microbatches);
   /// Under a pipeline program: module `module` of modules() got its last gradient of the step
   /// (this rank ran its stage's last backward or weight-gradient action); the strategies start

@@ -8,21 +8,21 @@
 //   reducer.finish();           // waits; every parameter's .grad is now the sum over the group
 //
 // Parameters are packed into buckets in reverse registration order (about the order backward
-// produces their gradients). A post-accumulate-grad hook on each parameter counts ready gradients;
-// a full bucket's all-reduce is launched asynchronously, in bucket order on every rank, overlapping
-// the rest of the backward pass (NCCL runs it on its own stream). The gradients are reduced where
-// they are (one coalesced all-reduce per bucket: nothing flattened, nothing copied back), or cast
-// one by one when the reduction's dtype differs and copied back in finish(). A bucket with a
-// parameter that got no gradient (or a gradient not dense and contiguous on the group's device) is
-// flattened into one buffer instead, zeros for the missing gradient; its sums become the
-// gradients' memory. finish() launches what is left, waits, and writes back what was not reduced
-// in place.
-// With ReduceEngine::copy (CUDA groups within one node) the bytes move on the GPUs' copy engines
-// instead of NCCL's kernels, which otherwise hold SMs beside the backward (design note 0028): each
-// bucket's gradients are copied into a buffer every rank maps (symmetric memory) and summed there
-// on a side stream; in finish() each gradient becomes its place in that buffer (no copy back,
-// unless the reduction's dtype differs). The buffer costs the gradients' bytes again.
-// With a group of one rank nothing is registered and every call is a no-op.
+// produces their gradients), after the ones GradientReducerOptions::first names. A
+// post-accumulate-grad hook on each parameter counts ready gradients; a full bucket's all-reduce is
+// launched asynchronously, in bucket order on every rank, overlapping the rest of the backward pass
+// (NCCL runs it on its own stream). The gradients are reduced where they are (one coalesced
+// all-reduce per bucket: nothing flattened, nothing copied back), or cast one by one when the
+// reduction's dtype differs and copied back in finish(). A bucket with a parameter that got no
+// gradient (or a gradient not dense and contiguous on the group's device) is flattened into one
+// buffer instead, zeros for the missing gradient; its sums become the gradients' memory. finish()
+// launches what is left, waits, and writes back what was not reduced in place. With
+// ReduceEngine::copy (CUDA groups within one node) the bytes move on the GPUs' copy engines instead
+// of NCCL's kernels, which otherwise hold SMs beside the backward (design note 0028): each bucket's
+// gradients are copied into a buffer every rank maps (symmetric memory) and summed there on a side
+// stream; in finish() each gradient becomes its place in that buffer (no copy back, unless the
+// reduction's dtype differs). The buffer costs the gradients' bytes again. With a group of one rank
+// nothing is registered and every call is a no-op.
 #pragma once
 
 #include <cstdint>
@@ -50,6 +50,11 @@ struct GradientReducerOptions {
   /// ReduceEngine::copy needs a CUDA build and a CUDA group whose GPUs share a node: otherwise the
   /// constructor throws std::invalid_argument.
   ReduceEngine engine = ReduceEngine::backend;
+  /// Parameters (of `parameters`) whose gradients are complete first in the armed backward, each
+  /// in a bucket of its own ahead of the others (e.g. a tied embedding whose lookup gradient is
+  /// deferred, d9d/model/embedding_rows.hpp). A listed parameter that is complete last instead
+  /// holds every bucket back until then: the sums are the same, only later.
+  std::vector<at::Tensor> first = {};
 };
 
 class GradientReducer {

@@ -65,6 +65,10 @@ struct DataParallelConfig {
   /// Replicate: what moves the gradients' bytes: "backend" (the group's all-reduce) or "copy"
   /// (the GPUs' copy engines, for CUDA groups within one node; d9d/parallel/replicate.hpp).
   std::string reduce_engine = "backend";
+  /// Replicate: a tied embedding's last-microbatch lookup gradient is kept as rows, so the
+  /// weight's all-reduce starts right after the LM head's backward and the rows of every rank are
+  /// gathered and added at the end (d9d/model/embedding_rows.hpp); false: reduced whole, last.
+  bool tied_embedding_rows = true;
   /// FullyShard<Reshard::from_config>: "after_forward", "never" or "all_but_last".
   std::string reshard = "after_forward";
   int64_t prefetch = 1;  ///< FullyShard: units gathered ahead of their use (0: none)

@@ -1,0 +1,141 @@
+// d9d/parallel/embedding_rows.cpp — a deferred embedding lookup's rows, gathered over Replicate's
+// group and added after the weight's all-reduce.
+#include <algorithm>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <d9d/core/collectives.hpp>
+#include <d9d/parallel/detail/embedding_rows.hpp>
+
+namespace d9d::parallel::detail {
+
+ReplicatedEmbeddingRows::ReplicatedEmbeddingRows(ProcessGroup group, at::Tensor weight)
+    : group_(std::move(group)), weight_(std::move(weight)) {}
+
+ReplicatedEmbeddingRows::~ReplicatedEmbeddingRows() = default;
+
+void ReplicatedEmbeddingRows::begin() {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  deferring_ = true;
+}
+
+bool ReplicatedEmbeddingRows::deferring() const {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  return deferring_;
+}
+
+void ReplicatedEmbeddingRows::looked_up(const at::Tensor& ids) {
+  // One deferred lookup per step on every rank, so every rank runs this exchange once. It is
+  // issued in the forward and read in finish(). The count is made on the group's device: a copy
+  // from the host would wait for the device to catch up.
+  const auto device = group_.device();
+  const auto options = at::TensorOptions().dtype(at::kLong).device(device);
+  at::Tensor count;
+  at::Tensor counts;
+  at::Tensor host;
+  c10::intrusive_ptr<c10d::Work> work;
+  std::optional<c10::Event> arrived;
+  if (device.is_cpu()) {
+    count = at::full({1}, ids.numel(), options);
+    counts = at::empty({group_.size()}, options);
+    work = group_.backend()->_allgather_base(counts, count);
+  } else {
+    // On a side stream, which waits for none of the caller's work: the exchange and the copy of
+    // its result to the host run as soon as the peers issue theirs, and finish() waits for that
+    // copy alone (on the caller's stream it would wait for the whole backward first).
+    const c10::impl::VirtualGuardImpl streams(device.type());
+    const c10::StreamGuard side(streams.getStreamFromGlobalPool(device));
+    count = at::full({1}, ids.numel(), options);
+    counts = at::empty({group_.size()}, options);
+    work = group_.backend()->_allgather_base(counts, count);
+    work->wait();
+    host = counts.to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/true);
+    arrived.emplace(device.type());
+    arrived->record(side.current_stream());
+  }
+  const std::lock_guard<std::mutex> lock(mutex_);
+  deferring_ = false;
+  deferred_ = true;
+  ++lookups_;
+  count_ = std::move(count);
+  counts_ = std::move(counts);
+  counts_host_ = std::move(host);
+  counts_work_ = std::move(work);
+  counts_arrived_ = std::move(arrived);
+  ids_ = ids.reshape({-1});
+  rows_ = at::Tensor();
+}
+
+void ReplicatedEmbeddingRows::rows_backward(const at::Tensor& /*ids*/,
+                                            const at::Tensor& rows_grad) {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  rows_ = rows_.defined() ? rows_ + rows_grad : rows_grad;
+}
+
+void ReplicatedEmbeddingRows::finish() {
+  at::Tensor counts;
+  at::Tensor ids;
+  at::Tensor rows;
+  c10::intrusive_ptr<c10d::Work> work;
+  std::optional<c10::Event> arrived;
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    deferring_ = false;
+    if (!deferred_) {
+      return;
+    }
+    deferred_ = false;
+    counts = std::move(counts_);
+    ids = std::move(ids_);
+    rows = std::move(rows_);
+    work = std::move(counts_work_);
+    arrived = std::move(counts_arrived_);
+    counts_arrived_.reset();
+    count_ = at::Tensor();
+    if (arrived) {
+      counts = std::move(counts_host_);
+    }
+  }
+  if (arrived) {
+    arrived->synchronize();  // the host copy of the exchange, made on the side stream
+  } else {
+    work->wait();
+  }
+  const auto host = counts.cpu();
+  const auto* values = host.const_data_ptr<int64_t>();
+  const int64_t most = *std::max_element(values, values + host.numel());
+  const auto device = weight_.device();
+  const int64_t hidden = weight_.size(1);
+  // Every rank's part padded to the longest: id 0 with zero rows adds nothing.
+  auto padded_ids = at::zeros({most}, at::TensorOptions().dtype(at::kLong).device(device));
+  auto padded_rows = at::zeros({most, hidden}, weight_.options().requires_grad(false));
+  const int64_t mine = ids.numel();
+  if (mine > 0) {
+    padded_ids.narrow(0, 0, mine).copy_(ids);
+    if (rows.defined()) {
+      padded_rows.narrow(0, 0, mine).copy_(rows);
+    }
+  }
+  const auto all_ids = all_gather_cat(group_, padded_ids);
+  const auto all_rows = all_gather_cat(group_, padded_rows);
+  const at::NoGradGuard no_grad;
+  auto& grad = weight_.mutable_grad();
+  if (!grad.defined()) {
+    grad = at::zeros_like(weight_);
+  }
+  grad.index_add_(0, all_ids.to(grad.device()), all_rows.to(grad.device(), grad.scalar_type()));
+}
+
+int64_t ReplicatedEmbeddingRows::deferred_lookups() const {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  return lookups_;
+}
+
+}  // namespace d9d::parallel::detail
