@@ -211,7 +211,7 @@ class ReadyHook : public torch::autograd::PostAccumulateGradHook {
 }  // namespace
 
 GradientReducer::GradientReducer(ProcessGroup group, std::vector<at::Tensor> parameters,
-                                 GradientReducerOptions options)
+                                 const GradientReducerOptions& options)
     : state_(std::make_shared<State>()) {
   if (options.bucket_bytes < 1) {
     throw std::invalid_argument("d9d::parallel::GradientReducer: bucket_bytes must be >= 1");

@@ -60,7 +60,7 @@ struct GradientReducerOptions {
 class GradientReducer {
  public:
   GradientReducer(ProcessGroup group, std::vector<at::Tensor> parameters,
-                  GradientReducerOptions options = {});
+                  const GradientReducerOptions& options = {});
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
