@@ -245,7 +245,7 @@ TEST(Train_Replicate_ws2, ATiedEmbeddingIsReducedFirstAndItsRowsAddedAfter) {
     loss_of().backward();
     std::vector<at::Tensor> sums;
     sums.reserve(params.size());
-    for (auto p : params) {
+    for (const auto& p : params) {
       sums.push_back(d9d::all_reduce(group, p.grad().clone()));
       p.mutable_grad() = at::Tensor();
     }
@@ -282,7 +282,7 @@ TEST(Train_Replicate_ws2, ATiedEmbeddingIsReducedFirstAndItsRowsAddedAfter) {
         EXPECT_TRUE(at::allclose(params[i].grad(), sums[i], 1e-5, 1e-6))
             << (deferred ? "deferred" : "whole") << " parameter " << i;
       }
-      for (auto p : params) {
+      for (const auto& p : params) {
         p.mutable_grad() = at::Tensor();
       }
     }
