@@ -37,90 +37,76 @@ void ReplicatedEmbeddingRows::looked_up(const at::Tensor& ids) {
   // from the host would wait for the device to catch up.
   const auto device = group_.device();
   const auto options = at::TensorOptions().dtype(at::kLong).device(device);
-  at::Tensor count;
-  at::Tensor counts;
-  at::Tensor host;
-  c10::intrusive_ptr<c10d::Work> work;
-  std::optional<c10::Event> arrived;
+  CountExchange exchange;
+  exchange.ids = ids.reshape({-1});
   if (device.is_cpu()) {
-    count = at::full({1}, ids.numel(), options);
-    counts = at::empty({group_.size()}, options);
-    work = group_.backend()->_allgather_base(counts, count);
+    exchange.mine = at::full({1}, ids.numel(), options);
+    exchange.all = at::empty({group_.size()}, options);
+    exchange.work = group_.backend()->_allgather_base(exchange.all, exchange.mine);
   } else {
     // On a side stream, which waits for none of the caller's work: the exchange and the copy of
     // its result to the host run as soon as the peers issue theirs, and finish() waits for that
     // copy alone (on the caller's stream it would wait for the whole backward first).
     const c10::impl::VirtualGuardImpl streams(device.type());
     const c10::StreamGuard side(streams.getStreamFromGlobalPool(device));
-    count = at::full({1}, ids.numel(), options);
-    counts = at::empty({group_.size()}, options);
-    work = group_.backend()->_allgather_base(counts, count);
-    work->wait();
-    host = counts.to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/true);
-    arrived.emplace(device.type());
-    arrived->record(side.current_stream());
+    exchange.mine = at::full({1}, ids.numel(), options);
+    exchange.all = at::empty({group_.size()}, options);
+    exchange.work = group_.backend()->_allgather_base(exchange.all, exchange.mine);
+    exchange.work->wait();
+    exchange.host = exchange.all.to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/true);
+    exchange.arrived.emplace(device.type());
+    exchange.arrived->record(side.current_stream());
   }
   const std::lock_guard<std::mutex> lock(mutex_);
   deferring_ = false;
-  deferred_ = true;
   ++lookups_;
-  count_ = std::move(count);
-  counts_ = std::move(counts);
-  counts_host_ = std::move(host);
-  counts_work_ = std::move(work);
-  counts_arrived_ = std::move(arrived);
-  ids_ = ids.reshape({-1});
-  rows_ = at::Tensor();
+  pending_ = std::move(exchange);
 }
 
 void ReplicatedEmbeddingRows::rows_backward(const at::Tensor& /*ids*/,
                                             const at::Tensor& rows_grad) {
+  // The ids are the pending lookup's (kept since looked_up).
   const std::lock_guard<std::mutex> lock(mutex_);
-  rows_ = rows_.defined() ? rows_ + rows_grad : rows_grad;
+  if (!pending_) {
+    throw std::logic_error(
+        "d9d::parallel::detail::ReplicatedEmbeddingRows: a lookup's backward ran after finish()");
+  }
+  auto& rows = pending_->rows;
+  rows = rows.defined() ? rows + rows_grad : rows_grad;
+}
+
+at::Tensor ReplicatedEmbeddingRows::CountExchange::counts() const {
+  if (arrived) {
+    arrived->synchronize();  // the host copy of the exchange, made on the side stream
+    return host;
+  }
+  work->wait();
+  return all.cpu();
 }
 
 void ReplicatedEmbeddingRows::finish() {
-  at::Tensor counts;
-  at::Tensor ids;
-  at::Tensor rows;
-  c10::intrusive_ptr<c10d::Work> work;
-  std::optional<c10::Event> arrived;
+  std::optional<CountExchange> exchange;
   {
     const std::lock_guard<std::mutex> lock(mutex_);
     deferring_ = false;
-    if (!deferred_) {
-      return;
-    }
-    deferred_ = false;
-    counts = std::move(counts_);
-    ids = std::move(ids_);
-    rows = std::move(rows_);
-    work = std::move(counts_work_);
-    arrived = std::move(counts_arrived_);
-    counts_arrived_.reset();
-    count_ = at::Tensor();
-    if (arrived) {
-      counts = std::move(counts_host_);
-    }
+    exchange.swap(pending_);
   }
-  if (arrived) {
-    arrived->synchronize();  // the host copy of the exchange, made on the side stream
-  } else {
-    work->wait();
+  if (!exchange) {
+    return;
   }
-  const auto host = counts.cpu();
-  const auto* values = host.const_data_ptr<int64_t>();
-  const int64_t most = *std::max_element(values, values + host.numel());
+  const auto counts = exchange->counts();
+  const auto* values = counts.const_data_ptr<int64_t>();
+  const int64_t most = *std::max_element(values, values + counts.numel());
   const auto device = weight_.device();
   const int64_t hidden = weight_.size(1);
   // Every rank's part padded to the longest: id 0 with zero rows adds nothing.
   auto padded_ids = at::zeros({most}, at::TensorOptions().dtype(at::kLong).device(device));
   auto padded_rows = at::zeros({most, hidden}, weight_.options().requires_grad(false));
-  const int64_t mine = ids.numel();
+  const int64_t mine = exchange->ids.numel();
   if (mine > 0) {
-    padded_ids.narrow(0, 0, mine).copy_(ids);
-    if (rows.defined()) {
-      padded_rows.narrow(0, 0, mine).copy_(rows);
+    padded_ids.narrow(0, 0, mine).copy_(exchange->ids);
+    if (exchange->rows.defined()) {
+      padded_rows.narrow(0, 0, mine).copy_(exchange->rows);
     }
   }
   const auto all_ids = all_gather_cat(group_, padded_ids);

@@ -130,6 +130,21 @@ struct RankOwnLoss {
   }
 };
 
+// The reference the GradientReducer tests compare with: each of the first `count` parameters'
+// gradient (this rank's own, from one plain backward) summed over `group`; the gradients are
+// dropped, so the next backward starts from none.
+std::vector<at::Tensor> own_gradients_summed(const d9d::ProcessGroup& group,
+                                             const std::vector<at::Tensor>& params,
+                                             std::size_t count) {
+  std::vector<at::Tensor> sums;
+  sums.reserve(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    sums.push_back(d9d::all_reduce(group, params[i].grad().clone()));
+    params[i].mutable_grad() = at::Tensor();
+  }
+  return sums;
+}
+
 // The gradients zeroed in place (as the optimizer does when it keeps them), then two backwards,
 // the second armed: each gradient should hold twice its single-backward sum.
 void accumulate_twice_in_place(d9d::parallel::GradientReducer& reducer,
@@ -154,11 +169,8 @@ TEST(Train_Replicate_ws2, BucketsAreReducedDuringBackward) {
     ASSERT_GT(reducer.bucket_count(), 3U);
     // Each rank's own data; the reduced gradient is the sum of both ranks' gradients.
     loss_of().backward();  // this rank's own gradient, for the reference
-    std::vector<at::Tensor> own;
-    for (auto& p : params) {
-      own.push_back(p.grad().clone());
-      p.mutable_grad() = at::Tensor();
-    }
+    const auto sums =
+        own_gradients_summed(mesh.group(d9d::MeshDomain::batch, "dp"), params, params.size());
     reducer.arm();
     loss_of().backward();
     // Every parameter got a dense gradient on the group's device: reduced where it is.
@@ -169,9 +181,7 @@ TEST(Train_Replicate_ws2, BucketsAreReducedDuringBackward) {
     }
     reducer.finish();
     EXPECT_GT(reducer.launched_during_backward(), 0U);
-    std::vector<at::Tensor> sums;
     for (std::size_t i = 0; i < params.size(); ++i) {
-      sums.push_back(d9d::all_reduce(mesh.group(d9d::MeshDomain::batch, "dp"), own[i]));
       EXPECT_TRUE(at::allclose(params[i].grad(), sums[i], 1e-5, 1e-6)) << "parameter " << i;
       EXPECT_EQ(params[i].grad().data_ptr(), before[i]) << "parameter " << i;
     }
@@ -200,11 +210,7 @@ TEST(Train_Replicate_ws2, ABucketWithAMissingGradientIsFlattenedWithZeros) {
     d9d::parallel::GradientReducer reducer(group, params, {.bucket_bytes = int64_t{1} << 30});
     ASSERT_EQ(reducer.bucket_count(), 1U);
     loss().backward();
-    std::vector<at::Tensor> sums;
-    for (std::size_t i = 0; i + 1 < params.size(); ++i) {
-      sums.push_back(d9d::all_reduce(group, params[i].grad().clone()));
-      params[i].mutable_grad() = at::Tensor();
-    }
+    const auto sums = own_gradients_summed(group, params, params.size() - 1);
     reducer.arm();
     loss().backward();
     ASSERT_FALSE(unused.grad().defined());
@@ -243,12 +249,7 @@ TEST(Train_Replicate_ws2, ATiedEmbeddingIsReducedFirstAndItsRowsAddedAfter) {
     };
     const std::vector<at::Tensor> params = model->parameters();
     loss_of().backward();
-    std::vector<at::Tensor> sums;
-    sums.reserve(params.size());
-    for (const auto& p : params) {
-      sums.push_back(d9d::all_reduce(group, p.grad().clone()));
-      p.mutable_grad() = at::Tensor();
-    }
+    const auto sums = own_gradients_summed(group, params, params.size());
     const auto weight = model->embedding_weight();
     auto rows = std::make_shared<d9d::parallel::detail::ReplicatedEmbeddingRows>(group, weight);
     model->set_embedding_row_sink(rows);
@@ -315,11 +316,7 @@ TEST(Train_Replicate_ws2, TheCopyEngineSumsLikeTheAllReduce) {
     d9d::parallel::GradientReducer reducer(group, params, options);
     ASSERT_GT(reducer.bucket_count(), 3U);
     loss_of().backward();
-    std::vector<at::Tensor> sums;
-    sums.reserve(params.size());
-    for (auto& p : params) {
-      sums.push_back(d9d::all_reduce(group, p.grad().clone()));
-    }
+    const auto sums = own_gradients_summed(group, params, params.size());
     std::vector<const void*> places;
     places.reserve(params.size());
     for (int step = 0; step < 2; ++step) {  // fresh gradients each step (the trainer drops them)

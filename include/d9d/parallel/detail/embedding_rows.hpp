@@ -51,19 +51,27 @@ class ReplicatedEmbeddingRows final : public model::EmbeddingRowSink {
   [[nodiscard]] int64_t deferred_lookups() const;
 
  private:
+  // The exchange of this rank's number of ids, issued by the deferred lookup in the forward and
+  // read by finish(): its tensors stay alive until then.
+  struct CountExchange {
+    at::Tensor mine;  // this rank's count, the input
+    at::Tensor all;   // every rank's count, on the group's device
+    at::Tensor host;  // on a GPU: `all` copied to the host on a side stream
+    c10::intrusive_ptr<c10d::Work> work;
+    std::optional<c10::Event> arrived;  // on a GPU: recorded after that copy
+    at::Tensor ids;                     // this rank's ids, flattened
+    at::Tensor rows;                    // their gradient [ids, hidden] once the backward ran
+
+    // Every rank's count on the host, once exchanged.
+    [[nodiscard]] at::Tensor counts() const;
+  };
+
   ProcessGroup group_;
   at::Tensor weight_;
   mutable std::mutex mutex_;
   bool deferring_ = false;
-  bool deferred_ = false;
   int64_t lookups_ = 0;
-  at::Tensor count_;   // this rank's number of ids, the exchange's input
-  at::Tensor counts_;  // every rank's number of ids, on the group's device
-  c10::intrusive_ptr<c10d::Work> counts_work_;
-  at::Tensor counts_host_;                    // on a GPU: their copy on the host, once arrived
-  std::optional<c10::Event> counts_arrived_;  // on a GPU: recorded after that copy
-  at::Tensor ids_;                            // this rank's ids, flattened
-  at::Tensor rows_;                           // their gradient [ids, hidden] once the backward ran
+  std::optional<CountExchange> pending_;  // a deferred lookup's, until finish()
 };
 
 }  // namespace d9d::parallel::detail
