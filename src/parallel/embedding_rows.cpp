@@ -37,30 +37,30 @@ void ReplicatedEmbeddingRows::looked_up(const at::Tensor& ids) {
   // from the host would wait for the device to catch up.
   const auto device = group_.device();
   const auto options = at::TensorOptions().dtype(at::kLong).device(device);
-  CountExchange exchange;
-  exchange.ids = ids.reshape({-1});
+  DeferredLookup lookup;
+  lookup.ids = ids.reshape({-1});
   if (device.is_cpu()) {
-    exchange.mine = at::full({1}, ids.numel(), options);
-    exchange.all = at::empty({group_.size()}, options);
-    exchange.work = group_.backend()->_allgather_base(exchange.all, exchange.mine);
+    lookup.mine = at::full({1}, ids.numel(), options);
+    lookup.all = at::empty({group_.size()}, options);
+    lookup.work = group_.backend()->_allgather_base(lookup.all, lookup.mine);
   } else {
     // On a side stream, which waits for none of the caller's work: the exchange and the copy of
     // its result to the host run as soon as the peers issue theirs, and finish() waits for that
     // copy alone (on the caller's stream it would wait for the whole backward first).
     const c10::impl::VirtualGuardImpl streams(device.type());
     const c10::StreamGuard side(streams.getStreamFromGlobalPool(device));
-    exchange.mine = at::full({1}, ids.numel(), options);
-    exchange.all = at::empty({group_.size()}, options);
-    exchange.work = group_.backend()->_allgather_base(exchange.all, exchange.mine);
-    exchange.work->wait();
-    exchange.host = exchange.all.to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/true);
-    exchange.arrived.emplace(device.type());
-    exchange.arrived->record(side.current_stream());
+    lookup.mine = at::full({1}, ids.numel(), options);
+    lookup.all = at::empty({group_.size()}, options);
+    lookup.work = group_.backend()->_allgather_base(lookup.all, lookup.mine);
+    lookup.work->wait();
+    lookup.host = lookup.all.to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/true);
+    lookup.arrived.emplace(device.type());
+    lookup.arrived->record(side.current_stream());
   }
   const std::lock_guard<std::mutex> lock(mutex_);
   deferring_ = false;
   ++lookups_;
-  pending_ = std::move(exchange);
+  pending_ = std::move(lookup);
 }
 
 void ReplicatedEmbeddingRows::rows_backward(const at::Tensor& /*ids*/,
@@ -75,7 +75,7 @@ void ReplicatedEmbeddingRows::rows_backward(const at::Tensor& /*ids*/,
   rows = rows.defined() ? rows + rows_grad : rows_grad;
 }
 
-at::Tensor ReplicatedEmbeddingRows::CountExchange::counts() const {
+at::Tensor ReplicatedEmbeddingRows::DeferredLookup::counts() const {
   if (arrived) {
     arrived->synchronize();  // the host copy of the exchange, made on the side stream
     return host;
@@ -85,16 +85,16 @@ at::Tensor ReplicatedEmbeddingRows::CountExchange::counts() const {
 }
 
 void ReplicatedEmbeddingRows::finish() {
-  std::optional<CountExchange> exchange;
+  std::optional<DeferredLookup> lookup;
   {
     const std::lock_guard<std::mutex> lock(mutex_);
     deferring_ = false;
-    exchange.swap(pending_);
+    lookup.swap(pending_);
   }
-  if (!exchange) {
+  if (!lookup) {
     return;
   }
-  const auto counts = exchange->counts();
+  const auto counts = lookup->counts();
   const auto* values = counts.const_data_ptr<int64_t>();
   const int64_t most = *std::max_element(values, values + counts.numel());
   const auto device = weight_.device();
@@ -102,11 +102,11 @@ void ReplicatedEmbeddingRows::finish() {
   // Every rank's part padded to the longest: id 0 with zero rows adds nothing.
   auto padded_ids = at::zeros({most}, at::TensorOptions().dtype(at::kLong).device(device));
   auto padded_rows = at::zeros({most, hidden}, weight_.options().requires_grad(false));
-  const int64_t mine = exchange->ids.numel();
+  const int64_t mine = lookup->ids.numel();
   if (mine > 0) {
-    padded_ids.narrow(0, 0, mine).copy_(exchange->ids);
-    if (exchange->rows.defined()) {
-      padded_rows.narrow(0, 0, mine).copy_(exchange->rows);
+    padded_ids.narrow(0, 0, mine).copy_(lookup->ids);
+    if (lookup->rows.defined()) {
+      padded_rows.narrow(0, 0, mine).copy_(lookup->rows);
     }
   }
   const auto all_ids = all_gather_cat(group_, padded_ids);

@@ -287,6 +287,9 @@ TEST(Train_Replicate_ws2, ATiedEmbeddingIsReducedFirstAndItsRowsAddedAfter) {
         p.mutable_grad() = at::Tensor();
       }
     }
+    // A lookup's gradient arriving after finish() would be lost: refused.
+    EXPECT_THROW(rows->rows_backward(at::Tensor(), at::zeros({1, weight.size(1)})),
+                 std::logic_error);
   });
 }
 

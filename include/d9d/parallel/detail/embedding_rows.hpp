@@ -51,9 +51,9 @@ class ReplicatedEmbeddingRows final : public model::EmbeddingRowSink {
   [[nodiscard]] int64_t deferred_lookups() const;
 
  private:
-  // The exchange of this rank's number of ids, issued by the deferred lookup in the forward and
-  // read by finish(): its tensors stay alive until then.
-  struct CountExchange {
+  // A deferred lookup, from the forward to finish(): its ids, their rows' gradient, and the
+  // exchange of every rank's number of ids, issued in the forward (its tensors live until then).
+  struct DeferredLookup {
     at::Tensor mine;  // this rank's count, the input
     at::Tensor all;   // every rank's count, on the group's device
     at::Tensor host;  // on a GPU: `all` copied to the host on a side stream
@@ -71,7 +71,7 @@ class ReplicatedEmbeddingRows final : public model::EmbeddingRowSink {
   mutable std::mutex mutex_;
   bool deferring_ = false;
   int64_t lookups_ = 0;
-  std::optional<CountExchange> pending_;  // a deferred lookup's, until finish()
+  std::optional<DeferredLookup> pending_;  // a deferred lookup's, until finish()
 };
 
 }  // namespace d9d::parallel::detail
