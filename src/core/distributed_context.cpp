@@ -6,9 +6,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <utility>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -103,66 +105,86 @@ int leading_count(std::string_view name, const std::string& value) {
   return parse_int(name, value.substr(0, digits));
 }
 
-}  // namespace
+// The launch environment, read through the caller's getenv.
+class LaunchEnv {
+ public:
+  explicit LaunchEnv(std::function<std::optional<std::string>(std::string_view)> getenv)
+      : getenv_(std::move(getenv)) {}
 
-LaunchInfo parse_launch_env(
-    const std::function<std::optional<std::string>(std::string_view)>& getenv) {
-  LaunchInfo info;
-  const auto required = [&](std::string_view name) {
-    auto value = getenv(name);
-    if (!value || value->empty()) {
+  // Set and not empty.
+  [[nodiscard]] std::optional<std::string> get(std::string_view name) const {
+    auto value = getenv_(name);
+    return value && !value->empty() ? value : std::nullopt;
+  }
+  [[nodiscard]] bool has(std::string_view name) const { return getenv_(name).has_value(); }
+  [[nodiscard]] std::string required(std::string_view name) const {
+    auto value = get(name);
+    if (!value) {
       throw std::invalid_argument("d9d: environment variable " + std::string(name) +
                                   " is required by this launcher but not set");
     }
     return *value;
-  };
-  const auto optional_int = [&](std::string_view name, int fallback) {
-    auto value = getenv(name);
-    return value && !value->empty() ? parse_int(name, *value) : fallback;
-  };
-
-  if (getenv("RANK") && getenv("WORLD_SIZE")) {
-    info.launcher = Launcher::torchrun;
-    info.rank = parse_int("RANK", *getenv("RANK"));
-    info.world_size = parse_int("WORLD_SIZE", *getenv("WORLD_SIZE"));
-    info.local_rank = optional_int("LOCAL_RANK", info.rank);
-    info.local_world_size = optional_int("LOCAL_WORLD_SIZE", info.world_size);
-    if (info.world_size > 1) {
-      info.master_addr = required("MASTER_ADDR");
-      info.master_port = parse_int("MASTER_PORT", required("MASTER_PORT"));
-    }
-    const auto agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
-    info.agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
-    info.restart_count = optional_int("TORCHELASTIC_RESTART_COUNT", 0);
-  } else if (getenv("SLURM_PROCID") && getenv("SLURM_NTASKS")) {
-    info.launcher = Launcher::slurm;
-    info.rank = parse_int("SLURM_PROCID", *getenv("SLURM_PROCID"));
-    info.world_size = parse_int("SLURM_NTASKS", *getenv("SLURM_NTASKS"));
-    info.local_rank = optional_int("SLURM_LOCALID", 0);
-    if (auto per_node = getenv("SLURM_NTASKS_PER_NODE")) {
-      info.local_world_size = leading_count("SLURM_NTASKS_PER_NODE", *per_node);
-    } else if (auto tasks = getenv("SLURM_TASKS_PER_NODE")) {
-      info.local_world_size = leading_count("SLURM_TASKS_PER_NODE", *tasks);
-    } else {
-      info.local_world_size = info.world_size;
-    }
-    if (info.world_size > 1) {
-      if (auto addr = getenv("MASTER_ADDR"); addr && !addr->empty()) {
-        info.master_addr = *addr;
-      } else if (auto launch = getenv("SLURM_LAUNCH_NODE_IPADDR"); launch && !launch->empty()) {
-        info.master_addr = *launch;
-      } else {
-        throw std::invalid_argument(
-            "d9d: under Slurm, set MASTER_ADDR to the first node, e.g. "
-            "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)");
-      }
-      const int job = optional_int("SLURM_JOB_ID", 0);
-      info.master_port = optional_int("MASTER_PORT", 10000 + job % 50000);
-    }
-  } else {
-    info.launcher = Launcher::local;
+  }
+  [[nodiscard]] int required_int(std::string_view name) const {
+    return parse_int(name, required(name));
+  }
+  [[nodiscard]] int optional_int(std::string_view name, int fallback) const {
+    auto value = get(name);
+    return value ? parse_int(name, *value) : fallback;
   }
 
+ private:
+  std::function<std::optional<std::string>(std::string_view)> getenv_;
+};
+
+LaunchInfo torchrun_launch(const LaunchEnv& env) {
+  LaunchInfo info;
+  info.launcher = Launcher::torchrun;
+  info.rank = env.required_int("RANK");
+  info.world_size = env.required_int("WORLD_SIZE");
+  info.local_rank = env.optional_int("LOCAL_RANK", info.rank);
+  info.local_world_size = env.optional_int("LOCAL_WORLD_SIZE", info.world_size);
+  if (info.world_size > 1) {
+    info.master_addr = env.required("MASTER_ADDR");
+    info.master_port = env.required_int("MASTER_PORT");
+  }
+  const auto agent = env.get("TORCHELASTIC_USE_AGENT_STORE");
+  info.agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
+  info.restart_count = env.optional_int("TORCHELASTIC_RESTART_COUNT", 0);
+  return info;
+}
+
+LaunchInfo slurm_launch(const LaunchEnv& env) {
+  LaunchInfo info;
+  info.launcher = Launcher::slurm;
+  info.rank = env.required_int("SLURM_PROCID");
+  info.world_size = env.required_int("SLURM_NTASKS");
+  info.local_rank = env.optional_int("SLURM_LOCALID", 0);
+  if (auto per_node = env.get("SLURM_NTASKS_PER_NODE")) {
+    info.local_world_size = leading_count("SLURM_NTASKS_PER_NODE", *per_node);
+  } else if (auto tasks = env.get("SLURM_TASKS_PER_NODE")) {
+    info.local_world_size = leading_count("SLURM_TASKS_PER_NODE", *tasks);
+  } else {
+    info.local_world_size = info.world_size;
+  }
+  if (info.world_size > 1) {
+    if (auto addr = env.get("MASTER_ADDR")) {
+      info.master_addr = *addr;
+    } else if (auto launch = env.get("SLURM_LAUNCH_NODE_IPADDR")) {
+      info.master_addr = *launch;
+    } else {
+      throw std::invalid_argument(
+          "d9d: under Slurm, set MASTER_ADDR to the first node, e.g. "
+          "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)");
+    }
+    const int job = env.optional_int("SLURM_JOB_ID", 0);
+    info.master_port = env.optional_int("MASTER_PORT", 10000 + job % 50000);
+  }
+  return info;
+}
+
+// Rank, world and port within their ranges.
+void check_launch(const LaunchInfo& info) {
   const auto fail = [](const std::string& message) {
     throw std::invalid_argument("d9d: " + message);
   };
@@ -184,6 +206,22 @@ LaunchInfo parse_launch_env(
   if (info.world_size > 1 && (info.master_port <= 0 || info.master_port > 65535)) {
     fail("MASTER_PORT " + std::to_string(info.master_port) + " is not a TCP port");
   }
+}
+
+}  // namespace
+
+LaunchInfo parse_launch_env(
+    const std::function<std::optional<std::string>(std::string_view)>& getenv) {
+  const LaunchEnv env(getenv);
+  LaunchInfo info;
+  if (env.has("RANK") && env.has("WORLD_SIZE")) {
+    info = torchrun_launch(env);
+  } else if (env.has("SLURM_PROCID") && env.has("SLURM_NTASKS")) {
+    info = slurm_launch(env);
+  } else {
+    info.launcher = Launcher::local;
+  }
+  check_launch(info);
   return info;
 }
 

@@ -101,6 +101,13 @@ TEST(Core_LaunchEnv, Slurm) {
   EXPECT_EQ(info.local_world_size, 4);
   EXPECT_EQ(info.master_addr, "10.0.0.7");
   EXPECT_EQ(info.master_port, 10000 + 123456 % 50000);
+  // An empty variable counts as unset: the next source of the per-node count is read.
+  const auto fallback = d9d::parse_launch_env(env_of({{"SLURM_PROCID", "0"},
+                                                      {"SLURM_NTASKS", "4"},
+                                                      {"SLURM_NTASKS_PER_NODE", ""},
+                                                      {"SLURM_TASKS_PER_NODE", "2(x2)"},
+                                                      {"MASTER_ADDR", "node0"}}));
+  EXPECT_EQ(fallback.local_world_size, 2);
 }
 
 TEST(Core_LaunchEnv, ErrorsNameTheVariable) {
