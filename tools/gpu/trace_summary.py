@@ -8,7 +8,9 @@ step and its launches, the kernels by total time per step, and each stream's bus
 the traced span (what the compute stream leaves idle), and then the compute stream's idle gaps:
 whether the host had not yet launched the next kernel ("host late") or had launched it and the
 stream was waiting ("stream waited"), the d9d annotation and the operator the host was inside
-when the stream ran dry, and the synchronising runtime calls during the gap; and the host's
+when the stream ran dry, what the other streams ran while it waited (a side stream's kernels or
+same-device copies hold the SMs the next kernel needs), and the synchronising runtime calls during
+the gap; and the host's
 synchronisations per step (stream, device, event), by annotation and operator.
 """
 import bisect
@@ -125,6 +127,14 @@ class Spans:
         return best
 
 
+def device_kind(name):
+    """A short name for a device activity: the copy's kind, or the kernel's name up to its
+    arguments and template parameters."""
+    if name.startswith("Memcpy") or name.startswith("Memset"):
+        return name.split(" (")[0]
+    return re.split(r"[<(]", name.replace("void ", "", 1))[0][:40]
+
+
 def gaps(events, steps, threshold_us=5.0, top=20):
     """The compute stream's idle gaps, classified (see the module's text)."""
     device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -149,6 +159,11 @@ def gaps(events, steps, threshold_us=5.0, top=20):
     annotations = Spans(e for e in events
                         if e.get("cat") == "user_annotation" and e["name"].startswith("d9d::"))
     operators = Spans(e for e in events if e.get("cat") == "cpu_op")
+    # The other streams' device work, to say what ran while the stream waited.
+    others = sorted((e for e in device if e.get("tid") != stream), key=lambda e: e["ts"])
+    other_starts = [e["ts"] for e in others]
+    longest = max((e["dur"] for e in others), default=0.0)
+    beside = collections.defaultdict(lambda: [0.0, 0])
     classes = collections.Counter()
     counts = collections.Counter()
     rows = collections.defaultdict(lambda: [0.0, 0])
@@ -170,6 +185,12 @@ def gaps(events, steps, threshold_us=5.0, top=20):
         key = (kind, where["name"] if where else "-", doing["name"] if doing else "-")
         rows[key][0] += end - start
         rows[key][1] += 1
+        if not late:
+            lo = bisect.bisect_left(other_starts, start - longest)
+            ran = sorted({device_kind(e["name"]) for e in others[lo:bisect.bisect_left(other_starts, end)]
+                          if e["ts"] + e["dur"] > start})
+            beside[", ".join(ran) or "nothing"][0] += end - start
+            beside[", ".join(ran) or "nothing"][1] += 1
         lo = bisect.bisect_left(runtime_starts, start - 1e6)
         for r in runtime[lo: bisect.bisect_right(runtime_starts, end)]:
             overlap = min(end, r["ts"] + r["dur"]) - max(start, r["ts"])
@@ -185,6 +206,10 @@ def gaps(events, steps, threshold_us=5.0, top=20):
     for (kind, where, doing), (us, n) in sorted(rows.items(), key=lambda x: -x[1][0])[:top]:
         print(f"  {us / 1000 / steps:8.2f} ms x{n // max(steps, 1):<4d} {kind:<13} "
               f"{where[:40]:<40} {doing[:60]}")
+    if beside:
+        print("  the stream waited while the other streams ran:")
+        for ran, (us, n) in sorted(beside.items(), key=lambda x: -x[1][0])[:top]:
+            print(f"  {us / 1000 / steps:8.2f} ms x{n // max(steps, 1):<4d} {ran[:100]}")
     if syncs:
         print("  runtime calls overlapping the gaps (ms per step): " + ", ".join(
             f"{name} {us / 1000 / steps:.2f}" for name, us in syncs.most_common()))
