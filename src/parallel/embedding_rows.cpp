@@ -89,10 +89,11 @@ void ReplicatedEmbeddingRows::finish() {
   {
     const std::lock_guard<std::mutex> lock(mutex_);
     deferring_ = false;
-    lookup.swap(pending_);
-  }
-  if (!lookup) {
-    return;
+    if (!pending_) {
+      return;
+    }
+    lookup.emplace(std::move(*pending_));
+    pending_.reset();
   }
   const auto counts = lookup->counts();
   const auto* values = counts.const_data_ptr<int64_t>();
