@@ -39,23 +39,22 @@ void ReplicatedEmbeddingRows::looked_up(const at::Tensor& ids) {
   const auto options = at::TensorOptions().dtype(at::kLong).device(device);
   DeferredLookup lookup;
   lookup.ids = ids.reshape({-1});
-  if (device.is_cpu()) {
-    lookup.mine = at::full({1}, ids.numel(), options);
-    lookup.all = at::empty({group_.size()}, options);
-    lookup.work = group_.backend()->_allgather_base(lookup.all, lookup.mine);
-  } else {
-    // On a side stream, which waits for none of the caller's work: the exchange and the copy of
-    // its result to the host run as soon as the peers issue theirs, and finish() waits for that
-    // copy alone (on the caller's stream it would wait for the whole backward first).
+  // On a GPU, on a side stream, which waits for none of the caller's work: the exchange and the
+  // copy of its result to the host run as soon as the peers issue theirs, and finish() waits for
+  // that copy alone (on the caller's stream it would wait for the whole backward first).
+  std::optional<c10::StreamGuard> side;
+  if (!device.is_cpu()) {
     const c10::impl::VirtualGuardImpl streams(device.type());
-    const c10::StreamGuard side(streams.getStreamFromGlobalPool(device));
-    lookup.mine = at::full({1}, ids.numel(), options);
-    lookup.all = at::empty({group_.size()}, options);
-    lookup.work = group_.backend()->_allgather_base(lookup.all, lookup.mine);
+    side.emplace(streams.getStreamFromGlobalPool(device));
+  }
+  lookup.mine = at::full({1}, ids.numel(), options);
+  lookup.all = at::empty({group_.size()}, options);
+  lookup.work = group_.backend()->_allgather_base(lookup.all, lookup.mine);
+  if (side) {
     lookup.work->wait();
     lookup.host = lookup.all.to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/true);
     lookup.arrived.emplace(device.type());
-    lookup.arrived->record(side.current_stream());
+    lookup.arrived->record(side->current_stream());
   }
   const std::lock_guard<std::mutex> lock(mutex_);
   deferring_ = false;

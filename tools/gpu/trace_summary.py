@@ -187,10 +187,11 @@ def gaps(events, steps, threshold_us=5.0, top=20):
         rows[key][1] += 1
         if not late:
             lo = bisect.bisect_left(other_starts, start - longest)
-            ran = sorted({device_kind(e["name"]) for e in others[lo:bisect.bisect_left(other_starts, end)]
-                          if e["ts"] + e["dur"] > start})
-            beside[", ".join(ran) or "nothing"][0] += end - start
-            beside[", ".join(ran) or "nothing"][1] += 1
+            hi = bisect.bisect_left(other_starts, end)
+            ran = ", ".join(sorted({device_kind(e["name"]) for e in others[lo:hi]
+                                    if e["ts"] + e["dur"] > start})) or "nothing"
+            beside[ran][0] += end - start
+            beside[ran][1] += 1
         lo = bisect.bisect_left(runtime_starts, start - 1e6)
         for r in runtime[lo: bisect.bisect_right(runtime_starts, end)]:
             overlap = min(end, r["ts"] + r["dur"]) - max(start, r["ts"])
