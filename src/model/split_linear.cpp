@@ -19,6 +19,7 @@
 #include <torch/nn/init.h>
 
 #include <d9d/core/detail/autocast_scope.hpp>
+#include <d9d/core/detail/gradient_home.hpp>
 #include <d9d/core/detail/weight_casts.hpp>
 #include <d9d/core/weight_grad.hpp>
 #include <d9d/kernels/float8.hpp>
@@ -129,14 +130,21 @@ struct WeightGrad {
     // once per backward, as for any gradient. A weight with other uses in the graph still sums
     // right: the engine adds their gradients to the returned one before AccumulateGrad.
     handed_back,
+    // Written by the GEMM (beta = 0) into the memory the parameter's hook offers for its gradient
+    // (d9d/core/detail/gradient_home.hpp: Replicate's copy buffer), which is returned: the step's
+    // first product, where .grad is still undefined. AccumulateGrad keeps it as .grad, as for
+    // handed_back, so later microbatches add into that memory and the reducer copies nothing.
+    placed,
   };
   // The sink: in place only while the gradient exists to take the product, no hook waits on the
   // parameter, the backward accumulates into .grad (torch::autograd::backward of everything, not
   // autograd::grad of chosen inputs) and builds no graph of its own (create_graph); handed back
   // where the only hook is a post-accumulate-grad hook and .grad owns its tensor alone (another
-  // owner would make AccumulateGrad copy it to new memory).
+  // owner would make AccumulateGrad copy it to new memory); placed, under the same conditions,
+  // where .grad does not exist yet and the only hook is a GradientHome.
   [[nodiscard]] Sink sink() const {
-    if (bias.defined() || !grad_takes_product() || at::GradMode::is_enabled()) {
+    const bool first = weight.defined() && !weight.grad().defined();
+    if (bias.defined() || !(first || grad_takes_product()) || at::GradMode::is_enabled()) {
       return Sink::returned;
     }
     // A hook on the gradient as it arrives (register_hook) would not see this one.
@@ -150,10 +158,32 @@ struct WeightGrad {
         chosen != nullptr && !chosen->empty()) {
       return Sink::returned;
     }
+    if (first) {
+      return d9d::detail::gradient_home_of(weight) != nullptr ? Sink::placed : Sink::returned;
+    }
     if (torch::autograd::impl::post_acc_grad_hooks(weight) == nullptr) {
       return Sink::in_place;
     }
     return weight.grad().use_count() == 1 ? Sink::handed_back : Sink::returned;
+  }
+
+  // Sink::placed: the product written into the home the hook offers, if it offers one that takes
+  // it (the parameter's sizes, contiguous, in the dtype the GEMM writes, on its device); else
+  // undefined and nothing written.
+  [[nodiscard]] at::Tensor place() const {
+    auto home = d9d::detail::gradient_home_of(weight)->home();
+    const auto product = widening() ? at::kFloat : grad_out.scalar_type();
+    if (!home.defined() || !home.is_contiguous() || home.sizes() != weight.sizes() ||
+        home.scalar_type() != product || home.device() != grad_out.device() ||
+        input.scalar_type() != grad_out.scalar_type()) {
+      return {};
+    }
+    if (widening()) {
+      at::mm_out(home, grad_out.t(), input, at::kFloat);
+    } else {
+      at::mm_out(home, grad_out.t(), input);
+    }
+    return home;
   }
 
   // .grad += the product, in the GEMM (widening: cuBLAS writes float32 from bfloat16 inputs).
@@ -198,6 +228,11 @@ struct WeightGrad {
         return {};
       case Sink::handed_back:
         return hand_back();
+      case Sink::placed:
+        if (auto placed = place(); placed.defined()) {
+          return placed;
+        }
+        break;
       case Sink::returned:
         break;
     }

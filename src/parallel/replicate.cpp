@@ -4,12 +4,13 @@
 #include <mutex>
 #include <optional>
 #include <stdexcept>
+#include <vector>
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <d9d/core/detail/gradient_home.hpp>
 #include <d9d/parallel/detail/copy_engine_reduce.hpp>
 #include <d9d/parallel/replicate.hpp>
 
@@ -38,6 +39,25 @@ struct GradientReducer::State {
   bool armed = false;
   std::size_t next_launch = 0;
   std::size_t launched_in_backward = 0;
+  // ReduceEngine::copy: each parameter's byte offset into the copy buffer where its gradient is
+  // summed in the parameter's own dtype (-1: another dtype or device, or no copy engine), and
+  // whether home() handed that place out since the last finish().
+  std::vector<int64_t> home_offset;
+  std::vector<bool> homed;
+
+  // ReduceEngine::copy: a new tensor over the parameter's place in the copy buffer, once per step.
+  at::Tensor home(std::size_t index) {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (!copy || index >= home_offset.size() || home_offset[index] < 0 || homed[index]) {
+      return {};
+    }
+    homed[index] = true;
+    const auto& param = parameters[index];
+    const auto flat = copy->buffer();
+    return at::empty({0}, flat.options().dtype(param.scalar_type()))
+        .set_(flat.storage(), home_offset[index] / static_cast<int64_t>(param.element_size()),
+              param.sizes());
+  }
 
   // Starts the bucket's all-reduce. Gradients that are dense, contiguous and on the group's device
   // are reduced where they are, one coalesced all-reduce for the bucket (no flattening into a
@@ -83,14 +103,17 @@ struct GradientReducer::State {
   }
 
   // ReduceEngine::copy: on the side stream, after the backward's work so far, the gradients are
-  // copied into the bucket's range of the copy buffer (nothing to copy where a gradient is that
-  // range already, accumulated in place) and summed there. The gradients stay referenced until
-  // finish(), when the caller's stream has waited for the side stream.
+  // copied into the bucket's range of the copy buffer, in one launch (nothing to copy where a
+  // gradient is its place already: written there by the layers, design note 0031, and accumulated
+  // in place) and summed there. The gradients stay referenced until finish(), when the caller's
+  // stream has waited for the side stream.
   void launch_copy(Bucket& bucket) {
     copy->on_side([&] {
       const auto flat = copy->buffer();
       int64_t offset = bucket.offset;
       bucket.tensors.clear();
+      std::vector<at::Tensor> places;
+      std::vector<at::Tensor> sources;
       for (const auto index : bucket.members) {
         const auto& param = parameters[index];
         const auto& grad = param.grad();
@@ -100,10 +123,14 @@ struct GradientReducer::State {
           place.zero_();
         } else if (!(grad.scalar_type() == bucket.dtype && grad.is_contiguous() &&
                      grad.data_ptr() == place.data_ptr())) {
-          place.copy_(grad.reshape({-1}));
+          places.push_back(place.view(grad.sizes()));
+          sources.push_back(grad);  // another dtype: converted by the copy
         }
         bucket.tensors.push_back(grad);
         offset += bytes;
+      }
+      if (!places.empty()) {
+        at::_foreach_copy_(places, sources);
       }
       copy->sum(bucket.offset, bucket.numel, bucket.dtype);
     });
@@ -139,6 +166,7 @@ struct GradientReducer::State {
       }
       bucket.tensors.clear();
     }
+    std::fill(homed.begin(), homed.end(), false);
   }
 
   // A flattened bucket's sums back into the gradients.
@@ -193,7 +221,9 @@ struct GradientReducer::State {
 
 namespace {
 
-class ReadyHook : public torch::autograd::PostAccumulateGradHook {
+// The reducer's hook: a parameter's gradient is complete for this backward; and, under the copy
+// engine, where the step's gradient may live (d9d/core/detail/gradient_home.hpp).
+class ReadyHook : public d9d::detail::GradientHome {
  public:
   ReadyHook(std::weak_ptr<GradientReducer::State> state, std::size_t index)
       : state_(std::move(state)), index_(index) {}
@@ -201,6 +231,10 @@ class ReadyHook : public torch::autograd::PostAccumulateGradHook {
     if (auto state = state_.lock()) {
       state->mark_ready(index_);
     }
+  }
+  [[nodiscard]] at::Tensor home() override {
+    auto state = state_.lock();
+    return state ? state->home(index_) : at::Tensor();
   }
 
  private:
@@ -274,6 +308,19 @@ GradientReducer::GradientReducer(ProcessGroup group, std::vector<at::Tensor> par
       total += (size + 255) / 256 * 256;
     }
     s.copy = std::make_unique<detail::CopyEngineReduce>(s.group, total, largest);
+    s.home_offset.assign(s.parameters.size(), -1);
+    s.homed.assign(s.parameters.size(), false);
+    const auto device = s.copy->buffer().device();
+    for (const auto& bucket : s.buckets) {
+      int64_t offset = bucket.offset;
+      for (const auto index : bucket.members) {
+        const auto& param = s.parameters[index];
+        if (param.scalar_type() == bucket.dtype && param.device() == device) {
+          s.home_offset[index] = offset;
+        }
+        offset += param.numel() * static_cast<int64_t>(c10::elementSize(bucket.dtype));
+      }
+    }
   }
   for (const auto& bucket : s.buckets) {
     for (const auto index : bucket.members) {

@@ -20,6 +20,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/optim/adamw.h>
 
+#include <d9d/core/detail/gradient_home.hpp>
 #include <d9d/core/weight_grad.hpp>
 #include <d9d/model/layers.hpp>
 #include <d9d/model/linear_cross_entropy.hpp>
@@ -742,6 +743,125 @@ TEST(Model_Linear, AWeightUsedTwiceUnderAPostAccumulateHookSumsBothUses) {
   const auto want = (ga.t().mm(a0) + gb.t().mm(b0)) * 2.0;
   EXPECT_TRUE(at::allclose(layer->weight.grad(), want, 1e-12, 1e-12));
   EXPECT_EQ(hook_calls, 2);
+}
+
+// Offers a place in a NaN-filled buffer for its parameter's gradient, once until reset (as
+// Replicate's copy engine offers its buffer once per step), and counts its calls.
+class HomeHook : public d9d::detail::GradientHome {
+ public:
+  HomeHook(at::Tensor buffer, int64_t offset, at::IntArrayRef sizes, int& calls, bool offers)
+      : buffer_(std::move(buffer)),
+        offset_(offset),
+        sizes_(sizes.vec()),
+        calls_(calls),
+        offers_(offers) {}
+  void operator()(const torch::autograd::Variable& /*tensor*/) override { ++calls_; }
+  at::Tensor home() override {
+    ++asked;
+    if (!offers_ || handed) {
+      return {};
+    }
+    handed = true;
+    return at::empty({0}, buffer_.options()).set_(buffer_.storage(), offset_, sizes_);
+  }
+  int asked = 0;
+  bool handed = false;
+
+ private:
+  at::Tensor buffer_;
+  int64_t offset_;
+  std::vector<int64_t> sizes_;
+  int& calls_;
+  bool offers_;
+};
+
+TEST(Model_Linear, WritesTheFirstWeightGradientIntoTheHomeItsHookOffers) {
+  // Under a GradientHome hook (Replicate's copy engine), the first backward's weight-gradient GEMM
+  // writes the product into the offered memory (NaNs there before: overwritten, not added) and
+  // AccumulateGrad keeps that memory as .grad; the second adds into it in place; the hook runs
+  // once per backward. Through Linear, fan_out_linear and silu_mul_linear. A weight used twice in
+  // one backward takes the home once and sums both uses; a hook that offers nothing leaves
+  // autograd's own gradient.
+  at::manual_seed(9);
+  const auto x0 = at::randn({2, 5, 12}, at::kDouble);
+  const auto up0 = at::randn({2, 5, 12}, at::kDouble);
+  const auto g0 = at::randn({2, 5, 7}, at::kDouble);
+  const auto g1 = g0 * -0.5 + 0.25;
+  const auto product = [](const at::Tensor& g, const at::Tensor& in) {
+    return g.reshape({-1, 7}).t().mm(in.reshape({-1, 12}));
+  };
+  constexpr int64_t kOffset = 16;
+  for (int path = 0; path < 3; ++path) {
+    for (const bool offers : {true, false}) {
+      const std::string where =
+          "path " + std::to_string(path) + (offers ? ", offered" : ", not offered");
+      d9d::model::Linear layer(12, 7, false);
+      layer->to(at::kDouble);
+      const auto buffer = at::full({kOffset + 7 * 12 + 8}, std::nan(""), at::kDouble);
+      int hook_calls = 0;
+      auto owned = std::make_unique<HomeHook>(buffer, kOffset, layer->weight.sizes(), hook_calls,
+                                              offers);
+      auto* hook = owned.get();
+      torch::autograd::impl::set_post_acc_grad_hooks(layer->weight, std::move(owned));
+      d9d::WeightGradQueue queue;  // recording, never deferring
+      const auto run = [&](const at::Tensor& g) {
+        const auto x = x0.clone().requires_grad_();
+        at::Tensor y;
+        {
+          const d9d::RecordWeightGrads record(queue);
+          if (path == 0) {
+            y = layer(x);
+          } else if (path == 1) {
+            y = d9d::model::fan_out_linear(x, {layer.get()})[0];
+          } else {
+            y = d9d::model::silu_mul_linear(x, up0, layer->weight);
+          }
+        }
+        (y * g).sum().backward();
+      };
+      const auto in = path == 2 ? at::silu(x0) * up0 : x0;
+      run(g0);
+      ASSERT_TRUE(layer->weight.grad().defined()) << where;
+      EXPECT_TRUE(at::allclose(layer->weight.grad(), product(g0, in), 1e-12, 1e-12)) << where;
+      EXPECT_EQ(layer->weight.grad().data_ptr() == buffer.data_ptr<double>() + kOffset, offers)
+          << where << ": the first product lives in the home";
+      EXPECT_EQ(hook->asked, 1) << where;
+      run(g1);
+      EXPECT_TRUE(
+          at::allclose(layer->weight.grad(), product(g0, in) + product(g1, in), 1e-12, 1e-12))
+          << where;
+      EXPECT_EQ(layer->weight.grad().data_ptr() == buffer.data_ptr<double>() + kOffset, offers)
+          << where << ": added in place";
+      EXPECT_EQ(hook->asked, 1) << where << ": asked only while .grad is undefined";
+      EXPECT_EQ(hook_calls, 2) << where;
+      if (offers) {
+        EXPECT_TRUE(at::isnan(buffer.narrow(0, 0, kOffset)).all().item<bool>()) << where;
+        EXPECT_TRUE(at::isnan(buffer.narrow(0, kOffset + 7 * 12, 8)).all().item<bool>()) << where;
+      }
+    }
+  }
+  // Two uses of the weight in the first backward: one home, both uses summed.
+  const auto a0 = at::randn({3, 12}, at::kDouble);
+  const auto b0 = at::randn({3, 12}, at::kDouble);
+  const auto ga = at::randn({3, 7}, at::kDouble);
+  const auto gb = at::randn({3, 7}, at::kDouble);
+  d9d::model::Linear layer(12, 7, false);
+  layer->to(at::kDouble);
+  const auto buffer = at::full({7 * 12}, std::nan(""), at::kDouble);
+  int hook_calls = 0;
+  auto owned = std::make_unique<HomeHook>(buffer, 0, layer->weight.sizes(), hook_calls, true);
+  auto* hook = owned.get();
+  torch::autograd::impl::set_post_acc_grad_hooks(layer->weight, std::move(owned));
+  d9d::WeightGradQueue queue;
+  at::Tensor y;
+  {
+    const d9d::RecordWeightGrads record(queue);
+    y = layer(a0) * ga + layer(b0) * gb;
+  }
+  y.sum().backward();
+  EXPECT_TRUE(at::allclose(layer->weight.grad(), ga.t().mm(a0) + gb.t().mm(b0), 1e-12, 1e-12));
+  EXPECT_EQ(hook->asked, 2);
+  EXPECT_EQ(hook_calls, 1);
 }
 
 TEST(Model_Qwen3Loss, FusedAndUnfusedKernelsTrainAlike) {
