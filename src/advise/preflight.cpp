@@ -120,12 +120,15 @@ void add_step_time(const MachineProfile* machine, const PreflightPlan& plan,
   }
 }
 
-// Replicate's buffer under data_parallel.reduce_engine "copy" (d9d/parallel/detail/
-// copy_engine_reduce.hpp): its buckets laid out in memory every rank of its group (dp x cp) maps,
-// in the reduction's dtype: the gradient bytes of `state` again (a MoE model's regular domain,
-// not its experts), in bfloat16 under a bfloat16 reduction (each bucket rounded up to 256 bytes:
-// at most 255 bytes a bucket, not counted). 0 under FullyShard, on one data-parallel rank, or
-// with NCCL's all-reduce.
+// What Replicate's buffer under data_parallel.reduce_engine "copy" (d9d/parallel/detail/
+// copy_engine_reduce.hpp) adds to the peak: its buckets are laid out in memory every rank of its
+// group (dp x cp) maps, in the reduction's dtype, for the gradients of `state` (a MoE model's
+// regular domain, not its experts). In the gradients' own dtype the gradients live there (the
+// linear layers write their first product of a step into it, design note 0031; every gradient
+// becomes its place after the reduction): nothing on top of the gradients already counted. Under
+// a bfloat16 reduction of wider gradients the buffer holds bfloat16 sums beside them: half their
+// bytes on top (each bucket rounded up to 256 bytes: at most 255 bytes a bucket, not counted). 0
+// under FullyShard, on one data-parallel rank, or with NCCL's all-reduce.
 int64_t copy_engine_buffer_bytes(const TrainerConfig& config, const PreflightPlan& plan,
                                  const StateBytes& state) {
   const auto& c = plan.candidate;
@@ -133,7 +136,18 @@ int64_t copy_engine_buffer_bytes(const TrainerConfig& config, const PreflightPla
     return 0;
   }
   const auto element = static_cast<int64_t>(c10::elementSize(plan.rules->gradients));
-  return plan.reduce_bf16 && element > 2 ? state.gradients / element * 2 : state.gradients;
+  return plan.reduce_bf16 && element > 2 ? state.gradients / element * 2 : 0;
+}
+
+// The memory line's words for the copy engine's buffer ("" without one).
+std::string copy_engine_words(const TrainerConfig& config, const PreflightPlan& plan,
+                              int64_t extra) {
+  const auto& c = plan.candidate;
+  if (config.data_parallel.reduce_engine != "copy" || c.fully_shard || c.dp_replicate * c.cp < 2) {
+    return "";
+  }
+  return extra > 0 ? ", the copy engine's bfloat16 sums " + gib(extra)
+                   : ", the gradients in the copy engine's buffer";
 }
 
 // A Qwen3-MoE's figures and lines (predict_plan's, before the fit check): the rank with the most
@@ -166,9 +180,7 @@ void predict_moe(const TrainerConfig& config, const model::Qwen3MoeConfig& model
     *out.peak_bytes += copy_buffer;
   }
   std::string memory = state_line(out.plan, rank.state);
-  if (copy_buffer > 0) {
-    memory += ", the copy engine's buffer " + gib(copy_buffer);
-  }
+  memory += copy_engine_words(config, plan, copy_buffer);
   if (rank.activations) {
     memory += ", activations " + gib(*rank.activations) + " (experts at their balanced load)";
     memory += rank.peak ? ", peak during a step " + gib(*rank.peak)
@@ -203,9 +215,7 @@ void predict_dense(const TrainerConfig& config, const model::Qwen3Config& model,
     *out.peak_bytes += copy_buffer;
   }
   std::string memory = state_line(out.plan, rank.state);
-  if (copy_buffer > 0) {
-    memory += ", the copy engine's buffer " + gib(copy_buffer);
-  }
+  memory += copy_engine_words(config, plan, copy_buffer);
   if (out.activation_bytes) {
     memory += ", activations " + gib(*out.activation_bytes) + ", peak during a step " +
               gib(*out.peak_bytes);

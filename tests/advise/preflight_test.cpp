@@ -140,10 +140,12 @@ TEST(Advise_Preflight, FiguresAreTheAdvisorsForThePlansSlots) {
   EXPECT_EQ(pp->state_bytes + *pp->activation_bytes, most);
 }
 
-TEST(Advise_Preflight, TheCopyEnginesBufferIsInTheReplicatePeak) {
-  // data_parallel.reduce_engine "copy": Replicate's buckets in a buffer every rank maps, the
-  // gradients' bytes again in the reduction's dtype, on top of the peak; not under FullyShard,
-  // nor on one rank.
+TEST(Advise_Preflight, TheCopyEnginesBufferHoldsTheGradientsOrAddsBfloat16Sums) {
+  // data_parallel.reduce_engine "copy": Replicate's buckets in a buffer every rank maps. In the
+  // gradients' dtype the gradients live there (design note 0031): the peak is the all-reduce's,
+  // and the line says where they are. Under a bfloat16 reduction of float32 gradients the buffer
+  // holds bfloat16 sums beside them: half the gradients' bytes on top. Not under FullyShard, nor
+  // on one rank.
   const auto with_engine = [](const std::string& engine) {
     return config_with("{}", R"({"reduce_engine": ")" + engine + R"("})");
   };
@@ -157,14 +159,15 @@ TEST(Advise_Preflight, TheCopyEnginesBufferIsInTheReplicatePeak) {
   const auto backend = d9d::advise::preflight<Rep>(with_engine("backend"), two);
   const auto copy = d9d::advise::preflight<Rep>(with_engine("copy"), two);
   ASSERT_TRUE(backend && copy && backend->peak_bytes && copy->peak_bytes);
-  EXPECT_EQ(*copy->peak_bytes - *backend->peak_bytes, gradients);  // float32 sums
+  EXPECT_EQ(*copy->peak_bytes, *backend->peak_bytes);  // float32 sums: the gradients' memory
   EXPECT_EQ(copy->state_bytes, backend->state_bytes);
-  EXPECT_THAT(copy->lines.at(0), HasSubstr(", the copy engine's buffer "));
+  EXPECT_THAT(copy->lines.at(0), HasSubstr(", the gradients in the copy engine's buffer"));
   EXPECT_THAT(backend->lines.at(0), Not(HasSubstr("copy engine")));
   const auto bf16 = d9d::advise::preflight<RepBf16>(with_engine("copy"), two);
   const auto bf16_backend = d9d::advise::preflight<RepBf16>(with_engine("backend"), two);
   ASSERT_TRUE(bf16 && bf16_backend && bf16->peak_bytes && bf16_backend->peak_bytes);
   EXPECT_EQ(*bf16->peak_bytes - *bf16_backend->peak_bytes, gradients / 2);  // bfloat16 sums
+  EXPECT_THAT(bf16->lines.at(0), HasSubstr(", the copy engine's bfloat16 sums "));
   // One rank, or FullyShard: no buffer.
   const auto one = d9d::advise::preflight<Rep>(with_engine("copy"), {});
   const auto one_backend = d9d::advise::preflight<Rep>(with_engine("backend"), {});
@@ -268,14 +271,18 @@ TEST(Advise_Preflight, AQwen3MoeUnderExpertParallelism) {
               HasSubstr("step time not predicted (a MoE model under a pipeline)"));
 }
 
-// A Qwen3-MoE under Replicate with the copy engines: their buffer holds the regular domain's
-// gradients (the experts are reduced by ExpertParallel), on top of the peak.
+// A Qwen3-MoE under Replicate with the copy engines and a bfloat16 reduction: their buffer holds
+// bfloat16 sums of the regular domain's gradients (the experts are reduced by ExpertParallel), on
+// top of the peak; in the gradients' own dtype it holds the gradients themselves.
 TEST(Advise_Preflight, TheCopyEnginesBufferIsInTheMoePeakWithoutTheExperts) {
   const auto with_engine = [](const std::string& engine) {
     return config_with("{}", R"({"reduce_engine": ")" + engine + R"("})", kMoeModel);
   };
   using RepEp = d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::ep<d9d::dynamic>>,
-                          d9d::parallel::ExpertParallel<>, d9d::precision::Bf16Mixed>;
+                          d9d::parallel::ExpertParallel<>, d9d::precision::Bf16MixedBf16Reduce>;
+  using RepEpFloat32 =
+      d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::ep<d9d::dynamic>>,
+                d9d::parallel::ExpertParallel<>, d9d::precision::Bf16Mixed>;
   const d9d::MeshShape shape{.dp_replicate = 2, .ep = 2};
   const auto backend = d9d::advise::preflight<RepEp>(with_engine("backend"), shape);
   const auto copy = d9d::advise::preflight<RepEp>(with_engine("copy"), shape);
@@ -294,11 +301,15 @@ TEST(Advise_Preflight, TheCopyEnginesBufferIsInTheMoePeakWithoutTheExperts) {
   ASSERT_GT(experts, 0);
   const auto rules = d9d::advise::state_rules<RepEp>(shape);
   const auto dense = d9d::advise::state_bytes(regular, rules, 0, 0).gradients;
-  EXPECT_EQ(*copy->peak_bytes - *backend->peak_bytes, dense);
+  EXPECT_EQ(*copy->peak_bytes - *backend->peak_bytes, dense / 2);
   EXPECT_LT(dense, d9d::advise::state_bytes(parameters, rules, 0, 0).gradients);
   EXPECT_EQ(copy->state_bytes, backend->state_bytes);
-  EXPECT_THAT(copy->lines.at(0), HasSubstr(", the copy engine's buffer "));
+  EXPECT_THAT(copy->lines.at(0), HasSubstr(", the copy engine's bfloat16 sums "));
   EXPECT_THAT(backend->lines.at(0), Not(HasSubstr("copy engine")));
+  const auto wide = d9d::advise::preflight<RepEpFloat32>(with_engine("copy"), shape);
+  const auto wide_backend = d9d::advise::preflight<RepEpFloat32>(with_engine("backend"), shape);
+  ASSERT_TRUE(wide && wide_backend && wide->peak_bytes && wide_backend->peak_bytes);
+  EXPECT_EQ(*wide->peak_bytes, *wide_backend->peak_bytes);
 }
 
 TEST(Advise_Preflight, SaysWhatItDoesNotPredict) {
