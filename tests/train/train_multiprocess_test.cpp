@@ -19,6 +19,7 @@
 #include <torch/optim/sgd.h>
 
 #include <d9d/core/collectives.hpp>
+#include <d9d/core/weight_grad.hpp>
 #include <d9d/parallel/detail/embedding_rows.hpp>
 #include <d9d/parallel/replicate.hpp>
 #include <d9d/state/safetensors.hpp>
@@ -339,6 +340,40 @@ TEST(Train_Replicate_ws2, TheCopyEngineSumsLikeTheAllReduce) {
           EXPECT_EQ(params[i].grad().data_ptr(), places[i]) << "parameter " << i;
         }
       }
+    }
+    // Under a recording queue the model's linear layers run their own backward, whose weight
+    // GEMMs write the step's first product at the weight's place in the copy buffer (design note
+    // 0031): after the backward, before finish(), the projections' gradients are already there,
+    // the norms' are not (autograd made them; the reducer copies them in); the sums stay the
+    // all-reduce's.
+    for (auto& p : params) {
+      p.mutable_grad() = at::Tensor();
+    }
+    const auto named = loss_of.model->named_parameters();
+    ASSERT_EQ(named.size(), params.size());
+    d9d::WeightGradQueue queue;  // recording, never deferring
+    reducer.arm();
+    at::Tensor loss;
+    {
+      const d9d::RecordWeightGrads record(queue);
+      loss = loss_of();
+    }
+    loss.backward();
+    std::size_t projections = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto& name = named[i].key();
+      if (name.ends_with("_proj.weight")) {
+        ++projections;
+        EXPECT_EQ(params[i].grad().data_ptr(), places[i]) << name << ": written at its place";
+      } else if (name.find("norm") != std::string::npos) {
+        EXPECT_NE(params[i].grad().data_ptr(), places[i]) << name << ": autograd's own";
+      }
+    }
+    EXPECT_GT(projections, 0U);
+    reducer.finish();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(at::allclose(params[i].grad(), sums[i], 1e-5, 1e-6)) << named[i].key();
+      EXPECT_EQ(params[i].grad().data_ptr(), places[i]) << named[i].key();
     }
     // Zeroed in place: the next two backwards accumulate into the copy buffer, which reduces
     // where it is.
