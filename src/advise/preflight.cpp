@@ -120,6 +120,17 @@ void add_step_time(const MachineProfile* machine, const PreflightPlan& plan,
   }
 }
 
+// Whether Replicate reduces with the copy engines: data_parallel.reduce_engine "copy", or "auto"
+// where the data-parallel group (dp_replicate x cp) is the whole job without a pipeline (one
+// node assumed: the advisor does not know the nodes; parallel::automatic_reduce_engine); never
+// under FullyShard or on one data-parallel rank.
+bool copy_engine_reduces(const TrainerConfig& config, const PreflightPlan& plan) {
+  const auto& c = plan.candidate;
+  const auto& engine = config.data_parallel.reduce_engine;
+  return !c.fully_shard && c.dp_replicate * c.cp >= 2 &&
+         (engine == "copy" || (engine == "auto" && c.tp == 1 && c.pp == 1));
+}
+
 // What Replicate's buffer under data_parallel.reduce_engine "copy" (d9d/parallel/detail/
 // copy_engine_reduce.hpp) adds to the peak: its buckets are laid out in memory every rank of its
 // group (dp x cp) maps, in the reduction's dtype, for the gradients of `state` (a MoE model's
@@ -128,11 +139,10 @@ void add_step_time(const MachineProfile* machine, const PreflightPlan& plan,
 // becomes its place after the reduction): nothing on top of the gradients already counted. Under
 // a bfloat16 reduction of wider gradients the buffer holds bfloat16 sums beside them: half their
 // bytes on top (each bucket rounded up to 256 bytes: at most 255 bytes a bucket, not counted). 0
-// under FullyShard, on one data-parallel rank, or with NCCL's all-reduce.
+// without the copy engines (copy_engine_reduces).
 int64_t copy_engine_buffer_bytes(const TrainerConfig& config, const PreflightPlan& plan,
                                  const StateBytes& state) {
-  const auto& c = plan.candidate;
-  if (config.data_parallel.reduce_engine != "copy" || c.fully_shard || c.dp_replicate * c.cp < 2) {
+  if (!copy_engine_reduces(config, plan)) {
     return 0;
   }
   const auto element = static_cast<int64_t>(c10::elementSize(plan.rules->gradients));
@@ -142,8 +152,7 @@ int64_t copy_engine_buffer_bytes(const TrainerConfig& config, const PreflightPla
 // The memory line's words for the copy engine's buffer ("" without one).
 std::string copy_engine_words(const TrainerConfig& config, const PreflightPlan& plan,
                               int64_t extra) {
-  const auto& c = plan.candidate;
-  if (config.data_parallel.reduce_engine != "copy" || c.fully_shard || c.dp_replicate * c.cp < 2) {
+  if (!copy_engine_reduces(config, plan)) {
     return "";
   }
   return extra > 0 ? ", the copy engine's bfloat16 sums " + gib(extra)

@@ -194,6 +194,8 @@ void CopyEngineReduce::sum(int64_t offset, int64_t numel, at::ScalarType dtype) 
 
 void CopyEngineReduce::end_of_step() { impl_->handle->barrier(2, Impl::kBarrierTimeoutMs); }
 
+bool CopyEngineReduce::built() { return true; }
+
 #else  // without CUDA (the constructor throws)
 
 struct CopyEngineReduce::Impl {};
@@ -211,6 +213,8 @@ void CopyEngineReduce::on_side(const std::function<void()>& work) { work(); }
 void CopyEngineReduce::join() {}
 void CopyEngineReduce::sum(int64_t /*offset*/, int64_t /*numel*/, at::ScalarType /*dtype*/) {}
 void CopyEngineReduce::end_of_step() {}
+
+bool CopyEngineReduce::built() { return false; }
 
 #endif
 

@@ -557,9 +557,13 @@ void apply_replicate(ParallelModel& model, GradientTiming timing, at::ScalarType
   const auto group = data_parallel_group(model.mesh());
   auto embedding =
       by_module ? DeferredEmbedding{} : deferred_embedding(model, timing, group, parts.front());
-  model.add_sync(std::make_unique<ReplicateSync>(
-      group, std::move(parts), model.options().bucket_bytes, timing, by_module, reduce_dtype,
-      model.options().reduce_engine, std::move(embedding)));
+  const auto& context = model.mesh().context();
+  const auto engine = model.options().reduce_engine.value_or(
+      automatic_reduce_engine(group, context.world().size(), context.local_world_size(),
+                              timing == GradientTiming::program));
+  model.add_sync(std::make_unique<ReplicateSync>(group, std::move(parts),
+                                                 model.options().bucket_bytes, timing, by_module,
+                                                 reduce_dtype, engine, std::move(embedding)));
 }
 
 std::unique_ptr<GradientSync> make_replicate_sync(const ProcessGroup& group,

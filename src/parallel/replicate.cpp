@@ -219,6 +219,14 @@ struct GradientReducer::State {
   }
 };
 
+ReduceEngine automatic_reduce_engine(const ProcessGroup& group, int world_size,
+                                     int local_world_size, bool pipelined) {
+  const bool copy = detail::CopyEngineReduce::built() && group.device().is_cuda() &&
+                    group.size() > 1 && group.size() == world_size &&
+                    local_world_size == world_size && !pipelined;
+  return copy ? ReduceEngine::copy : ReduceEngine::backend;
+}
+
 namespace {
 
 // The reducer's hook: a parameter's gradient is complete for this backward; and, under the copy

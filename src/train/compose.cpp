@@ -3,6 +3,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -30,11 +31,12 @@ std::set<std::string> adapter_parameters(const torch::nn::Module& root) {
 }  // namespace
 
 parallel::ParallelizeOptions parallel_options(const TrainerConfig& config) {
+  const auto& engine = config.data_parallel.reduce_engine;  // "auto": unset
   return {
       .bucket_bytes = static_cast<int64_t>(config.data_parallel.bucket_size_mb * 1024.0 * 1024.0),
-      .reduce_engine = config.data_parallel.reduce_engine == "copy"
-                           ? parallel::ReduceEngine::copy
-                           : parallel::ReduceEngine::backend,
+      .reduce_engine = engine == "copy"      ? std::optional(parallel::ReduceEngine::copy)
+                       : engine == "backend" ? std::optional(parallel::ReduceEngine::backend)
+                                             : std::nullopt,
       .tied_embedding_rows = config.data_parallel.tied_embedding_rows,
       .reshard = config.data_parallel.reshard,
       .prefetch = static_cast<int>(config.data_parallel.prefetch),

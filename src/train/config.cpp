@@ -310,7 +310,7 @@ void read_training(Section& root, const Json& json, TrainerConfig& cfg) {
 void read_parallel(Section& root, TrainerConfig& cfg) {
   Section dp = root.child("data_parallel");
   dp.number("bucket_size_mb", cfg.data_parallel.bucket_size_mb, 0.0, false, INFINITY);
-  dp.string("reduce_engine", cfg.data_parallel.reduce_engine, {"backend", "copy"});
+  dp.string("reduce_engine", cfg.data_parallel.reduce_engine, {"auto", "backend", "copy"});
   dp.boolean("tied_embedding_rows", cfg.data_parallel.tied_embedding_rows);
   dp.string("reshard", cfg.data_parallel.reshard, {"after_forward", "never", "all_but_last"});
   dp.integer("prefetch", cfg.data_parallel.prefetch, 0, false);

@@ -168,6 +168,11 @@ TEST(Advise_Preflight, TheCopyEnginesBufferHoldsTheGradientsOrAddsBfloat16Sums) 
   ASSERT_TRUE(bf16 && bf16_backend && bf16->peak_bytes && bf16_backend->peak_bytes);
   EXPECT_EQ(*bf16->peak_bytes - *bf16_backend->peak_bytes, gradients / 2);  // bfloat16 sums
   EXPECT_THAT(bf16->lines.at(0), HasSubstr(", the copy engine's bfloat16 sums "));
+  // "auto" (the default) picks the copy engines for a Replicate group that is the whole job.
+  const auto automatic = d9d::advise::preflight<RepBf16>(with_engine("auto"), two);
+  ASSERT_TRUE(automatic && automatic->peak_bytes);
+  EXPECT_EQ(*automatic->peak_bytes, *bf16->peak_bytes);
+  EXPECT_THAT(automatic->lines.at(0), HasSubstr(", the copy engine's bfloat16 sums "));
   // One rank, or FullyShard: no buffer.
   const auto one = d9d::advise::preflight<Rep>(with_engine("copy"), {});
   const auto one_backend = d9d::advise::preflight<Rep>(with_engine("backend"), {});
@@ -280,9 +285,8 @@ TEST(Advise_Preflight, TheCopyEnginesBufferIsInTheMoePeakWithoutTheExperts) {
   };
   using RepEp = d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::ep<d9d::dynamic>>,
                           d9d::parallel::ExpertParallel<>, d9d::precision::Bf16MixedBf16Reduce>;
-  using RepEpFloat32 =
-      d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::ep<d9d::dynamic>>,
-                d9d::parallel::ExpertParallel<>, d9d::precision::Bf16Mixed>;
+  using RepEpFloat32 = d9d::Plan<d9d::mesh<d9d::dp_replicate<d9d::dynamic>, d9d::ep<d9d::dynamic>>,
+                                 d9d::parallel::ExpertParallel<>, d9d::precision::Bf16Mixed>;
   const d9d::MeshShape shape{.dp_replicate = 2, .ep = 2};
   const auto backend = d9d::advise::preflight<RepEp>(with_engine("backend"), shape);
   const auto copy = d9d::advise::preflight<RepEp>(with_engine("copy"), shape);

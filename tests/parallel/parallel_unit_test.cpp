@@ -275,7 +275,10 @@ TEST(Parallel_Config, DataParallelKeysAreValidated) {
   EXPECT_EQ(config.data_parallel.reduce_engine, "copy");
   EXPECT_FALSE(config.data_parallel.tied_embedding_rows);
   const auto defaults = d9d::TrainerConfig::from_json_text(with("{}"));
-  EXPECT_EQ(defaults.data_parallel.reduce_engine, "backend");
+  EXPECT_EQ(defaults.data_parallel.reduce_engine, "auto");
+  EXPECT_EQ(d9d::TrainerConfig::from_json_text(with(R"({"reduce_engine": "backend"})"))
+                .data_parallel.reduce_engine,
+            "backend");
   EXPECT_TRUE(defaults.data_parallel.tied_embedding_rows);
   EXPECT_THAT(d9d::testing::error_of([&] {
                 (void)d9d::TrainerConfig::from_json_text(with(R"({"tied_embedding_rows": 1})"));

@@ -307,6 +307,15 @@ TEST(Train_Replicate_ws2, TheCopyEngineSumsLikeTheAllReduce) {
     std::vector<at::Tensor> params = loss_of.model->parameters();
     const d9d::parallel::GradientReducerOptions options{
         .bucket_bytes = 4096, .engine = d9d::parallel::ReduceEngine::copy};
+    // data_parallel.reduce_engine "auto": the copy engines for a CUDA group that is the whole job
+    // on one node, without a pipeline (in a CUDA build); else the all-reduce.
+    using d9d::parallel::ReduceEngine;
+    const auto automatic = d9d::parallel::automatic_reduce_engine;
+    EXPECT_EQ(automatic(group, 2, 2, false),
+              ctx.device().is_cuda() ? ReduceEngine::copy : ReduceEngine::backend);
+    EXPECT_EQ(automatic(group, 2, 1, false), ReduceEngine::backend);  // two nodes
+    EXPECT_EQ(automatic(group, 4, 4, false), ReduceEngine::backend);  // a part of the job
+    EXPECT_EQ(automatic(group, 2, 2, true), ReduceEngine::backend);   // a pipeline program
     if (!ctx.device().is_cuda()) {
       try {
         d9d::parallel::GradientReducer reducer(group, params, options);

@@ -799,8 +799,8 @@ TEST(Model_Linear, WritesTheFirstWeightGradientIntoTheHomeItsHookOffers) {
       layer->to(at::kDouble);
       const auto buffer = at::full({kOffset + 7 * 12 + 8}, std::nan(""), at::kDouble);
       int hook_calls = 0;
-      auto owned = std::make_unique<HomeHook>(buffer, kOffset, layer->weight.sizes(), hook_calls,
-                                              offers);
+      auto owned =
+          std::make_unique<HomeHook>(buffer, kOffset, layer->weight.sizes(), hook_calls, offers);
       auto* hook = owned.get();
       torch::autograd::impl::set_post_acc_grad_hooks(layer->weight, std::move(owned));
       d9d::WeightGradQueue queue;  // recording, never deferring

@@ -147,8 +147,9 @@ class GradientSync {
 struct ParallelizeOptions {
   /// Replicate: bytes per all-reduce bucket.
   int64_t bucket_bytes = int64_t{25} << 20;
-  /// Replicate: what moves the gradients' bytes (GradientReducerOptions::engine).
-  ReduceEngine reduce_engine = ReduceEngine::backend;
+  /// Replicate: what moves the gradients' bytes (GradientReducerOptions::engine); unset: the
+  /// copy engines where they run, else the group's all-reduce (automatic_reduce_engine).
+  std::optional<ReduceEngine> reduce_engine = std::nullopt;
   /// Replicate: a tied embedding's lookup gradient in the last microbatch goes around autograd as
   /// rows, added after the weight's early all-reduce (d9d/model/embedding_rows.hpp). Applies when
   /// the mesh has only data-parallel (and context-parallel) ranks and the step runs no pipeline.

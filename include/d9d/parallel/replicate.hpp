@@ -21,8 +21,9 @@
 // of NCCL's kernels, which otherwise hold SMs beside the backward (design note 0028): each bucket's
 // gradients are copied into a buffer every rank maps (symmetric memory) and summed there on a side
 // stream; in finish() each gradient becomes its place in that buffer (no copy back, unless the
-// reduction's dtype differs). The buffer costs the gradients' bytes again. With a group of one rank
-// nothing is registered and every call is a no-op.
+// reduction's dtype differs). The linear layers write their weights' gradients into that buffer
+// (design note 0031), so it is the gradients' memory rather than a copy of it. With a group of one
+// rank nothing is registered and every call is a no-op.
 #pragma once
 
 #include <cstdint>
@@ -56,6 +57,14 @@ struct GradientReducerOptions {
   /// holds every bucket back until then: the sums are the same, only later.
   std::vector<at::Tensor> first = {};
 };
+
+/// The engine `data_parallel.reduce_engine: "auto"` picks for Replicate's `group`:
+/// ReduceEngine::copy where the copy engines run and were measured — a CUDA build, a CUDA group of
+/// two or more ranks that is the whole job (`group.size() == world_size`) on one node
+/// (`local_world_size == world_size`), no pipeline program (`pipelined` false) — else
+/// ReduceEngine::backend. The same on every rank (it reads only what the launch gave them all).
+[[nodiscard]] ReduceEngine automatic_reduce_engine(const ProcessGroup& group, int world_size,
+                                                   int local_world_size, bool pipelined);
 
 class GradientReducer {
  public:

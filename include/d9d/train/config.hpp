@@ -62,9 +62,11 @@ struct ClippingConfig {
 /// Run-time knobs of the data-parallel strategies (d9d/parallel/policies.hpp).
 struct DataParallelConfig {
   double bucket_size_mb = 25.0;  ///< Replicate: gradient all-reduce bucket size
-  /// Replicate: what moves the gradients' bytes: "backend" (the group's all-reduce) or "copy"
-  /// (the GPUs' copy engines, for CUDA groups within one node; d9d/parallel/replicate.hpp).
-  std::string reduce_engine = "backend";
+  /// Replicate: what moves the gradients' bytes: "backend" (the group's all-reduce), "copy" (the
+  /// GPUs' copy engines, for CUDA groups within one node; d9d/parallel/replicate.hpp) or "auto"
+  /// ("copy" where it runs: a CUDA job on one node whose data-parallel group is the whole job,
+  /// without a pipeline; else "backend").
+  std::string reduce_engine = "auto";
   /// Replicate: a tied embedding's last-microbatch lookup gradient is kept as rows, so the
   /// weight's all-reduce starts right after the LM head's backward and the rows of every rank are
   /// gathered and added at the end (d9d/model/embedding_rows.hpp); false: reduced whole, last.

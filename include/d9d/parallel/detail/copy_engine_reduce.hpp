@@ -37,6 +37,8 @@ class CopyEngineReduce {
   /// `max_range_bytes`.
   CopyEngineReduce(const ProcessGroup& group, int64_t bytes, int64_t max_range_bytes);
   ~CopyEngineReduce();
+  /// Whether this build has the copy engines (a CUDA build); without, the constructor throws.
+  [[nodiscard]] static bool built();
   CopyEngineReduce(const CopyEngineReduce&) = delete;
   CopyEngineReduce& operator=(const CopyEngineReduce&) = delete;
   CopyEngineReduce(CopyEngineReduce&&) = delete;
