@@ -791,13 +791,14 @@ TEST(Model_Linear, WritesTheFirstWeightGradientIntoTheHomeItsHookOffers) {
     return g.reshape({-1, 7}).t().mm(in.reshape({-1, 12}));
   };
   constexpr int64_t kOffset = 16;
+  constexpr int64_t kNumel = int64_t{7} * 12;  // the weight's elements
   for (int path = 0; path < 3; ++path) {
     for (const bool offers : {true, false}) {
       const std::string where =
           "path " + std::to_string(path) + (offers ? ", offered" : ", not offered");
       d9d::model::Linear layer(12, 7, false);
       layer->to(at::kDouble);
-      const auto buffer = at::full({kOffset + 7 * 12 + 8}, std::nan(""), at::kDouble);
+      const auto buffer = at::full({kOffset + kNumel + 8}, std::nan(""), at::kDouble);
       int hook_calls = 0;
       auto owned =
           std::make_unique<HomeHook>(buffer, kOffset, layer->weight.sizes(), hook_calls, offers);
@@ -836,7 +837,7 @@ TEST(Model_Linear, WritesTheFirstWeightGradientIntoTheHomeItsHookOffers) {
       EXPECT_EQ(hook_calls, 2) << where;
       if (offers) {
         EXPECT_TRUE(at::isnan(buffer.narrow(0, 0, kOffset)).all().item<bool>()) << where;
-        EXPECT_TRUE(at::isnan(buffer.narrow(0, kOffset + 7 * 12, 8)).all().item<bool>()) << where;
+        EXPECT_TRUE(at::isnan(buffer.narrow(0, kOffset + kNumel, 8)).all().item<bool>()) << where;
       }
     }
   }
@@ -847,7 +848,7 @@ TEST(Model_Linear, WritesTheFirstWeightGradientIntoTheHomeItsHookOffers) {
   const auto gb = at::randn({3, 7}, at::kDouble);
   d9d::model::Linear layer(12, 7, false);
   layer->to(at::kDouble);
-  const auto buffer = at::full({7 * 12}, std::nan(""), at::kDouble);
+  const auto buffer = at::full({int64_t{7} * 12}, std::nan(""), at::kDouble);
   int hook_calls = 0;
   auto owned = std::make_unique<HomeHook>(buffer, 0, layer->weight.sizes(), hook_calls, true);
   auto* hook = owned.get();
