@@ -39,24 +39,58 @@ struct GradientReducer::State {
   bool armed = false;
   std::size_t next_launch = 0;
   std::size_t launched_in_backward = 0;
-  // ReduceEngine::copy: each parameter's byte offset into the copy buffer where its gradient is
-  // summed in the parameter's own dtype (-1: another dtype or device, or no copy engine), and
-  // whether home() handed that place out since the last finish().
-  std::vector<int64_t> home_offset;
+  // ReduceEngine::copy: each parameter's byte offset into the copy buffer (its place, in its
+  // bucket's dtype), and whether home() handed that place out since the last finish().
+  std::vector<int64_t> place_offset;
   std::vector<bool> homed;
+
+  // ReduceEngine::copy: each bucket's range of the copy buffer (aligned for any dtype's view) and
+  // each parameter's place in it, in the reduction's dtype (else the bucket's parameters'); the
+  // buffer mapped on every rank (collective).
+  void lay_out_copy(std::optional<at::ScalarType> dtype) {
+    int64_t total = 0;
+    int64_t largest = 0;
+    place_offset.assign(parameters.size(), -1);
+    homed.assign(parameters.size(), false);
+    for (auto& bucket : buckets) {
+      bucket.dtype = dtype.value_or(parameters[bucket.members.front()].scalar_type());
+      bucket.offset = total;
+      const auto element = static_cast<int64_t>(c10::elementSize(bucket.dtype));
+      int64_t offset = bucket.offset;
+      for (const auto index : bucket.members) {
+        place_offset[index] = offset;
+        offset += parameters[index].numel() * element;
+      }
+      const int64_t size = bucket.numel * element;
+      largest = std::max(largest, size);
+      total += (size + 255) / 256 * 256;
+    }
+    copy = std::make_unique<detail::CopyEngineReduce>(group, total, largest);
+  }
+
+  // ReduceEngine::copy: whether the parameter's gradient can be its place (the bucket's dtype is
+  // the parameter's, on the buffer's device), and a new tensor over that place, its sizes.
+  [[nodiscard]] bool lives_in_buffer(std::size_t index) const {
+    const auto& param = parameters[index];
+    return param.scalar_type() == buckets[bucket_of[index]].dtype &&
+           param.device() == copy->buffer().device();
+  }
+  [[nodiscard]] at::Tensor place_of(std::size_t index) const {
+    const auto& param = parameters[index];
+    const auto flat = copy->buffer();
+    return at::empty({0}, flat.options().dtype(param.scalar_type()))
+        .set_(flat.storage(), place_offset[index] / static_cast<int64_t>(param.element_size()),
+              param.sizes());
+  }
 
   // ReduceEngine::copy: a new tensor over the parameter's place in the copy buffer, once per step.
   at::Tensor home(std::size_t index) {
     const std::lock_guard<std::mutex> lock(mutex);
-    if (!copy || index >= home_offset.size() || home_offset[index] < 0 || homed[index]) {
+    if (!copy || index >= place_offset.size() || !lives_in_buffer(index) || homed[index]) {
       return {};
     }
     homed[index] = true;
-    const auto& param = parameters[index];
-    const auto flat = copy->buffer();
-    return at::empty({0}, flat.options().dtype(param.scalar_type()))
-        .set_(flat.storage(), home_offset[index] / static_cast<int64_t>(param.element_size()),
-              param.sizes());
+    return place_of(index);
   }
 
   // Starts the bucket's all-reduce. Gradients that are dense, contiguous and on the group's device
@@ -110,7 +144,6 @@ struct GradientReducer::State {
   void launch_copy(Bucket& bucket) {
     copy->on_side([&] {
       const auto flat = copy->buffer();
-      int64_t offset = bucket.offset;
       bucket.tensors.clear();
       std::vector<at::Tensor> places;
       std::vector<at::Tensor> sources;
@@ -118,7 +151,7 @@ struct GradientReducer::State {
         const auto& param = parameters[index];
         const auto& grad = param.grad();
         const int64_t bytes = param.numel() * static_cast<int64_t>(c10::elementSize(bucket.dtype));
-        auto place = flat.narrow(0, offset, bytes).view(bucket.dtype);
+        auto place = flat.narrow(0, place_offset[index], bytes).view(bucket.dtype);
         if (!grad.defined()) {
           place.zero_();
         } else if (!(grad.scalar_type() == bucket.dtype && grad.is_contiguous() &&
@@ -127,7 +160,6 @@ struct GradientReducer::State {
           sources.push_back(grad);  // another dtype: converted by the copy
         }
         bucket.tensors.push_back(grad);
-        offset += bytes;
       }
       if (!places.empty()) {
         at::_foreach_copy_(places, sources);
@@ -145,16 +177,15 @@ struct GradientReducer::State {
     copy->join();
     const auto flat = copy->buffer();
     for (auto& bucket : buckets) {
-      int64_t offset = bucket.offset;
       for (const auto index : bucket.members) {
         auto& param = parameters[index];
-        const int64_t size = static_cast<int64_t>(c10::elementSize(bucket.dtype));
-        if (param.scalar_type() == bucket.dtype && param.device() == flat.device()) {
-          param.mutable_grad() = at::empty({0}, flat.options().dtype(bucket.dtype))
-                                     .set_(flat.storage(), offset / size, param.sizes());
+        if (lives_in_buffer(index)) {
+          param.mutable_grad() = place_of(index);
         } else {
-          auto summed =
-              flat.narrow(0, offset, param.numel() * size).view(bucket.dtype).view(param.sizes());
+          const int64_t size = static_cast<int64_t>(c10::elementSize(bucket.dtype));
+          auto summed = flat.narrow(0, place_offset[index], param.numel() * size)
+                            .view(bucket.dtype)
+                            .view(param.sizes());
           if (param.grad().defined()) {
             param.mutable_grad().copy_(summed);
           } else {
@@ -162,7 +193,6 @@ struct GradientReducer::State {
                                              /*non_blocking=*/false, /*copy=*/true);
           }
         }
-        offset += param.numel() * size;
       }
       bucket.tensors.clear();
     }
@@ -304,31 +334,7 @@ GradientReducer::GradientReducer(ProcessGroup group, std::vector<at::Tensor> par
     bytes += size;
   }
   if (options.engine == ReduceEngine::copy && !s.buckets.empty()) {
-    // Each bucket's range of the copy buffer, aligned for any dtype's view.
-    int64_t total = 0;
-    int64_t largest = 0;
-    for (auto& bucket : s.buckets) {
-      bucket.dtype =
-          options.reduce_dtype.value_or(s.parameters[bucket.members.front()].scalar_type());
-      bucket.offset = total;
-      const int64_t size = bucket.numel * static_cast<int64_t>(c10::elementSize(bucket.dtype));
-      largest = std::max(largest, size);
-      total += (size + 255) / 256 * 256;
-    }
-    s.copy = std::make_unique<detail::CopyEngineReduce>(s.group, total, largest);
-    s.home_offset.assign(s.parameters.size(), -1);
-    s.homed.assign(s.parameters.size(), false);
-    const auto device = s.copy->buffer().device();
-    for (const auto& bucket : s.buckets) {
-      int64_t offset = bucket.offset;
-      for (const auto index : bucket.members) {
-        const auto& param = s.parameters[index];
-        if (param.scalar_type() == bucket.dtype && param.device() == device) {
-          s.home_offset[index] = offset;
-        }
-        offset += param.numel() * static_cast<int64_t>(c10::elementSize(bucket.dtype));
-      }
-    }
+    s.lay_out_copy(options.reduce_dtype);
   }
   for (const auto& bucket : s.buckets) {
     for (const auto index : bucket.members) {

@@ -631,6 +631,26 @@ TEST(Model_FanOutLinear, EqualsEachLayersForwardWithAndWithoutDeferredWeightGrad
   EXPECT_TRUE(at::allclose(out[1], at::linear(x0, biased->weight, biased->bias), 1e-12, 1e-12));
 }
 
+// One backward of (y * g).sum(), y the layer on a copy of x0 through one of the library's linear
+// paths (0: Linear, 1: fan_out_linear, 2: silu_mul_linear with `up`), recorded by `queue` (which
+// never defers: the layers run their own autograd functions).
+void linear_backward(int path, d9d::model::Linear& layer, const at::Tensor& x0,
+                     const at::Tensor& up, const at::Tensor& g, d9d::WeightGradQueue& queue) {
+  const auto x = x0.clone().requires_grad_();
+  at::Tensor y;
+  {
+    const d9d::RecordWeightGrads record(queue);
+    if (path == 0) {
+      y = layer(x);
+    } else if (path == 1) {
+      y = d9d::model::fan_out_linear(x, {layer.get()})[0];
+    } else {
+      y = d9d::model::silu_mul_linear(x, up, layer->weight);
+    }
+  }
+  (y * g).sum().backward();
+}
+
 // Counts the calls of a parameter's post-accumulate-grad hook (as the data-parallel reducers'
 // readiness hooks are called).
 class CountingHook : public torch::autograd::PostAccumulateGradHook {
@@ -674,19 +694,7 @@ TEST(Model_Linear, AddsWeightGradientsIntoAnExistingGradientInPlace) {
       }
       d9d::WeightGradQueue queue;  // recording, never deferring
       const auto run = [&](const at::Tensor& g) {
-        const auto x = x0.clone().requires_grad_();
-        at::Tensor y;
-        {
-          const d9d::RecordWeightGrads record(queue);
-          if (path == 0) {
-            y = layer(x);
-          } else if (path == 1) {
-            y = d9d::model::fan_out_linear(x, {layer.get()})[0];
-          } else {
-            y = d9d::model::silu_mul_linear(x, up0, layer->weight);
-          }
-        }
-        (y * g).sum().backward();
+        linear_backward(path, layer, x0, up0, g, queue);
       };
       const std::string where = "path " + std::to_string(path) + ", hook " + std::to_string(hooked);
       run(g0);
@@ -806,19 +814,7 @@ TEST(Model_Linear, WritesTheFirstWeightGradientIntoTheHomeItsHookOffers) {
       torch::autograd::impl::set_post_acc_grad_hooks(layer->weight, std::move(owned));
       d9d::WeightGradQueue queue;  // recording, never deferring
       const auto run = [&](const at::Tensor& g) {
-        const auto x = x0.clone().requires_grad_();
-        at::Tensor y;
-        {
-          const d9d::RecordWeightGrads record(queue);
-          if (path == 0) {
-            y = layer(x);
-          } else if (path == 1) {
-            y = d9d::model::fan_out_linear(x, {layer.get()})[0];
-          } else {
-            y = d9d::model::silu_mul_linear(x, up0, layer->weight);
-          }
-        }
-        (y * g).sum().backward();
+        linear_backward(path, layer, x0, up0, g, queue);
       };
       const auto in = path == 2 ? at::silu(x0) * up0 : x0;
       run(g0);
