@@ -143,6 +143,7 @@ PlanRow finish_row(const DistributedContext& ctx, std::string name, const PlanMe
   row.not_predicted = std::move(not_predicted);
   row.first_loss = measure.first_loss();
   row.last_loss = measure.last_loss();
+  row.host_issue_ms = result.issue_seconds_per_step * 1e3;
   return row;
 }
 
@@ -176,13 +177,34 @@ std::vector<std::string> checked_names(const CompareOptions& options, std::size_
                                   "' is given twice. Fix: name each Plan once");
     }
   }
+  for (const auto& name : options.only) {
+    if (std::find(names.begin(), names.end(), name) == names.end()) {
+      throw std::invalid_argument("d9d::bench::compare: 'only' names '" + name +
+                                  "', which is not one of the Plans' names. Fix: use the names "
+                                  "given in 'names' (plan-1, plan-2, ... without them)");
+    }
+  }
+  if (options.configure.size() > plans) {
+    throw std::invalid_argument("d9d::bench::compare: " + std::to_string(options.configure.size()) +
+                                " configure functions for " + std::to_string(plans) +
+                                " Plans. Fix: give at most one per Plan, in order");
+  }
   return names;
 }
 
-TrainerConfig plan_config(const TrainerConfig& config, const std::string& name) {
+bool selected(const CompareOptions& options, const std::string& name) {
+  return options.only.empty() ||
+         std::find(options.only.begin(), options.only.end(), name) != options.only.end();
+}
+
+TrainerConfig plan_config(const TrainerConfig& config, const std::string& name,
+                          const CompareOptions& options, std::size_t index) {
   auto out = config;
   out.run.output_dir =
       config.run.output_dir.empty() ? std::string() : files::join(config.run.output_dir, name);
+  if (index < options.configure.size() && options.configure[index]) {
+    options.configure[index](out);
+  }
   return out;
 }
 
@@ -273,6 +295,7 @@ std::string Comparison::json() const {
                                             : nlohmann::json(nullptr)},
         {"first_loss", row.first_loss},
         {"last_loss", row.last_loss},
+        {"host_issue_ms", row.host_issue_ms},
     });
   }
   return out.dump(1);

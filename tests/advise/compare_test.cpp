@@ -2,11 +2,13 @@
 // FullyShard, 1F1B pp 2) on 2 Gloo ranks in one call — every row's fields (throughput and its
 // ratio, MFU from the given FLOPs, the host's peak above the state, the state held equal to the
 // advisor's prediction), the same first loss under every Plan, the table the main rank prints and
-// the JSON it writes; and the errors of bad names and warm-ups.
+// the JSON it writes; `only` and `configure` (one Plan run, with its own config); and the errors
+// of bad names, warm-ups, `only` and `configure`.
 #include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -128,6 +130,45 @@ TEST(Bench_Compare, NamesAndWarmUpAreChecked) {
               HasSubstr("letters, digits"));
   EXPECT_THAT(d9d::testing::error_of([&] { (void)checked_names({.warmup_steps = 3}, 1, config); }),
               HasSubstr("warmup_steps 3 leaves no timed step of run.total_steps 3"));
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                (void)checked_names({.names = {"a", "b"}, .only = {"b", "c"}}, 2, config);
+              }),
+              HasSubstr("'only' names 'c', which is not one of the Plans' names"));
+  EXPECT_THAT(d9d::testing::error_of([&] {
+                (void)checked_names({.configure = {{}, {}, {}}}, 2, config);
+              }),
+              HasSubstr("3 configure functions for 2 Plans"));
+  using d9d::bench::detail::selected;
+  EXPECT_TRUE(selected({}, "a"));
+  EXPECT_TRUE(selected({.only = {"b", "a"}}, "a"));
+  EXPECT_FALSE(selected({.only = {"b"}}, "a"));
+}
+
+// `only` runs the named Plan alone (the other's configure is never called); its configure changes
+// the config it trains (three steps instead of four: two timed), under its own output directory.
+TEST(Bench_Compare, OnlyTheNamedPlansRunEachWithItsConfigure) {
+  const auto dir = ::testing::TempDir() + "d9d_compare_only";
+  const auto config = d9d::testing::tiny_run(dir, 4, 2, 2, false, 2);
+  const auto ctx = d9d::DistributedContext::local();
+  std::string trained_under;
+  const auto comparison = d9d::bench::compare<Replicated, Sharded>(
+      ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{}, config,
+      {.names = {"first", "second"},
+       .print = false,
+       .configure = {[](d9d::TrainerConfig&) { throw std::logic_error("'first' is not run"); },
+                     [&](d9d::TrainerConfig& c) {
+                       trained_under = c.run.output_dir;
+                       c.run.total_steps = 3;
+                     }},
+       .only = {"second"}});
+  ASSERT_EQ(comparison.rows.size(), 1U);
+  const auto& row = comparison.rows[0];
+  EXPECT_EQ(row.name, "second");
+  EXPECT_EQ(row.timed_steps, 2);
+  EXPECT_DOUBLE_EQ(row.ratio, 1.0) << "the ratio is to the first row run";
+  EXPECT_GT(row.host_issue_ms, 0.0);
+  EXPECT_EQ(trained_under, dir + "/second");
+  EXPECT_TRUE(nlohmann::json::parse(comparison.json())[0].contains("host_issue_ms"));
 }
 
 // A row without a prediction shows "-" and says why under the table; MFU "-" without FLOPs.

@@ -24,7 +24,9 @@
 // with the same arguments; every rank gets the same table.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -62,6 +64,15 @@ struct CompareOptions {
   /// A machine profile (tools/gpu/profile-machine) to predict each Plan's step on: the
   /// "tokens/s predicted" column; null: none.
   const advise::MachineProfile* machine = nullptr;
+  /// Per Plan, in order (shorter or empty: nothing for the rest): called on every rank right
+  /// before that Plan's Trainer is built, with the config it will train (its output directory
+  /// already its own). Variants of one Plan differ here: CUDA graphs, the microbatch, or a
+  /// process-wide switch such as d9d::model::set_fused_kernels (which stays as the function
+  /// leaves it, so give every Plan one when any sets it).
+  std::vector<std::function<void(TrainerConfig&)>> configure{};
+  /// The names (from `names`) of the Plans to run; empty: all. The others are compiled but not
+  /// run and have no row; the ratios are to the first row.
+  std::vector<std::string> only{};
 };
 
 /// One Plan's measurement and prediction.
@@ -85,6 +96,9 @@ struct PlanRow {
   std::optional<double> predicted_tokens_per_second{};
   double first_loss = 0;  ///< the first step's loss
   double last_loss = 0;   ///< the last step's loss
+  /// This rank's host time issuing a timed step's forward and backward, in ms
+  /// (TrainResult::issue_seconds_per_step; 0 under pipeline Plans).
+  double host_issue_ms = 0;
 };
 
 /// The rows of compare(), in the Plans' order.
@@ -143,8 +157,13 @@ class PlanMeasure {
                                                      std::size_t plans,
                                                      const TrainerConfig& config);
 
-/// `config` with its output under `name`.
-[[nodiscard]] TrainerConfig plan_config(const TrainerConfig& config, const std::string& name);
+/// Whether the Plan named `name` runs (CompareOptions::only).
+[[nodiscard]] bool selected(const CompareOptions& options, const std::string& name);
+
+/// `config` with its output under `name`, then changed by the `index`-th Plan's
+/// CompareOptions::configure where there is one.
+[[nodiscard]] TrainerConfig plan_config(const TrainerConfig& config, const std::string& name,
+                                        const CompareOptions& options, std::size_t index);
 
 /// Ratios to the first row; prints and writes the JSON on the main rank.
 void finish(const DistributedContext& ctx, Comparison& comparison, const CompareOptions& options);
@@ -179,10 +198,10 @@ std::pair<std::optional<advise::StateBytes>, std::string> predict_state(
 }
 
 template <class Plan, class Provider, class Dataset, class Task>
-PlanRow run_plan(const DistributedContext& ctx, const std::string& name, const Provider& provider,
-                 const Dataset& dataset, const Task& task, const TrainerConfig& config,
-                 const CompareOptions& options) {
-  const auto plan_cfg = plan_config(config, name);
+PlanRow run_plan(const DistributedContext& ctx, const std::string& name, std::size_t index,
+                 const Provider& provider, const Dataset& dataset, const Task& task,
+                 const TrainerConfig& config, const CompareOptions& options) {
+  const auto plan_cfg = plan_config(config, name, options, index);
   const advise::CpuMemoryMeter meter;  // the host memory of this Plan's run, from its construction
   Trainer<Plan> trainer(ctx, provider, dataset, task, plan_cfg);
   PlanMeasure measure(options.warmup_steps);
@@ -214,8 +233,10 @@ PlanRow run_plan(const DistributedContext& ctx, const std::string& name, const P
 /// Trains each of `Plans` in turn for config.run.total_steps over the same model, data and task and
 /// returns (and on the main rank prints) one row per Plan: tokens/s, the ratio to the first Plan,
 /// MFU, peak memory, and the state each rank holds next to the advisor's prediction (see the
-/// file comment). Collective over the world. std::invalid_argument for names that do not match the
-/// Plans, or a warm-up that leaves no timed step.
+/// file comment); CompareOptions::only runs some of them, CompareOptions::configure varies the
+/// config per Plan. Collective over the world. std::invalid_argument for names that do not match
+/// the Plans, `only` or `configure` that do not match the names, or a warm-up that leaves no timed
+/// step.
 template <class... Plans, class Provider, class Dataset, class Task>
 Comparison compare(const DistributedContext& ctx, const Provider& provider, const Dataset& dataset,
                    const Task& task, const TrainerConfig& config,
@@ -223,10 +244,15 @@ Comparison compare(const DistributedContext& ctx, const Provider& provider, cons
   static_assert(sizeof...(Plans) >= 1, "d9d::bench::compare needs at least one Plan");
   const auto names = detail::checked_names(options, sizeof...(Plans), config);
   Comparison comparison;
-  std::size_t i = 0;
-  (comparison.rows.push_back(
-       detail::run_plan<Plans>(ctx, names[i++], provider, dataset, task, config, options)),
-   ...);
+  std::size_t index = 0;
+  const auto run_one = [&]<class Plan>(std::type_identity<Plan>) {
+    if (detail::selected(options, names[index])) {
+      comparison.rows.push_back(detail::run_plan<Plan>(ctx, names[index], index, provider, dataset,
+                                                       task, config, options));
+    }
+    ++index;
+  };
+  (run_one(std::type_identity<Plans>{}), ...);
   detail::finish(ctx, comparison, options);
   return comparison;
 }
