@@ -141,6 +141,8 @@ int run(const Options& o) {
   };
 
   d9d::bench::CompareOptions options;
+  options.names.reserve(kVariants.size());
+  options.configure.reserve(kVariants.size());
   for (const auto& v : kVariants) {
     options.names.emplace_back(v.name);
     options.configure.emplace_back([v](d9d::TrainerConfig& c) {
@@ -186,6 +188,7 @@ int main(int argc, char** argv) {
                  "one device's peak TFLOP/s for the MFU column (e.g. 989 for H100/H200 bf16)")
       ->check(CLI::NonNegativeNumber);
   std::vector<std::string> names;
+  names.reserve(kVariants.size());
   for (const auto& v : kVariants) {
     names.emplace_back(v.name);
   }
