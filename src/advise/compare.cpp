@@ -99,9 +99,20 @@ void PlanMeasure::gradients(::d9d::detail::TrainerCore& core) {
   gradient_bytes_ = std::max(gradient_bytes_, bytes);
 }
 
+int64_t frozen_parameter_bytes(::d9d::detail::TrainerCore& core) {
+  int64_t bytes = 0;
+  for (const auto& module : core.parallel().modules()) {
+    for (const auto& item : module->named_parameters()) {
+      bytes += item.value().requires_grad() ? 0 : static_cast<int64_t>(item.value().nbytes());
+    }
+  }
+  return bytes;
+}
+
 advise::StateBytes held_state(::d9d::detail::TrainerCore& core, int64_t gradient_bytes) {
   advise::StateBytes held;
   held.gradients = gradient_bytes;
+  held.parameters = frozen_parameter_bytes(core);
   for (const auto& record : core.parallel().parameters()) {
     held.parameters += static_cast<int64_t>(record.local.nbytes());
   }

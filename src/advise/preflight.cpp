@@ -36,6 +36,9 @@ std::string activations_unknown(const PreflightPlan& plan) {
   if (!plan.compute) {
     return "fp64";
   }
+  if (plan.fine_tunes()) {
+    return "a PEFT policy";
+  }
   if (plan.float8) {
     return "Float8";
   }
@@ -212,10 +215,20 @@ void predict_dense(const TrainerConfig& config, const model::Qwen3Config& model,
   const int64_t mb = config.batch.microbatch_size;
   const int64_t seq = config.batch.sequence_length;
   const auto unknown = activations_unknown(plan);
-  const auto rank =
-      fullest_rank_memory(model, plan.program, c.pp, c.microbatches, *plan.rules, mb, seq,
-                          unknown.empty() ? plan.compute : std::nullopt, plan.recompute,
-                          config.data_parallel.reshard != "never", plan.sequence_parallel);
+  auto rank = fullest_rank_memory(model, plan.program, c.pp, c.microbatches, *plan.rules, mb, seq,
+                                  unknown.empty() ? plan.compute : std::nullopt, plan.recompute,
+                                  config.data_parallel.reshard != "never", plan.sequence_parallel);
+  if (plan.fine_tunes()) {  // the state with the adapters and the frozen base, no activations
+    rank = RankMemory{};
+    for (int r = 0; r < c.pp; ++r) {
+      const auto state =
+          state_bytes(apply_peft(c.pp > 1 ? qwen3_rank_parameters(model, plan.program, r, seq)
+                                          : qwen3_parameters(model),
+                                 plan.peft),
+                      *plan.rules, 0);
+      rank.state = state.total() > rank.state.total() ? state : rank.state;
+    }
+  }
   out.state_bytes = rank.state.total();
   out.activation_bytes = rank.activations;
   out.peak_bytes = rank.peak;
@@ -295,6 +308,12 @@ std::optional<Preflight> preflight(const TrainerConfig& config, const PreflightP
   return out;
 }
 
+bool PreflightPlan::fine_tunes() const {
+  return std::any_of(peft.methods.begin(), peft.methods.end(), [](const peft::MethodSpec& m) {
+    return m.kind != peft::MethodKind::full_tune;
+  });
+}
+
 Preflight predict_plan(const TrainerConfig& config, const PreflightPlan& plan,
                        const MachineProfile* machine, double memory_gib) {
   Preflight out;
@@ -318,6 +337,11 @@ Preflight predict_plan(const TrainerConfig& config, const PreflightPlan& plan,
   }
   if (!plan.rules) {
     out.lines.push_back("advise: " + out.plan + ": not predicted: " + plan.not_predicted);
+    return out;
+  }
+  if (moe && plan.fine_tunes()) {
+    out.lines.push_back("advise: " + out.plan +
+                        ": not predicted: a PEFT policy on a Qwen3-MoE is not predicted yet");
     return out;
   }
   if (moe) {

@@ -2,8 +2,10 @@
 // (d9d/advise/state_memory.hpp).
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -13,6 +15,7 @@
 #include <d9d/model/qwen3.hpp>
 #include <d9d/model/qwen3_moe.hpp>
 #include <d9d/model/stage_layers.hpp>
+#include <d9d/peft/lora.hpp>
 
 namespace d9d::advise {
 
@@ -137,9 +140,99 @@ std::vector<ParameterShape> rank_of(const Config& config, const pipeline::Progra
   return out;
 }
 
+// The module of a parameter ("model.norm.weight" -> "model.norm").
+std::string_view module_of(std::string_view parameter) {
+  const auto dot = parameter.rfind('.');
+  return dot == std::string_view::npos ? std::string_view() : parameter.substr(0, dot);
+}
+
+// Whether `module` is one of the dense Qwen3's linear layers (d9d::model::Linear), the LM head
+// included.
+bool linear_module(std::string_view module) {
+  const auto dot = module.rfind('.');
+  const auto last = dot == std::string_view::npos ? module : module.substr(dot + 1);
+  return last == "q_proj" || last == "k_proj" || last == "v_proj" || last == "o_proj" ||
+         last == "gate_proj" || last == "up_proj" || last == "down_proj" || last == "lm_head";
+}
+
+// d9d::peft's rule for Freeze and Train: the parameter's own name or a module around it matches.
+bool parameter_matches(const std::string& pattern, const std::string& parameter) {
+  if (peft::pattern_matches(pattern, parameter)) {
+    return true;
+  }
+  for (auto dot = parameter.find('.'); dot != std::string::npos;
+       dot = parameter.find('.', dot + 1)) {
+    if (peft::pattern_matches(pattern, std::string_view(parameter).substr(0, dot))) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Whether Lora method `method` adapts the linear layer `module` (no patterns: every linear layer
+// but the LM head).
+bool lora_targets(const peft::MethodSpec& method, std::string_view module) {
+  if (!linear_module(module)) {
+    return false;
+  }
+  if (method.patterns.empty()) {
+    return !module.ends_with("lm_head");
+  }
+  return std::any_of(
+      method.patterns.begin(), method.patterns.end(),
+      [&](const std::string& pattern) { return peft::pattern_matches(pattern, module); });
+}
+
 }  // namespace
 
 int64_t ParameterShape::numel() const { return product(sizes); }
+
+std::vector<ParameterShape> apply_peft(const std::vector<ParameterShape>& parameters,
+                                       const peft::StackSpec& spec) {
+  std::vector<ParameterShape> out;
+  out.reserve(parameters.size());
+  for (const auto& p : parameters) {
+    const auto module = std::string(module_of(p.name));
+    std::optional<std::size_t> claimed;  // the method that claims p
+    int lora_rank = 0;
+    for (std::size_t m = 0; m < spec.methods.size(); ++m) {
+      const auto& method = spec.methods[m];
+      bool hit = false;
+      switch (method.kind) {
+        case peft::MethodKind::full_tune:
+          break;
+        case peft::MethodKind::lora:
+          hit = lora_targets(method, module);
+          lora_rank = hit ? method.rank : lora_rank;
+          break;
+        case peft::MethodKind::freeze:
+        case peft::MethodKind::train:
+          hit = std::any_of(
+              method.patterns.begin(), method.patterns.end(),
+              [&](const std::string& pattern) { return parameter_matches(pattern, p.name); });
+          break;
+      }
+      if (hit && claimed && *claimed != m) {
+        throw std::invalid_argument("d9d::advise::apply_peft: " + p.name + " is claimed by " +
+                                    spec.methods[*claimed].describe() + " and by " +
+                                    method.describe() +
+                                    " (the trainer refuses this stack at start-up)");
+      }
+      claimed = hit ? std::optional<std::size_t>(m) : claimed;
+    }
+    auto kept = p;
+    kept.trained =
+        claimed ? spec.methods[*claimed].kind == peft::MethodKind::train : spec.rest_trains;
+    out.push_back(kept);
+    if (claimed && spec.methods[*claimed].kind == peft::MethodKind::lora &&
+        p.name.ends_with(".weight") && p.sizes.size() == 2) {
+      // LoraAdapter registers lora_A [rank, in] and lora_B [out, rank] as the layer's children.
+      out.push_back({.name = module + ".lora_A.weight", .sizes = {lora_rank, p.sizes[1]}});
+      out.push_back({.name = module + ".lora_B.weight", .sizes = {p.sizes[0], lora_rank}});
+    }
+  }
+  return out;
+}
 
 std::vector<ParameterShape> qwen3_parameters(const model::Qwen3Config& config) {
   return stage_parameters(config, nullptr, true, true,

@@ -318,10 +318,23 @@ TEST(Advise_Preflight, TheCopyEnginesBufferIsInTheMoePeakWithoutTheExperts) {
 
 TEST(Advise_Preflight, SaysWhatItDoesNotPredict) {
   const auto config = config_with("{}");
-  const auto lora = d9d::advise::preflight<d9d::Plan<d9d::peft::Lora<8, 16>>>(config, {});
+  // LoRA: its state (adapters, frozen base), not its activations; not under FullyShard.
+  using Lora = d9d::peft::Lora<8, 16>;
+  const auto lora = d9d::advise::preflight<d9d::Plan<Lora>>(config, {});
   ASSERT_TRUE(lora.has_value());
-  EXPECT_THAT(lora->lines.at(0), HasSubstr("not predicted: "));
-  EXPECT_THAT(lora->lines.at(0), HasSubstr("PEFT"));
+  EXPECT_EQ(lora->state_bytes,
+            d9d::advise::state_bytes(d9d::advise::apply_peft(d9d::advise::qwen3_parameters(model()),
+                                                             d9d::peft::stack_spec<Lora>()),
+                                     d9d::advise::precision_rules("fp32"), 0)
+                .total());
+  EXPECT_FALSE(lora->activation_bytes.has_value());
+  EXPECT_THAT(lora->lines.at(0), HasSubstr("activations not predicted (a PEFT policy)"));
+  const auto sharded_lora = d9d::advise::preflight<
+      d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>>, d9d::parallel::FullyShard<>, Lora>>(
+      config, d9d::MeshShape{.dp_shard = 2});
+  ASSERT_TRUE(sharded_lora.has_value());
+  EXPECT_THAT(sharded_lora->lines.at(0), HasSubstr("not predicted: "));
+  EXPECT_THAT(sharded_lora->lines.at(0), HasSubstr("a PEFT policy under FullyShard"));
   // Float8: its base policy's state; its activations (float8 copies) are not predicted.
   const auto float8 = d9d::advise::preflight<d9d::Plan<d9d::precision::Float8<>>>(config, {});
   ASSERT_TRUE(float8.has_value());

@@ -3,9 +3,12 @@
 // Qwen3, under Replicate (2 Gloo ranks), FullyShard (3 ranks, so rows split unevenly) in four
 // precisions, tensor parallelism (alone, with sequence parallelism, x FullyShard on 4 ranks) and
 // pipelines (1F1B, ZBV with a tied head, 1F1B x FullyShard on 4 ranks), and a Qwen3-MoE under
-// expert parallelism (ep 2, x FullyShard 2 and 4) and FullyShard alone; the parameter lists
-// against the model's and the stages' own; torch.chunk's row rule; expert parallelism's rules;
-// and the Plans not predicted yet are refused by name.
+// expert parallelism (ep 2, x FullyShard 2 and 4) and FullyShard alone, and PEFT policies (LoRA,
+// a LoRA + Train stack, Freeze) under Replicate and a pipeline; the parameter lists against the
+// model's and the stages' own, and under peft stacks against the model d9d::peft::apply_stack
+// adapted; torch.chunk's row rule; expert parallelism's rules; and the Plans not predicted yet are
+// refused by name.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -14,8 +17,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <d9d/advise/compare.hpp>
 #include <d9d/advise/state_memory.hpp>
 #include <d9d/d9d.hpp>
+#include <d9d/peft/lora.hpp>
 
 #include "tests/core/core_test_util.hpp"
 #include "tests/parallel/parallel_test_util.hpp"
@@ -99,10 +104,57 @@ TEST(Advise_StateMemory, ShardRowsFollowTorchChunk) {
 }
 
 TEST(Advise_StateMemory, PlansNotPredictedYetAreRefusedByName) {
+  using Lora = d9d::peft::Lora<8, 16>;
+  EXPECT_NO_THROW((void)d9d::advise::state_rules<d9d::Plan<Lora>>(d9d::MeshShape{}));  // Replicate
+  EXPECT_THAT(
+      d9d::testing::error_of([&] {
+        (void)d9d::advise::state_rules<
+            d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>>, d9d::parallel::FullyShard<>, Lora>>(
+            d9d::MeshShape{.dp_shard = 2});
+      }),
+      HasSubstr("a PEFT policy under FullyShard (the frozen parameters' shards) is not "
+                "predicted yet"));
+  EXPECT_THAT(
+      d9d::testing::error_of([&] {
+        (void)d9d::advise::state_rules<
+            d9d::Plan<d9d::mesh<d9d::tp<d9d::dynamic>>, d9d::parallel::TensorParallel<>, Lora>>(
+            d9d::MeshShape{.tp = 2});
+      }),
+      HasSubstr("a PEFT policy under tensor or expert parallelism"));
   EXPECT_THAT(d9d::testing::error_of([&] {
-                (void)d9d::advise::state_rules<d9d::Plan<d9d::peft::Lora<8, 16>>>(d9d::MeshShape{});
+                (void)d9d::advise::qwen3_rank_parameters<d9d::Plan<Lora>>(
+                    d9d::model::Qwen3MoeConfig::from_json_text(d9d::testing::tiny_qwen3_moe_json()),
+                    d9d::MeshShape{}, 0, 1, 16);
               }),
-              HasSubstr("PEFT policy other than FullTune is not predicted yet"));
+              HasSubstr("a PEFT policy on a Qwen3-MoE is not predicted yet"));
+}
+
+// apply_peft against the model d9d::peft::apply_stack adapts: every parameter's name, order,
+// shape and whether it trains, for LoRA on every linear layer, LoRA on named layers with the head,
+// a LoRA + Train stack, and Freeze.
+TEST(Advise_StateMemory, PeftParametersAreTheAdaptedModelsOwn) {
+  const auto check = [](const d9d::peft::StackSpec& spec) {
+    const auto config =
+        d9d::model::Qwen3Config::from_json_text(d9d::testing::tiny_qwen3_json(false, 2));
+    d9d::model::Qwen3ForCausalLM model(config);
+    d9d::peft::apply_stack(*model, spec);
+    const auto predicted = d9d::advise::apply_peft(d9d::advise::qwen3_parameters(config), spec);
+    const auto actual = model->named_parameters();
+    const auto what = spec.methods.front().describe();
+    ASSERT_EQ(predicted.size(), actual.size()) << what;
+    for (std::size_t i = 0; i < predicted.size(); ++i) {
+      EXPECT_EQ(predicted[i].name, actual[i].key()) << what;
+      EXPECT_EQ(at::IntArrayRef(predicted[i].sizes), actual[i].value().sizes())
+          << what << ": " << actual[i].key();
+      EXPECT_EQ(predicted[i].trained, actual[i].value().requires_grad())
+          << what << ": " << actual[i].key();
+    }
+  };
+  check(d9d::peft::stack_spec<d9d::peft::Lora<4, 8>>());
+  check(d9d::peft::stack_spec<d9d::peft::Lora<2, 4, "*.q_proj", "down_proj", "lm_head">>());
+  check(d9d::peft::stack_spec<
+        d9d::peft::Stack<d9d::peft::Lora<3, 6, "*.v_proj">, d9d::peft::Train<"*norm">>>());
+  check(d9d::peft::stack_spec<d9d::peft::Freeze<"model.embed_tokens", "model.layers.0">>());
 }
 
 // Expert parallelism's rules: the experts over ep_shard and, under FullyShard, over the expert
@@ -183,6 +235,7 @@ void expect_predicted(const d9d::DistributedContext& ctx, const d9d::TrainerConf
     held.parameters += static_cast<int64_t>(record.local.nbytes());
   }
   held.optimizer = d9d::testing::optimizer_state_bytes(trainer.core().optimizer());
+  held.parameters += d9d::bench::detail::frozen_parameter_bytes(trainer.core());
 
   const auto& mesh = trainer.core().mesh();
   const auto& shape = mesh.shape();
@@ -192,7 +245,10 @@ void expect_predicted(const d9d::DistributedContext& ctx, const d9d::TrainerConf
   const auto parameters = d9d::advise::qwen3_rank_parameters<Plan>(
       ModelConfig::from_json_text(config.sections.at("model")), shape,
       mesh.coordinate(d9d::MeshDomain::regular, "pp"), microbatches, config.batch.sequence_length);
-  ASSERT_EQ(trainer.core().parallel().parameters().size(), parameters.size()) << what;
+  ASSERT_EQ(trainer.core().parallel().parameters().size(),
+            std::count_if(parameters.begin(), parameters.end(),
+                          [](const d9d::advise::ParameterShape& p) { return p.trained; }))
+      << what;
   const auto rules = d9d::advise::state_rules<Plan>(shape);
   const int shard_rank =
       rules.shard_ranks > 1 ? mesh.coordinate(d9d::MeshDomain::dense, "dp_cp_shard") : 0;
@@ -288,6 +344,26 @@ TEST(Advise_StateMemory_ws2, PipelineStagesEqualWhatTheTrainerHolds) {
     tied.sections["model"] = d9d::testing::tiny_qwen3_json(true, 4);
     expect_predicted<d9d::Plan<d9d::mesh<d9d::pp<2>>, d9d::pipeline::ZeroBubbleV<>>>(
         ctx, tied, "ZBV pp 2, tied head, Fp32");
+  });
+}
+
+// PEFT policies: LoRA on every linear layer (float32, and bfloat16 parameters rounding
+// stochastically), a LoRA + Train stack under Bf16Mixed, Freeze, and LoRA under 1F1B pp 2.
+TEST(Advise_StateMemory_ws2, PeftPlansEqualWhatTheTrainerHolds) {
+  using Lora = d9d::peft::Lora<4, 8>;
+  using Stacked = d9d::peft::Stack<d9d::peft::Lora<2, 4, "*.q_proj">, d9d::peft::Train<"*norm">>;
+  d9d::testing::run_on_ranks({.world_size = 2}, [](RankEnv& env) {
+    const auto ctx = d9d::testing::rank_context(env);
+    const auto config = d9d::testing::tiny_run(env.scratch_dir() + "/lora", 3, 4, 2, false, 4);
+    expect_predicted<d9d::Plan<ReplicateMesh, Lora>>(ctx, config, "Replicate, LoRA, Fp32");
+    expect_predicted<d9d::Plan<ReplicateMesh, Lora, d9d::precision::Bf16Params<>>>(
+        ctx, config, "Replicate, LoRA, Bf16Params");
+    expect_predicted<d9d::Plan<ReplicateMesh, Stacked, d9d::precision::Bf16Mixed>>(
+        ctx, config, "Replicate, LoRA on q + Train norms, Bf16Mixed");
+    expect_predicted<d9d::Plan<ReplicateMesh, d9d::peft::Freeze<"model.embed_tokens">>>(
+        ctx, config, "Replicate, Freeze the embedding");
+    expect_predicted<d9d::Plan<d9d::mesh<d9d::pp<2>>, d9d::pipeline::OneFOneB<>, Lora>>(
+        ctx, config, "1F1B pp 2, LoRA, Fp32");
   });
 }
 

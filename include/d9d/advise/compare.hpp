@@ -140,7 +140,11 @@ class PlanMeasure {
   double last_loss_ = 0;
 };
 
-/// This rank's parameter and AdamW-moment bytes after the run (gradients come from PlanMeasure).
+/// The bytes of the parameters that do not train (a PEFT policy's frozen base) on this rank.
+[[nodiscard]] int64_t frozen_parameter_bytes(::d9d::detail::TrainerCore& core);
+
+/// This rank's parameter (frozen ones included) and AdamW-moment bytes after the run (gradients
+/// come from PlanMeasure).
 [[nodiscard]] advise::StateBytes held_state(::d9d::detail::TrainerCore& core,
                                             int64_t gradient_bytes);
 

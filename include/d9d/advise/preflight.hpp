@@ -32,6 +32,7 @@
 #include <d9d/advise/state_memory.hpp>
 #include <d9d/advise/step_time.hpp>
 #include <d9d/core/mesh_shape.hpp>
+#include <d9d/peft/stack.hpp>
 #include <d9d/pipeline/program.hpp>
 #include <d9d/plan/defaults.hpp>
 #include <d9d/precision/policies.hpp>
@@ -75,6 +76,13 @@ struct PreflightPlan {
   bool sequence_parallel = false;     ///< TensorParallel<SequenceParallel::on>
   bool reduce_bf16 = false;           ///< Bf16MixedBf16Reduce
   bool float8 = false;                ///< a Float8 precision (its state is its base's)
+  /// The Plan's peft policy (d9d::peft::stack_spec): with a method other than FullTune the state
+  /// counts its adapters and frozen parameters (apply_peft); activations and step time are not
+  /// predicted for it yet.
+  peft::StackSpec peft{.methods = {{.kind = peft::MethodKind::full_tune}}};
+
+  /// Whether the peft policy is anything but FullTune.
+  [[nodiscard]] bool fine_tunes() const;
 };
 
 /// The prediction for a Plan given by its runtime facts: its figures, and its lines with the step
@@ -130,6 +138,7 @@ PreflightPlan preflight_plan(const TrainerConfig& config, const MeshShape& shape
     plan.compute = Compute::float32;
   }
   plan.float8 = precision::has_float8<P>;
+  plan.peft = peft::stack_spec<typename Plan::peft>();
   plan.recompute = {.every_nth = R::every_nth,
                     .attention_only = R::scope == recompute::Scope::attention};
   return plan;

@@ -26,6 +26,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <d9d/core/mesh_shape.hpp>
+#include <d9d/peft/stack.hpp>
 #include <d9d/pipeline/program.hpp>
 #include <d9d/plan/defaults.hpp>
 #include <d9d/precision/policies.hpp>
@@ -86,25 +87,48 @@ struct ParameterShape {
                                                                 int pp_rank,
                                                                 int64_t sequence_length);
 
+/// A dense Qwen3's `parameters` (any of the lists above) under the peft stack `spec`
+/// (d9d::peft::stack_spec<Policy>(), d9d/peft/lora.hpp's rules): each linear layer a Lora method
+/// targets (q/k/v/o, gate/up/down, lm_head by name; no patterns: all but lm_head) is frozen and
+/// followed by its adapter, "<layer>.lora_A.weight" [rank, in] and "<layer>.lora_B.weight"
+/// [out, rank], trained; a parameter that a Freeze pattern matches is frozen, one that a Train
+/// pattern matches trains, and the rest train when spec.rest_trains. std::invalid_argument for a
+/// parameter two methods claim (the trainer refuses that stack at start-up). Patterns that match
+/// nothing are not checked here (under a pipeline a pattern may match on another rank's stages).
+[[nodiscard]] std::vector<ParameterShape> apply_peft(const std::vector<ParameterShape>& parameters,
+                                                     const peft::StackSpec& spec);
+
 /// The parameters pipeline rank `pp_rank` holds under `Plan`: those of the program its schedule
 /// builds for `shape.pp` ranks and `microbatches` (placement does not depend on the count, but a
-/// schedule may refuse one), or the whole model's without a pipeline. `Config` is
-/// model::Qwen3Config or model::Qwen3MoeConfig.
+/// schedule may refuse one), or the whole model's without a pipeline; under a PEFT policy the
+/// dense model's with its adapters and frozen parameters (apply_peft; a Qwen3-MoE's:
+/// std::invalid_argument, not predicted yet). `Config` is model::Qwen3Config or
+/// model::Qwen3MoeConfig.
 template <class Plan, class Config>
 std::vector<ParameterShape> qwen3_rank_parameters(const Config& config, const MeshShape& shape,
                                                   int pp_rank, int microbatches,
                                                   int64_t sequence_length) {
   using Schedule = typename Plan::pipeline;
+  std::vector<ParameterShape> out;
   if constexpr (std::is_same_v<Schedule, pipeline::NoPipeline>) {
     (void)shape;
     (void)pp_rank;
     (void)microbatches;
     (void)sequence_length;
-    return qwen3_parameters(config);
+    out = qwen3_parameters(config);
   } else {
-    return qwen3_rank_parameters(config, Schedule::build(shape.pp, microbatches), pp_rank,
-                                 sequence_length);
+    out = qwen3_rank_parameters(config, Schedule::build(shape.pp, microbatches), pp_rank,
+                                sequence_length);
   }
+  if constexpr (!std::is_same_v<typename Plan::peft, peft::FullTune>) {
+    if constexpr (!std::is_same_v<Config, model::Qwen3Config>) {
+      throw std::invalid_argument(
+          "d9d::advise::qwen3_rank_parameters: a PEFT policy on a Qwen3-MoE is not predicted "
+          "yet (predicted: the dense Qwen3's)");
+    }
+    out = apply_peft(out, peft::stack_spec<typename Plan::peft>());
+  }
+  return out;
 }
 
 /// How a Plan stores each trained parameter's state.
@@ -195,18 +219,35 @@ StateRules precision_rules() {
 /// then shards over dp_shard x cp_shard), expert parallelism (the experts over ep_shard, and under
 /// FullyShard over ep_replicate), every pipeline schedule (with qwen3_rank_parameters),
 /// every precision (Float8 keeps its base policy's master weights, gradients and moments: its
-/// float8 copies live during the step only), FullTune; other Plans get std::invalid_argument
-/// naming what is not predicted yet.
+/// float8 copies live during the step only), FullTune, and the PEFT policies (LoRA, Freeze, Train
+/// and their stacks, with qwen3_rank_parameters: the adapters and the frozen base in the
+/// parameter dtype, as the parallelize layer casts the model before it adds the adapters) without
+/// FullyShard, tensor or expert parallelism; other Plans get std::invalid_argument naming what is
+/// not predicted yet.
 template <class Plan>
 StateRules state_rules(const MeshShape& shape) {
   using P = typename Plan::precision;
   const auto not_yet = [](const char* what) {
     return std::invalid_argument(std::string("d9d::advise::state_rules: ") + what +
                                  " is not predicted yet (predicted: Replicate or FullyShard, "
-                                 "tensor, context and expert parallelism, pipelines, FullTune)");
+                                 "tensor, context and expert parallelism, pipelines, FullTune; "
+                                 "PEFT policies without FullyShard, tp or ep)");
   };
-  if (!std::is_same_v<typename Plan::peft, peft::FullTune>) {
-    throw not_yet("a PEFT policy other than FullTune");
+  if constexpr (!std::is_same_v<typename Plan::peft, peft::FullTune>) {
+    constexpr bool shards_parameters = [] {
+      if constexpr (requires { Plan::data_parallel::shards_parameters; }) {
+        return Plan::data_parallel::shards_parameters;
+      } else {
+        return false;
+      }
+    }();
+    if (shards_parameters) {
+      throw not_yet("a PEFT policy under FullyShard (the frozen parameters' shards)");
+    }
+    if (!std::is_same_v<typename Plan::tensor_parallel, parallel::NoTensorParallel> ||
+        !std::is_same_v<typename Plan::expert_parallel, parallel::NoExpertParallel>) {
+      throw not_yet("a PEFT policy under tensor or expert parallelism");
+    }
   }
   StateRules rules = precision_rules<P>();  // a Float8 policy's are its base's
   if constexpr (!std::is_same_v<typename Plan::tensor_parallel, parallel::NoTensorParallel>) {
