@@ -188,6 +188,74 @@ ActivationBytes qwen3_activation_bytes(const model::Qwen3Config& config, int64_t
   return out;
 }
 
+int64_t qwen3_peft_activation_delta(const model::Qwen3Config& config,
+                                    const std::vector<ParameterShape>& parameters,
+                                    int64_t microbatch_size, int64_t sequence_length,
+                                    Compute compute, bool dropout) {
+  const auto not_yet = [](const std::string& what) {
+    return std::invalid_argument("d9d::advise::qwen3_peft_activation_delta: " + what +
+                                 " is not predicted yet");
+  };
+  if (dropout) {
+    throw not_yet("LoRA with dropout");
+  }
+  const int64_t tokens = microbatch_size * sequence_length;
+  const int64_t a = compute == Compute::float32 ? kFloat : kHalf;  // the matmuls' dtype
+  const std::string lora_a = ".lora_A.weight";
+  const auto adapted = [&](const std::string& module) {
+    return std::any_of(parameters.begin(), parameters.end(),
+                       [&](const ParameterShape& p) { return p.name == module + lora_a; });
+  };
+  const auto ends_with = [](const std::string& name, const std::string& tail) {
+    return name.size() >= tail.size() &&
+           name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  int64_t delta = 0;
+  for (const auto& p : parameters) {
+    if (ends_with(p.name, lora_a)) {
+      const auto module = p.name.substr(0, p.name.size() - lora_a.size());
+      if (ends_with(module, "lm_head")) {
+        throw not_yet("an adapter on the LM head (its loss then runs unfused)");
+      }
+      const int64_t rank = p.sizes.at(0);
+      const int64_t in = p.sizes.at(1);
+      const auto b = std::find_if(
+          parameters.begin(), parameters.end(),
+          [&](const ParameterShape& q) { return q.name == module + ".lora_B.weight"; });
+      const int64_t out = b == parameters.end() ? 0 : b->sizes.at(0);
+      delta += tokens * rank * a;  // s x A^T, which low_rank_linear keeps for B's and A's gradients
+      if (compute == Compute::bf16_autocast) {
+        delta += rank * (in + out) * kHalf;  // A's and B's bfloat16 casts
+      }
+      if (ends_with(module, "down_proj")) {
+        delta += tokens * config.intermediate_size * a;  // its input, silu(gate) * up
+      }
+      continue;
+    }
+    const bool linear_weight = ends_with(p.name, "_proj.weight");
+    if (linear_weight && !p.trained && !ends_with(p.name, ".lora_B.weight") &&
+        !adapted(p.name.substr(0, p.name.size() - std::string(".weight").size()))) {
+      throw not_yet("a frozen linear layer without an adapter (" + p.name + ")");
+    }
+    if (p.name == "model.embed_tokens.weight" && !p.trained &&
+        std::any_of(parameters.begin(), parameters.end(), [](const ParameterShape& q) {
+          return q.name == "model.layers.0.input_layernorm.weight" && !q.trained;
+        })) {
+      // The frozen embedding's output needs no gradient, nor then the first input norm (frozen
+      // too): that norm keeps neither its input, the embedding's output, nor its rstd.
+      delta -= tokens * (config.hidden_size * residual_bytes(compute) + kFloat);
+    }
+    const bool head = config.tie_word_embeddings ? p.name == "model.embed_tokens.weight"
+                                                 : p.name == "lm_head.weight";
+    if (head && !p.trained) {
+      // linear_cross_entropy computes no weight gradient for a head that does not train.
+      delta -= config.vocab_size * config.hidden_size *
+               (compute == Compute::bf16_parameters ? kHalf : kFloat);
+    }
+  }
+  return delta;
+}
+
 int64_t qwen3_moe_layer_count(const model::Qwen3MoeConfig& config) {
   int64_t count = 0;
   for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {

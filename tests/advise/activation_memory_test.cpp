@@ -23,6 +23,7 @@
 #include <d9d/core/weight_grad.hpp>
 #include <d9d/d9d.hpp>
 #include <d9d/model/linear_cross_entropy.hpp>
+#include <d9d/peft/lora.hpp>
 
 #include "tests/advise/all_threads_meter.hpp"
 #include "tests/core/core_test_util.hpp"
@@ -56,13 +57,18 @@ d9d::model::Qwen3Config config_of(const Shape& s) {
 
 // The bytes the forward of one microbatch leaves allocated until its backward, its matmuls in
 // `autocast` (bfloat16: under autocast, as the train step runs Bf16Mixed).
+// With `peft`, the model adapted by it after the cast (as the parallelize layer casts the model
+// before it adds the adapters).
 int64_t measured(const d9d::model::Qwen3Config& config, int64_t batch, int64_t seq,
-                 d9d::advise::Compute compute) {
+                 d9d::advise::Compute compute, const d9d::peft::StackSpec* peft = nullptr) {
   using d9d::advise::Compute;
   torch::manual_seed(3);
   d9d::model::Qwen3ForCausalLM model(config);
   if (compute == Compute::bf16_parameters) {
     model->to(at::kBFloat16);
+  }
+  if (peft != nullptr) {
+    d9d::peft::apply_stack(*model, *peft);
   }
   const auto ids = torch::randint(config.vocab_size, {batch, seq}, torch::kLong);
   const auto labels = torch::randint(config.vocab_size, {batch, seq}, torch::kLong);
@@ -148,6 +154,71 @@ TEST(Advise_ActivationMemory, PredictsWhatTheForwardKeeps) {
     }
   }
   EXPECT_EQ(checked, 63);
+}
+
+// PEFT policies: FullTune's prediction plus qwen3_peft_activation_delta against the forward of
+// the model d9d::peft::apply_stack adapted, for LoRA on every linear layer, LoRA on the seven
+// projections by name with the embedding trained, and LoRA + Train<"*norm">, in the three ways of
+// computing, tied and untied; and what is refused (LoRA on q alone: k, v, o and the MLP frozen
+// without adapters).
+TEST(Advise_ActivationMemory, PeftPoliciesPredictWhatTheForwardKeeps) {
+  using d9d::advise::Compute;
+  namespace peft = d9d::peft;
+  const std::vector<peft::StackSpec> specs{
+      peft::stack_spec<peft::Lora<4, 8>>(),
+      peft::stack_spec<peft::Stack<peft::Lora<2, 4, "*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj",
+                                              "*.gate_proj", "*.up_proj", "*.down_proj">,
+                                   peft::Train<"model.embed_tokens">>>(),
+      peft::stack_spec<peft::Stack<peft::Lora<3, 6>, peft::Train<"*norm">>>()};
+  int checked = 0;
+  for (const bool tied : {false, true}) {
+    const auto config = config_of({.hidden = 64,
+                                   .intermediate = 160,
+                                   .heads = 4,
+                                   .kv_heads = 2,
+                                   .head_dim = 16,
+                                   .layers = 2,
+                                   .vocab = 96,
+                                   .tied = tied});
+    for (const auto compute :
+         {Compute::float32, Compute::bf16_autocast, Compute::bf16_parameters}) {
+      for (const auto& spec : specs) {
+        const auto parameters =
+            d9d::advise::apply_peft(d9d::advise::qwen3_parameters(config), spec);
+        for (const auto& [batch, seq] : {std::pair<int64_t, int64_t>{1, 16}, {2, 40}}) {
+          const auto predicted =
+              d9d::advise::qwen3_activation_bytes(config, batch, seq, compute).total() +
+              d9d::advise::qwen3_peft_activation_delta(config, parameters, batch, seq, compute);
+          const auto kept = measured(config, batch, seq, compute, &spec);
+          const auto what = spec.methods.front().describe() + ", compute " +
+                            std::to_string(static_cast<int>(compute)) +
+                            (tied ? ", tied" : ", untied") + ", batch " + std::to_string(batch) +
+                            " x " + std::to_string(seq);
+          EXPECT_LE(std::abs(predicted - kept), 64)
+              << what << ": predicted " << predicted << ", kept " << kept;
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 36);
+  const auto config = five_layers();
+  const auto refused = [&](const peft::StackSpec& spec, bool dropout = false) {
+    return d9d::testing::error_of([&] {
+      (void)d9d::advise::qwen3_peft_activation_delta(
+          config, d9d::advise::apply_peft(d9d::advise::qwen3_parameters(config), spec), 1, 16,
+          Compute::float32, dropout);
+    });
+  };
+  EXPECT_THAT(
+      refused(peft::stack_spec<peft::Stack<peft::Lora<2, 4>, peft::Lora<2, 4, "lm_head">>>()),
+      ::testing::HasSubstr("an adapter on the LM head"));
+  EXPECT_THAT(refused(peft::stack_spec<peft::Freeze<"*.q_proj">>()),
+              ::testing::HasSubstr("a frozen linear layer without an adapter"));
+  EXPECT_THAT(refused(peft::stack_spec<peft::Lora<2, 4, "*.q_proj">>()),
+              ::testing::HasSubstr("a frozen linear layer without an adapter"));
+  EXPECT_THAT(refused(peft::stack_spec<peft::Lora<2, 4>>(), true),
+              ::testing::HasSubstr("LoRA with dropout is not predicted yet"));
 }
 
 // Each pipeline stage's forward (and on the last the loss the pipelined step runs on its logits),

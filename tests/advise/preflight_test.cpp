@@ -318,17 +318,30 @@ TEST(Advise_Preflight, TheCopyEnginesBufferIsInTheMoePeakWithoutTheExperts) {
 
 TEST(Advise_Preflight, SaysWhatItDoesNotPredict) {
   const auto config = config_with("{}");
-  // LoRA: its state (adapters, frozen base), not its activations; not under FullyShard.
+  // LoRA: its state (adapters, frozen base) and activations (FullTune's and LoRA's change), no
+  // step time; under a pipeline its state only; not under FullyShard.
   using Lora = d9d::peft::Lora<8, 16>;
   const auto lora = d9d::advise::preflight<d9d::Plan<Lora>>(config, {});
   ASSERT_TRUE(lora.has_value());
+  const auto adapted = d9d::advise::apply_peft(d9d::advise::qwen3_parameters(model()),
+                                               d9d::peft::stack_spec<Lora>());
   EXPECT_EQ(lora->state_bytes,
-            d9d::advise::state_bytes(d9d::advise::apply_peft(d9d::advise::qwen3_parameters(model()),
-                                                             d9d::peft::stack_spec<Lora>()),
-                                     d9d::advise::precision_rules("fp32"), 0)
-                .total());
-  EXPECT_FALSE(lora->activation_bytes.has_value());
-  EXPECT_THAT(lora->lines.at(0), HasSubstr("activations not predicted (a PEFT policy)"));
+            d9d::advise::state_bytes(adapted, d9d::advise::precision_rules("fp32"), 0).total());
+  ASSERT_TRUE(lora->activation_bytes.has_value());
+  const auto mb = config.batch.microbatch_size;
+  const auto seq = config.batch.sequence_length;
+  EXPECT_EQ(*lora->activation_bytes,
+            d9d::advise::qwen3_activation_bytes(model(), mb, seq).total() +
+                d9d::advise::qwen3_peft_activation_delta(model(), adapted, mb, seq));
+  EXPECT_NE(*lora->activation_bytes, d9d::advise::qwen3_activation_bytes(model(), mb, seq).total());
+  EXPECT_THAT(lora->lines.at(0), Not(HasSubstr("not predicted")));
+  const auto piped_lora = d9d::advise::preflight<
+      d9d::Plan<d9d::mesh<d9d::pp<d9d::dynamic>>, d9d::pipeline::OneFOneB<>, Lora>>(
+      config, d9d::MeshShape{.pp = 2});
+  ASSERT_TRUE(piped_lora.has_value());
+  EXPECT_GT(piped_lora->state_bytes, 0);
+  EXPECT_THAT(piped_lora->lines.at(0),
+              HasSubstr("activations not predicted (a PEFT policy under a pipeline)"));
   const auto sharded_lora = d9d::advise::preflight<
       d9d::Plan<d9d::mesh<d9d::dp_shard<d9d::dynamic>>, d9d::parallel::FullyShard<>, Lora>>(
       config, d9d::MeshShape{.dp_shard = 2});

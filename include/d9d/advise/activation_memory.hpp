@@ -116,6 +116,24 @@ struct ActivationBytes {
     const model::Qwen3Config& config, int64_t microbatch_size, int64_t sequence_length,
     Compute compute = Compute::float32, Recompute recompute = {}, TensorSplit tensor = {});
 
+/// What a PEFT policy changes in qwen3_activation_bytes's figure for one microbatch (add it to
+/// total()), from the model's `parameters` under the policy (apply_peft): each LoRA adapter keeps
+/// s x A^T [tokens, rank] in the matmuls' dtype (d9d::model::low_rank_linear) and, under autocast,
+/// the bfloat16 casts of A and B; an adapted down projection keeps its input silu(gate) * up
+/// [tokens, I] (the fused silu_mul_linear that recomputes it runs only on layers without an
+/// adapter); a head whose weight does not train has no weight gradient in the forward (less
+/// vocab x H in the parameters' dtype); a frozen embedding before a frozen first input norm
+/// leaves that norm nothing to differentiate, so neither the embedding's output nor the norm's
+/// rstd is kept. The rest keeps what it keeps under FullTune. std::invalid_argument, naming it,
+/// for what is not predicted: an adapter on the LM head (the unfused loss), a frozen linear layer
+/// without an adapter (LoRA on some of the linear layers), and (by `dropout`, any method's)
+/// adapters with dropout. Not under recompute, tensor parallelism or a pipeline.
+[[nodiscard]] int64_t qwen3_peft_activation_delta(const model::Qwen3Config& config,
+                                                  const std::vector<ParameterShape>& parameters,
+                                                  int64_t microbatch_size, int64_t sequence_length,
+                                                  Compute compute = Compute::float32,
+                                                  bool dropout = false);
+
 /// How expert parallelism (d9d::parallel::ExpertParallel) splits a Qwen3-MoE's routed experts:
 /// each of `ranks` ranks holds num_experts / ranks of them and runs the rows every rank routes to
 /// them. `load` is the rows this rank's experts receive over its own tokens' routings (tokens x
