@@ -63,7 +63,8 @@ struct PlanList {
 using Variants = PlanList<Replicated<Bf16>, Replicated<Bf16>, Replicated<Sr>, Replicated<Nearest>,
                           Replicated<SrBf16Moments>, Sharded<Bf16>, Sharded<Sr>,
                           Sharded<Bf16, d9d::recompute::Full>, Replicated<Lora, Sr>,
-                          Replicated<Bf16>, Replicated<Sr>, Replicated<SrBf16Moments>>;
+                          Replicated<Lora, Bf16>, Replicated<Bf16>, Replicated<Sr>,
+                          Replicated<SrBf16Moments>>;
 constexpr std::array kVariants{
     Variant{.name = "bf16_mixed"},
     Variant{.name = "bf16_mixed_unfused", .fused_kernels = false},
@@ -74,6 +75,7 @@ constexpr std::array kVariants{
     Variant{.name = "fsdp_bf16_sr"},
     Variant{.name = "fsdp_bf16_mixed_recompute"},
     Variant{.name = "lora_sr", .frozen_base = true},
+    Variant{.name = "lora_bf16_mixed", .frozen_base = true},
     Variant{.name = "bf16_mixed_graphs", .cuda_graphs = true},
     Variant{.name = "bf16_sr_graphs", .cuda_graphs = true},
     Variant{.name = "bf16_sr_bf16_moments_graphs", .cuda_graphs = true},
