@@ -227,9 +227,6 @@ int64_t qwen3_peft_activation_delta(const model::Qwen3Config& config,
       if (compute == Compute::bf16_autocast) {
         delta += rank * (in + out) * kHalf;  // A's and B's bfloat16 casts
       }
-      if (ends_with(module, "down_proj")) {
-        delta += tokens * config.intermediate_size * a;  // its input, silu(gate) * up
-      }
       continue;
     }
     const bool linear_weight = ends_with(p.name, "_proj.weight");

@@ -744,6 +744,86 @@ struct LowRankLinear : torch::autograd::Function<LowRankLinear> {
   }
 };
 
+// down(x) + s (x A^T) B^T with x = silu(gate) * up, for a down projection with a LoRA adapter:
+// LowRankLinear's GEMMs over the product, which backward recomputes from gate and up (as
+// SiluMulLinear) instead of keeping it. Saves gate, up, the autocast copies of W, A and B and
+// h = s x A^T [rows, rank].
+struct SiluMulLowRankLinear : torch::autograd::Function<SiluMulLowRankLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate,
+                            const at::Tensor& up, const at::Tensor& weight, const at::Tensor& a,
+                            const at::Tensor& b, double scale, int64_t queue_address) {
+    // gate and up come from linear layers, so they already have the autocast dtype.
+    const auto wc = autocast_weight(weight, gate);
+    const auto ac = autocast_weight(a, gate);
+    const auto bc = autocast_weight(b, gate);
+    const auto rows = kernels::silu_mul_forward(gate, up).reshape({-1, wc.size(1)});
+    const auto h = at::mm(rows, ac.t()).mul_(scale);
+    auto y = at::mm(rows, wc.t());
+    y.addmm_(h, bc.t());
+    ctx->save_for_backward({gate, up, wc, ac, bc, h});
+    ctx->saved_data["queue"] = queue_address;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["weight"] = weight;
+    ctx->saved_data["a"] = a;
+    ctx->saved_data["b"] = b;
+    auto sizes = gate.sizes().vec();
+    sizes.back() = wc.size(0);
+    return y.view(sizes);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& gate = saved[0];
+    const auto& up = saved[1];
+    const auto& wc = saved[2];
+    const auto& ac = saved[3];
+    const auto& bc = saved[4];
+    const auto& h = saved[5];
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const auto g = grads[0].reshape({-1, wc.size(0)});
+    // One entry per forward argument: gate, up, weight, a, b, scale, queue address.
+    torch::autograd::variable_list out(7);
+    const bool need_x = ctx->needs_input_grad(0) || ctx->needs_input_grad(1);
+    const bool need_w = ctx->needs_input_grad(2);
+    const bool need_a = ctx->needs_input_grad(3);
+    at::Tensor dh;  // the gradient of x A^T
+    if (need_x || need_a) {
+      dh = at::mm(g, bc).mul_(scale);
+    }
+    if (need_x) {
+      auto dx = at::mm(g, wc);
+      dx.addmm_(dh, ac);
+      auto [grad_gate, grad_up] = kernels::silu_mul_backward(dx.view(gate.sizes()), gate, up);
+      out[0] = grad_gate;
+      out[1] = grad_up;
+    }
+    WeightGradJobs jobs;
+    if (need_w || need_a) {
+      const auto rows = kernels::silu_mul_forward(gate, up).reshape({-1, wc.size(1)});
+      if (need_w) {
+        jobs.emplace_back(2, WeightGrad{.grad_out = g,
+                                        .input = rows,
+                                        .weight = ctx->saved_data["weight"].toTensor(),
+                                        .bias = at::Tensor()});
+      }
+      if (need_a) {
+        jobs.emplace_back(3, WeightGrad{.grad_out = dh,
+                                        .input = rows,
+                                        .weight = ctx->saved_data["a"].toTensor(),
+                                        .bias = at::Tensor()});
+      }
+    }
+    if (ctx->needs_input_grad(4)) {
+      jobs.emplace_back(4, WeightGrad{.grad_out = g,
+                                      .input = h,
+                                      .weight = ctx->saved_data["b"].toTensor(),
+                                      .bias = at::Tensor()});
+    }
+    queue_or_compute(ctx, std::move(jobs), out);
+    return out;
+  }
+};
+
 // The last input a float8 layer quantised on this thread, in both forms: the q, k and v projections
 // (the gate and up projections) read one input, which is then quantised once for all of them.
 // The cache holds the input detached (its values, not its autograd graph), which keeps its storage
@@ -981,11 +1061,17 @@ at::Tensor linear_scattered(const at::Tensor& h, LinearImpl& layer,
 namespace {
 
 // down(silu(gate) * up) on whole rows: the fused node that recomputes the product in backward when
-// the layer is plain, otherwise the layer over the fused (or, with the fused kernels off, plain)
-// activation.
+// the layer is plain or has a low-rank adapter (LoRA without active dropout), otherwise the layer
+// over the fused (or, with the fused kernels off, plain) activation.
 at::Tensor silu_mul_down(const at::Tensor& gate, const at::Tensor& up, LinearImpl& layer) {
   if (plain(layer)) {
     return silu_mul_linear(gate, up, layer.weight);
+  }
+  if (fused_kernels() && layer.adapter && !layer.bias.defined() && !layer.float8) {
+    if (const auto update = layer.adapter->low_rank(); update.a.defined()) {
+      return SiluMulLowRankLinear::apply(gate, up, layer.weight, update.a, update.b, update.scale,
+                                         queue_address(recording_weight_grads()));
+    }
   }
   return layer.forward(fused_kernels() ? kernels::silu_mul(gate, up) : at::silu(gate) * up);
 }

@@ -15,6 +15,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/function.h>
 
 #include <d9d/core/weight_grad.hpp>
 #include <d9d/d9d.hpp>
@@ -211,6 +212,71 @@ TEST(Peft_Lora_r4, GradientsOnlyOnTheAdapters) {
   model(tokens()).pow(2).mean().backward();
   expect_gradients_only_on(
       *model, [](const std::string& name) { return name.find(".lora_") != std::string::npos; });
+}
+
+// An adapted down projection under the fused kernels is one autograd node that recomputes
+// silu(gate) * up in backward instead of keeping it. Its output and the gradients of the input and
+// of every weight equal the fused kernels off (the layer over at::silu(gate) * up, its adapter's
+// own layers) in float64, at once and deferred to a WeightGradQueue, with the down projection's
+// weight trained and frozen.
+TEST(Peft_Lora_r4, AnAdaptedDownProjectionEqualsTheCompositionAndRecomputesItsInput) {
+  struct Run {
+    std::string node;
+    std::vector<at::Tensor> tensors;  // the output, x's gradient, every parameter's
+  };
+  const auto run = [](bool fused, bool frozen, bool deferred) {
+    torch::manual_seed(3);
+    d9d::model::SwiGlu mlp(12, 20);
+    mlp->to(at::kDouble);
+    peft::apply_stack(*mlp, peft::stack_spec<peft::Lora<3, 6, "down_proj">>());
+    randomize_adapters(*mlp);
+    mlp->gate_proj->weight.requires_grad_(true);
+    mlp->up_proj->weight.requires_grad_(true);
+    mlp->down_proj->weight.requires_grad_(!frozen);
+    torch::manual_seed(4);
+    const auto x = at::randn({2, 5, 12}, at::kDouble).requires_grad_();
+    const auto grad_out = at::randn({2, 5, 12}, at::kDouble);
+    d9d::model::set_fused_kernels(fused);
+    d9d::WeightGradQueue queue;
+    at::Tensor out;
+    {
+      const d9d::RecordWeightGrads record(queue);
+      out = mlp(x);
+    }
+    {
+      const d9d::DeferWeightGrads defer(queue);
+      if (deferred) {
+        out.backward(grad_out);
+      }
+    }
+    if (deferred) {
+      queue.drain();
+    } else {
+      out.backward(grad_out);
+    }
+    d9d::model::set_fused_kernels(true);
+    Run r{.node = out.grad_fn()->name(), .tensors = {out.detach(), x.grad()}};
+    for (const auto& item : mlp->named_parameters()) {
+      r.tensors.push_back(item.value().grad());
+    }
+    return r;
+  };
+  for (const bool frozen : {false, true}) {
+    const auto want = run(false, frozen, false);
+    for (const bool deferred : {false, true}) {
+      const auto got = run(true, frozen, deferred);
+      EXPECT_THAT(got.node, HasSubstr("SiluMulLowRankLinear"));
+      ASSERT_EQ(got.tensors.size(), want.tensors.size());
+      for (std::size_t i = 0; i < got.tensors.size(); ++i) {
+        const auto what = "tensor " + std::to_string(i) + (frozen ? ", W frozen" : ", W trained") +
+                          (deferred ? ", deferred" : "");
+        ASSERT_EQ(got.tensors[i].defined(), want.tensors[i].defined()) << what;
+        if (want.tensors[i].defined()) {
+          EXPECT_TRUE(at::allclose(got.tensors[i], want.tensors[i], 1e-12, 1e-12)) << what;
+        }
+      }
+    }
+  }
 }
 
 TEST(Peft_Stack_LoraAndNorms, GradientsOnTheAdaptersAndTheNorms) {

@@ -119,9 +119,9 @@ struct ActivationBytes {
 /// What a PEFT policy changes in qwen3_activation_bytes's figure for one microbatch (add it to
 /// total()), from the model's `parameters` under the policy (apply_peft): each LoRA adapter keeps
 /// s x A^T [tokens, rank] in the matmuls' dtype (d9d::model::low_rank_linear) and, under autocast,
-/// the bfloat16 casts of A and B; an adapted down projection keeps its input silu(gate) * up
-/// [tokens, I] (the fused silu_mul_linear that recomputes it runs only on layers without an
-/// adapter); a head whose weight does not train has no weight gradient in the forward (less
+/// the bfloat16 casts of A and B (an adapted down projection recomputes its input silu(gate) * up
+/// in backward, as a plain one does); a head whose weight does not train has no weight gradient
+/// in the forward (less
 /// vocab x H in the parameters' dtype); a frozen embedding before a frozen first input norm
 /// leaves that norm nothing to differentiate, so neither the embedding's output nor the norm's
 /// rstd is kept. The rest keeps what it keeps under FullTune. std::invalid_argument, naming it,

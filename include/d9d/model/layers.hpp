@@ -310,8 +310,9 @@ at::Tensor silu_mul_linear(const at::Tensor& gate, const at::Tensor& up, const a
                                                    const TensorParallelGroup& group);
 
 /// SwiGLU feed-forward: down(silu(gate(x)) * up(x)), the activation by the d9d::silu_mul op. With
-/// the fused kernels on and a plain down projection (no bias, no adapter), the activation is not
-/// kept for backward (silu_mul_linear).
+/// the fused kernels on and a down projection without a bias, plain (silu_mul_linear) or with a
+/// low-rank adapter (LoRA without active dropout: the same node with low_rank_linear's GEMMs), the
+/// activation is not kept for backward: backward recomputes it from gate and up.
 class SwiGluImpl : public torch::nn::Module {
  public:
   SwiGluImpl(int64_t hidden_size, int64_t intermediate_size);
