@@ -60,11 +60,11 @@ template <class... Plans>
 struct PlanList {
   static constexpr std::size_t size = sizeof...(Plans);
 };
-using Variants = PlanList<Replicated<Bf16>, Replicated<Bf16>, Replicated<Sr>, Replicated<Nearest>,
-                          Replicated<SrBf16Moments>, Sharded<Bf16>, Sharded<Sr>,
-                          Sharded<Bf16, d9d::recompute::Full>, Replicated<Lora, Sr>,
-                          Replicated<Lora, Bf16>, Replicated<Bf16>, Replicated<Sr>,
-                          Replicated<SrBf16Moments>>;
+using Variants =
+    PlanList<Replicated<Bf16>, Replicated<Bf16>, Replicated<Sr>, Replicated<Nearest>,
+             Replicated<SrBf16Moments>, Sharded<Bf16>, Sharded<Sr>,
+             Sharded<Bf16, d9d::recompute::Full>, Replicated<Lora, Sr>, Replicated<Lora, Bf16>,
+             Replicated<Bf16>, Replicated<Sr>, Replicated<SrBf16Moments>>;
 constexpr std::array kVariants{
     Variant{.name = "bf16_mixed"},
     Variant{.name = "bf16_mixed_unfused", .fused_kernels = false},
