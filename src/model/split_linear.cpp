@@ -669,6 +669,103 @@ struct SiluMulLinear : torch::autograd::Function<SiluMulLinear> {
   }
 };
 
+// The low-rank update's GEMMs, shared by LowRankLinear and SiluMulLowRankLinear: each saves the
+// autocast copies of W, A and B and h = s x A^T [rows, rank] after its own inputs, and keeps the
+// parameters (weight, a, b) and the scale in saved_data.
+namespace low_rank {
+
+// y = x W^T + h B^T and h = s x A^T over rows [n, in]; the second GEMM adds into y (beta = 1): no
+// [n, out] temporary.
+std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& rows, const at::Tensor& wc,
+                                          const at::Tensor& ac, const at::Tensor& bc,
+                                          double scale) {
+  auto h = at::mm(rows, ac.t()).mul_(scale);
+  auto y = at::mm(rows, wc.t());
+  y.addmm_(h, bc.t());
+  return {std::move(y), std::move(h)};
+}
+
+void save(torch::autograd::AutogradContext* ctx, const at::Tensor& weight, const at::Tensor& a,
+          const at::Tensor& b, double scale, int64_t queue_address) {
+  ctx->saved_data["queue"] = queue_address;
+  ctx->saved_data["scale"] = scale;
+  ctx->saved_data["weight"] = weight;
+  ctx->saved_data["a"] = a;
+  ctx->saved_data["b"] = b;
+}
+
+// Backward from g [n, out]. `first` is the forward argument index of the weight (a and b follow
+// it); `rows` makes the input rows [n, in], called only when W or A trains.
+struct Backward {
+  torch::autograd::AutogradContext* ctx;
+  at::Tensor g;
+  at::Tensor wc;
+  at::Tensor ac;
+  at::Tensor bc;
+  at::Tensor h;
+  size_t first;
+  bool need_x;
+  at::Tensor dh;  // the gradient of x A^T: s g B, when x's or A's gradient is needed
+
+  Backward(torch::autograd::AutogradContext* context, at::Tensor grad, at::Tensor w, at::Tensor a,
+           at::Tensor b, at::Tensor low, size_t weight_index, bool input_needed)
+      : ctx(context),
+        g(std::move(grad)),
+        wc(std::move(w)),
+        ac(std::move(a)),
+        bc(std::move(b)),
+        h(std::move(low)),
+        first(weight_index),
+        need_x(input_needed) {
+    if (need_x || ctx->needs_input_grad(first + 1)) {
+      dh = at::mm(g, bc).mul_(ctx->saved_data["scale"].toDouble());
+    }
+  }
+
+  // dx = g W + dh A [n, in]; undefined unless x's gradient is needed.
+  [[nodiscard]] at::Tensor input_grad() const {
+    if (!need_x) {
+      return {};
+    }
+    auto dx = at::mm(g, wc);
+    dx.addmm_(dh, ac);
+    return dx;
+  }
+
+  // W's, A's and B's gradients, each as Linear's weight gradient of its own (input, output), at
+  // once or queued under a deferring queue.
+  template <class Rows>
+  void weights(Rows&& rows, torch::autograd::variable_list& out) const {
+    const bool need_w = ctx->needs_input_grad(first);
+    const bool need_a = ctx->needs_input_grad(first + 1);
+    WeightGradJobs jobs;
+    if (need_w || need_a) {
+      const at::Tensor x = std::forward<Rows>(rows)();
+      if (need_w) {
+        jobs.emplace_back(first, job(g, x, "weight"));
+      }
+      if (need_a) {
+        jobs.emplace_back(first + 1, job(dh, x, "a"));
+      }
+    }
+    if (ctx->needs_input_grad(first + 2)) {
+      jobs.emplace_back(first + 2, job(g, h, "b"));
+    }
+    queue_or_compute(ctx, std::move(jobs), out);
+  }
+
+ private:
+  [[nodiscard]] WeightGrad job(const at::Tensor& grad_out, const at::Tensor& input,
+                               const char* parameter) const {
+    return WeightGrad{.grad_out = grad_out,
+                      .input = input,
+                      .weight = ctx->saved_data[parameter].toTensor(),
+                      .bias = at::Tensor()};
+  }
+};
+
+}  // namespace low_rank
+
 // x W^T + s (x A^T) B^T (layers.hpp, low_rank_linear). Saves the autocast copies of x, W, A and B
 // and h = s x A^T [rows, rank]; the weights' gradients are W's (when it trains), A's = dh^T x with
 // dh = s g B, and B's = g^T h, split off under a deferring queue.
@@ -680,19 +777,11 @@ struct LowRankLinear : torch::autograd::Function<LowRankLinear> {
     const auto wc = autocast_weight(weight, x);
     const auto ac = autocast_weight(a, x);
     const auto bc = autocast_weight(b, x);
-    const int64_t out_features = wc.size(0);
-    const auto rows = xc.reshape({-1, wc.size(1)});
-    const auto h = at::mm(rows, ac.t()).mul_(scale);
-    auto y = at::mm(rows, wc.t());
-    y.addmm_(h, bc.t());  // the GEMM adds into y (beta = 1): no [rows, out] temporary
+    auto [y, h] = low_rank::forward(xc.reshape({-1, wc.size(1)}), wc, ac, bc, scale);
     ctx->save_for_backward({xc, wc, ac, bc, h});
-    ctx->saved_data["queue"] = queue_address;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["weight"] = weight;
-    ctx->saved_data["a"] = a;
-    ctx->saved_data["b"] = b;
+    low_rank::save(ctx, weight, a, b, scale, queue_address);
     auto sizes = xc.sizes().vec();
-    sizes.back() = out_features;
+    sizes.back() = wc.size(0);
     return y.view(sizes);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -700,46 +789,15 @@ struct LowRankLinear : torch::autograd::Function<LowRankLinear> {
     const auto saved = ctx->get_saved_variables();
     const auto& xc = saved[0];
     const auto& wc = saved[1];
-    const auto& ac = saved[2];
-    const auto& bc = saved[3];
-    const auto& h = saved[4];
-    const double scale = ctx->saved_data["scale"].toDouble();
     const auto g = grads[0].reshape({-1, wc.size(0)});
-    const auto rows = xc.reshape({-1, wc.size(1)});
     // One entry per forward argument: x, weight, a, b, scale, queue address.
     torch::autograd::variable_list out(6);
-    const bool need_x = ctx->needs_input_grad(0);
-    const bool need_a = ctx->needs_input_grad(2);
-    at::Tensor dh;  // the gradient of x A^T
-    if (need_x || need_a) {
-      dh = at::mm(g, bc).mul_(scale);
-    }
-    if (need_x) {
-      auto dx = at::mm(g, wc);
-      dx.addmm_(dh, ac);
+    const low_rank::Backward back(ctx, g, wc, saved[2], saved[3], saved[4], /*weight_index=*/1,
+                                  ctx->needs_input_grad(0));
+    if (const auto dx = back.input_grad(); dx.defined()) {
       out[0] = dx.view(xc.sizes());
     }
-    // W's, A's and B's gradients, each as Linear's weight gradient of its own (input, output).
-    WeightGradJobs jobs;
-    if (ctx->needs_input_grad(1)) {
-      jobs.emplace_back(1, WeightGrad{.grad_out = g,
-                                      .input = rows,
-                                      .weight = ctx->saved_data["weight"].toTensor(),
-                                      .bias = at::Tensor()});
-    }
-    if (need_a) {
-      jobs.emplace_back(2, WeightGrad{.grad_out = dh,
-                                      .input = rows,
-                                      .weight = ctx->saved_data["a"].toTensor(),
-                                      .bias = at::Tensor()});
-    }
-    if (ctx->needs_input_grad(3)) {
-      jobs.emplace_back(3, WeightGrad{.grad_out = g,
-                                      .input = h,
-                                      .weight = ctx->saved_data["b"].toTensor(),
-                                      .bias = at::Tensor()});
-    }
-    queue_or_compute(ctx, std::move(jobs), out);
+    back.weights([&] { return xc.reshape({-1, wc.size(1)}); }, out);
     return out;
   }
 };
@@ -756,16 +814,10 @@ struct SiluMulLowRankLinear : torch::autograd::Function<SiluMulLowRankLinear> {
     const auto wc = autocast_weight(weight, gate);
     const auto ac = autocast_weight(a, gate);
     const auto bc = autocast_weight(b, gate);
-    const auto rows = kernels::silu_mul_forward(gate, up).reshape({-1, wc.size(1)});
-    const auto h = at::mm(rows, ac.t()).mul_(scale);
-    auto y = at::mm(rows, wc.t());
-    y.addmm_(h, bc.t());
+    auto [y, h] = low_rank::forward(kernels::silu_mul_forward(gate, up).reshape({-1, wc.size(1)}),
+                                    wc, ac, bc, scale);
     ctx->save_for_backward({gate, up, wc, ac, bc, h});
-    ctx->saved_data["queue"] = queue_address;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["weight"] = weight;
-    ctx->saved_data["a"] = a;
-    ctx->saved_data["b"] = b;
+    low_rank::save(ctx, weight, a, b, scale, queue_address);
     auto sizes = gate.sizes().vec();
     sizes.back() = wc.size(0);
     return y.view(sizes);
@@ -776,50 +828,21 @@ struct SiluMulLowRankLinear : torch::autograd::Function<SiluMulLowRankLinear> {
     const auto& gate = saved[0];
     const auto& up = saved[1];
     const auto& wc = saved[2];
-    const auto& ac = saved[3];
-    const auto& bc = saved[4];
-    const auto& h = saved[5];
-    const double scale = ctx->saved_data["scale"].toDouble();
     const auto g = grads[0].reshape({-1, wc.size(0)});
     // One entry per forward argument: gate, up, weight, a, b, scale, queue address.
     torch::autograd::variable_list out(7);
-    const bool need_x = ctx->needs_input_grad(0) || ctx->needs_input_grad(1);
-    const bool need_w = ctx->needs_input_grad(2);
-    const bool need_a = ctx->needs_input_grad(3);
-    at::Tensor dh;  // the gradient of x A^T
-    if (need_x || need_a) {
-      dh = at::mm(g, bc).mul_(scale);
-    }
-    if (need_x) {
-      auto dx = at::mm(g, wc);
-      dx.addmm_(dh, ac);
+    const low_rank::Backward back(ctx, g, wc, saved[3], saved[4], saved[5], /*weight_index=*/2,
+                                  ctx->needs_input_grad(0) || ctx->needs_input_grad(1));
+    if (const auto dx = back.input_grad(); dx.defined()) {
       auto [grad_gate, grad_up] = kernels::silu_mul_backward(dx.view(gate.sizes()), gate, up);
       out[0] = grad_gate;
       out[1] = grad_up;
     }
-    WeightGradJobs jobs;
-    if (need_w || need_a) {
-      const auto rows = kernels::silu_mul_forward(gate, up).reshape({-1, wc.size(1)});
-      if (need_w) {
-        jobs.emplace_back(2, WeightGrad{.grad_out = g,
-                                        .input = rows,
-                                        .weight = ctx->saved_data["weight"].toTensor(),
-                                        .bias = at::Tensor()});
-      }
-      if (need_a) {
-        jobs.emplace_back(3, WeightGrad{.grad_out = dh,
-                                        .input = rows,
-                                        .weight = ctx->saved_data["a"].toTensor(),
-                                        .bias = at::Tensor()});
-      }
-    }
-    if (ctx->needs_input_grad(4)) {
-      jobs.emplace_back(4, WeightGrad{.grad_out = g,
-                                      .input = h,
-                                      .weight = ctx->saved_data["b"].toTensor(),
-                                      .bias = at::Tensor()});
-    }
-    queue_or_compute(ctx, std::move(jobs), out);
+    back.weights(
+        [&] {
+          return kernels::silu_mul_forward(gate, up).reshape({-1, wc.size(1)});
+        },
+        out);
     return out;
   }
 };
