@@ -3,10 +3,12 @@
 // d9d::bench::compare (d9d/advise/compare.hpp); the GPU tool runs it next to the Python peers.
 //
 //   speed_variants qwen3_0p6b_gpu.json --data corpus.bin --output runs/variants --steps 30
-//       --warmup 3 --peak-tflops 989 --variants bf16_sr,lora_sr --json rows.json   (one line)
+//       --warmup 3 --peak-tflops 989 --variants bf16_sr,lora_sr --json rows.json
+//       --profile docs/profiles/h200-1gpu.json   (one line)
 //
 // prints compare's table (tokens/s, the ratio to the first variant run, MFU, peak memory, the
-// state held next to the advisor's prediction) and writes its rows as JSON. A variant is a Plan
+// state held next to the advisor's prediction; with --profile the predicted tokens/s too) and
+// writes its rows as JSON. A variant is a Plan
 // (a type in `Variants`) with two settings compare's `configure` applies before its trainer is
 // built: d9d's fused kernels on or off, and CUDA graphs. The warm-up covers CUDA graphs' eager
 // step and capture (3 by default). LoRA's MFU counts the frozen base's FLOPs (no weight
@@ -17,18 +19,19 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 
 #include <d9d/advise/compare.hpp>
 #include <d9d/d9d.hpp>
 #include <d9d/peft/lora.hpp>
 
+#include "examples/common/command_line.hpp"
 #include "examples/common/report.hpp"
 
 namespace {
@@ -92,6 +95,7 @@ struct Options {
   double peak_tflops = 0;
   std::vector<std::string> variants;
   std::string json;
+  std::string profile;
 };
 
 template <class... Plans>
@@ -123,18 +127,8 @@ void write_json(const std::string& path, const std::string& text) {
 
 int run(const Options& o) {
   const auto ctx = d9d::DistributedContext::from_env();
-  d9d::TrainerConfig::Overrides overrides;
-  if (!o.data.empty()) {
-    overrides.emplace_back("data.paths", nlohmann::json::array({o.data}).dump());
-  }
-  if (!o.output.empty()) {
-    overrides.emplace_back("run.output_dir", nlohmann::json(o.output).dump());
-  }
-  if (o.steps > 0) {
-    overrides.emplace_back("run.total_steps", std::to_string(o.steps));
-  }
-  overrides.emplace_back("export.enabled", "false");
-  overrides.emplace_back("logging.progress", "false");
+  auto overrides = command_line::run_overrides(o.data, o.output, o.steps);
+  command_line::measuring(overrides);
   const auto cfg = d9d::TrainerConfig::from_file(o.config_path, overrides);
   const auto model = d9d::model::Qwen3Config::from_json_text(cfg.section("model"));
   const auto flops = [&](bool frozen_base) {
@@ -157,6 +151,11 @@ int run(const Options& o) {
   options.flops_per_token = flops(false);
   options.peak_tflops = o.peak_tflops;
   options.print = false;  // after LoRA's MFU is set below
+  std::optional<d9d::advise::MachineProfile> machine;
+  if (!o.profile.empty()) {
+    machine = d9d::advise::MachineProfile::from_file(o.profile);
+    options.machine = &*machine;
+  }
   auto comparison = compare_variants(Variants{}, ctx, cfg, options);
   for (auto& row : comparison.rows) {
     if (variant_named(row.name).frozen_base && row.mfu) {
@@ -198,6 +197,9 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::IsMember(names));
   app.add_option("--json", o.json, "write the rows as JSON here (main rank)");
+  app.add_option("--profile", o.profile,
+                 "a machine profile (tools/gpu/profile-machine) for the predicted tokens/s column")
+      ->check(CLI::ExistingFile);
   CLI11_PARSE(app, argc, argv);
   return d9d::run_main(argc, argv, [&o] { return run(o); });
 }

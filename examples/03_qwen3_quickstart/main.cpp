@@ -24,11 +24,11 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 
 #include <d9d/d9d.hpp>
 #include <d9d/peft/lora.hpp>
 
+#include "examples/common/command_line.hpp"
 #include "examples/common/preflight.hpp"
 #include "examples/common/report.hpp"
 
@@ -216,16 +216,7 @@ int train(const Options& o) {
   const auto ctx = d9d::DistributedContext::from_env();
   // The command line's replacements, applied to the file's JSON before it is validated (so a key
   // given twice in the file is still an error).
-  d9d::TrainerConfig::Overrides overrides;
-  if (!o.data.empty()) {
-    overrides.emplace_back("data.paths", nlohmann::json::array({o.data}).dump());
-  }
-  if (!o.output.empty()) {
-    overrides.emplace_back("run.output_dir", nlohmann::json(o.output).dump());
-  }
-  if (o.steps > 0) {
-    overrides.emplace_back("run.total_steps", std::to_string(o.steps));
-  }
+  auto overrides = command_line::run_overrides(o.data, o.output, o.steps);
   if (o.cuda_graphs) {
     overrides.emplace_back("cuda_graphs.enabled", "true");
   }

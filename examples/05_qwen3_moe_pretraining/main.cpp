@@ -23,10 +23,10 @@
 #include <string>
 
 #include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 
 #include <d9d/d9d.hpp>
 
+#include "examples/common/command_line.hpp"
 #include "examples/common/preflight.hpp"
 #include "examples/common/report.hpp"
 
@@ -122,16 +122,7 @@ int main(int argc, char** argv) {
   return d9d::run_main(argc, argv, [&]() -> int {
     const auto ctx = d9d::DistributedContext::from_env();
     // The command line's replacements, applied before the file is validated.
-    d9d::TrainerConfig::Overrides overrides;
-    if (!data.empty()) {
-      overrides.emplace_back("data.paths", nlohmann::json::array({data}).dump());
-    }
-    if (!output.empty()) {
-      overrides.emplace_back("run.output_dir", nlohmann::json(output).dump());
-    }
-    if (steps > 0) {
-      overrides.emplace_back("run.total_steps", std::to_string(steps));
-    }
+    auto overrides = command_line::run_overrides(data, output, steps);
     if (ep > 0) {
       overrides.emplace_back("mesh.ep", std::to_string(ep));
     }

@@ -14,11 +14,11 @@
 #include <type_traits>
 
 #include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 
 #include <d9d/advise/compare.hpp>
 #include <d9d/d9d.hpp>
 
+#include "examples/common/command_line.hpp"
 #include "examples/common/report.hpp"
 
 // ---- the Plans compared
@@ -71,19 +71,8 @@ int compare(const d9d::DistributedContext& ctx, const d9d::TrainerConfig& cfg, c
 
 int run(const Options& o) {
   const auto ctx = d9d::DistributedContext::from_env();
-  d9d::TrainerConfig::Overrides overrides;
-  if (!o.data.empty()) {
-    overrides.emplace_back("data.paths", nlohmann::json::array({o.data}).dump());
-  }
-  if (!o.output.empty()) {
-    overrides.emplace_back("run.output_dir", nlohmann::json(o.output).dump());
-  }
-  if (o.steps > 0) {
-    overrides.emplace_back("run.total_steps", std::to_string(o.steps));
-  }
-  // Measuring, not producing a model: no export, no progress bars between the rows.
-  overrides.emplace_back("export.enabled", "false");
-  overrides.emplace_back("logging.progress", "false");
+  auto overrides = command_line::run_overrides(o.data, o.output, o.steps);
+  command_line::measuring(overrides);
   const auto cfg = d9d::TrainerConfig::from_file(o.config_path, overrides);
   return o.bf16 ? compare<d9d::precision::Bf16Mixed>(ctx, cfg, o)
                 : compare<d9d::precision::Fp32>(ctx, cfg, o);

@@ -101,7 +101,8 @@ StepOptions step_options(const TrainerConfig& config, const PreflightPlan& plan)
           .recompute = plan.recompute,
           .reduce_bf16 = plan.reduce_bf16,
           .reshard_after_forward = config.data_parallel.reshard != "never",
-          .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch};
+          .reduce_every_microbatch = config.data_parallel.reduce_every_microbatch,
+          .peft = plan.fine_tunes() ? std::optional<peft::StackSpec>(plan.peft) : std::nullopt};
 }
 
 // With `machine`: the step predicted by `predict` (into out.time) and its line, or why not (the
@@ -280,9 +281,7 @@ void predict_dense(const TrainerConfig& config, const model::Qwen3Config& model,
   }
   lines.push_back(memory + "; not counted: the step's transient buffers, communication buffers" +
                   (c.pp > 1 && c.fully_shard ? ", FullyShard's gathered units" : ""));
-  // A PEFT policy's step (frozen weights' gradients not computed, the adapters' GEMMs) is not
-  // modelled yet.
-  add_step_time(machine, plan, plan.fine_tunes() ? "a PEFT policy" : unknown, out, lines, [&] {
+  add_step_time(machine, plan, unknown, out, lines, [&] {
     return predict_step_time(model, c, plan.program, step_options(config, plan), *machine);
   });
 }

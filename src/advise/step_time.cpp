@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -390,16 +391,70 @@ std::pair<double, double> context_parallel_seconds(const model::Qwen3Config& c,
           layers * std::max(0.0, 2 * per_layer_forward - attention_backward / layers)};
 }
 
+// What a PEFT policy changes in a microbatch's matmuls (seconds added; `weight` is negative when
+// frozen layers skip more than the adapters add).
+struct PeftGemms {
+  double forward = 0;  // each adapter's h = s x A^T and y += h B^T
+  double input = 0;    // its dh = s g B and dx += dh A
+  double weight = 0;   // its A's and B's gradients, less each frozen layer's weight gradient
+};
+
+// `parameters`: the whole model's under the policy (apply_peft: each adapter's lora_A [rank, in]
+// right after its layer's weight, lora_B [out, rank] after it). A frozen linear layer's weight
+// gradient is not computed (a tied head's when the embedding is frozen). An adapter's GEMMs are
+// thin (rank columns): each takes the longer of the profile's time at its FLOPs and its bfloat16
+// operands' bytes at the elementwise bandwidth (they are bound by reading the [tokens, in] rows).
+PeftGemms peft_gemms(const model::Qwen3Config& c, const std::vector<ParameterShape>& parameters,
+                     int64_t tokens, const MachineProfile& machine) {
+  PeftGemms out;
+  const auto thin = [&](int64_t m, int64_t n, int64_t k, std::string_view layout) {
+    const auto bytes = static_cast<double>(2 * (m * k + k * n + m * n));
+    return std::max(machine.gemm_seconds(m, n, k, layout), bytes / machine.memory_bytes_per_second);
+  };
+  bool head_listed = false;
+  bool embedding_trains = true;
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    const auto& p = parameters[i];
+    if (p.name.ends_with("embed_tokens.weight")) {
+      embedding_trains = p.trained;
+      continue;
+    }
+    head_listed = head_listed || p.name == "lm_head.weight";
+    if (p.name.ends_with(".lora_A.weight") && i + 1 < parameters.size()) {
+      const int64_t rank = p.sizes[0];
+      const int64_t in = p.sizes[1];
+      const int64_t out_features = parameters[i + 1].sizes[0];
+      out.forward += thin(tokens, rank, in, "nt") + thin(tokens, out_features, rank, "nt");
+      out.input += thin(tokens, rank, out_features, "nn") + thin(tokens, in, rank, "nn");
+      out.weight += thin(rank, in, tokens, "tn") + thin(out_features, rank, tokens, "tn");
+      ++i;  // its lora_B
+      continue;
+    }
+    if (p.sizes.size() == 2 && !p.trained) {
+      out.weight -= machine.gemm_seconds(p.sizes[0], p.sizes[1], tokens, "tn");
+    }
+  }
+  if (!head_listed && !embedding_trains) {
+    out.weight -= machine.gemm_seconds(c.vocab_size, c.hidden_size, tokens, "tn");
+  }
+  return out;
+}
+
 // `mlp_layers`: the decoder layers with a dense MLP (all of a dense Qwen3's; a MoE's others run
-// their MoE block, moe_block_costs).
+// their MoE block, moe_block_costs). `weight_elements`: the rank's parameters (cast once per step
+// under autocast); `trained_elements`: those that train (their gradients accumulate).
 MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& cand,
                                  const StepOptions& o, const MachineProfile& machine,
-                                 int64_t weight_elements, double mlp_layers) {
+                                 int64_t weight_elements, int64_t trained_elements,
+                                 double mlp_layers, const PeftGemms& peft = {}) {
   const int64_t tp = cand.tp;
   const int64_t tokens = o.microbatch_size * o.sequence_length / cand.cp;
   const auto layers = static_cast<double>(c.num_hidden_layers);
   MicrobatchCosts out;
-  const auto gemms = microbatch_gemms(c, tp, tokens, machine, mlp_layers);
+  auto gemms = microbatch_gemms(c, tp, tokens, machine, mlp_layers);
+  gemms.forward += peft.forward;
+  gemms.input += peft.input;
+  gemms.weight += peft.weight;
   auto [attention_forward, attention_backward] =
       machine.attention_seconds(o.microbatch_size, o.sequence_length, c.num_attention_heads / tp,
                                 c.num_key_value_heads / tp, c.head_dim);
@@ -410,14 +465,15 @@ MicrobatchCosts microbatch_costs(const model::Qwen3Config& c, const Candidate& c
   double weight_casts = 0;
   double accumulation = 0;
   const auto elements = static_cast<double>(weight_elements);
+  const auto trained = static_cast<double>(trained_elements);
   if (o.compute == Compute::bf16_autocast) {
     // Cast once per step (d9d/core/detail/weight_casts.hpp): a microbatch's share.
     weight_casts = elements * (4 + 2) / bandwidth / std::max(1, cand.microbatches);
     // The GEMM writes the float32 gradient (src/model/split_linear.cpp), added into .grad.
-    accumulation = elements * (4 + 4) / bandwidth;
+    accumulation = trained * (4 + 4) / bandwidth;
   } else {
     const double g = o.compute == Compute::float32 ? 4 : 2;
-    accumulation = elements * 3 * g / bandwidth;
+    accumulation = trained * 3 * g / bandwidth;
   }
   out.memory = 3 * bytes.forward / bandwidth + weight_casts + accumulation;
   out.tensor_parallel = tensor_parallel_seconds(c, cand, tokens, o.compute, machine);
@@ -464,12 +520,15 @@ struct DataParallelTime {
 // `shard_elements`: what it keeps of them under FullyShard.
 DataParallelTime data_parallel_time(const Candidate& candidate, const StepOptions& options,
                                     const MachineProfile& machine, int64_t weight_elements,
-                                    double shard_elements) {
+                                    double shard_elements,
+                                    std::optional<int64_t> trained_elements = std::nullopt) {
   const int m = candidate.microbatches;
   const auto& rules = options.precision;
   const auto reduce_element =
       static_cast<int64_t>(options.reduce_bf16 ? 2 : c10::elementSize(rules.gradients));
-  const int64_t gradient_bytes = weight_elements * reduce_element;
+  // Only the parameters that train have gradients (a PEFT policy's; FullyShard is not predicted
+  // with one).
+  const int64_t gradient_bytes = trained_elements.value_or(weight_elements) * reduce_element;
   DataParallelTime out;
   if (!candidate.fully_shard) {
     out.collectives = machine.collective_seconds("all_reduce", gradient_bytes,
@@ -500,10 +559,12 @@ DataParallelTime data_parallel_time(const Candidate& candidate, const StepOption
 }
 
 // The state of the pipeline rank that keeps the most: its (tp-sliced) parameters unsharded, and
-// what it keeps under FullyShard.
+// what it keeps under FullyShard; of them, those that train (all but a PEFT policy's frozen ones).
 struct RankState {
   StateBytes whole;
   StateBytes sharded;
+  StateBytes trained;          // unsharded
+  StateBytes trained_sharded;  // what AdamW updates
 };
 
 RankState fullest_rank_state(const model::Qwen3Config& config, const Candidate& candidate,
@@ -511,17 +572,23 @@ RankState fullest_rank_state(const model::Qwen3Config& config, const Candidate& 
   StateRules rules = options.precision;
   rules.tensor_ranks = candidate.tp;
   rules.shard_ranks = 1;
+  StateRules shard_rules = rules;
+  shard_rules.shard_ranks = candidate.fully_shard ? candidate.dp_shard * candidate.cp : 1;
   RankState out;
   for (int r = 0; r < candidate.pp; ++r) {
-    const auto parameters = candidate.pp > 1
-                                ? qwen3_rank_parameters(config, program, r, options.sequence_length)
-                                : qwen3_parameters(config);
+    auto parameters = candidate.pp > 1
+                          ? qwen3_rank_parameters(config, program, r, options.sequence_length)
+                          : qwen3_parameters(config);
+    if (options.peft) {
+      parameters = apply_peft(parameters, *options.peft);
+    }
     const auto w = state_bytes(parameters, rules, 0);
     if (w.total() > out.whole.total()) {
       out.whole = w;
-      StateRules shard_rules = rules;
-      shard_rules.shard_ranks = candidate.fully_shard ? candidate.dp_shard * candidate.cp : 1;
       out.sharded = state_bytes(parameters, shard_rules, 0);
+      std::erase_if(parameters, [](const ParameterShape& p) { return !p.trained; });
+      out.trained = state_bytes(parameters, rules, 0);
+      out.trained_sharded = state_bytes(parameters, shard_rules, 0);
     }
   }
   return out;
@@ -591,11 +658,12 @@ void check_sizes(const Candidate& candidate, const StepOptions& options) {
 // both moments and writes the parameter and moments; the clipping norm reads the gradients, the
 // clipping scales them, zeroing writes them — the data-parallel strategy's copies on the compute
 // stream and its collectives whole (see the file comment), and the host's bound: `host_time` the
-// host's time issuing the step (0 where not measured). `compute`: the microbatches' time.
-void finish_step(StepTime& out, double compute, const StateBytes& sharded,
+// host's time issuing the step (0 where not measured). `compute`: the microbatches' time;
+// `updated`: the state AdamW updates (the rank's shards of the parameters that train).
+void finish_step(StepTime& out, double compute, const StateBytes& updated,
                  const DataParallelTime& data, double host_time, const MachineProfile& machine) {
   out.optimizer =
-      static_cast<double>(2 * sharded.parameters + 5 * sharded.gradients + 2 * sharded.optimizer) /
+      static_cast<double>(2 * updated.parameters + 5 * updated.gradients + 2 * updated.optimizer) /
       machine.memory_bytes_per_second;
   out.memory += data.copies;
   out.data_parallel += data.collectives;
@@ -765,12 +833,24 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
         " and " + std::to_string(program.microbatches) + " microbatches, the Plan has pp " +
         std::to_string(candidate.pp) + " and " + std::to_string(m));
   }
+  PeftGemms peft;
+  if (options.peft) {
+    if (candidate.pp > 1 || candidate.tp > 1 || candidate.fully_shard || options.recompute.any()) {
+      throw std::invalid_argument(
+          "d9d::advise::predict_step_time: a PEFT policy is predicted without a pipeline, tensor "
+          "parallelism, FullyShard or recompute so far");
+    }
+    peft = peft_gemms(config, apply_peft(qwen3_parameters(config), *options.peft),
+                      options.microbatch_size * options.sequence_length / candidate.cp, machine);
+  }
   // The slowest pipeline rank's state (the per-rank figures below take the largest).
-  const auto [whole, sharded] = fullest_rank_state(config, candidate, program, options);
+  const auto state = fullest_rank_state(config, candidate, program, options);
   const auto parameter_bytes = static_cast<int64_t>(c10::elementSize(options.precision.parameters));
-  const int64_t weight_elements = whole.parameters / parameter_bytes;
-  const auto costs = microbatch_costs(config, candidate, options, machine, weight_elements,
-                                      static_cast<double>(config.num_hidden_layers));
+  const int64_t weight_elements = state.whole.parameters / parameter_bytes;
+  const int64_t trained_elements = state.trained.parameters / parameter_bytes;
+  const auto costs =
+      microbatch_costs(config, candidate, options, machine, weight_elements, trained_elements,
+                       static_cast<double>(config.num_hidden_layers), peft);
 
   // Each rank runs its 1/pp of the model's work for the m microbatches; under a pipeline the
   // program decides the idle time.
@@ -792,13 +872,14 @@ StepTime predict_step_time(const model::Qwen3Config& config, const Candidate& ca
   out.context_parallel = costs.context_parallel * per_rank;
   const auto data = data_parallel_time(
       candidate, options, machine, weight_elements,
-      static_cast<double>(sharded.parameters) / static_cast<double>(parameter_bytes));
+      static_cast<double>(state.sharded.parameters) / static_cast<double>(parameter_bytes),
+      trained_elements);
   // The rank's layers and microbatches, as the host issues them one after the other.
   const double host_time =
       host == nullptr ? 0.0
                       : host->per_step + static_cast<double>(m) *
                                              rank_host_per_microbatch(host, config, candidate.pp);
-  finish_step(out, compute, sharded, data, host_time, machine);
+  finish_step(out, compute, state.trained_sharded, data, host_time, machine);
   return out;
 }
 
@@ -811,6 +892,9 @@ StepTime predict_step_time(const model::Qwen3MoeConfig& config, const Candidate&
   };
   if (candidate.pp > 1 || candidate.tp > 1 || candidate.cp > 1 || options.recompute.any()) {
     refuse("not predicted under a pipeline, tensor or context parallelism, or recompute yet");
+  }
+  if (options.peft) {
+    refuse("a PEFT policy is not predicted on a Qwen3-MoE yet");
   }
   if (config.moe_capacity_factor > 0) {
     refuse("token dropping (moe_capacity_factor) is not predicted; dropless routing is");
@@ -834,7 +918,7 @@ StepTime predict_step_time(const model::Qwen3MoeConfig& config, const Candidate&
       static_cast<int64_t>(data_ranks) * m * options.microbatch_size * options.sequence_length;
   const auto state = moe_rank_state(config, candidate, options, experts.ranks, ep_replicate);
   const auto costs = microbatch_costs(
-      config, candidate, options, machine, state.weight_elements,
+      config, candidate, options, machine, state.weight_elements, state.weight_elements,
       static_cast<double>(config.num_hidden_layers - qwen3_moe_layer_count(config)));
   const auto moe = moe_block_costs(config, experts, options, machine);
   const double compute =

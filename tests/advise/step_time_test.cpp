@@ -5,6 +5,7 @@
 // tensor parallelism halves it, recompute adds the forward's third, Replicate all-reduces the
 // gradient bytes state_bytes counts, FullyShard gathers and reduce-scatters them as its settings
 // say, and GPipe's bubble is (p - 1) / (m + p - 1) of the step; the ranking's order and JSON.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <set>
@@ -473,6 +474,110 @@ TEST(Advise_StepTime, MoeLayersRunTheirExpertsAndAllToAlls) {
               ::testing::HasSubstr("ep 3 must divide the 4 experts"));
   EXPECT_THAT(error(two, {.ranks = 2}, uniform_machine()),
               ::testing::HasSubstr("no measured grouped experts"));
+  auto lora = bf16();
+  lora.peft = d9d::peft::stack_spec<d9d::peft::Lora<4, 8>>();
+  EXPECT_THAT(d9d::testing::error_of<std::invalid_argument>(
+                  [&] { (void)d9d::advise::predict_step_time(moe, two, {.ranks = 2}, lora, m); }),
+              ::testing::HasSubstr("a PEFT policy is not predicted on a Qwen3-MoE yet"));
+}
+
+// A PEFT policy: the frozen linear layers' weight gradients (tn GEMMs) drop out, each adapter's six
+// thin GEMMs come in (at the longer of their FLOPs at the rate and their bfloat16 operands' bytes
+// at 1 TB/s), and only what trains accumulates gradients, is all-reduced and updated by AdamW.
+TEST(Advise_StepTime, PeftSkipsFrozenWeightGradientsAndAddsTheAdaptersGemms) {
+  const auto m = uniform_machine();
+  const Candidate one{.microbatches = 3};
+  const double mbs = 3;
+  const int64_t tokens = 2 * 16;
+  const auto thin = [&](double rows, double n, double k) {
+    return std::max(2 * rows * n * k / kRate, 2 * (rows * k + k * n + rows * n) / 1e12);
+  };
+  const auto full = d9d::advise::predict_step_time(model(), one, bf16(), m);
+  // FullTune as a stack: nothing changes.
+  auto same = bf16();
+  same.peft = d9d::peft::stack_spec<d9d::peft::FullTune>();
+  const auto as_full = d9d::advise::predict_step_time(model(), one, same, m);
+  EXPECT_EQ(as_full.total, full.total);
+  EXPECT_EQ(as_full.gemm, full.gemm);
+
+  auto lora = bf16();
+  lora.peft = d9d::peft::stack_spec<d9d::peft::Lora<4, 8>>();
+  const auto adapted = d9d::advise::apply_peft(d9d::advise::qwen3_parameters(model()), *lora.peft);
+  double frozen_linear = 0;
+  double frozen = 0;
+  double adapters = 0;
+  int adapted_layers = 0;
+  std::vector<d9d::advise::ParameterShape> trained;
+  for (std::size_t i = 0; i < adapted.size(); ++i) {
+    const auto& p = adapted[i];
+    if (p.trained) {
+      trained.push_back(p);
+    } else {
+      frozen += static_cast<double>(p.numel());
+      if (p.sizes.size() == 2 && p.name != "model.embed_tokens.weight") {
+        frozen_linear += static_cast<double>(p.numel());
+      }
+    }
+    if (p.name.ends_with("lora_A.weight")) {
+      ++adapted_layers;
+      const auto r = static_cast<double>(p.sizes[0]);
+      const auto in = static_cast<double>(p.sizes[1]);
+      const auto out = static_cast<double>(adapted[i + 1].sizes[0]);
+      adapters += thin(tokens, r, in) + thin(tokens, out, r) + thin(tokens, r, out) +
+                  thin(tokens, in, r) + thin(r, in, tokens) + thin(out, r, tokens);
+    }
+  }
+  ASSERT_EQ(adapted_layers, 4 * 7);  // every layer's q, k, v, o, gate, up, down; not the head
+  ASSERT_GT(frozen_linear, 0.0);
+  const auto t = d9d::advise::predict_step_time(model(), one, lora, m);
+  EXPECT_TRUE(near(t.gemm, full.gemm + mbs * (adapters - 2.0 * tokens * frozen_linear / kRate)))
+      << t.gemm << " " << full.gemm;
+  // Under autocast every weight is still cast once per step (4 + 2 bytes per element), the
+  // adapters' too; only what trains accumulates a float32 gradient (4 + 4 bytes per element and
+  // microbatch): here the adapters alone.
+  double adapter_elements = 0;
+  for (const auto& p : trained) {
+    ASSERT_NE(p.name.find(".lora_"), std::string::npos) << p.name;  // LoRA alone freezes the rest
+    adapter_elements += static_cast<double>(p.numel());
+  }
+  EXPECT_TRUE(near(full.memory - t.memory,
+                   (mbs * (frozen - adapter_elements) * 8 - adapter_elements * 6) / 1e12));
+  const auto rules = d9d::advise::precision_rules("bf16_mixed");
+  const auto updated = d9d::advise::state_bytes(trained, rules, 0);
+  EXPECT_TRUE(near(t.optimizer, static_cast<double>(2 * updated.parameters + 5 * updated.gradients +
+                                                    2 * updated.optimizer) /
+                                    1e12));
+  EXPECT_LT(t.optimizer, full.optimizer / 2);
+  // Replicate all-reduces the trained parameters' gradients only.
+  const auto rep =
+      d9d::advise::predict_step_time(model(), {.dp_replicate = 2, .microbatches = 3}, lora, m);
+  EXPECT_TRUE(near(rep.data_parallel, m.collective_seconds("all_reduce", updated.gradients, 2)));
+
+  // A tied head with the embedding frozen computes no weight gradient for it either.
+  auto tied_json = nlohmann::json::parse(kModel);
+  tied_json["tie_word_embeddings"] = true;
+  const auto tied = d9d::model::Qwen3Config::from_json_text(tied_json.dump());
+  auto freeze = bf16();
+  freeze.peft = d9d::peft::stack_spec<d9d::peft::Freeze<"model.embed_tokens">>();
+  const auto tied_full = d9d::advise::predict_step_time(tied, one, bf16(), m);
+  const auto tied_frozen = d9d::advise::predict_step_time(tied, one, freeze, m);
+  EXPECT_TRUE(near(tied_full.gemm - tied_frozen.gemm, mbs * 2.0 * tokens * 64 * 32 / kRate));
+  EXPECT_TRUE(near(tied_full.memory - tied_frozen.memory, mbs * 64 * 32 * 8 / 1e12));
+
+  // Not predicted yet: a pipeline, tensor parallelism, FullyShard, recompute, a Qwen3-MoE.
+  const auto refused = [&](const Candidate& c, const StepOptions& o) {
+    return d9d::testing::error_of<std::invalid_argument>(
+        [&] { (void)d9d::advise::predict_step_time(model(), c, o, m); });
+  };
+  const auto why = ::testing::HasSubstr(
+      "a PEFT policy is predicted without a pipeline, tensor parallelism, FullyShard or "
+      "recompute so far");
+  EXPECT_THAT(refused({.pp = 2, .schedule = "1f1b", .microbatches = 2}, lora), why);
+  EXPECT_THAT(refused({.tp = 2}, lora), why);
+  EXPECT_THAT(refused({.fully_shard = true, .dp_shard = 2}, lora), why);
+  auto recomputed = lora;
+  recomputed.recompute = d9d::advise::Recompute::full();
+  EXPECT_THAT(refused(one, recomputed), why);
 }
 
 TEST(Advise_StepTime, ErrorsNameTheFix) {

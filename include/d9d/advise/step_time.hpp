@@ -51,8 +51,17 @@
 // it: where the profile measured the host's cost for the step's kind and compute (HostCost:
 // per decoder layer and microbatch, per microbatch and per step, tools/gpu/profile-host), the
 // step is the longer of the two, and under a pipeline every action takes the longer of its
-// kernels and its host time. Not modelled: the data-parallel strategies' own host work, LoRA,
-// Float8.
+// kernels and its host time. Not modelled: the data-parallel strategies' own host work, Float8.
+//
+// A PEFT policy (StepOptions::peft; no pipeline, tensor parallelism, FullyShard or recompute yet)
+// changes the matmuls and the state the step updates, from the model's parameters under it
+// (apply_peft): a frozen linear layer computes no weight gradient (the tied head none when the
+// embedding is frozen); each LoRA adapter adds its six thin GEMMs (h = s x A^T, y += h B^T,
+// dh = s g B, dx += dh A, A's and B's gradients), each the longer of the profile's time at its
+// FLOPs and its bfloat16 operands' bytes at the elementwise bandwidth; only the trained
+// parameters' gradients accumulate, are reduced and updated by AdamW (every weight is still cast
+// under autocast). Not modelled: the adapters' extra host work (a profile's HostCost is full
+// training's).
 //
 // A Qwen3-MoE (the overload taking an ExpertSplit; no pipeline, tensor or context parallelism,
 // no recompute) is the dense model with each MoE layer's block in place of the MLP, per MoE layer
@@ -80,6 +89,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -204,6 +214,8 @@ struct StepOptions {
   bool reduce_bf16 = false;             ///< data-parallel gradients reduced in bfloat16
   bool reshard_after_forward = true;    ///< FullyShard: units gathered again for the backward
   bool reduce_every_microbatch = true;  ///< FullyShard: a reduce-scatter per microbatch
+  /// A PEFT policy (d9d::peft::stack_spec<Plan::peft>()); empty: every parameter trains.
+  std::optional<peft::StackSpec> peft{};
 };
 
 /// A rank's predicted step, in seconds (see the file comment).
