@@ -77,8 +77,8 @@ struct PreflightPlan {
   bool reduce_bf16 = false;           ///< Bf16MixedBf16Reduce
   bool float8 = false;                ///< a Float8 precision (its state is its base's)
   /// The Plan's peft policy (d9d::peft::stack_spec): with a method other than FullTune the state
-  /// counts its adapters and frozen parameters (apply_peft); activations and step time are not
-  /// predicted for it yet.
+  /// counts its adapters and frozen parameters (apply_peft); its activations and step time are
+  /// predicted without a pipeline or recompute (qwen3_peft_activation_delta, StepOptions::peft).
   peft::StackSpec peft{.methods = {{.kind = peft::MethodKind::full_tune}}};
 
   /// Whether the peft policy is anything but FullTune.
