@@ -203,6 +203,16 @@ std::vector<std::string> checked_names(const CompareOptions& options, std::size_
   return names;
 }
 
+void refuse_profile_on_cpu(const TrainerConfig& config, const std::string& name) {
+  if (config.profile.start >= 0) {
+    throw std::invalid_argument(
+        "d9d::bench::compare: Plan '" + name + "' traces steps (profile.start " +
+        std::to_string(config.profile.start) +
+        ") on the CPU, where compare measures the host memory through the profiler's hook. Fix: "
+        "trace on a GPU, or leave the profile section out of the config compare gets");
+  }
+}
+
 bool selected(const CompareOptions& options, const std::string& name) {
   return options.only.empty() ||
          std::find(options.only.begin(), options.only.end(), name) != options.only.end();

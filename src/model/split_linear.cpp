@@ -674,14 +674,30 @@ struct SiluMulLinear : torch::autograd::Function<SiluMulLinear> {
 // parameters (weight, a, b) and the scale in saved_data.
 namespace low_rank {
 
-// y = x W^T + h B^T and h = s x A^T over rows [n, in]; the second GEMM adds into y (beta = 1): no
-// [n, out] temporary.
+// s a b: the GEMM scales its product (alpha) and reads nothing else (beta 0), so no elementwise
+// pass multiplies the thin [n, rank] result.
+at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, double scale) {
+  auto out = at::empty({a.size(0), b.size(1)}, a.options());
+  at::addmm_out(out, out, a, b, /*beta=*/0, /*alpha=*/scale);
+  return out;
+}
+
+// thin + big: the rank-wide product first (memory-bound: it writes [n, out] once), then the big
+// GEMM adds itself into it (beta 1), reading it in its epilogue while its own math bounds it,
+// instead of a second memory-bound pass reading and writing the big product again.
+at::Tensor thin_then_big(const at::Tensor& thin_a, const at::Tensor& thin_b,
+                         const at::Tensor& big_a, const at::Tensor& big_b) {
+  auto out = at::mm(thin_a, thin_b);
+  out.addmm_(big_a, big_b);
+  return out;
+}
+
+// y = x W^T + h B^T and h = s x A^T over rows [n, in].
 std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& rows, const at::Tensor& wc,
                                           const at::Tensor& ac, const at::Tensor& bc,
                                           double scale) {
-  auto h = at::mm(rows, ac.t()).mul_(scale);
-  auto y = at::mm(rows, wc.t());
-  y.addmm_(h, bc.t());
+  auto h = scaled_mm(rows, ac.t(), scale);
+  auto y = thin_then_big(h, bc.t(), rows, wc.t());
   return {std::move(y), std::move(h)};
 }
 
@@ -718,7 +734,7 @@ struct Backward {
         first(weight_index),
         need_x(input_needed) {
     if (need_x || ctx->needs_input_grad(first + 1)) {
-      dh = at::mm(g, bc).mul_(ctx->saved_data["scale"].toDouble());
+      dh = scaled_mm(g, bc, ctx->saved_data["scale"].toDouble());
     }
   }
 
@@ -727,9 +743,7 @@ struct Backward {
     if (!need_x) {
       return {};
     }
-    auto dx = at::mm(g, wc);
-    dx.addmm_(dh, ac);
-    return dx;
+    return thin_then_big(dh, ac, g, wc);
   }
 
   // W's, A's and B's gradients, each as Linear's weight gradient of its own (input, output), at

@@ -6,6 +6,7 @@
 // of bad names, warm-ups, `only` and `configure`.
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -169,6 +170,24 @@ TEST(Bench_Compare, OnlyTheNamedPlansRunEachWithItsConfigure) {
   EXPECT_GT(row.host_issue_ms, 0.0);
   EXPECT_EQ(trained_under, dir + "/second");
   EXPECT_TRUE(nlohmann::json::parse(comparison.json())[0].contains("host_issue_ms"));
+}
+
+// On the CPU compare measures the host memory through the profiler's hook, so a Plan that traces
+// steps is refused before it trains, naming the fix (on a GPU no meter is installed and tracing
+// works).
+TEST(Bench_Compare, ATracedPlanOnTheCpuIsRefusedBeforeItTrains) {
+  const auto dir = ::testing::TempDir() + "d9d_compare_traced";
+  const auto config = d9d::testing::tiny_run(dir, 2, 2, 2, false, 2);
+  const auto ctx = d9d::DistributedContext::local();
+  EXPECT_THAT(
+      d9d::testing::error_of([&] {
+        (void)d9d::bench::compare<Replicated>(
+            ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{},
+            config,
+            {.print = false, .configure = {[](d9d::TrainerConfig& c) { c.profile.start = 1; }}});
+      }),
+      HasSubstr("Plan 'plan-1' traces steps (profile.start 1) on the CPU"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/plan-1/profile"));
 }
 
 // A row without a prediction shows "-" and says why under the table; MFU "-" without FLOPs.

@@ -488,7 +488,7 @@ TEST(Advise_StepTime, PeftSkipsFrozenWeightGradientsAndAddsTheAdaptersGemms) {
   const auto m = uniform_machine();
   const Candidate one{.microbatches = 3};
   const double mbs = 3;
-  const int64_t tokens = 2 * 16;
+  const int64_t tokens = int64_t{2} * 16;
   const auto thin = [&](double rows, double n, double k) {
     return std::max(2 * rows * n * k / kRate, 2 * (rows * k + k * n + rows * n) / 1e12);
   };

@@ -140,6 +140,10 @@ class PlanMeasure {
   double last_loss_ = 0;
 };
 
+/// std::invalid_argument when `config` traces steps ("profile") on the CPU, where compare measures
+/// the host memory through the profiler's slot (CpuMemoryMeter).
+void refuse_profile_on_cpu(const TrainerConfig& config, const std::string& name);
+
 /// The bytes of the parameters that do not train (a PEFT policy's frozen base) on this rank.
 [[nodiscard]] int64_t frozen_parameter_bytes(::d9d::detail::TrainerCore& core);
 
@@ -206,7 +210,13 @@ PlanRow run_plan(const DistributedContext& ctx, const std::string& name, std::si
                  const Provider& provider, const Dataset& dataset, const Task& task,
                  const TrainerConfig& config, const CompareOptions& options) {
   const auto plan_cfg = plan_config(config, name, options, index);
-  const advise::CpuMemoryMeter meter;  // the host memory of this Plan's run, from its construction
+  // On the CPU the host memory of this Plan's run, from its construction (on a device its
+  // allocator's peak). The meter holds this thread's profiler slot, which a traced run needs.
+  std::optional<advise::CpuMemoryMeter> meter;
+  if (ctx.device().is_cpu()) {
+    refuse_profile_on_cpu(plan_cfg, name);
+    meter.emplace();
+  }
   Trainer<Plan> trainer(ctx, provider, dataset, task, plan_cfg);
   PlanMeasure measure(options.warmup_steps);
   trainer.template on<events::StepEnd>([&](const events::StepEnd& e) { measure.step_end(e); });
@@ -215,8 +225,8 @@ PlanRow run_plan(const DistributedContext& ctx, const std::string& name, std::si
   const auto result = trainer.train();
   const auto held = held_state(trainer.core(), measure.gradient_bytes());
   auto [predicted, why] = predict_state<Plan, Provider>(trainer, plan_cfg);
-  auto row = finish_row(ctx, name, measure, result, meter.peak(), held, predicted, std::move(why),
-                        options);
+  auto row = finish_row(ctx, name, measure, result, meter ? meter->peak() : 0, held, predicted,
+                        std::move(why), options);
   if constexpr (std::is_same_v<std::decay_t<Provider>, Qwen3Provider>) {
     try {
       const auto whole = advise::predict_plan(
