@@ -816,6 +816,134 @@ struct LowRankLinear : torch::autograd::Function<LowRankLinear> {
   }
 };
 
+// y_i = x W_i^T + s (x A_i^T) B_i^T for linear layers that read one x, each with a low-rank
+// adapter of the same scale (fan_out_linear: q, k and v; gate and up): the adapters' A factors
+// stacked, so x is read once for all their products h = s x [A_1; ...; A_k]^T, and x's gradient is
+// one chain of GEMMs — the stacked dh [A_1; ...; A_k] first, each g_i W_i added into it — instead
+// of one node per layer whose input gradients the engine adds. Saves x's autocast copy, the stacked
+// A, h [rows, ranks summed] and each layer's cast W and B.
+struct LowRankFanOutLinear : torch::autograd::Function<LowRankFanOutLinear> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, at::TensorList weights,
+                                                at::TensorList as, at::TensorList bs, double scale,
+                                                int64_t queue_address) {
+    ctx->set_materialize_grads(false);  // an output without a gradient adds nothing
+    const auto xc = autocast_like(x, x);
+    const auto rows = xc.reshape({-1, xc.size(-1)});
+    std::vector<at::Tensor> factors;
+    std::vector<int64_t> ranks;
+    for (const auto& a : as) {
+      factors.push_back(autocast_weight(a, x));
+      ranks.push_back(a.size(0));
+    }
+    const auto stacked = at::cat(factors);  // [ranks summed, in]
+    const auto h = low_rank::scaled_mm(rows, stacked.t(), scale);
+    torch::autograd::variable_list saved{xc, stacked, h};
+    torch::autograd::variable_list outputs;
+    auto sizes = xc.sizes().vec();
+    int64_t column = 0;
+    for (std::size_t i = 0; i < weights.size(); ++i) {
+      const auto wc = autocast_weight(weights[i], x);
+      const auto bc = autocast_weight(bs[i], x);
+      TORCH_CHECK(wc.dim() == 2 && wc.size(1) == xc.size(-1) && bc.size(0) == wc.size(0) &&
+                      bc.size(1) == ranks[i],
+                  "d9d::model::fan_out_linear: x has ", xc.size(-1), " features, a weight is ",
+                  wc.sizes(), " with lora_B ", bc.sizes());
+      sizes.back() = wc.size(0);
+      outputs.push_back(at::_unsafe_view(
+          low_rank::thin_then_big(h.narrow(1, column, ranks[i]), bc.t(), rows, wc.t()), sizes));
+      saved.push_back(wc);
+      saved.push_back(bc);
+      column += ranks[i];
+    }
+    ctx->save_for_backward(saved);
+    ctx->saved_data["queue"] = queue_address;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["ranks"] = ranks;
+    ctx->saved_data["weights"] = weights.vec();
+    ctx->saved_data["as"] = as.vec();
+    ctx->saved_data["bs"] = bs.vec();
+    return outputs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& xc = saved[0];
+    const auto& stacked = saved[1];
+    const auto& h = saved[2];
+    const auto ranks = ctx->saved_data["ranks"].toIntVector();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const auto k = ranks.size();
+    const auto rows = xc.reshape({-1, xc.size(-1)});
+    // One entry per forward argument: x, each weight, each A, each B, the scale, the queue.
+    torch::autograd::variable_list out(1 + 3 * k + 2);
+    std::vector<at::Tensor> g(k);
+    for (std::size_t i = 0; i < k; ++i) {
+      if (grads[i].defined()) {
+        g[i] = grads[i].reshape({-1, grads[i].size(-1)});
+      }
+    }
+    const auto wc = [&](std::size_t i) -> const at::Tensor& { return saved[3 + 2 * i]; };
+    const auto bc = [&](std::size_t i) -> const at::Tensor& { return saved[4 + 2 * i]; };
+    const bool need_x = ctx->needs_input_grad(0);
+    bool need_a = false;
+    for (std::size_t i = 0; i < k; ++i) {
+      need_a = need_a || ctx->needs_input_grad(1 + k + i);
+    }
+    // dh: each layer's s g_i B_i in its columns (zero where its output has no gradient).
+    at::Tensor dh;
+    if (need_x || need_a) {
+      dh = at::empty({rows.size(0), stacked.size(0)}, rows.options());
+      int64_t column = 0;
+      for (std::size_t i = 0; i < k; ++i) {
+        auto part = dh.narrow(1, column, ranks[i]);
+        if (g[i].defined()) {
+          at::addmm_out(part, part, g[i], bc(i), /*beta=*/0, /*alpha=*/scale);
+        } else {
+          part.zero_();
+        }
+        column += ranks[i];
+      }
+    }
+    if (need_x) {
+      auto dx = at::mm(dh, stacked);
+      for (std::size_t i = 0; i < k; ++i) {
+        if (g[i].defined()) {
+          dx.addmm_(g[i], wc(i));
+        }
+      }
+      out[0] = dx.view(xc.sizes());
+    }
+    const auto weights = ctx->saved_data["weights"].toTensorVector();
+    const auto as = ctx->saved_data["as"].toTensorVector();
+    const auto bs = ctx->saved_data["bs"].toTensorVector();
+    WeightGradJobs jobs;
+    int64_t column = 0;
+    for (std::size_t i = 0; i < k; ++i) {
+      const auto job = [&](const at::Tensor& grad_out, const at::Tensor& input,
+                           const at::Tensor& parameter) {
+        return WeightGrad{
+            .grad_out = grad_out, .input = input, .weight = parameter, .bias = at::Tensor()};
+      };
+      if (g[i].defined()) {
+        if (ctx->needs_input_grad(1 + i)) {
+          jobs.emplace_back(1 + i, job(g[i], rows, weights[i]));
+        }
+        if (ctx->needs_input_grad(1 + k + i)) {
+          jobs.emplace_back(1 + k + i, job(dh.narrow(1, column, ranks[i]), rows, as[i]));
+        }
+        if (ctx->needs_input_grad(1 + 2 * k + i)) {
+          jobs.emplace_back(1 + 2 * k + i, job(g[i], h.narrow(1, column, ranks[i]), bs[i]));
+        }
+      }
+      column += ranks[i];
+    }
+    queue_or_compute(ctx, std::move(jobs), out);
+    return out;
+  }
+};
+
 // down(x) + s (x A^T) B^T with x = silu(gate) * up, for a down projection with a LoRA adapter:
 // LowRankLinear's GEMMs over the product, which backward recomputes from gate and up (as
 // SiluMulLinear) instead of keeping it. Saves gate, up, the autocast copies of W, A and B and
@@ -1051,12 +1179,46 @@ bool all_plain(std::initializer_list<LinearImpl*> layers) {
   return std::ranges::all_of(layers, [](const LinearImpl* layer) { return plain(*layer); });
 }
 
+// The layers' low-rank updates when every layer would run low_rank_linear (the fused kernels on,
+// no bias or float8, an adapter that is a low-rank update now) and their scales are equal; empty
+// otherwise.
+std::vector<LowRankUpdate> common_low_rank(std::initializer_list<LinearImpl*> layers) {
+  std::vector<LowRankUpdate> updates;
+  if (!fused_kernels()) {
+    return updates;
+  }
+  for (const auto* layer : layers) {
+    if (layer->bias.defined() || layer->float8 || !layer->adapter) {
+      return {};
+    }
+    auto update = layer->adapter->low_rank();
+    if (!update.a.defined() || (!updates.empty() && update.scale != updates.front().scale)) {
+      return {};
+    }
+    updates.push_back(std::move(update));
+  }
+  return updates;
+}
+
 }  // namespace
 
 std::vector<at::Tensor> fan_out_linear(const at::Tensor& x,
                                        std::initializer_list<LinearImpl*> layers) {
   std::vector<at::Tensor> outputs;
   if (!all_plain(layers)) {
+    if (const auto updates = common_low_rank(layers); !updates.empty()) {
+      std::vector<at::Tensor> weights;
+      std::vector<at::Tensor> as;
+      std::vector<at::Tensor> bs;
+      for (std::size_t i = 0; i < updates.size(); ++i) {
+        weights.push_back(std::data(layers)[i]->weight);
+        as.push_back(updates[i].a);
+        bs.push_back(updates[i].b);
+      }
+      return LowRankFanOutLinear::apply(x, at::TensorList(weights), at::TensorList(as),
+                                        at::TensorList(bs), updates.front().scale,
+                                        queue_address(recording_weight_grads()));
+    }
     for (auto* layer : layers) {
       outputs.push_back(layer->forward(x));
     }

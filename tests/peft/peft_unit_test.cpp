@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -273,6 +274,94 @@ TEST(Peft_Lora_r4, AnAdaptedDownProjectionEqualsTheCompositionAndRecomputesItsIn
         ASSERT_EQ(got.tensors[i].defined(), want.tensors[i].defined()) << what;
         if (want.tensors[i].defined()) {
           EXPECT_TRUE(at::allclose(got.tensors[i], want.tensors[i], 1e-12, 1e-12)) << what;
+        }
+      }
+    }
+  }
+}
+
+// Linear layers reading one x, each with a LoRA adapter of the same scale (q, k, v; gate and up),
+// run as one autograd node under the fused kernels (fan_out_linear: the A factors stacked, x's
+// gradient one chain of GEMMs). Its outputs and the gradients of x and of every parameter equal
+// the fused kernels off (each layer and its adapter's own layers) in float64: ranks that differ,
+// an output without a gradient, at once and deferred to a WeightGradQueue, the base weights
+// trained and frozen. Scales that differ fall back to a node per layer, with the same values.
+TEST(Peft_Lora, AdaptedLayersReadingOneInputAreOneNodeEqualToTheComposition) {
+  struct Qkv : torch::nn::Module {
+    Qkv() {
+      for (const char* name : {"q_proj", "k_proj", "v_proj"}) {
+        layers.push_back(register_module(name, d9d::model::Linear(12, 8)));
+      }
+    }
+    std::vector<d9d::model::Linear> layers;
+  };
+  struct Run {
+    std::string node;
+    std::vector<at::Tensor> tensors;  // the outputs, x's gradient, every parameter's
+  };
+  const auto run = [](const peft::StackSpec& spec, bool fused, bool frozen, bool deferred) {
+    torch::manual_seed(5);
+    const auto module = std::make_shared<Qkv>();  // apply_stack walks it as a shared module
+    auto& qkv = *module;
+    qkv.to(at::kDouble);
+    peft::apply_stack(qkv, spec);
+    randomize_adapters(qkv);
+    for (auto& layer : qkv.layers) {
+      layer->weight.requires_grad_(!frozen);
+    }
+    torch::manual_seed(6);
+    const auto x = at::randn({2, 5, 12}, at::kDouble).requires_grad_();
+    const auto g0 = at::randn({2, 5, 8}, at::kDouble);
+    const auto g2 = at::randn({2, 5, 8}, at::kDouble);
+    d9d::model::set_fused_kernels(fused);
+    d9d::WeightGradQueue queue;
+    std::vector<at::Tensor> out;
+    {
+      const d9d::RecordWeightGrads record(queue);
+      out = d9d::model::fan_out_linear(
+          x, {qkv.layers[0].get(), qkv.layers[1].get(), qkv.layers[2].get()});
+    }
+    const auto loss = (out[0] * g0).sum() + (out[2] * g2).sum();  // k's output unused
+    {
+      const d9d::DeferWeightGrads defer(queue);
+      if (deferred) {
+        loss.backward();
+      }
+    }
+    if (deferred) {
+      queue.drain();
+    } else {
+      loss.backward();
+    }
+    d9d::model::set_fused_kernels(true);
+    Run r{.node = out[0].grad_fn()->name(),
+          .tensors = {out[0].detach(), out[1].detach(), out[2].detach(), x.grad()}};
+    for (const auto& item : qkv.named_parameters()) {
+      r.tensors.push_back(item.value().grad());
+    }
+    return r;
+  };
+  // Ranks 3 and 2 at one scale (6 / 3 = 4 / 2); then scales 2 and 1.
+  const auto same_scale = peft::stack_spec<
+      peft::Stack<peft::Lora<3, 6, "q_proj">, peft::Lora<2, 4, "k_proj", "v_proj">>>();
+  const auto two_scales = peft::stack_spec<
+      peft::Stack<peft::Lora<3, 6, "q_proj">, peft::Lora<2, 2, "k_proj", "v_proj">>>();
+  for (const bool frozen : {false, true}) {
+    for (const bool stacked : {true, false}) {
+      const auto& spec = stacked ? same_scale : two_scales;
+      const auto want = run(spec, false, frozen, false);
+      for (const bool deferred : {false, true}) {
+        const auto got = run(spec, true, frozen, deferred);
+        EXPECT_THAT(got.node, HasSubstr(stacked ? "LowRankFanOutLinear" : "LowRankLinear"));
+        ASSERT_EQ(got.tensors.size(), want.tensors.size());
+        for (std::size_t i = 0; i < got.tensors.size(); ++i) {
+          const auto what =
+              "tensor " + std::to_string(i) + (frozen ? ", W frozen" : ", W trained") +
+              (stacked ? ", one scale" : ", two scales") + (deferred ? ", deferred" : "");
+          ASSERT_EQ(got.tensors[i].defined(), want.tensors[i].defined()) << what;
+          if (want.tensors[i].defined()) {
+            EXPECT_TRUE(at::allclose(got.tensors[i], want.tensors[i], 1e-12, 1e-12)) << what;
+          }
         }
       }
     }
