@@ -194,7 +194,7 @@ std::vector<ParameterShape> apply_peft(const std::vector<ParameterShape>& parame
   for (const auto& p : parameters) {
     const auto module = std::string(module_of(p.name));
     std::optional<std::size_t> claimed;  // the method that claims p
-    int lora_rank = 0;
+    const peft::MethodSpec* lora = nullptr;
     for (std::size_t m = 0; m < spec.methods.size(); ++m) {
       const auto& method = spec.methods[m];
       bool hit = false;
@@ -203,7 +203,7 @@ std::vector<ParameterShape> apply_peft(const std::vector<ParameterShape>& parame
           break;
         case peft::MethodKind::lora:
           hit = lora_targets(method, module);
-          lora_rank = hit ? method.rank : lora_rank;
+          lora = hit ? &method : lora;
           break;
         case peft::MethodKind::freeze:
         case peft::MethodKind::train:
@@ -227,8 +227,11 @@ std::vector<ParameterShape> apply_peft(const std::vector<ParameterShape>& parame
     if (claimed && spec.methods[*claimed].kind == peft::MethodKind::lora &&
         p.name.ends_with(".weight") && p.sizes.size() == 2) {
       // LoraAdapter registers lora_A [rank, in] and lora_B [out, rank] as the layer's children.
-      out.push_back({.name = module + ".lora_A.weight", .sizes = {lora_rank, p.sizes[1]}});
-      out.push_back({.name = module + ".lora_B.weight", .sizes = {p.sizes[0], lora_rank}});
+      out.push_back(
+          {.name = module + ".lora_A.weight",
+           .sizes = {lora->rank, p.sizes[1]},
+           .lora_scale = static_cast<double>(lora->alpha) / static_cast<double>(lora->rank)});
+      out.push_back({.name = module + ".lora_B.weight", .sizes = {p.sizes[0], lora->rank}});
     }
   }
   return out;

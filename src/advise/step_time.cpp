@@ -4,10 +4,12 @@
 #include <cstdint>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -399,11 +401,38 @@ struct PeftGemms {
   double weight = 0;   // its A's and B's gradients, less each frozen layer's weight gradient
 };
 
+// One LoRA adapter of the model (apply_peft's lora_A and lora_B).
+struct Adapter {
+  std::string module;  // the adapted layer's name
+  int64_t rank = 0;
+  int64_t in = 0;
+  int64_t out = 0;
+  double scale = 0;
+};
+
+// The layers d9d::model::fan_out_linear runs together (they read one input): a decoder layer's
+// q, k and v projections, or its gate and up projections; "" for any other layer.
+std::string fan_out_group(std::string_view module) {
+  const auto dot = module.rfind('.');
+  const auto parent = std::string(module.substr(0, dot == std::string_view::npos ? 0 : dot));
+  const auto last = module.substr(dot == std::string_view::npos ? 0 : dot + 1);
+  if (last == "q_proj" || last == "k_proj" || last == "v_proj") {
+    return parent + "#qkv";
+  }
+  if (last == "gate_proj" || last == "up_proj") {
+    return parent + "#gate_up";
+  }
+  return "";
+}
+
 // `parameters`: the whole model's under the policy (apply_peft: each adapter's lora_A [rank, in]
 // right after its layer's weight, lora_B [out, rank] after it). A frozen linear layer's weight
 // gradient is not computed (a tied head's when the embedding is frozen). An adapter's GEMMs are
 // thin (rank columns): each takes the longer of the profile's time at its FLOPs and its bfloat16
 // operands' bytes at the elementwise bandwidth (they are bound by reading the [tokens, in] rows).
+// Where every layer of a fan-out group (q, k, v; gate, up) has an adapter of one scale, d9d runs
+// them as one node with the A factors stacked: one h = s x [A_1; ...]^T and one dx += dh [A_1;
+// ...] over the ranks summed, instead of one of each per adapter.
 PeftGemms peft_gemms(const model::Qwen3Config& c, const std::vector<ParameterShape>& parameters,
                      int64_t tokens, const MachineProfile& machine) {
   PeftGemms out;
@@ -413,6 +442,7 @@ PeftGemms peft_gemms(const model::Qwen3Config& c, const std::vector<ParameterSha
   };
   bool head_listed = false;
   bool embedding_trains = true;
+  std::vector<Adapter> adapters;
   for (std::size_t i = 0; i < parameters.size(); ++i) {
     const auto& p = parameters[i];
     if (p.name.ends_with("embed_tokens.weight")) {
@@ -421,12 +451,12 @@ PeftGemms peft_gemms(const model::Qwen3Config& c, const std::vector<ParameterSha
     }
     head_listed = head_listed || p.name == "lm_head.weight";
     if (p.name.ends_with(".lora_A.weight") && i + 1 < parameters.size()) {
-      const int64_t rank = p.sizes[0];
-      const int64_t in = p.sizes[1];
-      const int64_t out_features = parameters[i + 1].sizes[0];
-      out.forward += thin(tokens, rank, in, "nt") + thin(tokens, out_features, rank, "nt");
-      out.input += thin(tokens, rank, out_features, "nn") + thin(tokens, in, rank, "nn");
-      out.weight += thin(rank, in, tokens, "tn") + thin(out_features, rank, tokens, "tn");
+      constexpr std::string_view suffix = ".lora_A.weight";
+      adapters.push_back({.module = p.name.substr(0, p.name.size() - suffix.size()),
+                          .rank = p.sizes[0],
+                          .in = p.sizes[1],
+                          .out = parameters[i + 1].sizes[0],
+                          .scale = p.lora_scale});
       ++i;  // its lora_B
       continue;
     }
@@ -436,6 +466,42 @@ PeftGemms peft_gemms(const model::Qwen3Config& c, const std::vector<ParameterSha
   }
   if (!head_listed && !embedding_trains) {
     out.weight -= machine.gemm_seconds(c.vocab_size, c.hidden_size, tokens, "tn");
+  }
+  // The fan-out groups whose every layer has an adapter of one scale: (adapters, ranks summed).
+  std::map<std::string, std::pair<std::vector<const Adapter*>, int64_t>> groups;
+  for (const auto& a : adapters) {
+    if (const auto group = fan_out_group(a.module); !group.empty()) {
+      auto& [members, ranks] = groups[group];
+      members.push_back(&a);
+      ranks += a.rank;
+    }
+  }
+  std::map<std::string, bool, std::less<>> stacked;  // by module
+  for (const auto& [group, entry] : groups) {
+    const auto& members = entry.first;  // not a structured binding: the lambda below reads it
+    const int64_t ranks = entry.second;
+    const std::size_t layers = group.ends_with("#qkv") ? 3 : 2;
+    const bool one_scale = std::all_of(members.begin(), members.end(), [&](const Adapter* a) {
+      return a->scale == members.front()->scale;
+    });
+    if (members.size() != layers || !one_scale) {
+      continue;
+    }
+    const auto in = members.front()->in;
+    out.forward += thin(tokens, ranks, in, "nt");
+    out.input += thin(tokens, in, ranks, "nn");
+    for (const auto* a : members) {
+      stacked[a->module] = true;
+    }
+  }
+  for (const auto& a : adapters) {
+    if (!stacked.contains(a.module)) {
+      out.forward += thin(tokens, a.rank, a.in, "nt");
+      out.input += thin(tokens, a.in, a.rank, "nn");
+    }
+    out.forward += thin(tokens, a.out, a.rank, "nt");
+    out.input += thin(tokens, a.rank, a.out, "nn");
+    out.weight += thin(a.rank, a.in, tokens, "tn") + thin(a.out, a.rank, tokens, "tn");
   }
   return out;
 }

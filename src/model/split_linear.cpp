@@ -820,8 +820,9 @@ struct LowRankLinear : torch::autograd::Function<LowRankLinear> {
 // adapter of the same scale (fan_out_linear: q, k and v; gate and up): the adapters' A factors
 // stacked, so x is read once for all their products h = s x [A_1; ...; A_k]^T, and x's gradient is
 // one chain of GEMMs — the stacked dh [A_1; ...; A_k] first, each g_i W_i added into it — instead
-// of one node per layer whose input gradients the engine adds. Saves x's autocast copy, the stacked
-// A, h [rows, ranks summed] and each layer's cast W and B.
+// of one node per layer whose input gradients the engine adds. Saves x's autocast copy, h [rows,
+// ranks summed] and each layer's cast A, W and B (what low_rank_linear saves): backward stacks the
+// A factors again (a [ranks, in] copy) rather than keeping the stack.
 struct LowRankFanOutLinear : torch::autograd::Function<LowRankFanOutLinear> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 const at::Tensor& x, at::TensorList weights,
@@ -836,9 +837,9 @@ struct LowRankFanOutLinear : torch::autograd::Function<LowRankFanOutLinear> {
       factors.push_back(autocast_weight(a, x));
       ranks.push_back(a.size(0));
     }
-    const auto stacked = at::cat(factors);  // [ranks summed, in]
-    const auto h = low_rank::scaled_mm(rows, stacked.t(), scale);
-    torch::autograd::variable_list saved{xc, stacked, h};
+    const auto h = low_rank::scaled_mm(rows, at::cat(factors).t(), scale);  // [rows, ranks summed]
+    torch::autograd::variable_list saved{xc, h};
+    saved.insert(saved.end(), factors.begin(), factors.end());
     torch::autograd::variable_list outputs;
     auto sizes = xc.sizes().vec();
     int64_t column = 0;
@@ -870,11 +871,11 @@ struct LowRankFanOutLinear : torch::autograd::Function<LowRankFanOutLinear> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto& xc = saved[0];
-    const auto& stacked = saved[1];
-    const auto& h = saved[2];
+    const auto& h = saved[1];
     const auto ranks = ctx->saved_data["ranks"].toIntVector();
     const double scale = ctx->saved_data["scale"].toDouble();
     const auto k = ranks.size();
+    const auto factors = at::TensorList(saved).slice(2, k);
     const auto rows = xc.reshape({-1, xc.size(-1)});
     // One entry per forward argument: x, each weight, each A, each B, the scale, the queue.
     torch::autograd::variable_list out(1 + 3 * k + 2);
@@ -884,8 +885,8 @@ struct LowRankFanOutLinear : torch::autograd::Function<LowRankFanOutLinear> {
         g[i] = grads[i].reshape({-1, grads[i].size(-1)});
       }
     }
-    const auto wc = [&](std::size_t i) -> const at::Tensor& { return saved[3 + 2 * i]; };
-    const auto bc = [&](std::size_t i) -> const at::Tensor& { return saved[4 + 2 * i]; };
+    const auto wc = [&](std::size_t i) -> const at::Tensor& { return saved[2 + k + 2 * i]; };
+    const auto bc = [&](std::size_t i) -> const at::Tensor& { return saved[3 + k + 2 * i]; };
     const bool need_x = ctx->needs_input_grad(0);
     bool need_a = false;
     for (std::size_t i = 0; i < k; ++i) {
@@ -894,7 +895,7 @@ struct LowRankFanOutLinear : torch::autograd::Function<LowRankFanOutLinear> {
     // dh: each layer's s g_i B_i in its columns (zero where its output has no gradient).
     at::Tensor dh;
     if (need_x || need_a) {
-      dh = at::empty({rows.size(0), stacked.size(0)}, rows.options());
+      dh = at::empty({rows.size(0), h.size(1)}, rows.options());
       int64_t column = 0;
       for (std::size_t i = 0; i < k; ++i) {
         auto part = dh.narrow(1, column, ranks[i]);
@@ -907,7 +908,7 @@ struct LowRankFanOutLinear : torch::autograd::Function<LowRankFanOutLinear> {
       }
     }
     if (need_x) {
-      auto dx = at::mm(dh, stacked);
+      auto dx = at::mm(dh, at::cat(factors));
       for (std::size_t i = 0; i < k; ++i) {
         if (g[i].defined()) {
           dx.addmm_(g[i], wc(i));

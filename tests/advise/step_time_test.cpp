@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -500,16 +501,50 @@ TEST(Advise_StepTime, PeftSkipsFrozenWeightGradientsAndAddsTheAdaptersGemms) {
   EXPECT_EQ(as_full.total, full.total);
   EXPECT_EQ(as_full.gemm, full.gemm);
 
+  // Each adapter's GEMMs; where `stacked` (q, k, v and gate, up of one layer, all adapted at one
+  // scale: one node) the group's h and x-gradient GEMMs run once over the ranks summed.
+  const auto adapter_seconds = [&](const std::vector<d9d::advise::ParameterShape>& adapted,
+                                   bool stacked) {
+    double sum = 0;
+    std::map<std::string, std::pair<double, double>> groups;  // -> (ranks, in)
+    for (std::size_t i = 0; i < adapted.size(); ++i) {
+      const auto& p = adapted[i];
+      if (!p.name.ends_with("lora_A.weight")) {
+        continue;
+      }
+      const auto r = static_cast<double>(p.sizes[0]);
+      const auto in = static_cast<double>(p.sizes[1]);
+      const auto out = static_cast<double>(adapted[i + 1].sizes[0]);
+      sum +=
+          thin(tokens, out, r) + thin(tokens, r, out) + thin(r, in, tokens) + thin(out, r, tokens);
+      const auto layer = p.name.substr(0, p.name.find('.', p.name.find("layers.") + 7));
+      const bool attention = p.name.find("_proj.lora_A") != std::string::npos &&
+                             (p.name.find("q_proj") != std::string::npos ||
+                              p.name.find("k_proj") != std::string::npos ||
+                              p.name.find("v_proj") != std::string::npos);
+      const bool gate_up = p.name.find("gate_proj") != std::string::npos ||
+                           p.name.find("up_proj") != std::string::npos;
+      if (stacked && (attention || gate_up)) {
+        auto& g = groups[layer + (attention ? "qkv" : "gate_up")];
+        g.first += r;
+        g.second = in;
+      } else {
+        sum += thin(tokens, r, in) + thin(tokens, in, r);
+      }
+    }
+    for (const auto& [name, g] : groups) {
+      sum += thin(tokens, g.first, g.second) + thin(tokens, g.second, g.first);
+    }
+    return sum;
+  };
   auto lora = bf16();
   lora.peft = d9d::peft::stack_spec<d9d::peft::Lora<4, 8>>();
   const auto adapted = d9d::advise::apply_peft(d9d::advise::qwen3_parameters(model()), *lora.peft);
   double frozen_linear = 0;
   double frozen = 0;
-  double adapters = 0;
   int adapted_layers = 0;
   std::vector<d9d::advise::ParameterShape> trained;
-  for (std::size_t i = 0; i < adapted.size(); ++i) {
-    const auto& p = adapted[i];
+  for (const auto& p : adapted) {
     if (p.trained) {
       trained.push_back(p);
     } else {
@@ -520,14 +555,12 @@ TEST(Advise_StepTime, PeftSkipsFrozenWeightGradientsAndAddsTheAdaptersGemms) {
     }
     if (p.name.ends_with("lora_A.weight")) {
       ++adapted_layers;
-      const auto r = static_cast<double>(p.sizes[0]);
-      const auto in = static_cast<double>(p.sizes[1]);
-      const auto out = static_cast<double>(adapted[i + 1].sizes[0]);
-      adapters += thin(tokens, r, in) + thin(tokens, out, r) + thin(tokens, r, out) +
-                  thin(tokens, in, r) + thin(r, in, tokens) + thin(out, r, tokens);
+      EXPECT_EQ(p.lora_scale, 2.0) << p.name;
     }
   }
   ASSERT_EQ(adapted_layers, 4 * 7);  // every layer's q, k, v, o, gate, up, down; not the head
+  const double adapters = adapter_seconds(adapted, true);
+  EXPECT_LT(adapters, adapter_seconds(adapted, false));
   ASSERT_GT(frozen_linear, 0.0);
   const auto t = d9d::advise::predict_step_time(model(), one, lora, m);
   EXPECT_TRUE(near(t.gemm, full.gemm + mbs * (adapters - 2.0 * tokens * frozen_linear / kRate)))
@@ -552,6 +585,27 @@ TEST(Advise_StepTime, PeftSkipsFrozenWeightGradientsAndAddsTheAdaptersGemms) {
   const auto rep =
       d9d::advise::predict_step_time(model(), {.dp_replicate = 2, .microbatches = 3}, lora, m);
   EXPECT_TRUE(near(rep.data_parallel, m.collective_seconds("all_reduce", updated.gradients, 2)));
+
+  // Adapters of two scales in one group (q and k at 2, v at 1), or a group not every layer of
+  // which is adapted (q and v), run a node per layer: nothing stacked.
+  for (const auto& spec :
+       {d9d::peft::stack_spec<d9d::peft::Stack<d9d::peft::Lora<4, 8, "q_proj", "k_proj">,
+                                               d9d::peft::Lora<4, 4, "v_proj">>>(),
+        d9d::peft::stack_spec<d9d::peft::Lora<4, 8, "q_proj", "v_proj">>()}) {
+    auto apart = bf16();
+    apart.peft = spec;
+    const auto listed = d9d::advise::apply_peft(d9d::advise::qwen3_parameters(model()), spec);
+    double frozen_apart = 0;
+    for (const auto& p : listed) {
+      if (!p.trained && p.sizes.size() == 2 && p.name != "model.embed_tokens.weight") {
+        frozen_apart += static_cast<double>(p.numel());
+      }
+    }
+    const auto split = d9d::advise::predict_step_time(model(), one, apart, m);
+    EXPECT_TRUE(near(split.gemm, full.gemm + mbs * (adapter_seconds(listed, false) -
+                                                    2.0 * tokens * frozen_apart / kRate)))
+        << split.gemm;
+  }
 
   // A tied head with the embedding frozen computes no weight gradient for it either.
   auto tied_json = nlohmann::json::parse(kModel);

@@ -290,7 +290,7 @@ TEST(Peft_Lora, AdaptedLayersReadingOneInputAreOneNodeEqualToTheComposition) {
   struct Qkv : torch::nn::Module {
     Qkv() {
       for (const char* name : {"q_proj", "k_proj", "v_proj"}) {
-        layers.push_back(register_module(name, d9d::model::Linear(12, 8)));
+        layers.emplace_back(register_module(name, d9d::model::Linear(12, 8)));
       }
     }
     std::vector<d9d::model::Linear> layers;

@@ -4,8 +4,8 @@
 # the parameter and gradient bytes, a pipeline's ranks add up to the whole model plus the tied
 # head's copy of the embedding, fp32's activations of a microbatch are the formula's (and are not
 # claimed where they are not predicted), --candidates lists and counts the Plan shapes for a
-# world, with a machine profile the step time and the ranking, a Qwen3-MoE's state under expert
-# parallelism, and bad input is named with a non-zero status.
+# world, with a machine profile the step time and the ranking, LoRA's prediction (--lora), a
+# Qwen3-MoE's state under expert parallelism, and bad input is named with a non-zero status.
 set -uo pipefail
 tool=$1
 config=$2
@@ -84,6 +84,23 @@ marked=$(echo "$listed" | grep -c '(does not fit)')
 [ "$marked" -ge 1 ] && grep -q "^$marked of $count do not fit in 0.1 GiB" <<<"$listed" ||
   fail "the summary does not count the marked lines: $listed"
 grep -q '^  replicate pp 2 (1f1b), 2 microbatches ' <<<"$listed" || fail "no 1f1b pp 2: $listed"
+# --lora 4: the pre-flight's prediction for LoRA on every linear layer but the head (the state with
+# the adapters and the frozen base, the activations and the peak; with the profile the step): its
+# peak below full training's in the same precision (no gradients or moments for the frozen base),
+# and FullyShard refused by name.
+lora=$("$tool" --config "$config" --precision bf16_params --lora 4 --profile "$profile") ||
+  fail "--lora failed"
+lora_peak=$(sed -nE 's/^advise: replicate \(one rank\), 2 microbatches; predicted .*, peak during a step ([0-9.]+) GiB.*/\1/p' <<<"$lora")
+[ -n "$lora_peak" ] || fail "no LoRA state and peak: $lora"
+grep -q '^advise: predicted step on NVIDIA H200: ' <<<"$lora" || fail "no LoRA step: $lora"
+full_peak=$("$tool" --config "$config" --precision bf16_params |
+  sed -nE 's/^peak during a step: ([0-9.]+) GiB.*/\1/p')
+awk -v l="$lora_peak" -v f="$full_peak" 'BEGIN {exit !(l < f)}' ||
+  fail "LoRA's peak $lora_peak GiB is not below full training's $full_peak GiB"
+"$tool" --config "$config" --lora 4 --data-parallel fully_shard --dp-shard 2 \
+  >"${TEST_TMPDIR:-/tmp}/err" 2>&1 && fail "--lora under FullyShard was not refused"
+grep -q -- '--lora: predicted under replicate' "${TEST_TMPDIR:-/tmp}/err" ||
+  fail "$(cat "${TEST_TMPDIR:-/tmp}/err")"
 # --profile (the committed one-H200 profile): the step's line, its tokens/s the step's tokens over
 # its time; ranked candidates fastest first, written as JSON; two ranks need measured collectives.
 timed=$("$tool" --config "$config" --profile "$profile") || fail "--profile failed"

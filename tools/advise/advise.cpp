@@ -13,7 +13,9 @@
 // for expert parallelism (each line then also names the rank's ep_replicate coordinate when
 // FullyShard shards the experts) and, without a pipeline or recompute, the activations of a
 // microbatch and the step's peak (--expert-load: the rows a rank's experts get over balanced)
-// and, with --profile, its step time.
+// and, with --profile, its step time. --lora R prints the pre-flight's prediction for LoRA of rank
+// R on every linear layer but the head (d9d::advise::predict_plan: the adapters and the frozen
+// base, the activations, the peak, and with --profile the step), under Replicate without tp.
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -29,6 +31,7 @@
 
 #include <d9d/advise/activation_memory.hpp>
 #include <d9d/advise/candidates.hpp>
+#include <d9d/advise/preflight.hpp>
 #include <d9d/advise/ranking.hpp>
 #include <d9d/advise/state_memory.hpp>
 #include <d9d/advise/step_time.hpp>
@@ -344,6 +347,15 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   std::string json_path;
   app.add_option("--json", json_path, "with --candidates and --profile: write the ranking here");
+  int lora_rank = 0;
+  int lora_alpha = 0;
+  app.add_option("--lora", lora_rank,
+                 "LoRA adapters of this rank on every linear layer but the head, the rest frozen "
+                 "(d9d::peft::Lora<rank, 2 rank>, the quickstart's --lora): the pre-flight's "
+                 "prediction (state, activations, peak, step time with --profile)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--lora-alpha", lora_alpha, "with --lora: the adapters' alpha (default 2 rank)")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   try {
     const auto config = d9d::TrainerConfig::from_file(config_path);
@@ -377,6 +389,39 @@ int main(int argc, char** argv) {
     const auto model = d9d::model::Qwen3Config::from_json_text(model_json);
     const d9d::advise::Recompute recomputing{.every_nth = recompute == "none" ? 0 : recompute_every,
                                              .attention_only = recompute == "attention"};
+    if (lora_rank > 0) {
+      if (data_parallel == "fully_shard" || tp > 1 || candidates > 0) {
+        throw std::invalid_argument(
+            "--lora: predicted under replicate without tp and without --candidates so far (a "
+            "PEFT policy's frozen shards under FullyShard or tp are not predicted yet)");
+      }
+      d9d::advise::PreflightPlan plan;
+      plan.candidate = {
+          .dp_replicate = dp_shard,
+          .cp = cp_shard,
+          .pp = pp,
+          .schedule = pp > 1 ? schedule : std::string{},
+          .microbatches = microbatches > 0 ? microbatches : default_microbatches(config, dp_shard)};
+      if (pp > 1) {
+        plan.program = program_of(pp, schedule, plan.candidate.microbatches);
+      }
+      plan.rules = precision_rules(precision);
+      if (precision != "fp64") {
+        plan.compute = compute_of(precision, false);
+      }
+      plan.recompute = recomputing;
+      plan.reduce_bf16 = reduce_bf16;
+      plan.peft = {.methods = {{.kind = d9d::peft::MethodKind::lora,
+                                .rank = lora_rank,
+                                .alpha = lora_alpha > 0 ? lora_alpha : 2 * lora_rank}},
+                   .rest_trains = false};
+      const auto predicted =
+          d9d::advise::predict_plan(config, plan, machine ? &*machine : nullptr, memory_gib);
+      for (const auto& line : predicted.lines) {
+        std::printf("%s\n", line.c_str());
+      }
+      return 0;
+    }
     if (candidates > 0) {
       print_candidates(config,
                        {.precision = precision,

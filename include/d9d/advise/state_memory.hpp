@@ -50,6 +50,8 @@ struct ParameterShape {
   /// A MoE layer's routed experts ([experts, ...]): ExpertParallel splits dim 0 over ep_shard and
   /// keeps them in the expert domain (src/parallel/expert_parallel.cpp).
   bool expert = false;
+  /// A LoRA adapter's lora_A (apply_peft): the adapter's scale, alpha / rank; 0 otherwise.
+  double lora_scale = 0;
 
   [[nodiscard]] int64_t numel() const;
 };
