@@ -155,20 +155,6 @@ bool linear_module(std::string_view module) {
          last == "gate_proj" || last == "up_proj" || last == "down_proj" || last == "lm_head";
 }
 
-// d9d::peft's rule for Freeze and Train: the parameter's own name or a module around it matches.
-bool parameter_matches(const std::string& pattern, const std::string& parameter) {
-  if (peft::pattern_matches(pattern, parameter)) {
-    return true;
-  }
-  for (auto dot = parameter.find('.'); dot != std::string::npos;
-       dot = parameter.find('.', dot + 1)) {
-    if (peft::pattern_matches(pattern, std::string_view(parameter).substr(0, dot))) {
-      return true;
-    }
-  }
-  return false;
-}
-
 // Whether Lora method `method` adapts the linear layer `module` (no patterns: every linear layer
 // but the LM head).
 bool lora_targets(const peft::MethodSpec& method, std::string_view module) {
@@ -209,7 +195,7 @@ std::vector<ParameterShape> apply_peft(const std::vector<ParameterShape>& parame
         case peft::MethodKind::train:
           hit = std::any_of(
               method.patterns.begin(), method.patterns.end(),
-              [&](const std::string& pattern) { return parameter_matches(pattern, p.name); });
+              [&](const std::string& pattern) { return peft::parameter_matches(pattern, p.name); });
           break;
       }
       if (hit && claimed && *claimed != m) {

@@ -142,20 +142,6 @@ std::string suggestion(const std::string& pattern, const std::vector<NamedModule
   return best.empty() ? std::string() : " (did you mean \"" + best + "\"?)";
 }
 
-// A parameter is matched by a Freeze / Train pattern when its name or a module around it is.
-bool parameter_matches(const std::string& pattern, const std::string& parameter) {
-  if (pattern_matches(pattern, parameter)) {
-    return true;
-  }
-  for (auto dot = parameter.find('.'); dot != std::string::npos;
-       dot = parameter.find('.', dot + 1)) {
-    if (pattern_matches(pattern, std::string_view(parameter).substr(0, dot))) {
-      return true;
-    }
-  }
-  return false;
-}
-
 bool all_linear_target(const std::string& name, const torch::nn::Module& module) {
   return dynamic_cast<const model::LinearImpl*>(&module) != nullptr &&
          last_component(name) != "lm_head";
@@ -176,6 +162,19 @@ bool pattern_matches(std::string_view pattern, std::string_view name) {
   }
   return name.size() > pattern.size() && name[name.size() - pattern.size() - 1] == '.' &&
          name.substr(name.size() - pattern.size()) == pattern;
+}
+
+bool parameter_matches(std::string_view pattern, std::string_view parameter) {
+  if (pattern_matches(pattern, parameter)) {
+    return true;
+  }
+  for (auto dot = parameter.find('.'); dot != std::string_view::npos;
+       dot = parameter.find('.', dot + 1)) {
+    if (pattern_matches(pattern, parameter.substr(0, dot))) {
+      return true;
+    }
+  }
+  return false;
 }
 
 LoraAdapter::LoraAdapter(model::LinearImpl& layer, const LoraOptions& options, uint64_t seed,

@@ -141,8 +141,10 @@ TORCH_MODULE(Linear);
 /// (fused_kernels()), one autograd node computes them: its backward sums x's gradient in one chain
 /// of GEMMs (g_1 W_1, then + g_i W_i accumulated by the next GEMM: no separate additions) and
 /// computes the weight gradients, or queues them as one job under a deferring
-/// d9d::WeightGradQueue, as Linear's. Otherwise each layer's forward(x). Under autocast computes
-/// in the autocast dtype like Linear.
+/// d9d::WeightGradQueue, as Linear's. When every layer instead has a low-rank adapter of one scale
+/// (LoRA; no bias or float8), one node adds x W_i^T + s (x A_i^T) B_i^T with the A factors stacked
+/// (x read once for all the adapters' products) and x's gradient in one chain the same way.
+/// Otherwise each layer's forward(x). Under autocast computes in the autocast dtype like Linear.
 [[nodiscard]] std::vector<at::Tensor> fan_out_linear(const at::Tensor& x,
                                                      std::initializer_list<LinearImpl*> layers);
 

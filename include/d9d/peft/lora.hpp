@@ -248,6 +248,10 @@ void save_merged_hf_checkpoint(torch::nn::Module& model, const std::string& dir,
 /// '*', equal or a dotted suffix; with '*', a glob over the whole name).
 [[nodiscard]] bool pattern_matches(std::string_view pattern, std::string_view name);
 
+/// Whether a Freeze or Train pattern claims the parameter named `parameter` (its full name): the
+/// pattern matches that name or the name of a module around it (pattern_matches).
+[[nodiscard]] bool parameter_matches(std::string_view pattern, std::string_view parameter);
+
 namespace detail {
 
 /// Sums the counts over the ranks that hold other parts of the model (pipeline stages), so a
