@@ -11,11 +11,16 @@
 // Qwen3-0.6B shape (fp32), torch::optim::AdamW (a dozen kernels per parameter) against
 // d9d::optim::FusedAdamW (one multi-tensor kernel per group); on bfloat16 parameters,
 // d9d::optim::StochasticAdamW (float32 or bfloat16 moments) against ATen's fused AdamW (round to
-// nearest, bfloat16 moments). copy_stochastic_: float32 → bfloat16 against a plain copy_.
+// nearest, bfloat16 moments). copy_stochastic_: float32 → bfloat16 against a plain copy_. The
+// gradient clipping's scale over the same shape's bfloat16 gradients: d9d::scale_ (one launch,
+// float32 scale) against at::_foreach_mul_ with the float32 scale (one multiply per tensor: the
+// route it takes when the scale's dtype differs) and with a bfloat16 scale (its multi-tensor
+// route, the scale rounded to 8 bits: the bound).
 #include <memory>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <benchmark/benchmark.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -321,6 +326,39 @@ void BM_CopyNearest_Aten(benchmark::State& state) {
       [&] { dst.copy_(src); });
 }
 
+// ---- The clipping's scale over a Qwen3-0.6B shape's bfloat16 gradients --------------------------
+
+// Read and write 2 bytes per element.
+template <typename Scale>
+void clip_scale(benchmark::State& state, Scale&& scale) {
+  const auto params = qwen3_parameters(on_cuda() ? 1.0 : 0.01, at::kBFloat16);
+  std::vector<at::Tensor> grads;
+  double bytes = 0;
+  for (const auto& p : params) {
+    grads.push_back(p.grad());
+    bytes += 2.0 * static_cast<double>(p.grad().nbytes());
+  }
+  // A scale of one keeps the gradients' values (and the timing) the same from call to call.
+  const auto factor = at::ones({}, options().dtype(at::kFloat));
+  run(state, bytes, kCallsPerIteration, [&] { scale(grads, factor); });
+}
+void BM_ClipScale_D9d(benchmark::State& state) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("d9d::scale_", "")
+                             .typed<void(at::TensorList, const at::Tensor&)>();
+  clip_scale(state, [](const std::vector<at::Tensor>& g, const at::Tensor& s) { op.call(g, s); });
+}
+void BM_ClipScale_AtenForeachMul(benchmark::State& state) {
+  clip_scale(state, [](const std::vector<at::Tensor>& g, const at::Tensor& s) {
+    at::_foreach_mul_(g, s);
+  });
+}
+void BM_ClipScale_AtenForeachMul_Bf16Scale(benchmark::State& state) {
+  clip_scale(state, [](const std::vector<at::Tensor>& g, const at::Tensor& s) {
+    at::_foreach_mul_(g, s.to(at::kBFloat16));
+  });
+}
+
 void rope_shapes(benchmark::internal::Benchmark* b) {
   // {tokens, heads}: 8 x 2048 tokens with Qwen3-0.6B's 16 query and 8 KV heads, and 8B's 32.
   if (on_cuda()) {
@@ -375,6 +413,9 @@ BENCHMARK(BM_CopyNearest_Aten)
     ->Arg(on_cuda() ? int64_t{1} << 28 : int64_t{1} << 20)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ClipScale_D9d)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ClipScale_AtenForeachMul)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ClipScale_AtenForeachMul_Bf16Scale)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 

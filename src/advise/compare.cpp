@@ -221,8 +221,18 @@ bool selected(const CompareOptions& options, const std::string& name) {
 TrainerConfig plan_config(const TrainerConfig& config, const std::string& name,
                           const CompareOptions& options, std::size_t index) {
   auto out = config;
-  out.run.output_dir =
-      config.run.output_dir.empty() ? std::string() : files::join(config.run.output_dir, name);
+  if (!config.run.output_dir.empty()) {
+    out.run.output_dir = files::join(config.run.output_dir, name);
+    // The folders the config derived from the shared output_dir (TrainerConfig's defaults) follow
+    // the Plan's own: otherwise every Plan traced into one profile/ and checkpointed into one
+    // checkpoints/ (the last trace overwrote the others; a Plan could resume another's state).
+    if (config.profile.dir == config.run.output_dir + "/profile") {
+      out.profile.dir = out.run.output_dir + "/profile";
+    }
+    if (config.checkpoint.dir == files::join(config.run.output_dir, "checkpoints")) {
+      out.checkpoint.dir = files::join(out.run.output_dir, "checkpoints");
+    }
+  }
   if (index < options.configure.size() && options.configure[index]) {
     options.configure[index](out);
   }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <d9d/core/collectives.hpp>
 #include <d9d/model/embedding_rows.hpp>
@@ -217,14 +218,18 @@ at::Tensor scale_gradients(const std::vector<at::Tensor>& grads, const at::Tenso
     scale = scale * at::where(grad_norm > *max_norm, *max_norm / (grad_norm + 1e-6),
                               at::ones({}, squares.options()));
   }
-  // One foreach call per gradient dtype, the scale in its arithmetic type (a float64 scalar
-  // multiplied float32 gradients in float32 before, too).
+  // One d9d::scale_ per gradient dtype (src/kernels/scale.cpp): bfloat16 gradients times the
+  // float32 scale in one launch (at::_foreach_mul_ took its per-tensor route for them), the others
+  // with the scale in their dtype.
+  static const auto scale_op = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("d9d::scale_", "")
+                                   .typed<void(at::TensorList, const at::Tensor&)>();
   std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
   for (const auto& grad : grads) {
     by_dtype[grad.scalar_type()].push_back(grad);
   }
-  for (auto& [dtype, group] : by_dtype) {
-    at::_foreach_mul_(group, scale.to(at::promote_types(dtype, at::kFloat)));
+  for (const auto& entry : by_dtype) {
+    scale_op.call(entry.second, scale);
   }
   return grad_norm;
 }

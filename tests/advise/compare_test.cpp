@@ -146,12 +146,15 @@ TEST(Bench_Compare, NamesAndWarmUpAreChecked) {
 }
 
 // `only` runs the named Plan alone (the other's configure is never called); its configure changes
-// the config it trains (three steps instead of four: two timed), under its own output directory.
+// the config it trains (three steps instead of four: two timed), under its own output directory,
+// trace folder and checkpoint folder.
 TEST(Bench_Compare, OnlyTheNamedPlansRunEachWithItsConfigure) {
   const auto dir = ::testing::TempDir() + "d9d_compare_only";
   const auto config = d9d::testing::tiny_run(dir, 4, 2, 2, false, 2);
   const auto ctx = d9d::DistributedContext::local();
   std::string trained_under;
+  std::string traced_under;
+  std::string checkpointed_under;
   const auto comparison = d9d::bench::compare<Replicated, Sharded>(
       ctx, d9d::Qwen3Provider{}, d9d::testing::RandomWindowsProvider{}, d9d::CausalLmTask{}, config,
       {.names = {"first", "second"},
@@ -159,6 +162,8 @@ TEST(Bench_Compare, OnlyTheNamedPlansRunEachWithItsConfigure) {
        .configure = {[](d9d::TrainerConfig&) { throw std::logic_error("'first' is not run"); },
                      [&](d9d::TrainerConfig& c) {
                        trained_under = c.run.output_dir;
+                       traced_under = c.profile.dir;
+                       checkpointed_under = c.checkpoint.dir;
                        c.run.total_steps = 3;
                      }},
        .only = {"second"}});
@@ -169,6 +174,10 @@ TEST(Bench_Compare, OnlyTheNamedPlansRunEachWithItsConfigure) {
   EXPECT_DOUBLE_EQ(row.ratio, 1.0) << "the ratio is to the first row run";
   EXPECT_GT(row.host_issue_ms, 0.0);
   EXPECT_EQ(trained_under, dir + "/second");
+  // The trace and checkpoint folders the config derived from its output_dir follow the Plan's.
+  EXPECT_EQ(config.profile.dir, dir + "/profile");
+  EXPECT_EQ(traced_under, dir + "/second/profile");
+  EXPECT_EQ(checkpointed_under, dir + "/second/checkpoints");
   EXPECT_TRUE(nlohmann::json::parse(comparison.json())[0].contains("host_issue_ms"));
 }
 
