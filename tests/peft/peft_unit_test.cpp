@@ -125,8 +125,10 @@ TEST(Peft_Lora_r4, AddsPeftNamedParametersAndFreezesTheBase) {
     adapters += lora ? 1 : 0;
   }
   EXPECT_EQ(adapters, 2 * 2 * 2);  // (A, B) x (q, v) x 2 layers
-  const auto& a = model->named_parameters()["model.layers.1.self_attn.q_proj.lora_A.weight"];
-  const auto& b = model->named_parameters()["model.layers.1.self_attn.v_proj.lora_B.weight"];
+  // Copies: named_parameters() returns its dictionary by value (a reference into it dangles).
+  const auto parameters = model->named_parameters();
+  const auto a = parameters["model.layers.1.self_attn.q_proj.lora_A.weight"];
+  const auto b = parameters["model.layers.1.self_attn.v_proj.lora_B.weight"];
   EXPECT_EQ(a.sizes(), (c10::IntArrayRef{4, 32}));
   EXPECT_EQ(b.sizes(), (c10::IntArrayRef{16, 4}));  // 2 KV heads x head_dim 8
   EXPECT_EQ(a.scalar_type(), at::kDouble);
