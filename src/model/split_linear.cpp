@@ -701,6 +701,13 @@ std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& rows, const at::Tens
   return {std::move(y), std::move(h)};
 }
 
+// The weight gradient of `parameter` as a Linear's of its own (input, output), no bias.
+WeightGrad weight_job(const at::Tensor& grad_out, const at::Tensor& input,
+                      const at::Tensor& parameter) {
+  return WeightGrad{
+      .grad_out = grad_out, .input = input, .weight = parameter, .bias = at::Tensor()};
+}
+
 void save(torch::autograd::AutogradContext* ctx, const at::Tensor& weight, const at::Tensor& a,
           const at::Tensor& b, double scale, int64_t queue_address) {
   ctx->saved_data["queue"] = queue_address;
@@ -771,10 +778,7 @@ struct Backward {
  private:
   [[nodiscard]] WeightGrad job(const at::Tensor& grad_out, const at::Tensor& input,
                                const char* parameter) const {
-    return WeightGrad{.grad_out = grad_out,
-                      .input = input,
-                      .weight = ctx->saved_data[parameter].toTensor(),
-                      .bias = at::Tensor()};
+    return weight_job(grad_out, input, ctx->saved_data[parameter].toTensor());
   }
 };
 
@@ -922,20 +926,17 @@ struct LowRankFanOutLinear : torch::autograd::Function<LowRankFanOutLinear> {
     WeightGradJobs jobs;
     int64_t column = 0;
     for (std::size_t i = 0; i < k; ++i) {
-      const auto job = [&](const at::Tensor& grad_out, const at::Tensor& input,
-                           const at::Tensor& parameter) {
-        return WeightGrad{
-            .grad_out = grad_out, .input = input, .weight = parameter, .bias = at::Tensor()};
-      };
       if (g[i].defined()) {
         if (ctx->needs_input_grad(1 + i)) {
-          jobs.emplace_back(1 + i, job(g[i], rows, weights[i]));
+          jobs.emplace_back(1 + i, low_rank::weight_job(g[i], rows, weights[i]));
         }
         if (ctx->needs_input_grad(1 + k + i)) {
-          jobs.emplace_back(1 + k + i, job(dh.narrow(1, column, ranks[i]), rows, as[i]));
+          jobs.emplace_back(1 + k + i,
+                            low_rank::weight_job(dh.narrow(1, column, ranks[i]), rows, as[i]));
         }
         if (ctx->needs_input_grad(1 + 2 * k + i)) {
-          jobs.emplace_back(1 + 2 * k + i, job(g[i], h.narrow(1, column, ranks[i]), bs[i]));
+          jobs.emplace_back(1 + 2 * k + i,
+                            low_rank::weight_job(g[i], h.narrow(1, column, ranks[i]), bs[i]));
         }
       }
       column += ranks[i];
