@@ -24,6 +24,7 @@ namespace d9d::kernels {
 namespace detail {
 // src/kernels/scale.cpp (no public header: the op is reached through the dispatcher).
 void check_scale(at::TensorList tensors, const at::Tensor& scale);
+void scale_by_definition(const at::Tensor& t, const at::Tensor& factor);
 }  // namespace detail
 
 namespace {
@@ -120,12 +121,13 @@ void scale_cuda(at::TensorList tensors, const at::Tensor& scale) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+  const at::Tensor factor = scale.reshape({}).to(at::kFloat).contiguous();
   std::vector<const at::Tensor*> listed;
   std::int64_t blocks = 0;
   bool vectorised = true;
   for (const auto& t : tensors) {
     if (!t.is_contiguous() || capturing != cudaStreamCaptureStatusNone) {
-      t.copy_(t.to(at::kFloat).mul_(scale.reshape({}).to(at::kFloat)));
+      detail::scale_by_definition(t, factor);
     } else if (t.numel() > 0) {
       listed.push_back(&t);
       blocks += (t.numel() + kSpan - 1) / kSpan;
@@ -147,7 +149,6 @@ void scale_cuda(at::TensorList tensors, const at::Tensor& scale) {
     first += (tensor.numel() + kSpan - 1) / kSpan;
   }
   const at::Tensor table = host.to(tensors[0].device(), /*non_blocking=*/true);
-  const at::Tensor factor = scale.reshape({}).to(at::kFloat).contiguous();
   const auto* device_slots = reinterpret_cast<const Slot*>(table.const_data_ptr<std::int64_t>());
   if (vectorised) {
     scale_bf16_kernel<true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(

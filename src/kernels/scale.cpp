@@ -43,6 +43,12 @@ void check_scale(at::TensorList tensors, const at::Tensor& scale) {
   }
 }
 
+// The definition for one bfloat16 tensor: the product in float32 with the float32 `factor`,
+// rounded once (nearest even) by the copy. The CPU kernel, and the CUDA kernel's per-tensor path.
+void scale_by_definition(const at::Tensor& t, const at::Tensor& factor) {
+  t.copy_(t.to(at::kFloat).mul_(factor));
+}
+
 }  // namespace detail
 
 namespace {
@@ -57,10 +63,9 @@ void scale_cpu(at::TensorList tensors, const at::Tensor& scale) {
     at::_foreach_mul_(tensors, scale.reshape({}).to(dtype));
     return;
   }
-  // The definition: the product in float32, rounded once (nearest even) by the copy.
   const auto factor = scale.reshape({}).to(at::kFloat);
   for (const auto& t : tensors) {
-    t.copy_(t.to(at::kFloat).mul_(factor));
+    detail::scale_by_definition(t, factor);
   }
 }
 

@@ -16,6 +16,8 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include "tests/kernels/cuda_views.hpp"
+
 namespace {
 
 void scale_list(const std::vector<at::Tensor>& tensors, const at::Tensor& scale) {
@@ -42,18 +44,6 @@ void scale_list(const std::vector<at::Tensor>& tensors, const at::Tensor& scale)
          << (y.view(at::kShort)[i].item<int>() & 0xFFFF) << ")";
 }
 
-std::vector<at::Tensor> to_cuda(const std::vector<at::Tensor>& list, int64_t skip) {
-  std::vector<at::Tensor> out;
-  for (const auto& t : list) {
-    // `skip` elements in: a view whose data pointer is 2 bytes past a 16-byte boundary.
-    auto base = at::empty({t.numel() + skip}, t.options().device(at::kCUDA));
-    auto view = base.narrow(0, skip, t.numel());
-    view.copy_(t);
-    out.push_back(view);
-  }
-  return out;
-}
-
 class Kernels_Scale_Cuda : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -78,7 +68,8 @@ TEST_F(Kernels_Scale_Cuda, Bf16ListIsBitIdenticalToTheCpuKernel) {
       }
       cpu.push_back(t);
     }
-    auto gpu = to_cuda(cpu, skip);
+    // skip 1: each data pointer 2 bytes past a 16-byte boundary.
+    auto gpu = d9d::testing::to_cuda_views(cpu, skip);
     const auto scale = at::scalar_tensor(0.3, at::kDouble);
     scale_list(cpu, scale);
     scale_list(gpu, scale.cuda());

@@ -13,6 +13,8 @@
 
 #include <d9d/kernels/stochastic.hpp>
 
+#include "tests/kernels/cuda_views.hpp"
+
 namespace {
 
 class Kernels_Stochastic_Cuda : public ::testing::Test {
@@ -55,22 +57,12 @@ TEST_F(Kernels_Stochastic_Cuda, AdamWMatchesTheCpuKernel) {
           m_cpu.push_back(make(n, state_type, 1e-3, false));
           v_cpu.push_back(make(n, state_type, 1e-5, true));
         }
-        const auto to_gpu = [](const std::vector<at::Tensor>& list, int64_t skip) {
-          std::vector<at::Tensor> out;
-          for (const auto& t : list) {
-            // Keep the misalignment on the device: copy the base, view one element in.
-            auto base = at::empty({t.numel() + skip}, t.options().device(at::kCUDA));
-            auto view = base.narrow(0, skip, t.numel());
-            view.copy_(t);
-            out.push_back(view);
-          }
-          return out;
-        };
+        // Keep the misalignment on the device: views one element into their allocations.
         const int64_t skip = aligned ? 0 : 1;
-        p_gpu = to_gpu(p_cpu, skip);
-        g_gpu = to_gpu(g_cpu, skip);
-        m_gpu = to_gpu(m_cpu, skip);
-        v_gpu = to_gpu(v_cpu, skip);
+        p_gpu = d9d::testing::to_cuda_views(p_cpu, skip);
+        g_gpu = d9d::testing::to_cuda_views(g_cpu, skip);
+        m_gpu = d9d::testing::to_cuda_views(m_cpu, skip);
+        v_gpu = d9d::testing::to_cuda_views(v_cpu, skip);
         d9d::kernels::adamw_stochastic(p_cpu, g_cpu, m_cpu, v_cpu, step, 1234);
         d9d::kernels::adamw_stochastic(p_gpu, g_gpu, m_gpu, v_gpu, step, 1234);
         int64_t differ = 0;
