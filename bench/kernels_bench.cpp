@@ -20,7 +20,6 @@
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <benchmark/benchmark.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -29,6 +28,7 @@
 
 #include <d9d/kernels/cross_entropy.hpp>
 #include <d9d/kernels/rope.hpp>
+#include <d9d/kernels/scale.hpp>
 #include <d9d/kernels/silu_mul.hpp>
 #include <d9d/kernels/stochastic.hpp>
 #include <d9d/optim/adamw.hpp>
@@ -343,10 +343,9 @@ void clip_scale(benchmark::State& state, Scale&& scale) {
   run(state, bytes, kCallsPerIteration, [&] { scale(grads, factor); });
 }
 void BM_ClipScale_D9d(benchmark::State& state) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("d9d::scale_", "")
-                             .typed<void(at::TensorList, const at::Tensor&)>();
-  clip_scale(state, [](const std::vector<at::Tensor>& g, const at::Tensor& s) { op.call(g, s); });
+  clip_scale(state, [](const std::vector<at::Tensor>& g, const at::Tensor& s) {
+    d9d::kernels::scale(g, s);
+  });
 }
 void BM_ClipScale_AtenForeachMul(benchmark::State& state) {
   clip_scale(state, [](const std::vector<at::Tensor>& g, const at::Tensor& s) {

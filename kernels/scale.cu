@@ -20,13 +20,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-namespace d9d::kernels {
-namespace detail {
-// src/kernels/scale.cpp (no public header: the op is reached through the dispatcher).
-void check_scale(at::TensorList tensors, const at::Tensor& scale);
-void scale_by_definition(const at::Tensor& t, const at::Tensor& factor);
-}  // namespace detail
+#include <d9d/kernels/scale.hpp>
 
+namespace d9d::kernels {
 namespace {
 
 using Bits = std::uint16_t;  // bfloat16 storage

@@ -20,11 +20,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <d9d/kernels/scale.hpp>
+
 namespace d9d::kernels {
 namespace detail {
 
-// Declared where it is used (kernels/scale.cu): the op is reached through the dispatcher and has
-// no public header of its own yet.
 void check_scale(at::TensorList tensors, const at::Tensor& scale) {
   TORCH_CHECK(scale.defined() && scale.numel() == 1 && scale.dim() <= 1,
               "d9d::scale_: scale must be a 0-dim (or one-element) tensor");
@@ -43,8 +43,6 @@ void check_scale(at::TensorList tensors, const at::Tensor& scale) {
   }
 }
 
-// The definition for one bfloat16 tensor: the product in float32 with the float32 `factor`,
-// rounded once (nearest even) by the copy. The CPU kernel, and the CUDA kernel's per-tensor path.
 void scale_by_definition(const at::Tensor& t, const at::Tensor& factor) {
   t.copy_(t.to(at::kFloat).mul_(factor));
 }
@@ -70,6 +68,14 @@ void scale_cpu(at::TensorList tensors, const at::Tensor& scale) {
 }
 
 }  // namespace
+
+void scale(at::TensorList tensors, const at::Tensor& factor) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("d9d::scale_", "")
+                             .typed<void(at::TensorList, const at::Tensor&)>();
+  op.call(tensors, factor);
+}
+
 }  // namespace d9d::kernels
 
 TORCH_LIBRARY_FRAGMENT(d9d, m) { m.def("scale_(Tensor(a!)[] tensors, Tensor scale) -> ()"); }

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <d9d/core/collectives.hpp>
+#include <d9d/kernels/scale.hpp>
 #include <d9d/model/embedding_rows.hpp>
 #include <d9d/parallel/detail/embedding_rows.hpp>
 #include <d9d/parallel/parallelize.hpp>
@@ -221,15 +221,12 @@ at::Tensor scale_gradients(const std::vector<at::Tensor>& grads, const at::Tenso
   // One d9d::scale_ per gradient dtype (src/kernels/scale.cpp): bfloat16 gradients times the
   // float32 scale in one launch (at::_foreach_mul_ took its per-tensor route for them), the others
   // with the scale in their dtype.
-  static const auto scale_op = c10::Dispatcher::singleton()
-                                   .findSchemaOrThrow("d9d::scale_", "")
-                                   .typed<void(at::TensorList, const at::Tensor&)>();
   std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
   for (const auto& grad : grads) {
     by_dtype[grad.scalar_type()].push_back(grad);
   }
   for (const auto& entry : by_dtype) {
-    scale_op.call(entry.second, scale);
+    kernels::scale(entry.second, scale);
   }
   return grad_norm;
 }

@@ -9,23 +9,17 @@
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include <d9d/kernels/scale.hpp>
+
 #include "tests/kernels/cuda_views.hpp"
 
 namespace {
-
-void scale_list(const std::vector<at::Tensor>& tensors, const at::Tensor& scale) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("d9d::scale_", "")
-                             .typed<void(at::TensorList, const at::Tensor&)>();
-  op.call(tensors, scale);
-}
 
 // Equal bits, except that a NaN only has to meet a NaN: its payload is not part of the
 // definition (the first run compared raw bits and failed on the NaN elements alone).
@@ -71,8 +65,8 @@ TEST_F(Kernels_Scale_Cuda, Bf16ListIsBitIdenticalToTheCpuKernel) {
     // skip 1: each data pointer 2 bytes past a 16-byte boundary.
     auto gpu = d9d::testing::to_cuda_views(cpu, skip);
     const auto scale = at::scalar_tensor(0.3, at::kDouble);
-    scale_list(cpu, scale);
-    scale_list(gpu, scale.cuda());
+    d9d::kernels::scale(cpu, scale);
+    d9d::kernels::scale(gpu, scale.cuda());
     for (size_t t = 0; t < cpu.size(); ++t) {
       EXPECT_TRUE(bits_equal(cpu[t], gpu[t])) << "skip " << skip << ", tensor " << t;
     }
@@ -88,10 +82,10 @@ TEST_F(Kernels_Scale_Cuda, NonContiguousAndFloat32ListsMatchTheCpuKernel) {
   auto cpu_contiguous = (at::randn({9000})).to(at::kBFloat16);
   auto gpu_contiguous = cpu_contiguous.cuda();
   const auto scale = at::scalar_tensor(1.7, at::kFloat);
-  scale_list({cpu_matrix.t(), cpu_contiguous}, scale);
-  scale_list({gpu_matrix.t(), gpu_contiguous}, scale.cuda());
-  scale_list({cpu_f32}, scale);
-  scale_list({gpu_f32}, scale.cuda());
+  d9d::kernels::scale({cpu_matrix.t(), cpu_contiguous}, scale);
+  d9d::kernels::scale({gpu_matrix.t(), gpu_contiguous}, scale.cuda());
+  d9d::kernels::scale({cpu_f32}, scale);
+  d9d::kernels::scale({gpu_f32}, scale.cuda());
   EXPECT_TRUE(bits_equal(cpu_matrix, gpu_matrix));
   EXPECT_TRUE(bits_equal(cpu_contiguous, gpu_contiguous));
   EXPECT_TRUE(at::allclose(cpu_f32, gpu_f32.cpu(), 0, 0));
@@ -105,8 +99,8 @@ TEST_F(Kernels_Scale_Cuda, ScaleComputedOnTheDeviceAndUnderGraphCapture) {
   // A scale that exists only on the device, as the clipping computes it.
   const auto norm = at::randn({100}, at::TensorOptions().device(at::kCUDA)).norm();
   const auto device_scale = 1.0 / (norm + 1e-6);
-  scale_list({cpu}, device_scale.cpu());
-  scale_list({eager}, device_scale);
+  d9d::kernels::scale({cpu}, device_scale.cpu());
+  d9d::kernels::scale({eager}, device_scale);
   EXPECT_TRUE(bits_equal(cpu, eager));
 
   const auto stream = c10::cuda::getStreamFromPool();
@@ -114,7 +108,7 @@ TEST_F(Kernels_Scale_Cuda, ScaleComputedOnTheDeviceAndUnderGraphCapture) {
     const c10::cuda::CUDAStreamGuard guard(stream);
     at::cuda::CUDAGraph graph;
     graph.capture_begin();
-    scale_list({graphed}, device_scale);
+    d9d::kernels::scale({graphed}, device_scale);
     graph.capture_end();
     graph.replay();
   }

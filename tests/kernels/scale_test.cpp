@@ -9,23 +9,17 @@
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <d9d/kernels/scale.hpp>
 
 #include "tests/support/error_of.hpp"
 
 namespace {
 
 using ::testing::HasSubstr;
-
-void scale_list(const std::vector<at::Tensor>& tensors, const at::Tensor& scale) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("d9d::scale_", "")
-                             .typed<void(at::TensorList, const at::Tensor&)>();
-  op.call(tensors, scale);
-}
 
 // The definition, one element at a time: float32(x) * float32(scale), rounded to bfloat16.
 at::Tensor expected_bf16(const at::Tensor& x, double scale) {
@@ -55,7 +49,7 @@ TEST(Kernels_Scale_Cpu, Bf16IsTheFloat32ProductRoundedOnce) {
   }
   // 0.3 is not a bfloat16 (nor a float32): a scale rounded to 8 bits would move most products.
   const double scale = 0.3;
-  scale_list(list, at::scalar_tensor(scale, at::kDouble));
+  d9d::kernels::scale(list, at::scalar_tensor(scale, at::kDouble));
   int64_t moved_by_8_bit_scale = 0;
   for (size_t t = 0; t < list.size(); ++t) {
     EXPECT_TRUE(bits_equal(list[t], expected_bf16(before[t], scale))) << "tensor " << t;
@@ -73,8 +67,8 @@ TEST(Kernels_Scale_Cpu, OtherDtypesAreMultipliedInTheirOwn) {
   const auto f32_before = f32.clone();
   const auto f64_before = f64.clone();
   const double scale = 0.123456789012345;
-  scale_list({f32}, at::scalar_tensor(scale, at::kDouble));
-  scale_list({f64}, at::scalar_tensor(scale, at::kDouble));
+  d9d::kernels::scale({f32}, at::scalar_tensor(scale, at::kDouble));
+  d9d::kernels::scale({f64}, at::scalar_tensor(scale, at::kDouble));
   EXPECT_TRUE(at::equal(f32, f32_before * static_cast<float>(scale)));
   EXPECT_TRUE(at::equal(f64, f64_before * scale));
 }
@@ -86,7 +80,7 @@ TEST(Kernels_Scale_Cpu, NonContiguousTensorsAndSpecialValues) {
                              std::numeric_limits<float>::quiet_NaN(), 3.0e38F})
                      .to(at::kBFloat16);
   const auto base_before = base.clone();
-  scale_list({transposed, special}, at::scalar_tensor(2.5, at::kFloat));
+  d9d::kernels::scale({transposed, special}, at::scalar_tensor(2.5, at::kFloat));
   EXPECT_TRUE(bits_equal(base, expected_bf16(base_before, 2.5)));
   EXPECT_TRUE(std::isinf(special[0].item<float>()));
   EXPECT_TRUE(std::signbit(special[1].item<float>()));
@@ -97,16 +91,16 @@ TEST(Kernels_Scale_Cpu, NonContiguousTensorsAndSpecialValues) {
 TEST(Kernels_Scale_Cpu, BadArgumentsAreRefusedByName) {
   const auto one = at::scalar_tensor(1.0);
   EXPECT_THAT(d9d::testing::error_of([&] {
-                scale_list({at::ones({2}), at::ones({2}, at::kDouble)}, one);
+                d9d::kernels::scale({at::ones({2}), at::ones({2}, at::kDouble)}, one);
               }),
               HasSubstr("tensors[1] is Double, tensors[0] is Float (one dtype per list)"));
-  EXPECT_THAT(d9d::testing::error_of([&] { scale_list({at::ones({2})}, at::ones({2})); }),
+  EXPECT_THAT(d9d::testing::error_of([&] { d9d::kernels::scale({at::ones({2})}, at::ones({2})); }),
               HasSubstr("scale must be a 0-dim (or one-element) tensor"));
-  EXPECT_THAT(d9d::testing::error_of([&] { scale_list({at::ones({2}, at::kInt)}, one); }),
+  EXPECT_THAT(d9d::testing::error_of([&] { d9d::kernels::scale({at::ones({2}, at::kInt)}, one); }),
               HasSubstr("tensors[0] is Int; it must be a floating type"));
-  EXPECT_THAT(
-      d9d::testing::error_of([&] { scale_list({at::ones({2})}, at::scalar_tensor(2, at::kLong)); }),
-      HasSubstr("scale is Long; it must be a floating type"));
+  EXPECT_THAT(d9d::testing::error_of(
+                  [&] { d9d::kernels::scale({at::ones({2})}, at::scalar_tensor(2, at::kLong)); }),
+              HasSubstr("scale is Long; it must be a floating type"));
 }
 
 }  // namespace
