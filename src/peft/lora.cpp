@@ -397,211 +397,267 @@ void apply_stack(torch::nn::Module& model, const StackSpec& spec, uint64_t seed)
   detail::apply_stack({root}, spec, seed, [](std::vector<int64_t>& /*counts*/) {});
 }
 
-namespace detail {
+namespace {
 
-void apply_stack(const std::vector<std::shared_ptr<torch::nn::Module>>& roots,
-                 const StackSpec& spec, uint64_t seed, const SumOverStages& sum_over_stages) {
-  const auto modules = modules_of(roots);
-  std::vector<std::pair<std::string, at::Tensor>> parameters;
-  for (const auto& root : roots) {
-    for (const auto& item : root->named_parameters()) {
-      parameters.emplace_back(item.key(), item.value());
+// A peft stack applied to the modules of some roots, in three phases: match every method's
+// patterns (claiming parameters, collecting the layers and expert projections to adapt, counting
+// matches per pattern, keeping the first error), check the counts over every pipeline stage, then
+// freeze, train and adapt.
+class StackApplication {
+ public:
+  StackApplication(const std::vector<std::shared_ptr<torch::nn::Module>>& roots,
+                   const StackSpec& spec)
+      : spec_(spec), modules_(modules_of(roots)) {
+    for (const auto& root : roots) {
+      for (const auto& item : root->named_parameters()) {
+        parameters_.emplace_back(item.key(), item.value());
+      }
+    }
+    // The grouped experts' stacked projections ("...mlp.experts.gate_proj"): targets like linear
+    // layers, each adapted for every expert.
+    for (const auto& [name, module] : modules_) {
+      if (auto* experts = dynamic_cast<model::GroupedExpertsImpl*>(module.get())) {
+        for (std::size_t p = 0; p < model::GroupedExpertsImpl::projections.size(); ++p) {
+          expert_projections_.push_back(
+              {name + "." + std::string(model::GroupedExpertsImpl::projections.at(p)), experts, p});
+        }
+      }
     }
   }
 
-  // Which method claims each parameter; the layers each Lora adapts; matches per pattern.
+  void match() {
+    for (std::size_t m = 0; m < spec_.methods.size(); ++m) {
+      const auto& method = spec_.methods[m];
+      if (method.kind == MethodKind::full_tune) {
+        continue;
+      }
+      if (method.kind == MethodKind::lora) {
+        const bool every_linear = method.patterns.empty();
+        const std::vector<std::string> patterns =
+            every_linear ? std::vector<std::string>{"(every linear layer but lm_head)"}
+                         : method.patterns;
+        for (const auto& pattern : patterns) {
+          count(m, pattern,
+                match_linear(m, pattern, every_linear) + match_experts(m, pattern, every_linear));
+        }
+        continue;
+      }
+      for (const auto& pattern : method.patterns) {
+        int64_t matched = 0;
+        for (const auto& [name, parameter] : parameters_) {
+          if (parameter_matches(pattern, name)) {
+            ++matched;
+            claim(name, m, pattern);
+          }
+        }
+        count(m, pattern, matched);
+      }
+    }
+  }
+
+  // A pattern may match on another pipeline stage only; errors on one rank stop every rank.
+  void check(const detail::SumOverStages& sum_over_stages) {
+    counts_.push_back(error_.empty() ? 0 : 1);
+    sum_over_stages(counts_);
+    if (!error_.empty()) {
+      throw std::invalid_argument(error_);
+    }
+    if (counts_.back() > 0) {
+      throw std::invalid_argument(
+          "d9d::peft: another pipeline rank rejected the peft stack (its message says why)");
+    }
+    for (std::size_t i = 0; i + 1 < counts_.size(); ++i) {
+      if (counts_[i] > 0) {
+        continue;
+      }
+      const auto& [m, pattern] = counted_[i];
+      const auto& method = spec_.methods[m];
+      const bool lora = method.kind == MethodKind::lora;
+      throw std::invalid_argument(
+          "d9d::peft: the pattern \"" + pattern + "\" of " + method.describe() + " matches no " +
+          (lora ? "module" : "parameter or module") + " of the model" +
+          suggestion(pattern, modules_) + ". Modules here: " + module_listing(modules_) +
+          ". Fix: use one of these names, a dotted suffix of one (\"q_proj\"), or a glob over "
+          "whole names (\"*.q_proj\")");
+    }
+  }
+
+  // Freeze, train, then adapt.
+  void apply(uint64_t seed) {
+    for (auto& [name, parameter] : parameters_) {
+      const auto it = claims_.find(name);
+      if (it == claims_.end()) {
+        if (!spec_.rest_trains) {
+          parameter.requires_grad_(false);
+        }
+        continue;
+      }
+      parameter.requires_grad_(spec_.methods[it->second.method].kind == MethodKind::train);
+    }
+    for (const auto& [t, m] : adapt_experts_) {
+      const auto& method = spec_.methods[m];
+      const auto& target = expert_projections_[t];
+      target.experts->adapters.at(target.index) = std::make_shared<ExpertLoraAdapter>(
+          *target.experts, target.index,
+          LoraOptions{.rank = method.rank, .alpha = static_cast<double>(method.alpha)}, seed,
+          target.name);
+    }
+    std::map<std::string, std::shared_ptr<torch::nn::Module>> by_name(modules_.begin(),
+                                                                      modules_.end());
+    for (const auto& [name, m] : adapt_) {
+      const auto& method = spec_.methods[m];
+      auto& layer = dynamic_cast<model::LinearImpl&>(*by_name.at(name));
+      layer.adapter =
+          std::make_shared<LoraAdapter>(layer,
+                                        LoraOptions{.rank = method.rank,
+                                                    .alpha = static_cast<double>(method.alpha),
+                                                    .dropout = method.dropout},
+                                        seed, name);
+    }
+  }
+
+ private:
+  // Which method claims a parameter, and by which of its patterns.
   struct Claim {
     std::size_t method;
     std::string pattern;
   };
-  std::map<std::string, Claim> claims;
-  std::vector<std::pair<std::string, std::size_t>> adapt;    // layer name, Lora method
-  std::vector<int64_t> counts;                               // per (method, pattern), then errors
-  std::vector<std::pair<std::size_t, std::string>> counted;  // what each count is about
-  std::string error;
-  const auto claim = [&](const std::string& parameter, std::size_t method,
-                         const std::string& pattern) {
-    const auto [it, fresh] = claims.emplace(parameter, Claim{method, pattern});
-    if (!fresh && it->second.method != method && error.empty()) {
-      error = "d9d::peft::Stack: " + parameter + " is claimed by " +
-              spec.methods[it->second.method].describe() + " (pattern \"" + it->second.pattern +
-              "\") and by " + spec.methods[method].describe() + " (pattern \"" + pattern +
-              "\"); a parameter is frozen, trained or adapted by one method. Fix: make the "
-              "patterns disjoint (e.g. name the layers of each method)";
-    }
-  };
-  const auto has_parameter = [&](const std::string& name) {
-    return std::any_of(parameters.begin(), parameters.end(),
-                       [&](const auto& item) { return item.first == name; });
-  };
-  // The grouped experts' stacked projections ("...mlp.experts.gate_proj"): targets like linear
-  // layers, each adapted for every expert.
   struct ExpertProjection {
     std::string name;
     model::GroupedExpertsImpl* experts;
     std::size_t index;
   };
-  std::vector<ExpertProjection> expert_projections;
-  for (const auto& [name, module] : modules) {
-    if (auto* experts = dynamic_cast<model::GroupedExpertsImpl*>(module.get())) {
-      for (std::size_t p = 0; p < model::GroupedExpertsImpl::projections.size(); ++p) {
-        expert_projections.push_back(
-            {name + "." + std::string(model::GroupedExpertsImpl::projections.at(p)), experts, p});
-      }
-    }
-  }
-  std::vector<std::pair<std::size_t, std::size_t>> adapt_experts;  // projection, Lora method
 
-  for (std::size_t m = 0; m < spec.methods.size(); ++m) {
-    const auto& method = spec.methods[m];
-    if (method.kind == MethodKind::full_tune) {
-      continue;
-    }
-    if (method.kind == MethodKind::lora) {
-      const bool every_linear = method.patterns.empty();
-      const std::vector<std::string> patterns =
-          every_linear ? std::vector<std::string>{"(every linear layer but lm_head)"}
-                       : method.patterns;
-      for (const auto& pattern : patterns) {
-        int64_t matched = 0;
-        for (const auto& [name, module] : modules) {
-          const bool hit =
-              every_linear ? all_linear_target(name, *module) : pattern_matches(pattern, name);
-          if (!hit) {
-            continue;
-          }
-          ++matched;
-          auto* layer = dynamic_cast<model::LinearImpl*>(module.get());
-          if (layer == nullptr) {
-            if (error.empty()) {
-              error = "d9d::peft::Lora: the target \"" + pattern + "\" of " + method.describe() +
-                      " matches " + name + ", a " + kind_of(*module) +
-                      "; LoRA wraps linear layers (d9d::model::Linear) and the grouped experts' "
-                      "projections (\"*.experts.gate_proj\", up_proj, down_proj) only. Fix: "
-                      "target those, e.g. \"*.q_proj\"; linear layers here: " +
-                      module_listing([&] {
-                        std::vector<NamedModule> linear;
-                        for (const auto& item : modules) {
-                          if (dynamic_cast<model::LinearImpl*>(item.second.get()) != nullptr) {
-                            linear.push_back(item);
-                          }
-                        }
-                        return linear;
-                      }());
-            }
-            continue;
-          }
-          if (layer->adapter && error.empty()) {
-            error = "d9d::peft::Lora: " + name +
-                    " already has an adapter (a peft stack is applied once). Fix: apply one "
-                    "d9d::peft::Stack with every method";
-          }
-          if (std::find(adapt.begin(), adapt.end(), std::make_pair(name, m)) == adapt.end()) {
-            adapt.emplace_back(name, m);
-          }
-          for (const char* suffix : {".weight", ".bias"}) {
-            if (has_parameter(name + suffix)) {
-              claim(name + suffix, m, pattern);
-            }
-          }
-        }
-        for (std::size_t t = 0; t < expert_projections.size(); ++t) {
-          const auto& target = expert_projections[t];
-          if (!every_linear && !pattern_matches(pattern, target.name)) {
-            continue;
-          }
-          ++matched;
-          if (method.dropout > 0.0 && error.empty()) {
-            error = "d9d::peft::Lora: the target \"" + pattern + "\" of " + method.describe() +
-                    " matches " + target.name +
-                    ", a stacked expert projection, where LoRA takes no dropout (peft refuses "
-                    "lora_dropout on expert parameters too). Fix: adapt the experts with a Lora "
-                    "without with_dropout, and the other layers with a second Lora method";
-          }
-          if (target.experts->adapters.at(target.index) && error.empty()) {
-            error = "d9d::peft::Lora: " + target.name +
-                    " already has an adapter (a peft stack is applied once). Fix: apply one "
-                    "d9d::peft::Stack with every method";
-          }
-          if (std::find(adapt_experts.begin(), adapt_experts.end(), std::make_pair(t, m)) ==
-              adapt_experts.end()) {
-            adapt_experts.emplace_back(t, m);
-          }
-          claim(target.name, m, pattern);
-        }
-        counts.push_back(matched);
-        counted.emplace_back(m, pattern);
-      }
-      continue;
-    }
-    for (const auto& pattern : method.patterns) {
-      int64_t matched = 0;
-      for (const auto& [name, parameter] : parameters) {
-        if (parameter_matches(pattern, name)) {
-          ++matched;
-          claim(name, m, pattern);
-        }
-      }
-      counts.push_back(matched);
-      counted.emplace_back(m, pattern);
+  void fail(std::string message) {
+    if (error_.empty()) {
+      error_ = std::move(message);
     }
   }
 
-  // A pattern may match on another pipeline stage only; errors on one rank stop every rank.
-  counts.push_back(error.empty() ? 0 : 1);
-  sum_over_stages(counts);
-  if (!error.empty()) {
-    throw std::invalid_argument(error);
-  }
-  if (counts.back() > 0) {
-    throw std::invalid_argument(
-        "d9d::peft: another pipeline rank rejected the peft stack (its message says why)");
-  }
-  for (std::size_t i = 0; i + 1 < counts.size(); ++i) {
-    if (counts[i] > 0) {
-      continue;
-    }
-    const auto& [m, pattern] = counted[i];
-    const auto& method = spec.methods[m];
-    const bool lora = method.kind == MethodKind::lora;
-    throw std::invalid_argument(
-        "d9d::peft: the pattern \"" + pattern + "\" of " + method.describe() + " matches no " +
-        (lora ? "module" : "parameter or module") + " of the model" + suggestion(pattern, modules) +
-        ". Modules here: " + module_listing(modules) +
-        ". Fix: use one of these names, a dotted suffix of one (\"q_proj\"), or a glob over "
-        "whole names (\"*.q_proj\")");
+  void count(std::size_t method, const std::string& pattern, int64_t matched) {
+    counts_.push_back(matched);
+    counted_.emplace_back(method, pattern);
   }
 
-  // Freeze, train, then adapt.
-  for (auto& [name, parameter] : parameters) {
-    const auto it = claims.find(name);
-    if (it == claims.end()) {
-      if (!spec.rest_trains) {
-        parameter.requires_grad_(false);
-      }
-      continue;
+  void claim(const std::string& parameter, std::size_t method, const std::string& pattern) {
+    const auto [it, fresh] = claims_.emplace(parameter, Claim{method, pattern});
+    if (!fresh && it->second.method != method) {
+      fail("d9d::peft::Stack: " + parameter + " is claimed by " +
+           spec_.methods[it->second.method].describe() + " (pattern \"" + it->second.pattern +
+           "\") and by " + spec_.methods[method].describe() + " (pattern \"" + pattern +
+           "\"); a parameter is frozen, trained or adapted by one method. Fix: make the "
+           "patterns disjoint (e.g. name the layers of each method)");
     }
-    parameter.requires_grad_(spec.methods[it->second.method].kind == MethodKind::train);
   }
-  std::map<std::string, std::shared_ptr<torch::nn::Module>> by_name(modules.begin(), modules.end());
-  for (const auto& [t, m] : adapt_experts) {
-    const auto& method = spec.methods[m];
-    const auto& target = expert_projections[t];
-    target.experts->adapters.at(target.index) = std::make_shared<ExpertLoraAdapter>(
-        *target.experts, target.index,
-        LoraOptions{.rank = method.rank, .alpha = static_cast<double>(method.alpha)}, seed,
-        target.name);
+
+  [[nodiscard]] bool has_parameter(const std::string& name) const {
+    return std::any_of(parameters_.begin(), parameters_.end(),
+                       [&](const auto& item) { return item.first == name; });
   }
-  for (const auto& [name, m] : adapt) {
-    const auto& method = spec.methods[m];
-    auto& layer = dynamic_cast<model::LinearImpl&>(*by_name.at(name));
-    layer.adapter =
-        std::make_shared<LoraAdapter>(layer,
-                                      LoraOptions{.rank = method.rank,
-                                                  .alpha = static_cast<double>(method.alpha),
-                                                  .dropout = method.dropout},
-                                      seed, name);
+
+  // The linear layers Lora method `m`'s pattern adapts; how many modules it matched.
+  int64_t match_linear(std::size_t m, const std::string& pattern, bool every_linear) {
+    const auto& method = spec_.methods[m];
+    int64_t matched = 0;
+    for (const auto& [name, module] : modules_) {
+      const bool hit =
+          every_linear ? all_linear_target(name, *module) : pattern_matches(pattern, name);
+      if (!hit) {
+        continue;
+      }
+      ++matched;
+      auto* layer = dynamic_cast<model::LinearImpl*>(module.get());
+      if (layer == nullptr) {
+        if (error_.empty()) {  // the listing is built for the first error only
+          fail("d9d::peft::Lora: the target \"" + pattern + "\" of " + method.describe() +
+               " matches " + name + ", a " + kind_of(*module) +
+               "; LoRA wraps linear layers (d9d::model::Linear) and the grouped experts' "
+               "projections (\"*.experts.gate_proj\", up_proj, down_proj) only. Fix: target "
+               "those, e.g. \"*.q_proj\"; linear layers here: " +
+               module_listing(linear_modules()));
+        }
+        continue;
+      }
+      if (layer->adapter) {
+        fail("d9d::peft::Lora: " + name +
+             " already has an adapter (a peft stack is applied once). Fix: apply one "
+             "d9d::peft::Stack with every method");
+      }
+      if (std::find(adapt_.begin(), adapt_.end(), std::make_pair(name, m)) == adapt_.end()) {
+        adapt_.emplace_back(name, m);
+      }
+      for (const char* suffix : {".weight", ".bias"}) {
+        if (has_parameter(name + suffix)) {
+          claim(name + suffix, m, pattern);
+        }
+      }
+    }
+    return matched;
   }
+
+  // The stacked expert projections Lora method `m`'s pattern adapts; how many it matched.
+  int64_t match_experts(std::size_t m, const std::string& pattern, bool every_linear) {
+    const auto& method = spec_.methods[m];
+    int64_t matched = 0;
+    for (std::size_t t = 0; t < expert_projections_.size(); ++t) {
+      const auto& target = expert_projections_[t];
+      if (!every_linear && !pattern_matches(pattern, target.name)) {
+        continue;
+      }
+      ++matched;
+      if (method.dropout > 0.0) {
+        fail("d9d::peft::Lora: the target \"" + pattern + "\" of " + method.describe() +
+             " matches " + target.name +
+             ", a stacked expert projection, where LoRA takes no dropout (peft refuses "
+             "lora_dropout on expert parameters too). Fix: adapt the experts with a Lora "
+             "without with_dropout, and the other layers with a second Lora method");
+      }
+      if (target.experts->adapters.at(target.index)) {
+        fail("d9d::peft::Lora: " + target.name +
+             " already has an adapter (a peft stack is applied once). Fix: apply one "
+             "d9d::peft::Stack with every method");
+      }
+      if (std::find(adapt_experts_.begin(), adapt_experts_.end(), std::make_pair(t, m)) ==
+          adapt_experts_.end()) {
+        adapt_experts_.emplace_back(t, m);
+      }
+      claim(target.name, m, pattern);
+    }
+    return matched;
+  }
+
+  [[nodiscard]] std::vector<NamedModule> linear_modules() const {
+    std::vector<NamedModule> linear;
+    for (const auto& item : modules_) {
+      if (dynamic_cast<model::LinearImpl*>(item.second.get()) != nullptr) {
+        linear.push_back(item);
+      }
+    }
+    return linear;
+  }
+
+  const StackSpec& spec_;
+  std::vector<NamedModule> modules_;
+  std::vector<std::pair<std::string, at::Tensor>> parameters_;
+  std::vector<ExpertProjection> expert_projections_;
+  std::map<std::string, Claim> claims_;
+  std::vector<std::pair<std::string, std::size_t>> adapt_;          // layer name, Lora method
+  std::vector<std::pair<std::size_t, std::size_t>> adapt_experts_;  // projection, Lora method
+  std::vector<int64_t> counts_;  // matches per (method, pattern); check() appends the error flag
+  std::vector<std::pair<std::size_t, std::string>> counted_;  // what each count is about
+  std::string error_;                                         // the first error met while matching
+};
+
+}  // namespace
+
+namespace detail {
+
+void apply_stack(const std::vector<std::shared_ptr<torch::nn::Module>>& roots,
+                 const StackSpec& spec, uint64_t seed, const SumOverStages& sum_over_stages) {
+  StackApplication stack(roots, spec);
+  stack.match();
+  stack.check(sum_over_stages);
+  stack.apply(seed);
 }
 
 }  // namespace detail
