@@ -3,8 +3,11 @@
 // One row (the normalised last dimension) per group of `tpr` threads, `rpb` rows per 256-thread
 // block, rows visited grid-stride, 16-byte vector loads when the row is aligned. Rows of up to
 // 1024 vectors are kept in registers (kCachedVecs per thread) so x and dy are read from memory
-// once; longer rows are streamed twice. Sums are in float (double for double inputs). The backward
-// pass accumulates grad_weight per row group and writes one partial row each; a column-sum kernel
+// once; longer rows are streamed twice. A cached row gets the fewest threads that hold it (a power
+// of two, from 1): short rows (per-head QK-norm's 128 values) share a warp, and a row group within
+// one warp sums by shuffles alone. Sums are in float (double for double inputs). The backward
+// pass accumulates grad_weight per row group, sums the groups sharing a warp by shuffles and
+// writes one partial row per warp (per row group when groups span warps); a column-sum kernel
 // over those partials gives grad_weight. The input, weight and output may differ in dtype
 // (d9d/kernels/rms_norm.hpp lists how): the weight is read, and its gradient written, in its own.
 #include <algorithm>
@@ -37,30 +40,35 @@ struct alignas(sizeof(T) * N) Vec {
   T val[N];
 };
 
+// Sum over `width` aligned lanes (a power of two up to 32) by shuffles.
 template <typename A>
-__device__ __forceinline__ A warp_sum(A v) {
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+__device__ __forceinline__ A lanes_sum(A v, int width) {
+  for (int offset = width / 2; offset > 0; offset /= 2) {
     v += __shfl_xor_sync(0xffffffffU, v, offset);
   }
   return v;
 }
 
 // Sum over the blockDim.x threads of one row group (threadIdx.y selects the group). All threads of
-// the block must call it. `scratch` holds blockDim.y * 32 values.
+// the block must call it (blockDim.x is uniform, so the branch is too). A group within one warp
+// (blockDim.x <= 32: lanes blockDim.x-aligned) sums by shuffles alone; wider groups add their
+// warps' sums through `scratch`, which holds blockDim.y * 32 values.
 template <typename A>
 __device__ __forceinline__ A row_sum(A v, A* scratch) {
+  v = lanes_sum(v, min(static_cast<int>(blockDim.x), kWarp));
+  if (blockDim.x <= kWarp) {
+    return v;
+  }
   const int lane = threadIdx.x % kWarp;
   const int warp = threadIdx.x / kWarp;
   const int warps = blockDim.x / kWarp;
   A* mine = scratch + threadIdx.y * kWarp;
-  v = warp_sum(v);
   if (lane == 0) {
     mine[warp] = v;
   }
   __syncthreads();
   A total = lane < warps ? mine[lane] : A(0);
-  total = warp_sum(total);
+  total = lanes_sum(total, kWarp);
   __syncthreads();  // scratch is reused by the next row
   return total;
 }
@@ -153,8 +161,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 
 // dx = rstd * (dy*w - xhat * mean(dy*w*xhat)); each row group accumulates dy*xhat for its columns
 // into its own row of `dw_partial` (registers on the cached path, memory otherwise; zero-filled).
+// Two blocks per SM at least (at most 128 registers a thread): at 151 registers, one 256-thread
+// block per SM, the wide rows' backward ran 25% slower on an H200.
 template <typename T, typename W, typename O, int VEC, bool kCached>
-__global__ void __launch_bounds__(kThreadsPerBlock)
+__global__ void __launch_bounds__(kThreadsPerBlock, 2)
     rms_norm_backward_kernel(const O* __restrict__ dy, const T* __restrict__ x,
                              const W* __restrict__ w, const at::opmath_type<T>* __restrict__ rstd,
                              T* __restrict__ dx, at::opmath_type<T>* __restrict__ dw_partial,
@@ -168,9 +178,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   const std::int64_t nvec = n / VEC;
   const std::int64_t tpr = blockDim.x;
   const VW* wv = reinterpret_cast<const VW*>(w);
-  // This row group's partial grad_weight, written whole by its own threads (each the elements it
-  // accumulates), so the buffer needs no zeroing launch.
-  A* partial = dw_partial + (std::int64_t(blockIdx.x) * blockDim.y + threadIdx.y) * n;
+  // Row groups sharing a warp (groups of fewer than 32 threads) share one partial row: the first
+  // group of the warp writes their sum. Wider groups have one each, written whole by its own
+  // threads (each the elements it accumulates), so the buffer needs no zeroing launch.
+  const int per_warp = blockDim.x < kWarp ? kWarp / static_cast<int>(blockDim.x) : 1;
+  A* partial = dw_partial +
+               (std::int64_t(blockIdx.x) * (blockDim.y / per_warp) + threadIdx.y / per_warp) * n;
   A dw_acc[kSlots][VEC];
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) {
@@ -269,6 +282,25 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     }
   }
   if constexpr (kCached) {
+    // The warp's groups hold the same columns in the same lanes of each group: add them up. The
+    // offsets are compile-time (those inside a group skipped): a loop from blockDim.x took the
+    // kernel to 151 registers.
+#pragma unroll
+    for (int offset = 1; offset < kWarp; offset *= 2) {
+      if (offset < static_cast<int>(blockDim.x)) {
+        continue;
+      }
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          dw_acc[k][e] += __shfl_xor_sync(0xffffffffU, dw_acc[k][e], offset);
+        }
+      }
+    }
+    if (threadIdx.y % per_warp != 0) {
+      return;
+    }
 #pragma unroll
     for (int k = 0; k < kSlots; ++k) {
       const std::int64_t i = threadIdx.x + k * tpr;
@@ -314,8 +346,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 struct Geometry {
   int vec = 1;         // elements per vector (1 when unaligned): 16 bytes of the input
   bool cached = true;  // the row fits in registers
-  int tpr = kWarp;     // threads per row, a power of two >= 32
+  int tpr = kWarp;     // threads per row, a power of two (under 32 for short cached rows)
   int rpb = 1;         // rows per block
+  // Partial grad_weight rows per block: one per warp when row groups share warps.
+  [[nodiscard]] int partials_per_block() const { return tpr < kWarp ? rpb / (kWarp / tpr) : rpb; }
 };
 
 // A pointer the kernel reads or writes in vectors of `vec` elements of `size` bytes.
@@ -336,6 +370,7 @@ Geometry pick_geometry(std::int64_t n, std::size_t input_size,
   const std::int64_t nvec = n / g.vec;
   g.cached = nvec <= std::int64_t(kThreadsPerBlock) * kCachedVecs;
   if (g.cached) {
+    g.tpr = 1;
     while (std::int64_t(g.tpr) * kCachedVecs < nvec) {
       g.tpr *= 2;
     }
@@ -437,7 +472,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
         const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
         const std::int64_t needed = (shape.rows + g.rpb - 1) / g.rpb;
         const int blocks = static_cast<int>(std::min<std::int64_t>(needed, 2LL * sms));
-        const std::int64_t parts = std::int64_t(blocks) * g.rpb;
+        const std::int64_t parts = std::int64_t(blocks) * g.partials_per_block();
         at::Tensor partial = at::empty({parts, shape.cols}, rstd.options());
         const auto stream = at::cuda::getCurrentCUDAStream();
         const dim3 block(g.tpr, g.rpb);

@@ -91,6 +91,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{at::kBFloat16, {65536, 128}, 1e-2, 1.6e-2},
         Case{at::kBFloat16, {2, 8192}, 1e-2, 1.6e-2},
         Case{at::kBFloat16, {1000, 1000}, 1e-2, 1.6e-2}, Case{at::kHalf, {512, 2048}, 2e-3, 2e-3},
+        // Short rows sharing a warp (8, 2 and 2 threads per row), row counts that leave a block's
+        // last groups empty.
+        Case{at::kBFloat16, {777, 256}, 1e-2, 1.6e-2}, Case{at::kFloat, {1001, 24}, 1e-5, 1e-5},
+        Case{at::kDouble, {333, 16}, 1e-10, 1e-10},
         // Mixed precision (a float32 weight with bfloat16 / half; float32 into bfloat16 / half),
         // on the vector path, the long-row path and the unaligned path.
         Case{at::kBFloat16, {16384, 128}, 1e-2, 1.6e-2, at::kFloat},
